@@ -1,0 +1,37 @@
+# Entry points: `make demo`, `make test`, `make lint`, `make bench`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_DIR ?= .demo
+DEMO_LISTEN ?= 127.0.0.1:8750
+
+.PHONY: deps deps-test demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	packaging/install-deps.sh
+	@if [ ! -x $(PY) ]; then python3 -m venv $(VENV); fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+deps: $(VENV)/.installed
+
+deps-test: deps
+	packaging/install-deps.sh --test
+
+demo: deps
+	$(PY) -m controller.demo --data-dir $(DEMO_DIR) --listen $(DEMO_LISTEN)
+
+test: deps-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: deps
+	$(PY) -m bench.api_bench
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache

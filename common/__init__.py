@@ -1,0 +1,1 @@
+"""What fsagent and the controller must agree on. No I/O lives here."""

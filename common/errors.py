@@ -1,0 +1,148 @@
+"""One exception hierarchy for both sides.
+
+Every error carries a stable ``code`` (listed in README, "Error codes") and the
+HTTP status the controller answers with. The API body is always
+``{"error": <message>, "code": <code>, "details"?: [...]}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class WorkFolderError(Exception):
+    code: ClassVar[str] = "internal_error"
+    status: ClassVar[int] = 500
+    message: ClassVar[str] = "Internal error"
+
+    def __init__(self, message: str | None = None, *, details: list[Any] | None = None) -> None:
+        super().__init__(message or self.message)
+        self.details = details
+
+    @property
+    def text(self) -> str:
+        return str(self.args[0])
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"error": self.text, "code": self.code}
+        if self.details is not None:
+            body["details"] = self.details
+        return body
+
+
+class ValidationError(WorkFolderError):
+    code = "validation_error"
+    status = 400
+    message = "Validation error"
+
+    def __init__(self, details: list[dict[str, Any]]) -> None:
+        super().__init__("Validation error", details=details)
+
+    @classmethod
+    def single(cls, field: str, code: str, message: str) -> ValidationError:
+        return cls([{"field": field, "code": code, "message": message}])
+
+
+class InvalidPath(ValidationError):
+    """A path broke one of the rules in :mod:`common.paths`."""
+
+    code = "invalid_path"
+
+    def __init__(self, reason: str, message: str, field: str = "path") -> None:
+        super().__init__([{"field": field, "code": reason, "message": message}])
+        self.reason = reason
+
+
+class Unauthenticated(WorkFolderError):
+    code = "unauthenticated"
+    status = 401
+    message = "Missing or invalid token"
+
+
+class NotFound(WorkFolderError):
+    """Also the answer to every authorization denial, so nothing can be probed."""
+
+    code = "not_found"
+    status = 404
+    message = "Work folder not found"
+
+
+class FileNotFound(NotFound):
+    code = "file_not_found"
+    message = "File not found"
+
+
+class RunNotFound(NotFound):
+    code = "run_not_found"
+    message = "Run not found"
+
+
+class IsADirectory(WorkFolderError):
+    code = "is_directory"
+    status = 400
+    message = "Path is a directory"
+
+
+class Conflict(WorkFolderError):
+    code = "conflict"
+    status = 409
+    message = "Conflict"
+
+
+class KindConflict(Conflict):
+    code = "kind_conflict"
+    message = "Path already exists with another kind"
+
+
+class ParentIsFile(Conflict):
+    code = "parent_is_file"
+    message = "A parent path is a file"
+
+
+class RestoreCollision(Conflict):
+    code = "restore_collision"
+    message = "Cannot restore: a file or folder already exists at that path"
+
+
+class IdempotencyConflict(Conflict):
+    code = "idempotency_conflict"
+    message = "Idempotency key was already used for a different request"
+
+
+class RunNotActive(Conflict):
+    code = "run_not_active"
+    message = "Run is not running"
+
+
+class StaleLease(Conflict):
+    code = "stale_lease"
+    message = "Lease epoch is older than the current lease"
+
+
+class BindingMismatch(Conflict):
+    code = "binding_mismatch"
+    message = "State is bound to a different owner"
+
+
+class PayloadTooLarge(WorkFolderError):
+    code = "payload_too_large"
+    status = 413
+    message = "Payload too large"
+
+
+class RangeNotSatisfiable(WorkFolderError):
+    code = "range_not_satisfiable"
+    status = 416
+    message = "Requested range not satisfiable"
+
+
+class StorageUnavailable(WorkFolderError):
+    code = "storage_unavailable"
+    status = 503
+    message = "Object storage is unavailable"
+
+
+class DatabaseUnavailable(WorkFolderError):
+    code = "database_unavailable"
+    status = 503
+    message = "Database is unavailable"

@@ -1,0 +1,210 @@
+"""Operator commands (`controller admin ...`), run against the database directly."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from common.errors import ValidationError
+from common.paths import validate_uuid
+from controller.auth import RUN_TOKEN_PREFIX, USER_TOKEN_PREFIX, new_token, token_hash
+
+ROLES = ("owner", "admin", "member", "viewer")
+
+
+class AdminError(Exception):
+    """A refusal an operator can act on; printed as one line."""
+
+
+def _conn(url: str) -> psycopg.Connection[dict[str, Any]]:
+    return psycopg.connect(url, row_factory=dict_row)
+
+
+def _require(conn: psycopg.Connection[dict[str, Any]], table: str, id_: str, company: str | None = None) -> None:
+    sql = f"SELECT 1 FROM {table} WHERE id = %s" + (" AND company_id = %s" if company else "")
+    params: tuple[str, ...] = (id_, company) if company else (id_,)
+    if conn.execute(sql, params).fetchone() is None:
+        raise AdminError(f"no such {table[:-1]}: {id_}")
+
+
+def _uuid(value: str, field: str) -> str:
+    try:
+        return validate_uuid(value, field)
+    except ValidationError:
+        raise AdminError(f"{field} must be a UUID, got {value!r}") from None
+
+
+def create_user(url: str, email: str) -> dict[str, Any]:
+    if "@" not in email or len(email) > 320 or any(c.isspace() for c in email):
+        raise AdminError(f"not an email address: {email!r}")
+    user_id = str(uuid.uuid4())
+    token = new_token(USER_TOKEN_PREFIX)
+    with _conn(url) as conn:
+        if conn.execute("SELECT 1 FROM users WHERE email = %s", (email,)).fetchone():
+            raise AdminError(f"a user with email {email} already exists")
+        conn.execute("INSERT INTO users (id, email) VALUES (%s, %s)", (user_id, email))
+        conn.execute(
+            "INSERT INTO api_tokens (token_hash, user_id) VALUES (%s, %s)",
+            (token_hash(token), user_id),
+        )
+    return {"user_id": user_id, "token": token}
+
+
+def bootstrap(url: str, company_name: str, email: str) -> dict[str, Any]:
+    company_id = str(uuid.uuid4())
+    with _conn(url) as conn:
+        conn.execute("INSERT INTO companies (id, name) VALUES (%s, %s)", (company_id, company_name))
+    user = create_user(url, email)
+    add_member(url, company_id, user["user_id"], "owner")
+    return {"company_id": company_id, **user}
+
+
+def add_member(url: str, company: str, user: str, role: str) -> dict[str, Any]:
+    company, user = _uuid(company, "company"), _uuid(user, "user")
+    if role not in ROLES:
+        raise AdminError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    with _conn(url) as conn:
+        _require(conn, "companies", company)
+        _require(conn, "users", user)
+        conn.execute(
+            "INSERT INTO memberships (company_id, user_id, role) VALUES (%s, %s, %s)"
+            " ON CONFLICT (company_id, user_id) DO UPDATE SET role = EXCLUDED.role",
+            (company, user, role),
+        )
+    return {"company_id": company, "user_id": user, "role": role}
+
+
+def remove_member(url: str, company: str, user: str) -> dict[str, Any]:
+    company, user = _uuid(company, "company"), _uuid(user, "user")
+    with _conn(url) as conn:
+        cur = conn.execute(
+            "DELETE FROM memberships WHERE company_id = %s AND user_id = %s", (company, user)
+        )
+        if cur.rowcount == 0:
+            raise AdminError(f"user {user} is not a member of company {company}")
+        # Signed-in pages of a removed member lose access at once as well.
+    return {"company_id": company, "user_id": user, "removed": True}
+
+
+def create_owner(url: str, table: str, company: str, name: str, project: str | None = None) -> dict[str, Any]:
+    company = _uuid(company, "company")
+    if not name.strip():
+        raise AdminError("name must not be empty")
+    new_id = str(uuid.uuid4())
+    with _conn(url) as conn:
+        _require(conn, "companies", company)
+        if table == "tasks":
+            assert project is not None
+            project = _uuid(project, "project")
+            _require(conn, "projects", project, company)
+            conn.execute(
+                "INSERT INTO tasks (id, company_id, project_id, title) VALUES (%s, %s, %s, %s)",
+                (new_id, company, project, name),
+            )
+        else:
+            conn.execute(
+                f"INSERT INTO {table} (id, company_id, name) VALUES (%s, %s, %s)",
+                (new_id, company, name),
+            )
+    return {"id": new_id}
+
+
+def start_run(
+    url: str,
+    company: str,
+    *,
+    agent: str,
+    task: str | None,
+    project: str | None,
+    user: str | None,
+    sandbox: str | None,
+    home: str,
+) -> dict[str, Any]:
+    """Bind a run and take a new lease for its sandbox (fencing older leases)."""
+    company, agent = _uuid(company, "company"), _uuid(agent, "agent")
+    task = _uuid(task, "task") if task else None
+    project = _uuid(project, "project") if project else None
+    user = _uuid(user, "user") if user else None
+    sandbox_key = sandbox or f"sandbox-{uuid.uuid4()}"
+    if not 1 <= len(sandbox_key) <= 256:
+        raise AdminError("sandbox key must be 1-256 characters")
+    run_id = str(uuid.uuid4())
+    token = new_token(RUN_TOKEN_PREFIX)
+    with _conn(url) as conn:
+        _require(conn, "agents", agent, company)
+        if task:
+            _require(conn, "tasks", task, company)
+            row = conn.execute("SELECT project_id FROM tasks WHERE id = %s", (task,)).fetchone()
+            assert row is not None
+            if project is None:
+                project = str(row["project_id"])
+            elif project != str(row["project_id"]):
+                raise AdminError(f"task {task} belongs to project {row['project_id']}, not {project}")
+        if project:
+            _require(conn, "projects", project, company)
+        if user and conn.execute(
+            "SELECT 1 FROM memberships WHERE company_id = %s AND user_id = %s", (company, user)
+        ).fetchone() is None:
+            raise AdminError(f"user {user} is not a member of company {company}")
+        # Serialize lease changes per sandbox; the new epoch fences every older one.
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lease:{company}:{sandbox_key}",))
+        row = conn.execute(
+            "SELECT coalesce(max(lease_epoch), 0) AS e FROM runs"
+            " WHERE company_id = %s AND sandbox_key = %s",
+            (company, sandbox_key),
+        ).fetchone()
+        epoch = int(row["e"] if row else 0) + 1
+        _end_runs(conn, "company_id = %s AND sandbox_key = %s AND active", (company, sandbox_key),
+                  reason=f"superseded by run {run_id}")  # fmt: skip
+        conn.execute(
+            "INSERT INTO runs (id, company_id, agent_id, task_id, project_id, user_id,"
+            " sandbox_key, lease_epoch, token_hash) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+            (run_id, company, agent, task, project, user, sandbox_key, epoch, token_hash(token)),
+        )
+    home_dir = Path(home)
+    env = {"AGENT_HOME": str(home_dir / "agent"), "PAPERCLIP_AGENT_DIR": str(home_dir / "agent"),
+           "PAPERCLIP_REPOS_DIR": str(home_dir / "repos")}  # fmt: skip
+    if task:
+        env["PAPERCLIP_TASK_DIR"] = str(home_dir / "task")
+    if user:
+        env["PAPERCLIP_USER_DIR"] = str(home_dir / "user")
+    if project:
+        env["PAPERCLIP_PROJECT_DIR"] = str(home_dir / "project")
+    return {
+        "run_id": run_id,
+        "token": token,
+        "lease_epoch": epoch,
+        "sandbox": sandbox_key,
+        "bindings": {"task": task, "agent": agent, "user": user, "project": project},
+        "env": env,
+    }
+
+
+def _end_runs(conn: psycopg.Connection[dict[str, Any]], where: str, params: tuple[Any, ...], *, reason: str) -> int:
+    # A run that ends while a save is in flight did not save: say so.
+    cur = conn.execute(
+        "UPDATE runs SET active = false, ended_at = now(),"
+        " state = CASE WHEN state = 'saving' THEN 'failed' ELSE state END,"
+        " error = CASE WHEN state = 'saving' THEN %s ELSE error END"
+        f" WHERE {where}",
+        (f"run ended while a save was in progress ({reason})", *params),
+    )
+    return cur.rowcount
+
+
+def end_run(url: str, run: str) -> dict[str, Any]:
+    run = _uuid(run, "run")
+    with _conn(url) as conn:
+        row = conn.execute("SELECT active FROM runs WHERE id = %s", (run,)).fetchone()
+        if row is None:
+            raise AdminError(f"no such run: {run}")
+        _end_runs(conn, "id = %s AND active", (run,), reason="ended by operator")
+        state = conn.execute("SELECT state, error FROM runs WHERE id = %s", (run,)).fetchone()
+    assert state is not None
+    return {"run_id": run, "active": False, "state": state["state"], "error": state["error"]}
+
+

@@ -1,0 +1,87 @@
+"""The ASGI application: routes, error answers and background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from controller import gc
+from controller.api import openapi, web, workfolders
+from controller.api.common import AppState, connection, json_errors
+from controller.config import Settings
+from controller.db import make_pool
+from controller.storage.base import StorageProvider
+
+log = logging.getLogger(__name__)
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(openapi.document())
+
+
+@json_errors
+async def healthz(request: Request) -> Response:
+    async with connection(request) as conn:
+        await conn.execute("SELECT 1")
+    return JSONResponse({"ok": True})
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    codes = {404: "route_not_found", 405: "method_not_allowed"}
+    return JSONResponse(
+        {"error": exc.detail, "code": codes.get(exc.status_code, "http_error")},
+        status_code=exc.status_code,
+    )
+
+
+async def unexpected_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse({"error": "Internal error", "code": "internal_error"}, status_code=500)
+
+
+def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = True) -> Starlette:
+    database_url = settings.database_url
+    assert database_url is not None
+    pool = make_pool(database_url)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await pool.open(wait=True, timeout=30)
+        sweeper = None
+        if run_gc and settings.gc_interval_seconds > 0:
+            sweeper = asyncio.create_task(
+                gc.run_sweeper(pool, storage, settings.gc_interval_seconds)
+            )
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+            await pool.close()
+
+    from controller.api import bridge  # noqa: PLC0415 - bridge imports app-level helpers
+
+    app = Starlette(
+        routes=[
+            Route("/openapi.json", openapi_json, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            *workfolders.routes,
+            *bridge.routes,
+            *web.routes,
+        ],
+        exception_handlers={HTTPException: http_error, Exception: unexpected_error},
+        lifespan=lifespan,
+    )
+    app.state.workfolders = AppState(settings=settings, pool=pool, storage=storage)
+    return app

@@ -1,0 +1,125 @@
+"""Request plumbing shared by the API modules: state, errors, auth, JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from common.errors import (
+    DatabaseUnavailable,
+    Unauthenticated,
+    ValidationError,
+    WorkFolderError,
+)
+from controller.auth import Principal, principal_from_bearer, principal_from_session
+from controller.config import Settings
+from controller.storage.base import StorageProvider
+
+log = logging.getLogger("controller.api")
+
+SESSION_COOKIE = "fsa_session"
+
+
+class CsrfFailed(WorkFolderError):
+    code = "csrf_failed"
+    status = 403
+    message = "Missing or wrong X-CSRF-Token for a cookie-authenticated write"
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    pool: AsyncConnectionPool
+    storage: StorageProvider
+
+
+def state(request: Request) -> AppState:
+    st: AppState = request.app.state.workfolders
+    return st
+
+
+@asynccontextmanager
+async def connection(request: Request) -> AsyncIterator[AsyncConnection[Any]]:
+    """A pooled connection; the block runs in one transaction."""
+    try:
+        async with state(request).pool.connection() as conn, conn.transaction():
+            yield conn
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable() from exc
+
+
+def error_response(exc: WorkFolderError) -> JSONResponse:
+    return JSONResponse(exc.to_json(), status_code=exc.status)
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def json_errors(endpoint: Endpoint) -> Endpoint:
+    """Turn project errors into their documented JSON answers."""
+
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except WorkFolderError as exc:
+            if exc.status >= 500:
+                log.error("%s %s failed: %s", request.method, request.url.path, exc)
+            return error_response(exc)
+
+    wrapper.__name__ = endpoint.__name__
+    wrapper.__doc__ = endpoint.__doc__
+    return wrapper
+
+
+def is_write(request: Request) -> bool:
+    return request.method not in ("GET", "HEAD")
+
+
+async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
+    header = request.headers.get("authorization")
+    if header is not None:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("Authorization must be 'Bearer <token>'")
+        return await principal_from_bearer(conn, token.strip())
+    secret = request.cookies.get(SESSION_COOKIE)
+    if secret:
+        principal = await principal_from_session(conn, secret)
+        # SameSite=Strict keeps the cookie off cross-site requests; the header
+        # (which a cross-site form cannot set) is the second lock.
+        if is_write(request):
+            sent = request.headers.get("x-csrf-token", "")
+            from controller.auth import same_secret
+
+            if not principal.csrf_token or not same_secret(sent, principal.csrf_token):
+                raise CsrfFailed()
+        return principal
+    raise Unauthenticated()
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise ValidationError.single(
+            "Content-Type", "invalid_content_type", "body must be application/json"
+        )
+    raw = await request.body()
+    if len(raw) > 64 * 1024:
+        raise ValidationError.single("body", "too_large", "JSON body is larger than 64 KiB")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ValidationError.single("body", "invalid_json", "body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ValidationError.single("body", "invalid_json", "body must be a JSON object")
+    return body

@@ -1,0 +1,182 @@
+"""The OpenAPI document served at /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.limits import MAX_PAGE_LIMIT
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _resp(description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"description": description}
+    if schema is not None:
+        body["content"] = {"application/json": {"schema": schema}}
+    return body
+
+
+_ERRORS = {
+    "400": _resp("Validation error", _ERROR),
+    "401": _resp("Missing or invalid token", _ERROR),
+    "404": _resp("Work folder not found (also every authorization denial)", _ERROR),
+}
+
+_FOLDER_PARAMS = [
+    {"name": "companyId", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}},
+    {"name": "scope", "in": "path", "required": True,
+     "schema": {"type": "string", "enum": ["task", "agent", "user", "project"]}},
+    {"name": "ownerId", "in": "path", "required": True,
+     "schema": {"type": "string", "minLength": 1, "maxLength": 256}},
+]  # fmt: skip
+
+_PATH_Q = {"name": "path", "in": "query", "required": True, "schema": {"type": "string", "maxLength": 1024}}
+
+
+def document() -> dict[str, Any]:
+    entry = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "format": "uuid"},
+            "path": {"type": "string"},
+            "kind": {"type": "string", "enum": ["file", "directory"]},
+            "byteSize": {"type": "integer"},
+            "digest": {"type": ["string", "null"]},
+            "executable": {"type": "boolean"},
+            "contentType": {"type": ["string", "null"]},
+            "deletedAt": {"type": ["string", "null"], "format": "date-time"},
+            "updatedAt": {"type": "string", "format": "date-time"},
+            "version": {"type": "integer"},
+            "trashRoot": {"type": ["string", "null"]},
+        },
+    }
+    base = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}"
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Work folders controller", "version": "1"},
+        "components": {
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "session": {"type": "apiKey", "in": "cookie", "name": "fsa_session"},
+            },
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {"type": "string"},
+                        "code": {"type": "string"},
+                        "details": {"type": "array"},
+                    },
+                },
+                "Entry": entry,
+            },
+        },
+        "security": [{"bearer": []}, {"session": []}],
+        "paths": {
+            base: {
+                "parameters": _FOLDER_PARAMS,
+                "get": {
+                    "summary": "List active files or trash",
+                    "parameters": [
+                        {"name": "trash", "in": "query", "schema": {"type": "boolean"}},
+                        {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+                        {"name": "limit", "in": "query",
+                         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_LIMIT}},
+                        {"name": "dir", "in": "query", "schema": {"type": "string"}},
+                    ],  # fmt: skip
+                    "responses": {
+                        "200": _resp("A page of entries", {
+                            "type": "object",
+                            "properties": {
+                                "entries": {"type": "array", "items": {"$ref": "#/components/schemas/Entry"}},
+                                "nextCursor": {"type": ["string", "null"]},
+                                "lastOperationAt": {"type": ["string", "null"]},
+                            },
+                        }),
+                        **_ERRORS,
+                    },  # fmt: skip
+                },
+            },
+            base + "/content": {
+                "parameters": _FOLDER_PARAMS,
+                "get": {
+                    "summary": "Download (or preview, at most 8 MiB) a file; supports Range",
+                    "parameters": [_PATH_Q, {"name": "preview", "in": "query", "schema": {"type": "boolean"}}],
+                    "responses": {
+                        "200": {"description": "File bytes", "content": {"application/octet-stream": {}}},
+                        "206": {"description": "Partial content"},
+                        "413": _resp("Preview larger than 8 MiB", _ERROR),
+                        "416": _resp("Range not satisfiable", _ERROR),
+                        **_ERRORS,
+                    },
+                },
+                "put": {
+                    "summary": "Upload a file (raw body, at most 1 GiB)",
+                    "parameters": [
+                        _PATH_Q,
+                        {"name": "Idempotency-Key", "in": "header", "schema": {"type": "string", "maxLength": 256}},
+                        {"name": "X-File-Content-Type", "in": "header", "schema": {"type": "string", "maxLength": 256}},
+                        {"name": "X-File-Executable", "in": "header", "schema": {"type": "string", "enum": ["true", "false"]}},
+                    ],  # fmt: skip
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+                    },
+                    "responses": {
+                        "200": _resp("Replaced, or an idempotent replay (applied: false)"),
+                        "201": _resp("Created"),
+                        "409": _resp("Parent is a file, kind change, or key reused", _ERROR),
+                        "413": _resp("Larger than 1 GiB", _ERROR),
+                        **_ERRORS,
+                    },
+                },
+            },
+            base + "/operations": {
+                "parameters": _FOLDER_PARAMS,
+                "post": {
+                    "summary": "mkdir, delete (to trash), restore or purge",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                        "oneOf": [
+                            {"type": "object", "required": ["action", "path"],
+                             "properties": {"action": {"enum": ["mkdir", "delete"]}, "path": {"type": "string"}}},
+                            {"type": "object", "required": ["action", "fileId"],
+                             "properties": {"action": {"enum": ["restore", "purge"]}, "fileId": {"type": "string"}}},
+                        ]}}}},  # fmt: skip
+                    "responses": {
+                        "200": _resp("Applied (or idempotent replay)"),
+                        "409": _resp("Conflict (kind, parent is file, restore collision)", _ERROR),
+                        **_ERRORS,
+                    },
+                },
+            },
+            base + "/sync": {
+                "parameters": _FOLDER_PARAMS,
+                "get": {"summary": "Runs bound to this folder and their save state",
+                        "responses": {"200": _resp("Sync state"), **_ERRORS}},
+            },  # fmt: skip
+            base + "/refresh": {
+                "parameters": _FOLDER_PARAMS,
+                "post": {
+                    "summary": "Queue a refresh for a running run",
+                    "responses": {
+                        "202": _resp("Queued"),
+                        "409": _resp("Run is not running", _ERROR),
+                        **_ERRORS,
+                    },
+                },
+            },
+            "/api/companies/{companyId}/directory": {
+                "get": {"summary": "Agents, projects, tasks and members of a company",
+                        "responses": {"200": _resp("Directory"), **_ERRORS}},
+            },  # fmt: skip
+            "/files/api/session": {
+                "post": {"summary": "Sign in to the Files page with an API token",
+                         "responses": {"200": _resp("Signed in"), "401": _resp("Bad token", _ERROR)}},
+                "get": {"summary": "Current session", "responses": {"200": _resp("Session")}},
+                "delete": {"summary": "Sign out", "responses": {"204": {"description": "Signed out"}}},
+            },  # fmt: skip
+            "/healthz": {"get": {"summary": "Liveness and database check",
+                                 "responses": {"200": _resp("Healthy")}}},  # fmt: skip
+        },
+    }

@@ -1,0 +1,405 @@
+"""Apply changes to a work folder: one transaction per operation.
+
+Ordering rule: every write to a folder first takes that folder's advisory
+transaction lock, so writes to one folder are serialized and the version each
+accepted write draws from ``file_version_seq`` grows in commit order. That is
+what makes "last accepted write wins" well defined, and it also settles the
+parent-file/child-file race (one of the two sees the other's row).
+
+Objects: a file row may reference a digest only after the ``objects`` row for
+(company, digest) has been upserted in the same transaction. The upsert takes
+that row's lock, which is the lock the GC sweeper holds while it checks for
+references and deletes an object, so the two can never interleave.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from common.errors import (
+    FileNotFound,
+    IdempotencyConflict,
+    KindConflict,
+    ParentIsFile,
+    RestoreCollision,
+)
+from common.paths import ancestors, parent_of
+from controller.storage.base import object_key
+
+Row = dict[str, Any]
+EnsureObject = Callable[[str], Awaitable[None]]
+"""Called with the object key inside the transaction, after the objects row
+is locked: must make sure the bytes are in storage (re-upload if a sweep
+removed them in between)."""
+
+
+def iso(ts: datetime | None) -> str | None:
+    return None if ts is None else ts.isoformat().replace("+00:00", "Z")
+
+
+def entry_json(row: Row) -> dict[str, Any]:
+    return {
+        "id": str(row["id"]),
+        "path": row["path"],
+        "kind": row["kind"],
+        "byteSize": int(row["byte_size"]),
+        "digest": row["digest"],
+        "executable": bool(row["executable"]),
+        "contentType": row["content_type"],
+        "deletedAt": iso(row["deleted_at"]),
+        "updatedAt": iso(row["updated_at"]),
+        "version": int(row["version"]),
+        "trashRoot": None if row["trash_root"] is None else str(row["trash_root"]),
+    }
+
+
+def fingerprint(**fields: Any) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Folder:
+    id: int
+    company_id: str
+    scope: str
+    owner_id: str
+
+
+async def get_folder(
+    conn: AsyncConnection[Any], company_id: str, scope: str, owner_id: str, *, create: bool
+) -> Folder | None:
+    if create:
+        await conn.execute(
+            "INSERT INTO folders (company_id, scope, owner_id) VALUES (%s, %s, %s)"
+            " ON CONFLICT (company_id, scope, owner_id) DO NOTHING",
+            (company_id, scope, owner_id),
+        )
+    cur = await conn.execute(
+        "SELECT id FROM folders WHERE company_id = %s AND scope = %s AND owner_id = %s",
+        (company_id, scope, owner_id),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    return Folder(int(row["id"]), company_id, scope, owner_id)
+
+
+async def lock_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
+    await conn.execute("SELECT pg_advisory_xact_lock(%s)", (folder.id,))
+
+
+async def live_row(conn: AsyncConnection[Any], folder: Folder, path: str) -> Row | None:
+    cur = await conn.execute(
+        "SELECT * FROM files WHERE folder_id = %s AND path = %s AND deleted_at IS NULL",
+        (folder.id, path),
+    )
+    return await cur.fetchone()
+
+
+async def _check_receipt(
+    conn: AsyncConnection[Any], folder: Folder, operation_id: str, fp: str
+) -> dict[str, Any] | None:
+    cur = await conn.execute(
+        "SELECT fingerprint, result FROM receipts WHERE folder_id = %s AND operation_id = %s",
+        (folder.id, operation_id),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    if row["fingerprint"] != fp:
+        raise IdempotencyConflict()
+    result: dict[str, Any] = dict(row["result"])
+    result["applied"] = False
+    return result
+
+
+async def _store_receipt(
+    conn: AsyncConnection[Any], folder: Folder, operation_id: str, fp: str, result: dict[str, Any]
+) -> None:
+    await conn.execute(
+        "INSERT INTO receipts (folder_id, operation_id, fingerprint, result)"
+        " VALUES (%s, %s, %s, %s)",
+        (folder.id, operation_id, fp, json.dumps(result)),
+    )
+
+
+async def _touch_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
+    await conn.execute(
+        "UPDATE folders SET last_operation_at = now() WHERE id = %s", (folder.id,)
+    )
+
+
+async def ensure_parents(conn: AsyncConnection[Any], folder: Folder, path: str) -> None:
+    """Create missing ancestor directories; ParentIsFile if one is a file."""
+    for anc in ancestors(path):
+        row = await live_row(conn, folder, anc)
+        if row is None:
+            await _insert_row(conn, folder, anc, "directory")
+        elif row["kind"] != "directory":
+            raise ParentIsFile(details=[{"path": anc}])
+
+
+async def _insert_row(
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    path: str,
+    kind: str,
+    *,
+    digest: str | None = None,
+    byte_size: int = 0,
+    executable: bool = False,
+    content_type: str | None = None,
+) -> Row:
+    cur = await conn.execute(
+        "INSERT INTO files (id, folder_id, path, parent, kind, digest, byte_size, executable,"
+        " content_type, version)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, nextval('file_version_seq'))"
+        " RETURNING *",
+        (
+            uuid.uuid4(),
+            folder.id,
+            path,
+            parent_of(path) or "",
+            kind,
+            digest,
+            byte_size,
+            executable,
+            content_type,
+        ),
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return row
+
+
+async def register_object(
+    conn: AsyncConnection[Any],
+    company_id: str,
+    digest: str,
+    byte_size: int,
+    ensure_object: EnsureObject,
+) -> None:
+    """Upsert and lock the objects row, then make sure the bytes exist."""
+    await conn.execute(
+        "INSERT INTO objects (company_id, digest, byte_size) VALUES (%s, %s, %s)"
+        " ON CONFLICT (company_id, digest) DO UPDATE SET byte_size = EXCLUDED.byte_size",
+        (company_id, digest, byte_size),
+    )
+    await ensure_object(object_key(company_id, digest))
+
+
+async def journal_deletion(
+    conn: AsyncConnection[Any], company_id: str, digests: list[str], reason: str, delay: timedelta
+) -> None:
+    if not digests:
+        return
+    await conn.executemany(
+        "INSERT INTO deletion_journal (company_id, digest, reason, not_before)"
+        " VALUES (%s, %s, %s, now() + %s)",
+        [(company_id, d, reason, delay) for d in sorted(set(digests))],
+    )
+
+
+async def put_file(
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    *,
+    path: str,
+    digest: str,
+    byte_size: int,
+    executable: bool,
+    content_type: str | None,
+    operation_id: str,
+    ensure_object: EnsureObject,
+    gc_delay: timedelta,
+    direct: bool = True,
+) -> dict[str, Any]:
+    """Write one file (server-accepted last-write-wins). Caller owns the transaction."""
+    fp = fingerprint(
+        action="put",
+        path=path,
+        kind="file",
+        digest=digest,
+        executable=executable,
+        contentType=content_type,
+    )
+    await lock_folder(conn, folder)
+    replay = await _check_receipt(conn, folder, operation_id, fp)
+    if replay is not None:
+        return replay
+    await ensure_parents(conn, folder, path)
+    existing = await live_row(conn, folder, path)
+    if existing is not None and existing["kind"] != "file":
+        raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
+    await register_object(conn, folder.company_id, digest, byte_size, ensure_object)
+    created = existing is None
+    if existing is None:
+        row = await _insert_row(
+            conn,
+            folder,
+            path,
+            "file",
+            digest=digest,
+            byte_size=byte_size,
+            executable=executable,
+            content_type=content_type,
+        )
+    else:
+        cur = await conn.execute(
+            "UPDATE files SET digest = %s, byte_size = %s, executable = %s, content_type = %s,"
+            " version = nextval('file_version_seq'), updated_at = now()"
+            " WHERE id = %s RETURNING *",
+            (digest, byte_size, executable, content_type, existing["id"]),
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        if existing["digest"] != digest:
+            await journal_deletion(
+                conn, folder.company_id, [existing["digest"]], "superseded", gc_delay
+            )
+    result = {"applied": True, "created": created, "file": entry_json(row)}
+    await _store_receipt(conn, folder, operation_id, fp, result)
+    if direct:
+        await _touch_folder(conn, folder)
+    return result
+
+
+async def mkdir(
+    conn: AsyncConnection[Any], folder: Folder, *, path: str, operation_id: str
+) -> dict[str, Any]:
+    fp = fingerprint(action="mkdir", path=path, kind="directory")
+    await lock_folder(conn, folder)
+    replay = await _check_receipt(conn, folder, operation_id, fp)
+    if replay is not None:
+        return replay
+    await ensure_parents(conn, folder, path)
+    existing = await live_row(conn, folder, path)
+    if existing is not None:
+        if existing["kind"] != "directory":
+            raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
+        result = {"applied": False, "files": [entry_json(existing)]}
+    else:
+        row = await _insert_row(conn, folder, path, "directory")
+        result = {"applied": True, "files": [entry_json(row)]}
+        await _touch_folder(conn, folder)
+    await _store_receipt(conn, folder, operation_id, fp, result)
+    return result
+
+
+def _subtree_clause(column: str = "path") -> str:
+    # Not LIKE: '%' and '_' are legal in names and would act as wildcards.
+    return f"({column} = %(root)s OR left({column}, length(%(root)s) + 1) = %(root)s || '/')"
+
+
+async def delete_path(
+    conn: AsyncConnection[Any], folder: Folder, *, path: str, operation_id: str, direct: bool = True
+) -> dict[str, Any]:
+    """Move ``path`` and everything below it to trash with one shared deletedAt."""
+    fp = fingerprint(action="delete", path=path)
+    await lock_folder(conn, folder)
+    replay = await _check_receipt(conn, folder, operation_id, fp)
+    if replay is not None:
+        return replay
+    target = await live_row(conn, folder, path)
+    if target is None:
+        raise FileNotFound(details=[{"path": path}])
+    cur = await conn.execute(
+        "UPDATE files SET deleted_at = now(), trash_root = %(tid)s,"
+        " version = nextval('file_version_seq')"
+        " WHERE folder_id = %(fid)s AND deleted_at IS NULL AND " + _subtree_clause() +
+        " RETURNING *",
+        {"tid": target["id"], "fid": folder.id, "root": path},
+    )  # fmt: skip
+    rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
+    result = {"applied": True, "files": [entry_json(r) for r in rows]}
+    await _store_receipt(conn, folder, operation_id, fp, result)
+    if direct:
+        await _touch_folder(conn, folder)
+    return result
+
+
+async def _trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> list[Row]:
+    """The trashed entry ``file_id`` and its descendants from the same delete."""
+    cur = await conn.execute(
+        "SELECT * FROM files WHERE folder_id = %s AND id::text = %s AND deleted_at IS NOT NULL",
+        (folder.id, file_id),
+    )
+    top = await cur.fetchone()
+    if top is None:
+        raise FileNotFound(details=[{"fileId": file_id}])
+    cur = await conn.execute(
+        "SELECT * FROM files WHERE folder_id = %(fid)s AND trash_root = %(tr)s"
+        " AND deleted_at = %(da)s AND " + _subtree_clause() + " ORDER BY path",
+        {"fid": folder.id, "tr": top["trash_root"], "da": top["deleted_at"], "root": top["path"]},
+    )  # fmt: skip
+    return list(await cur.fetchall())
+
+
+async def restore(
+    conn: AsyncConnection[Any], folder: Folder, *, file_id: str, operation_id: str
+) -> dict[str, Any]:
+    fp = fingerprint(action="restore", fileId=file_id)
+    await lock_folder(conn, folder)
+    replay = await _check_receipt(conn, folder, operation_id, fp)
+    if replay is not None:
+        return replay
+    batch = await _trash_batch(conn, folder, file_id)
+    paths = [r["path"] for r in batch]
+    cur = await conn.execute(
+        "SELECT path FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)"
+        " ORDER BY path",
+        (folder.id, paths),
+    )
+    occupied = [r["path"] for r in await cur.fetchall()]
+    if occupied:
+        raise RestoreCollision(details=[{"path": p} for p in occupied])
+    await ensure_parents(conn, folder, batch[0]["path"])
+    cur = await conn.execute(
+        "UPDATE files SET deleted_at = NULL, trash_root = NULL,"
+        " version = nextval('file_version_seq'), updated_at = now()"
+        " WHERE id = ANY(%s) RETURNING *",
+        ([r["id"] for r in batch],),
+    )
+    rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
+    result = {"applied": True, "files": [entry_json(r) for r in rows]}
+    await _store_receipt(conn, folder, operation_id, fp, result)
+    await _touch_folder(conn, folder)
+    return result
+
+
+async def purge(
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    *,
+    file_id: str,
+    operation_id: str,
+    gc_delay: timedelta,
+) -> dict[str, Any]:
+    """Remove a trashed subtree for good and journal its objects for GC."""
+    fp = fingerprint(action="purge", fileId=file_id)
+    await lock_folder(conn, folder)
+    replay = await _check_receipt(conn, folder, operation_id, fp)
+    if replay is not None:
+        return replay
+    batch = await _trash_batch(conn, folder, file_id)
+    await conn.execute("DELETE FROM files WHERE id = ANY(%s)", ([r["id"] for r in batch],))
+    await conn.execute(
+        "UPDATE folders SET purge_floor = nextval('file_version_seq') WHERE id = %s",
+        (folder.id,),
+    )
+    await journal_deletion(
+        conn, folder.company_id, [r["digest"] for r in batch if r["digest"]], "purged", gc_delay
+    )
+    result = {"applied": True, "purged": len(batch)}
+    await _store_receipt(conn, folder, operation_id, fp, result)
+    await _touch_folder(conn, folder)
+    return result

@@ -1,0 +1,311 @@
+"""`controller`: serve, migrate, admin and gc.
+
+Exit codes: 0 success, 1 an operator error (one line on stderr), 2 bad usage,
+3 a dependency (database, storage) unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from common.errors import WorkFolderError
+from controller import admin
+from controller.config import Settings
+from controller.pgembed import EmbeddedPostgres, EmbeddedPostgresError
+
+log = logging.getLogger("controller")
+
+EXIT_ERROR = 1
+EXIT_UNAVAILABLE = 3
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("CONTROLLER_DATA_DIR", "controller-data"))
+
+
+def add_db_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="state directory (embedded PostgreSQL, local objects); "
+                        "default $CONTROLLER_DATA_DIR or ./controller-data")  # fmt: skip
+    p.add_argument("--database-url", default=os.environ.get("CONTROLLER_DATABASE_URL"),
+                   help="PostgreSQL URL; without it an embedded cluster under the data dir is used")  # fmt: skip
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    data_dir = (args.data_dir or default_data_dir()).resolve()
+    s = Settings(data_dir=data_dir, database_url=args.database_url)
+    for name in ("storage", "s3_endpoint", "s3_bucket", "s3_region"):
+        if getattr(args, name, None) is not None:
+            setattr(s, name, getattr(args, name))
+    if getattr(args, "gc_delay", None) is not None:
+        s.gc_delay = timedelta(seconds=args.gc_delay)
+    if getattr(args, "gc_interval", None) is not None:
+        s.gc_interval_seconds = args.gc_interval
+    return s
+
+
+@contextlib.contextmanager
+def database(settings: Settings, *, keep_running: bool = False) -> Iterator[str]:
+    """Yield a migrated database URL, starting the embedded cluster if needed.
+
+    A cluster this call started is stopped again on exit unless ``keep_running``.
+    """
+    from controller.db import migrate
+
+    if settings.database_url:
+        migrate(settings.database_url)
+        yield settings.database_url
+        return
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    pg = EmbeddedPostgres(settings.data_dir)
+    started = not pg.running()
+    if started:
+        pg.start()
+    try:
+        migrate(pg.url)
+        yield pg.url
+    finally:
+        if started and not keep_running:
+            pg.stop()
+
+
+def make_storage(settings: Settings) -> Any:
+    from controller.storage import make_provider
+
+    return make_provider(
+        settings.storage,
+        data_dir=settings.data_dir,
+        s3_bucket=settings.s3_bucket,
+        s3_endpoint=settings.s3_endpoint,
+        s3_region=settings.s3_region,
+    )
+
+
+# --- serve -------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from controller.api.app import create_app
+
+    settings = settings_from(args)
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise admin.AdminError(f"--listen must be HOST:PORT, got {args.listen!r}")
+    if settings.storage == "s3" and not settings.s3_bucket:
+        raise admin.AdminError("--storage s3 needs --s3-bucket")
+    with database(settings) as url:
+        settings.database_url = url
+        storage = make_storage(settings)
+        storage.check()
+        app = create_app(settings, storage)
+        config = uvicorn.Config(
+            app,
+            host=host.strip("[]"),
+            port=int(port),
+            loop="asyncio",
+            http="httptools",
+            lifespan="on",
+            log_level="info" if args.verbose else "warning",
+            access_log=args.verbose,
+            timeout_graceful_shutdown=10,
+        )
+        server = uvicorn.Server(config)
+        print(f"controller listening on http://{args.listen} (storage: {settings.storage})",
+              flush=True)  # fmt: skip
+        # uvicorn handles SIGTERM/SIGINT itself and returns; the embedded
+        # cluster is stopped by `database()` afterwards.
+        asyncio.run(server.serve())
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from controller.db import migrate
+
+    settings = settings_from(args)
+    if settings.database_url:
+        applied = migrate(settings.database_url)
+    else:
+        with database(settings) as url:
+            applied = migrate(url)
+    emit(args, {"applied": applied}, lambda d: f"applied {len(d['applied'])} migration(s)")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from controller import gc
+    from controller.db import make_pool
+
+    if not args.now:
+        raise admin.AdminError("gc runs inside `controller serve`; use `controller gc --now` for one sweep")
+    settings = settings_from(args)
+
+    async def sweep(url: str) -> dict[str, int]:
+        pool = make_pool(url, min_size=1, max_size=2)
+        await pool.open(wait=True)
+        try:
+            return (await gc.sweep_once(pool, make_storage(settings))).as_json()
+        finally:
+            await pool.close()
+
+    with database(settings) as url:
+        report = asyncio.run(sweep(url))
+    emit(args, report, lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
+    return 0
+
+
+# --- admin -------------------------------------------------------------------
+
+
+def emit(args: argparse.Namespace, data: dict[str, Any], text: Callable[[dict[str, Any]], str] | None = None) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(data))
+    elif text is not None:
+        print(text(data))
+    else:
+        for k, v in data.items():
+            print(f"{k}: {json.dumps(v) if isinstance(v, dict | list) else v}")
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    with database(settings) as url:
+        a = args.admin_cmd
+        if a == "bootstrap":
+            out = admin.bootstrap(url, args.company_name, args.email)
+        elif a == "create-user":
+            out = admin.create_user(url, args.email)
+        elif a == "add-member":
+            out = admin.add_member(url, args.company, args.user, args.role)
+        elif a == "remove-member":
+            out = admin.remove_member(url, args.company, args.user)
+        elif a == "create-agent":
+            out = admin.create_owner(url, "agents", args.company, args.name)
+        elif a == "create-project":
+            out = admin.create_owner(url, "projects", args.company, args.name)
+        elif a == "create-task":
+            out = admin.create_owner(url, "tasks", args.company, args.title, project=args.project)
+        elif a == "start-run":
+            out = admin.start_run(url, args.company, agent=args.agent, task=args.task,
+                                  project=args.project, user=args.user, sandbox=args.sandbox,
+                                  home=args.home)  # fmt: skip
+        elif a == "end-run":
+            out = admin.end_run(url, args.run)
+        else:  # pragma: no cover - argparse restricts choices
+            raise admin.AdminError(f"unknown admin command {a}")
+    emit(args, out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="controller", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP API, the Files page and the GC sweeper")
+    add_db_options(serve)
+    serve.add_argument("--listen", default="127.0.0.1:8750", help="HOST:PORT (default %(default)s)")
+    serve.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
+    serve.add_argument("--s3-endpoint")
+    serve.add_argument("--s3-bucket")
+    serve.add_argument("--s3-region")
+    serve.add_argument("--gc-delay", type=float, metavar="SECONDS",
+                       help="delay before superseded/purged objects may be deleted (default 86400)")  # fmt: skip
+    serve.add_argument("--gc-interval", type=float, metavar="SECONDS",
+                       help="seconds between GC sweeps, 0 disables (default 180)")  # fmt: skip
+    serve.set_defaults(func=cmd_serve)
+
+    mig = sub.add_parser("migrate", help="apply database migrations")
+    add_db_options(mig)
+    mig.add_argument("--json", action="store_true")
+    mig.set_defaults(func=cmd_migrate)
+
+    gcp = sub.add_parser("gc", help="garbage-collect unreferenced objects")
+    add_db_options(gcp)
+    gcp.add_argument("--now", action="store_true", help="run one sweep now")
+    gcp.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
+    gcp.add_argument("--s3-endpoint")
+    gcp.add_argument("--s3-bucket")
+    gcp.add_argument("--s3-region")
+    gcp.add_argument("--json", action="store_true")
+    gcp.set_defaults(func=cmd_gc)
+
+    adm = sub.add_parser("admin", help="operator commands")
+    adm_sub = adm.add_subparsers(dest="admin_cmd", required=True)
+
+    def admin_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+        p = adm_sub.add_parser(name, help=help_)
+        add_db_options(p)
+        p.add_argument("--json", action="store_true", help="print JSON")
+        p.set_defaults(func=cmd_admin)
+        return p
+
+    p = admin_cmd("bootstrap", "create a company and its owner with an API token")
+    p.add_argument("--company-name", default="Default company")
+    p.add_argument("--email", default="owner@example.com")
+    p = admin_cmd("create-user", "create a user with an API token")
+    p.add_argument("email")
+    p = admin_cmd("add-member", "add a user to a company (or change the role)")
+    p.add_argument("company")
+    p.add_argument("user")
+    p.add_argument("--role", required=True, choices=admin.ROLES)
+    p = admin_cmd("remove-member", "remove a user from a company")
+    p.add_argument("company")
+    p.add_argument("user")
+    p = admin_cmd("create-agent", "create an agent")
+    p.add_argument("company")
+    p.add_argument("name")
+    p = admin_cmd("create-project", "create a project")
+    p.add_argument("company")
+    p.add_argument("name")
+    p = admin_cmd("create-task", "create a task in a project")
+    p.add_argument("company")
+    p.add_argument("project")
+    p.add_argument("title")
+    p = admin_cmd("start-run", "bind a run to a sandbox and issue its run token")
+    p.add_argument("company")
+    p.add_argument("--agent", required=True)
+    p.add_argument("--task")
+    p.add_argument("--project")
+    p.add_argument("--user")
+    p.add_argument("--sandbox", help="sandbox identity (a new lease epoch fences older runs)")
+    p.add_argument("--home", default="/home/agent", help="the sandbox's $HOME, for the env paths")
+    p = admin_cmd("end-run", "end a run; its token stops working at once")
+    p.add_argument("run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code: int = args.func(args)
+        return code
+    except admin.AdminError as exc:
+        print(f"controller: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except EmbeddedPostgresError as exc:
+        print(f"controller: embedded PostgreSQL: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except WorkFolderError as exc:
+        print(f"controller: {exc.code}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE if exc.status >= 500 else EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

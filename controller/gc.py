@@ -1,0 +1,118 @@
+"""Object garbage collection driven by the deletion journal.
+
+A journal entry becomes due at ``not_before``. The sweeper then locks the
+object's row and deletes the bytes only if no live file, trash entry or run
+upload of the company still references the digest; deleting the blob happens
+while the row lock is held, and every writer upserts that row (taking the
+same lock) before it may reference the digest. A writer that finds the row
+gone re-uploads the bytes (see ``apply.register_object``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from controller.storage.base import StorageProvider, object_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepReport:
+    examined: int = 0
+    deleted: int = 0
+    kept: int = 0
+    failed: int = 0
+
+    def as_json(self) -> dict[str, int]:
+        return {
+            "examined": self.examined,
+            "deleted": self.deleted,
+            "kept": self.kept,
+            "failed": self.failed,
+        }
+
+
+REFERENCED_SQL = """
+SELECT EXISTS (
+    SELECT 1 FROM files f JOIN folders d ON d.id = f.folder_id
+    WHERE d.company_id = %(company)s AND f.digest = %(digest)s
+)
+"""
+
+
+async def sweep_once(
+    pool: AsyncConnectionPool, storage: StorageProvider, *, batch: int = 500
+) -> SweepReport:
+    report = SweepReport()
+    while True:
+        async with pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                "SELECT id, company_id, digest FROM deletion_journal"
+                " WHERE done_at IS NULL AND not_before <= now()"
+                " ORDER BY not_before, id LIMIT %s FOR UPDATE SKIP LOCKED",
+                (batch,),
+            )
+            entries = list(await cur.fetchall())
+        if not entries:
+            return report
+        for entry in entries:
+            report.examined += 1
+            try:
+                outcome = await _collect(pool, storage, entry)
+            except Exception:
+                log.exception("GC of %s/%s failed; will retry", entry["company_id"], entry["digest"])
+                report.failed += 1
+                continue
+            if outcome == "deleted":
+                report.deleted += 1
+            else:
+                report.kept += 1
+        if len(entries) < batch or report.failed:
+            return report
+
+
+async def _collect(pool: AsyncConnectionPool, storage: StorageProvider, entry: dict[str, Any]) -> str:
+    company, digest = str(entry["company_id"]), entry["digest"]
+    async with pool.connection() as conn, conn.transaction():
+        await conn.execute(
+            "SELECT 1 FROM objects WHERE company_id = %s AND digest = %s FOR UPDATE",
+            (company, digest),
+        )
+        cur = await conn.execute(REFERENCED_SQL, {"company": company, "digest": digest})
+        row = await cur.fetchone()
+        referenced = bool(row and row["exists"])
+        if referenced:
+            outcome = "referenced"
+        else:
+            await asyncio.to_thread(storage.delete, object_key(company, digest))
+            await conn.execute(
+                "DELETE FROM objects WHERE company_id = %s AND digest = %s", (company, digest)
+            )
+            outcome = "deleted"
+        # Every due entry for this object is settled by this decision.
+        await conn.execute(
+            "UPDATE deletion_journal SET done_at = now(), outcome = %s"
+            " WHERE company_id = %s AND digest = %s AND done_at IS NULL AND not_before <= now()",
+            (outcome, company, digest),
+        )
+    if outcome == "deleted":
+        log.info("GC deleted object %s/%s", company, digest)
+    return outcome
+
+
+async def run_sweeper(pool: AsyncConnectionPool, storage: StorageProvider, interval: float) -> None:
+    """Sweep every ``interval`` seconds until cancelled; a failed sweep is retried next time."""
+    while True:
+        try:
+            report = await sweep_once(pool, storage)
+            if report.examined:
+                log.info("GC sweep: %s", report.as_json())
+        except Exception:
+            log.exception("GC sweep failed")
+        await asyncio.sleep(interval)

@@ -1,0 +1,163 @@
+"""An embedded PostgreSQL cluster under the controller's data dir.
+
+`controller serve` without ``--database-url`` runs its own cluster with the
+machine's PostgreSQL binaries: ``initdb`` once, ``pg_ctl start`` on every
+start, ``pg_ctl stop -m fast`` on shutdown. It listens only on a unix socket
+in a private directory (no TCP), and trusts local connections because nothing
+but this process's user and the postgres user can reach that directory.
+
+PostgreSQL refuses to run as root, so as root the cluster runs as the
+``postgres`` user through ``runuser`` and the cluster directories belong to it.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "controller"
+DB_USER = "controller"
+
+
+class EmbeddedPostgresError(RuntimeError):
+    pass
+
+
+def find_bindir() -> Path:
+    """Locate initdb/pg_ctl: $CONTROLLER_PG_BINDIR, then PATH, then Debian's layout."""
+    env = os.environ.get("CONTROLLER_PG_BINDIR")
+    candidates = [Path(env)] if env else []
+    on_path = shutil.which("initdb")
+    if on_path:
+        candidates.append(Path(on_path).resolve().parent)
+    versions = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda p: int(Path(p).parent.name) if Path(p).parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    candidates.extend(Path(v) for v in versions)
+    for c in candidates:
+        if (c / "initdb").exists() and (c / "pg_ctl").exists():
+            return c
+    raise EmbeddedPostgresError(
+        "PostgreSQL server binaries (initdb, pg_ctl) not found; install the Debian "
+        "package 'postgresql' or set CONTROLLER_PG_BINDIR"
+    )
+
+
+class EmbeddedPostgres:
+    def __init__(self, data_dir: Path) -> None:
+        self.root = data_dir.resolve()
+        self.pgdata = self.root / "pg" / "data"
+        self.sockdir = self.root / "pg" / "run"
+        self.logfile = self.root / "pg" / "postgres.log"
+        self.bindir = find_bindir()
+        self._run_as: str | None = "postgres" if os.geteuid() == 0 else None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://{DB_USER}@/{DB_NAME}?host={self.sockdir}"
+
+    def _cmd(self, *args: str) -> list[str]:
+        if self._run_as is None:
+            return list(args)
+        return ["runuser", "-u", self._run_as, "--", *args]
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(self._cmd(*args), capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise EmbeddedPostgresError(
+                f"{Path(args[0]).name} failed ({proc.returncode}): "
+                f"{(proc.stderr or proc.stdout).strip()[-2000:]}"
+            )
+        return proc
+
+    def _prepare_dirs(self) -> None:
+        base = self.root / "pg"
+        base.mkdir(parents=True, exist_ok=True)
+        self.sockdir.mkdir(exist_ok=True)
+        if self._run_as is None:
+            os.chmod(self.sockdir, 0o700)
+            return
+        pw = pwd.getpwnam(self._run_as)
+        # The postgres user must be able to reach its directories: every
+        # ancestor needs search permission for it.
+        for parent in [self.root, *self.root.parents]:
+            st = parent.stat()
+            if not st.st_mode & 0o001 and st.st_uid != pw.pw_uid:
+                if parent == self.root:
+                    os.chmod(parent, st.st_mode | 0o001)
+                else:
+                    raise EmbeddedPostgresError(
+                        f"{parent} is not searchable by the postgres user; choose a data "
+                        f"dir whose parents are world-searchable (chmod o+x {parent})"
+                    )
+        for d in (base, self.sockdir):
+            os.chown(d, pw.pw_uid, pw.pw_gid)
+        os.chmod(base, 0o700)
+        os.chmod(self.sockdir, 0o700)
+        if self.pgdata.exists():
+            os.chown(self.pgdata, pw.pw_uid, pw.pw_gid)
+
+    def initialized(self) -> bool:
+        return (self.pgdata / "PG_VERSION").exists()
+
+    def init(self) -> None:
+        self._prepare_dirs()
+        if self.initialized():
+            return
+        log.info("initializing embedded PostgreSQL cluster in %s", self.pgdata)
+        self._run(
+            str(self.bindir / "initdb"),
+            "-D", str(self.pgdata),
+            "-U", DB_USER,
+            "--auth=trust",
+            "-E", "UTF8",
+            "--locale=C.UTF-8",
+        )  # fmt: skip
+
+    def running(self) -> bool:
+        proc = subprocess.run(
+            self._cmd(str(self.bindir / "pg_ctl"), "status", "-D", str(self.pgdata)),
+            capture_output=True,
+            check=False,
+        )
+        return proc.returncode == 0
+
+    def start(self) -> None:
+        """Initialize if needed, start if not running, create the database."""
+        self.init()
+        if not self.running():
+            # A stale socket lock after a kill -9 would make postgres refuse to start.
+            for stale in self.sockdir.glob(".s.PGSQL.*"):
+                stale.unlink(missing_ok=True)
+            opts = (
+                f"-k {self.sockdir} -c listen_addresses='' -c fsync=on "
+                "-c max_connections=200 -c shared_buffers=128MB"
+            )
+            self._run(
+                str(self.bindir / "pg_ctl"),
+                "start", "-D", str(self.pgdata), "-w", "-t", "60",
+                "-l", str(self.logfile), "-o", opts,
+            )  # fmt: skip
+        self._ensure_database()
+
+    def _ensure_database(self) -> None:
+        import psycopg  # local: keeps `controller --help` fast
+
+        admin_url = f"postgresql://{DB_USER}@/postgres?host={self.sockdir}"
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            row = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)).fetchone()
+            if row is None:
+                conn.execute(f"CREATE DATABASE {DB_NAME}")
+
+    def stop(self) -> None:
+        if self.initialized() and self.running():
+            self._run(str(self.bindir / "pg_ctl"), "stop", "-D", str(self.pgdata), "-m", "fast", "-w")

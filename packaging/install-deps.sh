@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install the Debian packages this project needs, only those that are missing.
+#   packaging/install-deps.sh           runtime: FUSE, PostgreSQL server binaries, build tools
+#   packaging/install-deps.sh --test    also Chromium for the browser tests
+set -euo pipefail
+
+pkgs=(fuse3 libfuse3-dev pkg-config gcc make python3 python3-dev python3-venv
+      postgresql tar ca-certificates)
+if [[ "${1:-}" == "--test" ]]; then
+    pkgs+=(chromium chromium-driver fonts-dejavu-core)
+fi
+
+missing=()
+for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    if [[ $(id -u) -ne 0 ]]; then
+        echo "missing Debian packages: ${missing[*]} (run this script as root)" >&2
+        exit 1
+    fi
+    echo "installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# The Debian postgresql package starts a system cluster; this project runs its
+# own private clusters, so the system one is left alone (not stopped either).
+exit 0
