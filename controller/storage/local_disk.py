@@ -1,0 +1,333 @@
+"""Objects as files under one directory on the controller's own disk.
+
+Layout under ``root``::
+
+    objects/<company>/<first two hex digits>/<sha256>   one file per object
+    tmp/<random>                                         uploads in progress
+
+Durability and atomicity come from the classic sequence: write the bytes to a
+temporary file on the same filesystem, fsync it, hard-link it into place, fsync
+the directory. ``link`` (unlike ``rename``) fails when the target exists, so two
+concurrent writers of one key cannot both claim to have created it, and a
+reader either sees no file or the whole, synced one.
+
+Paths are resolved one component at a time with ``O_NOFOLLOW`` relative to a
+directory descriptor, so a symlink planted anywhere in the tree (by a bug, an
+operator's mistake or an attacker with local write access) is refused rather
+than followed outside ``root``. The key format check already rules out ``..``
+and absolute paths; this is the second line of defence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import stat
+import time
+from collections.abc import Generator, Iterator, Sequence
+from pathlib import Path
+
+from common.errors import StorageUnavailable
+
+from .base import (
+    DEFAULT_CHUNK_SIZE,
+    ObjectMissing,
+    SourceMismatch,
+    StorageProvider,
+    check_put_arguments,
+    check_range,
+    is_object_key,
+    open_stream,
+    validate_key,
+)
+
+log = logging.getLogger(__name__)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_COPY_CHUNK = 1 << 20
+_TMP_DIR = "tmp"
+_OBJECTS_DIR = "objects"
+
+
+class LocalDiskProvider(StorageProvider):
+    name = "local_disk"
+
+    # A temp file this old belongs to a put that died (crash, kill); live puts
+    # finish far sooner. Younger files may belong to another process sharing the
+    # root, so they are left alone.
+    stale_temp_age = 3600.0
+
+    def __init__(self, root: Path) -> None:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self.root = root.resolve(strict=True)
+            with self._directory([_TMP_DIR], create=True):
+                pass
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot prepare object directory {root}: {exc}") from exc
+        self._sweep_stale_temps()
+
+    def __repr__(self) -> str:
+        return f"LocalDiskProvider({str(self.root)!r})"
+
+    # -- path resolution -------------------------------------------------
+
+    @contextlib.contextmanager
+    def _directory(self, parts: Sequence[str], *, create: bool) -> Iterator[int]:
+        """A descriptor for ``root/parts...``, reached without following any symlink.
+
+        With ``create`` missing directories are made, and each new entry is made
+        durable by syncing its parent, so a synced object file is never left
+        in a directory that a crash could forget.
+        """
+        fd = os.open(self.root, _DIR_FLAGS)
+        try:
+            for part in parts:
+                try:
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(part, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # a concurrent put made it first; either way it exists
+                    else:
+                        os.fsync(fd)
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _split(key: str) -> tuple[list[str], str]:
+        parts = validate_key(key).split("/")
+        return parts[:-1], parts[-1]
+
+    def _unavailable(self, action: str, key: str, exc: OSError) -> StorageUnavailable:
+        return StorageUnavailable(f"local storage: cannot {action} {key} under {self.root}: {exc}")
+
+    # -- StorageProvider -------------------------------------------------
+
+    def put_file(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
+        check_put_arguments(key, size, sha256_hex)
+        dirs, name = self._split(key)
+        try:
+            with self._directory(dirs, create=True) as dir_fd:
+                if _lexists(name, dir_fd):
+                    return False
+                with self._directory([_TMP_DIR], create=True) as tmp_fd:
+                    tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
+                    try:
+                        return _link_into_place(tmp_name, tmp_fd, name, dir_fd)
+                    finally:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(tmp_name, dir_fd=tmp_fd)
+        except OSError as exc:
+            raise self._unavailable("store", key, exc) from exc
+
+    def read_chunks(
+        self, key: str, start: int = 0, end: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> Iterator[bytes]:
+        dirs, name = self._split(key)
+        check_range(start, end, chunk_size)
+        return open_stream(self._stream(key, dirs, name, start, end, chunk_size))
+
+    def _stream(
+        self, key: str, dirs: list[str], name: str, start: int, end: int | None, chunk_size: int
+    ) -> Generator[bytes, None, None]:
+        try:
+            with self._directory(dirs, create=False) as dir_fd:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError as exc:
+            raise ObjectMissing(f"object {key} is missing from {self.root}") from exc
+        except OSError as exc:
+            raise self._unavailable("open", key, exc) from exc
+        try:
+            try:
+                st = os.fstat(fd)
+            except OSError as exc:
+                raise self._unavailable("stat", key, exc) from exc
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageUnavailable(f"local storage: {key} is not a regular file")
+            stop = st.st_size if end is None else min(end, st.st_size)
+            yield b""
+            pos = start
+            while pos < stop:
+                try:
+                    chunk = os.pread(fd, min(chunk_size, stop - pos), pos)
+                except OSError as exc:
+                    raise self._unavailable("read", key, exc) from exc
+                if not chunk:
+                    # Objects are immutable; a short file here means someone
+                    # truncated it behind our back, and silently returning fewer
+                    # bytes than the metadata promises would corrupt downloads.
+                    raise StorageUnavailable(f"local storage: {key} ended early at byte {pos}")
+                pos += len(chunk)
+                yield chunk
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int | None:
+        dirs, name = self._split(key)
+        try:
+            with self._directory(dirs, create=False) as dir_fd:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._unavailable("stat", key, exc) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageUnavailable(f"local storage: {key} is not a regular file")
+        return st.st_size
+
+    def delete(self, key: str) -> None:
+        dirs, name = self._split(key)
+        try:
+            with self._directory(dirs, create=False) as dir_fd:
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    return
+                # Without this a crash could bring the object back; harmless for
+                # correctness, but GC would already have forgotten about it.
+                os.fsync(dir_fd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._unavailable("delete", key, exc) from exc
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        try:
+            yield from self._walk(_OBJECTS_DIR, prefix, depth=3)
+        except OSError as exc:
+            raise StorageUnavailable(f"local storage: cannot list {self.root}: {exc}") from exc
+
+    def _walk(self, rel: str, prefix: str, depth: int) -> Iterator[str]:
+        try:
+            with os.scandir(self.root / rel) as it:
+                entries = sorted(it, key=lambda entry: entry.name)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            path = f"{rel}/{entry.name}"
+            if depth > 1:
+                # Descend only where keys with this prefix can live; never into symlinks.
+                if entry.is_dir(follow_symlinks=False) and _may_hold(path + "/", prefix):
+                    yield from self._walk(path, prefix, depth - 1)
+            elif (
+                path.startswith(prefix)
+                and entry.is_file(follow_symlinks=False)
+                and is_object_key(path)
+            ):
+                yield path
+
+    def check(self) -> None:
+        probe = f".probe-{secrets.token_hex(8)}"
+        try:
+            with self._directory([_TMP_DIR], create=True) as tmp_fd:
+                fd = os.open(
+                    probe,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                    dir_fd=tmp_fd,
+                )
+                try:
+                    os.write(fd, b"probe")
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                    os.unlink(probe, dir_fd=tmp_fd)
+        except OSError as exc:
+            raise StorageUnavailable(
+                f"local storage under {self.root} is not writable: {exc}"
+            ) from exc
+
+    def _sweep_stale_temps(self) -> None:
+        cutoff = time.time() - self.stale_temp_age
+        removed = 0
+        try:
+            with self._directory([_TMP_DIR], create=True) as tmp_fd:
+                for name in os.listdir(tmp_fd):
+                    with contextlib.suppress(FileNotFoundError):
+                        st = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                            os.unlink(name, dir_fd=tmp_fd)
+                            removed += 1
+        except OSError as exc:
+            # Leftover temps only waste space; not a reason to refuse to start.
+            log.warning("could not sweep stale temp files under %s: %s", self.root, exc)
+            return
+        if removed:
+            log.info("removed %d stale temp files under %s", removed, self.root)
+
+
+def _lexists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _may_hold(dir_prefix: str, prefix: str) -> bool:
+    """Whether keys under ``dir_prefix`` can start with ``prefix``."""
+    return dir_prefix.startswith(prefix) or prefix.startswith(dir_prefix)
+
+
+def _write_synced_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> str:
+    """Copy ``src`` into a new file in the temp directory, verify it, fsync it; return its name.
+
+    The copy is hashed as it is written, so what gets linked into place is
+    exactly what was verified, even if ``src`` changes while we read it.
+    """
+    tmp_name = f"put-{secrets.token_hex(16)}"
+    fd = os.open(
+        tmp_name,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=tmp_fd,
+    )
+    try:
+        digest = hashlib.sha256()
+        copied = 0
+        with open(fd, "wb", closefd=True) as out, src.open("rb") as source:
+            while copied <= size:
+                chunk = source.read(_COPY_CHUNK)
+                if not chunk:
+                    break
+                digest.update(chunk)
+                copied += len(chunk)
+                out.write(chunk)
+            if copied != size:
+                raise SourceMismatch(f"{src} is not {size} bytes long (read {copied})")
+            if digest.hexdigest() != sha256_hex:
+                raise SourceMismatch(f"{src} does not hash to {sha256_hex}")
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name, dir_fd=tmp_fd)
+        raise
+    return tmp_name
+
+
+def _link_into_place(tmp_name: str, tmp_fd: int, name: str, dir_fd: int) -> bool:
+    try:
+        os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        return False  # a concurrent put of the same content won
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        # The caller will be told the put failed and will retry; a retry must
+        # not find a visible but possibly non-durable object and report "exists".
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+        raise
+    return True
