@@ -202,11 +202,12 @@ async def journal_deletion(
 ) -> None:
     if not digests:
         return
-    await conn.executemany(
-        "INSERT INTO deletion_journal (company_id, digest, reason, not_before)"
-        " VALUES (%s, %s, %s, now() + %s)",
-        [(company_id, d, reason, delay) for d in sorted(set(digests))],
-    )
+    async with conn.cursor() as cur:
+        await cur.executemany(
+            "INSERT INTO deletion_journal (company_id, digest, reason, not_before)"
+            " VALUES (%s, %s, %s, now() + %s)",
+            [(company_id, d, reason, delay) for d in sorted(set(digests))],
+        )
 
 
 async def put_file(
