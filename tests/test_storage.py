@@ -736,7 +736,10 @@ def test_s3_conditional_create_settles_races(
 
 
 def test_s3_falls_back_when_conditional_writes_are_unsupported(
-    s3_provider: S3Provider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_provider: S3Provider,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     real_put = s3_provider._client.put_object
     conditional_attempts: list[str] = []
@@ -758,6 +761,8 @@ def test_s3_falls_back_when_conditional_writes_are_unsupported(
     second, created_too = store(s3_provider, tmp_path, b"second")
     assert (created, created_too) == (True, True)
     assert conditional_attempts == [first]  # asked once, then remembered
+    fallback_warnings = [r for r in caplog.records if "conditional writes" in r.getMessage()]
+    assert [r.levelname for r in fallback_warnings] == ["WARNING"]
     assert read_all(s3_provider, first) == b"first"
     assert read_all(s3_provider, second) == b"second"
     assert store(s3_provider, tmp_path, b"first") == (first, False)
