@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -124,8 +125,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = uvicorn.Server(config)
         print(f"controller listening on http://{args.listen} (storage: {settings.storage})",
               flush=True)  # fmt: skip
-        # uvicorn handles SIGTERM/SIGINT itself and returns; the embedded
-        # cluster is stopped by `database()` afterwards.
+        # uvicorn handles SIGTERM/SIGINT itself, shuts down gracefully and then
+        # re-raises the signal; these handlers absorb that re-raise so the
+        # embedded cluster is stopped by `database()` and we exit 0.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
         asyncio.run(server.serve())
     return 0
 

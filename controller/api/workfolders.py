@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote
 
 from psycopg import AsyncConnection
 from starlette.requests import ClientDisconnect, Request
@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from common.errors import (
     FileNotFound,
+    InvalidPath,
     IsADirectory,
     PayloadTooLarge,
     RangeNotSatisfiable,
@@ -68,8 +69,18 @@ def folder_address(request: Request) -> tuple[str, str, str]:
     return company_id, scope, owner_id
 
 
+def strict_query(request: Request, name: str) -> list[str]:
+    """Query values decoded strictly: invalid UTF-8 is an error, not U+FFFD."""
+    raw = request.scope.get("query_string", b"").decode("latin-1")
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, encoding="utf-8", errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidPath("invalid_utf8", "query string is not valid UTF-8", name) from None
+    return [v for k, v in pairs if k == name]
+
+
 def query_path(request: Request) -> str:
-    values = request.query_params.getlist("path")
+    values = strict_query(request, "path")
     if len(values) != 1:
         raise ValidationError.single("path", "required", "exactly one path query parameter")
     return validate_path(values[0])
@@ -142,7 +153,8 @@ async def list_entries(request: Request) -> Response:
         )
     limit = int(limit_raw)
     cursor_raw = request.query_params.get("cursor")
-    dir_raw = request.query_params.get("dir")
+    dirs = strict_query(request, "dir")
+    dir_raw = dirs[0] if dirs else None
     parent = None if dir_raw is None else ("" if dir_raw == "" else validate_path(dir_raw, "dir"))
 
     async with connection(request) as conn:

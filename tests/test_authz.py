@@ -1,0 +1,156 @@
+"""Authorization: membership, viewers, private user folders, revocation, tokens."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+
+from tests.controller_helper import Tenant
+
+OCTET = {"Content-Type": "application/octet-stream"}
+NOT_FOUND = {"error": "Work folder not found", "code": "not_found"}
+
+
+def put(c: httpx.Client, folder: str, path: str, data: bytes) -> httpx.Response:
+    return c.put(f"{folder}/content", params={"path": path}, content=data, headers=OCTET)
+
+
+def test_private_user_folder_is_invisible_to_other_members(tenant: Tenant) -> None:
+    other_id, other_token = tenant.new_member("admin")
+    with tenant.client() as owner:
+        assert put(owner, tenant.my_folder, "secret.txt", b"mine").status_code == 201
+    with tenant.client(other_token) as other:
+        for method, url, kw in [
+            ("GET", tenant.my_folder + "/", {}),
+            ("GET", tenant.my_folder + "/content?path=secret.txt", {}),
+            ("GET", tenant.my_folder + "/sync", {}),
+            ("PUT", tenant.my_folder + "/content?path=x", {"content": b"x", "headers": OCTET}),
+            ("POST", tenant.my_folder + "/operations", {"json": {"action": "delete", "path": "secret.txt"}}),
+        ]:  # fmt: skip
+            r = other.request(method, url, **kw)  # type: ignore[arg-type]
+            assert r.status_code == 404, (method, url, r.text)
+            assert r.json() == NOT_FOUND
+        # Indistinguishable from a folder that does not exist at all.
+        ghost = other.get(tenant.folder("user", str(uuid.uuid4())) + "/")
+        assert ghost.status_code == 404 and ghost.json() == NOT_FOUND
+        # Their own folder works.
+        assert put(other, tenant.folder("user", other_id), "own.txt", b"ok").status_code == 201
+    with tenant.client() as owner:
+        g = owner.get(tenant.my_folder + "/content", params={"path": "secret.txt"})
+        assert g.content == b"mine"
+
+
+def test_viewer_reads_but_cannot_write(tenant: Tenant) -> None:
+    project = tenant.controller.admin("create-project", tenant.company_id, "p")["id"]
+    folder = tenant.folder("project", project)
+    with tenant.client() as owner:
+        assert put(owner, folder, "plan.md", b"plan").status_code == 201
+    _, viewer_token = tenant.new_member("viewer")
+    with tenant.client(viewer_token) as viewer:
+        assert viewer.get(folder + "/content", params={"path": "plan.md"}).content == b"plan"
+        assert put(viewer, folder, "plan.md", b"hacked").status_code == 404
+        r = viewer.post(folder + "/operations", json={"action": "delete", "path": "plan.md"})
+        assert r.status_code == 404
+        r = viewer.post(folder + "/operations", json={"action": "mkdir", "path": "x"})
+        assert r.status_code == 404
+    with tenant.client() as owner:
+        assert owner.get(folder + "/content", params={"path": "plan.md"}).content == b"plan"
+        assert [e["path"] for e in owner.get(folder + "/").json()["entries"]] == ["plan.md"]
+
+
+def test_revoked_membership_loses_access_immediately(tenant: Tenant) -> None:
+    project = tenant.controller.admin("create-project", tenant.company_id, "p")["id"]
+    folder = tenant.folder("project", project)
+    member_id, member_token = tenant.new_member("member")
+    with tenant.client(member_token) as member:
+        assert put(member, folder, "a.txt", b"a").status_code == 201
+        assert member.get(folder + "/").status_code == 200
+        tenant.controller.admin("remove-member", tenant.company_id, member_id)
+        assert member.get(folder + "/").status_code == 404
+        assert put(member, folder, "b.txt", b"b").status_code == 404
+        assert member.get(tenant.folder("user", member_id) + "/").status_code == 404
+
+
+def test_other_company_cannot_reach_folders(tenant: Tenant) -> None:
+    project = tenant.controller.admin("create-project", tenant.company_id, "p")["id"]
+    outsider = tenant.controller.admin("bootstrap", "--email", f"{uuid.uuid4().hex}@x.org")
+    with tenant.client(outsider["token"]) as c:
+        assert c.get(tenant.folder("project", project) + "/").json() == NOT_FOUND
+        # The outsider's own company cannot name another company's project either.
+        other = f"/api/companies/{outsider['company_id']}/work-folders/project/{project}/"
+        assert c.get(other).status_code == 404
+
+
+def test_owner_must_exist_in_company(tenant: Tenant) -> None:
+    with tenant.client() as c:
+        for scope in ("task", "agent", "project"):
+            r = c.get(tenant.folder(scope, str(uuid.uuid4())) + "/")
+            assert r.status_code == 404 and r.json() == NOT_FOUND
+
+
+def test_bad_tokens_and_auth_headers(tenant: Tenant) -> None:
+    url = tenant.controller.url + tenant.my_folder + "/"
+    assert httpx.get(url).status_code == 401
+    for header in ("Bearer", "Basic abc", "Bearer fsa_u_wrong", "token xyz",
+                   f"Bearer {tenant.token}x"):  # fmt: skip
+        r = httpx.get(url, headers={"Authorization": header})
+        assert r.status_code == 401, header
+        assert r.json()["code"] == "unauthenticated"
+
+
+def test_malformed_route_parameters(tenant: Tenant) -> None:
+    with tenant.client() as c:
+        cases = [
+            "/api/companies/not-a-uuid/work-folders/user/x/",
+            f"/api/companies/{tenant.company_id}/work-folders/nope/{tenant.user_id}/",
+            f"/api/companies/{tenant.company_id}/work-folders/project/not-a-uuid/",
+            f"/api/companies/{tenant.company_id}/work-folders/user/{'u' * 257}/",
+        ]
+        for url in cases:
+            r = c.get(url)
+            assert r.status_code == 400, url
+            assert r.json()["error"] == "Validation error"
+
+
+def test_malformed_operation_bodies(tenant: Tenant) -> None:
+    with tenant.client() as c:
+        url = tenant.my_folder + "/operations"
+        bad = [
+            {"action": "explode", "path": "x"},
+            {"action": "mkdir"},
+            {"action": "mkdir", "path": "x", "extra": 1},
+            {"action": "mkdir", "path": 5},
+            {"action": "restore", "fileId": "nope"},
+            {"action": "purge", "fileId": 7},
+            {"action": "delete", "path": "../x"},
+        ]
+        for body in bad:
+            r = c.post(url, json=body)
+            assert r.status_code == 400, body
+            assert r.json()["error"] == "Validation error"
+        assert c.post(url, content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+        assert c.post(url, content=b"[]", headers={"Content-Type": "application/json"}).status_code == 400
+        assert c.post(url, content=b"{}", headers={"Content-Type": "text/plain"}).status_code == 400
+        assert c.get(tenant.my_folder + "/").json()["entries"] == []
+
+
+def test_run_token_scopes(tenant: Tenant) -> None:
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, "p")["id"]
+    task = ctl.admin("create-task", tenant.company_id, project, "t")["id"]
+    agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
+    other_agent = ctl.admin("create-agent", tenant.company_id, "b")["id"]
+    run = ctl.admin("start-run", tenant.company_id, "--agent", agent, "--task", task,
+                    "--user", tenant.user_id)  # fmt: skip
+    with tenant.client(run["token"]) as c:
+        assert put(c, tenant.folder("agent", agent), "notes.md", b"n").status_code == 201
+        assert put(c, tenant.folder("task", task), "out.txt", b"o").status_code == 201
+        assert put(c, tenant.my_folder, "from-agent.txt", b"u").status_code == 201
+        # An agent may write only its own agent folder.
+        assert put(c, tenant.folder("agent", other_agent), "x", b"x").status_code == 404
+        # Another member's user folder is out of reach.
+        other_id, _ = tenant.new_member()
+        assert c.get(tenant.folder("user", other_id) + "/").status_code == 404
+        ctl.admin("end-run", run["run_id"])
+        assert c.get(tenant.folder("task", task) + "/").status_code == 401

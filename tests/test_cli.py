@@ -1,0 +1,143 @@
+"""`controller` command line: admin, migrate, and the embedded PostgreSQL lifecycle."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psycopg
+import pytest
+
+from controller.pgembed import EmbeddedPostgres
+from tests.controller_helper import REPO, ControllerProcess, PgCluster, free_port, world_searchable_tmpdir
+
+
+def test_admin_commands_and_errors(controller: ControllerProcess) -> None:
+    boot = controller.admin("bootstrap", "--email", "boss@example.com", "--company-name", "Acme")
+    assert set(boot) == {"company_id", "user_id", "token"}
+    with controller.db() as conn:
+        row = conn.execute(
+            "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s",
+            (boot["company_id"], boot["user_id"]),
+        ).fetchone()
+        assert row == ("owner",)
+        # Only a hash of the token is stored.
+        tokens = [bytes(r[0]) for r in conn.execute("SELECT token_hash FROM api_tokens")]
+        assert all(boot["token"].encode() not in t for t in tokens)
+        assert all(len(t) == 32 for t in tokens)
+    user = controller.admin("create-user", "second@example.com")
+    assert controller.admin("add-member", boot["company_id"], user["user_id"], "--role", "viewer")["role"] == "viewer"
+    project = controller.admin("create-project", boot["company_id"], "Proj")["id"]
+    task = controller.admin("create-task", boot["company_id"], project, "Do it")["id"]
+    agent = controller.admin("create-agent", boot["company_id"], "Bot")["id"]
+    assert len({project, task, agent}) == 3
+
+    def fails(*args: str) -> str:
+        code, _, err = controller.cli("admin", *args)
+        assert code == 1, (args, err)
+        assert err.startswith("controller: ") and err.count("\n") == 1
+        return err
+
+    assert "already exists" in fails("create-user", "second@example.com")
+    assert "not an email" in fails("create-user", "nope")
+    assert "must be a UUID" in fails("create-agent", "xyz", "n")
+    assert "no such compan" in fails("create-agent", "00000000-0000-0000-0000-000000000000", "n")
+    assert "not a member" in fails("remove-member", boot["company_id"], agent)
+    assert "no such project" in fails("create-task", boot["company_id"], agent, "t")
+    with pytest.raises(SystemExit) as info:  # argparse refuses the role
+        controller.cli("admin", "add-member", boot["company_id"], user["user_id"], "--role", "god")
+    assert info.value.code == 2
+
+
+def test_start_run_fences_older_lease(controller: ControllerProcess) -> None:
+    boot = controller.admin("bootstrap", "--email", "runner@example.com")
+    agent = controller.admin("create-agent", boot["company_id"], "a")["id"]
+    first = controller.admin("start-run", boot["company_id"], "--agent", agent, "--sandbox", "box-1",
+                             "--user", boot["user_id"])  # fmt: skip
+    second = controller.admin("start-run", boot["company_id"], "--agent", agent, "--sandbox", "box-1")
+    assert second["lease_epoch"] == first["lease_epoch"] + 1
+    assert first["env"]["PAPERCLIP_USER_DIR"].endswith("/user")
+    assert "PAPERCLIP_TASK_DIR" not in first["env"] and "AGENT_HOME" in first["env"]
+    with controller.db() as conn:
+        active = dict(conn.execute(
+            "SELECT id::text, active FROM runs WHERE id = ANY(%s::uuid[])",
+            ([first["run_id"], second["run_id"]],),
+        ).fetchall())  # fmt: skip
+    assert active == {first["run_id"]: False, second["run_id"]: True}
+    ended = controller.admin("end-run", second["run_id"])
+    assert ended["active"] is False
+
+
+def test_migrate_is_idempotent(pg_cluster: PgCluster) -> None:
+    url = pg_cluster.create_database()
+    ctl = ControllerProcess(url, world_searchable_tmpdir("fsa-mig-"))
+    code, out, _ = ctl.cli("migrate", "--json")
+    assert code == 0 and json.loads(out)["applied"] == ["0001_init.sql"]
+    code, out, _ = ctl.cli("migrate", "--json")
+    assert code == 0 and json.loads(out)["applied"] == []
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT count(*) FROM schema_migrations").fetchone() == (1,)
+
+
+def test_serve_with_embedded_postgres_starts_and_stops_cleanly() -> None:
+    data = world_searchable_tmpdir("fsa-embedded-")
+    port = free_port()
+    boot = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "admin", "bootstrap", "--data-dir", str(data), "--json"],
+        capture_output=True, text=True, cwd=REPO, check=True,
+    )  # fmt: skip
+    token = json.loads(boot.stdout)["token"]
+    pg = EmbeddedPostgres(data)
+    assert pg.initialized() and not pg.running()  # admin stopped the cluster it started
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller.cli", "serve", "--data-dir", str(data),
+         "--listen", f"127.0.0.1:{port}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/companies/"
+                              f"{json.loads(boot.stdout)['company_id']}/work-folders/user/"
+                              f"{json.loads(boot.stdout)['user_id']}/",
+                              headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+                assert r.status_code == 200, r.text
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert pg.running()
+        # The socket lives in a private directory: no TCP listener.
+        assert (data / "pg" / "run").stat().st_mode & 0o777 == 0o700
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not pg.running()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+        pg.stop()
+
+
+def test_openapi_document(controller: ControllerProcess) -> None:
+    doc = httpx.get(controller.url + "/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    base = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}"
+    for suffix, method in [("", "get"), ("/content", "get"), ("/content", "put"),
+                           ("/operations", "post"), ("/sync", "get"), ("/refresh", "post")]:  # fmt: skip
+        assert method in doc["paths"][base + suffix]
+
+
+def test_unknown_route_and_method_are_json(controller: ControllerProcess) -> None:
+    r = httpx.get(controller.url + "/nope")
+    assert r.status_code == 404 and r.json()["code"] == "route_not_found"
+    r = httpx.delete(controller.url + "/openapi.json")
+    assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
