@@ -27,9 +27,7 @@ _FORBIDDEN_CHARS = frozenset([chr(c) for c in range(0x20)] + ["\x7f", "\\"])
 def check_segment(segment: str) -> None:
     """Validate one path component (also used by fsagent for a single name)."""
     if segment in ("", ".", ".."):
-        raise InvalidPath(
-            "invalid_segment", f"path segment {segment!r} is empty, '.' or '..'"
-        )
+        raise InvalidPath("invalid_segment", f"path segment {segment!r} is empty, '.' or '..'")
     if segment == RESERVED_SEGMENT:
         raise InvalidPath("reserved_segment", f"path segment {segment!r} is reserved")
     if "/" in segment:
@@ -61,16 +59,16 @@ def validate_path(path: object, field: str = "path") -> str:
     if path == "":
         raise InvalidPath("empty", "path must not be empty", field)
     if len(path) > MAX_PATH_CHARS:
-        raise InvalidPath(
-            "too_long", f"path is longer than {MAX_PATH_CHARS} characters", field
-        )
+        raise InvalidPath("too_long", f"path is longer than {MAX_PATH_CHARS} characters", field)
     if path.startswith("/"):
         raise InvalidPath("absolute", "path must be relative", field)
     for segment in path.split("/"):
         try:
             check_segment(segment)
         except InvalidPath as exc:
-            raise InvalidPath(exc.reason, exc.details[0]["message"] if exc.details else "", field) from None
+            raise InvalidPath(
+                exc.reason, exc.details[0]["message"] if exc.details else "", field
+            ) from None
     return path
 
 
@@ -133,5 +131,7 @@ def validate_owner_id(scope: str, owner_id: str) -> str:
     if scope != "user":
         return validate_uuid(owner_id, "ownerId")
     if any(ch in _FORBIDDEN_CHARS or ch == "/" for ch in owner_id):
-        raise ValidationError.single("ownerId", "invalid_owner_id", "ownerId has forbidden characters")
+        raise ValidationError.single(
+            "ownerId", "invalid_owner_id", "ownerId has forbidden characters"
+        )
     return owner_id

@@ -24,7 +24,9 @@ def _conn(url: str) -> psycopg.Connection[dict[str, Any]]:
     return psycopg.connect(url, row_factory=dict_row)
 
 
-def _require(conn: psycopg.Connection[dict[str, Any]], table: str, id_: str, company: str | None = None) -> None:
+def _require(
+    conn: psycopg.Connection[dict[str, Any]], table: str, id_: str, company: str | None = None
+) -> None:
     sql = f"SELECT 1 FROM {table} WHERE id = %s" + (" AND company_id = %s" if company else "")
     params: tuple[str, ...] = (id_, company) if company else (id_,)
     if conn.execute(sql, params).fetchone() is None:
@@ -90,7 +92,9 @@ def remove_member(url: str, company: str, user: str) -> dict[str, Any]:
     return {"company_id": company, "user_id": user, "removed": True}
 
 
-def create_owner(url: str, table: str, company: str, name: str, project: str | None = None) -> dict[str, Any]:
+def create_owner(
+    url: str, table: str, company: str, name: str, project: str | None = None
+) -> dict[str, Any]:
     company = _uuid(company, "company")
     if not name.strip():
         raise AdminError("name must not be empty")
@@ -143,31 +147,46 @@ def start_run(
             if project is None:
                 project = str(row["project_id"])
             elif project != str(row["project_id"]):
-                raise AdminError(f"task {task} belongs to project {row['project_id']}, not {project}")
+                raise AdminError(
+                    f"task {task} belongs to project {row['project_id']}, not {project}"
+                )
         if project:
             _require(conn, "projects", project, company)
-        if user and conn.execute(
-            "SELECT 1 FROM memberships WHERE company_id = %s AND user_id = %s", (company, user)
-        ).fetchone() is None:
+        if (
+            user
+            and conn.execute(
+                "SELECT 1 FROM memberships WHERE company_id = %s AND user_id = %s", (company, user)
+            ).fetchone()
+            is None
+        ):
             raise AdminError(f"user {user} is not a member of company {company}")
         # Serialize lease changes per sandbox; the new epoch fences every older one.
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lease:{company}:{sandbox_key}",))
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lease:{company}:{sandbox_key}",)
+        )
         row = conn.execute(
             "SELECT coalesce(max(lease_epoch), 0) AS e FROM runs"
             " WHERE company_id = %s AND sandbox_key = %s",
             (company, sandbox_key),
         ).fetchone()
         epoch = int(row["e"] if row else 0) + 1
-        _end_runs(conn, "company_id = %s AND sandbox_key = %s AND active", (company, sandbox_key),
-                  reason=f"superseded by run {run_id}")  # fmt: skip
+        _end_runs(
+            conn,
+            "company_id = %s AND sandbox_key = %s AND active",
+            (company, sandbox_key),
+            reason=f"superseded by run {run_id}",
+        )
         conn.execute(
             "INSERT INTO runs (id, company_id, agent_id, task_id, project_id, user_id,"
             " sandbox_key, lease_epoch, token_hash) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s)",
             (run_id, company, agent, task, project, user, sandbox_key, epoch, token_hash(token)),
         )
     home_dir = Path(home)
-    env = {"AGENT_HOME": str(home_dir / "agent"), "PAPERCLIP_AGENT_DIR": str(home_dir / "agent"),
-           "PAPERCLIP_REPOS_DIR": str(home_dir / "repos")}  # fmt: skip
+    env = {
+        "AGENT_HOME": str(home_dir / "agent"),
+        "PAPERCLIP_AGENT_DIR": str(home_dir / "agent"),
+        "PAPERCLIP_REPOS_DIR": str(home_dir / "repos"),
+    }
     if task:
         env["PAPERCLIP_TASK_DIR"] = str(home_dir / "task")
     if user:
@@ -184,7 +203,9 @@ def start_run(
     }
 
 
-def _end_runs(conn: psycopg.Connection[dict[str, Any]], where: str, params: tuple[Any, ...], *, reason: str) -> int:
+def _end_runs(
+    conn: psycopg.Connection[dict[str, Any]], where: str, params: tuple[Any, ...], *, reason: str
+) -> int:
     # A run that ends while a save is in flight did not save: say so.
     cur = conn.execute(
         "UPDATE runs SET active = false, ended_at = now(),"
@@ -206,5 +227,3 @@ def end_run(url: str, run: str) -> dict[str, Any]:
         state = conn.execute("SELECT state, error FROM runs WHERE id = %s", (run,)).fetchone()
     assert state is not None
     return {"run_id": run, "active": False, "state": state["state"], "error": state["error"]}
-
-

@@ -133,9 +133,7 @@ async def _store_receipt(
 
 
 async def _touch_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
-    await conn.execute(
-        "UPDATE folders SET last_operation_at = now() WHERE id = %s", (folder.id,)
-    )
+    await conn.execute("UPDATE folders SET last_operation_at = now() WHERE id = %s", (folder.id,))
 
 
 async def ensure_parents(conn: AsyncConnection[Any], folder: Folder, path: str) -> None:
@@ -176,7 +174,7 @@ async def _insert_row(
             content_type,
         ),
     )
-    row = await cur.fetchone()
+    row: Row | None = await cur.fetchone()
     assert row is not None
     return row
 
@@ -261,8 +259,9 @@ async def put_file(
             " WHERE id = %s RETURNING *",
             (digest, byte_size, executable, content_type, existing["id"]),
         )
-        row = await cur.fetchone()
-        assert row is not None
+        updated: Row | None = await cur.fetchone()
+        assert updated is not None
+        row = updated
         if existing["digest"] != digest:
             await journal_deletion(
                 conn, folder.company_id, [existing["digest"]], "superseded", gc_delay
@@ -316,10 +315,11 @@ async def delete_path(
     cur = await conn.execute(
         "UPDATE files SET deleted_at = now(), trash_root = %(tid)s,"
         " version = nextval('file_version_seq')"
-        " WHERE folder_id = %(fid)s AND deleted_at IS NULL AND " + _subtree_clause() +
-        " RETURNING *",
+        " WHERE folder_id = %(fid)s AND deleted_at IS NULL AND "
+        + _subtree_clause()
+        + " RETURNING *",
         {"tid": target["id"], "fid": folder.id, "root": path},
-    )  # fmt: skip
+    )
     rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
     result = {"applied": True, "files": [entry_json(r) for r in rows]}
     await _store_receipt(conn, folder, operation_id, fp, result)
@@ -341,7 +341,7 @@ async def _trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str)
         "SELECT * FROM files WHERE folder_id = %(fid)s AND trash_root = %(tr)s"
         " AND deleted_at = %(da)s AND " + _subtree_clause() + " ORDER BY path",
         {"fid": folder.id, "tr": top["trash_root"], "da": top["deleted_at"], "root": top["path"]},
-    )  # fmt: skip
+    )
     return list(await cur.fetchall())
 
 

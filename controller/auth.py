@@ -124,7 +124,9 @@ async def membership_role(conn: AsyncConnection[Any], company_id: str, user_id: 
 _OWNER_TABLE = {"task": "tasks", "agent": "agents", "project": "projects"}
 
 
-async def _owner_exists(conn: AsyncConnection[Any], company_id: str, scope: str, owner: str) -> bool:
+async def _owner_exists(
+    conn: AsyncConnection[Any], company_id: str, scope: str, owner: str
+) -> bool:
     if scope == "user":
         cur = await conn.execute(
             "SELECT 1 FROM memberships WHERE company_id = %s AND user_id::text = %s",

@@ -35,11 +35,18 @@ def default_data_dir() -> Path:
 
 
 def add_db_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help="state directory (embedded PostgreSQL, local objects); "
-                        "default $CONTROLLER_DATA_DIR or ./controller-data")  # fmt: skip
-    p.add_argument("--database-url", default=os.environ.get("CONTROLLER_DATABASE_URL"),
-                   help="PostgreSQL URL; without it an embedded cluster under the data dir is used")  # fmt: skip
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="state directory (embedded PostgreSQL, local objects); "
+        "default $CONTROLLER_DATA_DIR or ./controller-data",
+    )
+    p.add_argument(
+        "--database-url",
+        default=os.environ.get("CONTROLLER_DATABASE_URL"),
+        help="PostgreSQL URL; without it an embedded cluster under the data dir is used",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -123,8 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=10,
         )
         server = uvicorn.Server(config)
-        print(f"controller listening on http://{args.listen} (storage: {settings.storage})",
-              flush=True)  # fmt: skip
+        print(
+            f"controller listening on http://{args.listen} (storage: {settings.storage})",
+            flush=True,
+        )
         # uvicorn handles SIGTERM/SIGINT itself, shuts down gracefully and then
         # re-raises the signal; these handlers absorb that re-raise so the
         # embedded cluster is stopped by `database()` and we exit 0.
@@ -152,7 +161,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from controller.db import make_pool
 
     if not args.now:
-        raise admin.AdminError("gc runs inside `controller serve`; use `controller gc --now` for one sweep")
+        raise admin.AdminError(
+            "gc runs inside `controller serve`; use `controller gc --now` for one sweep"
+        )
     settings = settings_from(args)
 
     async def sweep(url: str) -> dict[str, int]:
@@ -172,7 +183,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 # --- admin -------------------------------------------------------------------
 
 
-def emit(args: argparse.Namespace, data: dict[str, Any], text: Callable[[dict[str, Any]], str] | None = None) -> None:
+def emit(
+    args: argparse.Namespace,
+    data: dict[str, Any],
+    text: Callable[[dict[str, Any]], str] | None = None,
+) -> None:
     if getattr(args, "json", False):
         print(json.dumps(data))
     elif text is not None:
@@ -201,9 +216,16 @@ def cmd_admin(args: argparse.Namespace) -> int:
         elif a == "create-task":
             out = admin.create_owner(url, "tasks", args.company, args.title, project=args.project)
         elif a == "start-run":
-            out = admin.start_run(url, args.company, agent=args.agent, task=args.task,
-                                  project=args.project, user=args.user, sandbox=args.sandbox,
-                                  home=args.home)  # fmt: skip
+            out = admin.start_run(
+                url,
+                args.company,
+                agent=args.agent,
+                task=args.task,
+                project=args.project,
+                user=args.user,
+                sandbox=args.sandbox,
+                home=args.home,
+            )
         elif a == "end-run":
             out = admin.end_run(url, args.run)
         else:  # pragma: no cover - argparse restricts choices
@@ -224,10 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--s3-endpoint")
     serve.add_argument("--s3-bucket")
     serve.add_argument("--s3-region")
-    serve.add_argument("--gc-delay", type=float, metavar="SECONDS",
-                       help="delay before superseded/purged objects may be deleted (default 86400)")  # fmt: skip
-    serve.add_argument("--gc-interval", type=float, metavar="SECONDS",
-                       help="seconds between GC sweeps, 0 disables (default 180)")  # fmt: skip
+    serve.add_argument(
+        "--gc-delay",
+        type=float,
+        metavar="SECONDS",
+        help="delay before superseded/purged objects may be deleted (default 86400)",
+    )
+    serve.add_argument(
+        "--gc-interval",
+        type=float,
+        metavar="SECONDS",
+        help="seconds between GC sweeps, 0 disables (default 180)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     mig = sub.add_parser("migrate", help="apply database migrations")

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from controller.storage.base import StorageProvider, object_key
@@ -47,7 +48,7 @@ SELECT EXISTS (
 
 
 async def sweep_once(
-    pool: AsyncConnectionPool, storage: StorageProvider, *, batch: int = 500
+    pool: AsyncConnectionPool[AsyncConnection[Any]], storage: StorageProvider, *, batch: int = 500
 ) -> SweepReport:
     report = SweepReport()
     while True:
@@ -66,7 +67,9 @@ async def sweep_once(
             try:
                 outcome = await _collect(pool, storage, entry)
             except Exception:
-                log.exception("GC of %s/%s failed; will retry", entry["company_id"], entry["digest"])
+                log.exception(
+                    "GC of %s/%s failed; will retry", entry["company_id"], entry["digest"]
+                )
                 report.failed += 1
                 continue
             if outcome == "deleted":
@@ -77,7 +80,9 @@ async def sweep_once(
             return report
 
 
-async def _collect(pool: AsyncConnectionPool, storage: StorageProvider, entry: dict[str, Any]) -> str:
+async def _collect(
+    pool: AsyncConnectionPool[AsyncConnection[Any]], storage: StorageProvider, entry: dict[str, Any]
+) -> str:
     company, digest = str(entry["company_id"]), entry["digest"]
     async with pool.connection() as conn, conn.transaction():
         await conn.execute(
@@ -106,7 +111,9 @@ async def _collect(pool: AsyncConnectionPool, storage: StorageProvider, entry: d
     return outcome
 
 
-async def run_sweeper(pool: AsyncConnectionPool, storage: StorageProvider, interval: float) -> None:
+async def run_sweeper(
+    pool: AsyncConnectionPool[AsyncConnection[Any]], storage: StorageProvider, interval: float
+) -> None:
     """Sweep every ``interval`` seconds until cancelled; a failed sweep is retried next time."""
     while True:
         try:

@@ -116,12 +116,15 @@ class EmbeddedPostgres:
         log.info("initializing embedded PostgreSQL cluster in %s", self.pgdata)
         self._run(
             str(self.bindir / "initdb"),
-            "-D", str(self.pgdata),
-            "-U", DB_USER,
+            "-D",
+            str(self.pgdata),
+            "-U",
+            DB_USER,
             "--auth=trust",
-            "-E", "UTF8",
+            "-E",
+            "UTF8",
             "--locale=C.UTF-8",
-        )  # fmt: skip
+        )
 
     def running(self) -> bool:
         proc = subprocess.run(
@@ -144,9 +147,17 @@ class EmbeddedPostgres:
             )
             self._run(
                 str(self.bindir / "pg_ctl"),
-                "start", "-D", str(self.pgdata), "-w", "-t", "60",
-                "-l", str(self.logfile), "-o", opts,
-            )  # fmt: skip
+                "start",
+                "-D",
+                str(self.pgdata),
+                "-w",
+                "-t",
+                "60",
+                "-l",
+                str(self.logfile),
+                "-o",
+                opts,
+            )
         self._ensure_database()
 
     def _ensure_database(self) -> None:
@@ -154,10 +165,14 @@ class EmbeddedPostgres:
 
         admin_url = f"postgresql://{DB_USER}@/postgres?host={self.sockdir}"
         with psycopg.connect(admin_url, autocommit=True) as conn:
-            row = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)).fetchone()
+            row = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)
+            ).fetchone()
             if row is None:
                 conn.execute(f"CREATE DATABASE {DB_NAME}")
 
     def stop(self) -> None:
         if self.initialized() and self.running():
-            self._run(str(self.bindir / "pg_ctl"), "stop", "-D", str(self.pgdata), "-m", "fast", "-w")
+            self._run(
+                str(self.bindir / "pg_ctl"), "stop", "-D", str(self.pgdata), "-m", "fast", "-w"
+            )

@@ -39,7 +39,10 @@ def controller(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
 def tenant(controller: ControllerProcess) -> Tenant:
     """A fresh company and owner for one test, so tests never see each other's rows."""
     out = controller.admin(
-        "bootstrap", "--company-name", f"co-{uuid.uuid4().hex[:8]}",
-        "--email", f"owner-{uuid.uuid4().hex[:10]}@example.com",
-    )  # fmt: skip
+        "bootstrap",
+        "--company-name",
+        f"co-{uuid.uuid4().hex[:8]}",
+        "--email",
+        f"owner-{uuid.uuid4().hex[:10]}@example.com",
+    )
     return Tenant(controller, out["company_id"], out["user_id"], out["token"])

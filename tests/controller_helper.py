@@ -81,12 +81,27 @@ class ControllerProcess:
         self.log_path = self.data_dir / f"controller-{self.port}.log"
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", "serve",
-             "--database-url", self.database_url, "--data-dir", str(self.data_dir),
-             "--listen", f"127.0.0.1:{self.port}", "--gc-delay", "0", "--gc-interval", "0",
-             *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "controller.cli",
+                "serve",
+                "--database-url",
+                self.database_url,
+                "--data-dir",
+                str(self.data_dir),
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--gc-delay",
+                "0",
+                "--gc-interval",
+                "0",
+                *self.extra_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -121,8 +136,9 @@ class ControllerProcess:
         """Run a `controller` subcommand in-process against this database."""
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = controller_main([*args, "--database-url", self.database_url,
-                                    "--data-dir", str(self.data_dir)])  # fmt: skip
+            code = controller_main(
+                [*args, "--database-url", self.database_url, "--data-dir", str(self.data_dir)]
+            )
         return code, out.getvalue(), err.getvalue()
 
     def admin(self, *args: str) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-import pytest
 
 from common.limits import MAX_FILE_BYTES, MAX_PREVIEW_BYTES
 from tests.controller_helper import ControllerProcess, Tenant
@@ -20,7 +19,9 @@ OCTET = {"Content-Type": "application/octet-stream"}
 
 
 def put(c: httpx.Client, folder: str, path: str, data: bytes, **headers: str) -> httpx.Response:
-    return c.put(f"{folder}/content", params={"path": path}, content=data, headers={**OCTET, **headers})
+    return c.put(
+        f"{folder}/content", params={"path": path}, content=data, headers={**OCTET, **headers}
+    )
 
 
 def op(c: httpx.Client, folder: str, body: dict[str, object], **headers: str) -> httpx.Response:
@@ -51,8 +52,13 @@ def spool_files(ctl: ControllerProcess) -> list[Path]:
 def test_put_then_get_round_trip_with_headers(tenant: Tenant) -> None:
     data = os.urandom(300_000)
     with tenant.client() as c:
-        r = put(c, tenant.my_folder, "dir/sub/data.bin", data,
-                **{"X-File-Content-Type": "image/png", "X-File-Executable": "true"})  # fmt: skip
+        r = put(
+            c,
+            tenant.my_folder,
+            "dir/sub/data.bin",
+            data,
+            **{"X-File-Content-Type": "image/png", "X-File-Executable": "true"},
+        )
         assert r.status_code == 201, r.text
         f = r.json()["file"]
         assert f["byteSize"] == len(data)
@@ -111,8 +117,12 @@ def test_content_errors(tenant: Tenant) -> None:
         assert r.status_code == 404 and r.json()["code"] == "file_not_found"
         r = c.get(f"{tenant.my_folder}/content", params={"path": "d"})
         assert r.status_code == 400 and r.json()["code"] == "is_directory"
-        r = c.put(f"{tenant.my_folder}/content", params={"path": "t.txt"}, content=b"x",
-                  headers={"Content-Type": "text/plain"})  # fmt: skip
+        r = c.put(
+            f"{tenant.my_folder}/content",
+            params={"path": "t.txt"},
+            content=b"x",
+            headers={"Content-Type": "text/plain"},
+        )
         assert r.status_code == 400 and r.json()["error"] == "Validation error"
         r = put(c, tenant.my_folder, "t.txt", b"x", **{"X-File-Content-Type": "a" * 257})
         assert r.status_code == 400
@@ -149,7 +159,10 @@ def test_idempotent_retry_and_conflicting_reuse(tenant: Tenant) -> None:
         # Operations honour keys as well.
         k2 = {"Idempotency-Key": "op-2"}
         assert op(c, tenant.my_folder, {"action": "mkdir", "path": "m"}, **k2).json()["applied"]
-        assert op(c, tenant.my_folder, {"action": "mkdir", "path": "m"}, **k2).json()["applied"] is False
+        assert (
+            op(c, tenant.my_folder, {"action": "mkdir", "path": "m"}, **k2).json()["applied"]
+            is False
+        )
         r = op(c, tenant.my_folder, {"action": "delete", "path": "m"}, **k2)
         assert r.status_code == 409
 
@@ -166,8 +179,10 @@ def test_stale_retry_cannot_overwrite_newer_content(tenant: Tenant) -> None:
 
 def test_versions_increase_and_last_write_wins(tenant: Tenant) -> None:
     with tenant.client() as c:
-        versions = [put(c, tenant.my_folder, "v", str(i).encode()).json()["file"]["version"]
-                    for i in range(5)]  # fmt: skip
+        versions = [
+            put(c, tenant.my_folder, "v", str(i).encode()).json()["file"]["version"]
+            for i in range(5)
+        ]
         assert versions == sorted(versions) and len(set(versions)) == 5
         assert c.get(f"{tenant.my_folder}/content", params={"path": "v"}).content == b"4"
 
@@ -190,28 +205,30 @@ def test_concurrent_writes_leave_one_current_row(tenant: Tenant) -> None:
     winner = payloads[versions.index(max(versions))]
     assert digest == hashlib.sha256(winner).hexdigest()
     with tenant.client() as c:
-        assert c.get(f"{tenant.my_folder}/content", params={"path": "hot/path.txt"}).content == winner
+        assert (
+            c.get(f"{tenant.my_folder}/content", params={"path": "hot/path.txt"}).content == winner
+        )
 
 
 def test_parent_file_child_file_race(tenant: Tenant) -> None:
     for attempt in range(6):
         base = f"race{attempt}"
 
-        def as_file() -> int:
+        def write(path: str, data: bytes) -> int:
             with tenant.client() as c:
-                return put(c, tenant.my_folder, base, b"file").status_code
-
-        def as_parent() -> int:
-            with tenant.client() as c:
-                return put(c, tenant.my_folder, f"{base}/child", b"child").status_code
+                return put(c, tenant.my_folder, path, data).status_code
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            a, b = pool.submit(as_file), pool.submit(as_parent)
+            a = pool.submit(write, base, b"file")
+            b = pool.submit(write, f"{base}/child", b"child")
             codes = sorted([a.result(), b.result()])
         assert codes == [201, 409]
         with tenant.client() as c:
-            paths = {e["path"]: e["kind"] for e in listing(c, tenant.my_folder)
-                     if str(e["path"]).startswith(base)}  # fmt: skip
+            paths = {
+                e["path"]: e["kind"]
+                for e in listing(c, tenant.my_folder)
+                if str(e["path"]).startswith(base)
+            }
         assert paths in ({base: "file"}, {base: "directory", f"{base}/child": "file"})
 
 
@@ -237,8 +254,13 @@ def test_subtree_delete_restore_and_collision(tenant: Tenant) -> None:
         r = op(c, tenant.my_folder, {"action": "delete", "path": "proj"})
         assert r.status_code == 200
         trashed = r.json()["files"]
-        assert {f["path"] for f in trashed} == {"proj", "proj/a.txt", "proj/src", "proj/src/b.txt",
-                                                "proj/src/c.txt"}  # fmt: skip
+        assert {f["path"] for f in trashed} == {
+            "proj",
+            "proj/a.txt",
+            "proj/src",
+            "proj/src/b.txt",
+            "proj/src/c.txt",
+        }
         assert len({f["deletedAt"] for f in trashed}) == 1
         assert [e["path"] for e in listing(c, tenant.my_folder)] == ["other.txt"]
         trash = listing(c, tenant.my_folder, trash="true")
@@ -249,7 +271,10 @@ def test_subtree_delete_restore_and_collision(tenant: Tenant) -> None:
         put(c, tenant.my_folder, "proj/src/b.txt", b"squatter")
         r = op(c, tenant.my_folder, {"action": "restore", "fileId": root_id})
         assert r.status_code == 409 and r.json()["code"] == "restore_collision"
-        assert c.get(f"{tenant.my_folder}/content", params={"path": "proj/src/b.txt"}).content == b"squatter"
+        assert (
+            c.get(f"{tenant.my_folder}/content", params={"path": "proj/src/b.txt"}).content
+            == b"squatter"
+        )
         assert len(listing(c, tenant.my_folder, trash="true")) == 5
 
         op(c, tenant.my_folder, {"action": "delete", "path": "proj"})
@@ -274,7 +299,13 @@ def test_subtree_delete_does_not_touch_prefix_siblings(tenant: Tenant) -> None:
             put(c, tenant.my_folder, p, b"1")
         op(c, tenant.my_folder, {"action": "delete", "path": "a"})
         assert sorted(e["path"] for e in listing(c, tenant.my_folder)) == [
-            "a%", "a%/w", "a_b", "a_b/z", "ab", "ab/y"]  # fmt: skip
+            "a%",
+            "a%/w",
+            "a_b",
+            "a_b/z",
+            "ab",
+            "ab/y",
+        ]
 
 
 def test_purge_then_gc_removes_object_but_never_a_referenced_one(tenant: Tenant) -> None:
@@ -332,8 +363,13 @@ def test_pagination_is_stable_and_complete(tenant: Tenant) -> None:
             if cursor is None:
                 break
         assert seen == [f"d{i:02d}" for i in range(25)]
-        for bad in ({"limit": "0"}, {"limit": "1001"}, {"limit": "x"}, {"cursor": "!!"},
-                    {"trash": "yes"}):  # fmt: skip
+        for bad in (
+            {"limit": "0"},
+            {"limit": "1001"},
+            {"limit": "x"},
+            {"cursor": "!!"},
+            {"trash": "yes"},
+        ):
             r = c.get(tenant.my_folder + "/", params=bad)
             assert r.status_code == 400, bad
             assert r.json()["error"] == "Validation error"
@@ -378,7 +414,9 @@ def test_interrupted_upload_publishes_nothing(tenant: Tenant) -> None:
         time.sleep(0.05)
     assert spool_files(ctl) == []
     with tenant.client() as c:
-        assert c.get(f"{tenant.my_folder}/content", params={"path": "partial.bin"}).status_code == 404
+        assert (
+            c.get(f"{tenant.my_folder}/content", params={"path": "partial.bin"}).status_code == 404
+        )
         assert listing(c, tenant.my_folder) == []
 
 
@@ -413,8 +451,12 @@ def test_oversize_upload_rejected_early_and_publishes_nothing(tenant: Tenant) ->
                 yield chunk
 
         try:
-            r = c.put(f"{tenant.my_folder}/content", params={"path": "huge"},
-                      headers=OCTET, content=body())  # fmt: skip
+            r = c.put(
+                f"{tenant.my_folder}/content",
+                params={"path": "huge"},
+                headers=OCTET,
+                content=body(),
+            )
             assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
         except httpx.HTTPError:
             pass  # the server may close the connection as soon as it answers 413

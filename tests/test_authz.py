@@ -26,8 +26,12 @@ def test_private_user_folder_is_invisible_to_other_members(tenant: Tenant) -> No
             ("GET", tenant.my_folder + "/content?path=secret.txt", {}),
             ("GET", tenant.my_folder + "/sync", {}),
             ("PUT", tenant.my_folder + "/content?path=x", {"content": b"x", "headers": OCTET}),
-            ("POST", tenant.my_folder + "/operations", {"json": {"action": "delete", "path": "secret.txt"}}),
-        ]:  # fmt: skip
+            (
+                "POST",
+                tenant.my_folder + "/operations",
+                {"json": {"action": "delete", "path": "secret.txt"}},
+            ),
+        ]:
             r = other.request(method, url, **kw)  # type: ignore[arg-type]
             assert r.status_code == 404, (method, url, r.text)
             assert r.json() == NOT_FOUND
@@ -92,8 +96,13 @@ def test_owner_must_exist_in_company(tenant: Tenant) -> None:
 def test_bad_tokens_and_auth_headers(tenant: Tenant) -> None:
     url = tenant.controller.url + tenant.my_folder + "/"
     assert httpx.get(url).status_code == 401
-    for header in ("Bearer", "Basic abc", "Bearer fsa_u_wrong", "token xyz",
-                   f"Bearer {tenant.token}x"):  # fmt: skip
+    for header in (
+        "Bearer",
+        "Basic abc",
+        "Bearer fsa_u_wrong",
+        "token xyz",
+        f"Bearer {tenant.token}x",
+    ):
         r = httpx.get(url, headers={"Authorization": header})
         assert r.status_code == 401, header
         assert r.json()["code"] == "unauthenticated"
@@ -129,8 +138,16 @@ def test_malformed_operation_bodies(tenant: Tenant) -> None:
             r = c.post(url, json=body)
             assert r.status_code == 400, body
             assert r.json()["error"] == "Validation error"
-        assert c.post(url, content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
-        assert c.post(url, content=b"[]", headers={"Content-Type": "application/json"}).status_code == 400
+        assert (
+            c.post(
+                url, content=b"{not json", headers={"Content-Type": "application/json"}
+            ).status_code
+            == 400
+        )
+        assert (
+            c.post(url, content=b"[]", headers={"Content-Type": "application/json"}).status_code
+            == 400
+        )
         assert c.post(url, content=b"{}", headers={"Content-Type": "text/plain"}).status_code == 400
         assert c.get(tenant.my_folder + "/").json()["entries"] == []
 
@@ -141,8 +158,9 @@ def test_run_token_scopes(tenant: Tenant) -> None:
     task = ctl.admin("create-task", tenant.company_id, project, "t")["id"]
     agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
     other_agent = ctl.admin("create-agent", tenant.company_id, "b")["id"]
-    run = ctl.admin("start-run", tenant.company_id, "--agent", agent, "--task", task,
-                    "--user", tenant.user_id)  # fmt: skip
+    run = ctl.admin(
+        "start-run", tenant.company_id, "--agent", agent, "--task", task, "--user", tenant.user_id
+    )
     with tenant.client(run["token"]) as c:
         assert put(c, tenant.folder("agent", agent), "notes.md", b"n").status_code == 201
         assert put(c, tenant.folder("task", task), "out.txt", b"o").status_code == 201

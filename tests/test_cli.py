@@ -13,7 +13,13 @@ import psycopg
 import pytest
 
 from controller.pgembed import EmbeddedPostgres
-from tests.controller_helper import REPO, ControllerProcess, PgCluster, free_port, world_searchable_tmpdir
+from tests.controller_helper import (
+    REPO,
+    ControllerProcess,
+    PgCluster,
+    free_port,
+    world_searchable_tmpdir,
+)
 
 
 def test_admin_commands_and_errors(controller: ControllerProcess) -> None:
@@ -30,7 +36,12 @@ def test_admin_commands_and_errors(controller: ControllerProcess) -> None:
         assert all(boot["token"].encode() not in t for t in tokens)
         assert all(len(t) == 32 for t in tokens)
     user = controller.admin("create-user", "second@example.com")
-    assert controller.admin("add-member", boot["company_id"], user["user_id"], "--role", "viewer")["role"] == "viewer"
+    assert (
+        controller.admin("add-member", boot["company_id"], user["user_id"], "--role", "viewer")[
+            "role"
+        ]
+        == "viewer"
+    )
     project = controller.admin("create-project", boot["company_id"], "Proj")["id"]
     task = controller.admin("create-task", boot["company_id"], project, "Do it")["id"]
     agent = controller.admin("create-agent", boot["company_id"], "Bot")["id"]
@@ -56,17 +67,29 @@ def test_admin_commands_and_errors(controller: ControllerProcess) -> None:
 def test_start_run_fences_older_lease(controller: ControllerProcess) -> None:
     boot = controller.admin("bootstrap", "--email", "runner@example.com")
     agent = controller.admin("create-agent", boot["company_id"], "a")["id"]
-    first = controller.admin("start-run", boot["company_id"], "--agent", agent, "--sandbox", "box-1",
-                             "--user", boot["user_id"])  # fmt: skip
-    second = controller.admin("start-run", boot["company_id"], "--agent", agent, "--sandbox", "box-1")
+    first = controller.admin(
+        "start-run",
+        boot["company_id"],
+        "--agent",
+        agent,
+        "--sandbox",
+        "box-1",
+        "--user",
+        boot["user_id"],
+    )
+    second = controller.admin(
+        "start-run", boot["company_id"], "--agent", agent, "--sandbox", "box-1"
+    )
     assert second["lease_epoch"] == first["lease_epoch"] + 1
     assert first["env"]["PAPERCLIP_USER_DIR"].endswith("/user")
     assert "PAPERCLIP_TASK_DIR" not in first["env"] and "AGENT_HOME" in first["env"]
     with controller.db() as conn:
-        active = dict(conn.execute(
-            "SELECT id::text, active FROM runs WHERE id = ANY(%s::uuid[])",
-            ([first["run_id"], second["run_id"]],),
-        ).fetchall())  # fmt: skip
+        active = dict(
+            conn.execute(
+                "SELECT id::text, active FROM runs WHERE id = ANY(%s::uuid[])",
+                ([first["run_id"], second["run_id"]],),
+            ).fetchall()
+        )
     assert active == {first["run_id"]: False, second["run_id"]: True}
     ended = controller.admin("end-run", second["run_id"])
     assert ended["active"] is False
@@ -87,26 +110,50 @@ def test_serve_with_embedded_postgres_starts_and_stops_cleanly() -> None:
     data = world_searchable_tmpdir("fsa-embedded-")
     port = free_port()
     boot = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "admin", "bootstrap", "--data-dir", str(data), "--json"],
-        capture_output=True, text=True, cwd=REPO, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "controller.cli",
+            "admin",
+            "bootstrap",
+            "--data-dir",
+            str(data),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
     token = json.loads(boot.stdout)["token"]
     pg = EmbeddedPostgres(data)
     assert pg.initialized() and not pg.running()  # admin stopped the cluster it started
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "serve", "--data-dir", str(data),
-         "--listen", f"127.0.0.1:{port}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "controller.cli",
+            "serve",
+            "--data-dir",
+            str(data),
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/companies/"
-                              f"{json.loads(boot.stdout)['company_id']}/work-folders/user/"
-                              f"{json.loads(boot.stdout)['user_id']}/",
-                              headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+                r = httpx.get(
+                    f"http://127.0.0.1:{port}/api/companies/"
+                    f"{json.loads(boot.stdout)['company_id']}/work-folders/user/"
+                    f"{json.loads(boot.stdout)['user_id']}/",
+                    headers={"Authorization": f"Bearer {token}"},
+                )
                 assert r.status_code == 200, r.text
                 break
             except httpx.ConnectError:
@@ -131,8 +178,14 @@ def test_openapi_document(controller: ControllerProcess) -> None:
     doc = httpx.get(controller.url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.")
     base = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}"
-    for suffix, method in [("", "get"), ("/content", "get"), ("/content", "put"),
-                           ("/operations", "post"), ("/sync", "get"), ("/refresh", "post")]:  # fmt: skip
+    for suffix, method in [
+        ("", "get"),
+        ("/content", "get"),
+        ("/content", "put"),
+        ("/operations", "post"),
+        ("/sync", "get"),
+        ("/refresh", "post"),
+    ]:
         assert method in doc["paths"][base + suffix]
 
 

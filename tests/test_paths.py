@@ -16,8 +16,18 @@ from common.limits import RESERVED_SEGMENT
 from common.paths import check_segment, decode_fs_name, validate_path
 from tests.controller_helper import Tenant
 
-GOOD = ["a", "a/b/c.txt", "名前/ファイル.md", "x" * 255, "/".join(["d"] * 300)[:1023], "a b/c%_d",
-        "é", ".hidden", "..dots", "a..b"]  # fmt: skip
+GOOD = [
+    "a",
+    "a/b/c.txt",
+    "名前/ファイル.md",
+    "x" * 255,
+    "/".join(["d"] * 300)[:1023],
+    "a b/c%_d",
+    "é",
+    ".hidden",
+    "..dots",
+    "a..b",
+]
 BAD = {
     "": "empty",
     "/abs": "absolute",
@@ -53,7 +63,7 @@ def test_invalid_paths_are_rejected_with_a_reason(path: str, reason: str) -> Non
 
 
 def test_fs_names() -> None:
-    assert decode_fs_name("ok.txt".encode()) == "ok.txt"
+    assert decode_fs_name(b"ok.txt") == "ok.txt"
     for raw in (b"\xff\xfe", b"..", RESERVED_SEGMENT.encode(), "e\u0301".encode()):
         with pytest.raises(InvalidPath):
             decode_fs_name(raw)
@@ -71,10 +81,11 @@ def hostile_paths() -> st.SearchStrategy[str]:
     return st.one_of(
         joined,
         joined.map(lambda p: "/" + p),
-        joined.map(lambda p: p + "/../.." ),
+        joined.map(lambda p: p + "/../.."),
         st.text(min_size=1025, max_size=1100),
-        st.text(alphabet=st.characters(min_codepoint=0x300, max_codepoint=0x36F), min_size=1, max_size=3)
-        .map(lambda marks: "a" + marks),
+        st.text(
+            alphabet=st.characters(min_codepoint=0x300, max_codepoint=0x36F), min_size=1, max_size=3
+        ).map(lambda marks: "a" + marks),
     )
 
 
@@ -90,7 +101,9 @@ def snapshot(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(path=hostile_paths())
 def test_hostile_paths_are_rejected_by_the_controller(tenant: Tenant, path: str) -> None:
     """Whatever the path, the controller answers 400 or writes inside its own folder."""
@@ -99,8 +112,12 @@ def test_hostile_paths_are_rejected_by_the_controller(tenant: Tenant, path: str)
     before_tmp = set(os.listdir(outside))
     before_data = snapshot(ctl.data_dir)
     with tenant.client() as c:
-        r = c.put(f"{tenant.my_folder}/content", params={"path": path}, content=b"payload",
-                  headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+        r = c.put(
+            f"{tenant.my_folder}/content",
+            params={"path": path},
+            content=b"payload",
+            headers={"Content-Type": "application/octet-stream"},
+        )
         expected_valid = _is_valid(path) and unicodedata.is_normalized("NFC", path)
         if not expected_valid:
             assert r.status_code == 400, (path, r.status_code, r.text)
@@ -125,8 +142,15 @@ def test_hostile_path_query_strings(tenant: Tenant) -> None:
     """Raw query strings with encoded traversal and duplicates are refused."""
     base = tenant.controller.url + tenant.my_folder + "/content"
     headers = {"Authorization": f"Bearer {tenant.token}"}
-    for qs in ("path=%2e%2e%2fetc", "path=%2Fetc%2Fpasswd", "path=a%00b", "path=a&path=b", "",
-               "path=a%5Cb", "path=%C3%28"):  # fmt: skip
+    for qs in (
+        "path=%2e%2e%2fetc",
+        "path=%2Fetc%2Fpasswd",
+        "path=a%00b",
+        "path=a&path=b",
+        "",
+        "path=a%5Cb",
+        "path=%C3%28",
+    ):
         r = httpx.get(f"{base}?{qs}", headers=headers)
         assert r.status_code == 400, qs
 

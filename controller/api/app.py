@@ -52,6 +52,7 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
     database_url = settings.database_url
     assert database_url is not None
     pool = make_pool(database_url)
+    settings.spool_dir.mkdir(parents=True, exist_ok=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -70,7 +71,7 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
                     await sweeper
             await pool.close()
 
-    from controller.api import bridge  # noqa: PLC0415 - bridge imports app-level helpers
+    from controller.api import bridge
 
     app = Starlette(
         routes=[

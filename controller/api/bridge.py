@@ -17,7 +17,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common.bridge import MANIFEST_PAGE_MAX, PREFIX
-from common.errors import NotFound, RangeNotSatisfiable, Unauthenticated, ValidationError, WorkFolderError
+from common.errors import (
+    NotFound,
+    RangeNotSatisfiable,
+    Unauthenticated,
+    ValidationError,
+    WorkFolderError,
+)
 from common.paths import validate_scope
 from controller import apply
 from controller.api.common import authenticate, connection, json_errors
@@ -69,7 +75,9 @@ def manifest_entry(row: dict[str, Any]) -> dict[str, Any]:
 def int_param(request: Request, name: str, default: int, maximum: int | None = None) -> int:
     raw = request.query_params.get(name, str(default))
     if not raw.isdigit() or (maximum is not None and not 1 <= int(raw) <= maximum):
-        raise ValidationError.single(name, "invalid_integer", f"{name} must be a non-negative integer")
+        raise ValidationError.single(
+            name, "invalid_integer", f"{name} must be a non-negative integer"
+        )
     return int(raw)
 
 
@@ -113,10 +121,11 @@ async def get_manifest(request: Request) -> Response:
             raise ResyncRequired()
         deleted_clause = "" if since > 0 else " AND deleted_at IS NULL"
         cur = await conn.execute(
-            "SELECT * FROM files WHERE folder_id = %s AND version > %s" + deleted_clause +
-            " ORDER BY version LIMIT %s",
+            "SELECT * FROM files WHERE folder_id = %s AND version > %s"
+            + deleted_clause
+            + " ORDER BY version LIMIT %s",
             (folder.id, since, limit + 1),
-        )  # fmt: skip
+        )
         rows = list(await cur.fetchall())
     next_since = None
     if len(rows) > limit:
@@ -135,7 +144,9 @@ async def get_manifest(request: Request) -> Response:
 async def get_object(request: Request) -> Response:
     digest = request.path_params["digest"]
     if not _DIGEST.match(digest):
-        raise ValidationError.single("digest", "invalid_digest", "digest must be lower-case hex SHA-256")
+        raise ValidationError.single(
+            "digest", "invalid_digest", "digest must be lower-case hex SHA-256"
+        )
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         folder = await bound_folder(request, conn, run)

@@ -23,14 +23,32 @@ _ERRORS = {
 }
 
 _FOLDER_PARAMS = [
-    {"name": "companyId", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}},
-    {"name": "scope", "in": "path", "required": True,
-     "schema": {"type": "string", "enum": ["task", "agent", "user", "project"]}},
-    {"name": "ownerId", "in": "path", "required": True,
-     "schema": {"type": "string", "minLength": 1, "maxLength": 256}},
-]  # fmt: skip
+    {
+        "name": "companyId",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "format": "uuid"},
+    },
+    {
+        "name": "scope",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "enum": ["task", "agent", "user", "project"]},
+    },
+    {
+        "name": "ownerId",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "minLength": 1, "maxLength": 256},
+    },
+]
 
-_PATH_Q = {"name": "path", "in": "query", "required": True, "schema": {"type": "string", "maxLength": 1024}}
+_PATH_Q = {
+    "name": "path",
+    "in": "query",
+    "required": True,
+    "schema": {"type": "string", "maxLength": 1024},
+}
 
 
 def document() -> dict[str, Any]:
@@ -81,30 +99,45 @@ def document() -> dict[str, Any]:
                     "parameters": [
                         {"name": "trash", "in": "query", "schema": {"type": "boolean"}},
                         {"name": "cursor", "in": "query", "schema": {"type": "string"}},
-                        {"name": "limit", "in": "query",
-                         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_LIMIT}},
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_LIMIT},
+                        },
                         {"name": "dir", "in": "query", "schema": {"type": "string"}},
-                    ],  # fmt: skip
+                    ],
                     "responses": {
-                        "200": _resp("A page of entries", {
-                            "type": "object",
-                            "properties": {
-                                "entries": {"type": "array", "items": {"$ref": "#/components/schemas/Entry"}},
-                                "nextCursor": {"type": ["string", "null"]},
-                                "lastOperationAt": {"type": ["string", "null"]},
+                        "200": _resp(
+                            "A page of entries",
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "entries": {
+                                        "type": "array",
+                                        "items": {"$ref": "#/components/schemas/Entry"},
+                                    },
+                                    "nextCursor": {"type": ["string", "null"]},
+                                    "lastOperationAt": {"type": ["string", "null"]},
+                                },
                             },
-                        }),
+                        ),
                         **_ERRORS,
-                    },  # fmt: skip
+                    },
                 },
             },
             base + "/content": {
                 "parameters": _FOLDER_PARAMS,
                 "get": {
                     "summary": "Download (or preview, at most 8 MiB) a file; supports Range",
-                    "parameters": [_PATH_Q, {"name": "preview", "in": "query", "schema": {"type": "boolean"}}],
+                    "parameters": [
+                        _PATH_Q,
+                        {"name": "preview", "in": "query", "schema": {"type": "boolean"}},
+                    ],
                     "responses": {
-                        "200": {"description": "File bytes", "content": {"application/octet-stream": {}}},
+                        "200": {
+                            "description": "File bytes",
+                            "content": {"application/octet-stream": {}},
+                        },
                         "206": {"description": "Partial content"},
                         "413": _resp("Preview larger than 8 MiB", _ERROR),
                         "416": _resp("Range not satisfiable", _ERROR),
@@ -115,13 +148,29 @@ def document() -> dict[str, Any]:
                     "summary": "Upload a file (raw body, at most 1 GiB)",
                     "parameters": [
                         _PATH_Q,
-                        {"name": "Idempotency-Key", "in": "header", "schema": {"type": "string", "maxLength": 256}},
-                        {"name": "X-File-Content-Type", "in": "header", "schema": {"type": "string", "maxLength": 256}},
-                        {"name": "X-File-Executable", "in": "header", "schema": {"type": "string", "enum": ["true", "false"]}},
-                    ],  # fmt: skip
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "schema": {"type": "string", "maxLength": 256},
+                        },
+                        {
+                            "name": "X-File-Content-Type",
+                            "in": "header",
+                            "schema": {"type": "string", "maxLength": 256},
+                        },
+                        {
+                            "name": "X-File-Executable",
+                            "in": "header",
+                            "schema": {"type": "string", "enum": ["true", "false"]},
+                        },
+                    ],
                     "requestBody": {
                         "required": True,
-                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+                        "content": {
+                            "application/octet-stream": {
+                                "schema": {"type": "string", "format": "binary"}
+                            }
+                        },
                     },
                     "responses": {
                         "200": _resp("Replaced, or an idempotent replay (applied: false)"),
@@ -136,13 +185,33 @@ def document() -> dict[str, Any]:
                 "parameters": _FOLDER_PARAMS,
                 "post": {
                     "summary": "mkdir, delete (to trash), restore or purge",
-                    "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                        "oneOf": [
-                            {"type": "object", "required": ["action", "path"],
-                             "properties": {"action": {"enum": ["mkdir", "delete"]}, "path": {"type": "string"}}},
-                            {"type": "object", "required": ["action", "fileId"],
-                             "properties": {"action": {"enum": ["restore", "purge"]}, "fileId": {"type": "string"}}},
-                        ]}}}},  # fmt: skip
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "oneOf": [
+                                        {
+                                            "type": "object",
+                                            "required": ["action", "path"],
+                                            "properties": {
+                                                "action": {"enum": ["mkdir", "delete"]},
+                                                "path": {"type": "string"},
+                                            },
+                                        },
+                                        {
+                                            "type": "object",
+                                            "required": ["action", "fileId"],
+                                            "properties": {
+                                                "action": {"enum": ["restore", "purge"]},
+                                                "fileId": {"type": "string"},
+                                            },
+                                        },
+                                    ]
+                                }
+                            }
+                        },
+                    },
                     "responses": {
                         "200": _resp("Applied (or idempotent replay)"),
                         "409": _resp("Conflict (kind, parent is file, restore collision)", _ERROR),
@@ -152,9 +221,11 @@ def document() -> dict[str, Any]:
             },
             base + "/sync": {
                 "parameters": _FOLDER_PARAMS,
-                "get": {"summary": "Runs bound to this folder and their save state",
-                        "responses": {"200": _resp("Sync state"), **_ERRORS}},
-            },  # fmt: skip
+                "get": {
+                    "summary": "Runs bound to this folder and their save state",
+                    "responses": {"200": _resp("Sync state"), **_ERRORS},
+                },
+            },
             base + "/refresh": {
                 "parameters": _FOLDER_PARAMS,
                 "post": {
@@ -167,16 +238,27 @@ def document() -> dict[str, Any]:
                 },
             },
             "/api/companies/{companyId}/directory": {
-                "get": {"summary": "Agents, projects, tasks and members of a company",
-                        "responses": {"200": _resp("Directory"), **_ERRORS}},
-            },  # fmt: skip
+                "get": {
+                    "summary": "Agents, projects, tasks and members of a company",
+                    "responses": {"200": _resp("Directory"), **_ERRORS},
+                },
+            },
             "/files/api/session": {
-                "post": {"summary": "Sign in to the Files page with an API token",
-                         "responses": {"200": _resp("Signed in"), "401": _resp("Bad token", _ERROR)}},
+                "post": {
+                    "summary": "Sign in to the Files page with an API token",
+                    "responses": {"200": _resp("Signed in"), "401": _resp("Bad token", _ERROR)},
+                },
                 "get": {"summary": "Current session", "responses": {"200": _resp("Session")}},
-                "delete": {"summary": "Sign out", "responses": {"204": {"description": "Signed out"}}},
-            },  # fmt: skip
-            "/healthz": {"get": {"summary": "Liveness and database check",
-                                 "responses": {"200": _resp("Healthy")}}},  # fmt: skip
+                "delete": {
+                    "summary": "Sign out",
+                    "responses": {"204": {"description": "Signed out"}},
+                },
+            },
+            "/healthz": {
+                "get": {
+                    "summary": "Liveness and database check",
+                    "responses": {"200": _resp("Healthy")},
+                }
+            },
         },
     }

@@ -115,8 +115,10 @@ def decode_cursor(raw: str, keys: set[str]) -> dict[str, Any]:
         data = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
     except (ValueError, binascii.Error, UnicodeDecodeError):
         data = None
-    if not isinstance(data, dict) or set(data) != keys or not all(
-        isinstance(v, str) for v in data.values()
+    if (
+        not isinstance(data, dict)
+        or set(data) != keys
+        or not all(isinstance(v, str) for v in data.values())
     ):
         raise ValidationError.single("cursor", "invalid_cursor", "cursor is not valid")
     return data
@@ -184,8 +186,7 @@ async def list_entries(request: Request) -> Response:
                     where.append("path > %(cp)s")
                     params["cp"] = c["p"]
             cur = await conn.execute(
-                f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY {order}"
-                " LIMIT %(limit)s",
+                f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY {order} LIMIT %(limit)s",
                 params,
             )
             rows = list(await cur.fetchall())
@@ -314,8 +315,7 @@ async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Pat
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Files are limited to {limit} bytes")
-    spool_dir.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=spool_dir, prefix="upload-")
+    fd, name = await asyncio.to_thread(tempfile.mkstemp, dir=spool_dir, prefix="upload-")
     path = Path(name)
     hasher = hashlib.sha256()
     size = 0
@@ -333,7 +333,7 @@ async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Pat
             await asyncio.to_thread(_spool_append, fd, hasher, bytes(buf))
     except BaseException:
         os.close(fd)
-        path.unlink(missing_ok=True)
+        os.unlink(path)
         raise
     os.close(fd)
     return path, size, hasher.hexdigest()
@@ -368,7 +368,9 @@ async def put_content(request: Request) -> Response:
         _, folder, address = await open_folder(request, conn, write=True)
     assert folder is not None
     try:
-        spool, size, digest = await spool_body(request, st.settings.spool_dir, st.settings.max_file_bytes)
+        spool, size, digest = await spool_body(
+            request, st.settings.spool_dir, st.settings.max_file_bytes
+        )
     except ClientDisconnect:
         log.info("upload of %r abandoned by the client; nothing published", path)
         return Response(status_code=400)
@@ -448,14 +450,22 @@ async def post_operations(request: Request) -> Response:
     missing = _OPERATION_FIELDS[action] - set(body)
     if extra or missing:
         raise ValidationError(
-            [{"field": f, "code": "unexpected_field", "message": f"{f} is not allowed"} for f in sorted(extra)]
-            + [{"field": f, "code": "required", "message": f"{f} is required"} for f in sorted(missing)]
+            [
+                {"field": f, "code": "unexpected_field", "message": f"{f} is not allowed"}
+                for f in sorted(extra)
+            ]
+            + [
+                {"field": f, "code": "required", "message": f"{f} is required"}
+                for f in sorted(missing)
+            ]
         )
     async with connection(request) as conn:
         _, folder, _ = await open_folder(request, conn, write=True)
         assert folder is not None
         if action == "mkdir":
-            result = await apply.mkdir(conn, folder, path=validate_path(body["path"]), operation_id=op_id)
+            result = await apply.mkdir(
+                conn, folder, path=validate_path(body["path"]), operation_id=op_id
+            )
         elif action == "delete":
             result = await apply.delete_path(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id
@@ -523,7 +533,7 @@ async def post_refresh(request: Request) -> Response:
     body = await read_json(request)
     run_id = body.get("runId")
     if not isinstance(run_id, str) or set(body) != {"runId"}:
-        raise ValidationError.single("runId", "required", "body must be {\"runId\": <uuid>}")
+        raise ValidationError.single("runId", "required", 'body must be {"runId": <uuid>}')
     run_id = validate_uuid(run_id, "runId")
     async with connection(request) as conn:
         _, _, address = await open_folder(request, conn, write=True)

@@ -1,0 +1,320 @@
+// Entry point of the Files page: session, routing, sign-in and the home view.
+//
+// Routes (all under /files/):
+//   /files/                                  home: "My files" and pickers per company
+//   /files/{companyId}/{scope}/{ownerId}     one work folder (?dir=a/b, ?view=trash)
+
+import {
+  ApiError,
+  companyDirectory,
+  getSession,
+  setCsrfToken,
+  setUnauthenticatedHandler,
+  signIn,
+  signOut,
+} from "./api.js";
+import { clear, h, uid } from "./dom.js";
+import { FolderPage, SCOPES } from "./folder.js";
+
+const main = document.getElementById("main");
+const account = document.getElementById("account");
+
+const app = {
+  session: null,
+  page: null, // the FolderPage while one is shown
+  directories: new Map(), // companyId -> Promise of /directory
+};
+
+/** The company directory, fetched once per company per page load. */
+export function directoryFor(companyId) {
+  if (!app.directories.has(companyId)) {
+    const pending = companyDirectory(companyId).catch((err) => {
+      app.directories.delete(companyId);
+      throw err;
+    });
+    app.directories.set(companyId, pending);
+  }
+  return app.directories.get(companyId);
+}
+
+function parseRoute() {
+  const rest = location.pathname.replace(/^\/files\/?/, "");
+  const parts = rest.split("/").filter(Boolean);
+  const params = new URLSearchParams(location.search);
+  if (parts.length === 0) return { name: "home" };
+  if (parts.length === 3) {
+    let decoded;
+    try {
+      decoded = parts.map(decodeURIComponent);
+    } catch {
+      return { name: "unknown" };
+    }
+    const [companyId, scope, ownerId] = decoded;
+    return {
+      name: "folder",
+      companyId,
+      scope,
+      ownerId,
+      dir: params.get("dir") || "",
+      view: params.get("view") === "trash" ? "trash" : "files",
+    };
+  }
+  return { name: "unknown" };
+}
+
+/** Go to a page URL without reloading; the folder page keeps its uploads. */
+export function navigate(url, { replace = false } = {}) {
+  if (replace) history.replaceState(null, "", url);
+  else history.pushState(null, "", url);
+  render();
+}
+
+// Same-origin links marked data-nav are handled here so that in-page state
+// (uploads in progress, loaded pages) survives moving between directories.
+document.addEventListener("click", (event) => {
+  const link = event.target.closest("a[data-nav]");
+  if (!link || event.defaultPrevented || event.button !== 0) return;
+  if (event.metaKey || event.ctrlKey || event.shiftKey || event.altKey) return;
+  event.preventDefault();
+  navigate(link.getAttribute("href"));
+});
+
+window.addEventListener("popstate", () => render());
+
+// Dropping a file anywhere outside the drop zone must not navigate away.
+for (const type of ["dragover", "drop"]) {
+  window.addEventListener(type, (event) => {
+    if (event.dataTransfer && [...event.dataTransfer.types].includes("Files")) {
+      event.preventDefault();
+    }
+  });
+}
+
+setUnauthenticatedHandler(() => {
+  if (!app.session) return;
+  app.session = null;
+  setCsrfToken("");
+  showSignIn("Your session ended. Sign in again to continue.");
+});
+
+function renderAccount() {
+  clear(account);
+  if (!app.session) return;
+  account.append(
+    h("span", { class: "who" }, "Signed in as ", h("strong", { text: app.session.email || "" })),
+    h("button", { type: "button", class: "secondary", onClick: onSignOut }, "Sign out"),
+  );
+}
+
+async function onSignOut(event) {
+  const button = event.currentTarget;
+  button.disabled = true;
+  try {
+    await signOut();
+  } catch (err) {
+    // The session may already be gone; signing out locally is still right.
+    if (!(err instanceof ApiError)) throw err;
+  }
+  app.session = null;
+  setCsrfToken("");
+  app.directories.clear();
+  showSignIn("You have signed out.");
+}
+
+function teardownPage() {
+  if (app.page) {
+    app.page.destroy();
+    app.page = null;
+  }
+}
+
+function showSignIn(notice = "") {
+  teardownPage();
+  renderAccount();
+  document.title = "Sign in · Files";
+  const inputId = uid("token");
+  const error = h("p", { class: "error", role: "alert" });
+  const input = h("input", {
+    id: inputId,
+    name: "token",
+    type: "password",
+    autocomplete: "off",
+    spellcheck: "false",
+    required: true,
+    "aria-describedby": `${inputId}-help`,
+  });
+  const submit = h("button", { type: "submit" }, "Sign in");
+  const form = h(
+    "form",
+    { class: "signin card", "aria-labelledby": "signin-title" },
+    h("h1", { id: "signin-title", text: "Sign in to Files" }),
+    notice ? h("p", { class: "notice", role: "status", text: notice }) : null,
+    h("label", { for: inputId, text: "API token" }),
+    input,
+    h("p", {
+      id: `${inputId}-help`,
+      class: "help",
+      text: "Paste your personal API token. It is exchanged for a session cookie and not stored by the page.",
+    }),
+    submit,
+    error,
+  );
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    error.textContent = "";
+    submit.disabled = true;
+    try {
+      const session = await signIn(input.value.trim());
+      input.value = "";
+      startSession(session);
+    } catch (err) {
+      if (!(err instanceof ApiError)) throw err;
+      error.textContent =
+        err.status === 401
+          ? "That token was not accepted. Check it and try again."
+          : err.message;
+      submit.disabled = false;
+      input.focus();
+    }
+  });
+  clear(main).append(form);
+  input.focus();
+}
+
+function startSession(session) {
+  app.session = session;
+  setCsrfToken(session.csrfToken);
+  app.directories.clear();
+  renderAccount();
+  render();
+}
+
+function render() {
+  if (!app.session) return;
+  const route = parseRoute();
+  if (route.name === "folder") {
+    if (app.page && app.page.sameFolder(route)) {
+      app.page.show(route);
+      return;
+    }
+    teardownPage();
+    app.page = new FolderPage(main, route, {
+      session: app.session,
+      navigate,
+      directoryFor,
+      validScope: SCOPES.includes(route.scope),
+    });
+    app.page.start();
+    return;
+  }
+  teardownPage();
+  if (route.name === "home") renderHome();
+  else renderUnknown();
+}
+
+function renderUnknown() {
+  document.title = "Not found · Files";
+  clear(main).append(
+    h("h1", { tabindex: "-1", text: "Page not found" }),
+    h("p", {}, "There is no page at this address. ", h("a", { href: "/files/", "data-nav": true }, "Go to your files"), "."),
+  );
+}
+
+const PICKERS = [
+  { scope: "task", label: "Task", plural: "tasks", list: (d) => d.tasks, name: (t) => t.title },
+  { scope: "agent", label: "Agent", plural: "agents", list: (d) => d.agents, name: (a) => a.name },
+  { scope: "project", label: "Project", plural: "projects", list: (d) => d.projects, name: (p) => p.name },
+];
+
+function renderHome() {
+  document.title = "Files";
+  const { session } = app;
+  const heading = h("h1", { tabindex: "-1", text: "Files" });
+  clear(main).append(heading);
+  if (!session.companies.length) {
+    main.append(h("p", { text: "You are not a member of any company yet." }));
+    return;
+  }
+  for (const company of session.companies) {
+    const headingId = uid("company");
+    const pickers = h("div", { class: "pickers", "aria-busy": "true" }, h("p", { class: "muted", text: "Loading tasks, agents and projects…" }));
+    main.append(
+      h(
+        "section",
+        { class: "card company", "aria-labelledby": headingId },
+        h("h2", { id: headingId, text: company.name }),
+        h("p", { class: "muted", text: `Your role: ${company.role}` }),
+        h(
+          "p",
+          {},
+          h("a", {
+            class: "button-link",
+            href: `/files/${encodeURIComponent(company.id)}/user/${encodeURIComponent(session.userId)}`,
+            "data-nav": true,
+            text: "My files",
+          }),
+        ),
+        pickers,
+      ),
+    );
+    fillPickers(pickers, company.id);
+  }
+}
+
+async function fillPickers(container, companyId) {
+  let directory;
+  try {
+    directory = await directoryFor(companyId);
+  } catch (err) {
+    if (!(err instanceof ApiError)) throw err;
+    container.removeAttribute("aria-busy");
+    clear(container).append(h("p", { class: "error", role: "alert", text: `Could not load this company's folders: ${err.message}` }));
+    return;
+  }
+  container.removeAttribute("aria-busy");
+  clear(container);
+  for (const picker of PICKERS) {
+    const items = picker.list(directory);
+    const selectId = uid(picker.scope);
+    if (!items.length) {
+      container.append(
+        h("div", { class: "picker" }, h("span", { class: "picker-label", text: picker.label }), h("p", { class: "muted", text: `No ${picker.plural} yet.` })),
+      );
+      continue;
+    }
+    const select = h(
+      "select",
+      { id: selectId, name: picker.scope },
+      items.map((item) => h("option", { value: item.id, text: picker.name(item) })),
+    );
+    const form = h(
+      "form",
+      { class: "picker" },
+      h("label", { for: selectId, class: "picker-label", text: picker.label }),
+      select,
+      h("button", { type: "submit" }, `Open ${picker.label.toLowerCase()} files`),
+    );
+    form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      navigate(`/files/${encodeURIComponent(companyId)}/${picker.scope}/${encodeURIComponent(select.value)}`);
+    });
+    container.append(form);
+  }
+}
+
+async function boot() {
+  try {
+    startSession(await getSession());
+  } catch (err) {
+    if (!(err instanceof ApiError)) throw err;
+    if (err.status === 401) showSignIn();
+    else {
+      clear(main).append(
+        h("h1", { text: "Files" }),
+        h("p", { class: "error", role: "alert", text: `Could not check your session: ${err.message}` }),
+      );
+    }
+  }
+}
+
+boot();
