@@ -68,6 +68,7 @@ class ControllerProcess:
     database_url: str
     data_dir: Path
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
@@ -101,6 +102,7 @@ class ControllerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            env={**os.environ, **self.env},
         )
         log.close()
         deadline = time.monotonic() + timeout
