@@ -1,0 +1,234 @@
+"""Controller API benchmark: a real controller (embedded PostgreSQL, local_disk).
+
+Measures small-file PUT rate (4 KiB), 256 MiB upload and download, and listing
+a 10,000-entry folder; next to each, the same work done natively on the same
+disk (write + fsync of the same files) so the ratio is measured in one run.
+
+    python -m bench.api_bench [--files 2000] [--large-mib 256] [--list-entries 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+OCTET = {"Content-Type": "application/octet-stream"}
+
+
+def start_controller(data: Path, port: int) -> subprocess.Popen[bytes]:
+    boot = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "admin", "bootstrap", "--data-dir", str(data), "--json"],
+        check=True, capture_output=True, cwd=REPO,
+    )  # fmt: skip
+    (data / "boot.json").write_bytes(boot.stdout)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller.cli", "serve", "--data-dir", str(data),
+         "--listen", f"127.0.0.1:{port}", "--gc-interval", "0"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("controller did not start")
+
+
+def timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def native_small_files(root: Path, n: int, payloads: list[bytes]) -> float:
+    def run() -> None:
+        for i in range(n):
+            p = root / f"d{i % 50}" / f"f{i}.bin"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with open(p, "wb") as f:
+                f.write(payloads[i])
+                f.flush()
+                os.fsync(f.fileno())
+
+    return timed(run)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--large-mib", type=int, default=256)
+    ap.add_argument("--list-entries", type=int, default=10_000)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="fsa-bench-", dir="/var/tmp"))
+    os.chmod(work, 0o711)
+    data = work / "controller"
+    data.mkdir()
+    port = 18000 + os.getpid() % 1000
+    proc = start_controller(data, port)
+    results: dict[str, Any] = {}
+    try:
+        boot = json.loads((data / "boot.json").read_text())
+        base = f"http://127.0.0.1:{port}"
+        folder = f"/api/companies/{boot['company_id']}/work-folders/user/{boot['user_id']}"
+        headers = {"Authorization": f"Bearer {boot['token']}"}
+        payloads = [os.urandom(4096) for _ in range(args.files)]
+
+        def put_range(indices: range) -> None:
+            with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
+                for i in indices:
+                    r = c.put(f"{folder}/content", params={"path": f"small/d{i % 50}/f{i}.bin"},
+                              content=payloads[i], headers=OCTET)  # fmt: skip
+                    assert r.status_code in (200, 201), r.text
+
+        n = args.files
+        t1 = timed(lambda: put_range(range(n // 4)))
+        results["put_4k_serial_files_per_s"] = (n // 4) / t1
+        step = n // args.concurrency
+        chunks = [
+            range(n // 4 + k * step, n // 4 + (k + 1) * step) for k in range(args.concurrency)
+        ]
+        chunks = [range(c.start, min(c.stop, n)) for c in chunks if c.start < n]
+
+        def parallel() -> None:
+            with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+                list(pool.map(put_range, chunks))
+
+        tp = timed(parallel)
+        results["put_4k_parallel_files_per_s"] = sum(len(c) for c in chunks) / tp
+        native_dir = work / "native"
+        tn = native_small_files(native_dir, n, payloads)
+        results["native_write_fsync_4k_files_per_s"] = n / tn
+
+        big = work / "big.bin"
+        with open(big, "wb") as f:
+            for _ in range(args.large_mib):
+                f.write(os.urandom(1 << 20))
+        size = big.stat().st_size
+        mib = size / (1 << 20)
+
+        def upload() -> None:
+            with (
+                httpx.Client(base_url=base, headers=headers, timeout=600) as c,
+                open(big, "rb") as f,
+            ):
+                r = c.put(
+                    f"{folder}/content", params={"path": "large/big.bin"}, content=f, headers=OCTET
+                )
+                assert r.status_code in (200, 201), r.text
+
+        results["upload_256mib_mb_per_s"] = mib / timed(upload)
+        sha = hashlib.sha256()
+
+        def download() -> None:
+            with (
+                httpx.Client(base_url=base, headers=headers, timeout=600) as c,
+                c.stream("GET", f"{folder}/content", params={"path": "large/big.bin"}) as r,
+            ):
+                for chunk in r.iter_bytes(1 << 20):
+                    sha.update(chunk)
+
+        results["download_256mib_mb_per_s"] = mib / timed(download)
+        with open(big, "rb") as f:
+            assert sha.hexdigest() == hashlib.file_digest(f, "sha256").hexdigest()
+
+        def native_copy() -> None:
+            with open(big, "rb") as src, open(work / "copy.bin", "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+
+        results["native_copy_fsync_256mib_mb_per_s"] = mib / timed(native_copy)
+
+        # 10,000 entries in one directory, then list it whole (1000 per page).
+        def fill(indices: range) -> None:
+            with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
+                for i in indices:
+                    c.post(
+                        f"{folder}/operations", json={"action": "mkdir", "path": f"many/e{i:05d}"}
+                    )
+
+        per = args.list_entries // args.concurrency
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+            list(pool.map(fill, [range(k * per, (k + 1) * per) for k in range(args.concurrency)]))
+
+        def list_all() -> None:
+            with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
+                cursor, count = None, 0
+                while True:
+                    params = {
+                        "dir": "many",
+                        "limit": "1000",
+                        **({"cursor": cursor} if cursor else {}),
+                    }
+                    body = c.get(folder + "/", params=params).json()
+                    count += len(body["entries"])
+                    cursor = body["nextCursor"]
+                    if cursor is None:
+                        break
+                assert count == per * args.concurrency, count
+
+        results["list_10k_seconds"] = timed(list_all)
+        native_many = work / "native-many"
+        native_many.mkdir()
+        for i in range(per * args.concurrency):
+            (native_many / f"e{i:05d}").mkdir()
+        results["native_scandir_10k_seconds"] = timed(lambda: sorted(os.listdir(native_many)))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
+
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    lines = [
+        f"\n## Controller API ({stamp})\n",
+        f"Machine: {machine}. Command: `python -m bench.api_bench` (files={args.files}, "
+        f"concurrency={args.concurrency}, embedded PostgreSQL 15, local_disk).\n",
+        "| measure | controller | native, same disk | ratio |",
+        "| --- | ---: | ---: | ---: |",
+        f"| 4 KiB PUT, 1 client | {results['put_4k_serial_files_per_s']:.0f} files/s | "
+        f"{results['native_write_fsync_4k_files_per_s']:.0f} files/s (write+fsync) | "
+        f"{results['native_write_fsync_4k_files_per_s'] / results['put_4k_serial_files_per_s']:.1f}x |",
+        f"| 4 KiB PUT, {args.concurrency} clients | {results['put_4k_parallel_files_per_s']:.0f} files/s | | |",
+        f"| 256 MiB upload | {results['upload_256mib_mb_per_s']:.0f} MiB/s | "
+        f"{results['native_copy_fsync_256mib_mb_per_s']:.0f} MiB/s (copy+fsync) | "
+        f"{results['native_copy_fsync_256mib_mb_per_s'] / results['upload_256mib_mb_per_s']:.1f}x |",
+        f"| 256 MiB download | {results['download_256mib_mb_per_s']:.0f} MiB/s | | |",
+        f"| list 10,000 entries (10 pages) | {results['list_10k_seconds'] * 1000:.0f} ms | "
+        f"{results['native_scandir_10k_seconds'] * 1000:.1f} ms (listdir) | |",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if not args.results.exists():
+        args.results.write_text(
+            "# Benchmark results\n\nEach section names the command, machine and date of the run.\n"
+        )
+    with open(args.results, "a") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
