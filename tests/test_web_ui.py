@@ -1,0 +1,330 @@
+"""The Files page in headless Chromium against a real controller and PostgreSQL.
+
+Every check looks at what a person would see (text, sizes, downloaded bytes)
+and at the API state behind it, read with a bearer token.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from tests.controller_helper import Tenant
+from tests.web_helper import (
+    CHROMIUM,
+    ViewRecorder,
+    drop_files,
+    entry_by_path,
+    launch_chromium,
+    png_bytes,
+    sign_in,
+)
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium package"),
+]
+
+NOT_FOUND_TEXT = "This folder doesn't exist or you don't have access"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Page]:
+    context = browser.new_context(accept_downloads=True, viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+    recorder = ViewRecorder(page, tmp_path)
+    page.views = recorder  # type: ignore[attr-defined]
+    failed_before = request.session.testsfailed
+    try:
+        yield page
+        # An uncaught error in the page is a failure even if every check passed.
+        assert not [c for c in console if c.startswith("pageerror")], console
+    finally:
+        # The call phase's report is counted before fixtures are torn down.
+        if request.session.testsfailed > failed_before:
+            kept = recorder.keep(request.node.name, console)
+            print(f"screenshots of the failing test: {kept}")
+        context.close()
+
+
+def snap(page: Page, name: str) -> None:
+    page.views.snap(name)  # type: ignore[attr-defined]
+
+
+def folder_url(tenant: Tenant, scope: str, owner_id: str) -> str:
+    return f"/files/{tenant.company_id}/{scope}/{owner_id}"
+
+
+def api_entries(tenant: Tenant, folder: str, *, trash: bool = False) -> list[dict[str, Any]]:
+    with tenant.client() as client:
+        resp = client.get(folder + "/", params={"trash": str(trash).lower(), "limit": 1000})
+        resp.raise_for_status()
+        entries: list[dict[str, Any]] = resp.json()["entries"]
+        return entries
+
+
+def put_file(tenant: Tenant, folder: str, path: str, data: bytes) -> None:
+    with tenant.client() as client:
+        resp = client.put(
+            folder + "/content",
+            params={"path": path},
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert resp.status_code in (200, 201), resp.text
+
+
+def tab(page: Page, name: str) -> Any:
+    return page.get_by_role("navigation", name="Folder views").get_by_role("link", name=name)
+
+
+def listing_row(page: Page, path: str) -> Any:
+    return page.locator(f'.files-view tbody tr[data-path="{path}"]')
+
+
+def trash_row(page: Page, path: str) -> Any:
+    return page.locator(f'.trash-view tbody tr[data-path="{path}"]')
+
+
+def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant) -> None:
+    base = tenant.controller.url
+    notes = b"".join(f"line {i}: the quick brown fox\n".encode() for i in range(40))
+    image = png_bytes(3, 2, (200, 30, 60))
+
+    # Signed out, the page asks for a token and says plainly when it is wrong.
+    page.goto(base + "/files/")
+    expect(page.get_by_role("heading", name="Sign in to Files")).to_be_visible()
+    snap(page, "sign-in")
+    page.get_by_label("API token").fill("fsa_u_not-a-real-token")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("alert")).to_have_text("That token was not accepted. Check it and try again.")
+
+    page.get_by_label("API token").fill(tenant.token)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("link", name="My files")).to_be_visible()
+    cookie = next(c for c in page.context.cookies() if c["name"] == "fsa_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    snap(page, "home")
+
+    page.get_by_role("link", name="My files").click()
+    expect(page).to_have_url(re.compile(re.escape(folder_url(tenant, "user", tenant.user_id)) + "$"))
+    expect(page.get_by_role("heading", level=1)).to_have_text("My files")
+
+    # Two files dropped at once: both listed with their sizes.
+    drop_files(page, ".dropzone", [("notes.txt", "text/plain", notes), ("pixel.png", "image/png", image)])
+    expect(listing_row(page, "notes.txt").locator(".col-size")).to_have_text(f"{len(notes) / 1024:.1f} KiB")
+    expect(listing_row(page, "pixel.png").locator(".col-size")).to_have_text(f"{len(image)} bytes")
+    expect(listing_row(page, "notes.txt").locator(".col-size")).to_have_attribute("data-bytes", str(len(notes)))
+    expect(page.locator(".upload[data-state=done]")).to_have_count(2)
+    stored = {e["path"]: e for e in api_entries(tenant, tenant.my_folder)}
+    assert stored["notes.txt"]["byteSize"] == len(notes)
+    assert stored["pixel.png"]["byteSize"] == len(image)
+    assert stored["pixel.png"]["contentType"] == "image/png"
+
+    # The upload button with the executable flag.
+    page.get_by_label("Mark uploads as executable").check()
+    page.locator("input[type=file]").set_input_files(
+        [{"name": "run.sh", "mimeType": "text/x-sh", "buffer": b"#!/bin/sh\necho hi\n"}]
+    )
+    expect(listing_row(page, "run.sh").locator(".col-exec")).to_have_text("Yes")
+    expect(listing_row(page, "notes.txt").locator(".col-exec")).to_have_text("No")
+    assert entry_by_path(api_entries(tenant, tenant.my_folder), "run.sh")["executable"] is True  # type: ignore[index]
+
+    # New folder, then sorting by size puts the biggest file last (folders stay first).
+    page.get_by_label("New folder").fill("reports")
+    page.get_by_role("button", name="Create folder").click()
+    expect(listing_row(page, "reports")).to_contain_text("reports/")
+    reports = entry_by_path(api_entries(tenant, tenant.my_folder), "reports")
+    assert reports is not None and reports["kind"] == "directory"
+    page.get_by_role("button", name="Size", exact=True).click()
+    expect(page.locator("th:has(button.sort)").nth(1)).to_have_attribute("aria-sort", "ascending")
+    order = page.locator(".files-view tbody tr").evaluate_all("rows => rows.map(r => r.dataset.path)")
+    assert order == ["reports", "run.sh", "pixel.png", "notes.txt"]
+
+    # Text preview shows the exact text; image preview decodes to the real size.
+    page.get_by_role("button", name="Preview notes.txt").click()
+    preview = page.locator(".preview")
+    expect(preview.locator("pre")).to_have_text(notes.decode())
+    snap(page, "folder-text-preview")
+    page.get_by_role("button", name="Preview pixel.png").click()
+    img = preview.get_by_role("img", name="Preview of pixel.png")
+    expect(img).to_be_visible()
+    page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=img.element_handle())
+    assert img.evaluate("img => [img.naturalWidth, img.naturalHeight]") == [3, 2]
+    snap(page, "folder-image-preview")
+
+    # Download through the browser: the very same bytes.
+    with page.expect_download() as download_info:
+        listing_row(page, "notes.txt").get_by_role("link", name="Download notes.txt").click()
+    download = download_info.value
+    assert download.suggested_filename == "notes.txt"
+    assert Path(download.path()).read_bytes() == notes
+
+    # Navigating into a folder updates the URL and the breadcrumbs.
+    listing_row(page, "reports").get_by_role("link").click()
+    expect(page).to_have_url(re.compile(r"\?dir=reports$"))
+    expect(page.locator(".crumbs [aria-current]")).to_have_text("reports")
+    expect(page.locator(".files-view tbody")).to_contain_text("This directory is empty")
+
+    # Sign out: the session is gone and the folder page asks for a token again.
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_role("heading", name="Sign in to Files")).to_be_visible()
+    assert not [c for c in page.context.cookies() if c["name"] == "fsa_session"]
+    page.goto(base + folder_url(tenant, "user", tenant.user_id))
+    expect(page.get_by_role("heading", name="Sign in to Files")).to_be_visible()
+    expect(page.get_by_text("notes.txt")).to_have_count(0)
+
+
+def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant) -> None:
+    folder = tenant.my_folder
+    put_file(tenant, folder, "docs/a.txt", b"alpha")
+    put_file(tenant, folder, "docs/b.txt", b"bravo")
+    sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
+    expect(listing_row(page, "docs")).to_be_visible()
+
+    def delete_docs() -> None:
+        listing_row(page, "docs").get_by_role("button", name="Delete docs").click()
+        dialog = page.get_by_role("dialog")
+        expect(dialog).to_contain_text("everything in it will move to Trash")
+        dialog.get_by_role("button", name="Delete").click()
+        expect(listing_row(page, "docs")).to_have_count(0)
+
+    delete_docs()
+    trashed = api_entries(tenant, folder, trash=True)
+    assert sorted(e["path"] for e in trashed) == ["docs", "docs/a.txt", "docs/b.txt"]
+    assert len({e["deletedAt"] for e in trashed}) == 1
+
+    # Restore brings the folder back with everything in it.
+    tab(page, "Trash").click()
+    expect(trash_row(page, "docs")).to_contain_text("Folder with 2 items")
+    snap(page, "trash")
+    trash_row(page, "docs").get_by_role("button", name="Restore docs").click()
+    expect(page.get_by_role("status")).to_have_text("Restored docs.")
+    expect(trash_row(page, "docs")).to_have_count(0)
+    assert {e["path"] for e in api_entries(tenant, folder)} == {"docs", "docs/a.txt", "docs/b.txt"}
+    tab(page, "Files").click()
+    expect(listing_row(page, "docs")).to_be_visible()
+
+    # Delete again, create the same path, and restoring collides (409).
+    delete_docs()
+    page.get_by_label("New folder").fill("docs")
+    page.get_by_role("button", name="Create folder").click()
+    expect(listing_row(page, "docs")).to_be_visible()
+    tab(page, "Trash").click()
+    trash_row(page, "docs").get_by_role("button", name="Restore docs").click()
+    alert = trash_row(page, "docs").get_by_role("alert")
+    expect(alert).to_contain_text("Cannot restore: a file or folder already exists at that path: docs")
+    expect(alert).to_contain_text("move or delete it, then restore again")
+    snap(page, "trash-collision")
+    assert len(api_entries(tenant, folder, trash=True)) == 3
+
+    # Purge asks first; cancelling keeps the batch, confirming removes it for good.
+    trash_row(page, "docs").get_by_role("button", name="Purge docs").click()
+    expect(page.get_by_role("dialog")).to_contain_text("This cannot be undone")
+    page.get_by_role("dialog").get_by_role("button", name="Cancel").click()
+    expect(trash_row(page, "docs")).to_be_visible()
+    trash_row(page, "docs").get_by_role("button", name="Purge docs").click()
+    page.get_by_role("dialog").get_by_role("button", name="Purge permanently").click()
+    expect(page.locator(".trash-view tbody")).to_have_text("Trash is empty.")
+    assert api_entries(tenant, folder, trash=True) == []
+    assert [e["path"] for e in api_entries(tenant, folder)] == ["docs"]
+
+
+def test_sync_panel_shows_a_runs_save_state(page: Page, tenant: Tenant) -> None:
+    ctl = tenant.controller
+    agent = ctl.admin("create-agent", tenant.company_id, "Builder Bot")["id"]
+    project = ctl.admin("create-project", tenant.company_id, "Website")["id"]
+    task = ctl.admin("create-task", tenant.company_id, project, "Write the report")["id"]
+    run = ctl.admin("start-run", tenant.company_id, "--agent", agent, "--task", task)
+
+    # Reach the task's folder through the home page picker.
+    sign_in(page, ctl.url, tenant.token)
+    page.get_by_label("Task").select_option(label="Write the report")
+    page.get_by_role("button", name="Open task files").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text("Task: Write the report")
+    item = page.locator(f'.runs li[data-run-id="{run["run_id"]}"]')
+    expect(item).to_contain_text("Builder Bot")
+    expect(item.locator(".state")).to_have_text("Starting")
+    expect(item).to_contain_text("Last agent save: not yet")
+    expect(page.locator(".files-updated")).to_have_text("Files updated: no changes yet")
+
+    # A direct change updates "Files updated" and is never shown as an agent save.
+    drop_files(page, ".dropzone", [("draft.md", "text/markdown", b"# Draft\n")])
+    expect(listing_row(page, "draft.md")).to_be_visible()
+    expect(page.locator(".files-updated time")).to_be_visible()
+    expect(item).to_contain_text("Last agent save: not yet")
+
+    # The agent saved (written the way the checkpoint path records it).
+    saved_at = datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
+    with ctl.db() as conn:
+        conn.execute(
+            "UPDATE runs SET state = 'saved', last_saved_at = %s WHERE id = %s",
+            (saved_at, run["run_id"]),
+        )
+    page.reload()
+    expect(item.locator(".state")).to_have_text("Saved")
+    save_time = item.locator("p", has_text="Last agent save").locator("time")
+    parsed = datetime.fromisoformat(save_time.get_attribute("datetime"))  # type: ignore[arg-type]
+    assert parsed == saved_at
+    snap(page, "sync-saved")
+
+    # Asking for a refresh reaches the run.
+    item.get_by_role("button", name="Request refresh for Builder Bot").click()
+    expect(item.locator(".refresh-note")).to_contain_text("Refresh requested")
+    with tenant.client() as client:
+        runs = client.get(tenant.folder("task", task) + "/sync").json()["runs"]
+    assert [r["refreshRequested"] for r in runs if r["runId"] == run["run_id"]] == [True]
+
+    # A failed save shows its error.
+    with ctl.db() as conn:
+        conn.execute(
+            "UPDATE runs SET state = 'failed', error = 'disk quota exceeded' WHERE id = %s",
+            (run["run_id"],),
+        )
+    page.reload()
+    expect(item.locator(".state")).to_have_text("Save failed")
+    expect(item.locator(".run-error")).to_have_text("Error: disk quota exceeded")
+
+
+def test_another_members_user_folder_looks_like_a_missing_one(page: Page, tenant: Tenant) -> None:
+    other_id, other_token = tenant.new_member("member")
+    other = Tenant(tenant.controller, tenant.company_id, other_id, other_token)
+    put_file(other, other.my_folder, "secret.txt", b"private")
+    sign_in(page, tenant.controller.url, tenant.token)
+
+    page.goto(tenant.controller.url + folder_url(tenant, "user", other_id))
+    expect(page.get_by_role("alert")).to_have_text(NOT_FOUND_TEXT)
+    private_view = page.locator("main").inner_text()
+    snap(page, "not-found")
+
+    page.goto(tenant.controller.url + folder_url(tenant, "user", str(uuid.uuid4())))
+    expect(page.get_by_role("alert")).to_have_text(NOT_FOUND_TEXT)
+    assert page.locator("main").inner_text() == private_view
+    assert "secret.txt" not in private_view
+
+    # The owner of that folder does see it.
+    page.get_by_role("button", name="Sign out").click()
+    sign_in(page, tenant.controller.url, other_token, folder_url(tenant, "user", other_id))
+    expect(listing_row(page, "secret.txt")).to_be_visible()

@@ -1,0 +1,117 @@
+"""Drive the Files page in Debian's headless Chromium through Playwright.
+
+No browser is downloaded: Playwright launches /usr/bin/chromium (the
+`chromium` package) via ``executable_path``.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from playwright.sync_api import Browser, Page, Playwright
+
+CHROMIUM = "/usr/bin/chromium"
+# Root in a container has no user namespace for Chromium's sandbox; the rest
+# keeps the browser from phoning home or updating itself during tests.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def launch_chromium(pw: Playwright) -> Browser:
+    return pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+
+
+def png_bytes(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
+    """A valid, solid-colour RGB PNG built by hand (no imaging library needed)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    row = b"\x00" + bytes(rgb) * width  # filter byte 0, then the pixels
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(row * height))
+        + chunk(b"IEND", b"")
+    )
+
+
+_DROP_JS = """
+([selector, files]) => {
+  const dt = new DataTransfer();
+  for (const f of files) {
+    const bytes = Uint8Array.from(atob(f.b64), (c) => c.charCodeAt(0));
+    dt.items.add(new File([bytes], f.name, { type: f.type }));
+  }
+  const target = document.querySelector(selector);
+  if (!target) throw new Error(`no drop target ${selector}`);
+  for (const type of ["dragenter", "dragover", "drop"]) {
+    target.dispatchEvent(new DragEvent(type, { bubbles: true, cancelable: true, dataTransfer: dt }));
+  }
+}
+"""
+
+
+def drop_files(page: Page, selector: str, files: list[tuple[str, str, bytes]]) -> None:
+    """Drop (name, content type, bytes) files on `selector` with a real DataTransfer."""
+    payload = [
+        {"name": name, "type": ctype, "b64": base64.b64encode(data).decode()}
+        for name, ctype, data in files
+    ]
+    page.evaluate(_DROP_JS, [selector, payload])
+
+
+def sign_in(page: Page, base_url: str, token: str, path: str = "/files/") -> None:
+    page.goto(base_url + path)
+    page.get_by_label("API token").fill(token)
+    page.get_by_role("button", name="Sign in").click()
+    page.get_by_role("button", name="Sign out").wait_for()
+
+
+@dataclass
+class ViewRecorder:
+    """Screenshots of the main views, kept only when the test fails."""
+
+    page: Page
+    scratch: Path
+    taken: list[Path] = field(default_factory=list)
+
+    def snap(self, name: str) -> None:
+        path = self.scratch / f"{len(self.taken) + 1:02d}-{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        self.taken.append(path)
+
+    def keep(self, test_name: str, console: list[str]) -> Path:
+        """Copy the screenshots, a final one and the console log to test-artifacts/."""
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in test_name)
+        target = ARTIFACTS / safe
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        for path in self.taken:
+            shutil.copy(path, target / path.name)
+        try:
+            self.page.screenshot(path=str(target / "at-failure.png"), full_page=True)
+        except Exception as exc:  # the page may be gone; the rest is still useful
+            console.append(f"(final screenshot failed: {exc})")
+        (target / "console.log").write_text("\n".join(console) + "\n")
+        return target
+
+
+def entry_by_path(entries: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
+    return next((e for e in entries if e["path"] == path), None)
