@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, FilePayload, Page, expect, sync_playwright
 
 from tests.controller_helper import Tenant
 from tests.web_helper import (
@@ -119,7 +119,9 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     snap(page, "sign-in")
     page.get_by_label("API token").fill("fsa_u_not-a-real-token")
     page.get_by_role("button", name="Sign in").click()
-    expect(page.get_by_role("alert")).to_have_text("That token was not accepted. Check it and try again.")
+    expect(page.get_by_role("alert")).to_have_text(
+        "That token was not accepted. Check it and try again."
+    )
 
     page.get_by_label("API token").fill(tenant.token)
     page.get_by_role("button", name="Sign in").click()
@@ -129,14 +131,22 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     snap(page, "home")
 
     page.get_by_role("link", name="My files").click()
-    expect(page).to_have_url(re.compile(re.escape(folder_url(tenant, "user", tenant.user_id)) + "$"))
+    expect(page).to_have_url(
+        re.compile(re.escape(folder_url(tenant, "user", tenant.user_id)) + "$")
+    )
     expect(page.get_by_role("heading", level=1)).to_have_text("My files")
 
     # Two files dropped at once: both listed with their sizes.
-    drop_files(page, ".dropzone", [("notes.txt", "text/plain", notes), ("pixel.png", "image/png", image)])
-    expect(listing_row(page, "notes.txt").locator(".col-size")).to_have_text(f"{len(notes) / 1024:.1f} KiB")
+    drop_files(
+        page, ".dropzone", [("notes.txt", "text/plain", notes), ("pixel.png", "image/png", image)]
+    )
+    expect(listing_row(page, "notes.txt").locator(".col-size")).to_have_text(
+        f"{len(notes) / 1024:.1f} KiB"
+    )
     expect(listing_row(page, "pixel.png").locator(".col-size")).to_have_text(f"{len(image)} bytes")
-    expect(listing_row(page, "notes.txt").locator(".col-size")).to_have_attribute("data-bytes", str(len(notes)))
+    expect(listing_row(page, "notes.txt").locator(".col-size")).to_have_attribute(
+        "data-bytes", str(len(notes))
+    )
     expect(page.locator(".upload[data-state=done]")).to_have_count(2)
     stored = {e["path"]: e for e in api_entries(tenant, tenant.my_folder)}
     assert stored["notes.txt"]["byteSize"] == len(notes)
@@ -146,7 +156,7 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     # The upload button with the executable flag.
     page.get_by_label("Mark uploads as executable").check()
     page.locator("input[type=file]").set_input_files(
-        [{"name": "run.sh", "mimeType": "text/x-sh", "buffer": b"#!/bin/sh\necho hi\n"}]
+        [FilePayload(name="run.sh", mimeType="text/x-sh", buffer=b"#!/bin/sh\necho hi\n")]
     )
     expect(listing_row(page, "run.sh").locator(".col-exec")).to_have_text("Yes")
     expect(listing_row(page, "notes.txt").locator(".col-exec")).to_have_text("No")
@@ -160,7 +170,9 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     assert reports is not None and reports["kind"] == "directory"
     page.get_by_role("button", name="Size", exact=True).click()
     expect(page.locator("th:has(button.sort)").nth(1)).to_have_attribute("aria-sort", "ascending")
-    order = page.locator(".files-view tbody tr").evaluate_all("rows => rows.map(r => r.dataset.path)")
+    order = page.locator(".files-view tbody tr").evaluate_all(
+        "rows => rows.map(r => r.dataset.path)"
+    )
     assert order == ["reports", "run.sh", "pixel.png", "notes.txt"]
 
     # Text preview shows the exact text; image preview decodes to the real size.
@@ -235,7 +247,9 @@ def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant) -> None:
     tab(page, "Trash").click()
     trash_row(page, "docs").get_by_role("button", name="Restore docs").click()
     alert = trash_row(page, "docs").get_by_role("alert")
-    expect(alert).to_contain_text("Cannot restore: a file or folder already exists at that path: docs")
+    expect(alert).to_contain_text(
+        "Cannot restore: a file or folder already exists at that path: docs"
+    )
     expect(alert).to_contain_text("move or delete it, then restore again")
     snap(page, "trash-collision")
     assert len(api_entries(tenant, folder, trash=True)) == 3
@@ -328,3 +342,56 @@ def test_another_members_user_folder_looks_like_a_missing_one(page: Page, tenant
     page.get_by_role("button", name="Sign out").click()
     sign_in(page, tenant.controller.url, other_token, folder_url(tenant, "user", other_id))
     expect(listing_row(page, "secret.txt")).to_be_visible()
+
+
+def test_large_folder_pages_and_failed_upload_keeps_the_file_for_retry(
+    page: Page, tenant: Tenant
+) -> None:
+    folder = tenant.my_folder
+    with tenant.client() as client:
+        for i in range(230):
+            resp = client.post(
+                folder + "/operations", json={"action": "mkdir", "path": f"many/d{i:04d}"}
+            )
+            assert resp.status_code == 200, resp.text
+    sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
+    listing_row(page, "many").get_by_role("link").click()
+    rows = page.locator(".files-view tbody tr")
+    expect(rows).to_have_count(200)
+    expect(page.locator(".list-summary").first).to_have_text(
+        "Showing the first 200 entries; more are available."
+    )
+    page.get_by_role("button", name="Load more").click()
+    expect(rows).to_have_count(230)
+    expect(page.get_by_role("button", name="Load more")).to_be_hidden()
+    # Sorting by name is operable from the keyboard and covers every loaded row.
+    page.get_by_role("button", name="Name", exact=True).focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("th[aria-sort]")).to_have_attribute("aria-sort", "descending")
+    expect(rows.first).to_have_attribute("data-path", "many/d0229")
+
+    # The first attempt never reaches the server; the retry reuses its key.
+    keys: list[str] = []
+
+    def flaky(route: Any) -> None:
+        keys.append(route.request.headers["idempotency-key"])
+        if len(keys) == 1:
+            route.abort()
+        else:
+            route.continue_()
+
+    page.route("**/content?path=*", flaky)
+    drop_files(page, ".dropzone", [("late.txt", "text/plain", b"arrives on retry")])
+    upload = page.locator(".upload", has_text="late.txt")
+    expect(upload.get_by_role("alert")).to_have_text(
+        "Could not upload late.txt: Could not reach the server. Check the connection and try again."
+    )
+    assert entry_by_path(api_entries(tenant, folder), "many/late.txt") is None
+    snap(page, "upload-failed")
+    upload.get_by_role("button", name="Retry upload of late.txt").click()
+    expect(upload.locator(".upload-state")).to_have_text("Uploaded")
+    expect(listing_row(page, "many/late.txt").locator(".col-size")).to_have_text("16 bytes")
+    assert len(keys) == 2 and keys[0] == keys[1]
+    with tenant.client() as client:
+        resp = client.get(folder + "/content", params={"path": "many/late.txt"})
+        assert resp.content == b"arrives on retry"

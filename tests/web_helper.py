@@ -62,7 +62,8 @@ _DROP_JS = """
   const target = document.querySelector(selector);
   if (!target) throw new Error(`no drop target ${selector}`);
   for (const type of ["dragenter", "dragover", "drop"]) {
-    target.dispatchEvent(new DragEvent(type, { bubbles: true, cancelable: true, dataTransfer: dt }));
+    const init = { bubbles: true, cancelable: true, dataTransfer: dt };
+    target.dispatchEvent(new DragEvent(type, init));
   }
 }
 """
