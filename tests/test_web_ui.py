@@ -250,7 +250,7 @@ def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant) -> None:
     expect(alert).to_contain_text(
         "Cannot restore: a file or folder already exists at that path: docs"
     )
-    expect(alert).to_contain_text("move or delete it, then restore again")
+    expect(alert).to_contain_text("Move or delete what is there now, then restore again.")
     snap(page, "trash-collision")
     assert len(api_entries(tenant, folder, trash=True)) == 3
 

@@ -423,7 +423,12 @@ export class FolderPage {
     );
 
     this.dropHint = h("p", { class: "drop-hint muted" });
-    this.dropZone = h("div", { class: "dropzone" }, this.dropHint, this.table);
+    this.dropZone = h(
+      "div",
+      { class: "dropzone" },
+      this.dropHint,
+      h("div", { class: "table-scroll" }, this.table),
+    );
     if (!this.readOnly) this.wireDropZone(this.dropZone);
 
     this.listSummary = h("p", { class: "muted list-summary" });
@@ -977,26 +982,27 @@ export class FolderPage {
         class: "muted",
         text: "Deleted items stay here until they are purged. Restoring brings back the item together with everything deleted with it.",
       }),
-      h(
-        "table",
-        { class: "listing trash" },
-        h("caption", { class: "sr-only", text: "Deleted items" }),
-        h(
-          "thead",
-          {},
-          h(
-            "tr",
-            {},
-            h("th", { scope: "col", text: "Name" }),
-            h("th", { scope: "col", text: "Items" }),
-            h("th", { scope: "col", text: "Deleted" }),
-            h("th", { scope: "col", class: "col-actions", text: "Actions" }),
-          ),
-        ),
-        this.trashBody,
-      ),
+      h("div", { class: "table-scroll" }, this.buildTrashTable()),
       h("div", { class: "list-footer" }, this.trashSummary, this.trashMore),
       this.trashError,
+    );
+  }
+
+  buildTrashTable() {
+    const head = h(
+      "tr",
+      {},
+      h("th", { scope: "col", text: "Name" }),
+      h("th", { scope: "col", text: "Items" }),
+      h("th", { scope: "col", text: "Deleted" }),
+      h("th", { scope: "col", class: "col-actions", text: "Actions" }),
+    );
+    return h(
+      "table",
+      { class: "listing trash" },
+      h("caption", { class: "sr-only", text: "Deleted items" }),
+      h("thead", {}, head),
+      this.trashBody,
     );
   }
 
@@ -1115,9 +1121,8 @@ export class FolderPage {
     } catch (err) {
       button.disabled = false;
       if (err instanceof ApiError && err.code === "restore_collision") {
-        error.textContent =
-          `${err.message}. Something now exists where ${name} was: ` +
-          "move or delete it, then restore again.";
+        // The message names the occupied paths; say what to do about it.
+        error.textContent = `${err.message}. Move or delete what is there now, then restore again.`;
       } else {
         error.textContent = `Could not restore ${name}: ${this.explain(err)}`;
       }
