@@ -1,0 +1,453 @@
+"""``fsagent``: mount work folders in a sandbox, report their state, check the runtime.
+
+Commands::
+
+    fsagent mount SCOPE MOUNTPOINT --controller URL --token-file F [--state-dir D]
+                  [--foreground] [--allow-other] [--prefetch N]
+    fsagent up --home DIR --controller URL --token-file F [--state-root D] [--env-file F]
+    fsagent status [--state-dir D ...] [--json]
+    fsagent changes --state-dir D [--json]
+    fsagent doctor [--home DIR] [--controller URL --token-file F]
+
+``--controller`` takes the controller's base URL, or ``dir:PATH`` to serve a
+run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
+
+Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
+in use/bound elsewhere, 4 controller unreachable or refusing, 5 mount failed,
+6 doctor found problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import trio
+
+from common.limits import SCOPES
+from fsagent.client import BridgeClient, RunInfo, open_client
+from fsagent.errors import DoctorFailed, FsagentError, MountFailed
+from fsagent.store import MARKER, Store, default_state_root
+
+log = logging.getLogger("fsagent")
+
+
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise FsagentError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise FsagentError(f"token file {path} is empty")
+    return token
+
+
+def _client(args: argparse.Namespace) -> BridgeClient:
+    token = _read_token(args.token_file)
+    if token is None and not args.controller.startswith(("dir:", "file://")):
+        raise FsagentError("--token-file is required for an HTTP controller")
+    return open_client(args.controller, token, retry_deadline=args.retry_deadline)
+
+
+# --- mount ---------------------------------------------------------------------
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from fsagent.mount import MountOptions, serve
+
+    if args.scope not in SCOPES:
+        raise FsagentError(f"scope must be one of {', '.join(SCOPES)}")
+    mountpoint = Path(args.mountpoint)
+    if not mountpoint.is_dir():
+        raise MountFailed(f"mountpoint {mountpoint} is not an existing directory")
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_root() / args.scope
+    if not args.foreground:
+        return _daemonize(args, mountpoint, state_dir)
+    opts = MountOptions(args.scope, mountpoint, state_dir, args.allow_other, args.prefetch)
+
+    async def main() -> None:
+        client = _client(args)
+        try:
+            await serve(client, opts)
+        finally:
+            await client.aclose()
+
+    trio.run(main)
+    return 0
+
+
+def _daemonize(args: argparse.Namespace, mountpoint: Path, state_dir: Path) -> int:
+    """Start the foreground daemon detached and return once it has mounted."""
+    argv = [a for a in sys.argv[1:] if a != "--foreground"]
+    log_dir = state_dir.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{args.scope}.log"
+    with open(log_path, "ab") as log_fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsagent.cli", *argv, "--foreground"],
+            stdin=subprocess.DEVNULL,
+            stdout=log_fh,
+            stderr=log_fh,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if os.path.ismount(mountpoint):
+            print(f"fsagent: {args.scope} mounted at {mountpoint} (pid {proc.pid}, log {log_path})")
+            return 0
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            print("\n".join(tail), file=sys.stderr)
+            return proc.returncode or 1
+        time.sleep(0.05)
+    proc.terminate()
+    raise MountFailed(f"{mountpoint} was not mounted within 300s (log {log_path})")
+
+
+# --- up ------------------------------------------------------------------------
+
+ENV_NAMES = {
+    "task": "PAPERCLIP_TASK_DIR",
+    "agent": "PAPERCLIP_AGENT_DIR",
+    "user": "PAPERCLIP_USER_DIR",
+    "project": "PAPERCLIP_PROJECT_DIR",
+}
+
+
+def env_for(home: Path, run: RunInfo) -> dict[str, str]:
+    """The environment an agent gets: only bound collections are exported."""
+    env = {"AGENT_HOME": str(home / "agent")}
+    for scope, name in ENV_NAMES.items():
+        if run.bindings.get(scope) is not None:
+            env[name] = str(home / scope)
+    return env
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Mount all four collections (one process each) and supervise them."""
+    home = Path(args.home).absolute()
+    state_root = Path(args.state_root) if args.state_root else default_state_root()
+    client = _client(args)
+
+    async def get_run() -> RunInfo:
+        try:
+            return await client.get_run()
+        finally:
+            await client.aclose()
+
+    run = trio.run(get_run)
+    stop = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    children: dict[str, subprocess.Popen[bytes]] = {}
+    for scope in SCOPES:
+        mp = home / scope
+        mp.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "fsagent.cli",
+            "mount",
+            scope,
+            str(mp),
+            "--controller",
+            args.controller,
+            "--state-dir",
+            str(state_root / scope),
+            "--foreground",
+            "--prefetch",
+            str(args.prefetch),
+        ]
+        if args.token_file:
+            argv += ["--token-file", args.token_file]
+        if args.allow_other:
+            argv.append("--allow-other")
+        children[scope] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + args.timeout
+    pending = set(SCOPES)
+    failed: str | None = None
+    while pending and not stop and failed is None:
+        for scope in list(pending):
+            if os.path.ismount(home / scope):
+                pending.discard(scope)
+            elif children[scope].poll() is not None:
+                failed = f"{scope} exited with {children[scope].returncode}"
+        if time.monotonic() > deadline:
+            failed = f"not mounted within {args.timeout}s: {', '.join(sorted(pending))}"
+        time.sleep(0.05)
+    if failed is None and not stop:
+        env_file = Path(args.env_file) if args.env_file else state_root / "env"
+        env_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = env_file.with_suffix(".tmp")
+        tmp.write_text("".join(f"{k}={v}\n" for k, v in env_for(home, run).items()))
+        os.replace(tmp, env_file)
+        print(
+            f"fsagent: mounted {', '.join(SCOPES)} under {home}; environment in {env_file}",
+            flush=True,
+        )
+        while not stop and all(c.poll() is None for c in children.values()):
+            time.sleep(0.2)
+    for child in children.values():
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    codes = {}
+    for scope, child in children.items():
+        try:
+            codes[scope] = child.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            codes[scope] = child.wait()
+    if failed is not None:
+        raise MountFailed(f"fsagent up: {failed}")
+    bad = {s: c for s, c in codes.items() if c != 0}
+    if bad:
+        print(f"fsagent up: collections stopped with errors: {bad}", file=sys.stderr)
+        return max(bad.values())
+    return 0
+
+
+# --- status / changes ----------------------------------------------------------
+
+
+def _state_dirs(args: argparse.Namespace) -> list[Path]:
+    if args.state_dir:
+        return [Path(d) for d in args.state_dir]
+    root = default_state_root()
+    return [root / s for s in SCOPES if (root / s / MARKER).exists()]
+
+
+def _daemon(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        info: dict[str, Any] = json.loads((state_dir / "daemon.json").read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info
+
+
+def collection_status(state_dir: Path) -> dict[str, Any]:
+    store = Store.open(state_dir, readonly=True)
+    try:
+        binding = store.binding()
+        changes = store.changes_since_baseline()
+        baseline = store.baseline()
+    finally:
+        store.close()
+    daemon = _daemon(state_dir)
+    return {
+        "stateDir": str(state_dir),
+        "scope": binding.scope if binding else None,
+        "companyId": binding.company_id if binding else None,
+        "ownerId": binding.owner_id if binding else None,
+        "unsavedChanges": len(changes),
+        "baseline": baseline.high_water,
+        "state": "mounted" if daemon else "stopped",
+        "mountpoint": daemon["mountpoint"] if daemon else None,
+        "pid": daemon["pid"] if daemon else None,
+    }
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    dirs = _state_dirs(args)
+    rows = [collection_status(d) for d in dirs]
+    if args.json:
+        print(json.dumps({"collections": rows}, indent=2))
+        return 0
+    if not rows:
+        print(f"no fsagent state under {default_state_root()}")
+    for r in rows:
+        where = f" at {r['mountpoint']} (pid {r['pid']})" if r["mountpoint"] else ""
+        print(
+            f"{r['scope'] or '?'}: owner {r['ownerId'] or '-'}, {r['unsavedChanges']} unsaved "
+            f"change(s), {r['state']}{where}"
+        )
+    return 0
+
+
+def cmd_changes(args: argparse.Namespace) -> int:
+    store = Store.open(Path(args.state_dir), readonly=True)
+    try:
+        changes = store.changes_since_baseline()
+    finally:
+        store.close()
+    if args.json:
+        out = [
+            {
+                "path": c.path,
+                "action": c.action,
+                "seq": c.seq,
+                "inode": c.inode,
+                "digest": c.digest,
+                "size": c.size,
+                "executable": c.executable,
+                "generation": c.generation,
+                "baseVersion": c.base.version if c.base else None,
+            }
+            for c in changes
+        ]
+        print(json.dumps({"changes": out}, indent=2))
+    else:
+        for c in changes:
+            print(f"{c.action:9} {c.path}")
+    return 0
+
+
+# --- doctor --------------------------------------------------------------------
+
+
+def doctor_problems(home: Path, controller: str | None, token_file: str | None) -> list[str]:
+    """Every missing piece of the sandbox runtime contract, as one line each."""
+    problems: list[str] = []
+    if not os.path.exists("/dev/fuse"):
+        problems.append("/dev/fuse is missing (the sandbox needs the FUSE device)")
+    elif not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        problems.append("/dev/fuse is not readable and writable by this user")
+    for tool in ("fusermount3", "tar", "sh"):
+        if shutil.which(tool) is None:
+            problems.append(f"{tool} is not on PATH")
+    for label, path in (
+        ("home", home),
+        ("cache", home / ".cache"),
+        ("tmp", Path(tempfile.gettempdir())),
+    ):
+        probe = path
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not os.access(probe, os.W_OK | os.X_OK):
+            problems.append(f"{label} directory {path} is not writable")
+    if controller:
+        try:
+            token = _read_token(token_file)
+            client = open_client(controller, token, retry_deadline=5)
+
+            async def probe_run() -> None:
+                try:
+                    await client.get_run()
+                finally:
+                    await client.aclose()
+
+            trio.run(probe_run)
+        except (FsagentError, ValueError) as exc:
+            problems.append(f"controller {controller} is not usable: {exc}")
+    return problems
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    home = Path(args.home or os.path.expanduser("~"))
+    problems = doctor_problems(home, args.controller, args.token_file)
+    for p in problems:
+        print(f"missing: {p}")
+    if problems:
+        raise DoctorFailed(f"{len(problems)} problem(s) found")
+    print("fsagent doctor: all checks passed")
+    return 0
+
+
+# --- entry point ---------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsagent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    def controller_opts(p: argparse.ArgumentParser, required: bool = True) -> None:
+        p.add_argument("--controller", required=required, help="controller URL or dir:PATH")
+        p.add_argument("--token-file", help="file holding the run token")
+        p.add_argument(
+            "--retry-deadline",
+            type=float,
+            default=60.0,
+            help="seconds to keep retrying transient controller errors",
+        )
+
+    m = sub.add_parser("mount", help="mount one collection")
+    m.add_argument("scope", help="task, agent, user or project")
+    m.add_argument("mountpoint")
+    controller_opts(m)
+    m.add_argument("--state-dir", help="default ~/.local/state/fsagent/SCOPE")
+    m.add_argument("--foreground", action="store_true", help="stay attached (systemd, tests)")
+    m.add_argument(
+        "--allow-other",
+        action="store_true",
+        help="let other users (the agent) use the mount; needs user_allow_other "
+        "in /etc/fuse.conf when not root",
+    )
+    m.add_argument(
+        "--prefetch",
+        type=int,
+        default=4,
+        help="background object fetches in parallel (0 = fetch on open only)",
+    )
+    m.set_defaults(func=cmd_mount)
+
+    u = sub.add_parser("up", help="mount all four collections under --home and write the env file")
+    u.add_argument("--home", required=True)
+    controller_opts(u)
+    u.add_argument("--state-root", help="default ~/.local/state/fsagent")
+    u.add_argument("--env-file", help="default STATE_ROOT/env")
+    u.add_argument("--allow-other", action="store_true")
+    u.add_argument("--prefetch", type=int, default=4)
+    u.add_argument("--timeout", type=float, default=300.0)
+    u.set_defaults(func=cmd_up)
+
+    s = sub.add_parser("status", help="bound owner, unsaved changes and state per collection")
+    s.add_argument("--state-dir", action="append")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("changes", help="list the change set since the baseline")
+    c.add_argument("--state-dir", required=True)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_changes)
+
+    d = sub.add_parser("doctor", help="check the sandbox runtime contract")
+    d.add_argument("--home")
+    controller_opts(d, required=False)
+    d.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code: int = args.func(args)
+        return code
+    except FsagentError as exc:
+        print(f"fsagent: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BaseExceptionGroup as group:
+        # trio nurseries wrap errors in groups; report a lone fsagent error plainly.
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], FsagentError):
+            err = group.exceptions[0]
+            print(f"fsagent: {err}", file=sys.stderr)
+            return err.exit_code
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""The bridge client: how fsagent reads its run, manifests and objects.
+
+One small interface (:class:`BridgeClient`) with two implementations side by
+side, so the filesystem can be tested and benchmarked without a controller:
+
+* :class:`HttpBridgeClient` talks to the controller's ``/bridge/v1`` routes
+  (:mod:`common.bridge`) with the run token, retrying transient failures.
+* :class:`DirectoryBridgeClient` serves a run, manifests and objects from a
+  local directory (layout in its docstring).
+
+Objects are streamed to a destination file while their SHA-256 is computed;
+the caller compares it with the manifest digest before publishing anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+import httpx
+import trio
+
+from common.bridge import MANIFEST_PAGE_MAX, PREFIX
+from common.limits import SCOPES
+from common.types import Digest, FileVersion
+from fsagent.errors import (
+    ControllerRefused,
+    ControllerUnavailable,
+    ObjectUnavailable,
+    ResyncRequired,
+)
+from fsagent.store import Kind, ManifestRow
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CHUNK = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    run_id: str
+    company_id: str
+    agent_id: str
+    lease_epoch: int
+    active: bool
+    bindings: dict[str, str | None]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunInfo:
+        bindings = {scope: data["bindings"].get(scope) for scope in SCOPES}
+        return cls(
+            str(data["runId"]),
+            str(data["companyId"]),
+            str(data["agentId"]),
+            int(data["leaseEpoch"]),
+            bool(data["active"]),
+            bindings,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    path: str
+    kind: str
+    digest: Digest | None
+    byte_size: int
+    executable: bool
+    version: FileVersion
+    deleted: bool
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ManifestEntry:
+        return cls(
+            str(data["path"]),
+            str(data["kind"]),
+            data.get("digest"),
+            int(data.get("byteSize", 0)),
+            bool(data.get("executable", False)),
+            FileVersion(int(data.get("version", 0))),
+            bool(data.get("deleted", False)),
+        )
+
+    def row(self) -> ManifestRow:
+        kind: Kind = "directory" if self.kind == "directory" else "file"
+        return ManifestRow(
+            self.path, kind, self.digest, self.byte_size, self.executable, self.version
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestPage:
+    entries: list[ManifestEntry]
+    next_since: int | None
+    high_water: int
+
+
+class BridgeClient(ABC):
+    """What fsagent needs from the controller (read side)."""
+
+    @abstractmethod
+    async def get_run(self) -> RunInfo:
+        """The run this client's token belongs to, with its four bindings."""
+
+    @abstractmethod
+    def iter_manifest(self, scope: str, since: int = 0) -> AsyncIterator[ManifestPage]:
+        """Pages of the folder's manifest with ``version > since``, in version order."""
+
+    @abstractmethod
+    async def fetch_object(self, scope: str, digest: Digest, dest: Path) -> tuple[str, int]:
+        """Write the object's bytes to ``dest``; return (sha256 hex of what was written, size).
+
+        Raises ObjectUnavailable when the controller does not serve it.
+        """
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, most clients hold nothing
+        """Release connections."""
+
+
+def _flush_and_sync(fh: BinaryIO) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+async def _copy_hashing(chunks: AsyncIterator[bytes], dest: Path) -> tuple[str, int]:
+    """Stream chunks into ``dest`` (file I/O in a worker thread), hashing as we go."""
+    sha = hashlib.sha256()
+    size = 0
+    fh: BinaryIO = await trio.to_thread.run_sync(lambda: open(dest, "wb"))  # noqa: SIM115
+    try:
+        async for chunk in chunks:
+            sha.update(chunk)
+            size += len(chunk)
+            await trio.to_thread.run_sync(fh.write, chunk)
+        await trio.to_thread.run_sync(_flush_and_sync, fh)
+    finally:
+        fh.close()
+    return sha.hexdigest(), size
+
+
+# --- retries -----------------------------------------------------------------
+
+
+class _Transient(Exception):
+    """A failure worth retrying (network, 5xx, 429)."""
+
+
+async def with_retries(
+    what: str,
+    attempt_once: Callable[[], Awaitable[T]],
+    *,
+    deadline: float,
+    base_delay: float = 0.2,
+    max_delay: float = 5.0,
+) -> T:
+    """Run ``attempt_once`` until it succeeds, a permanent error, or ``deadline`` seconds.
+
+    Exponential backoff with full jitter, so many sandboxes recovering at once
+    do not hammer the controller in lockstep; log louder as attempts grow.
+    """
+    start = trio.current_time()
+    attempt = 0
+    while True:
+        try:
+            return await attempt_once()
+        except _Transient as exc:
+            attempt += 1
+            elapsed = trio.current_time() - start
+            delay = random.uniform(0, min(max_delay, base_delay * 2**attempt))
+            if elapsed + delay > deadline:
+                raise ControllerUnavailable(
+                    f"{what}: gave up after {attempt} attempts over {elapsed:.1f}s: {exc}"
+                ) from exc
+            level = logging.INFO if attempt < 3 else logging.WARNING
+            log.log(
+                level, "%s failed (attempt %d, retrying in %.2fs): %s", what, attempt, delay, exc
+            )
+            await trio.sleep(delay)
+
+
+# --- HTTP --------------------------------------------------------------------
+
+
+class HttpBridgeClient(BridgeClient):
+    """The controller's bridge over HTTPS with the run token."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        retry_deadline: float = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}", "User-Agent": "fsagent"},
+            timeout=httpx.Timeout(30.0, connect=10.0),
+            transport=transport,
+        )
+        self.retry_deadline = retry_deadline
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @staticmethod
+    def _check(resp: httpx.Response, what: str) -> None:
+        if resp.status_code < 400:
+            return
+        if resp.status_code == 429 or resp.status_code >= 500:
+            raise _Transient(f"HTTP {resp.status_code}")
+        code = None
+        message = resp.reason_phrase
+        try:
+            body = resp.json()
+            code, message = body.get("code"), body.get("error", message)
+        except (ValueError, AttributeError):
+            pass
+        cls = ResyncRequired if resp.status_code == 410 else ControllerRefused
+        raise cls(
+            f"{what}: HTTP {resp.status_code} {code or ''} {message}".strip(),
+            resp.status_code,
+            code,
+        )
+
+    async def _get_json(self, url: str, what: str, params: dict[str, Any] | None = None) -> Any:
+        async def once() -> Any:
+            try:
+                resp = await self._http.get(url, params=params)
+            except httpx.TransportError as exc:
+                raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+            self._check(resp, what)
+            return resp.json()
+
+        return await with_retries(what, once, deadline=self.retry_deadline)
+
+    async def get_run(self) -> RunInfo:
+        return RunInfo.from_json(await self._get_json(PREFIX + "/run", "GET run"))
+
+    async def iter_manifest(self, scope: str, since: int = 0) -> AsyncIterator[ManifestPage]:
+        cursor: int | None = since
+        high_water: int | None = None
+        while cursor is not None:
+            body = await self._get_json(
+                f"{PREFIX}/folders/{scope}/manifest",
+                f"GET {scope} manifest since {cursor}",
+                {"since": cursor, "limit": MANIFEST_PAGE_MAX},
+            )
+            # The first page's high-water mark is the baseline: later pages may
+            # see newer versions, which a "since" listing will pick up again.
+            if high_water is None:
+                high_water = int(body["highWater"])
+            cursor = body.get("nextSince")
+            yield ManifestPage(
+                [ManifestEntry.from_json(e) for e in body["entries"]],
+                cursor,
+                high_water,
+            )
+
+    async def fetch_object(self, scope: str, digest: Digest, dest: Path) -> tuple[str, int]:
+        url = f"{PREFIX}/folders/{scope}/objects/{digest}"
+        what = f"GET {scope} object {digest[:12]}"
+
+        async def once() -> tuple[str, int]:
+            try:
+                async with self._http.stream("GET", url) as resp:
+                    if resp.status_code == 404:
+                        raise ObjectUnavailable(f"{what}: not served by the controller (404)")
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                    self._check(resp, what)
+                    return await _copy_hashing(resp.aiter_bytes(CHUNK), dest)
+            except httpx.TransportError as exc:
+                raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+
+        return await with_retries(what, once, deadline=self.retry_deadline)
+
+
+# --- local directory ---------------------------------------------------------
+
+
+class DirectoryBridgeClient(BridgeClient):
+    """Serves a run from a directory, for tests and benchmarks.
+
+    Layout::
+
+        run.json                      GET /run body
+        <scope>/manifest.json         {"entries": [ManifestEntry...], "highWater": n}
+        <scope>/objects/<digest>      object bytes
+        config.json (optional)        {"fetchDelay": seconds per object}
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        cfg = root / "config.json"
+        self._config: dict[str, Any] = json.loads(cfg.read_text()) if cfg.exists() else {}
+
+    async def get_run(self) -> RunInfo:
+        try:
+            data = json.loads((self.root / "run.json").read_text())
+        except FileNotFoundError:
+            raise ControllerRefused(f"{self.root}/run.json not found", 404) from None
+        return RunInfo.from_json(data)
+
+    async def iter_manifest(self, scope: str, since: int = 0) -> AsyncIterator[ManifestPage]:
+        path = self.root / scope / "manifest.json"
+        if not path.exists():
+            raise ControllerRefused(f"{path} not found: scope {scope} is not bound", 404)
+        data = await trio.to_thread.run_sync(lambda: json.loads(path.read_text()))
+        entries = [ManifestEntry.from_json(e) for e in data["entries"]]
+        high = int(data.get("highWater", max((e.version for e in entries), default=0)))
+        chosen = [e for e in entries if e.version > since and (since > 0 or not e.deleted)]
+        for i in range(0, max(len(chosen), 1), MANIFEST_PAGE_MAX):
+            page = chosen[i : i + MANIFEST_PAGE_MAX]
+            more = i + MANIFEST_PAGE_MAX < len(chosen)
+            yield ManifestPage(page, int(page[-1].version) if more else None, high)
+
+    async def fetch_object(self, scope: str, digest: Digest, dest: Path) -> tuple[str, int]:
+        delay = float(self._config.get("fetchDelay", 0))
+        if delay:
+            await trio.sleep(delay)
+        src = self.root / scope / "objects" / digest
+        try:
+            fh = await trio.to_thread.run_sync(lambda: open(src, "rb"))  # noqa: SIM115
+        except FileNotFoundError:
+            raise ObjectUnavailable(f"object {digest[:12]} not in {src.parent}") from None
+
+        async def chunks() -> AsyncIterator[bytes]:
+            with fh:
+                while chunk := await trio.to_thread.run_sync(fh.read, CHUNK):
+                    yield chunk
+
+        return await _copy_hashing(chunks(), dest)
+
+
+def open_client(
+    controller: str, token: str | None, *, retry_deadline: float = 60.0
+) -> BridgeClient:
+    """``dir:PATH`` / ``file://PATH`` → DirectoryBridgeClient; http(s) URL → HttpBridgeClient."""
+    if controller.startswith("dir:"):
+        return DirectoryBridgeClient(Path(controller[4:]))
+    if controller.startswith("file://"):
+        return DirectoryBridgeClient(Path(controller[7:]))
+    if token is None:
+        raise ValueError("a run token is required for an HTTP controller")
+    return HttpBridgeClient(controller, token, retry_deadline=retry_deadline)

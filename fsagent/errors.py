@@ -1,0 +1,81 @@
+"""fsagent's own failures, each with the exit code the CLI reports.
+
+Exit codes (also listed by ``fsagent --help``):
+
+==  =====================================================================
+0   success
+1   unexpected error (a traceback is printed)
+2   usage error (argparse)
+3   state dir problem: corrupt, foreign, in use, or bound to another run
+4   controller unreachable, or it refused the run token / folder
+5   the mount itself failed (no /dev/fuse, mountpoint busy, ...)
+6   ``fsagent doctor`` found something missing
+==  =====================================================================
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class FsagentError(Exception):
+    """A failure the CLI reports as one line and a documented exit code."""
+
+    exit_code: ClassVar[int] = 1
+
+
+class StateError(FsagentError):
+    exit_code = 3
+
+
+class StateCorrupt(StateError):
+    """The state dir claims to be fsagent's but cannot be read."""
+
+
+class StateForeign(StateError):
+    """The directory holds something that is not an fsagent state dir."""
+
+
+class StateInUse(StateError):
+    """Another fsagent process holds the state dir."""
+
+
+class StateBindingMismatch(StateError):
+    """The state belongs to another company/owner/task/agent/user/project.
+
+    Reusing it would mix one binding's unsaved work into another's folder, so
+    the state is kept untouched and the mount refused.
+    """
+
+
+class ControllerError(FsagentError):
+    exit_code = 4
+
+
+class ControllerUnavailable(ControllerError):
+    """Transient failures persisted past the retry deadline."""
+
+
+class ControllerRefused(ControllerError):
+    """A permanent refusal (401/403/404/409/422): retrying cannot help."""
+
+    def __init__(self, message: str, status: int, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class ResyncRequired(ControllerRefused):
+    """``since`` is older than the folder's purge floor: list again from 0."""
+
+
+class ObjectUnavailable(ControllerError):
+    """An object could not be fetched, or its bytes did not match the digest."""
+
+
+class MountFailed(FsagentError):
+    exit_code = 5
+
+
+class DoctorFailed(FsagentError):
+    exit_code = 6

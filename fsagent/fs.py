@@ -1,0 +1,739 @@
+"""The FUSE operations: a copy-on-write view over saved contents and an upper layer.
+
+Reads of unchanged files come from ``objects/<digest>`` (fetched on first
+open); the first write copies the file to ``upper/<inode>`` (a truncation to
+zero copies nothing) and from then on the upper file is the content.  Every
+mutation goes through :class:`fsagent.store.Store`, which journals the paths
+it touched.
+
+Kernel caching: fsagent is the only writer while a run lasts, so entries,
+attributes and data can be cached for a long time (``TIMEOUT``, ``keep_cache``)
+and the writeback cache is enabled.  With the writeback cache the kernel owns
+file size and mtime while it holds dirty pages and sends them to us at close,
+fsync or under memory pressure; it also resolves O_APPEND offsets itself.
+
+Name rules (common.paths): a name that is not valid UTF-8, not NFC, contains
+control characters or a backslash is refused with EINVAL; the reserved
+segment ``.fsagent`` with EPERM; a name over 255 bytes or a path over 1024
+characters with ENAMETOOLONG.  Lookups of such names answer ENOENT: nothing
+with that name can exist.  Symlinks, hard links and special files: EPERM.
+
+Threading: handlers run on the trio thread; reads and writes of one FUSE
+request (at most 128 KiB) on a local file go straight to the page cache and
+are done inline, because a thread hop would cost more than the copy.  Whole-
+file work (copy-up, fsync, object fetches) runs in worker threads; an fd used
+by a worker is pinned so that it is not closed underneath it.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, ParamSpec, TypeVar
+
+import pyfuse3
+import trio
+
+from common.errors import InvalidPath
+from common.limits import MAX_COMPONENT_BYTES, MAX_FILE_BYTES, MAX_PATH_CHARS
+from common.paths import decode_fs_name
+from common.types import Digest
+from fsagent.hydrate import ContentFetcher
+from fsagent.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store, now_ns
+
+log = logging.getLogger(__name__)
+
+TIMEOUT: Final = 3600.0
+"""Entry/attr cache lifetime: nobody but this daemon changes the tree during a run."""
+BLKSIZE: Final = 128 * 1024
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+# OSError numbers that mean something to the caller and pass through as-is;
+# anything else from the local disk is an internal failure (EIO).
+_PASS_THROUGH: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def fuse_boundary(
+    fn: Callable[_P, Coroutine[Any, Any, _R]],
+) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    """Let only FUSEError out of a handler: log anything else once, answer EIO."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as exc:
+            if exc.errno in _PASS_THROUGH:
+                raise pyfuse3.FUSEError(exc.errno) from None
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception:
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def _err(code: int) -> pyfuse3.FUSEError:
+    return pyfuse3.FUSEError(code)
+
+
+def name_errno(exc: InvalidPath) -> int:
+    if exc.reason == "reserved_segment":
+        return errno.EPERM
+    if exc.reason == "segment_too_long":
+        return errno.ENAMETOOLONG
+    return errno.EINVAL
+
+
+@dataclass(slots=True)
+class OpenFile:
+    """Per-inode backing fd shared by all handles of that inode."""
+
+    fd: int
+    upper: bool
+    opens: int = 0
+    pins: int = 0
+    retired: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Handle:
+    ino: InodeNo
+    flags: int
+
+
+class WorkFolderFS(pyfuse3.Operations):
+    """pyfuse3 operations for one collection."""
+
+    enable_writeback_cache = True
+    supports_dot_lookup = True
+
+    def __init__(self, store: Store, fetcher: ContentFetcher, *, readonly: bool = False) -> None:
+        super().__init__()
+        self.store = store
+        self.fetcher = fetcher
+        self.readonly = readonly
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self.lookups: dict[InodeNo, int] = {}
+        self.files: dict[InodeNo, OpenFile] = {}
+        self.handles: dict[int, Handle] = {}
+        self.dirs: dict[int, list[tuple[bytes, InodeNo]]] = {}
+        self._next_fh = 1
+        self._copy_locks: dict[InodeNo, trio.Lock] = {}
+
+    # --- helpers ------------------------------------------------------------
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    def _inode(self, ino: int) -> Inode:
+        try:
+            return self.store.get(ino)
+        except KeyError:
+            raise _err(errno.ENOENT) from None
+
+    def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = inode.ino
+        a.generation = 0
+        a.entry_timeout = TIMEOUT
+        a.attr_timeout = TIMEOUT
+        kind_bits = stat.S_IFDIR if inode.kind == "directory" else stat.S_IFREG
+        mode = inode.mode & (0o555 if self.readonly else 0o777)
+        a.st_mode = kind_bits | mode
+        # 1 means "unknown" for directories: tools then do not infer subdirectory counts.
+        a.st_nlink = 1 if inode.parent or inode.ino == ROOT_INODE else 0
+        a.st_uid = self.uid
+        a.st_gid = self.gid
+        a.st_rdev = 0
+        a.st_size = inode.size
+        a.st_blksize = BLKSIZE
+        a.st_blocks = (inode.size + 511) // 512
+        a.st_atime_ns = inode.mtime_ns
+        a.st_mtime_ns = inode.mtime_ns
+        a.st_ctime_ns = inode.ctime_ns
+        return a
+
+    def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        """Attributes for a reply that gives the kernel a new lookup reference."""
+        self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
+        return self._attrs(inode)
+
+    def _writable(self) -> None:
+        if self.readonly:
+            raise _err(errno.EROFS)
+
+    def _new_name(self, parent: InodeNo, raw: bytes) -> str:
+        """Validate a name about to be created under ``parent``."""
+        try:
+            name = decode_fs_name(raw)
+        except InvalidPath as exc:
+            raise _err(name_errno(exc)) from None
+        ppath = self.store.path_of(parent)
+        if ppath is None:
+            raise _err(errno.ENOENT)  # the directory itself was removed
+        if len(ppath) + 1 + len(name) > MAX_PATH_CHARS:
+            raise _err(errno.ENAMETOOLONG)
+        return name
+
+    @staticmethod
+    def _old_name(raw: bytes) -> str:
+        """Decode a name that must already exist (invalid names cannot)."""
+        try:
+            return decode_fs_name(raw)
+        except InvalidPath as exc:
+            raise _err(
+                errno.ENAMETOOLONG if len(raw) > MAX_COMPONENT_BYTES else errno.ENOENT
+            ) from exc
+
+    def _dir(self, ino: InodeNo) -> Inode:
+        inode = self._inode(ino)
+        if inode.kind != "directory":
+            raise _err(errno.ENOTDIR)
+        if inode.parent == 0:
+            raise _err(errno.ENOENT)
+        return inode
+
+    def _in_use(self, ino: InodeNo) -> bool:
+        return self.lookups.get(ino, 0) > 0 or ino in self.files
+
+    def _release_fd(self, of: OpenFile, fd: int) -> None:
+        if of.pins:
+            of.retired.append(fd)
+        else:
+            os.close(fd)
+
+    async def _pinned(self, of: OpenFile, fn: Callable[[int], _R]) -> _R:
+        """Run ``fn(fd)`` in a worker thread without the fd being closed meanwhile."""
+        of.pins += 1
+        try:
+            return await trio.to_thread.run_sync(fn, of.fd)
+        finally:
+            of.pins -= 1
+            if not of.pins:
+                for fd in of.retired:
+                    os.close(fd)
+                of.retired.clear()
+
+    async def _make_upper(self, inode: Inode, *, copy: bool) -> None:
+        """Give ``inode`` its own upper file (copy-on-write), once.
+
+        The copy is complete (written to a temp name and renamed into place)
+        before the inode record says ``upper``, so a crash in between leaves
+        the saved content showing, never a half copy.
+        """
+        lock = self._copy_locks.setdefault(inode.ino, trio.Lock())
+        async with lock:
+            if inode.upper:
+                return
+            dest = self.store.upper / str(inode.ino)
+            tmp = self.store.upper / f"{inode.ino}.tmp"
+            if copy and inode.digest and inode.digest != EMPTY_DIGEST and inode.size:
+                src = await self.fetcher.ensure(inode.digest)
+
+                def do_copy() -> None:
+                    shutil.copyfile(src, tmp)
+                    os.replace(tmp, dest)
+
+                await trio.to_thread.run_sync(do_copy)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+                os.replace(tmp, dest)
+            inode.upper = True
+            inode.digest = None
+            inode.generation += 1
+            self.store.persist(inode, touch="write")
+            of = self.files.get(inode.ino)
+            if of is not None and not of.upper:
+                old = of.fd
+                of.fd = os.open(dest, os.O_RDWR | os.O_CLOEXEC)
+                of.upper = True
+                self._release_fd(of, old)
+        self._copy_locks.pop(inode.ino, None)
+
+    # --- lookups and attributes ----------------------------------------------
+
+    @fuse_boundary
+    async def lookup(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        """Resolve a name; a miss is a cached negative entry (we are the only writer).
+
+        Must increase the lookup count of the returned inode by one.
+        """
+        parent = InodeNo(parent_inode)
+        if name == b".":
+            return self._ref(self._inode(parent))
+        if name == b"..":
+            pinode = self._inode(parent)
+            return self._ref(self._inode(pinode.parent or ROOT_INODE))
+        try:
+            text = decode_fs_name(name)
+        except InvalidPath as exc:
+            raise _err(
+                errno.ENAMETOOLONG if exc.reason == "segment_too_long" else errno.ENOENT
+            ) from None
+        child = self.store.lookup(parent, text)
+        if child is None:
+            negative = pyfuse3.EntryAttributes()
+            negative.st_ino = 0
+            negative.entry_timeout = TIMEOUT
+            return negative
+        return self._ref(self._inode(child))
+
+    @fuse_boundary
+    async def getattr(
+        self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        """Attributes of a known inode; ENOENT if it is gone."""
+        return self._attrs(self._inode(inode))
+
+    @fuse_boundary
+    async def setattr(
+        self,
+        inode: pyfuse3.InodeT,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: pyfuse3.FileHandleT | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """truncate/ftruncate, chmod (all permission bits kept; the owner exec bit is
+        what is saved), utimens.  Ownership changes are accepted and ignored:
+        scoped files have no owner.  Journals the path; EROFS when unbound,
+        EFBIG beyond the 1 GiB file limit.
+        """
+        self._writable()
+        node = self._inode(inode)
+        ops: list[str] = []
+        if fields.update_size:
+            if node.kind == "directory":
+                raise _err(errno.EISDIR)
+            size = attr.st_size
+            if size > MAX_FILE_BYTES:
+                raise _err(errno.EFBIG)
+            if not node.upper:
+                await self._make_upper(node, copy=size > 0)
+            of = self.files.get(node.ino)
+            if of is not None:
+                os.ftruncate(of.fd, size)
+            else:
+                os.truncate(self.store.upper / str(node.ino), size)
+            node.size = size
+            node.generation += 1
+            node.mtime_ns = now_ns()
+            ops.append("truncate")
+        if fields.update_mode:
+            node.mode = attr.st_mode & 0o777
+            ops.append("chmod")
+        if fields.update_mtime:
+            node.mtime_ns = attr.st_mtime_ns
+            ops.append("utimens")
+        node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now_ns()
+        self.store.persist(node, touch="+".join(ops) if ops else None)
+        return self._attrs(node)
+
+    # --- refusals ----------------------------------------------------------------
+
+    @fuse_boundary
+    async def symlink(
+        self,
+        parent_inode: pyfuse3.InodeT,
+        name: pyfuse3.FileNameT,
+        target: pyfuse3.FileNameT,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """Always EPERM: scoped files may not be symbolic links (spec)."""
+        raise _err(errno.EROFS if self.readonly else errno.EPERM)
+
+    @fuse_boundary
+    async def link(
+        self,
+        inode: pyfuse3.InodeT,
+        new_parent_inode: pyfuse3.InodeT,
+        new_name: pyfuse3.FileNameT,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """Always EPERM: scoped files may not be hard links (spec)."""
+        raise _err(errno.EROFS if self.readonly else errno.EPERM)
+
+    @fuse_boundary
+    async def mknod(
+        self,
+        parent_inode: pyfuse3.InodeT,
+        name: pyfuse3.FileNameT,
+        mode: pyfuse3.ModeT,
+        rdev: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """Always EPERM: no device nodes, FIFOs or sockets (regular files use create)."""
+        raise _err(errno.EROFS if self.readonly else errno.EPERM)
+
+    @fuse_boundary
+    async def readlink(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> bytes:
+        """There are no symlinks here."""
+        raise _err(errno.EINVAL)
+
+    # --- namespace ----------------------------------------------------------------
+
+    @fuse_boundary
+    async def mkdir(
+        self,
+        parent_inode: pyfuse3.InodeT,
+        name: pyfuse3.FileNameT,
+        mode: pyfuse3.ModeT,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        """Create a directory; EEXIST if the name is taken. Journals the path."""
+        return self._ref(await self._create_node(parent_inode, name, "directory", mode))
+
+    async def _create_node(self, parent_inode: int, raw: bytes, kind: Kind, mode: int) -> Inode:
+        self._writable()
+        parent = InodeNo(parent_inode)
+        self._dir(parent)
+        name = self._new_name(parent, raw)
+        if self.store.lookup(parent, name) is not None:
+            raise _err(errno.EEXIST)
+        return self.store.create(parent, name, kind, mode)
+
+    @fuse_boundary
+    async def create(
+        self,
+        parent_inode: pyfuse3.InodeT,
+        name: pyfuse3.FileNameT,
+        mode: pyfuse3.ModeT,
+        flags: pyfuse3.FlagT,
+        ctx: pyfuse3.RequestContext,
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        """Create and open a new empty file (its upper file starts empty).
+
+        EEXIST if the name is taken (the kernel has already applied O_EXCL
+        semantics through lookup; this closes the race).  Journals the path.
+        """
+        inode = await self._create_node(parent_inode, name, "file", mode)
+        fd = os.open(
+            self.store.upper / str(inode.ino),
+            os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+            0o600,
+        )
+        of = OpenFile(fd, upper=True, opens=1)
+        self.files[inode.ino] = of
+        fh = self._new_fh()
+        self.handles[fh] = Handle(inode.ino, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._ref(inode)
+
+    @fuse_boundary
+    async def unlink(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext
+    ) -> None:
+        """Remove a file's entry. An open (or still looked-up) file stays readable
+        and writable through its handles; its data is freed in ``forget``."""
+        self._writable()
+        parent = InodeNo(parent_inode)
+        text = self._old_name(name)
+        child = self.store.lookup(parent, text)
+        if child is None:
+            raise _err(errno.ENOENT)
+        if self._inode(child).kind == "directory":
+            raise _err(errno.EISDIR)
+        self.store.unlink(parent, text, keep=self._in_use(child))
+
+    @fuse_boundary
+    async def rmdir(
+        self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT, ctx: pyfuse3.RequestContext
+    ) -> None:
+        """Remove an empty directory: ENOTEMPTY otherwise, ENOTDIR for a file."""
+        self._writable()
+        parent = InodeNo(parent_inode)
+        text = self._old_name(name)
+        child = self.store.lookup(parent, text)
+        if child is None:
+            raise _err(errno.ENOENT)
+        if self._inode(child).kind != "directory":
+            raise _err(errno.ENOTDIR)
+        if self.store.has_children(child):
+            raise _err(errno.ENOTEMPTY)
+        self.store.unlink(parent, text, keep=self._in_use(child))
+
+    def _is_ancestor(self, ancestor: InodeNo, ino: InodeNo) -> bool:
+        while True:
+            if ino == ancestor:
+                return True
+            if ino == ROOT_INODE:
+                return False
+            ino = self._inode(ino).parent
+            if ino == 0:
+                return False
+
+    @fuse_boundary
+    async def rename(
+        self,
+        parent_inode_old: pyfuse3.InodeT,
+        name_old: pyfuse3.FileNameT,
+        parent_inode_new: pyfuse3.InodeT,
+        name_new: pyfuse3.FileNameT,
+        flags: pyfuse3.FlagT,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        """Atomic rename, replacing an existing target of a compatible kind.
+
+        RENAME_NOREPLACE → EEXIST if the target exists; RENAME_EXCHANGE swaps
+        two existing entries; other flags → EINVAL.  A replaced inode that the
+        kernel still references stays alive until ``forget``.  Both old and new
+        paths of everything moved are journaled.
+        """
+        self._writable()
+        if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
+            raise _err(errno.EINVAL)
+        old_parent, new_parent = InodeNo(parent_inode_old), InodeNo(parent_inode_new)
+        old = self._old_name(name_old)
+        self._dir(new_parent)
+        new = self._new_name(new_parent, name_new)
+        src = self.store.lookup(old_parent, old)
+        if src is None:
+            raise _err(errno.ENOENT)
+        src_node = self._inode(src)
+        if src_node.kind == "directory" and self._is_ancestor(src, new_parent):
+            raise _err(errno.EINVAL)
+        dst = self.store.lookup(new_parent, new)
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            if dst is None:
+                raise _err(errno.ENOENT)
+            dst_node = self._inode(dst)
+            if dst_node.kind == "directory" and self._is_ancestor(dst, old_parent):
+                raise _err(errno.EINVAL)
+            if dst != src:
+                self.store.exchange(old_parent, old, new_parent, new)
+            return
+        if dst is not None:
+            if flags & pyfuse3.RENAME_NOREPLACE:
+                raise _err(errno.EEXIST)
+            if dst == src:
+                return
+            dst_node = self._inode(dst)
+            if src_node.kind == "directory" and dst_node.kind != "directory":
+                raise _err(errno.ENOTDIR)
+            if src_node.kind != "directory" and dst_node.kind == "directory":
+                raise _err(errno.EISDIR)
+            if dst_node.kind == "directory" and self.store.has_children(dst):
+                raise _err(errno.ENOTEMPTY)
+        self.store.rename(old_parent, old, new_parent, new, keep_replaced=self._in_use)
+
+    # --- files --------------------------------------------------------------------
+
+    @fuse_boundary
+    async def open(
+        self, inode: pyfuse3.InodeT, flags: pyfuse3.FlagT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.FileInfo:
+        """Open a file. A file whose saved content is not local yet is fetched
+        first; this open waits for that one object only.  EROFS for writing
+        when unbound; EIO when the content cannot be fetched or verified.
+        """
+        ino = InodeNo(inode)
+        node = self._inode(ino)
+        if node.kind == "directory":
+            raise _err(errno.EISDIR)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._writable()
+        if ino not in self.files:
+            if node.upper:
+                fd = os.open(self.store.upper / str(ino), os.O_RDWR | os.O_CLOEXEC)
+                upper = True
+            else:
+                try:
+                    path = await self.fetcher.ensure(Digest(node.digest or EMPTY_DIGEST))
+                except Exception as exc:  # any fetch failure is EIO for the reader
+                    log.error("open of inode %d: content unavailable: %s", ino, exc)
+                    raise _err(errno.EIO) from None
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                upper = False
+            if ino in self.files:  # another open won the race while we fetched
+                os.close(fd)
+            else:
+                self.files[ino] = OpenFile(fd, upper)
+        self.files[ino].opens += 1
+        fh = self._new_fh()
+        self.handles[fh] = Handle(ino, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    def _handle(self, fh: int) -> tuple[Handle, OpenFile]:
+        h = self.handles.get(fh)
+        if h is None:
+            raise _err(errno.EBADF)
+        return h, self.files[h.ino]
+
+    @fuse_boundary
+    async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
+        """Read from the upper file or the saved object (short at end of file)."""
+        _, of = self._handle(fh)
+        return os.pread(of.fd, size, off)
+
+    @fuse_boundary
+    async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
+        """Write at ``off`` (holes stay sparse), copying the file up first if needed.
+
+        The bytes are in the upper file before this returns, so they survive a
+        crash of this process; size and generation are persisted at flush/
+        fsync/release.  EFBIG beyond 1 GiB, ENOSPC when the disk is full.
+        """
+        self._writable()
+        h, of = self._handle(fh)
+        node = self._inode(h.ino)
+        end = off + len(buf)
+        if end > MAX_FILE_BYTES:
+            raise _err(errno.EFBIG)
+        if not node.upper:
+            await self._make_upper(node, copy=True)
+        written = os.pwrite(of.fd, buf, off)
+        if end > node.size:
+            node.size = end
+        node.mtime_ns = now_ns()
+        node.generation += 1
+        self.store.mark_unsaved(node)
+        return written
+
+    def _persist_if_changed(self, ino: InodeNo) -> None:
+        if self.store.is_unsaved(ino):
+            self.store.persist(self.store.get(ino), touch="write")
+
+    @fuse_boundary
+    async def flush(self, fh: pyfuse3.FileHandleT) -> None:
+        """close(): the kernel has written back dirty pages; commit size and
+        generation and journal the path, so a closed file survives kill -9."""
+        h, _ = self._handle(fh)
+        self._persist_if_changed(h.ino)
+
+    @fuse_boundary
+    async def fsync(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
+        """Commit the inode and journal, then make the upper file and the LMDB
+        environment durable against power loss."""
+        h, of = self._handle(fh)
+        self._persist_if_changed(h.ino)
+        if of.upper:
+            await self._pinned(of, os.fsync)
+        await trio.to_thread.run_sync(self.store.sync)
+
+    @fuse_boundary
+    async def release(self, fh: pyfuse3.FileHandleT) -> None:
+        """Last close of a handle: commit, and close the backing fd when no handle
+        of the inode remains.  Errors here reach nobody, so they are only logged."""
+        h, of = self._handle(fh)
+        del self.handles[fh]
+        self._persist_if_changed(h.ino)
+        of.opens -= 1
+        if of.opens <= 0:
+            del self.files[h.ino]
+            self._release_fd(of, of.fd)
+            self._maybe_free(h.ino)
+
+    def _maybe_free(self, ino: InodeNo) -> None:
+        if self._in_use(ino):
+            return
+        try:
+            node = self.store.get(ino)
+        except KeyError:
+            return
+        if node.parent == 0 and ino != ROOT_INODE:
+            self.store.free_orphan(ino)
+        else:
+            self.store.evict(ino)
+
+    # --- directories ---------------------------------------------------------------
+
+    @fuse_boundary
+    async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> int:
+        """Snapshot the directory's entries (sorted by name); readdir pages over it.
+
+        A snapshot keeps offsets stable while the directory changes: entries
+        added or removed meanwhile may or may not show, none is skipped or
+        listed twice.
+        """
+        ino = InodeNo(inode)
+        self._dir(ino)
+        fh = self._new_fh()
+        self.dirs[fh] = [(name.encode("utf-8"), child) for name, child in self.store.children(ino)]
+        return fh
+
+    @fuse_boundary
+    async def readdir(
+        self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken
+    ) -> None:
+        """List entries from offset ``start_id``; each accepted entry is a lookup reference."""
+        entries = self.dirs.get(fh)
+        if entries is None:
+            raise _err(errno.EBADF)
+        for i in range(start_id, len(entries)):
+            name, child = entries[i]
+            try:
+                node = self.store.get(child)
+            except KeyError:
+                continue  # removed since opendir
+            if not pyfuse3.readdir_reply(token, name, self._attrs(node), i + 1):
+                return
+            self.lookups[child] = self.lookups.get(child, 0) + 1
+
+    @fuse_boundary
+    async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
+        """Drop the snapshot."""
+        self.dirs.pop(fh, None)
+
+    @fuse_boundary
+    async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
+        """Directory changes are already committed; make them power-loss durable."""
+        await trio.to_thread.run_sync(self.store.sync)
+
+    @fuse_boundary
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        """Space of the disk holding the state dir (where the upper layer lives)."""
+        vfs = os.statvfs(self.store.root)
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = vfs.f_bsize
+        out.f_frsize = vfs.f_frsize
+        out.f_blocks = vfs.f_blocks
+        out.f_bfree = 0 if self.readonly else vfs.f_bfree
+        out.f_bavail = 0 if self.readonly else vfs.f_bavail
+        used = self.store.count_inodes()
+        out.f_files = max(vfs.f_files, used)
+        out.f_ffree = 0 if self.readonly else max(vfs.f_ffree, 0)
+        out.f_favail = out.f_ffree
+        out.f_namemax = MAX_COMPONENT_BYTES
+        return out
+
+    async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
+        """Drop kernel references; free orphans nobody uses any more.
+
+        Must never raise: there is no request to report an error to.
+        """
+        for inode, nlookup in inode_list:
+            try:
+                ino = InodeNo(inode)
+                left = self.lookups.get(ino, 0) - nlookup
+                if left > 0:
+                    self.lookups[ino] = left
+                    continue
+                self.lookups.pop(ino, None)
+                self._maybe_free(ino)
+            except Exception:
+                log.exception("forget of inode %d failed", inode)
+
+    def shutdown(self) -> None:
+        """After unmount: commit pending attributes and close every backing fd."""
+        self.store.persist_all()
+        for of in self.files.values():
+            os.close(of.fd)
+            for fd in of.retired:
+                os.close(fd)
+        self.files.clear()
+        self.handles.clear()

@@ -1,0 +1,928 @@
+"""Durable local state of one mounted collection: inodes, entries, journal, baseline.
+
+Layout of a state dir (default ``$HOME/.local/state/fsagent/<scope>``)::
+
+    fsagent-state.json   marker: format version; a dir without it is not ours
+    lock                 flock()ed by the daemon that owns the state
+    db/                  LMDB environment (named databases below)
+    objects/<digest>     saved contents, read-only, filled by hydration
+    upper/<inode>        copy-on-write contents of changed files
+    daemon.json          pid + mountpoint of the running daemon (for status)
+
+LMDB databases:
+
+``meta``     format, binding (company + the run's four owners), baseline
+             (``highWater`` of the last manifest read), counters.
+``inodes``   inode number -> record (kind, mode, size, times, parent+name,
+             digest of saved content, upper flag, write generation).
+``entries``  parent inode + name -> child inode (a name is one segment).
+``base``     path -> what the controller had at the baseline (kind, digest,
+             size, executable, version).  Never changed by local edits.
+``journal``  path -> (sequence number, last operation).  A path is in the
+             journal when anything happened at it since the baseline.
+``orphans``  inodes unlinked while the kernel still knew them; freed on
+             forget, or at the next start after a crash.
+
+The journal is a set of *touched paths*, not a replay log: the change set
+since the baseline is derived by comparing, for each touched path, the live
+tree with ``base`` (:meth:`Store.changes_since_baseline`).  That gives the
+coalescing rules for free: a file created and deleted between checkpoints
+compares equal to "absent at baseline" and ships nothing; an unchanged file
+renamed elsewhere has a digest but no upper copy, so it ships as a reference;
+and the cost of listing grows with the number of touched paths, not with the
+size of the collection.  Each touch takes a new sequence number, so a shipper
+can tell whether a path was touched again while its checkpoint was in flight
+(:meth:`Store.acknowledge`).
+
+Durability: the environment is opened with ``sync=False``.  A commit still
+hands the pages to the kernel, so it survives ``kill -9`` of this process;
+only power loss can undo it, and :meth:`Store.sync` (called on fsync) closes
+that gap where POSIX promises it.  Transactions are kept to one FUSE
+operation each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, NewType
+
+import lmdb
+
+from common.types import Digest, FileVersion
+from fsagent.errors import StateBindingMismatch, StateCorrupt, StateForeign, StateInUse
+
+InodeNo = NewType("InodeNo", int)
+JournalSeq = NewType("JournalSeq", int)
+Kind = Literal["file", "directory"]
+
+ROOT_INODE: Final = InodeNo(1)
+STATE_FORMAT: Final = 1
+MARKER: Final = "fsagent-state.json"
+EMPTY_DIGEST: Final = Digest("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+
+_MAP_SIZE: Final = 8 << 30  # address space only; the file grows as needed
+_U64 = struct.Struct(">Q")
+
+
+def _ikey(ino: int) -> bytes:
+    return _U64.pack(ino)
+
+
+def _ekey(parent: int, name: str) -> bytes:
+    return _U64.pack(parent) + name.encode("utf-8")
+
+
+@dataclass(slots=True)
+class Inode:
+    ino: InodeNo
+    kind: Kind
+    mode: int
+    """Permission bits (0o777); only the owner exec bit is part of the saved signature."""
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    parent: InodeNo
+    """0 once unlinked (an orphan kept alive by open handles or kernel lookups)."""
+    name: str
+    digest: Digest | None
+    """Saved content this file still shows (in objects/); None once it has an upper copy."""
+    upper: bool
+    generation: int
+    """Bumped on every content change; a shipper compares it before and after upload."""
+
+    @property
+    def executable(self) -> bool:
+        return bool(self.mode & 0o100)
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            [
+                self.kind,
+                self.mode,
+                self.size,
+                self.mtime_ns,
+                self.ctime_ns,
+                self.parent,
+                self.name,
+                self.digest,
+                self.upper,
+                self.generation,
+            ],
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, ino: int, raw: bytes) -> Inode:
+        k, mode, size, mt, ct, parent, name, digest, upper, gen = json.loads(raw)
+        return cls(InodeNo(ino), k, mode, size, mt, ct, InodeNo(parent), name, digest, upper, gen)
+
+
+@dataclass(frozen=True, slots=True)
+class BaseEntry:
+    """What the controller held at a path when the baseline was taken."""
+
+    kind: Kind
+    digest: Digest | None
+    size: int
+    executable: bool
+    version: FileVersion
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            [self.kind, self.digest, self.size, self.executable, self.version],
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> BaseEntry:
+        kind, digest, size, exe, version = json.loads(raw)
+        return cls(kind, digest, size, exe, FileVersion(version))
+
+
+ChangeAction = Literal["upload", "reference", "mkdir", "delete"]
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One path whose live state differs from the baseline.
+
+    ``upload``     new content in ``upper/<inode>`` (size, executable, generation)
+    ``reference``  a file showing saved content ``digest`` (a renamed unchanged
+                   file, or an exec-bit change): ships without bytes
+    ``mkdir``      a directory that the baseline did not have as a directory
+    ``delete``     the baseline had ``base.kind`` here; nothing is there now
+    """
+
+    path: str
+    action: ChangeAction
+    seq: JournalSeq
+    base: BaseEntry | None
+    inode: InodeNo | None = None
+    digest: Digest | None = None
+    size: int = 0
+    executable: bool = False
+    generation: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """Who the state belongs to. A run with any other binding cannot reuse it."""
+
+    company_id: str
+    scope: str
+    owner_id: str | None
+    owners: dict[str, str | None] = field(default_factory=dict)
+    """The run's four bindings (task/agent/user/project -> owner id or None)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "companyId": self.company_id,
+            "scope": self.scope,
+            "ownerId": self.owner_id,
+            "owners": dict(sorted(self.owners.items())),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Binding:
+        return cls(data["companyId"], data["scope"], data["ownerId"], dict(data["owners"]))
+
+    def describe(self) -> str:
+        owners = ", ".join(f"{k}={v or '-'}" for k, v in sorted(self.owners.items()))
+        return f"company {self.company_id}, {self.scope} owner {self.owner_id or '-'} ({owners})"
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    high_water: int
+    hydrated: bool
+
+
+def default_state_root() -> Path:
+    return Path(os.path.expanduser("~")) / ".local" / "state" / "fsagent"
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+class Store:
+    """The LMDB environment plus the objects/ and upper/ directories.
+
+    Every public method is synchronous and commits at most one short write
+    transaction, so on the trio thread each one is atomic with respect to
+    other FUSE handlers.  A small in-memory cache holds the inodes the kernel
+    currently knows; records are written through on every metadata change,
+    while write() only bumps size/generation in memory until flush/fsync/
+    release (:meth:`persist`).  After a crash the size of an upper file is
+    recovered from the file itself, which is always exactly as long as the
+    logical file (see :meth:`recover`).
+    """
+
+    def __init__(self, root: Path, env: Any, lock_fd: int, readonly: bool) -> None:
+        self.root = root
+        self.objects = root / "objects"
+        self.upper = root / "upper"
+        self.readonly = readonly
+        self._env = env
+        self._lock_fd = lock_fd
+        self._meta = env.open_db(b"meta", create=not readonly)
+        self._inodes = env.open_db(b"inodes", create=not readonly)
+        self._entries = env.open_db(b"entries", create=not readonly)
+        self._base = env.open_db(b"base", create=not readonly)
+        self._journal = env.open_db(b"journal", create=not readonly)
+        self._orphans = env.open_db(b"orphans", create=not readonly)
+        self._cache: dict[InodeNo, Inode] = {}
+        self._unsaved: set[InodeNo] = set()
+
+    # --- opening ------------------------------------------------------------
+
+    @classmethod
+    def open(cls, root: Path, *, readonly: bool = False) -> Store:
+        """Open (or create, when absent or empty) the state dir at ``root``.
+
+        Raises StateForeign for a non-empty directory without our marker,
+        StateCorrupt when the marker or database cannot be read, StateInUse
+        when another daemon holds it.  Nothing is modified on failure.
+        """
+        root = root.absolute()
+        marker = root / MARKER
+        if not marker.exists():
+            if readonly:
+                raise StateForeign(f"{root} is not an fsagent state dir (no {MARKER})")
+            if root.exists() and (not root.is_dir() or any(root.iterdir())):
+                raise StateForeign(
+                    f"{root} exists and is not an fsagent state dir (no {MARKER}); "
+                    "refusing to use it"
+                )
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for sub in ("objects", "upper", "db"):
+                (root / sub).mkdir(mode=0o700, exist_ok=True)
+            tmp = root / (MARKER + ".tmp")
+            tmp.write_text(json.dumps({"kind": "fsagent-state", "format": STATE_FORMAT}) + "\n")
+            os.replace(tmp, marker)
+        try:
+            info = json.loads(marker.read_text())
+            fmt = info["format"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise StateCorrupt(f"{marker} is unreadable: {exc}") from exc
+        if info.get("kind") != "fsagent-state" or fmt != STATE_FORMAT:
+            raise StateCorrupt(f"{marker}: unsupported state format {fmt!r}")
+        lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not readonly:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock_fd)
+                raise StateInUse(f"{root} is in use by another fsagent process") from None
+        try:
+            env = lmdb.open(
+                str(root / "db"),
+                map_size=_MAP_SIZE,
+                max_dbs=8,
+                subdir=True,
+                sync=False,
+                metasync=False,
+                readahead=False,
+                readonly=readonly,
+                create=False,
+                lock=True,
+            )
+            store = cls(root, env, lock_fd, readonly)
+            store._check_format(create=not readonly)
+        except lmdb.Error as exc:
+            os.close(lock_fd)
+            raise StateCorrupt(f"{root}/db is not a readable fsagent database: {exc}") from exc
+        except StateCorrupt:
+            os.close(lock_fd)
+            raise
+        return store
+
+    def _check_format(self, *, create: bool) -> None:
+        with self._env.begin(write=create) as txn:
+            raw = txn.get(b"format", db=self._meta)
+            if raw is None:
+                if not create:
+                    raise StateCorrupt(f"{self.root}/db has no format record")
+                txn.put(b"format", str(STATE_FORMAT).encode(), db=self._meta)
+                txn.put(b"next_ino", str(int(ROOT_INODE) + 1).encode(), db=self._meta)
+                txn.put(b"seq", b"0", db=self._meta)
+                t = now_ns()
+                root = Inode(
+                    ROOT_INODE, "directory", 0o755, 0, t, t, ROOT_INODE, "", None, False, 0
+                )
+                txn.put(_ikey(ROOT_INODE), root.encode(), db=self._inodes)
+            elif raw != str(STATE_FORMAT).encode():
+                raise StateCorrupt(f"{self.root}/db has format {raw!r}, expected {STATE_FORMAT}")
+            elif txn.get(_ikey(ROOT_INODE), db=self._inodes) is None:
+                raise StateCorrupt(f"{self.root}/db has no root directory")
+
+    def close(self) -> None:
+        if not self.readonly:
+            self.persist_all()
+            self._env.sync(True)
+        self._env.close()
+        os.close(self._lock_fd)
+
+    def sync(self) -> None:
+        """Make every committed transaction durable against power loss (slow: run in a thread)."""
+        self._env.sync(True)
+
+    # --- binding and baseline ----------------------------------------------
+
+    def binding(self) -> Binding | None:
+        with self._env.begin() as txn:
+            raw = txn.get(b"binding", db=self._meta)
+        return None if raw is None else Binding.from_json(json.loads(raw))
+
+    def bind(self, binding: Binding) -> None:
+        """Record the binding on first use, or refuse a different one."""
+        current = self.binding()
+        if current is None:
+            with self._env.begin(write=True) as txn:
+                txn.put(b"binding", json.dumps(binding.to_json()).encode(), db=self._meta)
+            return
+        if current != binding:
+            raise StateBindingMismatch(
+                f"state dir {self.root} belongs to {current.describe()}; this run is "
+                f"{binding.describe()}. The state is kept; use another --state-dir "
+                "or save and remove it first"
+            )
+
+    def baseline(self) -> Baseline:
+        with self._env.begin() as txn:
+            raw = txn.get(b"baseline", db=self._meta)
+        if raw is None:
+            return Baseline(0, False)
+        data = json.loads(raw)
+        return Baseline(int(data["highWater"]), bool(data["hydrated"]))
+
+    # --- inodes -------------------------------------------------------------
+
+    def get(self, ino: int) -> Inode:
+        """The inode's live record; KeyError when it does not exist."""
+        cached = self._cache.get(InodeNo(ino))
+        if cached is not None:
+            return cached
+        with self._env.begin() as txn:
+            raw = txn.get(_ikey(ino), db=self._inodes)
+        if raw is None:
+            raise KeyError(ino)
+        inode = Inode.decode(ino, raw)
+        self._cache[inode.ino] = inode
+        return inode
+
+    def evict(self, ino: InodeNo) -> None:
+        """Drop a clean inode from the cache once the kernel has forgotten it."""
+        if ino not in self._unsaved and ino != ROOT_INODE:
+            self._cache.pop(ino, None)
+
+    def lookup(self, parent: InodeNo, name: str) -> InodeNo | None:
+        with self._env.begin() as txn:
+            raw = txn.get(_ekey(parent, name), db=self._entries)
+        return None if raw is None else InodeNo(_U64.unpack(raw)[0])
+
+    def children(self, parent: InodeNo) -> list[tuple[str, InodeNo]]:
+        """All entries of a directory, sorted by name bytes (a stable readdir order)."""
+        prefix = _U64.pack(parent)
+        out: list[tuple[str, InodeNo]] = []
+        with self._env.begin() as txn:
+            cur = txn.cursor(db=self._entries)
+            if cur.set_range(prefix):
+                for key, val in cur:
+                    if not key.startswith(prefix):
+                        break
+                    out.append((key[8:].decode("utf-8"), InodeNo(_U64.unpack(val)[0])))
+        return out
+
+    def has_children(self, parent: InodeNo) -> bool:
+        prefix = _U64.pack(parent)
+        with self._env.begin() as txn:
+            cur = txn.cursor(db=self._entries)
+            return bool(cur.set_range(prefix)) and bytes(cur.key()).startswith(prefix)
+
+    def path_of(self, ino: InodeNo) -> str | None:
+        """Work path of a linked inode ("" for the root), None for an orphan."""
+        parts: list[str] = []
+        while ino != ROOT_INODE:
+            inode = self.get(ino)
+            if inode.parent == 0:
+                return None
+            parts.append(inode.name)
+            ino = inode.parent
+        return "/".join(reversed(parts))
+
+    def count_inodes(self) -> int:
+        with self._env.begin() as txn:
+            return int(txn.stat(self._inodes)["entries"])
+
+    def is_unsaved(self, ino: InodeNo) -> bool:
+        return ino in self._unsaved
+
+    def mark_unsaved(self, inode: Inode) -> None:
+        """Note an in-memory change (size, generation, mtime) to persist at the next boundary."""
+        self._unsaved.add(inode.ino)
+
+    def persist(self, inode: Inode, *, touch: str | None = None) -> None:
+        """Write the inode record (and optionally touch its path) in one commit."""
+        with self._env.begin(write=True) as txn:
+            self._put_inode(txn, inode)
+            if touch is not None and inode.parent != 0:
+                path = self._path_in(txn, inode.ino)
+                if path:
+                    self._touch(txn, [path], touch)
+        self._unsaved.discard(inode.ino)
+
+    def persist_all(self) -> None:
+        if not self._unsaved or self.readonly:
+            return
+        with self._env.begin(write=True) as txn:
+            for ino in list(self._unsaved):
+                inode = self._cache.get(ino)
+                if inode is not None:
+                    self._put_inode(txn, inode)
+        self._unsaved.clear()
+
+    def _put_inode(self, txn: Any, inode: Inode) -> None:
+        self._cache[inode.ino] = inode
+        txn.put(_ikey(inode.ino), inode.encode(), db=self._inodes)
+
+    def _path_in(self, txn: Any, ino: InodeNo) -> str | None:
+        parts: list[str] = []
+        while ino != ROOT_INODE:
+            inode = self._cache.get(ino)
+            if inode is None:
+                raw = txn.get(_ikey(ino), db=self._inodes)
+                if raw is None:
+                    return None
+                inode = Inode.decode(ino, raw)
+            if inode.parent == 0:
+                return None
+            parts.append(inode.name)
+            ino = inode.parent
+        return "/".join(reversed(parts))
+
+    def _next_ino(self, txn: Any) -> InodeNo:
+        ino = int(txn.get(b"next_ino", db=self._meta))
+        txn.put(b"next_ino", str(ino + 1).encode(), db=self._meta)
+        return InodeNo(ino)
+
+    def _subtree_paths(self, txn: Any, ino: InodeNo, prefix: str) -> Iterator[str]:
+        """``prefix`` and every path below directory ``ino`` (depth first)."""
+        yield prefix
+        stack = [(ino, prefix)]
+        while stack:
+            dino, dpath = stack.pop()
+            key = _U64.pack(dino)
+            cur = txn.cursor(db=self._entries)
+            if not cur.set_range(key):
+                continue
+            for k, v in cur:
+                if not k.startswith(key):
+                    break
+                child = InodeNo(_U64.unpack(v)[0])
+                cpath = f"{dpath}/{k[8:].decode('utf-8')}"
+                yield cpath
+                craw = txn.get(_ikey(child), db=self._inodes)
+                if craw is not None and json.loads(craw)[0] == "directory":
+                    stack.append((child, cpath))
+
+    # --- mutations (each one commit; each touches the journal) --------------
+
+    def create(self, parent: InodeNo, name: str, kind: Kind, mode: int) -> Inode:
+        """Link a new empty file or directory; the caller checked the name is free."""
+        t = now_ns()
+        with self._env.begin(write=True) as txn:
+            ino = self._next_ino(txn)
+            inode = Inode(ino, kind, mode & 0o777, 0, t, t, parent, name, None, kind == "file", 0)
+            self._put_inode(txn, inode)
+            txn.put(_ekey(parent, name), _U64.pack(ino), db=self._entries)
+            path = self._path_in(txn, ino)
+            assert path is not None
+            self._touch(txn, [path], "mkdir" if kind == "directory" else "create")
+            self._touch_parent_mtime(txn, parent, t)
+        return inode
+
+    def _touch_parent_mtime(self, txn: Any, parent: InodeNo, t: int) -> None:
+        pinode = self._cache.get(parent)
+        if pinode is None:
+            raw = txn.get(_ikey(parent), db=self._inodes)
+            if raw is None:
+                return
+            pinode = Inode.decode(parent, raw)
+        pinode.mtime_ns = pinode.ctime_ns = t
+        self._put_inode(txn, pinode)
+
+    def unlink(self, parent: InodeNo, name: str, *, keep: bool) -> Inode:
+        """Remove the entry; ``keep`` makes the inode an orphan instead of freeing it."""
+        t = now_ns()
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(_ekey(parent, name), db=self._entries)
+            if raw is None:
+                raise KeyError(name)
+            ino = InodeNo(_U64.unpack(raw)[0])
+            path = self._path_in(txn, ino)
+            inode = self._cache.get(ino) or Inode.decode(ino, txn.get(_ikey(ino), db=self._inodes))
+            if path is not None:
+                self._touch(txn, [path], "rmdir" if inode.kind == "directory" else "unlink")
+            txn.delete(_ekey(parent, name), db=self._entries)
+            self._detach(txn, inode, keep=keep, t=t)
+            self._touch_parent_mtime(txn, parent, t)
+        return inode
+
+    def _detach(self, txn: Any, inode: Inode, *, keep: bool, t: int) -> None:
+        inode.parent = InodeNo(0)
+        inode.ctime_ns = t
+        if keep:
+            self._put_inode(txn, inode)
+            txn.put(_ikey(inode.ino), b"", db=self._orphans)
+        else:
+            self._free(txn, inode)
+
+    def _free(self, txn: Any, inode: Inode) -> None:
+        txn.delete(_ikey(inode.ino), db=self._inodes)
+        txn.delete(_ikey(inode.ino), db=self._orphans)
+        self._cache.pop(inode.ino, None)
+        self._unsaved.discard(inode.ino)
+        if inode.upper:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.upper / str(inode.ino))
+
+    def free_orphan(self, ino: InodeNo) -> None:
+        """Release an unlinked inode nobody references any more (forget / recovery)."""
+        with self._env.begin(write=True) as txn:
+            if txn.get(_ikey(ino), db=self._orphans) is None:
+                return
+            raw = txn.get(_ikey(ino), db=self._inodes)
+            inode = self._cache.get(ino) or (Inode.decode(ino, raw) if raw else None)
+            if inode is None:
+                txn.delete(_ikey(ino), db=self._orphans)
+                return
+            self._free(txn, inode)
+
+    def rename(
+        self,
+        old_parent: InodeNo,
+        old_name: str,
+        new_parent: InodeNo,
+        new_name: str,
+        *,
+        keep_replaced: Callable[[InodeNo], bool],
+    ) -> Inode | None:
+        """Move an entry, replacing whatever is at the target; returns the replaced inode.
+
+        The caller has already checked kinds and emptiness.  Both the old and
+        the new path of the moved subtree enter the journal, so the change set
+        shows a delete at every old path and a reference (or upload) at every
+        new one.
+        """
+        t = now_ns()
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(_ekey(old_parent, old_name), db=self._entries)
+            if raw is None:
+                raise KeyError(old_name)
+            ino = InodeNo(_U64.unpack(raw)[0])
+            moved = self._cache.get(ino) or Inode.decode(ino, txn.get(_ikey(ino), db=self._inodes))
+            old_path = self._path_in(txn, ino)
+            replaced: Inode | None = None
+            traw = txn.get(_ekey(new_parent, new_name), db=self._entries)
+            if traw is not None:
+                tino = InodeNo(_U64.unpack(traw)[0])
+                replaced = self._cache.get(tino) or Inode.decode(
+                    tino, txn.get(_ikey(tino), db=self._inodes)
+                )
+            if old_path is not None:
+                self._touch(txn, list(self._subtree_paths(txn, ino, old_path)), "rename-from")
+            txn.delete(_ekey(old_parent, old_name), db=self._entries)
+            txn.put(_ekey(new_parent, new_name), _U64.pack(ino), db=self._entries)
+            moved.parent, moved.name, moved.ctime_ns = new_parent, new_name, t
+            self._put_inode(txn, moved)
+            if replaced is not None:
+                self._detach(txn, replaced, keep=keep_replaced(replaced.ino), t=t)
+            new_path = self._path_in(txn, ino)
+            if new_path is not None:
+                self._touch(txn, list(self._subtree_paths(txn, ino, new_path)), "rename-to")
+            self._touch_parent_mtime(txn, old_parent, t)
+            if new_parent != old_parent:
+                self._touch_parent_mtime(txn, new_parent, t)
+        return replaced
+
+    def exchange(self, p1: InodeNo, n1: str, p2: InodeNo, n2: str) -> None:
+        """RENAME_EXCHANGE: swap two existing entries atomically."""
+        t = now_ns()
+        with self._env.begin(write=True) as txn:
+            r1 = txn.get(_ekey(p1, n1), db=self._entries)
+            r2 = txn.get(_ekey(p2, n2), db=self._entries)
+            if r1 is None or r2 is None:
+                raise KeyError(n1 if r1 is None else n2)
+            i1, i2 = InodeNo(_U64.unpack(r1)[0]), InodeNo(_U64.unpack(r2)[0])
+            a = self._cache.get(i1) or Inode.decode(i1, txn.get(_ikey(i1), db=self._inodes))
+            b = self._cache.get(i2) or Inode.decode(i2, txn.get(_ikey(i2), db=self._inodes))
+            for inode in (a, b):
+                path = self._path_in(txn, inode.ino)
+                if path is not None:
+                    self._touch(txn, list(self._subtree_paths(txn, inode.ino, path)), "exchange")
+            txn.put(_ekey(p1, n1), _U64.pack(i2), db=self._entries)
+            txn.put(_ekey(p2, n2), _U64.pack(i1), db=self._entries)
+            a.parent, a.name, a.ctime_ns = p2, n2, t
+            b.parent, b.name, b.ctime_ns = p1, n1, t
+            self._put_inode(txn, a)
+            self._put_inode(txn, b)
+            for inode in (a, b):
+                path = self._path_in(txn, inode.ino)
+                if path is not None:
+                    self._touch(txn, list(self._subtree_paths(txn, inode.ino, path)), "exchange")
+
+    # --- journal ------------------------------------------------------------
+
+    def _touch(self, txn: Any, paths: Iterable[str], op: str) -> None:
+        seq = int(txn.get(b"seq", db=self._meta))
+        for path in paths:
+            if not path:
+                continue  # the root itself is never a work path
+            seq += 1
+            txn.put(path.encode("utf-8"), json.dumps([seq, op]).encode(), db=self._journal)
+        txn.put(b"seq", str(seq).encode(), db=self._meta)
+
+    def touch(self, paths: Iterable[str], op: str) -> None:
+        with self._env.begin(write=True) as txn:
+            self._touch(txn, paths, op)
+
+    def journal(self) -> list[tuple[str, JournalSeq, str]]:
+        """Raw journal: every path touched since the baseline, with its last operation."""
+        out: list[tuple[str, JournalSeq, str]] = []
+        with self._env.begin() as txn:
+            for key, val in txn.cursor(db=self._journal):
+                seq, op = json.loads(val)
+                out.append((bytes(key).decode("utf-8"), JournalSeq(seq), op))
+        return out
+
+    def _resolve(self, txn: Any, path: str) -> Inode | None:
+        ino = ROOT_INODE
+        for name in path.split("/"):
+            raw = txn.get(_ekey(ino, name), db=self._entries)
+            if raw is None:
+                return None
+            ino = InodeNo(_U64.unpack(raw)[0])
+        cached = self._cache.get(ino)
+        if cached is not None:
+            return cached
+        raw = txn.get(_ikey(ino), db=self._inodes)
+        return None if raw is None else Inode.decode(ino, raw)
+
+    def changes_since_baseline(self) -> list[Change]:
+        """The exact, coalesced change set since the baseline, parents before children.
+
+        Sizes and generations come from the live (in-memory) inodes, so a file
+        still open for writing shows its current state; the shipper must use
+        :meth:`acknowledge` to clear what it has shipped.
+        """
+        out: list[Change] = []
+        with self._env.begin() as txn:
+            for key, val in txn.cursor(db=self._journal):
+                path = bytes(key).decode("utf-8")
+                seq = JournalSeq(json.loads(val)[0])
+                braw = txn.get(key, db=self._base)
+                base = BaseEntry.decode(braw) if braw is not None else None
+                cur = self._resolve(txn, path)
+                change = _compare(path, seq, base, cur)
+                if change is not None:
+                    out.append(change)
+        return out
+
+    def acknowledge(
+        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], high_water: int
+    ) -> int:
+        """Fold what a checkpoint saved into the baseline; returns paths cleared.
+
+        For each shipped change, ``base`` becomes what was saved (with the
+        server's version, and the digest the server computed for uploads).  The
+        journal entry is removed only when nothing touched the path since the
+        change was listed (same sequence number) and, for uploads, the file's
+        generation is unchanged: otherwise the path stays dirty for the next
+        checkpoint and torn content is never taken as saved.
+        """
+        cleared = 0
+        with self._env.begin(write=True) as txn:
+            for change, digest, version in shipped:
+                key = change.path.encode("utf-8")
+                if change.action == "delete":
+                    txn.delete(key, db=self._base)
+                elif change.action == "mkdir":
+                    txn.put(
+                        key, BaseEntry("directory", None, 0, False, version).encode(), db=self._base
+                    )
+                else:
+                    entry = BaseEntry(
+                        "file", digest or change.digest, change.size, change.executable, version
+                    )
+                    txn.put(key, entry.encode(), db=self._base)
+                raw = txn.get(key, db=self._journal)
+                if raw is None or json.loads(raw)[0] != change.seq:
+                    continue
+                if change.action == "upload" and change.inode is not None:
+                    live = self._cache.get(change.inode)
+                    if live is None:
+                        lraw = txn.get(_ikey(change.inode), db=self._inodes)
+                        live = Inode.decode(change.inode, lraw) if lraw else None
+                    if live is None or live.generation != change.generation:
+                        continue
+                txn.delete(key, db=self._journal)
+                cleared += 1
+            data = {"highWater": high_water, "hydrated": True}
+            txn.put(b"baseline", json.dumps(data).encode(), db=self._meta)
+        return cleared
+
+    # --- hydration ----------------------------------------------------------
+
+    def hydrate(self, entries: Iterable[ManifestRow], high_water: int) -> int:
+        """Build the tree and the baseline from a full manifest in one commit.
+
+        Either the whole manifest lands (and ``hydrated`` is set) or nothing
+        does, so a crash mid-hydration just hydrates again.  Ancestors that the
+        manifest does not list are created as directories.  Returns the number
+        of inodes created.
+        """
+        t = now_ns()
+        dirs: dict[str, InodeNo] = {"": ROOT_INODE}
+        created = 0
+        with self._env.begin(write=True) as txn:
+            if txn.stat(self._entries)["entries"] or txn.stat(self._journal)["entries"]:
+                raise StateCorrupt(f"{self.root}: refusing to hydrate over existing entries")
+            next_ino = int(txn.get(b"next_ino", db=self._meta))
+            put = txn.put
+
+            def ensure_dir(path: str) -> InodeNo | None:
+                nonlocal next_ino, created
+                found = dirs.get(path)
+                if found is not None:
+                    return found
+                head, _, name = path.rpartition("/")
+                parent = ensure_dir(head)
+                if parent is None or path in files:
+                    return None
+                ino = InodeNo(next_ino)
+                next_ino += 1
+                created += 1
+                put(
+                    _ikey(ino),
+                    Inode(ino, "directory", 0o755, 0, t, t, parent, name, None, False, 0).encode(),
+                    db=self._inodes,
+                )
+                put(_ekey(parent, name), _U64.pack(ino), db=self._entries)
+                dirs[path] = ino
+                return ino
+
+            files: set[str] = set()
+            for row in sorted(entries, key=lambda r: (r.kind != "directory", r.path)):
+                head, _, name = row.path.rpartition("/")
+                if row.path in dirs or row.path in files:
+                    continue
+                parent = ensure_dir(head)
+                if parent is None:
+                    continue  # a file sits where a directory should be: keep the file
+                if row.kind == "directory":
+                    ensure_dir(row.path)
+                    put(
+                        row.path.encode(),
+                        BaseEntry("directory", None, 0, False, row.version).encode(),
+                        db=self._base,
+                    )
+                    continue
+                ino = InodeNo(next_ino)
+                next_ino += 1
+                created += 1
+                mode = 0o755 if row.executable else 0o644
+                inode = Inode(
+                    ino, "file", mode, row.byte_size, t, t, parent, name, row.digest, False, 0
+                )
+                put(_ikey(ino), inode.encode(), db=self._inodes)
+                put(_ekey(parent, name), _U64.pack(ino), db=self._entries)
+                put(
+                    row.path.encode(),
+                    BaseEntry(
+                        "file", row.digest, row.byte_size, row.executable, row.version
+                    ).encode(),
+                    db=self._base,
+                )
+                files.add(row.path)
+            put(b"next_ino", str(next_ino).encode(), db=self._meta)
+            data = {"highWater": high_water, "hydrated": True}
+            put(b"baseline", json.dumps(data).encode(), db=self._meta)
+        return created
+
+    def missing_digests(self) -> list[tuple[Digest, int]]:
+        """Saved contents the tree shows that are not in objects/ yet (safe off-thread)."""
+        have = set(os.listdir(self.objects))
+        seen: set[str] = set()
+        out: list[tuple[Digest, int]] = []
+        with self._env.begin() as txn:
+            for _key, raw in txn.cursor(db=self._inodes):
+                rec = json.loads(raw)
+                digest = rec[7]
+                if digest and not rec[8] and digest not in have and digest not in seen:
+                    seen.add(digest)
+                    out.append((Digest(digest), int(rec[2])))
+        return out
+
+    # --- recovery -----------------------------------------------------------
+
+    def recover(self) -> tuple[int, int]:
+        """Repair what a crash can leave behind; returns (orphans freed, sizes fixed).
+
+        Orphans were kept only for handles that died with the old process.
+        An upper file's length is the truth for the file's size: write() only
+        persists size at flush/fsync/release, but the bytes themselves were
+        already written to the upper file before the write was acknowledged.
+        """
+        freed = fixed = 0
+        with self._env.begin(write=True) as txn:
+            for key, _ in list(txn.cursor(db=self._orphans)):
+                ino = InodeNo(_U64.unpack(key)[0])
+                raw = txn.get(key, db=self._inodes)
+                if raw is not None:
+                    self._free(txn, Inode.decode(ino, raw))
+                else:
+                    txn.delete(key, db=self._orphans)
+                freed += 1
+            for key, raw in list(txn.cursor(db=self._inodes)):
+                rec = json.loads(raw)
+                if rec[0] != "file" or not rec[8]:
+                    continue
+                ino = _U64.unpack(key)[0]
+                upath = self.upper / str(ino)
+                try:
+                    size = upath.stat().st_size
+                except FileNotFoundError:
+                    # Created but the upper file never reached the disk: empty file.
+                    upath.touch()
+                    size = 0
+                if size != rec[2]:
+                    inode = Inode.decode(ino, raw)
+                    inode.size = size
+                    inode.generation += 1
+                    txn.put(key, inode.encode(), db=self._inodes)
+                    fixed += 1
+            for name in os.listdir(self.objects):
+                if name.startswith(".tmp-"):
+                    os.unlink(self.objects / name)
+        return freed, fixed
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestRow:
+    """One live manifest entry, as hydration needs it."""
+
+    path: str
+    kind: Kind
+    digest: Digest | None
+    byte_size: int
+    executable: bool
+    version: FileVersion
+
+
+def _compare(
+    path: str, seq: JournalSeq, base: BaseEntry | None, cur: Inode | None
+) -> Change | None:
+    if cur is None:
+        return None if base is None else Change(path, "delete", seq, base)
+    if cur.kind == "directory":
+        if base is not None and base.kind == "directory":
+            return None
+        return Change(path, "mkdir", seq, base, inode=cur.ino)
+    exe = cur.executable
+    if cur.upper:
+        return Change(
+            path,
+            "upload",
+            seq,
+            base,
+            inode=cur.ino,
+            size=cur.size,
+            executable=exe,
+            generation=cur.generation,
+        )
+    if (
+        base is not None
+        and base.kind == "file"
+        and base.digest == cur.digest
+        and base.executable == exe
+    ):
+        return None
+    return Change(
+        path,
+        "reference",
+        seq,
+        base,
+        inode=cur.ino,
+        digest=cur.digest,
+        size=cur.size,
+        executable=exe,
+    )

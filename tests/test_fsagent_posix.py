@@ -1,0 +1,246 @@
+"""POSIX behaviour agents rely on, on a real mount; refusals; the journal's change set."""
+
+# ruff: noqa: F811 - fixtures come from tests.fuse_helper and are re-bound as parameters
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import stat
+import subprocess
+
+import pytest
+
+from tests.fuse_helper import FsagentMount, MountFactory, mnt, mounts  # noqa: F401 - pytest fixtures
+
+pytestmark = pytest.mark.fuse
+
+
+def expect_errno(code: int, fn: object, *args: object) -> None:
+    with pytest.raises(OSError) as info:
+        fn(*args)  # type: ignore[operator]
+    assert info.value.errno == code, f"expected {errno.errorcode[code]}, got {info.value!r}"
+
+
+def test_create_read_write_roundtrip_and_journal(mnt: FsagentMount) -> None:
+    p = mnt.mountpoint / "hello.txt"
+    p.write_bytes(b"hello world")
+    assert p.read_bytes() == b"hello world"
+    st = p.stat()
+    assert stat.S_ISREG(st.st_mode) and st.st_size == 11
+    changes = mnt.changes()
+    assert changes["hello.txt"]["action"] == "upload"
+    assert changes["hello.txt"]["size"] == 11
+
+
+def test_unlink_while_open_keeps_file_readable(mnt: FsagentMount) -> None:
+    p = mnt.mountpoint / "doomed"
+    p.write_bytes(b"still here")
+    fd = os.open(p, os.O_RDWR)
+    try:
+        os.unlink(p)
+        assert not p.exists()
+        assert os.pread(fd, 100, 0) == b"still here"
+        os.pwrite(fd, b"STILL", 0)
+        assert os.pread(fd, 100, 0) == b"STILL here"
+        assert os.fstat(fd).st_size == 10
+    finally:
+        os.close(fd)
+    assert "doomed" not in os.listdir(mnt.mountpoint)
+    # Created and deleted between checkpoints: nothing to ship.
+    assert "doomed" not in mnt.changes()
+    assert os.listdir(mnt.state_dir / "upper") == []
+
+
+def test_rename_over_existing_is_atomic_replace(mnt: FsagentMount) -> None:
+    a, b = mnt.mountpoint / "a", mnt.mountpoint / "b"
+    a.write_bytes(b"new")
+    b.write_bytes(b"old")
+    fd = os.open(b, os.O_RDONLY)
+    try:
+        os.rename(a, b)
+        assert b.read_bytes() == b"new"
+        assert not a.exists()
+        assert os.pread(fd, 10, 0) == b"old"  # the replaced file lives on while open
+    finally:
+        os.close(fd)
+    os.mkdir(mnt.mountpoint / "d1")
+    os.mkdir(mnt.mountpoint / "d2")
+    (mnt.mountpoint / "d2" / "x").write_bytes(b"x")
+    expect_errno(errno.ENOTEMPTY, os.rename, mnt.mountpoint / "d1", mnt.mountpoint / "d2")
+    expect_errno(errno.EISDIR, os.rename, b, mnt.mountpoint / "d1")
+    expect_errno(errno.ENOTDIR, os.rename, mnt.mountpoint / "d1", b)
+    expect_errno(errno.EINVAL, os.rename, mnt.mountpoint / "d2", mnt.mountpoint / "d2" / "sub")
+    os.rename(mnt.mountpoint / "d2", mnt.mountpoint / "d1")
+    assert os.listdir(mnt.mountpoint / "d1") == ["x"]
+
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def renameat2(old: object, new: object, flags: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    AT_FDCWD = -100
+    res = libc.renameat2(AT_FDCWD, os.fsencode(str(old)), AT_FDCWD, os.fsencode(str(new)), flags)
+    if res != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def test_renameat2_noreplace_and_exchange(mnt: FsagentMount) -> None:
+    a, b = mnt.mountpoint / "a", mnt.mountpoint / "b"
+    a.write_bytes(b"A")
+    b.write_bytes(b"B")
+    expect_errno(errno.EEXIST, renameat2, a, b, RENAME_NOREPLACE)
+    renameat2(a, b, RENAME_EXCHANGE)
+    assert a.read_bytes() == b"B" and b.read_bytes() == b"A"
+    expect_errno(errno.ENOENT, renameat2, a, mnt.mountpoint / "c", RENAME_EXCHANGE)
+    renameat2(a, mnt.mountpoint / "c", RENAME_NOREPLACE)
+    assert (mnt.mountpoint / "c").read_bytes() == b"B" and not a.exists()
+
+
+def test_o_append_o_excl_truncate_ftruncate(mnt: FsagentMount) -> None:
+    p = mnt.mountpoint / "f"
+    fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    os.write(fd, b"0123456789")
+    os.close(fd)
+    expect_errno(errno.EEXIST, os.open, p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, b"AB")  # O_APPEND ignores the seek
+    os.close(fd)
+    assert p.read_bytes() == b"0123456789AB"
+    os.truncate(p, 4)
+    assert p.read_bytes() == b"0123"
+    fd = os.open(p, os.O_RDWR)
+    os.ftruncate(fd, 8)
+    assert os.pread(fd, 100, 0) == b"0123\0\0\0\0"
+    os.close(fd)
+    fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+    os.close(fd)
+    assert p.read_bytes() == b""
+
+
+def test_sparse_write_and_fsync(mnt: FsagentMount) -> None:
+    p = mnt.mountpoint / "sparse"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    os.pwrite(fd, b"end", 10 * 1024 * 1024)
+    os.fsync(fd)
+    assert os.fstat(fd).st_size == 10 * 1024 * 1024 + 3
+    assert os.pread(fd, 4, 5 * 1024 * 1024) == b"\0\0\0\0"
+    os.close(fd)
+    assert mnt.changes()["sparse"]["size"] == 10 * 1024 * 1024 + 3
+    # The hole stays a hole in the upper layer.
+    upper = next((mnt.state_dir / "upper").iterdir())
+    assert upper.stat().st_blocks * 512 < 1024 * 1024
+
+
+def test_mmap_read_and_write(mnt: FsagentMount) -> None:
+    p = mnt.mountpoint / "mapped"
+    p.write_bytes(b"a" * 8192)
+    with open(p, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as m:
+        assert m[:4] == b"aaaa"
+        m[4096:4100] = b"MMAP"
+        m.flush()
+    data = p.read_bytes()
+    assert data[4096:4100] == b"MMAP" and len(data) == 8192
+    assert mnt.changes()["mapped"]["action"] == "upload"
+
+
+def test_large_directory_10k_entries(mnt: FsagentMount) -> None:
+    d = mnt.mountpoint / "big"
+    d.mkdir()
+    names = {f"file-{i:05d}" for i in range(10_000)}
+    for n in names:
+        fd = os.open(d / n, os.O_CREAT | os.O_WRONLY, 0o644)
+        os.close(fd)
+    assert set(os.listdir(d)) == names
+    with os.scandir(d) as it:
+        assert sum(1 for e in it if e.is_file()) == 10_000
+    os.unlink(d / "file-00042")
+    assert len(os.listdir(d)) == 9_999
+
+
+def test_statfs_and_chmod_exec_bit(mnt: FsagentMount) -> None:
+    vfs = os.statvfs(mnt.mountpoint)
+    assert vfs.f_namemax == 255 and vfs.f_bsize > 0 and vfs.f_blocks > 0
+    p = mnt.mountpoint / "run.sh"
+    p.write_bytes(b"#!/bin/sh\necho ok\n")
+    os.chmod(p, 0o755)
+    assert os.stat(p).st_mode & 0o111 == 0o111
+    assert subprocess.run([str(p)], capture_output=True, check=True).stdout == b"ok\n"
+    assert mnt.changes()["run.sh"]["executable"] is True
+
+
+def test_refusals_symlink_link_mknod_eperm(mnt: FsagentMount) -> None:
+    p = mnt.mountpoint / "plain"
+    p.write_bytes(b"x")
+    expect_errno(errno.EPERM, os.symlink, "plain", mnt.mountpoint / "sym")
+    expect_errno(errno.EPERM, os.link, p, mnt.mountpoint / "hard")
+    expect_errno(errno.EPERM, os.mkfifo, mnt.mountpoint / "fifo")
+    expect_errno(
+        errno.EPERM, os.mknod, mnt.mountpoint / "dev", 0o600 | stat.S_IFCHR, os.makedev(1, 3)
+    )
+    assert sorted(os.listdir(mnt.mountpoint)) == ["plain"]
+
+
+def test_invalid_and_reserved_names(mnt: FsagentMount) -> None:
+    expect_errno(errno.EPERM, os.mkdir, mnt.mountpoint / ".fsagent")
+    expect_errno(errno.EINVAL, open, mnt.mountpoint / "bad\x01name", "wb")
+    expect_errno(errno.EINVAL, os.mkdir, os.fsencode(mnt.mountpoint) + b"/\xff\xfe")
+    nfd = "e\u0301"  # not NFC: two spellings of one name are refused, not normalized
+    expect_errno(errno.EINVAL, open, mnt.mountpoint / nfd, "wb")
+    expect_errno(errno.ENAMETOOLONG, open, mnt.mountpoint / ("x" * 256), "wb")
+    assert os.listdir(mnt.mountpoint) == []
+
+
+def test_unbound_collection_is_empty_and_read_only(mounts: MountFactory) -> None:
+    src = mounts.source({"agent": {}}, bindings={"task": None})
+    m = mounts.mount(src, scope="task")
+    assert os.listdir(m.mountpoint) == []
+    expect_errno(errno.EROFS, open, m.mountpoint / "x", "wb")
+    expect_errno(errno.EROFS, os.mkdir, m.mountpoint / "d")
+    assert not m.state_dir.exists()  # nothing is kept for an unbound collection
+
+
+def test_saved_files_are_served_and_copied_on_write(mounts: MountFactory) -> None:
+    src = mounts.source(
+        {"agent": {"docs/a.md": b"alpha", "tool": b"#!/bin/sh\n", "empty": b"", "dir/sub": None}},
+        executable={"tool"},
+    )
+    m = mounts.mount(src)
+    root = m.mountpoint
+    assert (root / "docs" / "a.md").read_bytes() == b"alpha"
+    assert (root / "empty").read_bytes() == b""
+    assert os.stat(root / "tool").st_mode & 0o100
+    assert (root / "dir" / "sub").is_dir()
+    assert m.changes() == {}
+    # Copy-on-write: the saved object stays intact, the upper copy changes.
+    with open(root / "docs" / "a.md", "r+b") as fh:
+        fh.seek(5)
+        fh.write(b"-beta")
+    assert (root / "docs" / "a.md").read_bytes() == b"alpha-beta"
+    objs = {p.name: p.read_bytes() for p in (m.state_dir / "objects").iterdir()}
+    assert b"alpha" in objs.values()
+    # Rename of an unchanged file ships as a reference to its saved digest.
+    os.rename(root / "tool", root / "docs" / "tool")
+    # chmod -x of a saved file: a reference with the new exec bit, no upload.
+    changes = m.changes()
+    assert changes["docs/a.md"]["action"] == "upload"
+    assert changes["tool"]["action"] == "delete"
+    assert changes["docs/tool"]["action"] == "reference"
+    assert changes["docs/tool"]["executable"] is True
+    assert len(changes) == 3
+
+
+def test_sigterm_unmounts_cleanly_and_state_survives(mounts: MountFactory) -> None:
+    m = mounts.mount()
+    (m.mountpoint / "kept").write_bytes(b"data")
+    assert m.signal(15) == 0
+    assert not os.path.ismount(m.mountpoint)
+    again = mounts.mount(m.controller, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    assert (again.mountpoint / "kept").read_bytes() == b"data"
+    subprocess.run(["fusermount3", "-u", str(again.mountpoint)], check=True)
+    assert again.proc is not None and again.proc.wait(timeout=30) == 0
