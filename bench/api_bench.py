@@ -32,15 +32,38 @@ OCTET = {"Content-Type": "application/octet-stream"}
 
 def start_controller(data: Path, port: int) -> subprocess.Popen[bytes]:
     boot = subprocess.run(
-        [sys.executable, "-m", "controller.cli", "admin", "bootstrap", "--data-dir", str(data), "--json"],
-        check=True, capture_output=True, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "controller.cli",
+            "admin",
+            "bootstrap",
+            "--data-dir",
+            str(data),
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     (data / "boot.json").write_bytes(boot.stdout)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "serve", "--data-dir", str(data),
-         "--listen", f"127.0.0.1:{port}", "--gc-interval", "0"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "controller.cli",
+            "serve",
+            "--data-dir",
+            str(data),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--gc-interval",
+            "0",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -97,8 +120,12 @@ def main() -> int:
         def put_range(indices: range) -> None:
             with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
                 for i in indices:
-                    r = c.put(f"{folder}/content", params={"path": f"small/d{i % 50}/f{i}.bin"},
-                              content=payloads[i], headers=OCTET)  # fmt: skip
+                    r = c.put(
+                        f"{folder}/content",
+                        params={"path": f"small/d{i % 50}/f{i}.bin"},
+                        content=payloads[i],
+                        headers=OCTET,
+                    )
                     assert r.status_code in (200, 201), r.text
 
         n = args.files

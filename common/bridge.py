@@ -34,7 +34,62 @@ taken from the run's binding, never from the client.
     404 otherwise: an object is never reachable by hash alone.
 """
 
+import struct
 from typing import Final
+
+import xxhash
+import zstandard
 
 PREFIX: Final = "/bridge/v1"
 MANIFEST_PAGE_MAX: Final = 5000
+
+# --- writes (checkpoints) ----------------------------------------------------
+#
+# ``PUT /bridge/v1/folders/{scope}/uploads``
+#     Body: a sequence of frames (see :func:`frame_header`), each one zstd
+#     frame of at most :data:`CHUNK_MAX` uncompressed bytes with the xxh64 of
+#     those bytes, ended by :data:`END_FRAME`. Headers ``X-Content-SHA256`` and
+#     ``X-Content-Length`` are hints: the controller computes both itself and
+#     answers 422 ``digest_mismatch`` when they differ (a torn read), 413 past
+#     1 GiB, 400 ``bad_frame`` for a corrupt frame. Answer:
+#     ``{"digest", "byteSize"}``. The object may then be referenced by this
+#     run's checkpoints.
+#
+# ``POST /bridge/v1/folders/{scope}/checkpoints``
+#     ``{"operationId", "leaseEpoch", "final": bool, "entries": [Entry...]}``
+#     where Entry is ``{"op": "put", "path", "digest", "executable"}``,
+#     ``{"op": "mkdir", "path"}`` or ``{"op": "delete", "path"}``, applied in
+#     order, all or nothing. A put may reference only content visible to the
+#     folder (its live files or trash) or uploaded by this run. Answer: the
+#     receipt ``{"operationId", "applied": true, "entries", "highWater",
+#     "savedAt"}``; a retry with the same operation id and body returns the
+#     same receipt with ``"replayed": true``; the same id with another body is
+#     409 ``idempotency_conflict``; an old lease epoch is 409 ``stale_lease``;
+#     a user folder whose user left the company is 403 ``membership_revoked``.
+#
+# ``POST /bridge/v1/run/report``  ``{"state": "saving"|"failed", "error"?}``
+#     fsagent reports that a save started or that it gave up, so /sync shows it.
+
+
+CHUNK_MAX: Final = 4 << 20
+"""Largest uncompressed chunk in one upload frame."""
+
+MAX_CHECKPOINT_ENTRIES: Final = 100_000
+MAX_CHECKPOINT_BODY: Final = 64 << 20
+
+FRAME_HEADER: Final = struct.Struct(">IIQ")
+"""(compressed length, raw length, xxh64 of the raw bytes)."""
+
+END_FRAME: Final = FRAME_HEADER.pack(0, 0, 0)
+
+
+def frame_header(compressed_len: int, raw_len: int, xxh64: int) -> bytes:
+    return FRAME_HEADER.pack(compressed_len, raw_len, xxh64)
+
+
+def encode_frame(raw: bytes, compressor: zstandard.ZstdCompressor) -> bytes:
+    """One upload frame for ``raw`` (at most :data:`CHUNK_MAX` bytes)."""
+    if not 0 < len(raw) <= CHUNK_MAX:
+        raise ValueError(f"a frame carries 1-{CHUNK_MAX} bytes, got {len(raw)}")
+    compressed = compressor.compress(raw)
+    return frame_header(len(compressed), len(raw), xxhash.xxh64_intdigest(raw)) + compressed

@@ -136,14 +136,24 @@ async def _touch_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
     await conn.execute("UPDATE folders SET last_operation_at = now() WHERE id = %s", (folder.id,))
 
 
-async def ensure_parents(conn: AsyncConnection[Any], folder: Folder, path: str) -> None:
-    """Create missing ancestor directories; ParentIsFile if one is a file."""
+async def ensure_parents(
+    conn: AsyncConnection[Any], folder: Folder, path: str, *, replace: bool = False
+) -> None:
+    """Create missing ancestor directories.
+
+    A file in the way is a 409 (ParentIsFile) for a person's request; for a
+    checkpoint (``replace``) the sandbox's later write wins and the file goes
+    to trash, where it stays recoverable.
+    """
     for anc in ancestors(path):
         row = await live_row(conn, folder, anc)
+        if row is not None and row["kind"] != "directory":
+            if not replace:
+                raise ParentIsFile(details=[{"path": anc}])
+            await _trash_subtree(conn, folder, row)
+            row = None
         if row is None:
             await _insert_row(conn, folder, anc, "directory")
-        elif row["kind"] != "directory":
-            raise ParentIsFile(details=[{"path": anc}])
 
 
 async def _insert_row(
@@ -208,6 +218,58 @@ async def journal_deletion(
         )
 
 
+async def write_file(
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    *,
+    path: str,
+    digest: str,
+    byte_size: int,
+    executable: bool,
+    content_type: str | None,
+    ensure_object: EnsureObject,
+    gc_delay: timedelta,
+    replace: bool = False,
+) -> tuple[Row, bool]:
+    """Write one file under the folder lock; returns (row, created).
+
+    A directory at ``path`` is a KindConflict, or (``replace``) goes to trash.
+    """
+    await ensure_parents(conn, folder, path, replace=replace)
+    existing = await live_row(conn, folder, path)
+    if existing is not None and existing["kind"] != "file":
+        if not replace:
+            raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
+        await _trash_subtree(conn, folder, existing)
+        existing = None
+    await register_object(conn, folder.company_id, digest, byte_size, ensure_object)
+    if existing is None:
+        row = await _insert_row(
+            conn,
+            folder,
+            path,
+            "file",
+            digest=digest,
+            byte_size=byte_size,
+            executable=executable,
+            content_type=content_type,
+        )
+        return row, True
+    cur = await conn.execute(
+        "UPDATE files SET digest = %s, byte_size = %s, executable = %s, content_type = %s,"
+        " version = nextval('file_version_seq'), updated_at = now()"
+        " WHERE id = %s RETURNING *",
+        (digest, byte_size, executable, content_type, existing["id"]),
+    )
+    updated: Row | None = await cur.fetchone()
+    assert updated is not None
+    if existing["digest"] != digest:
+        await journal_deletion(
+            conn, folder.company_id, [existing["digest"]], "superseded", gc_delay
+        )
+    return updated, False
+
+
 async def put_file(
     conn: AsyncConnection[Any],
     folder: Folder,
@@ -220,9 +282,8 @@ async def put_file(
     operation_id: str,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
-    direct: bool = True,
 ) -> dict[str, Any]:
-    """Write one file (server-accepted last-write-wins). Caller owns the transaction."""
+    """A person's upload (server-accepted last-write-wins). Caller owns the transaction."""
     fp = fingerprint(
         action="put",
         path=path,
@@ -235,42 +296,37 @@ async def put_file(
     replay = await _check_receipt(conn, folder, operation_id, fp)
     if replay is not None:
         return replay
-    await ensure_parents(conn, folder, path)
-    existing = await live_row(conn, folder, path)
-    if existing is not None and existing["kind"] != "file":
-        raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
-    await register_object(conn, folder.company_id, digest, byte_size, ensure_object)
-    created = existing is None
-    if existing is None:
-        row = await _insert_row(
-            conn,
-            folder,
-            path,
-            "file",
-            digest=digest,
-            byte_size=byte_size,
-            executable=executable,
-            content_type=content_type,
-        )
-    else:
-        cur = await conn.execute(
-            "UPDATE files SET digest = %s, byte_size = %s, executable = %s, content_type = %s,"
-            " version = nextval('file_version_seq'), updated_at = now()"
-            " WHERE id = %s RETURNING *",
-            (digest, byte_size, executable, content_type, existing["id"]),
-        )
-        updated: Row | None = await cur.fetchone()
-        assert updated is not None
-        row = updated
-        if existing["digest"] != digest:
-            await journal_deletion(
-                conn, folder.company_id, [existing["digest"]], "superseded", gc_delay
-            )
+    row, created = await write_file(
+        conn,
+        folder,
+        path=path,
+        digest=digest,
+        byte_size=byte_size,
+        executable=executable,
+        content_type=content_type,
+        ensure_object=ensure_object,
+        gc_delay=gc_delay,
+    )
     result = {"applied": True, "created": created, "file": entry_json(row)}
     await _store_receipt(conn, folder, operation_id, fp, result)
-    if direct:
-        await _touch_folder(conn, folder)
+    await _touch_folder(conn, folder)
     return result
+
+
+async def make_directory(
+    conn: AsyncConnection[Any], folder: Folder, path: str, *, replace: bool = False
+) -> tuple[Row, bool]:
+    """Create a directory under the folder lock; returns (row, created)."""
+    await ensure_parents(conn, folder, path, replace=replace)
+    existing = await live_row(conn, folder, path)
+    if existing is not None and existing["kind"] != "directory":
+        if not replace:
+            raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
+        await _trash_subtree(conn, folder, existing)
+        existing = None
+    if existing is not None:
+        return existing, False
+    return await _insert_row(conn, folder, path, "directory"), True
 
 
 async def mkdir(
@@ -281,15 +337,9 @@ async def mkdir(
     replay = await _check_receipt(conn, folder, operation_id, fp)
     if replay is not None:
         return replay
-    await ensure_parents(conn, folder, path)
-    existing = await live_row(conn, folder, path)
-    if existing is not None:
-        if existing["kind"] != "directory":
-            raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
-        result = {"applied": False, "files": [entry_json(existing)]}
-    else:
-        row = await _insert_row(conn, folder, path, "directory")
-        result = {"applied": True, "files": [entry_json(row)]}
+    row, created = await make_directory(conn, folder, path)
+    result = {"applied": created, "files": [entry_json(row)]}
+    if created:
         await _touch_folder(conn, folder)
     await _store_receipt(conn, folder, operation_id, fp, result)
     return result
@@ -300,31 +350,41 @@ def _subtree_clause(column: str = "path") -> str:
     return f"({column} = %(root)s OR left({column}, length(%(root)s) + 1) = %(root)s || '/')"
 
 
+async def _trash_subtree(conn: AsyncConnection[Any], folder: Folder, target: Row) -> list[Row]:
+    """Move ``target`` and everything below it to trash with one shared deletedAt."""
+    cur = await conn.execute(
+        "UPDATE files SET deleted_at = now(), trash_root = %(tid)s,"
+        " version = nextval('file_version_seq')"
+        " WHERE folder_id = %(fid)s AND deleted_at IS NULL AND " + _subtree_clause() +
+        " RETURNING *",
+        {"tid": target["id"], "fid": folder.id, "root": target["path"]},
+    )  # fmt: skip
+    return sorted(await cur.fetchall(), key=lambda r: r["path"])
+
+
+async def trash_path(conn: AsyncConnection[Any], folder: Folder, path: str) -> list[Row] | None:
+    """Trash ``path``'s subtree under the folder lock; None when nothing lives there."""
+    target = await live_row(conn, folder, path)
+    if target is None:
+        return None
+    return await _trash_subtree(conn, folder, target)
+
+
 async def delete_path(
-    conn: AsyncConnection[Any], folder: Folder, *, path: str, operation_id: str, direct: bool = True
+    conn: AsyncConnection[Any], folder: Folder, *, path: str, operation_id: str
 ) -> dict[str, Any]:
-    """Move ``path`` and everything below it to trash with one shared deletedAt."""
+    """A person's delete: the subtree goes to trash; a missing path is 404."""
     fp = fingerprint(action="delete", path=path)
     await lock_folder(conn, folder)
     replay = await _check_receipt(conn, folder, operation_id, fp)
     if replay is not None:
         return replay
-    target = await live_row(conn, folder, path)
-    if target is None:
+    rows = await trash_path(conn, folder, path)
+    if rows is None:
         raise FileNotFound(details=[{"path": path}])
-    cur = await conn.execute(
-        "UPDATE files SET deleted_at = now(), trash_root = %(tid)s,"
-        " version = nextval('file_version_seq')"
-        " WHERE folder_id = %(fid)s AND deleted_at IS NULL AND "
-        + _subtree_clause()
-        + " RETURNING *",
-        {"tid": target["id"], "fid": folder.id, "root": path},
-    )
-    rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
     result = {"applied": True, "files": [entry_json(r) for r in rows]}
     await _store_receipt(conn, folder, operation_id, fp, result)
-    if direct:
-        await _touch_folder(conn, folder)
+    await _touch_folder(conn, folder)
     return result
 
 

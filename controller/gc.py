@@ -40,10 +40,15 @@ class SweepReport:
 
 
 REFERENCED_SQL = """
-SELECT EXISTS (
-    SELECT 1 FROM files f JOIN folders d ON d.id = f.folder_id
-    WHERE d.company_id = %(company)s AND f.digest = %(digest)s
-)
+SELECT
+    EXISTS (
+        SELECT 1 FROM files f JOIN folders d ON d.id = f.folder_id
+        WHERE d.company_id = %(company)s AND f.digest = %(digest)s
+    ) AS by_files,
+    EXISTS (
+        SELECT 1 FROM run_uploads u JOIN runs r ON r.id = u.run_id
+        WHERE u.company_id = %(company)s AND u.digest = %(digest)s AND r.active
+    ) AS by_running_upload
 """
 
 
@@ -51,17 +56,19 @@ async def sweep_once(
     pool: AsyncConnectionPool[AsyncConnection[Any]], storage: StorageProvider, *, batch: int = 500
 ) -> SweepReport:
     report = SweepReport()
+    after_id = 0
     while True:
         async with pool.connection() as conn, conn.transaction():
             cur = await conn.execute(
                 "SELECT id, company_id, digest FROM deletion_journal"
-                " WHERE done_at IS NULL AND not_before <= now()"
-                " ORDER BY not_before, id LIMIT %s FOR UPDATE SKIP LOCKED",
-                (batch,),
+                " WHERE done_at IS NULL AND not_before <= now() AND id > %s"
+                " ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED",
+                (after_id, batch),
             )
             entries = list(await cur.fetchall())
         if not entries:
             return report
+        after_id = int(entries[-1]["id"])
         for entry in entries:
             report.examined += 1
             try:
@@ -76,7 +83,7 @@ async def sweep_once(
                 report.deleted += 1
             else:
                 report.kept += 1
-        if len(entries) < batch or report.failed:
+        if len(entries) < batch:
             return report
 
 
@@ -91,8 +98,12 @@ async def _collect(
         )
         cur = await conn.execute(REFERENCED_SQL, {"company": company, "digest": digest})
         row = await cur.fetchone()
-        referenced = bool(row and row["exists"])
-        if referenced:
+        assert row is not None
+        if row["by_running_upload"] and not row["by_files"]:
+            # A running run may still commit a checkpoint that references
+            # its upload: decide again on a later sweep, after the run ends.
+            return "pending"
+        if row["by_files"]:
             outcome = "referenced"
         else:
             await asyncio.to_thread(storage.delete, object_key(company, digest))

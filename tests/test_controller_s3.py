@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -24,10 +25,18 @@ def s3_controller(pg_cluster: PgCluster) -> Iterator[tuple[ControllerProcess, S3
         ctl = ControllerProcess(
             pg_cluster.create_database(),
             world_searchable_tmpdir("fsa-ctl-s3-"),
-            ["--storage", "s3", "--s3-endpoint", server.endpoint_url, "--s3-bucket", bucket,
-             "--s3-region", "us-east-1"],
+            [
+                "--storage",
+                "s3",
+                "--s3-endpoint",
+                server.endpoint_url,
+                "--s3-bucket",
+                bucket,
+                "--s3-region",
+                "us-east-1",
+            ],
             env=FAKE_CREDENTIALS,
-        )  # fmt: skip
+        )
         ctl.start()
         try:
             yield ctl, server, bucket
@@ -76,7 +85,19 @@ def test_upload_download_purge_gc_on_s3(
             f"{tenant.my_folder}/operations",
             json={"action": "purge", "fileId": trashed.json()["files"][0]["id"]},
         )
-    code, out, err = ctl.cli("gc", "--now", "--json", "--storage", "s3", "--s3-endpoint", server.endpoint_url,
-                             "--s3-bucket", bucket, "--s3-region", "us-east-1")  # fmt: skip
+    code, out, err = ctl.cli(
+        "gc",
+        "--now",
+        "--json",
+        "--storage",
+        "s3",
+        "--s3-endpoint",
+        server.endpoint_url,
+        "--s3-bucket",
+        bucket,
+        "--s3-region",
+        "us-east-1",
+    )
     assert code == 0, err
+    assert json.loads(out)["deleted"] >= 1
     assert key not in bucket_keys(server, bucket)

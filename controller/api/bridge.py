@@ -8,28 +8,45 @@ active member of the run's company.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
+import os
 import re
+import tempfile
+from pathlib import Path
 from typing import Any
 
+import xxhash
+import zstandard
 from psycopg import AsyncConnection
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from common.bridge import MANIFEST_PAGE_MAX, PREFIX
+from common.bridge import (
+    CHUNK_MAX,
+    FRAME_HEADER,
+    MANIFEST_PAGE_MAX,
+    MAX_CHECKPOINT_BODY,
+    PREFIX,
+)
 from common.errors import (
     NotFound,
+    PayloadTooLarge,
     RangeNotSatisfiable,
+    StaleLease,
     Unauthenticated,
     ValidationError,
     WorkFolderError,
 )
 from common.paths import validate_scope
 from controller import apply
-from controller.api.common import authenticate, connection, json_errors
-from controller.api.workfolders import parse_range, stream_object
+from controller.api.common import authenticate, connection, json_errors, read_json, state
+from controller.api.workfolders import _spool_append, parse_range, put_object, stream_object
 from controller.auth import RunBinding, run_may_use_user_folder
-from controller.storage.base import object_key
+from controller.checkpoint import UnknownContent, apply_checkpoint, parse_checkpoint
+from controller.storage.base import ObjectMissing, object_key
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -187,4 +204,204 @@ routes = [
     Route(PREFIX + "/run", get_run, methods=["GET"]),
     Route(PREFIX + "/folders/{scope}/manifest", get_manifest, methods=["GET"]),
     Route(PREFIX + "/folders/{scope}/objects/{digest}", get_object, methods=["GET"]),
+]
+
+
+# --- writes ------------------------------------------------------------------
+
+
+class MembershipRevoked(WorkFolderError):
+    code = "membership_revoked"
+    status = 403
+    message = "The run's responsible user is no longer a member; the user folder was not saved"
+
+
+class DigestMismatch(WorkFolderError):
+    code = "digest_mismatch"
+    status = 422
+    message = "Uploaded bytes do not match the declared digest or length"
+
+
+class BadFrame(WorkFolderError):
+    code = "bad_frame"
+    status = 400
+    message = "Corrupt upload frame"
+
+
+async def writable_folder(
+    request: Request, conn: AsyncConnection[Any], run: RunBinding
+) -> apply.Folder:
+    """The run's folder for ``{scope}``, created if needed; re-checks user membership."""
+    scope = validate_scope(request.path_params["scope"])
+    owner = run.owner_for(scope)
+    if owner is None:
+        raise NotFound()
+    if scope == "user" and not await run_may_use_user_folder(conn, run):
+        raise MembershipRevoked()
+    folder = await apply.get_folder(conn, run.company_id, scope, owner, create=True)
+    assert folder is not None
+    return folder
+
+
+async def record_run_failure(request: Request, run: RunBinding, error: str) -> None:
+    """Make a refused save visible on /sync (own transaction: the save rolled back)."""
+    async with connection(request) as conn:
+        await conn.execute(
+            "UPDATE runs SET state = 'failed', error = %s WHERE id = %s", (error[:2000], run.run_id)
+        )
+
+
+class FrameReader:
+    """Decode the framed zstd upload body incrementally with bounded memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.buf = bytearray()
+        self.limit = limit
+        self.total = 0
+        self.done = False
+        self.dctx = zstandard.ZstdDecompressor()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self.done and data:
+            raise BadFrame("data after the end frame")
+        self.buf += data
+        out: list[bytes] = []
+        header = FRAME_HEADER.size
+        while not self.done and len(self.buf) >= header:
+            clen, rlen, checksum = FRAME_HEADER.unpack_from(self.buf)
+            if clen == 0 and rlen == 0:
+                self.done = True
+                del self.buf[:header]
+                if self.buf:
+                    raise BadFrame("data after the end frame")
+                break
+            if rlen > CHUNK_MAX or clen > CHUNK_MAX + 1024 or clen == 0:
+                raise BadFrame("frame larger than allowed")
+            if len(self.buf) < header + clen:
+                break
+            compressed = bytes(self.buf[header : header + clen])
+            del self.buf[: header + clen]
+            try:
+                raw = self.dctx.decompress(compressed, max_output_size=rlen)
+            except zstandard.ZstdError as exc:
+                raise BadFrame(f"zstd: {exc}") from None
+            if len(raw) != rlen or xxhash.xxh64_intdigest(raw) != checksum:
+                raise BadFrame("frame checksum or length mismatch")
+            self.total += rlen
+            if self.total > self.limit:
+                raise PayloadTooLarge(f"Files are limited to {self.limit} bytes")
+            out.append(raw)
+        return out
+
+
+@json_errors
+async def upload(request: Request) -> Response:
+    st = state(request)
+    async with connection(request) as conn:
+        run = await bound_run(request, conn)
+        await writable_folder(request, conn, run)
+        await conn.execute(
+            "UPDATE runs SET state = 'saving' WHERE id = %s AND state <> 'saving'", (run.run_id,)
+        )
+    hint = request.headers.get("x-content-sha256")
+    hint_len = request.headers.get("x-content-length")
+    reader = FrameReader(st.settings.max_file_bytes)
+    fd, name = await asyncio.to_thread(
+        tempfile.mkstemp, dir=st.settings.spool_dir, prefix="bridge-"
+    )
+    spool = Path(name)
+    hasher = hashlib.sha256()
+    try:
+        try:
+            async for chunk in request.stream():
+                for raw in reader.feed(chunk):
+                    await asyncio.to_thread(_spool_append, fd, hasher, raw)
+        finally:
+            os.close(fd)
+        if not reader.done:
+            raise BadFrame("body ended before the end frame")
+        digest, size = hasher.hexdigest(), reader.total
+        if (hint is not None and hint != digest) or (
+            hint_len is not None and hint_len != str(size)
+        ):
+            raise DigestMismatch(details=[{"digest": digest, "byteSize": size}])
+        key = object_key(run.company_id, digest)
+        await put_object(request, key, spool, size, digest)
+
+        async def ensure(k: str) -> None:
+            if not await asyncio.to_thread(st.storage.exists, k):
+                await put_object(request, k, spool, size, digest)
+
+        async with connection(request) as conn:
+            await apply.register_object(conn, run.company_id, digest, size, ensure)
+            await conn.execute(
+                "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
+                " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (run.run_id, run.company_id, digest, size),
+            )
+            # Collected later unless a checkpoint references it.
+            await apply.journal_deletion(
+                conn, run.company_id, [digest], "bridge upload", st.settings.gc_delay
+            )
+    except ClientDisconnect:
+        return Response(status_code=400)
+    finally:
+        # Unlinking one spool file is a single metadata update; a thread hop
+        # here would also be skipped on cancellation, leaking the file.
+        spool.unlink(missing_ok=True)  # noqa: ASYNC240
+    return JSONResponse({"digest": digest, "byteSize": size})
+
+
+@json_errors
+async def commit_checkpoint(request: Request) -> Response:
+    st = state(request)
+    raw = await request.body()
+    if len(raw) > MAX_CHECKPOINT_BODY:
+        raise PayloadTooLarge("Checkpoint body too large")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ValidationError.single("body", "invalid_json", "body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ValidationError.single("body", "invalid_json", "body must be a JSON object")
+    cp = parse_checkpoint(body)
+    async with connection(request) as conn:
+        run = await bound_run(request, conn)
+    try:
+        async with connection(request) as conn:
+            folder = await writable_folder(request, conn, run)
+
+            async def ensure(k: str) -> None:
+                if not await asyncio.to_thread(st.storage.exists, k):
+                    raise ObjectMissing(f"uploaded object {k} is gone; upload it again")
+
+            result = await apply_checkpoint(
+                conn, folder, run, cp, ensure_object=ensure, gc_delay=st.settings.gc_delay
+            )
+    except (MembershipRevoked, StaleLease, UnknownContent) as exc:
+        await record_run_failure(request, run, f"{exc.code}: {exc.text}")
+        raise
+    return JSONResponse(result)
+
+
+@json_errors
+async def report(request: Request) -> Response:
+    body = await read_json(request)
+    new_state = body.get("state")
+    error = body.get("error")
+    if new_state not in ("saving", "failed") or not (error is None or isinstance(error, str)):
+        raise ValidationError.single("state", "invalid", "state must be saving or failed")
+    async with connection(request) as conn:
+        run = await bound_run(request, conn)
+        await conn.execute(
+            "UPDATE runs SET state = %s, error = %s WHERE id = %s",
+            (new_state, (error or None) and error[:2000], run.run_id),
+        )
+    return JSONResponse({"state": new_state})
+
+
+routes += [
+    Route(PREFIX + "/run/report", report, methods=["POST"]),
+    Route(PREFIX + "/folders/{scope}/uploads", upload, methods=["PUT"]),
+    Route(PREFIX + "/folders/{scope}/checkpoints", commit_checkpoint, methods=["POST"]),
 ]

@@ -1,0 +1,235 @@
+"""Validate and apply a checkpoint from a sandbox: all entries or none.
+
+The sandbox is untrusted, so everything is checked here before anything is
+written: path rules, entry shapes, limits, and that every referenced digest is
+already visible to this folder (its live files or trash) or was uploaded by
+this very run. Without that last rule a sandbox could claim another tenant's
+object by naming its hash.
+
+Apply order inside one transaction: lock the folder, check the receipt,
+re-check the run's lease, apply entries in order with last-writer-wins (a
+conflicting server entry of the other kind goes to trash), store the receipt,
+advance the run's baseline, record the save on the run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from common.bridge import MAX_CHECKPOINT_ENTRIES
+from common.errors import IdempotencyConflict, StaleLease, ValidationError, WorkFolderError
+from common.paths import validate_path
+from controller import apply
+from controller.auth import RunBinding
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_OP_FIELDS = {
+    "put": {"op", "path", "digest", "executable"},
+    "mkdir": {"op", "path"},
+    "delete": {"op", "path"},
+}
+
+
+class UnknownContent(WorkFolderError):
+    code = "unknown_content"
+    status = 422
+    message = "Checkpoint references content that is not visible to this folder"
+
+
+@dataclass(frozen=True)
+class Entry:
+    op: str
+    path: str
+    digest: str | None = None
+    executable: bool = False
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    operation_id: str
+    lease_epoch: int
+    final: bool
+    entries: list[Entry]
+
+    def fingerprint(self) -> str:
+        return apply.fingerprint(
+            action="checkpoint",
+            final=self.final,
+            entries=[[e.op, e.path, e.digest, e.executable] for e in self.entries],
+        )
+
+
+def parse_checkpoint(body: dict[str, Any]) -> Checkpoint:
+    """Shape and path validation; raises ValidationError listing every problem."""
+    problems: list[dict[str, Any]] = []
+
+    def bad(field: str, code: str, message: str) -> None:
+        problems.append({"field": field, "code": code, "message": message})
+
+    extra = set(body) - {"operationId", "leaseEpoch", "final", "entries"}
+    for f in sorted(extra):
+        bad(f, "unexpected_field", f"{f} is not allowed")
+    op_id = body.get("operationId")
+    if not isinstance(op_id, str) or not 1 <= len(op_id) <= 256 or not op_id.isprintable():
+        bad("operationId", "invalid", "operationId must be 1-256 printable characters")
+    epoch = body.get("leaseEpoch")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
+        bad("leaseEpoch", "invalid", "leaseEpoch must be a positive integer")
+    final = body.get("final", False)
+    if not isinstance(final, bool):
+        bad("final", "invalid", "final must be a boolean")
+    raw_entries = body.get("entries")
+    entries: list[Entry] = []
+    if not isinstance(raw_entries, list):
+        bad("entries", "invalid", "entries must be a list")
+        raw_entries = []
+    if len(raw_entries) > MAX_CHECKPOINT_ENTRIES:
+        bad("entries", "too_many", f"at most {MAX_CHECKPOINT_ENTRIES} entries per checkpoint")
+        raw_entries = []
+    for i, raw in enumerate(raw_entries):
+        where = f"entries[{i}]"
+        if not isinstance(raw, dict) or raw.get("op") not in _OP_FIELDS:
+            bad(where, "invalid_op", "op must be put, mkdir or delete (no links or special files)")
+            continue
+        if set(raw) != _OP_FIELDS[raw["op"]]:
+            bad(
+                where,
+                "invalid_fields",
+                f"{raw['op']} takes exactly {sorted(_OP_FIELDS[raw['op']])}",
+            )
+            continue
+        try:
+            path = validate_path(raw["path"], f"{where}.path")
+        except ValidationError as exc:
+            problems.extend(exc.details or [])
+            continue
+        if raw["op"] == "put":
+            digest, executable = raw["digest"], raw["executable"]
+            if not isinstance(digest, str) or not _DIGEST.match(digest):
+                bad(f"{where}.digest", "invalid_digest", "digest must be lower-case hex SHA-256")
+                continue
+            if not isinstance(executable, bool):
+                bad(f"{where}.executable", "invalid", "executable must be a boolean")
+                continue
+            entries.append(Entry("put", path, digest, executable))
+        else:
+            entries.append(Entry(raw["op"], path))
+    if problems:
+        raise ValidationError(problems[:100])
+    assert isinstance(op_id, str) and isinstance(epoch, int)
+    return Checkpoint(op_id, epoch, bool(final), entries)
+
+
+async def check_lease(conn: AsyncConnection[Any], run: RunBinding, epoch: int) -> None:
+    """Fencing: only the newest lease of a sandbox may save."""
+    cur = await conn.execute(
+        "SELECT r.lease_epoch, r.active,"
+        " (SELECT max(lease_epoch) FROM runs o"
+        "   WHERE o.company_id = r.company_id AND o.sandbox_key = r.sandbox_key) AS newest"
+        " FROM runs r WHERE r.id = %s FOR SHARE",
+        (run.run_id,),
+    )
+    row = await cur.fetchone()
+    if row is None or epoch != row["lease_epoch"] or row["newest"] != row["lease_epoch"]:
+        raise StaleLease(details=[{"leaseEpoch": epoch}])
+    if not row["active"]:
+        raise StaleLease("Run has ended; its lease is retired")
+
+
+async def content_sizes(
+    conn: AsyncConnection[Any], folder: apply.Folder, run: RunBinding, digests: set[str]
+) -> dict[str, int]:
+    """Sizes of the digests this checkpoint may reference; UnknownContent otherwise."""
+    if not digests:
+        return {}
+    cur = await conn.execute(
+        "SELECT digest, byte_size FROM files WHERE folder_id = %(fid)s AND digest = ANY(%(d)s)"
+        " UNION SELECT digest, byte_size FROM run_uploads"
+        "  WHERE run_id = %(rid)s AND digest = ANY(%(d)s)",
+        {"fid": folder.id, "rid": run.run_id, "d": list(digests)},
+    )
+    sizes = {r["digest"]: int(r["byte_size"]) for r in await cur.fetchall()}
+    missing = sorted(digests - set(sizes))
+    if missing:
+        raise UnknownContent(details=[{"digest": d} for d in missing[:20]])
+    return sizes
+
+
+async def apply_checkpoint(
+    conn: AsyncConnection[Any],
+    folder: apply.Folder,
+    run: RunBinding,
+    cp: Checkpoint,
+    *,
+    ensure_object: apply.EnsureObject,
+    gc_delay: timedelta,
+) -> dict[str, Any]:
+    fp = cp.fingerprint()
+    await apply.lock_folder(conn, folder)
+    cur = await conn.execute(
+        "SELECT fingerprint, result FROM receipts WHERE folder_id = %s AND operation_id = %s",
+        (folder.id, cp.operation_id),
+    )
+    receipt = await cur.fetchone()
+    if receipt is not None:
+        if receipt["fingerprint"] != fp:
+            raise IdempotencyConflict()
+        return {**receipt["result"], "replayed": True}
+    await check_lease(conn, run, cp.lease_epoch)
+    sizes = await content_sizes(conn, folder, run, {e.digest for e in cp.entries if e.digest})
+    for e in cp.entries:
+        if e.op == "put":
+            assert e.digest is not None
+            await apply.write_file(
+                conn,
+                folder,
+                path=e.path,
+                digest=e.digest,
+                byte_size=sizes[e.digest],
+                executable=e.executable,
+                content_type=None,
+                ensure_object=ensure_object,
+                gc_delay=gc_delay,
+                replace=True,
+            )
+        elif e.op == "mkdir":
+            await apply.make_directory(conn, folder, e.path, replace=True)
+        else:
+            await apply.trash_path(conn, folder, e.path)
+    cur = await conn.execute(
+        "SELECT coalesce(max(version), 0) AS v, now() AS t FROM files WHERE folder_id = %s",
+        (folder.id,),
+    )
+    hw = await cur.fetchone()
+    assert hw is not None
+    result = {
+        "operationId": cp.operation_id,
+        "applied": True,
+        "entries": len(cp.entries),
+        "highWater": int(hw["v"]),
+        "savedAt": apply.iso(hw["t"]),
+    }
+    await conn.execute(
+        "INSERT INTO receipts (folder_id, operation_id, fingerprint, result)"
+        " VALUES (%s, %s, %s, %s)",
+        (folder.id, cp.operation_id, fp, json.dumps(result)),
+    )
+    await conn.execute(
+        "INSERT INTO sync_baselines (run_id, folder_id, version) VALUES (%s, %s, %s)"
+        " ON CONFLICT (run_id, folder_id)"
+        " DO UPDATE SET version = EXCLUDED.version, updated_at = now()",
+        (run.run_id, folder.id, result["highWater"]),
+    )
+    await conn.execute(
+        "UPDATE runs SET state = 'saved', last_saved_at = now(), error = NULL,"
+        " final_checkpoint_at = CASE WHEN %s THEN now() ELSE final_checkpoint_at END"
+        " WHERE id = %s",
+        (cp.final, run.run_id),
+    )
+    return result
