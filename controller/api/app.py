@@ -53,6 +53,10 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
     assert database_url is not None
     pool = make_pool(database_url)
     settings.spool_dir.mkdir(parents=True, exist_ok=True)
+    # Spool files only live during one request; any found now were left by a
+    # process that died mid-upload (one controller per data dir).
+    for stale in settings.spool_dir.iterdir():
+        stale.unlink(missing_ok=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
