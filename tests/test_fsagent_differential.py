@@ -1,0 +1,263 @@
+"""The mount must behave like a plain directory: same random operations, same outcomes.
+
+A hypothesis state machine applies each operation to a plain temp directory
+and to the mount, and compares return values and errno, then the whole tree
+(kinds, sizes, exec bits, contents) after every step.  A second test runs an
+fsx-style seeded random I/O sequence on one large file, verifying every read
+against an in-memory model.
+"""
+
+# ruff: noqa: F811 - fixtures come from tests.fuse_helper and are re-bound as parameters
+
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import random
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from tests.fuse_helper import FsagentMount, MountFactory, mnt, mounts  # noqa: F401 - pytest fixtures
+
+pytestmark = pytest.mark.fuse
+
+NAMES = ("a", "b", "c")
+PATHS = ["/".join(parts) for depth in (1, 2, 3) for parts in itertools.product(NAMES, repeat=depth)]
+paths = st.sampled_from(PATHS)
+payloads = st.binary(max_size=3000)
+offsets = st.integers(min_value=0, max_value=20_000)
+
+Outcome = tuple[str, Any]
+
+
+def outcome(fn: Callable[[], Any]) -> Outcome:
+    try:
+        return ("ok", fn())
+    except OSError as exc:
+        return ("err", errno.errorcode.get(exc.errno or 0, exc.errno))
+
+
+def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
+    """Everything a user can observe about a tree, except times and inode numbers."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for d in dirnames:
+            out[os.path.normpath(os.path.join(rel, d))] = ("dir",)
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            st_ = os.stat(p)
+            with open(p, "rb") as fh:
+                data = fh.read()
+            key = os.path.normpath(os.path.join(rel, f))
+            out[key] = ("file", st_.st_size, bool(st_.st_mode & stat.S_IXUSR), data)
+    return out
+
+
+def test_mount_matches_plain_directory(mounts: MountFactory) -> None:
+    m = mounts.mount()
+    plain = Path(tempfile.mkdtemp(prefix="fsa-plain-"))
+    counter = itertools.count()
+
+    class Differential(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            n = next(counter)
+            self.roots = (plain / f"ex{n}", m.mountpoint / f"ex{n}")
+            for r in self.roots:
+                r.mkdir()
+
+        def both(self, op: Callable[[Path], Any]) -> Outcome:
+            a, b = (outcome(lambda r=r: op(r)) for r in self.roots)
+            assert a == b, f"plain dir gave {a!r}, mount gave {b!r}"
+            return a
+
+        @rule(path=paths, data=payloads)
+        def create_file(self, path: str, data: bytes) -> None:
+            def op(root: Path) -> int:
+                fd = os.open(root / path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+                try:
+                    return os.write(fd, data)
+                finally:
+                    os.close(fd)
+
+            self.both(op)
+
+        @rule(path=paths)
+        def create_exclusive(self, path: str) -> None:
+            self.both(lambda root: os.close(os.open(root / path, os.O_CREAT | os.O_EXCL, 0o644)))
+
+        @rule(path=paths, off=offsets, data=payloads)
+        def write_at(self, path: str, off: int, data: bytes) -> None:
+            def op(root: Path) -> int:
+                fd = os.open(root / path, os.O_WRONLY)
+                try:
+                    return os.pwrite(fd, data, off)
+                finally:
+                    os.close(fd)
+
+            self.both(op)
+
+        @rule(path=paths, data=payloads)
+        def append(self, path: str, data: bytes) -> None:
+            def op(root: Path) -> int:
+                fd = os.open(root / path, os.O_WRONLY | os.O_APPEND)
+                try:
+                    return os.write(fd, data)
+                finally:
+                    os.close(fd)
+
+            self.both(op)
+
+        @rule(path=paths, size=offsets)
+        def truncate(self, path: str, size: int) -> None:
+            self.both(lambda root: os.truncate(root / path, size))
+
+        @rule(src=paths, dst=paths)
+        def rename(self, src: str, dst: str) -> None:
+            self.both(lambda root: os.rename(root / src, root / dst))
+
+        @rule(path=paths)
+        def unlink(self, path: str) -> None:
+            self.both(lambda root: os.unlink(root / path))
+
+        @rule(path=paths)
+        def mkdir(self, path: str) -> None:
+            self.both(lambda root: os.mkdir(root / path))
+
+        @rule(path=paths)
+        def rmdir(self, path: str) -> None:
+            self.both(lambda root: os.rmdir(root / path))
+
+        @rule(path=paths, on=st.booleans())
+        def chmod_exec(self, path: str, on: bool) -> None:
+            self.both(lambda root: os.chmod(root / path, 0o755 if on else 0o644))
+
+        @rule(path=paths, off=offsets, size=st.integers(0, 5000))
+        def read_back(self, path: str, off: int, size: int) -> None:
+            def op(root: Path) -> bytes:
+                fd = os.open(root / path, os.O_RDONLY)
+                try:
+                    return os.pread(fd, size, off)
+                finally:
+                    os.close(fd)
+
+            self.both(op)
+
+        @rule(path=paths)
+        def listdir(self, path: str) -> None:
+            self.both(lambda root: sorted(os.listdir(root / path)))
+
+        @invariant()
+        def trees_match(self) -> None:
+            assert snapshot(self.roots[0]) == snapshot(self.roots[1])
+
+    try:
+        run_state_machine_as_test(
+            Differential,
+            settings=settings(
+                max_examples=40,
+                stateful_step_count=30,
+                deadline=None,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+    finally:
+        shutil.rmtree(plain, ignore_errors=True)
+    # Every surviving file of the last examples is in the journal's change set.
+    changes = m.changes()
+    for path, info in snapshot(m.mountpoint).items():
+        if info[0] == "file":
+            assert changes[path]["action"] == "upload", path
+            assert changes[path]["size"] == info[1], path
+
+
+FSX_SEED = int(os.environ.get("FSX_SEED", "20261202"))
+FSX_OPS = int(os.environ.get("FSX_OPS", "20000"))
+FSX_MAX = 4 * 1024 * 1024
+
+
+def test_fsx_random_io_on_one_large_file(mounts: MountFactory) -> None:
+    """fsx-style: seeded random writes, truncates, mmap I/O and reopens; every read verified."""
+    m = mounts.mount()
+    rng = random.Random(FSX_SEED)
+    path = m.mountpoint / "fsx.bin"
+    model = bytearray()
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    counts: dict[str, int] = {}
+
+    def verify(off: int, got: bytes, size: int) -> None:
+        want = bytes(model[off : off + size])
+        if got != want:
+            bad = next(
+                i for i in range(min(len(got), len(want)) + 1) if got[i : i + 1] != want[i : i + 1]
+            )
+            pytest.fail(f"seed {FSX_SEED} op {i}: read at {off}+{size} differs at byte "
+                        f"{off + bad} (got {len(got)} bytes, want {len(want)})")  # fmt: skip
+
+    ops = ["read", "write", "write", "truncate", "mapread", "mapwrite", "reopen", "fsync"]
+    weights = [30, 30, 10, 4, 8, 8, 3, 2]
+    for i in range(FSX_OPS):
+        op = rng.choices(ops, weights)[0]
+        size = len(model)
+        if op == "read":
+            off = rng.randrange(0, size + 1) if size else 0
+            n = rng.randint(0, 65536)
+            verify(off, os.pread(fd, n, off), n)
+        elif op == "write":
+            off = rng.randrange(0, FSX_MAX - 65536)
+            if rng.random() < 0.7 and size:
+                off = rng.randrange(0, size)  # mostly near existing data
+            data = rng.randbytes(rng.randint(1, 65536))
+            assert os.pwrite(fd, data, off) == len(data)
+            if off > len(model):
+                model.extend(b"\0" * (off - len(model)))
+            model[off : off + len(data)] = data
+        elif op == "truncate":
+            new = rng.randrange(0, FSX_MAX)
+            os.ftruncate(fd, new)
+            if new < len(model):
+                del model[new:]
+            else:
+                model.extend(b"\0" * (new - len(model)))
+        elif op in ("mapread", "mapwrite") and size:
+            with mmap.mmap(fd, size) as mm:
+                off = rng.randrange(0, size)
+                n = min(rng.randint(1, 32768), size - off)
+                if op == "mapread":
+                    verify(off, mm[off : off + n], n)
+                else:
+                    data = rng.randbytes(n)
+                    mm[off : off + n] = data
+                    model[off : off + n] = data
+                    mm.flush()
+        elif op == "reopen":
+            os.close(fd)
+            fd = os.open(path, os.O_RDWR)
+        elif op == "fsync":
+            os.fsync(fd)
+        counts[op] = counts.get(op, 0) + 1
+        if os.fstat(fd).st_size != len(model):
+            pytest.fail(
+                f"seed {FSX_SEED} op {i} ({op}): size {os.fstat(fd).st_size} != {len(model)}"
+            )
+    os.close(fd)
+    assert path.read_bytes() == bytes(model)
+    print(f"fsx: {FSX_OPS} ops with seed {FSX_SEED}: {counts}")
+    # The content survives an unmount and a remount from the same state dir.
+    assert m.signal(15) == 0
+    again = mounts.mount(m.controller, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    assert (again.mountpoint / "fsx.bin").read_bytes() == bytes(model)
+    assert again.changes()["fsx.bin"]["size"] == len(model)
