@@ -1,0 +1,138 @@
+"""An HTTP proxy in front of the controller that can lose responses.
+
+A request matching a drop rule is forwarded and fully processed upstream, and
+then its answer is replaced by 504: the client sees a lost response (as behind
+a load balancer that timed out) although the server applied the request.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+
+from tests.controller_helper import free_port
+
+
+@dataclass
+class DropRule:
+    method: str
+    path: re.Pattern[str]
+    remaining: int
+
+
+@dataclass
+class LossyProxy:
+    upstream: str
+    port: int = field(default_factory=free_port)
+    rules: list[DropRule] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)
+    _server: uvicorn.Server | None = None
+    _thread: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def drop_next(self, method: str, path_regex: str, count: int = 1) -> None:
+        with self._lock:
+            self.rules.append(DropRule(method, re.compile(path_regex), count))
+
+    def _should_drop(self, method: str, path: str) -> bool:
+        with self._lock:
+            self.seen.append(f"{method} {path}")
+            for rule in self.rules:
+                if rule.remaining > 0 and rule.method == method and rule.path.search(path):
+                    rule.remaining -= 1
+                    self.dropped.append(f"{method} {path}")
+                    return True
+        return False
+
+    async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        query = scope.get("query_string", b"").decode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"connection")]
+
+        async def body() -> AsyncIterator[bytes]:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                yield msg.get("body", b"")
+                if not msg.get("more_body"):
+                    return
+
+        async with httpx.AsyncClient(timeout=300) as client:
+            req = client.build_request(
+                method,
+                self.upstream + path + (f"?{query}" if query else ""),
+                headers=headers,
+                content=body(),
+            )
+            resp = await client.send(req, stream=True)
+            drop = self._should_drop(method, path)
+            if drop:
+                await resp.aread()
+                await resp.aclose()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 504,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b'{"error": "gateway timeout", "code": "lost"}',
+                    }
+                )
+                return
+            out_headers = [
+                (k.encode(), v.encode())
+                for k, v in resp.headers.items()
+                if k.lower() not in ("transfer-encoding", "connection", "content-encoding")
+            ]
+            await send(
+                {"type": "http.response.start", "status": resp.status_code, "headers": out_headers}
+            )
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await resp.aclose()
+            await send({"type": "http.response.body", "body": b""})
+
+    def start(self) -> LossyProxy:
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            interface="asgi3",
+            lifespan="off",
+            loop="asyncio",
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("proxy did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
