@@ -1,0 +1,154 @@
+"""Lazy hydration: metadata first (100,000 entries mount in seconds), contents on demand.
+
+Runs against a DirectoryBridgeClient source and against the real controller.
+"""
+
+# ruff: noqa: F811 - fixtures come from tests.fuse_helper and are re-bound as parameters
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.controller_helper import Tenant
+from tests.fuse_helper import MountFactory, mounts, sha256  # noqa: F401 - pytest fixtures
+
+pytestmark = pytest.mark.fuse
+
+OCTET = {"Content-Type": "application/octet-stream"}
+
+
+def big_manifest_source(root: Path, n: int) -> Path:
+    """``n`` files in 100 directories sharing a handful of objects (metadata-heavy)."""
+    contents = [f"content {i}\n".encode() for i in range(4)]
+    objects = root / "agent" / "objects"
+    objects.mkdir(parents=True)
+    for data in contents:
+        (objects / sha256(data)).write_bytes(data)
+    entries = []
+    for i in range(n):
+        data = contents[i % 4]
+        entries.append({"path": f"d{i % 100:03d}/f{i:06d}.txt", "kind": "file",
+                        "digest": sha256(data), "byteSize": len(data),
+                        "executable": i % 7 == 0, "version": i + 1, "deleted": False})  # fmt: skip
+    (root / "agent" / "manifest.json").write_text(json.dumps({"entries": entries, "highWater": n}))
+    owner = str(uuid.uuid4())
+    run = {"runId": str(uuid.uuid4()), "companyId": str(uuid.uuid4()), "agentId": owner,
+           "leaseEpoch": 1, "active": True,
+           "bindings": {"task": None, "agent": owner, "user": None, "project": None}}  # fmt: skip
+    (root / "run.json").write_text(json.dumps(run))
+    return root
+
+
+def test_hydrate_100k_entries_mounts_in_seconds(mounts: MountFactory) -> None:
+    src = big_manifest_source(mounts.base / "big", 100_000)
+    started = time.monotonic()
+    m = mounts.mount(src)
+    mount_seconds = time.monotonic() - started
+    print(f"\n100,000-entry manifest: mounted in {mount_seconds:.2f}s ({m.stderr().strip()})")
+    assert mount_seconds < 30, f"mount took {mount_seconds:.1f}s"
+    assert len(os.listdir(m.mountpoint)) == 100
+    assert len(os.listdir(m.mountpoint / "d042")) == 1000
+    st = os.stat(m.mountpoint / "d007" / "f000007.txt")
+    assert st.st_size == len(b"content 3\n") and st.st_mode & 0o100
+    assert (m.mountpoint / "d099" / "f099999.txt").read_bytes() == b"content 3\n"
+    assert m.changes() == {}
+    status = m.fsagent("status")["collections"][0]
+    assert status["unsavedChanges"] == 0 and status["state"] == "mounted"
+
+
+def test_first_open_waits_for_that_file_only(mounts: MountFactory) -> None:
+    files: dict[str, bytes | None] = {f"f{i:02d}": os.urandom(1000 + i) for i in range(40)}
+    src = mounts.source({"agent": files}, fetch_delay=0.4)
+    # Background prefetch is running (one at a time, 0.4 s each: 16 s for all).
+    m = mounts.mount(src, extra=["--prefetch", "1"])
+    started = time.monotonic()
+    assert (m.mountpoint / "f39").read_bytes() == files["f39"]
+    waited = time.monotonic() - started
+    assert waited < 3, f"open waited {waited:.1f}s: it queued behind the prefetch"
+    have = {p.name for p in (m.state_dir / "objects").iterdir()}
+    assert sha256(files["f39"] or b"") in have
+    assert len(have) < 20, "the whole folder was fetched before the first open returned"
+
+
+def test_without_prefetch_only_opened_files_are_fetched(mounts: MountFactory) -> None:
+    files: dict[str, bytes | None] = {f"f{i}": f"data {i}".encode() for i in range(10)}
+    m = mounts.mount(mounts.source({"agent": files}), extra=["--prefetch", "0"])
+    assert list((m.state_dir / "objects").iterdir()) == []
+    assert sorted(os.listdir(m.mountpoint)) == sorted(files)
+    assert os.stat(m.mountpoint / "f3").st_size == len(b"data 3")  # metadata needs no fetch
+    assert (m.mountpoint / "f3").read_bytes() == b"data 3"
+    assert [p.name for p in (m.state_dir / "objects").iterdir()] == [sha256(b"data 3")]
+
+
+def test_object_with_wrong_bytes_is_refused(mounts: MountFactory) -> None:
+    src = mounts.source({"agent": {"good": b"good", "forged": b"original"}})
+    forged = src / "agent" / "objects" / sha256(b"original")
+    forged.chmod(0o644)
+    forged.write_bytes(b"tampered")
+    m = mounts.mount(src, extra=["--prefetch", "0"])
+    assert (m.mountpoint / "good").read_bytes() == b"good"
+    with pytest.raises(OSError) as info:
+        (m.mountpoint / "forged").read_bytes()
+    assert info.value.errno == errno.EIO
+    assert sha256(b"original") not in {p.name for p in (m.state_dir / "objects").iterdir()}
+
+
+# --- against the real controller ----------------------------------------------------
+
+
+def start_run(tenant: Tenant, *extra: str) -> tuple[str, dict[str, object]]:
+    agent = tenant.controller.admin("create-agent", tenant.company_id, "bot")["id"]
+    run = tenant.controller.admin("start-run", tenant.company_id, "--agent", agent, *extra)
+    return agent, run
+
+
+def test_hydrates_from_controller_lazily(mounts: MountFactory, tenant: Tenant) -> None:
+    agent, run = start_run(tenant)
+    files = {f"docs/n{i}.md": f"note {i}\n".encode() * (i + 1) for i in range(12)}
+    files["bin/tool"] = b"#!/bin/sh\necho hi\n"
+    with tenant.client() as c:
+        for path, data in files.items():
+            headers = {**OCTET, "X-File-Executable": "true" if path == "bin/tool" else "false"}
+            r = c.put(tenant.folder("agent", agent) + "/content", params={"path": path},
+                      content=data, headers=headers)  # fmt: skip
+            assert r.status_code in (200, 201), r.text
+    token_file = mounts.base / "token"
+    token_file.write_text(str(run["token"]))
+    m = mounts.mount(tenant.controller.url, token_file=token_file, extra=["--prefetch", "0"])
+    assert sorted(os.listdir(m.mountpoint / "docs")) == sorted(p[5:] for p in files if "docs/" in p)
+    assert list((m.state_dir / "objects").iterdir()) == []
+    assert (m.mountpoint / "docs" / "n5.md").read_bytes() == files["docs/n5.md"]
+    assert [p.name for p in (m.state_dir / "objects").iterdir()] == [
+        hashlib.sha256(files["docs/n5.md"]).hexdigest()
+    ]
+    assert os.stat(m.mountpoint / "bin" / "tool").st_mode & 0o100
+    for path, data in files.items():
+        assert (m.mountpoint / path).read_bytes() == data
+    # The unbound task collection of the same run: empty and read-only.
+    t = mounts.mount(tenant.controller.url, scope="task", token_file=token_file)
+    assert os.listdir(t.mountpoint) == []
+    with pytest.raises(OSError) as info:
+        (t.mountpoint / "x").write_bytes(b"x")
+    assert info.value.errno == errno.EROFS
+
+
+def test_ended_run_is_refused_with_a_clear_error(mounts: MountFactory, tenant: Tenant) -> None:
+    _, run = start_run(tenant)
+    tenant.controller.admin("end-run", str(run["run_id"]))
+    token_file = mounts.base / "token"
+    token_file.write_text(str(run["token"]))
+    m = mounts.mount(tenant.controller.url, token_file=token_file, start=False)
+    with pytest.raises(pytest.fail.Exception) as info:
+        m.start()
+    assert "exited with 4" in str(info.value) and "HTTP 401" in str(info.value)
+    with httpx.Client() as c:  # the controller itself is fine
+        assert c.get(tenant.controller.url + "/healthz").status_code == 200
