@@ -70,6 +70,9 @@ EMPTY_DIGEST: Final = Digest("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca4
 
 _MAP_SIZE: Final = 8 << 30  # address space only; the file grows as needed
 _U64 = struct.Struct(">Q")
+# One encoder for all records: json.dumps with options builds a new encoder per call,
+# which dominated the hydration of large manifests.
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def _ikey(ino: int) -> bytes:
@@ -103,7 +106,7 @@ class Inode:
         return bool(self.mode & 0o100)
 
     def encode(self) -> bytes:
-        return json.dumps(
+        return _encode(
             [
                 self.kind,
                 self.mode,
@@ -115,8 +118,7 @@ class Inode:
                 self.digest,
                 self.upper,
                 self.generation,
-            ],
-            separators=(",", ":"),
+            ]
         ).encode()
 
     @classmethod
@@ -136,10 +138,7 @@ class BaseEntry:
     version: FileVersion
 
     def encode(self) -> bytes:
-        return json.dumps(
-            [self.kind, self.digest, self.size, self.executable, self.version],
-            separators=(",", ":"),
-        ).encode()
+        return _encode([self.kind, self.digest, self.size, self.executable, self.version]).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> BaseEntry:
