@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Install fsagent into a virtualenv under /opt/fsagent and its systemd template unit.
+#
+#   packaging/install-fsagent.sh --user AGENT_USER --home AGENT_HOME \
+#       --controller URL --token-file FILE [--allow-other] [--source DIR] [--no-systemd]
+#
+# Run as root inside the sandbox image build.  Installs the Debian packages
+# fsagent needs (fuse3, python3-venv), the package from --source (default: this
+# checkout) into /opt/fsagent/venv, the unit into /etc/systemd/system and its
+# configuration into /etc/fsagent/fsagent.env.  Nothing is started.
+set -euo pipefail
+
+src="$(cd "$(dirname "$0")/.." && pwd)"
+user="" home="" controller="" token_file="" args="" systemd=1
+while (($#)); do
+    case "$1" in
+        --user) user="$2"; shift 2 ;;
+        --home) home="$2"; shift 2 ;;
+        --controller) controller="$2"; shift 2 ;;
+        --token-file) token_file="$2"; shift 2 ;;
+        --allow-other) args="--allow-other"; shift ;;
+        --source) src="$2"; shift 2 ;;
+        --no-systemd) systemd=0; shift ;;
+        *) echo "install-fsagent.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+if [[ $(id -u) -ne 0 ]]; then
+    echo "install-fsagent.sh: run as root" >&2
+    exit 1
+fi
+for v in user home controller token_file; do
+    if [[ -z "${!v}" ]]; then
+        echo "install-fsagent.sh: --${v//_/-} is required" >&2
+        exit 2
+    fi
+done
+
+missing=()
+for p in fuse3 python3 python3-venv; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+install -d -m 0755 /opt/fsagent
+[[ -x /opt/fsagent/venv/bin/python ]] || python3 -m venv /opt/fsagent/venv
+/opt/fsagent/venv/bin/pip install -q --upgrade pip
+/opt/fsagent/venv/bin/pip install -q "$src"
+/opt/fsagent/venv/bin/fsagent --help >/dev/null
+
+if [[ -n "$args" ]] && ! grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null; then
+    # allow_other from an unprivileged fsagent needs this switch.
+    echo user_allow_other >>/etc/fuse.conf
+fi
+
+install -d -m 0755 /etc/fsagent
+umask 077
+cat >/etc/fsagent/fsagent.env <<ENV
+FSAGENT_USER=$user
+FSAGENT_HOME=$home
+FSAGENT_CONTROLLER=$controller
+FSAGENT_TOKEN_FILE=$token_file
+FSAGENT_ARGS=$args
+ENV
+chmod 0644 /etc/fsagent/fsagent.env
+
+if ((systemd)); then
+    install -m 0644 "$src/packaging/systemd/fsagent@.service" /etc/systemd/system/fsagent@.service
+    install -d -m 0755 /etc/systemd/system/fsagent@.service.d
+    group="$(id -gn "$user")"
+    printf '[Service]\nUser=%s\nGroup=%s\n' "$user" "$group" \
+        >/etc/systemd/system/fsagent@.service.d/user.conf
+    if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
+        systemctl daemon-reload
+    fi
+fi
+echo "fsagent installed in /opt/fsagent/venv; enable with:"
+echo "  systemctl enable --now fsagent@task fsagent@agent fsagent@user fsagent@project"
