@@ -1,0 +1,253 @@
+"""The store's journal semantics and the bridge client, without a mount.
+
+These pin down the contract the checkpoint shipper builds on: which change
+set a sequence of mutations produces, and when acknowledging a checkpoint
+clears a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from common.types import Digest, FileVersion
+from fsagent.client import HttpBridgeClient
+from fsagent.errors import (
+    ControllerRefused,
+    ControllerUnavailable,
+    ObjectUnavailable,
+    ResyncRequired,
+    StateBindingMismatch,
+    StateForeign,
+)
+from fsagent.store import ROOT_INODE, Binding, Change, InodeNo, ManifestRow, Store
+
+
+def sha(data: bytes) -> Digest:
+    return Digest(hashlib.sha256(data).hexdigest())
+
+
+def row(path: str, data: bytes | None, version: int, exe: bool = False) -> ManifestRow:
+    if data is None:
+        return ManifestRow(path, "directory", None, 0, False, FileVersion(version))
+    return ManifestRow(path, "file", sha(data), len(data), exe, FileVersion(version))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store.open(tmp_path / "state")
+    s.hydrate([row("docs", None, 1), row("docs/a", b"A", 2), row("docs/b", b"B", 3),
+               row("x/y/z", b"Z", 4, exe=True)], high_water=4)  # fmt: skip
+    return s
+
+
+def ino(store: Store, path: str) -> InodeNo:
+    cur = ROOT_INODE
+    for name in path.split("/"):
+        found = store.lookup(cur, name)
+        assert found is not None, path
+        cur = found
+    return cur
+
+
+def by_path(changes: list[Change]) -> dict[str, Change]:
+    return {c.path: c for c in changes}
+
+
+def test_hydrate_builds_the_tree_and_the_baseline(store: Store) -> None:
+    assert [n for n, _ in store.children(ROOT_INODE)] == ["docs", "x"]
+    z = store.get(ino(store, "x/y/z"))
+    assert z.digest == sha(b"Z") and z.executable and not z.upper
+    assert store.baseline().high_water == 4 and store.baseline().hydrated
+    assert store.changes_since_baseline() == []
+
+
+def test_changes_coalesce_to_the_net_effect(store: Store) -> None:
+    docs = ino(store, "docs")
+    # Created then deleted: nothing.
+    tmp = store.create(docs, "tmp", "file", 0o644)
+    store.unlink(docs, "tmp", keep=False)
+    # Unchanged file renamed: delete + reference to its saved digest.
+    store.rename(docs, "a", ROOT_INODE, "a2", keep_replaced=lambda _: False)
+    # Renamed away and back: nothing.
+    store.rename(docs, "b", ROOT_INODE, "b-tmp", keep_replaced=lambda _: False)
+    store.rename(ROOT_INODE, "b-tmp", docs, "b", keep_replaced=lambda _: False)
+    # Exec bit flipped on a saved file: reference with the new bit, no upload.
+    z = store.get(ino(store, "x/y/z"))
+    z.mode = 0o644
+    store.persist(z, touch="chmod")
+    # A new directory.
+    store.create(ROOT_INODE, "new", "directory", 0o755)
+    changes = by_path(store.changes_since_baseline())
+    assert set(changes) == {"docs/a", "a2", "x/y/z", "new"}, changes
+    assert changes["docs/a"].action == "delete" and changes["docs/a"].base is not None
+    assert changes["a2"].action == "reference" and changes["a2"].digest == sha(b"A")
+    assert changes["x/y/z"].action == "reference" and not changes["x/y/z"].executable
+    assert changes["new"].action == "mkdir"
+    assert tmp.upper  # new files are upper-only from the start
+    # Parents come before children in the listing.
+    paths = [c.path for c in store.changes_since_baseline()]
+    assert paths == sorted(paths)
+
+
+def test_directory_rename_lists_every_moved_path(store: Store) -> None:
+    store.rename(ROOT_INODE, "docs", ROOT_INODE, "papers", keep_replaced=lambda _: False)
+    changes = by_path(store.changes_since_baseline())
+    assert {p: c.action for p, c in changes.items()} == {
+        "docs": "delete", "docs/a": "delete", "docs/b": "delete",
+        "papers": "mkdir", "papers/a": "reference", "papers/b": "reference",
+    }  # fmt: skip
+
+
+def test_acknowledge_clears_only_what_did_not_change_meanwhile(store: Store) -> None:
+    docs = ino(store, "docs")
+    f = store.create(docs, "new", "file", 0o644)
+    f.size, f.generation = 3, 1
+    store.persist(f, touch="write")
+    g = store.create(docs, "busy", "file", 0o644)
+    store.unlink(docs, "a", keep=False)
+    snapshot = by_path(store.changes_since_baseline())
+    # While the checkpoint is in flight, "busy" is written again.
+    g.generation += 1
+    store.mark_unsaved(g)
+    shipped = [(snapshot["docs/new"], sha(b"new"), FileVersion(10)),
+               (snapshot["docs/busy"], sha(b""), FileVersion(11)),
+               (snapshot["docs/a"], None, FileVersion(12))]  # fmt: skip
+    assert store.acknowledge(shipped, high_water=12) == 2
+    after = by_path(store.changes_since_baseline())
+    assert set(after) == {"docs/busy"}, after
+    assert after["docs/busy"].base is not None and after["docs/busy"].base.version == 11
+    assert store.baseline().high_water == 12
+
+
+def test_binding_is_recorded_once_and_enforced(tmp_path: Path) -> None:
+    s = Store.open(tmp_path / "s")
+    b = Binding("c1", "agent", "a1", {"task": None, "agent": "a1", "user": None, "project": None})
+    s.bind(b)
+    s.bind(b)
+    other = Binding("c1", "agent", "a1", {**b.owners, "task": "t9"})
+    with pytest.raises(StateBindingMismatch, match="task=t9"):
+        s.bind(other)
+    s.close()
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "x").write_text("x")
+    with pytest.raises(StateForeign):
+        Store.open(tmp_path / "foreign")
+
+
+def test_recover_frees_orphans_and_trusts_upper_file_sizes(store: Store) -> None:
+    docs = ino(store, "docs")
+    f = store.create(docs, "w", "file", 0o644)
+    (store.upper / str(f.ino)).write_bytes(b"written before the crash")
+    o = store.create(docs, "o", "file", 0o644)
+    (store.upper / str(o.ino)).write_bytes(b"orphan")
+    store.unlink(docs, "o", keep=True)
+    root = store.root
+    store.close()
+    again = Store.open(root)
+    assert again.recover() == (1, 1)
+    assert again.get(f.ino).size == len(b"written before the crash")
+    assert not (again.upper / str(o.ino)).exists()
+    with pytest.raises(KeyError):
+        again.get(o.ino)
+
+
+# --- bridge client --------------------------------------------------------------
+
+
+def run_client(handler: object, fn: str, *args: object, deadline: float = 2.0) -> object:
+    transport = httpx.MockTransport(handler)  # type: ignore[arg-type]
+
+    async def main() -> object:
+        client = HttpBridgeClient("http://ctl", "tok", retry_deadline=deadline, transport=transport)
+        try:
+            return await getattr(client, fn)(*args)
+        finally:
+            await client.aclose()
+
+    return trio.run(main)
+
+
+RUN = {"runId": "r", "companyId": "c", "agentId": "a", "leaseEpoch": 2, "active": True,
+       "bindings": {"task": None, "agent": "a", "user": None, "project": "p"}}  # fmt: skip
+
+
+def test_client_retries_transient_failures_then_succeeds() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.headers["authorization"])
+        if len(calls) == 1:
+            raise httpx.ConnectError("refused")
+        if len(calls) == 2:
+            return httpx.Response(503, json={"code": "database_unavailable"})
+        return httpx.Response(200, json=RUN)
+
+    run = run_client(handler, "get_run")
+    assert run.bindings == RUN["bindings"] and len(calls) == 3
+    assert calls[0] == "Bearer tok"
+
+
+def test_client_does_not_retry_permanent_refusals() -> None:
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(401, json={"code": "unauthenticated", "error": "bad token"})
+
+    with pytest.raises(ControllerRefused, match="401 unauthenticated bad token"):
+        run_client(handler, "get_run")
+    assert calls == 1
+
+    def gone(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(410, json={"code": "resync_required"})
+
+    async def list_all() -> None:
+        client = HttpBridgeClient("http://ctl", "t", transport=httpx.MockTransport(gone))
+        async for _ in client.iter_manifest("agent", 5):
+            pass
+
+    with pytest.raises(ResyncRequired):
+        trio.run(list_all)
+
+
+def test_client_gives_up_at_the_deadline_naming_what_it_retried() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(502)
+
+    with pytest.raises(ControllerUnavailable, match=r"GET run: gave up after \d+ attempts"):
+        run_client(handler, "get_run", deadline=0.5)
+
+
+def test_client_pages_manifests_and_streams_objects(tmp_path: Path) -> None:
+    pages = {0: {"entries": [{"path": "a", "kind": "file", "digest": sha(b"a"), "byteSize": 1,
+                              "executable": False, "version": 3, "deleted": False}],
+                 "nextSince": 3, "highWater": 9},
+             3: {"entries": [{"path": "b", "kind": "directory", "digest": None, "byteSize": 0,
+                              "executable": False, "version": 7, "deleted": False}],
+                 "nextSince": None, "highWater": 10}}  # fmt: skip
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/manifest"):
+            return httpx.Response(200, json=pages[int(request.url.params["since"])])
+        if request.url.path.endswith(sha(b"payload")):
+            return httpx.Response(200, content=b"payload")
+        return httpx.Response(404, json={"code": "not_found"})
+
+    async def main() -> None:
+        client = HttpBridgeClient("http://ctl", "t", transport=httpx.MockTransport(handler))
+        got = [p async for p in client.iter_manifest("agent")]
+        assert [e.path for p in got for e in p.entries] == ["a", "b"]
+        assert {p.high_water for p in got} == {9}  # the first page's mark is the baseline
+        digest, size = await client.fetch_object("agent", sha(b"payload"), tmp_path / "o")
+        assert (digest, size) == (sha(b"payload"), 7)
+        with pytest.raises(ObjectUnavailable):
+            await client.fetch_object("agent", sha(b"other"), tmp_path / "p")
+        await client.aclose()
+
+    trio.run(main)
