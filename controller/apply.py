@@ -77,17 +77,17 @@ class Folder:
 async def get_folder(
     conn: AsyncConnection[Any], company_id: str, scope: str, owner_id: str, *, create: bool
 ) -> Folder | None:
-    if create:
+    sql = "SELECT id FROM folders WHERE company_id = %s AND scope = %s AND owner_id = %s"
+    cur = await conn.execute(sql, (company_id, scope, owner_id))
+    row = await cur.fetchone()
+    if row is None and create:
         await conn.execute(
             "INSERT INTO folders (company_id, scope, owner_id) VALUES (%s, %s, %s)"
             " ON CONFLICT (company_id, scope, owner_id) DO NOTHING",
             (company_id, scope, owner_id),
         )
-    cur = await conn.execute(
-        "SELECT id FROM folders WHERE company_id = %s AND scope = %s AND owner_id = %s",
-        (company_id, scope, owner_id),
-    )
-    row = await cur.fetchone()
+        cur = await conn.execute(sql, (company_id, scope, owner_id))
+        row = await cur.fetchone()
     if row is None:
         return None
     return Folder(int(row["id"]), company_id, scope, owner_id)
@@ -145,13 +145,23 @@ async def ensure_parents(
     checkpoint (``replace``) the sandbox's later write wins and the file goes
     to trash, where it stays recoverable.
     """
-    for anc in ancestors(path):
-        row = await live_row(conn, folder, anc)
+    wanted = list(ancestors(path))
+    if not wanted:
+        return
+    cur = await conn.execute(
+        "SELECT * FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)",
+        (folder.id, wanted),
+    )
+    existing = {r["path"]: r for r in await cur.fetchall()}
+    for anc in wanted:
+        row = existing.get(anc)
         if row is not None and row["kind"] != "directory":
             if not replace:
                 raise ParentIsFile(details=[{"path": anc}])
             await _trash_subtree(conn, folder, row)
             row = None
+            # Everything below went to trash with it.
+            existing = {p: r for p, r in existing.items() if not p.startswith(anc + "/")}
         if row is None:
             await _insert_row(conn, folder, anc, "directory")
 

@@ -164,8 +164,10 @@ async def authorize_folder(
         if role is None or (write and role == "viewer"):
             raise NotFound()
         # Generic company access never grants another person's user folder.
-        if scope == "user" and owner_id != principal.user_id:
-            raise NotFound()
+        if scope == "user":
+            if owner_id != principal.user_id:
+                raise NotFound()
+            return  # the membership just checked is the owner's own
     else:
         run = principal.run
         assert run is not None
