@@ -109,6 +109,19 @@ def make_source(
     return root
 
 
+def is_mounted(path: Path) -> bool:
+    """os.path.ismount, plus the mount table: a FUSE mount of another user without
+    allow_other cannot be stat()ed, not even by root."""
+    if os.path.ismount(path):
+        return True
+    target = os.path.realpath(path).encode()
+    with open("/proc/self/mountinfo", "rb") as fh:
+        for line in fh:
+            if line.split()[4].replace(b"\\040", b" ") == target:
+                return True
+    return False
+
+
 @dataclass
 class FsagentMount:
     """One ``fsagent mount --foreground`` subprocess and its mountpoint."""
@@ -122,10 +135,14 @@ class FsagentMount:
     proc: subprocess.Popen[bytes] | None = None
     stderr_path: Path | None = None
     stderr_text: str = ""
+    python: str = sys.executable
+    user: int | None = None
+    """Run the daemon as this uid (and the same gid), e.g. an unprivileged agent user."""
+    env: dict[str, str] | None = None
 
     def argv(self) -> list[str]:
         argv = [
-            sys.executable,
+            self.python,
             "-m",
             "fsagent.cli",
             "mount",
@@ -148,15 +165,16 @@ class FsagentMount:
         self.stderr_path = Path(tempfile.mkstemp(prefix="fsagent-stderr-")[1])
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                self.argv(), stdout=err, stderr=err, cwd=REPO, stdin=subprocess.DEVNULL
-            )
+                self.argv(), stdout=err, stderr=err, cwd=REPO, stdin=subprocess.DEVNULL,
+                user=self.user, group=self.user, env=self.env,
+            )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stderr_text = self.stderr()
                 code = self.proc.returncode
                 pytest.fail(f"fsagent exited with {code} before mounting:\n{self.stderr_text}")
-            if os.path.ismount(self.mountpoint):
+            if is_mounted(self.mountpoint):
                 return self
             time.sleep(0.02)
         self.stop()
@@ -167,7 +185,7 @@ class FsagentMount:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """Unmount lazily, then wait / terminate / kill; returns the exit code."""
-        if os.path.ismount(self.mountpoint):
+        if is_mounted(self.mountpoint):
             subprocess.run(
                 ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
             )

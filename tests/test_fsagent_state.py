@@ -203,3 +203,43 @@ def test_allow_other_lets_another_user_use_the_mount(mounts: MountFactory) -> No
     assert as_nobody(read, shared.mountpoint).stdout == "readable\n"
     # default_permissions: the file modes still apply to the other user.
     assert as_nobody(write, shared.mountpoint).stdout.strip() == "EACCES"
+
+
+def test_unprivileged_daemon_mounts_through_fusermount3(mounts: MountFactory) -> None:
+    """The usual sandbox case: fsagent runs as the agent's own, unprivileged user."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to start the daemon as another user")
+    system_python = "/usr/bin/python3"
+    probe = subprocess.run([system_python, "-c", "import sys; print(sys.version_info[:2])"],
+                           capture_output=True, text=True, check=False)  # fmt: skip
+    if probe.stdout.strip() != str(sys.version_info[:2]):
+        pytest.skip("no system python with the same ABI as the venv")
+    nobody = 65534
+    src = mounts.source({"agent": {"saved.txt": b"saved"}})
+    subprocess.run(["chmod", "-R", "a+rX", str(mounts.base)], check=True)
+    for d in ("mnt-u", "state-u"):
+        (mounts.base / d).mkdir()
+        os.chown(mounts.base / d, nobody, nobody)
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    m = mounts.mount(src, mountpoint=mounts.base / "mnt-u",
+                     state_dir=mounts.base / "state-u" / "agent", start=False)  # fmt: skip
+    m.python, m.user = system_python, nobody
+    m.env = {"PATH": os.environ["PATH"], "HOME": str(mounts.base / "state-u"),
+             "PYTHONPATH": f"{REPO}:{site}"}  # fmt: skip
+    m.start()
+
+    def as_nobody(cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, user=nobody,
+                              group=nobody, cwd="/", check=False)  # fmt: skip
+
+    mp = m.mountpoint
+    res = as_nobody(
+        f"cat {mp}/saved.txt && echo new > {mp}/new && cat {mp}/new && stat -c %u {mp}/new"
+    )
+    assert res.stdout.split() == ["savednew", str(nobody)], res.stderr
+    # Without allow_other even root is kept out of the agent's mount.
+    with pytest.raises(PermissionError):
+        os.listdir(mp)
+    assert as_nobody(f"fusermount3 -u {mp}").returncode == 0
+    assert m.proc is not None and m.proc.wait(timeout=30) == 0
+    assert (mounts.base / "state-u" / "agent" / "upper").stat().st_uid == nobody
