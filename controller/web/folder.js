@@ -1,11 +1,21 @@
 // One work folder: listing, uploads, previews, trash and sync state.
 //
-// The listing shows the direct children of one directory and loads them a
-// page (PAGE_SIZE entries) at a time, so a folder with ten thousand entries
-// costs one request and two hundred rows until the user asks for more.
-// Sorting applies to the entries loaded so far.
+// The listing shows the direct children of one directory. At most
+// PAGE_SIZE rows are in the document at any time, whatever the folder holds:
+// laying out a table of ten thousand rows takes seconds, two hundred rows
+// take milliseconds. Entries arrive from the API a page at a time, in the
+// server's order (by name, byte order), and later pages are fetched only when
+// the user pages forward. Sorting by a column needs every entry, so the first
+// click on a header of a partly loaded folder loads the rest first.
 
-import { ApiError, FolderApi, PREVIEW_LIMIT, UPLOAD_LIMIT, newIdempotencyKey } from "./api.js";
+import {
+  ApiError,
+  FolderApi,
+  PAGE_SIZE,
+  PREVIEW_LIMIT,
+  UPLOAD_LIMIT,
+  newIdempotencyKey,
+} from "./api.js";
 import { confirmAction } from "./dialog.js";
 import {
   baseName,
@@ -77,7 +87,7 @@ function decodeText(bytes) {
 const NAME_ORDER = new Intl.Collator(undefined, { numeric: true, sensitivity: "base" });
 
 function entriesText(n) {
-  return n === 1 ? "1 entry" : `${n} entries`;
+  return n === 1 ? "1 entry" : `${n.toLocaleString()} entries`;
 }
 
 function plural(n, word) {
@@ -104,7 +114,9 @@ export class FolderPage {
     this.cursor = null;
     this.filesLoadedFor = null; // dir whose listing is in this.entries
     this.listSeq = 0; // discards answers to superseded listing requests
-    this.sort = { key: "name", ascending: true };
+    this.sort = null; // null: the server's order, until a header is clicked
+    this.sorted = null; // this.entries in display order; null when stale
+    this.pageStart = 0; // index in the display order of the first row shown
 
     this.trashEntries = [];
     this.trashCursor = null;
@@ -434,12 +446,18 @@ export class FolderPage {
     );
     if (!this.readOnly) this.wireDropZone(this.dropZone);
 
-    this.listSummary = h("p", { class: "muted list-summary" });
-    this.loadMoreButton = h(
+    this.listSummary = h("p", { class: "muted list-summary", "aria-live": "polite" });
+    this.prevButton = h(
       "button",
-      { type: "button", class: "secondary", hidden: true, onClick: () => this.loadMoreFiles() },
-      "Load more",
+      { type: "button", class: "secondary", onClick: () => this.turnPage(-1) },
+      "Previous page",
     );
+    this.nextButton = h(
+      "button",
+      { type: "button", class: "secondary", onClick: () => this.turnPage(1) },
+      "Next page",
+    );
+    this.pager = h("div", { class: "pager", hidden: true }, this.prevButton, this.nextButton);
     this.listError = h("p", { class: "error", role: "alert" });
 
     return h(
@@ -451,7 +469,7 @@ export class FolderPage {
       this.folderError,
       h("div", { class: "uploads-box" }, this.uploadList, this.clearUploadsButton),
       this.dropZone,
-      h("div", { class: "list-footer" }, this.listSummary, this.loadMoreButton),
+      h("div", { class: "list-footer" }, this.listSummary, this.pager),
       this.listError,
     );
   }
@@ -527,40 +545,81 @@ export class FolderPage {
     }
   }
 
-  async loadMoreFiles() {
+  /** Fetch the next API page of this directory; false when it failed. */
+  async fetchMoreFiles({ render = true } = {}) {
     const dir = this.dir;
     const seq = this.listSeq;
-    this.loadMoreButton.disabled = true;
     this.listError.textContent = "";
     try {
       const page = await this.api.list({ dir, cursor: this.cursor });
-      if (seq !== this.listSeq || this.destroyed) return;
-      this.acceptFilesPage(page, dir, false);
+      if (seq !== this.listSeq || this.destroyed) return false;
+      this.acceptFilesPage(page, dir, false, render);
+      return true;
     } catch (err) {
+      if (!(err instanceof ApiError)) throw err;
       this.listError.textContent = `Could not load more entries: ${this.explain(err)}`;
-    } finally {
-      this.loadMoreButton.disabled = false;
+      return false;
     }
   }
 
-  acceptFilesPage(page, dir, reset) {
+  async turnPage(step) {
+    const target = this.pageStart + step * PAGE_SIZE;
+    if (target < 0) return;
+    this.prevButton.disabled = this.nextButton.disabled = true;
+    try {
+      if (target >= this.entries.length && this.cursor && !(await this.fetchMoreFiles())) return;
+      if (target >= this.displayOrder().length) return;
+      this.pageStart = target;
+    } finally {
+      this.renderRows();
+    }
+  }
+
+  /** Everything left in this directory; used before sorting by a column. */
+  async fetchAllFiles() {
+    this.listSummary.textContent = "Loading all entries to sort them…";
+    while (this.cursor) {
+      // One render at the end: each intermediate one would cost a layout.
+      if (!(await this.fetchMoreFiles({ render: false }))) {
+        this.renderRows();
+        return false;
+      }
+    }
+    return true;
+  }
+
+  acceptFilesPage(page, dir, reset, render = true) {
     if (reset) {
       this.entries = [];
       this.rowCache.clear();
+      this.pageStart = 0;
+      this.sort = page.nextCursor ? null : { key: "name", ascending: true };
     }
+    // An upload may already have placed an entry that a later page repeats.
     const known = new Set(this.entries.map((e) => e.path));
     for (const entry of page.entries) if (!known.has(entry.path)) this.entries.push(entry);
     this.cursor = page.nextCursor;
     this.filesLoadedFor = dir;
-    this.renderRows();
+    this.sorted = null;
+    if (render) this.renderRows();
   }
 
-  toggleSort(key) {
-    if (this.sort.key === key) this.sort.ascending = !this.sort.ascending;
-    else this.sort = { key, ascending: true };
+  async toggleSort(key) {
+    if (this.cursor && !(await this.fetchAllFiles())) return;
+    const current = this.sort || { key: "name", ascending: true };
+    this.sort =
+      current.key === key ? { key, ascending: !current.ascending } : { key, ascending: true };
+    this.sorted = null;
+    this.pageStart = 0;
     this.renderRows();
     const sortName = SORT_LABEL[key].toLowerCase();
     this.announce(`Sorted by ${sortName}, ${this.sort.ascending ? "ascending" : "descending"}.`);
+  }
+
+  /** Loaded entries in display order (cached until entries or sort change). */
+  displayOrder() {
+    if (!this.sorted) this.sorted = this.sort ? this.sortedEntries() : [...this.entries];
+    return this.sorted;
   }
 
   sortedEntries() {
@@ -571,8 +630,7 @@ export class FolderPage {
       modified: (e) => Date.parse(e.updatedAt) || 0,
       executable: (e) => (e.executable ? 1 : 0),
     }[key];
-    // Keys are computed once per entry, not once per comparison: with ten
-    // thousand entries loaded that is the difference between instant and slow.
+    // Keys are computed once per entry, not once per comparison.
     const items = this.entries.map((entry) => ({
       entry,
       dir: entry.kind === "directory" ? 0 : 1,
@@ -592,20 +650,25 @@ export class FolderPage {
   }
 
   renderRows() {
+    const sort = this.sort || { key: "name", ascending: true };
     for (const [key, button] of Object.entries(this.sortButtons)) {
       const th = button.parentElement;
       const indicator = button.querySelector(".sort-indicator");
-      if (key === this.sort.key) {
-        th.setAttribute("aria-sort", this.sort.ascending ? "ascending" : "descending");
-        indicator.textContent = this.sort.ascending ? " ▲" : " ▼";
+      if (key === sort.key) {
+        th.setAttribute("aria-sort", sort.ascending ? "ascending" : "descending");
+        indicator.textContent = sort.ascending ? " ▲" : " ▼";
       } else {
         th.removeAttribute("aria-sort");
         indicator.textContent = "";
       }
     }
+    const order = this.displayOrder();
+    const total = order.length;
+    if (this.pageStart >= total) this.pageStart = Math.max(0, Math.floor((total - 1) / PAGE_SIZE) * PAGE_SIZE);
+    const shown = order.slice(this.pageStart, this.pageStart + PAGE_SIZE);
     const fragment = document.createDocumentFragment();
-    for (const entry of this.sortedEntries()) fragment.append(this.rowFor(entry));
-    if (!this.entries.length) {
+    for (const entry of shown) fragment.append(this.rowFor(entry));
+    if (!total) {
       fragment.append(
         h(
           "tr",
@@ -620,13 +683,20 @@ export class FolderPage {
       );
     }
     this.tbody.replaceChildren(fragment);
-    const n = this.entries.length;
-    this.listSummary.textContent = this.cursor
-      ? `Showing the first ${entriesText(n)}; more are available.`
-      : n
-        ? `${entriesText(n)}.`
-        : "";
-    this.loadMoreButton.hidden = !this.cursor;
+
+    const paged = total > PAGE_SIZE || Boolean(this.cursor);
+    this.pager.hidden = !paged;
+    this.prevButton.disabled = this.pageStart === 0;
+    this.nextButton.disabled = this.pageStart + PAGE_SIZE >= total && !this.cursor;
+    if (!total) this.listSummary.textContent = "";
+    else if (!paged) this.listSummary.textContent = `${entriesText(total)}.`;
+    else {
+      const first = (this.pageStart + 1).toLocaleString();
+      const range = `${first}–${(this.pageStart + shown.length).toLocaleString()}`;
+      this.listSummary.textContent = this.cursor
+        ? `Showing ${range} of the first ${entriesText(total)}; this directory has more.`
+        : `Showing ${range} of ${entriesText(total)}.`;
+    }
   }
 
   rowFor(entry) {
@@ -695,10 +765,19 @@ export class FolderPage {
       if (entry.deletedAt || parentDir(entry.path) !== this.filesLoadedFor) continue;
       const i = this.entries.findIndex((e) => e.path === entry.path);
       if (i >= 0) this.entries[i] = entry;
-      else this.entries.push(entry);
+      else if (!this.sort) {
+        // Server order: place it by name, or leave it to a page not fetched yet.
+        const at = this.entries.findIndex((e) => e.path > entry.path);
+        if (at >= 0) this.entries.splice(at, 0, entry);
+        else if (!this.cursor) this.entries.push(entry);
+        else continue;
+      } else this.entries.push(entry);
       changed = true;
     }
-    if (changed) this.renderRows();
+    if (changed) {
+      this.sorted = null;
+      this.renderRows();
+    }
   }
 
   async createFolder(button) {
@@ -742,6 +821,7 @@ export class FolderPage {
       await this.api.operation({ action: "delete", path: entry.path });
       this.entries = this.entries.filter((e) => !isWithin(e.path, entry.path));
       this.rowCache.delete(entry.path);
+      this.sorted = null;
       this.renderRows();
       if (this.previewPath && isWithin(this.previewPath, entry.path)) this.closePreview();
       this.announce(`Moved ${name} to Trash.`);
