@@ -398,3 +398,100 @@ def test_large_folder_pages_and_a_failed_upload_can_be_retried(page: Page, tenan
     with tenant.client() as client:
         resp = client.get(folder + "/content", params={"path": "many/late.txt"})
         assert resp.content == b"arrives on retry"
+
+
+def minimal_pdf(text: str) -> bytes:
+    """A one-page PDF showing `text` (Helvetica), with a correct xref table."""
+    stream = f"BT /F1 24 Tf 40 100 Td ({text}) Tj ET".encode()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 300 200] /Contents 4 0 R"
+        b" /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(stream), stream),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out = b"%PDF-1.4\n"
+    offsets = []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+        len(objects) + 1,
+        xref,
+    )
+    return out
+
+
+def test_previews_of_pdf_binary_and_oversized_files(page: Page, tenant: Tenant) -> None:
+    folder = tenant.my_folder
+    pdf = minimal_pdf("Hello PDF")
+    with tenant.client() as client:
+        resp = client.put(
+            folder + "/content",
+            params={"path": "hello.pdf"},
+            content=pdf,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "X-File-Content-Type": "application/pdf",
+            },
+        )
+        assert resp.status_code == 201, resp.text
+    put_file(tenant, folder, "blob.bin", b"\x00\x01\x02binary")
+    put_file(tenant, folder, "huge.log", b"x" * (8 * 1024 * 1024 + 1))
+    sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
+    preview = page.locator(".preview")
+
+    page.get_by_role("button", name="Preview hello.pdf").click()
+    frame = preview.locator("iframe[title='Preview of hello.pdf']")
+    expect(frame).to_be_visible()
+    blob_url = frame.get_attribute("src")
+    assert blob_url is not None and blob_url.startswith("blob:")
+    snap(page, "pdf-preview")
+
+    page.get_by_role("button", name="Preview blob.bin").click()
+    expect(preview).to_contain_text("blob.bin is not text, an image or a PDF")
+    expect(preview.get_by_role("link", name="Download blob.bin")).to_be_visible()
+
+    page.get_by_role("button", name="Preview huge.log").click()
+    expect(preview).to_contain_text("larger than the 8 MiB preview limit")
+    with page.expect_download() as download_info:
+        preview.get_by_role("link", name="Download huge.log").click()
+    assert Path(download_info.value.path()).stat().st_size == 8 * 1024 * 1024 + 1
+
+    page.get_by_role("button", name="Close preview").click()
+    expect(preview).to_be_hidden()
+    # Focus returns to the control that opened the preview.
+    expect(page.get_by_role("button", name="Preview huge.log")).to_be_focused()
+
+
+def test_viewer_gets_a_read_only_page_and_writes_need_the_csrf_header(
+    page: Page, tenant: Tenant
+) -> None:
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, "Docs site")["id"]
+    put_file(tenant, tenant.folder("project", project), "readme.md", b"# Docs\n")
+    _, viewer_token = tenant.new_member("viewer")
+    sign_in(page, ctl.url, viewer_token, folder_url(tenant, "project", project))
+    expect(page.get_by_role("heading", level=1)).to_have_text("Project: Docs site")
+    expect(listing_row(page, "readme.md")).to_be_visible()
+    expect(page.get_by_text("You have view-only access to this folder.")).to_be_visible()
+    for name in ("Upload files…", "Create folder", "Delete readme.md"):
+        expect(page.get_by_role("button", name=name)).to_have_count(0)
+    expect(page.get_by_role("button", name="Preview readme.md")).to_be_visible()
+
+    # Sign in as the owner: a write from the page without the CSRF header fails.
+    page.get_by_role("button", name="Sign out").click()
+    sign_in(page, ctl.url, tenant.token, folder_url(tenant, "project", project))
+    status = page.evaluate(
+        "async (url) => { const r = await fetch(url, { method: 'POST',"
+        " headers: { 'Content-Type': 'application/json' },"
+        " body: JSON.stringify({ action: 'mkdir', path: 'forged' }) });"
+        " return [r.status, (await r.json()).code]; }",
+        tenant.folder("project", project) + "/operations",
+    )
+    assert status == [403, "csrf_failed"]
+    assert entry_by_path(api_entries(tenant, tenant.folder("project", project)), "forged") is None
