@@ -199,6 +199,12 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     expect(page).to_have_url(re.compile(r"\?dir=reports$"))
     expect(page.locator(".crumbs [aria-current]")).to_have_text("reports")
     expect(page.locator(".files-view tbody")).to_contain_text("This directory is empty")
+    expect(page.locator(".crumbs [aria-current]")).to_be_focused()
+    # Trash and back returns to the same directory.
+    tab(page, "Trash").click()
+    expect(page.get_by_role("heading", name="Trash")).to_be_focused()
+    tab(page, "Files").click()
+    expect(page).to_have_url(re.compile(r"\?dir=reports$"))
 
     # Sign out: the session is gone and the folder page asks for a token again.
     page.get_by_role("button", name="Sign out").click()

@@ -84,7 +84,11 @@ async function readErrorBody(resp) {
  * `as` picks the result: "json" (default), "bytes" (ArrayBuffer) or "none".
  * Non-2xx answers throw ApiError.
  */
-export async function request(method, url, { json, headers = {}, as = "json", quiet401 = false } = {}) {
+export async function request(
+  method,
+  url,
+  { json, headers = {}, as = "json", quiet401 = false } = {},
+) {
   const init = { method, headers: { ...headers }, credentials: "same-origin", cache: "no-store" };
   if (method !== "GET" && method !== "HEAD") init.headers["X-CSRF-Token"] = csrfToken;
   if (json !== undefined) {

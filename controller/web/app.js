@@ -170,9 +170,7 @@ function showSignIn(notice = "") {
     } catch (err) {
       if (!(err instanceof ApiError)) throw err;
       error.textContent =
-        err.status === 401
-          ? "That token was not accepted. Check it and try again."
-          : err.message;
+        err.status === 401 ? "That token was not accepted. Check it and try again." : err.message;
       submit.disabled = false;
       input.focus();
     }
@@ -216,14 +214,26 @@ function renderUnknown() {
   document.title = "Not found · Files";
   clear(main).append(
     h("h1", { tabindex: "-1", text: "Page not found" }),
-    h("p", {}, "There is no page at this address. ", h("a", { href: "/files/", "data-nav": true }, "Go to your files"), "."),
+    h(
+      "p",
+      {},
+      "There is no page at this address. ",
+      h("a", { href: "/files/", "data-nav": true }, "Go to your files"),
+      ".",
+    ),
   );
 }
 
 const PICKERS = [
   { scope: "task", label: "Task", plural: "tasks", list: (d) => d.tasks, name: (t) => t.title },
   { scope: "agent", label: "Agent", plural: "agents", list: (d) => d.agents, name: (a) => a.name },
-  { scope: "project", label: "Project", plural: "projects", list: (d) => d.projects, name: (p) => p.name },
+  {
+    scope: "project",
+    label: "Project",
+    plural: "projects",
+    list: (d) => d.projects,
+    name: (p) => p.name,
+  },
 ];
 
 function renderHome() {
@@ -237,7 +247,11 @@ function renderHome() {
   }
   for (const company of session.companies) {
     const headingId = uid("company");
-    const pickers = h("div", { class: "pickers", "aria-busy": "true" }, h("p", { class: "muted", text: "Loading tasks, agents and projects…" }));
+    const pickers = h(
+      "div",
+      { class: "pickers", "aria-busy": "true" },
+      h("p", { class: "muted", text: "Loading tasks, agents and projects…" }),
+    );
     main.append(
       h(
         "section",
@@ -268,7 +282,13 @@ async function fillPickers(container, companyId) {
   } catch (err) {
     if (!(err instanceof ApiError)) throw err;
     container.removeAttribute("aria-busy");
-    clear(container).append(h("p", { class: "error", role: "alert", text: `Could not load this company's folders: ${err.message}` }));
+    clear(container).append(
+      h("p", {
+        class: "error",
+        role: "alert",
+        text: `Could not load this company's folders: ${err.message}`,
+      }),
+    );
     return;
   }
   container.removeAttribute("aria-busy");
@@ -278,7 +298,12 @@ async function fillPickers(container, companyId) {
     const selectId = uid(picker.scope);
     if (!items.length) {
       container.append(
-        h("div", { class: "picker" }, h("span", { class: "picker-label", text: picker.label }), h("p", { class: "muted", text: `No ${picker.plural} yet.` })),
+        h(
+          "div",
+          { class: "picker" },
+          h("span", { class: "picker-label", text: picker.label }),
+          h("p", { class: "muted", text: `No ${picker.plural} yet.` }),
+        ),
       );
       continue;
     }
@@ -296,7 +321,9 @@ async function fillPickers(container, companyId) {
     );
     form.addEventListener("submit", (event) => {
       event.preventDefault();
-      navigate(`/files/${encodeURIComponent(companyId)}/${picker.scope}/${encodeURIComponent(select.value)}`);
+      navigate(
+        `/files/${encodeURIComponent(companyId)}/${picker.scope}/${encodeURIComponent(select.value)}`,
+      );
     });
     container.append(form);
   }
@@ -311,7 +338,11 @@ async function boot() {
     else {
       clear(main).append(
         h("h1", { text: "Files" }),
-        h("p", { class: "error", role: "alert", text: `Could not check your session: ${err.message}` }),
+        h("p", {
+          class: "error",
+          role: "alert",
+          text: `Could not check your session: ${err.message}`,
+        }),
       );
     }
   }

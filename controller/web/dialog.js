@@ -18,7 +18,11 @@ export function confirmAction({ title, message, confirmLabel, danger = true }) {
     );
     const dialog = h(
       "dialog",
-      { class: "confirm", "aria-labelledby": "confirm-title", "aria-describedby": "confirm-message" },
+      {
+        class: "confirm",
+        "aria-labelledby": "confirm-title",
+        "aria-describedby": "confirm-message",
+      },
       h("h2", { id: "confirm-title", text: title }),
       h("p", { id: "confirm-message", text: message }),
       h("div", { class: "dialog-actions" }, cancel, confirm),

@@ -192,8 +192,7 @@ export class FolderPage {
     if (this.view === "trash") {
       this.acceptTrashPage(first, true);
       this.trashFresh = true;
-    }
-    else this.acceptFilesPage(first, this.dir, true);
+    } else this.acceptFilesPage(first, this.dir, true);
     this.renderFilesUpdated(first.lastOperationAt);
     this.applyView(false);
     this.resolveNames();
@@ -237,7 +236,9 @@ export class FolderPage {
     if (scope === "user") {
       name = ownerId === this.session.userId ? "My files" : "User files";
     } else if (directory) {
-      const list = { task: directory.tasks, agent: directory.agents, project: directory.projects }[scope];
+      const list = { task: directory.tasks, agent: directory.agents, project: directory.projects }[
+        scope
+      ];
       const item = list.find((x) => x.id === ownerId);
       if (item) name = item.title || item.name;
     }
@@ -313,11 +314,13 @@ export class FolderPage {
   /** Called on in-page navigation within this folder (dir or view change). */
   show(route) {
     this.route = route;
-    const dirChanged = route.dir !== this.dir;
-    this.dir = route.dir;
+    // The trash URL names no directory; the files view keeps its own.
+    const dirChanged = route.view === "files" && route.dir !== this.dir;
+    const viewChanged = route.view !== this.view;
+    if (route.view === "files") this.dir = route.dir;
     this.view = route.view;
     this.announce("");
-    this.applyView(dirChanged);
+    this.applyView(dirChanged || viewChanged);
   }
 
   applyView(moveFocus) {
@@ -337,7 +340,9 @@ export class FolderPage {
       this.renderBreadcrumbs();
       if (this.filesLoadedFor !== this.dir) this.reloadFiles();
     }
-    if (moveFocus) (trash ? this.trashHeading : this.filesHeading).focus();
+    // Keyboard and screen reader users land where the new content starts.
+    if (moveFocus)
+      (trash ? this.trashHeading : this.crumbs.querySelector("[aria-current]")).focus();
   }
 
   // --- files view -----------------------------------------------------------
@@ -400,7 +405,12 @@ export class FolderPage {
     this.uploadList = h("ul", { class: "uploads", "aria-label": "Uploads" });
     this.clearUploadsButton = h(
       "button",
-      { type: "button", class: "link-button", hidden: true, onClick: () => this.clearFinishedUploads() },
+      {
+        type: "button",
+        class: "link-button",
+        hidden: true,
+        onClick: () => this.clearFinishedUploads(),
+      },
       "Clear finished uploads",
     );
 
@@ -517,7 +527,7 @@ export class FolderPage {
           "li",
           {},
           last
-            ? h("span", { "aria-current": "location", text: item.label })
+            ? h("span", { "aria-current": "location", tabindex: "-1", text: item.label })
             : h("a", { href: this.dirUrl(item.dir), "data-nav": true, text: item.label }),
         ),
       );
@@ -664,7 +674,8 @@ export class FolderPage {
     }
     const order = this.displayOrder();
     const total = order.length;
-    if (this.pageStart >= total) this.pageStart = Math.max(0, Math.floor((total - 1) / PAGE_SIZE) * PAGE_SIZE);
+    if (this.pageStart >= total)
+      this.pageStart = Math.max(0, Math.floor((total - 1) / PAGE_SIZE) * PAGE_SIZE);
     const shown = order.slice(this.pageStart, this.pageStart + PAGE_SIZE);
     const fragment = document.createDocumentFragment();
     for (const entry of shown) fragment.append(this.rowFor(entry));
@@ -721,7 +732,12 @@ export class FolderPage {
             h("span", { class: "icon icon-dir", "aria-hidden": "true" }),
             `${name}/`,
           )
-        : h("span", { class: "entry-name file" }, h("span", { class: "icon icon-file", "aria-hidden": "true" }), name),
+        : h(
+            "span",
+            { class: "entry-name file" },
+            h("span", { class: "icon icon-file", "aria-hidden": "true" }),
+            name,
+          ),
     );
     const actions = h("div", { class: "row-actions" });
     if (!isDir) {
@@ -743,7 +759,11 @@ export class FolderPage {
       );
     }
     if (!this.readOnly) {
-      const del = h("button", { type: "button", class: "small danger-outline", "aria-label": `Delete ${name}` }, "Delete");
+      const del = h(
+        "button",
+        { type: "button", class: "small danger-outline", "aria-label": `Delete ${name}` },
+        "Delete",
+      );
       del.addEventListener("click", () => this.deleteEntry(entry, del, error));
       actions.append(del);
     }
@@ -751,7 +771,11 @@ export class FolderPage {
       "tr",
       { dataset: { path: entry.path, kind: entry.kind } },
       nameCell,
-      h("td", { class: "col-size", dataset: { bytes: isDir ? "" : String(entry.byteSize) }, text: isDir ? "—" : formatSize(entry.byteSize) }),
+      h("td", {
+        class: "col-size",
+        dataset: { bytes: isDir ? "" : String(entry.byteSize) },
+        text: isDir ? "—" : formatSize(entry.byteSize),
+      }),
       h("td", { class: "col-modified" }, timeElement(entry.updatedAt, "—")),
       h("td", { class: "col-exec", text: isDir ? "—" : entry.executable ? "Yes" : "No" }),
       h("td", { class: "col-actions" }, actions, error),
@@ -856,12 +880,33 @@ export class FolderPage {
 
   uploadRow(item) {
     const name = item.file.name;
-    const progress = h("progress", { max: "100", value: "0", "aria-label": `Upload progress for ${name}` });
+    const progress = h("progress", {
+      max: "100",
+      value: "0",
+      "aria-label": `Upload progress for ${name}`,
+    });
     const state = h("span", { class: "upload-state", text: "Waiting" });
     const error = h("p", { class: "error", role: "alert" });
-    const retry = h("button", { type: "button", class: "small", hidden: true, "aria-label": `Retry upload of ${name}` }, "Retry");
-    const cancel = h("button", { type: "button", class: "small secondary", "aria-label": `Cancel upload of ${name}` }, "Cancel");
-    const remove = h("button", { type: "button", class: "small secondary", hidden: true, "aria-label": `Remove ${name} from the list` }, "Remove");
+    const retry = h(
+      "button",
+      { type: "button", class: "small", hidden: true, "aria-label": `Retry upload of ${name}` },
+      "Retry",
+    );
+    const cancel = h(
+      "button",
+      { type: "button", class: "small secondary", "aria-label": `Cancel upload of ${name}` },
+      "Cancel",
+    );
+    const remove = h(
+      "button",
+      {
+        type: "button",
+        class: "small secondary",
+        hidden: true,
+        "aria-label": `Remove ${name} from the list`,
+      },
+      "Remove",
+    );
     retry.addEventListener("click", () => {
       item.state = "queued";
       this.updateUploadRow(item);
@@ -887,7 +932,12 @@ export class FolderPage {
       h(
         "div",
         { class: "upload-line" },
-        h("span", { class: "upload-name" }, name, dest ? h("span", { class: "muted", text: ` → ${dest}/` }) : null),
+        h(
+          "span",
+          { class: "upload-name" },
+          name,
+          dest ? h("span", { class: "muted", text: ` → ${dest}/` }) : null,
+        ),
         h("span", { class: "muted upload-size", text: formatSize(item.file.size) }),
         item.executable ? h("span", { class: "badge", text: "executable" }) : null,
         state,
@@ -903,8 +953,11 @@ export class FolderPage {
 
   updateUploadRow(item) {
     const el = item.el;
-    const label = { queued: "Waiting", uploading: "Uploading", done: "Uploaded", failed: "Failed" }[item.state];
-    if (item.state !== "uploading" || !el.state.textContent.startsWith("Uploading")) el.state.textContent = item.doneText || label;
+    const label = { queued: "Waiting", uploading: "Uploading", done: "Uploaded", failed: "Failed" }[
+      item.state
+    ];
+    if (item.state !== "uploading" || !el.state.textContent.startsWith("Uploading"))
+      el.state.textContent = item.doneText || label;
     el.li.dataset.state = item.state;
     el.retry.hidden = item.state !== "failed";
     el.cancel.hidden = !(item.state === "queued" || item.state === "uploading");
@@ -942,7 +995,10 @@ export class FolderPage {
     const el = item.el;
     try {
       if (item.file.size > UPLOAD_LIMIT) {
-        throw new ApiError(413, { error: "The file is larger than the server accepts (1 GiB per file).", code: "payload_too_large" });
+        throw new ApiError(413, {
+          error: "The file is larger than the server accepts (1 GiB per file).",
+          code: "payload_too_large",
+        });
       }
       const { promise, abort } = this.api.upload(item.path, item.file, {
         key: item.key,
@@ -982,11 +1038,20 @@ export class FolderPage {
     this.previewHeading = h("h2", { id: ids.preview, tabindex: "-1", text: "Preview" });
     this.previewBody = h("div", { class: "preview-body" });
     this.previewDownload = h("a", { class: "button-link small", text: "Download" });
-    const close = h("button", { type: "button", class: "small secondary", onClick: () => this.closePreview() }, "Close preview");
+    const close = h(
+      "button",
+      { type: "button", class: "small secondary", onClick: () => this.closePreview() },
+      "Close preview",
+    );
     return h(
       "section",
       { class: "card preview", "aria-labelledby": ids.preview, hidden: true },
-      h("div", { class: "preview-head" }, this.previewHeading, h("div", { class: "row-actions" }, this.previewDownload, close)),
+      h(
+        "div",
+        { class: "preview-head" },
+        this.previewHeading,
+        h("div", { class: "row-actions" }, this.previewDownload, close),
+      ),
       this.previewBody,
     );
   }
@@ -1017,10 +1082,13 @@ export class FolderPage {
     this.previewDownload.href = this.api.contentUrl(entry.path);
     this.previewDownload.download = name;
     this.previewDownload.setAttribute("aria-label", `Download ${name}`);
-    const say = (text, cls = "muted") => clear(this.previewBody).append(h("p", { class: cls, text }));
+    const say = (text, cls = "muted") =>
+      clear(this.previewBody).append(h("p", { class: cls, text }));
     this.previewHeading.focus();
     if (entry.byteSize > PREVIEW_LIMIT) {
-      say(`${name} is ${formatSize(entry.byteSize)}, larger than the 8 MiB preview limit. Download it to open it.`);
+      say(
+        `${name} is ${formatSize(entry.byteSize)}, larger than the 8 MiB preview limit. Download it to open it.`,
+      );
       return;
     }
     say("Loading preview…");
@@ -1033,7 +1101,11 @@ export class FolderPage {
         say(`${name} is larger than the 8 MiB preview limit. Download it to open it.`);
       } else {
         clear(this.previewBody).append(
-          h("p", { class: "error", role: "alert", text: `Could not load the preview: ${this.explain(err)}` }),
+          h("p", {
+            class: "error",
+            role: "alert",
+            text: `Could not load the preview: ${this.explain(err)}`,
+          }),
         );
       }
       return;
@@ -1042,23 +1114,36 @@ export class FolderPage {
     const kind = previewKind(entry);
     if (kind === "image") {
       const declared = (entry.contentType || "").split(";")[0].trim();
-      const type = declared.startsWith("image/") ? declared : IMAGE_EXTENSIONS[extension(name)] || "";
+      const type = declared.startsWith("image/")
+        ? declared
+        : IMAGE_EXTENSIONS[extension(name)] || "";
       this.previewUrl = URL.createObjectURL(new Blob([bytes], { type }));
       const img = h("img", { src: this.previewUrl, alt: `Preview of ${name}` });
-      img.addEventListener("error", () => say(`${name} could not be shown as an image. Download it to open it.`));
+      img.addEventListener("error", () =>
+        say(`${name} could not be shown as an image. Download it to open it.`),
+      );
       clear(this.previewBody).append(img);
     } else if (kind === "pdf") {
       this.previewUrl = URL.createObjectURL(new Blob([bytes], { type: "application/pdf" }));
-      clear(this.previewBody).append(h("iframe", { src: this.previewUrl, title: `Preview of ${name}`, class: "pdf" }));
+      clear(this.previewBody).append(
+        h("iframe", { src: this.previewUrl, title: `Preview of ${name}`, class: "pdf" }),
+      );
     } else {
       const text = decodeText(bytes);
       if (text === null) {
-        say(`${name} is not text, an image or a PDF, so it can't be shown here. Download it to open it.`);
+        say(
+          `${name} is not text, an image or a PDF, so it can't be shown here. Download it to open it.`,
+        );
       } else if (!text.length) {
         say(`${name} is empty.`);
       } else {
         clear(this.previewBody).append(
-          h("pre", { class: "text-preview", tabindex: "0", "aria-label": `Contents of ${name}`, text }),
+          h("pre", {
+            class: "text-preview",
+            tabindex: "0",
+            "aria-label": `Contents of ${name}`,
+            text,
+          }),
         );
       }
     }
@@ -1164,7 +1249,9 @@ export class FolderPage {
     const fragment = document.createDocumentFragment();
     for (const batch of batches) fragment.append(this.trashRowFor(batch));
     if (!batches.length) {
-      fragment.append(h("tr", { class: "empty" }, h("td", { colspan: "4", text: "Trash is empty." })));
+      fragment.append(
+        h("tr", { class: "empty" }, h("td", { colspan: "4", text: "Trash is empty." })),
+      );
     }
     this.trashBody.replaceChildren(fragment);
     this.trashSummary.textContent = this.trashCursor ? "More deleted items are available." : "";
@@ -1179,8 +1266,16 @@ export class FolderPage {
     const error = h("p", { class: "error row-error", role: "alert" });
     const actions = h("div", { class: "row-actions" });
     if (!this.readOnly) {
-      const restore = h("button", { type: "button", class: "small", "aria-label": `Restore ${name}` }, "Restore");
-      const purge = h("button", { type: "button", class: "small danger-outline", "aria-label": `Purge ${name}` }, "Purge");
+      const restore = h(
+        "button",
+        { type: "button", class: "small", "aria-label": `Restore ${name}` },
+        "Restore",
+      );
+      const purge = h(
+        "button",
+        { type: "button", class: "small danger-outline", "aria-label": `Purge ${name}` },
+        "Purge",
+      );
       restore.addEventListener("click", () => this.restoreBatch(batch, restore, error));
       purge.addEventListener("click", () => this.purgeBatch(batch, purge, error));
       actions.append(restore, purge);
@@ -1198,7 +1293,9 @@ export class FolderPage {
           isDir ? `${name}/` : name,
         ),
       ),
-      h("td", { text: isDir ? `Folder with ${plural(inside, "item")}` : formatSize(root.byteSize) }),
+      h("td", {
+        text: isDir ? `Folder with ${plural(inside, "item")}` : formatSize(root.byteSize),
+      }),
       h("td", {}, timeElement(batch.deletedAt, "—")),
       h("td", { class: "col-actions" }, actions, error),
     );
@@ -1298,9 +1395,15 @@ export class FolderPage {
   renderSync(data) {
     this.renderFilesUpdated(data.lastOperationAt);
     // Keep a pending refresh message across polls.
-    const notes = new Map([...this.runList.querySelectorAll("li[data-run-id]")].map((li) => [li.dataset.runId, li.querySelector(".refresh-note")?.textContent || ""]));
+    const notes = new Map(
+      [...this.runList.querySelectorAll("li[data-run-id]")].map((li) => [
+        li.dataset.runId,
+        li.querySelector(".refresh-note")?.textContent || "",
+      ]),
+    );
     const items = data.runs.map((run) => this.runItem(run, notes.get(run.runId) || ""));
-    if (!items.length) items.push(h("li", { class: "muted", text: "No agent runs have used this folder." }));
+    if (!items.length)
+      items.push(h("li", { class: "muted", text: "No agent runs have used this folder." }));
     this.runList.replaceChildren(...items);
   }
 
@@ -1313,7 +1416,12 @@ export class FolderPage {
     if (run.active && !this.readOnly) {
       refresh = h(
         "button",
-        { type: "button", class: "small", disabled: run.refreshRequested, "aria-label": `Request refresh for ${agent}` },
+        {
+          type: "button",
+          class: "small",
+          disabled: run.refreshRequested,
+          "aria-label": `Request refresh for ${agent}`,
+        },
         run.refreshRequested ? "Refresh requested" : "Request refresh",
       );
       refresh.addEventListener("click", async () => {
@@ -1322,7 +1430,8 @@ export class FolderPage {
         try {
           await this.api.requestRefresh(run.runId);
           refresh.textContent = "Refresh requested";
-          refreshNote.textContent = "Refresh requested: the agent picks up changes at its next safe point.";
+          refreshNote.textContent =
+            "Refresh requested: the agent picks up changes at its next safe point.";
         } catch (err) {
           refresh.disabled = false;
           refreshError.textContent = `Could not request a refresh: ${this.explain(err)}`;
