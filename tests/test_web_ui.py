@@ -10,10 +10,10 @@ import os
 import re
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from playwright.sync_api import Browser, FilePayload, Page, expect, sync_playwright
 
@@ -296,18 +296,31 @@ def test_sync_panel_shows_a_runs_save_state(page: Page, tenant: Tenant) -> None:
     expect(page.locator(".files-updated time")).to_be_visible()
     expect(item).to_contain_text("Last agent save: not yet")
 
-    # The agent saved (written the way the checkpoint path records it).
-    saved_at = datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
-    with ctl.db() as conn:
-        conn.execute(
-            "UPDATE runs SET state = 'saved', last_saved_at = %s WHERE id = %s",
-            (saved_at, run["run_id"]),
+    files_updated = page.locator(".files-updated time").get_attribute("datetime")
+
+    # The agent saves a checkpoint through the bridge with its run token.
+    with httpx.Client(base_url=ctl.url, timeout=30) as bridge:
+        bridge.headers["Authorization"] = f"Bearer {run['token']}"
+        resp = bridge.post(
+            "/bridge/v1/folders/task/checkpoints",
+            json={
+                "operationId": "cp-1",
+                "leaseEpoch": run["lease_epoch"],
+                "entries": [{"op": "mkdir", "path": "agent-notes"}],
+            },
         )
+        assert resp.status_code == 200, resp.text
+    with tenant.client() as client:
+        sync = client.get(tenant.folder("task", task) + "/sync").json()
+    saved = next(r for r in sync["runs"] if r["runId"] == run["run_id"])
+    assert saved["state"] == "saved" and saved["lastSavedAt"]
     page.reload()
     expect(item.locator(".state")).to_have_text("Saved")
     save_time = item.locator("p", has_text="Last agent save").locator("time")
-    parsed = datetime.fromisoformat(save_time.get_attribute("datetime"))  # type: ignore[arg-type]
-    assert parsed == saved_at
+    expect(save_time).to_have_attribute("datetime", saved["lastSavedAt"])
+    # The agent's save is not a direct file operation.
+    expect(page.locator(".files-updated time")).to_have_attribute("datetime", files_updated or "")
+    expect(listing_row(page, "agent-notes")).to_be_visible()
     snap(page, "sync-saved")
 
     # Asking for a refresh reaches the run.
@@ -317,15 +330,17 @@ def test_sync_panel_shows_a_runs_save_state(page: Page, tenant: Tenant) -> None:
         runs = client.get(tenant.folder("task", task) + "/sync").json()["runs"]
     assert [r["refreshRequested"] for r in runs if r["runId"] == run["run_id"]] == [True]
 
-    # A failed save shows its error.
-    with ctl.db() as conn:
-        conn.execute(
-            "UPDATE runs SET state = 'failed', error = 'disk quota exceeded' WHERE id = %s",
-            (run["run_id"],),
+    # A failed save shows its error; the last good save stays listed.
+    with httpx.Client(base_url=ctl.url, timeout=30) as bridge:
+        bridge.headers["Authorization"] = f"Bearer {run['token']}"
+        resp = bridge.post(
+            "/bridge/v1/run/report", json={"state": "failed", "error": "disk quota exceeded"}
         )
+        assert resp.status_code == 200, resp.text
     page.reload()
     expect(item.locator(".state")).to_have_text("Save failed")
     expect(item.locator(".run-error")).to_have_text("Error: disk quota exceeded")
+    expect(save_time).to_have_attribute("datetime", saved["lastSavedAt"])
 
 
 def test_another_members_user_folder_looks_like_a_missing_one(page: Page, tenant: Tenant) -> None:
