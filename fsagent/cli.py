@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from typing import Any
 
 import trio
 
-from common.limits import SCOPES
+from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
 from fsagent.client import BridgeClient, RunInfo, open_client
 from fsagent.errors import DoctorFailed, FsagentError, MountFailed
 from fsagent.store import MARKER, Store, default_state_root
@@ -76,17 +77,19 @@ def cmd_mount(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir) if args.state_dir else default_state_root() / args.scope
     if not args.foreground:
         return _daemonize(args, mountpoint, state_dir)
-    opts = MountOptions(args.scope, mountpoint, state_dir, args.allow_other, args.prefetch)
+    opts = MountOptions(
+        args.scope, mountpoint, state_dir, args.allow_other, args.prefetch, args.checkpoint_interval
+    )
 
-    async def main() -> None:
+    async def main() -> bool:
         client = _client(args)
         try:
-            await serve(client, opts)
+            return (await serve(client, opts)).saved
         finally:
             await client.aclose()
 
-    trio.run(main)
-    return 0
+    saved = trio.run(main)
+    return 0 if saved else EXIT_SAVE_FAILED
 
 
 def _daemonize(args: argparse.Namespace, mountpoint: Path, state_dir: Path) -> int:
@@ -249,6 +252,8 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
         binding = store.binding()
         changes = store.changes_since_baseline()
         baseline = store.baseline()
+        saves = store.save_status()
+        pending = store.pending_checkpoint()
     finally:
         store.close()
     daemon = _daemon(state_dir)
@@ -262,6 +267,9 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
         "state": "mounted" if daemon else "stopped",
         "mountpoint": daemon["mountpoint"] if daemon else None,
         "pid": daemon["pid"] if daemon else None,
+        "lastSave": saves.get("lastSave"),
+        "lastError": saves.get("lastError"),
+        "pendingCheckpoint": pending.get("operationId") if pending else None,
     }
 
 
@@ -279,6 +287,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{r['scope'] or '?'}: owner {r['ownerId'] or '-'}, {r['unsavedChanges']} unsaved "
             f"change(s), {r['state']}{where}"
         )
+        if r["lastSave"]:
+            saved_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["lastSave"]["at"]))
+            print(f"  last save: {saved_at} ({r['lastSave']['entries']} change(s))")
+        if r["lastError"]:
+            print(f"  last error: {r['lastError']['message']}")
     return 0
 
 
@@ -364,6 +377,53 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 # --- entry point ---------------------------------------------------------------
 
 
+# --- flush ---------------------------------------------------------------------
+
+EXIT_SAVE_FAILED = 4
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    """Ask the running daemon for a checkpoint now (or the final one) and print the receipt."""
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_root() / args.scope
+    sock_path = state_dir / "control.sock"
+    if _daemon(state_dir) is None or not sock_path.exists():
+        raise FsagentError(f"no running fsagent daemon for {state_dir}")
+    request = json.dumps({"final": args.final}).encode() + b"\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(args.timeout)
+        sock.connect(str(sock_path))
+        sock.sendall(request)
+        raw = b""
+        while not raw.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    reply = json.loads(raw or b"{}")
+    print(json.dumps(reply) if args.json else _describe_flush(reply))
+    return 0 if reply.get("ok") else EXIT_SAVE_FAILED
+
+
+def _describe_flush(reply: dict[str, Any]) -> str:
+    if not reply.get("ok"):
+        return f"save failed: {reply.get('error')}"
+    if reply.get("final"):
+        return "final save done; unmounting"
+    result = reply.get("result") or {}
+    receipt = result.get("receipt") or {}
+    if not result.get("operationId"):
+        return "nothing to save"
+    return (
+        f"saved {result.get('entries')} change(s) as {result.get('operationId')}"
+        f" at {receipt.get('savedAt')}"
+        + (
+            f"; {result['skippedTorn']} file(s) still being written stay dirty"
+            if result.get("skippedTorn")
+            else ""
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsagent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -399,7 +459,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="background object fetches in parallel (0 = fetch on open only)",
     )
+    m.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=CHECKPOINT_INTERVAL_SECONDS,
+        help="seconds between checkpoints (default %(default)s)",
+    )
     m.set_defaults(func=cmd_mount)
+
+    f = sub.add_parser("flush", help="save now (or, with --final, save and unmount)")
+    f.add_argument("scope", nargs="?", default="task", help="collection (default task)")
+    f.add_argument("--state-dir", help="default ~/.local/state/fsagent/SCOPE")
+    f.add_argument("--final", action="store_true", help="final save, then unmount")
+    f.add_argument("--timeout", type=float, default=600.0)
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_flush)
 
     u = sub.add_parser("up", help="mount all four collections under --home and write the env file")
     u.add_argument("--home", required=True)

@@ -282,6 +282,55 @@ class HttpBridgeClient(BridgeClient):
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
+    # --- checkpoints (write side) ------------------------------------------
+
+    async def _send_json(self, url: str, what: str, body: dict[str, Any]) -> Any:
+        async def once() -> Any:
+            try:
+                resp = await self._http.post(
+                    url, json=body, timeout=httpx.Timeout(300.0, connect=10.0)
+                )
+            except httpx.TransportError as exc:
+                raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+            self._check(resp, what)
+            return resp.json()
+
+        return await with_retries(what, once, deadline=self.retry_deadline)
+
+    async def upload_object(
+        self, scope: str, frames: Callable[[], AsyncIterator[bytes]]
+    ) -> tuple[str, int]:
+        """Stream one object as upload frames; returns the controller's (digest, size).
+
+        ``frames`` is called again for each attempt, so a retry re-reads the file.
+        """
+        url = f"{PREFIX}/folders/{scope}/uploads"
+        what = f"PUT {scope} upload"
+
+        async def once() -> tuple[str, int]:
+            try:
+                resp = await self._http.put(
+                    url, content=frames(), timeout=httpx.Timeout(300.0, connect=10.0)
+                )
+            except httpx.TransportError as exc:
+                raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+            self._check(resp, what)
+            body = resp.json()
+            return str(body["digest"]), int(body["byteSize"])
+
+        return await with_retries(what, once, deadline=self.retry_deadline)
+
+    async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send_json(
+            f"{PREFIX}/folders/{scope}/checkpoints", f"POST {scope} checkpoint", body
+        )
+        return result
+
+    async def report_state(self, state: str, error: str | None = None) -> None:
+        await self._send_json(
+            PREFIX + "/run/report", f"report {state}", {"state": state, "error": error}
+        )
+
 
 # --- local directory ---------------------------------------------------------
 

@@ -1,0 +1,245 @@
+"""Ship the journal to the controller as checkpoints.
+
+One checkpoint, start to finish (:meth:`Shipper.ship_checkpoint`):
+
+1. If a checkpoint was committed but its answer never arrived (the pending
+   record says ``committing``), send exactly that body again under the same
+   operation id: the controller answers with the original receipt and applies
+   nothing twice, so a lost response can never overwrite a later writer.
+2. List the coalesced change set since the baseline
+   (:meth:`Store.changes_since_baseline`) and, before a single byte is sent,
+   commit a fresh operation id to LMDB and sync it.
+3. Upload new contents: each upper file streams in zstd frames of at most 4
+   MiB with an xxh64 per frame (memory stays bounded whatever the file size).
+   The file's write generation is read before and after: a file written to
+   while it was read is left out and stays dirty for the next checkpoint, so
+   torn content is never shipped. Renamed unchanged files and exec-bit
+   changes ship as references to their saved digest, without bytes.
+4. Persist the exact commit body (state ``committing``), send it, and on the
+   receipt fold what was saved into the baseline (:meth:`Store.acknowledge`)
+   and clear the pending record in one LMDB transaction.
+
+At most one checkpoint is in flight (a trio lock). Transient failures
+(network, 5xx, 429) are retried with backoff and jitter up to a deadline;
+permanent refusals (403/404/409/422) stop at once and are recorded so
+``fsagent status`` shows them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+import zstandard
+
+from common.bridge import CHUNK_MAX, END_FRAME, encode_frame
+from common.types import Digest, FileVersion
+from fsagent.client import HttpBridgeClient
+from fsagent.errors import ControllerRefused, FsagentError
+from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
+
+log = logging.getLogger(__name__)
+
+
+class SaveFailed(FsagentError):
+    """A checkpoint could not be saved; the state dir keeps every change."""
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    operation_id: str | None
+    entries: int
+    skipped_torn: int
+    receipt: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "operationId": self.operation_id,
+            "entries": self.entries,
+            "skippedTorn": self.skipped_torn,
+            "receipt": self.receipt,
+        }
+
+
+def change_to_json(c: Change) -> list[Any]:
+    base = None if c.base is None else c.base.encode().decode()
+    return [c.path, c.action, c.seq, base, c.inode, c.digest, c.size, c.executable, c.generation]
+
+
+def change_from_json(raw: list[Any]) -> Change:
+    path, action, seq, base, inode, digest, size, exe, gen = raw
+    return Change(
+        path,
+        action,
+        JournalSeq(seq),
+        None if base is None else BaseEntry.decode(base.encode()),
+        None if inode is None else InodeNo(inode),
+        None if digest is None else Digest(digest),
+        size,
+        exe,
+        gen,
+    )
+
+
+class Shipper:
+    """Checkpoints for one collection; owned by the daemon that serves the mount."""
+
+    def __init__(
+        self, store: Store, client: HttpBridgeClient, scope: str, lease_epoch: int
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.scope = scope
+        self.lease_epoch = lease_epoch
+        self._lock = trio.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    async def ship_checkpoint(self, *, final: bool = False) -> SaveResult:
+        """Save everything changed since the baseline; raises SaveFailed."""
+        async with self._lock:
+            try:
+                return await self._ship(final=final)
+            except (FsagentError, OSError) as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                self.store.record_save_error(message)
+                with trio.move_on_after(10):
+                    try:
+                        await self.client.report_state("failed", message)
+                    except FsagentError as report_exc:
+                        log.warning("could not report the failed save: %s", report_exc)
+                raise SaveFailed(message) from exc
+
+    async def _ship(self, *, final: bool) -> SaveResult:
+        pending = self.store.pending_checkpoint()
+        if pending is not None and pending.get("state") == "committing":
+            # The answer to this body may have been lost: replay it verbatim.
+            await self._commit(pending)
+            pending = None
+        changes = self.store.changes_since_baseline()
+        if not changes and not final:
+            return SaveResult(None, 0, 0, None)
+        op_id = pending["operationId"] if pending else f"cp-{uuid.uuid4()}"
+        self.store.set_pending_checkpoint({"operationId": op_id, "state": "uploading"})
+        entries: list[dict[str, Any]] = []
+        shipped: list[list[Any]] = []
+        torn = 0
+        for change in changes:
+            if change.action == "upload":
+                digest = await self._upload(change)
+                if digest is None:
+                    torn += 1
+                    continue
+                entries.append(
+                    {
+                        "op": "put",
+                        "path": change.path,
+                        "digest": digest,
+                        "executable": change.executable,
+                    }
+                )
+                shipped.append([*change_to_json(change), digest])
+            elif change.action == "reference":
+                entries.append(
+                    {
+                        "op": "put",
+                        "path": change.path,
+                        "digest": change.digest,
+                        "executable": change.executable,
+                    }
+                )
+                shipped.append([*change_to_json(change), change.digest])
+            else:
+                entries.append({"op": change.action, "path": change.path})
+                shipped.append([*change_to_json(change), None])
+        body = {
+            "operationId": op_id,
+            "leaseEpoch": self.lease_epoch,
+            "final": final,
+            "entries": entries,
+        }
+        record = {"operationId": op_id, "state": "committing", "body": body, "shipped": shipped}
+        self.store.set_pending_checkpoint(record)
+        receipt = await self._commit(record)
+        return SaveResult(op_id, len(entries), torn, receipt)
+
+    async def _commit(self, record: dict[str, Any]) -> dict[str, Any]:
+        receipt = await self.client.commit_checkpoint(self.scope, record["body"])
+        shipped = [
+            (change_from_json(raw[:-1]), raw[-1], FileVersion(int(receipt["highWater"])))
+            for raw in record["shipped"]
+        ]
+        self.store.finish_checkpoint(shipped, receipt)
+        log.info(
+            "checkpoint %s saved: %d entries (high water %s)",
+            record["operationId"],
+            len(shipped),
+            receipt.get("highWater"),
+        )
+        return receipt
+
+    async def _upload(self, change: Change) -> Digest | None:
+        """Stream one upper file; None when it changed while being read (stays dirty)."""
+        assert change.inode is not None
+        path = self.store.upper / str(change.inode)
+        try:
+            before = self.store.get(change.inode).generation
+        except KeyError:
+            return None  # unlinked since the listing: the next listing says delete
+        if before != change.generation:
+            return None
+        compressor = zstandard.ZstdCompressor(level=3)
+        sent = 0
+
+        async def frames() -> AsyncIterator[bytes]:
+            nonlocal sent
+            fh = await trio.to_thread.run_sync(lambda: open(path, "rb"))  # noqa: SIM115
+            try:
+                while True:
+                    raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
+                    if not raw:
+                        break
+                    sent += len(raw)
+                    yield await trio.to_thread.run_sync(encode_frame, raw, compressor)
+            finally:
+                fh.close()
+            yield END_FRAME
+
+        try:
+            digest, size = await self.client.upload_object(self.scope, frames)
+        except FileNotFoundError:
+            return None
+        try:
+            after = self.store.get(change.inode).generation
+        except KeyError:
+            return None
+        if after != change.generation or size != sent:
+            log.info("%s changed while it was uploaded; it stays dirty", change.path)
+            return None
+        return Digest(digest)
+
+
+async def checkpoint_loop(shipper: Shipper, interval: float) -> None:
+    """Ship every ``interval`` seconds; a failure is recorded and retried next time."""
+    while True:
+        await trio.sleep(interval)
+        started = time.monotonic()
+        try:
+            result = await shipper.ship_checkpoint()
+        except SaveFailed as exc:
+            log.warning("checkpoint failed (kept for the next one): %s", exc)
+            continue
+        except ControllerRefused as exc:  # pragma: no cover - wrapped in SaveFailed
+            log.warning("checkpoint refused: %s", exc)
+            continue
+        if result.entries:
+            log.info(
+                "checkpoint of %d entries in %.2fs", result.entries, time.monotonic() - started
+            )
