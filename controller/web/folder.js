@@ -314,6 +314,13 @@ export class FolderPage {
   /** Called on in-page navigation within this folder (dir or view change). */
   show(route) {
     this.route = route;
+    if (!this.filesSection) {
+      // The folder never loaded (not found, or an error): try afresh.
+      this.dir = route.dir;
+      this.view = route.view;
+      this.start();
+      return;
+    }
     // The trash URL names no directory; the files view keeps its own.
     const dirChanged = route.view === "files" && route.dir !== this.dir;
     const viewChanged = route.view !== this.view;
