@@ -13,6 +13,7 @@ from tests.controller_helper import (
     Tenant,
     world_searchable_tmpdir,
 )
+from tests.fuse_helper import mounts  # noqa: F401 - the FUSE mount fixture, for every module
 
 
 @pytest.fixture(scope="session")

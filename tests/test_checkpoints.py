@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.controller_helper import Tenant
-from tests.fuse_helper import FsagentMount, MountFactory, mounts  # noqa: F401 - fixture
+from tests.fuse_helper import FsagentMount, MountFactory
 
 pytestmark = pytest.mark.fuse
 OCTET = {"Content-Type": "application/octet-stream"}
