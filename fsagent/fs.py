@@ -245,8 +245,13 @@ class WorkFolderFS(pyfuse3.Operations):
                 src = await self.fetcher.ensure(inode.digest)
 
                 def do_copy() -> None:
-                    shutil.copyfile(src, tmp)
-                    os.replace(tmp, dest)
+                    try:
+                        shutil.copyfile(src, tmp)
+                        os.replace(tmp, dest)
+                    except OSError:
+                        # ENOSPC and friends: leave no half copy behind.
+                        tmp.unlink(missing_ok=True)
+                        raise
 
                 await trio.to_thread.run_sync(do_copy)
             else:
@@ -423,11 +428,16 @@ class WorkFolderFS(pyfuse3.Operations):
         semantics through lookup; this closes the race).  Journals the path.
         """
         inode = await self._create_node(parent_inode, name, "file", mode)
-        fd = os.open(
-            self.store.upper / str(inode.ino),
-            os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-            0o600,
-        )
+        try:
+            fd = os.open(
+                self.store.upper / str(inode.ino),
+                os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                0o600,
+            )
+        except OSError:
+            # No room for even an empty upper file (ENOSPC): undo the entry.
+            self.store.unlink(inode.parent, inode.name, keep=False)
+            raise
         of = OpenFile(fd, upper=True, opens=1)
         self.files[inode.ino] = of
         fh = self._new_fh()

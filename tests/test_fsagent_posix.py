@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
+import signal
 import stat
 import subprocess
 
@@ -244,3 +246,44 @@ def test_sigterm_unmounts_cleanly_and_state_survives(mounts: MountFactory) -> No
     assert (again.mountpoint / "kept").read_bytes() == b"data"
     subprocess.run(["fusermount3", "-u", str(again.mountpoint)], check=True)
     assert again.proc is not None and again.proc.wait(timeout=30) == 0
+
+
+def test_sigterm_writes_back_dirty_pages_of_open_files(mounts: MountFactory) -> None:
+    m = mounts.mount()
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    fd = os.open(m.mountpoint / "open-at-stop", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, data)  # still in the kernel's writeback cache, never closed
+    try:
+        assert m.signal(signal.SIGTERM) == 0
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    again = mounts.mount(m.controller, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    assert (again.mountpoint / "open-at-stop").read_bytes() == data
+    assert again.changes()["open-at-stop"]["size"] == len(data)
+
+
+def test_disk_full_reports_enospc_and_keeps_earlier_files(mounts: MountFactory) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    small = mounts.base / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)],
+                      capture_output=True, check=False).returncode != 0:  # fmt: skip
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        m = mounts.mount(state_dir=small / "state")
+        (m.mountpoint / "first").write_bytes(b"kept" * 1000)
+        with pytest.raises(OSError) as info, open(m.mountpoint / "huge", "wb") as fh:
+            for _ in range(32):
+                fh.write(os.urandom(1024 * 1024))
+            fh.flush()
+            os.fsync(fh.fileno())
+        assert info.value.errno == errno.ENOSPC
+        assert (m.mountpoint / "first").read_bytes() == b"kept" * 1000
+        os.unlink(m.mountpoint / "huge")
+        (m.mountpoint / "after").write_bytes(b"room again")
+        assert (m.mountpoint / "after").read_bytes() == b"room again"
+        assert m.signal(signal.SIGTERM) == 0
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True, check=False)
