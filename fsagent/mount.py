@@ -6,9 +6,20 @@ refuses, leaving the state untouched), repair what a crash left behind,
 hydrate the manifest on first use, then mount.  The mount is ready once the
 manifest is in LMDB; contents follow lazily.
 
+Warm start (the state dir was hydrated before): first ship the changes that
+were never checkpointed, then apply the server's changes since the baseline
+to paths not changed locally, then mount.
+
+While mounted, a checkpoint ships every ``checkpoint_interval`` seconds (at
+most one in flight), and ``fsagent flush`` asks for one now through a unix
+socket in the state dir (``control.sock``).
+
 Stop: SIGTERM/SIGINT flush the kernel's dirty pages (``syncfs`` from a worker
-thread while the loop keeps serving the resulting writes), then end the FUSE
-loop and unmount.  ``fusermount3 -u`` ends the loop directly.
+thread while the loop keeps serving the resulting writes), ship the final
+checkpoint, then end the FUSE loop and unmount.  ``fusermount3 -u`` ends the
+loop directly; the final checkpoint then ships after the unmount.  The daemon
+exits non-zero when the final save failed, and the state dir keeps every
+change for the next start.
 """
 
 from __future__ import annotations
@@ -24,15 +35,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
 
-from fsagent.client import BridgeClient
-from fsagent.errors import MountFailed
+from common.limits import CHECKPOINT_INTERVAL_SECONDS
+from fsagent.client import BridgeClient, HttpBridgeClient, ManifestEntry
+from fsagent.errors import MountFailed, ResyncRequired
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher, hydrate_manifest
-from fsagent.store import MARKER, Binding, Store
+from fsagent.ship import SaveFailed, Shipper, checkpoint_loop
+from fsagent.store import MARKER, Binding, ManifestRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +58,16 @@ class MountOptions:
     state_dir: Path
     allow_other: bool = False
     prefetch: int = 4
+    checkpoint_interval: float = CHECKPOINT_INTERVAL_SECONDS
+
+
+@dataclass
+class StopState:
+    """How the daemon ended: ``saved`` is False when the final checkpoint failed."""
+
+    saved: bool = True
+    error: str | None = None
+    final_done: bool = False
 
 
 def _fuse_options(opts: MountOptions, readonly: bool) -> set[str]:
@@ -78,24 +102,123 @@ def syncfs(path: Path) -> None:
         os.close(fd)
 
 
-async def _stop_on_signal(mountpoint: Path) -> None:
+async def _final_save(shipper: Shipper | None, stop: StopState) -> None:
+    if shipper is None or stop.final_done:
+        return
+    stop.final_done = True
+    try:
+        result = await shipper.ship_checkpoint(final=True)
+        print(f"fsagent: final save: {result.entries} change(s) saved", file=sys.stderr)
+    except SaveFailed as exc:
+        stop.saved, stop.error = False, str(exc)
+        print(f"fsagent: final save FAILED, state kept: {exc}", file=sys.stderr)
+
+
+async def _stop_on_signal(mountpoint: Path, shipper: Shipper | None, stop: StopState) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
-            log.info("signal %d: flushing dirty pages and unmounting", signum)
-            try:
-                await trio.to_thread.run_sync(syncfs, mountpoint)
-            except OSError as exc:
-                log.warning("syncfs on %s failed: %s", mountpoint, exc)
+            log.info("signal %d: flushing dirty pages, saving and unmounting", signum)
+            await _flush_kernel(mountpoint)
+            await _final_save(shipper, stop)
             pyfuse3.terminate()
             return
 
 
-async def serve(client: BridgeClient, opts: MountOptions) -> None:
+async def _flush_kernel(mountpoint: Path) -> None:
+    """Push the kernel's dirty pages (mmap, writeback cache) to us before saving."""
+    try:
+        await trio.to_thread.run_sync(pyfuse3.syncfs, str(mountpoint))
+    except OSError as exc:
+        log.warning("syncfs on %s failed: %s", mountpoint, exc)
+
+
+async def _serve_control(
+    sock_path: Path, mountpoint: Path, shipper: Shipper, stop: StopState
+) -> None:
+    """Answer `fsagent flush` requests: one JSON line in, one JSON line out."""
+    # Removing a stale socket file is one local metadata call, done before
+    # the mount serves anything: not worth a worker thread.
+    sock_path.unlink(missing_ok=True)  # noqa: ASYNC240
+    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await listener.bind(str(sock_path))
+    os.chmod(sock_path, 0o600)
+    listener.listen(4)
+
+    async def handle(conn: trio.SocketStream) -> None:
+        async with conn:
+            raw = b""
+            while not raw.endswith(b"\n") and len(raw) < 4096:
+                chunk = await conn.receive_some(4096)
+                if not chunk:
+                    break
+                raw += chunk
+            reply: dict[str, Any]
+            try:
+                request = json.loads(raw or b"{}")
+                final = bool(request.get("final", False))
+                await _flush_kernel(mountpoint)
+                if final:
+                    await _final_save(shipper, stop)
+                    reply = {"ok": stop.saved, "error": stop.error, "final": True}
+                    pyfuse3.terminate()
+                else:
+                    result = await shipper.ship_checkpoint()
+                    reply = {"ok": True, "result": result.to_json()}
+            except (SaveFailed, ValueError) as exc:
+                reply = {"ok": False, "error": str(exc)}
+            await conn.send_all(json.dumps(reply).encode() + b"\n")
+
+    async with trio.open_nursery() as nursery:
+        try:
+            while True:
+                client_sock, _ = await listener.accept()
+                nursery.start_soon(handle, trio.SocketStream(client_sock))
+        finally:
+            listener.close()
+            sock_path.unlink(missing_ok=True)  # noqa: ASYNC240 - as above, at shutdown
+
+
+async def warm_start(store: Store, client: HttpBridgeClient, shipper: Shipper, scope: str) -> None:
+    """Ship what was never checkpointed, then take the server's newer changes."""
+    try:
+        result = await shipper.ship_checkpoint()
+        if result.entries:
+            print(f"fsagent: warm start saved {result.entries} earlier change(s)", file=sys.stderr)
+    except SaveFailed as exc:
+        # Keep the local copy authoritative: incoming changes are skipped for
+        # every path the journal lists anyway, and the error stays visible.
+        print(f"fsagent: warm start could not save earlier changes: {exc}", file=sys.stderr)
+    since = store.baseline().high_water
+    incoming: list[ManifestRow | tuple[str, bool]] = []
+    high_water = since
+    try:
+        async for page in client.iter_manifest(scope, since):
+            high_water = max(high_water, page.high_water)
+            for e in page.entries:
+                incoming.append((e.path, True) if e.deleted else _row(e))
+    except ResyncRequired:
+        log.warning("changes since %d are incomplete on the server; keeping local state", since)
+        return
+    applied = store.apply_incoming(incoming)
+    store.acknowledge([], high_water)
+    if applied:
+        print(
+            f"fsagent: warm start took {applied} newer change(s) from the server", file=sys.stderr
+        )
+
+
+def _row(e: ManifestEntry) -> ManifestRow:
+    return e.row()
+
+
+async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     """Mount one collection and serve it until unmounted or signalled."""
     run = await client.get_run()
     owner = run.bindings.get(opts.scope)
     binding = Binding(run.company_id, opts.scope, owner, dict(run.bindings))
     scratch: Path | None = None
+    shipper: Shipper | None = None
+    stop = StopState()
     if owner is None:
         if (opts.state_dir / MARKER).exists():
             # A run without this scope may not pick up another binding's state.
@@ -115,10 +238,14 @@ async def serve(client: BridgeClient, opts: MountOptions) -> None:
             freed, fixed = store.recover()
             if freed or fixed:
                 log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)
+            if isinstance(client, HttpBridgeClient):
+                shipper = Shipper(store, client, opts.scope, run.lease_epoch)
             if not store.baseline().hydrated:
                 entries, seconds = await hydrate_manifest(store, client, opts.scope)
                 log.info("hydrated %d entries in %.2fs", entries, seconds)
                 print(f"fsagent: hydrated {entries} entries in {seconds:.2f}s", file=sys.stderr)
+            elif shipper is not None and isinstance(client, HttpBridgeClient):
+                await warm_start(store, client, shipper, opts.scope)
         fetcher = ContentFetcher(store, client, opts.scope)
         fs = WorkFolderFS(store, fetcher, readonly=owner is None)
         try:
@@ -147,9 +274,18 @@ async def serve(client: BridgeClient, opts: MountOptions) -> None:
         unmount = True
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_stop_on_signal, opts.mountpoint)
+                nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
                 if owner is not None:
                     nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
+                if shipper is not None:
+                    nursery.start_soon(checkpoint_loop, shipper, opts.checkpoint_interval)
+                    nursery.start_soon(
+                        _serve_control,
+                        opts.state_dir / "control.sock",
+                        opts.mountpoint,
+                        shipper,
+                        stop,
+                    )
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()
         finally:
@@ -157,7 +293,10 @@ async def serve(client: BridgeClient, opts: MountOptions) -> None:
             fs.shutdown()
             if daemon_file is not None:
                 daemon_file.unlink(missing_ok=True)
+        # Unmounted from outside (fusermount3 -u): the run is stopping; save.
+        await _final_save(shipper, stop)
     finally:
         store.close()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    return stop

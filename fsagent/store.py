@@ -810,6 +810,145 @@ class Store:
             txn.put(b"baseline", json.dumps(data).encode(), db=self._meta)
         return cleared
 
+    # --- checkpoints ----------------------------------------------------------
+
+    def pending_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint in flight: its operation id, and once committing, its exact body."""
+        with self._env.begin() as txn:
+            raw = txn.get(b"pending_checkpoint", db=self._meta)
+        return None if raw is None else dict(json.loads(raw))
+
+    def set_pending_checkpoint(self, record: dict[str, Any] | None) -> None:
+        """Persist (or clear) the pending checkpoint, durable before any byte is sent."""
+        with self._env.begin(write=True) as txn:
+            if record is None:
+                txn.delete(b"pending_checkpoint", db=self._meta)
+            else:
+                txn.put(b"pending_checkpoint", _encode(record).encode(), db=self._meta)
+        # The whole point is surviving power loss between here and the request.
+        self._env.sync(True)
+
+    def finish_checkpoint(
+        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
+    ) -> int:
+        """Fold a saved checkpoint into the baseline and clear the pending record.
+
+        The baseline's high-water mark stays where the last manifest put it:
+        other writers' changes after it are fetched at the next warm start.
+        A crash between the two steps leaves the pending record, whose replay
+        answers with the same receipt and acknowledges again (idempotent).
+        """
+        cleared = self.acknowledge(shipped, self.baseline().high_water)
+        status = self.save_status()
+        status["lastSave"] = {
+            "at": time.time(),
+            "operationId": receipt.get("operationId"),
+            "entries": receipt.get("entries"),
+            "savedAt": receipt.get("savedAt"),
+        }
+        status.pop("lastError", None)
+        with self._env.begin(write=True) as txn:
+            txn.delete(b"pending_checkpoint", db=self._meta)
+            txn.put(b"save_status", _encode(status).encode(), db=self._meta)
+        self._env.sync(True)
+        return cleared
+
+    def record_save_error(self, message: str) -> None:
+        status = self.save_status()
+        status["lastError"] = {"at": time.time(), "message": message[:2000]}
+        with self._env.begin(write=True) as txn:
+            txn.put(b"save_status", _encode(status).encode(), db=self._meta)
+
+    def save_status(self) -> dict[str, Any]:
+        """``{"lastSave": {...}, "lastError": {...}}`` (either may be missing)."""
+        with self._env.begin() as txn:
+            raw = txn.get(b"save_status", db=self._meta)
+        return {} if raw is None else dict(json.loads(raw))
+
+    def apply_incoming(self, entries: Iterable[ManifestRow | tuple[str, bool]]) -> int:
+        """Apply the server's changes since the baseline to paths not changed locally.
+
+        Only for a warm start before mounting (no FUSE handles exist yet).
+        ``entries`` are manifest rows, or (path, True) for a deletion, in
+        version order. A path in the journal keeps the local version: local
+        changes were shipped first and win. Returns the paths updated.
+        """
+        journal = {p for p, _, _ in self.journal()}
+        applied = 0
+        for item in entries:
+            if isinstance(item, tuple):
+                path, _deleted = item
+                row: ManifestRow | None = None
+            else:
+                path, row = item.path, item
+            if path in journal or any(path.startswith(j + "/") for j in journal if j):
+                continue
+            if self._apply_incoming_one(path, row):
+                applied += 1
+        return applied
+
+    def _apply_incoming_one(self, path: str, row: ManifestRow | None) -> bool:
+        t = now_ns()
+        with self._env.begin(write=True) as txn:
+            cur = self._resolve(txn, path)
+            key = path.encode("utf-8")
+            if row is None:
+                if cur is None:
+                    txn.delete(key, db=self._base)
+                    return False
+                self._remove_tree(txn, cur, path, t)
+                return True
+            parent = ROOT_INODE
+            parts = path.split("/")
+            for name in parts[:-1]:
+                raw = txn.get(_ekey(parent, name), db=self._entries)
+                if raw is None:
+                    ino = self._next_ino(txn)
+                    node = Inode(ino, "directory", 0o755, 0, t, t, parent, name, None, False, 0)
+                    self._put_inode(txn, node)
+                    txn.put(_ekey(parent, name), _U64.pack(ino), db=self._entries)
+                    parent = ino
+                else:
+                    parent = InodeNo(_U64.unpack(raw)[0])
+            if cur is not None and (cur.kind != row.kind or row.kind == "file"):
+                self._remove_tree(txn, cur, path, t)
+                cur = None
+            if cur is None:
+                ino = self._next_ino(txn)
+                mode = 0o755 if row.kind == "directory" or row.executable else 0o644
+                node = Inode(ino, row.kind, mode, row.byte_size, t, t, parent, parts[-1],
+                             row.digest, False, 0)  # fmt: skip
+                self._put_inode(txn, node)
+                txn.put(_ekey(parent, parts[-1]), _U64.pack(ino), db=self._entries)
+            entry = BaseEntry(row.kind, row.digest, row.byte_size, row.executable, row.version)
+            txn.put(key, entry.encode(), db=self._base)
+        return True
+
+    def _remove_tree(self, txn: Any, top: Inode, path: str, t: int) -> None:
+        """Drop ``top`` (and, for a directory, everything below it) from tree and base."""
+        stack = [(top, path)]
+        while stack:
+            inode, ipath = stack.pop()
+            if inode.kind == "directory":
+                for name, child in self._children_in(txn, inode.ino):
+                    raw = txn.get(_ikey(child), db=self._inodes)
+                    if raw is not None:
+                        stack.append((Inode.decode(child, raw), f"{ipath}/{name}"))
+            txn.delete(_ekey(inode.parent, inode.name), db=self._entries)
+            txn.delete(ipath.encode("utf-8"), db=self._base)
+            self._detach(txn, inode, keep=False, t=t)
+
+    def _children_in(self, txn: Any, parent: InodeNo) -> list[tuple[str, InodeNo]]:
+        key = _U64.pack(parent)
+        out: list[tuple[str, InodeNo]] = []
+        cur = txn.cursor(db=self._entries)
+        if cur.set_range(key):
+            for k, v in cur:
+                if not bytes(k).startswith(key):
+                    break
+                out.append((bytes(k)[len(key) :].decode("utf-8"), InodeNo(_U64.unpack(v)[0])))
+        return out
+
     # --- hydration ----------------------------------------------------------
 
     def hydrate(self, entries: Iterable[ManifestRow], high_water: int) -> int:
