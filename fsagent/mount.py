@@ -127,7 +127,8 @@ async def _stop_on_signal(mountpoint: Path, shipper: Shipper | None, stop: StopS
 async def _flush_kernel(mountpoint: Path) -> None:
     """Push the kernel's dirty pages (mmap, writeback cache) to us before saving."""
     try:
-        await trio.to_thread.run_sync(pyfuse3.syncfs, str(mountpoint))
+        # Not pyfuse3.syncfs: it holds the GIL through the call and deadlocks (see syncfs).
+        await trio.to_thread.run_sync(syncfs, mountpoint)
     except OSError as exc:
         log.warning("syncfs on %s failed: %s", mountpoint, exc)
 
