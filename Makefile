@@ -20,7 +20,7 @@ deps-test: deps
 	packaging/install-deps.sh --test
 
 demo: deps
-	$(PY) -m controller.demo --data-dir $(DEMO_DIR) --listen $(DEMO_LISTEN)
+	$(PY) -m controller.demo --data-dir $(DEMO_DIR) --home demo-home --listen $(DEMO_LISTEN)
 
 test: deps-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,7 +1,10 @@
-"""`make demo`: the controller on its embedded defaults, with a ready token.
+"""`make demo`: a controller on its embedded defaults and a demo sandbox.
 
-Credentials are created once and kept in ``<data-dir>/demo.json`` so a second
-`make demo` reuses the same company, user and token.
+Starts `controller serve` (embedded PostgreSQL, local_disk), creates a demo
+company, user, project, task and agent once (kept in ``<data-dir>/demo.json``
+so the next `make demo` reuses them and the same token), starts a run for
+them and mounts its four folders under ``demo-home/`` with `fsagent up`.
+Ctrl-C stops fsagent (final save) and then the controller.
 """
 
 from __future__ import annotations
@@ -9,12 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
+import httpx
+
+from common.limits import SCOPES
 from controller import admin
 from controller.cli import database
-from controller.cli import main as controller_main
 from controller.config import Settings
 
 
@@ -34,40 +44,147 @@ def ensure_demo_account(data_dir: Path) -> dict[str, str]:
     return account
 
 
+def wait_until(check: Any, what: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if proc.poll() is not None:
+            raise SystemExit(f"demo: {what} failed (exit {proc.returncode})")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"demo: {what} did not happen within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="controller-demo")
     parser.add_argument("--data-dir", type=Path, default=Path(".demo"))
+    parser.add_argument("--home", type=Path, default=Path("demo-home"))
     parser.add_argument("--listen", default="127.0.0.1:8750")
+    parser.add_argument("--checkpoint-interval", type=float, default=30.0)
+    parser.add_argument("--no-mount", action="store_true", help="only the controller")
     args = parser.parse_args()
-    data_dir = args.data_dir.resolve()
+    data_dir, home = args.data_dir.resolve(), args.home.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     acc = ensure_demo_account(data_dir)
     base = f"http://{args.listen}"
-    folder = f"{base}/api/companies/{acc['company_id']}/work-folders/user/{acc['user_id']}"
-    task_folder = f"{base}/api/companies/{acc['company_id']}/work-folders/task/{acc['task_id']}"
-    print(
-        f"""
-Controller:   {base}   (data in {data_dir})
-API token:    {acc["token"]}
-Files page:   {base}/files/   (sign in with the API token above)
-Company:      {acc["company_id"]}
-Task folder:  {task_folder}
+
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    controller = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "controller.cli",
+            "serve",
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            args.listen,
+        ],
+        start_new_session=True,
+    )
+    fsagent: subprocess.Popen[bytes] | None = None
+    try:
+        wait_until(lambda: healthy(base), "controller start", 120, controller)
+        lines = []
+        if not args.no_mount:
+            with database(Settings(data_dir=data_dir)) as url:
+                run = admin.start_run(
+                    url,
+                    acc["company_id"],
+                    agent=acc["agent_id"],
+                    task=acc["task_id"],
+                    project=acc["project_id"],
+                    user=acc["user_id"],
+                    sandbox="demo-sandbox",
+                    home=str(home),
+                )
+            token_file = data_dir / "run-token"
+            token_file.write_text(run["token"])
+            os.chmod(token_file, 0o600)
+            home.mkdir(parents=True, exist_ok=True)
+            fsagent = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "fsagent.cli",
+                    "up",
+                    "--home",
+                    str(home),
+                    "--controller",
+                    base,
+                    "--token-file",
+                    str(token_file),
+                    "--state-root",
+                    str(data_dir / "fsagent"),
+                    "--checkpoint-interval",
+                    str(args.checkpoint_interval),
+                ],
+                start_new_session=True,
+            )
+            wait_until(
+                lambda: all(os.path.ismount(home / s) for s in SCOPES), "mounting", 300, fsagent
+            )
+            lines = [
+                f"Sandbox:     {home}/{{task,agent,user,project}} (run {run['run_id']})",
+                f"             saved every {args.checkpoint_interval:.0f}s and at Ctrl-C;"
+                f" save now: .venv/bin/fsagent flush task --state-dir {data_dir}/fsagent/task",
+            ]
+        folder = f"{base}/api/companies/{acc['company_id']}/work-folders/user/{acc['user_id']}"
+        task_folder = f"{base}/api/companies/{acc['company_id']}/work-folders/task/{acc['task_id']}"
+        print(
+            f"""
+Controller:  {base}   (data in {data_dir})
+API token:   {acc["token"]}
+Files page:  {base}/files/   (sign in with the API token above)
+{chr(10).join(lines)}
 
 Try:
   T={acc["token"]}
+  echo hello > {home}/task/hello.txt && .venv/bin/fsagent flush task --state-dir {data_dir}/fsagent/task
+  curl -sS -H "Authorization: Bearer $T" '{task_folder}/'
+  curl -sS -H "Authorization: Bearer $T" '{task_folder}/content?path=hello.txt'
   curl -sS -X PUT -H "Authorization: Bearer $T" -H 'Content-Type: application/octet-stream' \\
-       --data-binary 'hello' '{folder}/content?path=notes/hello.txt'
-  curl -sS -H "Authorization: Bearer $T" '{folder}/'
-  curl -sS -H "Authorization: Bearer $T" '{folder}/content?path=notes/hello.txt'
+       --data-binary 'hi' '{folder}/content?path=notes/hi.txt'
   curl -sS -X POST -H "Authorization: Bearer $T" -H 'Content-Type: application/json' \\
        -d '{{"action":"delete","path":"notes"}}' '{folder}/operations'
   curl -sS -H "Authorization: Bearer $T" '{folder}/?trash=true'
 
-Press Ctrl-C to stop.
+Press Ctrl-C to stop (fsagent saves, then the controller stops).
 """,
-        flush=True,
-    )
-    return controller_main(["serve", "--data-dir", str(data_dir), "--listen", args.listen])
+            flush=True,
+        )
+        while (
+            not stopping
+            and controller.poll() is None
+            and (fsagent is None or fsagent.poll() is None)
+        ):
+            time.sleep(0.2)
+    finally:
+        code = 0
+        if fsagent is not None and fsagent.poll() is None:
+            fsagent.send_signal(signal.SIGTERM)
+            code = fsagent.wait(timeout=300)
+            print(
+                f"demo: fsagent stopped (exit {code}{', saved' if code == 0 else ', SAVE FAILED'})"
+            )
+        if controller.poll() is None:
+            controller.send_signal(signal.SIGTERM)
+            controller.wait(timeout=60)
+        print("demo: controller stopped")
+    return code
 
 
 if __name__ == "__main__":

@@ -178,6 +178,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "--foreground",
             "--prefetch",
             str(args.prefetch),
+            "--checkpoint-interval",
+            str(args.checkpoint_interval),
         ]
         if args.token_file:
             argv += ["--token-file", args.token_file]
@@ -483,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--allow-other", action="store_true")
     u.add_argument("--prefetch", type=int, default=4)
     u.add_argument("--timeout", type=float, default=300.0)
+    u.add_argument("--checkpoint-interval", type=float, default=CHECKPOINT_INTERVAL_SECONDS)
     u.set_defaults(func=cmd_up)
 
     s = sub.add_parser("status", help="bound owner, unsaved changes and state per collection")
