@@ -1401,17 +1401,25 @@ export class FolderPage {
 
   renderSync(data) {
     this.renderFilesUpdated(data.lastOperationAt);
-    // Keep a pending refresh message across polls.
-    const notes = new Map(
-      [...this.runList.querySelectorAll("li[data-run-id]")].map((li) => [
-        li.dataset.runId,
-        li.querySelector(".refresh-note")?.textContent || "",
-      ]),
-    );
-    const items = data.runs.map((run) => this.runItem(run, notes.get(run.runId) || ""));
-    if (!items.length)
+    // A run whose state did not change keeps its element, so a poll never
+    // takes keyboard focus or a pending message away from it.
+    const previous = this.runItems || new Map();
+    this.runItems = new Map();
+    const items = data.runs.map((run) => {
+      const key = JSON.stringify(run) + (this.agentNames.get(run.agentId) || "");
+      const old = previous.get(run.runId);
+      const note = old ? old.li.querySelector(".refresh-note").textContent : "";
+      const li = old && old.key === key ? old.li : this.runItem(run, note);
+      this.runItems.set(run.runId, { key, li });
+      return li;
+    });
+    if (!items.length) {
       items.push(h("li", { class: "muted", text: "No agent runs have used this folder." }));
-    this.runList.replaceChildren(...items);
+    }
+    const unchanged =
+      items.length === this.runList.children.length &&
+      items.every((li, i) => this.runList.children[i] === li);
+    if (!unchanged) this.runList.replaceChildren(...items);
   }
 
   runItem(run, note) {
