@@ -3,8 +3,9 @@
 Commands::
 
     fsagent mount SCOPE MOUNTPOINT --controller URL --token-file F [--state-dir D]
-                  [--foreground] [--allow-other] [--prefetch N]
+                  [--foreground] [--allow-other] [--prefetch N] [--checkpoint-interval S]
     fsagent up --home DIR --controller URL --token-file F [--state-root D] [--env-file F]
+    fsagent flush [SCOPE] [--state-dir D] [--final] [--json]
     fsagent status [--state-dir D ...] [--json]
     fsagent changes --state-dir D [--json]
     fsagent doctor [--home DIR] [--controller URL --token-file F]
@@ -13,8 +14,9 @@ Commands::
 run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
 
 Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
-in use/bound elsewhere, 4 controller unreachable or refusing, 5 mount failed,
-6 doctor found problems.
+in use/bound elsewhere, 4 controller unreachable or refusing (including a
+failed save: the state dir keeps every change), 5 mount failed, 6 doctor
+found problems.
 """
 
 from __future__ import annotations
