@@ -21,7 +21,7 @@ from common.errors import (
     ValidationError,
     WorkFolderError,
 )
-from controller.auth import Principal, principal_from_bearer, principal_from_session
+from controller.auth import Principal, principal_from_bearer, principal_from_session, same_secret
 from controller.config import Settings
 from controller.storage.base import StorageProvider
 
@@ -99,8 +99,6 @@ async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principa
         # (which a cross-site form cannot set) is the second lock.
         if is_write(request):
             sent = request.headers.get("x-csrf-token", "")
-            from controller.auth import same_secret
-
             if not principal.csrf_token or not same_secret(sent, principal.csrf_token):
                 raise CsrfFailed()
         return principal
