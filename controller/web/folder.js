@@ -969,6 +969,8 @@ export class FolderPage {
     el.retry.hidden = item.state !== "failed";
     el.cancel.hidden = !(item.state === "queued" || item.state === "uploading");
     el.remove.hidden = !(item.state === "failed" || item.state === "done");
+    // A full bar next to "Failed" would read as success.
+    el.progress.hidden = item.state === "failed";
     if (item.state === "queued") {
       el.error.textContent = "";
       el.progress.value = 0;
