@@ -112,8 +112,17 @@ async function onSignOut(event) {
   try {
     await signOut();
   } catch (err) {
-    // The session may already be gone; signing out locally is still right.
     if (!(err instanceof ApiError)) throw err;
+    // 401: the session had already ended, which is what was asked for.
+    // Anything else leaves the cookie in place, so say so and stay.
+    if (err.status !== 401) {
+      button.disabled = false;
+      account.querySelector(".error")?.remove();
+      account.append(
+        h("p", { class: "error", role: "alert", text: `Could not sign out: ${err.message}` }),
+      );
+      return;
+    }
   }
   app.session = null;
   setCsrfToken("");
