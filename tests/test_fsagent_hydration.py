@@ -152,3 +152,42 @@ def test_ended_run_is_refused_with_a_clear_error(mounts: MountFactory, tenant: T
     assert "exited with 4" in str(info.value) and "HTTP 401" in str(info.value)
     with httpx.Client() as c:  # the controller itself is fine
         assert c.get(tenant.controller.url + "/healthz").status_code == 200
+
+
+def test_hydrates_100k_entries_from_controller_in_seconds(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    """The controller pages the manifest (5,000 per page); the mount is ready in seconds."""
+    agent, run = start_run(tenant)
+    with tenant.client() as c:
+        r = c.put(tenant.folder("agent", agent) + "/content", params={"path": "template.txt"},
+                  content=b"same bytes\n", headers=OCTET)  # fmt: skip
+        assert r.status_code in (200, 201), r.text
+    # Uploading 100,000 files through the API would take minutes: clone the
+    # template's row in SQL instead (same object, fresh paths and versions).
+    with tenant.controller.db() as conn:
+        conn.execute(
+            "INSERT INTO files (id, folder_id, path, parent, kind, digest, byte_size, executable,"
+            " version) SELECT gen_random_uuid(), folder_id,"
+            " 'bulk/d' || lpad((i %% 100)::text, 3, '0') || '/f' || lpad(i::text, 6, '0'),"
+            " 'bulk/d' || lpad((i %% 100)::text, 3, '0'), kind, digest, byte_size, false,"
+            " nextval('file_version_seq')"
+            " FROM files, generate_series(1, 99999) AS i WHERE path = 'template.txt'"
+            " AND folder_id = (SELECT folder_id FROM files WHERE path = 'template.txt'"
+            " AND digest = %s LIMIT 1)",
+            (hashlib.sha256(b"same bytes\n").hexdigest(),),
+        )
+    token_file = mounts.base / "token"
+    token_file.write_text(str(run["token"]))
+    started = time.monotonic()
+    m = mounts.mount(tenant.controller.url, token_file=token_file)
+    seconds = time.monotonic() - started
+    print(f"\n100,000 entries from the controller: mounted in {seconds:.2f}s")
+    assert seconds < 60, f"mount took {seconds:.1f}s"
+    assert len(os.listdir(m.mountpoint / "bulk")) == 100
+    assert (
+        sum(len(os.listdir(m.mountpoint / "bulk" / d)) for d in os.listdir(m.mountpoint / "bulk"))
+        == 99_999
+    )
+    assert (m.mountpoint / "bulk" / "d042" / "f000042").read_bytes() == b"same bytes\n"
+    assert m.changes() == {}
