@@ -14,6 +14,7 @@ controller.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -139,6 +140,8 @@ class FsagentMount:
     user: int | None = None
     """Run the daemon as this uid (and the same gid), e.g. an unprivileged agent user."""
     env: dict[str, str] | None = None
+    fuse_conn: int | None = None
+    """Minor device number of the mount = its /sys/fs/fuse/connections entry."""
 
     def argv(self) -> list[str]:
         argv = [
@@ -175,6 +178,8 @@ class FsagentMount:
                 code = self.proc.returncode
                 pytest.fail(f"fsagent exited with {code} before mounting:\n{self.stderr_text}")
             if is_mounted(self.mountpoint):
+                with contextlib.suppress(OSError):
+                    self.fuse_conn = os.minor(os.stat(self.mountpoint).st_dev)
                 return self
             time.sleep(0.02)
         self.stop()
@@ -191,7 +196,7 @@ class FsagentMount:
             )
         if self.proc is None:
             return None
-        for action in (None, self.proc.terminate, self.proc.kill):
+        for action in (None, self.proc.terminate, self.proc.kill, self.abort_connection):
             if action is not None:
                 action()
             try:
@@ -199,6 +204,13 @@ class FsagentMount:
             except subprocess.TimeoutExpired:
                 continue
         return self.proc.wait()
+
+    def abort_connection(self) -> None:
+        """Last resort: a daemon stuck in the kernel cannot even die until its FUSE
+        connection is aborted (and neither can a test blocked on the mount)."""
+        if self.fuse_conn is not None:
+            with contextlib.suppress(OSError):
+                Path(f"/sys/fs/fuse/connections/{self.fuse_conn}/abort").write_text("1")
 
     def signal(self, sig: int, timeout: float = 30.0) -> int:
         """Send ``sig`` and wait for the daemon to exit (it unmounts itself)."""
