@@ -567,8 +567,12 @@ class WorkFolderFS(pyfuse3.Operations):
                 except Exception as exc:  # any fetch failure is EIO for the reader
                     log.error("open of inode %d: content unavailable: %s", ino, exc)
                     raise _err(errno.EIO) from None
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                upper = False
+                if self._inode(ino).upper:  # copied up (e.g. truncated) while we fetched
+                    fd = os.open(self.store.upper / str(ino), os.O_RDWR | os.O_CLOEXEC)
+                    upper = True
+                else:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    upper = False
             if ino in self.files:  # another open won the race while we fetched
                 os.close(fd)
             else:
