@@ -6,7 +6,7 @@ is bound to; ``{scope}`` is one of task/agent/user/project and the owner is
 taken from the run's binding, never from the client.
 
 ``GET /bridge/v1/run``
-    ``{"runId", "companyId", "agentId", "leaseEpoch", "active",
+    ``{"runId", "companyId", "agentId", "leaseEpoch", "active", "refreshRequested",
     "bindings": {"task": ownerId|null, "agent": ownerId, "user": ownerId|null,
     "project": ownerId|null}}``
 
@@ -69,6 +69,10 @@ MANIFEST_PAGE_MAX: Final = 5000
 #
 # ``POST /bridge/v1/run/report``  ``{"state": "saving"|"failed", "error"?}``
 #     fsagent reports that a save started or that it gave up, so /sync shows it.
+#
+# ``POST /bridge/v1/run/refresh-applied``
+#     After a successful final save fsagent took the server's changes because
+#     ``GET /run`` said ``refreshRequested``; this clears the request.
 
 
 CHUNK_MAX: Final = 4 << 20

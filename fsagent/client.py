@@ -326,6 +326,13 @@ class HttpBridgeClient(BridgeClient):
         )
         return result
 
+    async def refresh_requested(self) -> bool:
+        body = await self._get_json(PREFIX + "/run", "GET run")
+        return bool(body.get("refreshRequested"))
+
+    async def refresh_applied(self) -> None:
+        await self._send_json(PREFIX + "/run/refresh-applied", "refresh applied", {})
+
     async def report_state(self, state: str, error: str | None = None) -> None:
         await self._send_json(
             PREFIX + "/run/report", f"report {state}", {"state": state, "error": error}

@@ -42,7 +42,7 @@ import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent.client import BridgeClient, HttpBridgeClient, ManifestEntry
-from fsagent.errors import MountFailed, ResyncRequired
+from fsagent.errors import FsagentError, MountFailed, ResyncRequired
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher, hydrate_manifest
 from fsagent.ship import SaveFailed, Shipper, checkpoint_loop
@@ -189,6 +189,18 @@ async def warm_start(store: Store, client: HttpBridgeClient, shipper: Shipper, s
         # Keep the local copy authoritative: incoming changes are skipped for
         # every path the journal lists anyway, and the error stays visible.
         print(f"fsagent: warm start could not save earlier changes: {exc}", file=sys.stderr)
+    applied = await take_incoming(store, client, scope)
+    if applied:
+        print(
+            f"fsagent: warm start took {applied} newer change(s) from the server", file=sys.stderr
+        )
+
+
+async def take_incoming(store: Store, client: HttpBridgeClient, scope: str) -> int:
+    """Apply the server's changes since the baseline to paths not changed locally.
+
+    Only while nothing is mounted: the kernel must not cache what changes here.
+    """
     since = store.baseline().high_water
     incoming: list[ManifestRow | tuple[str, bool]] = []
     high_water = since
@@ -199,13 +211,22 @@ async def warm_start(store: Store, client: HttpBridgeClient, shipper: Shipper, s
                 incoming.append((e.path, True) if e.deleted else _row(e))
     except ResyncRequired:
         log.warning("changes since %d are incomplete on the server; keeping local state", since)
-        return
+        return 0
     applied = store.apply_incoming(incoming)
     store.acknowledge([], high_water)
-    if applied:
-        print(
-            f"fsagent: warm start took {applied} newer change(s) from the server", file=sys.stderr
-        )
+    return applied
+
+
+async def refresh_after_stop(store: Store, client: HttpBridgeClient, scope: str) -> None:
+    """An explicit refresh waits for the run to stop and its final save to succeed."""
+    try:
+        if not await client.refresh_requested():
+            return
+        applied = await take_incoming(store, client, scope)
+        await client.refresh_applied()
+        print(f"fsagent: refresh applied ({applied} change(s) from the server)", file=sys.stderr)
+    except FsagentError as exc:
+        print(f"fsagent: refresh not applied, next start takes the changes: {exc}", file=sys.stderr)
 
 
 def _row(e: ManifestEntry) -> ManifestRow:
@@ -296,6 +317,8 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
                 daemon_file.unlink(missing_ok=True)
         # Unmounted from outside (fusermount3 -u): the run is stopping; save.
         await _final_save(shipper, stop)
+        if shipper is not None and stop.saved:
+            await refresh_after_stop(store, shipper.client, opts.scope)
     finally:
         store.close()
         if scratch is not None:

@@ -812,6 +812,12 @@ class Store:
 
     # --- checkpoints ----------------------------------------------------------
 
+    def base_entry(self, path: str) -> BaseEntry | None:
+        """What the controller held at ``path`` as of the baseline."""
+        with self._env.begin() as txn:
+            raw = txn.get(path.encode("utf-8"), db=self._base)
+        return None if raw is None else BaseEntry.decode(raw)
+
     def pending_checkpoint(self) -> dict[str, Any] | None:
         """The checkpoint in flight: its operation id, and once committing, its exact body."""
         with self._env.begin() as txn:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from fsagent.store import Store
 from tests.controller_helper import Tenant
 from tests.fuse_helper import FsagentMount, MountFactory
 
@@ -142,3 +143,41 @@ def test_sigterm_final_save_and_periodic_checkpoints(mounts: MountFactory, tenan
     with tenant.client() as c:
         sync = c.get(tenant.folder("task", run["task"]) + "/sync").json()["runs"][0]
     assert sync["finalCheckpointAt"] is not None and sync["state"] == "saved"
+
+
+def test_refresh_waits_for_the_final_save(mounts: MountFactory, tenant: Tenant) -> None:
+    run = start_run(tenant)
+    folder = tenant.folder("task", run["task"])
+    with tenant.client() as c:
+        c.put(folder + "/content", params={"path": "shared.txt"}, content=b"v1", headers=OCTET)
+    m = mounts.mount(tenant.controller.url, scope="task", token_file=token_file(mounts, run))
+    assert (m.mountpoint / "shared.txt").read_bytes() == b"v1"
+    (m.mountpoint / "mine.txt").write_bytes(b"agent work")
+    with tenant.client() as c:
+        c.put(
+            folder + "/content",
+            params={"path": "shared.txt"},
+            content=b"v2 by a person",
+            headers=OCTET,
+        )
+        r = c.post(folder + "/refresh", json={"runId": run["run_id"]})
+        assert r.status_code == 202
+    # No background refresh while the agent works: the mount still shows v1.
+    assert (m.mountpoint / "shared.txt").read_bytes() == b"v1"
+    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+    assert "refresh applied" in m.stderr()
+    assert server_files(tenant, "task", run["task"]) == {
+        "shared.txt": b"v2 by a person",
+        "mine.txt": b"agent work",
+    }
+    with tenant.client() as c:
+        sync = c.get(folder + "/sync").json()["runs"][0]
+    assert sync["refreshRequested"] is False
+    # The state dir took v2 after the final save (not at the next start).
+    store = Store.open(m.state_dir, readonly=True)
+    try:
+        assert store.changes_since_baseline() == []
+        base = store.base_entry("shared.txt")
+    finally:
+        store.close()
+    assert base is not None and base.digest == hashlib.sha256(b"v2 by a person").hexdigest()

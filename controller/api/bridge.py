@@ -103,8 +103,11 @@ async def get_run(request: Request) -> Response:
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         user_ok = await run_may_use_user_folder(conn, run)
+        cur = await conn.execute("SELECT refresh_requested FROM runs WHERE id = %s", (run.run_id,))
+        row = await cur.fetchone()
     return JSONResponse(
         {
+            "refreshRequested": bool(row and row["refresh_requested"]),
             "runId": run.run_id,
             "companyId": run.company_id,
             "agentId": run.agent_id,
@@ -385,6 +388,15 @@ async def commit_checkpoint(request: Request) -> Response:
 
 
 @json_errors
+async def refresh_applied(request: Request) -> Response:
+    """fsagent took the server's changes after its final save: the request is done."""
+    async with connection(request) as conn:
+        run = await bound_run(request, conn)
+        await conn.execute("UPDATE runs SET refresh_requested = false WHERE id = %s", (run.run_id,))
+    return JSONResponse({"refreshRequested": False})
+
+
+@json_errors
 async def report(request: Request) -> Response:
     body = await read_json(request)
     new_state = body.get("state")
@@ -402,6 +414,7 @@ async def report(request: Request) -> Response:
 
 routes += [
     Route(PREFIX + "/run/report", report, methods=["POST"]),
+    Route(PREFIX + "/run/refresh-applied", refresh_applied, methods=["POST"]),
     Route(PREFIX + "/folders/{scope}/uploads", upload, methods=["PUT"]),
     Route(PREFIX + "/folders/{scope}/checkpoints", commit_checkpoint, methods=["POST"]),
 ]
