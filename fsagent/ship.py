@@ -200,6 +200,7 @@ class Shipper:
 
         async def frames() -> AsyncIterator[bytes]:
             nonlocal sent
+            sent = 0  # called again for each attempt: count this attempt's bytes only
             fh = await trio.to_thread.run_sync(lambda: open(path, "rb"))  # noqa: SIM115
             try:
                 while True:
