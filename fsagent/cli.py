@@ -22,6 +22,7 @@ found problems.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -68,12 +69,29 @@ def _client(args: argparse.Namespace) -> BridgeClient:
 # --- mount ---------------------------------------------------------------------
 
 
+def detach_dead_mount(mountpoint: Path) -> None:
+    """Detach the mount a crashed fsagent left behind (ENOTCONN), so a restart can mount.
+
+    Only a dead FUSE connection is detached; a live mount is left alone and
+    the new mount then fails with a clear message.
+    """
+    try:
+        os.stat(mountpoint)
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            return
+        log.warning("%s: detaching the dead mount of a previous fsagent", mountpoint)
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False,
+                       capture_output=True)  # fmt: skip
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     from fsagent.mount import MountOptions, serve
 
     if args.scope not in SCOPES:
         raise FsagentError(f"scope must be one of {', '.join(SCOPES)}")
     mountpoint = Path(args.mountpoint)
+    detach_dead_mount(mountpoint)
     if not mountpoint.is_dir():
         raise MountFailed(f"mountpoint {mountpoint} is not an existing directory")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_root() / args.scope

@@ -15,6 +15,7 @@ controller.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -115,6 +116,16 @@ def is_mounted(path: Path) -> bool:
     allow_other cannot be stat()ed, not even by root."""
     if os.path.ismount(path):
         return True
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno != errno.EACCES:
+            return False  # absent, or the dead mount of a crashed daemon (ENOTCONN)
+    return in_mount_table(path)
+
+
+def in_mount_table(path: Path) -> bool:
+    """Whether anything, alive or dead, is mounted at ``path``."""
     target = os.path.realpath(path).encode()
     with open("/proc/self/mountinfo", "rb") as fh:
         for line in fh:
@@ -164,7 +175,11 @@ class FsagentMount:
 
     def start(self, timeout: float = 60.0) -> FsagentMount:
         """Start the daemon; return once mounted, or fail with its stderr."""
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        try:
+            self.mountpoint.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:  # a crashed daemon's mount: fsagent detaches it
+                raise
         self.stderr_path = Path(tempfile.mkstemp(prefix="fsagent-stderr-")[1])
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
@@ -190,7 +205,7 @@ class FsagentMount:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """Unmount lazily, then wait / terminate / kill; returns the exit code."""
-        if is_mounted(self.mountpoint):
+        if in_mount_table(self.mountpoint):
             subprocess.run(
                 ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
             )

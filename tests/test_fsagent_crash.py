@@ -12,9 +12,11 @@ journal's change set.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -125,3 +127,16 @@ def test_kill9_loses_no_acknowledged_write(mounts: MountFactory) -> None:
             assert changes[name]["size"] == (mp / name).stat().st_size, name
     print(f"kill -9: 4 rounds, {total_acks} acknowledged writes, {len(acked)} files verified")
     assert m.signal(15) == 0
+
+
+def test_restart_after_kill9_detaches_the_dead_mount(mounts: MountFactory) -> None:
+    m = mounts.mount()
+    (m.mountpoint / "closed").write_bytes(b"before the crash")
+    assert m.proc is not None
+    m.proc.send_signal(signal.SIGKILL)
+    m.proc.wait(timeout=10)
+    with pytest.raises(OSError) as info:
+        os.stat(m.mountpoint)
+    assert info.value.errno == errno.ENOTCONN  # the dead mount is still attached
+    again = mounts.mount(m.controller, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    assert (again.mountpoint / "closed").read_bytes() == b"before the crash"
