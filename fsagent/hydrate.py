@@ -22,31 +22,59 @@ import trio
 from common.errors import InvalidPath
 from common.paths import validate_path
 from common.types import Digest
-from fsagent.client import BridgeClient
+from fsagent.client import BridgeClient, ManifestEntry, ManifestPage
 from fsagent.errors import ObjectUnavailable
 from fsagent.store import EMPTY_DIGEST, ManifestRow, Store
 
 log = logging.getLogger(__name__)
 
 
+def _valid_rows(entries: list[ManifestEntry]) -> list[ManifestRow]:
+    rows = []
+    for entry in entries:
+        if entry.deleted:
+            continue
+        try:
+            validate_path(entry.path)
+        except InvalidPath:
+            # The controller validates paths; one that slips through is not
+            # worth failing the whole mount over, but must not be shown.
+            log.warning("skipping manifest entry with invalid path %r", entry.path)
+            continue
+        rows.append(entry.row())
+    return rows
+
+
 async def hydrate_manifest(store: Store, client: BridgeClient, scope: str) -> tuple[int, float]:
-    """Read the folder's full manifest into the store; returns (entries, seconds)."""
+    """Read the folder's full manifest into the store; returns (entries, seconds).
+
+    Pages are requested back to back: while the controller prepares the next
+    page, a worker thread validates the previous one.  The tree is written in
+    one transaction at the end (:meth:`Store.hydrate`), so a failure leaves
+    nothing behind.
+    """
     started = time.monotonic()
     rows: list[ManifestRow] = []
     high_water = 0
-    async for page in client.iter_manifest(scope, 0):
-        high_water = page.high_water
-        for entry in page.entries:
-            if entry.deleted:
-                continue
-            try:
-                validate_path(entry.path)
-            except InvalidPath:
-                # The controller validates paths; one that slips through is not
-                # worth failing the whole mount over, but must not be shown.
-                log.warning("skipping manifest entry with invalid path %r", entry.path)
-                continue
-            rows.append(entry.row())
+    send, receive = trio.open_memory_channel[ManifestPage](2)
+
+    async def fetch_pages() -> None:
+        async with send:
+            async for page in client.iter_manifest(scope, 0):
+                await send.send(page)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch_pages)
+            async with receive:
+                async for page in receive:
+                    high_water = page.high_water
+                    rows.extend(await trio.to_thread.run_sync(_valid_rows, page.entries))
+    except BaseExceptionGroup as group:
+        # Report the client's own error (ControllerRefused, ...) as it is.
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
+            raise group.exceptions[0] from None
+        raise
     await trio.to_thread.run_sync(store.hydrate, rows, high_water)
     return len(rows), time.monotonic() - started
 
