@@ -326,6 +326,9 @@ def test_sync_panel_shows_a_runs_save_state(page: Page, tenant: Tenant) -> None:
     # Asking for a refresh reaches the run.
     item.get_by_role("button", name="Request refresh for Builder Bot").click()
     expect(item.locator(".refresh-note")).to_contain_text("Refresh requested")
+    requested = item.get_by_role("button", name="Refresh requested for Builder Bot")
+    expect(requested).to_have_attribute("aria-disabled", "true")
+    expect(requested).to_be_focused()
     with tenant.client() as client:
         runs = client.get(tenant.folder("task", task) + "/sync").json()["runs"]
     assert [r["refreshRequested"] for r in runs if r["runId"] == run["run_id"]] == [True]

@@ -1421,7 +1421,12 @@ export class FolderPage {
     const unchanged =
       items.length === this.runList.children.length &&
       items.every((li, i) => this.runList.children[i] === li);
-    if (!unchanged) this.runList.replaceChildren(...items);
+    if (unchanged) return;
+    const focusedRun = document.activeElement?.closest?.(".runs li[data-run-id]");
+    this.runList.replaceChildren(...items);
+    if (focusedRun && !focusedRun.isConnected) {
+      this.runItems.get(focusedRun.dataset.runId)?.li.querySelector("button")?.focus();
+    }
   }
 
   runItem(run, note) {
@@ -1431,26 +1436,27 @@ export class FolderPage {
     const refreshError = h("p", { class: "error", role: "alert" });
     let refresh = null;
     if (run.active && !this.readOnly) {
-      refresh = h(
-        "button",
-        {
-          type: "button",
-          class: "small",
-          disabled: run.refreshRequested,
-          "aria-label": `Request refresh for ${agent}`,
-        },
-        run.refreshRequested ? "Refresh requested" : "Request refresh",
-      );
+      // aria-disabled rather than disabled: a disabled button drops keyboard
+      // focus to the top of the page right after it was pressed.
+      refresh = h("button", { type: "button", class: "small refresh" });
+      const showRequested = (requested) => {
+        const label = requested ? "Refresh requested" : "Request refresh";
+        refresh.textContent = label;
+        refresh.setAttribute("aria-label", `${label} for ${agent}`);
+        refresh.setAttribute("aria-disabled", String(requested));
+      };
+      showRequested(run.refreshRequested);
       refresh.addEventListener("click", async () => {
-        refresh.disabled = true;
+        if (refresh.getAttribute("aria-disabled") === "true") return;
+        refresh.setAttribute("aria-disabled", "true");
         refreshError.textContent = "";
         try {
           await this.api.requestRefresh(run.runId);
-          refresh.textContent = "Refresh requested";
+          showRequested(true);
           refreshNote.textContent =
             "Refresh requested: the agent picks up changes at its next safe point.";
         } catch (err) {
-          refresh.disabled = false;
+          showRequested(false);
           refreshError.textContent = `Could not request a refresh: ${this.explain(err)}`;
         }
       });
