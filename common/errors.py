@@ -83,6 +83,45 @@ class IsADirectory(WorkFolderError):
     message = "Path is a directory"
 
 
+class CsrfFailed(WorkFolderError):
+    code = "csrf_failed"
+    status = 403
+    message = "Missing or wrong X-CSRF-Token for a cookie-authenticated write"
+
+
+class MembershipRevoked(WorkFolderError):
+    code = "membership_revoked"
+    status = 403
+    message = "The run's responsible user is no longer a member; the user folder was not saved"
+
+
+class ResyncRequired(WorkFolderError):
+    code = "resync_required"
+    status = 410
+    message = "Changes since that version are no longer complete; list from since=0"
+
+
+class BadFrame(ValidationError):
+    """A corrupt upload frame (bridge uploads)."""
+
+    code = "bad_frame"
+
+    def __init__(self, reason: str = "Corrupt upload frame") -> None:
+        super().__init__([{"field": "body", "code": "bad_frame", "message": reason}])
+
+
+class UnknownContent(WorkFolderError):
+    code = "unknown_content"
+    status = 422
+    message = "Checkpoint references content that is not visible to this folder"
+
+
+class DigestMismatch(WorkFolderError):
+    code = "digest_mismatch"
+    status = 422
+    message = "Uploaded bytes do not match the declared digest or length"
+
+
 class Conflict(WorkFolderError):
     code = "conflict"
     status = 409

@@ -23,7 +23,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from common.bridge import MAX_CHECKPOINT_ENTRIES
-from common.errors import IdempotencyConflict, StaleLease, ValidationError, WorkFolderError
+from common.errors import IdempotencyConflict, StaleLease, UnknownContent, ValidationError
 from common.paths import validate_path
 from controller import apply
 from controller.auth import RunBinding
@@ -34,12 +34,6 @@ _OP_FIELDS = {
     "mkdir": {"op", "path"},
     "delete": {"op", "path"},
 }
-
-
-class UnknownContent(WorkFolderError):
-    code = "unknown_content"
-    status = 422
-    message = "Checkpoint references content that is not visible to this folder"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import re
 import tempfile
@@ -21,7 +20,7 @@ import xxhash
 import zstandard
 from psycopg import AsyncConnection
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.bridge import (
@@ -32,29 +31,31 @@ from common.bridge import (
     PREFIX,
 )
 from common.errors import (
+    BadFrame,
+    DigestMismatch,
+    MembershipRevoked,
     NotFound,
     PayloadTooLarge,
-    RangeNotSatisfiable,
+    ResyncRequired,
     StaleLease,
     Unauthenticated,
+    UnknownContent,
     ValidationError,
-    WorkFolderError,
 )
 from common.paths import validate_scope
 from controller import apply
 from controller.api.common import authenticate, connection, json_errors, read_json, state
-from controller.api.workfolders import _spool_append, parse_range, put_object, stream_object
+from controller.api.workfolders import (
+    _spool_append,
+    object_response,
+    put_object,
+    reupload_if_missing,
+)
 from controller.auth import RunBinding, run_may_use_user_folder
-from controller.checkpoint import UnknownContent, apply_checkpoint, parse_checkpoint
+from controller.checkpoint import apply_checkpoint, parse_checkpoint
 from controller.storage.base import ObjectMissing, object_key
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
-
-
-class ResyncRequired(WorkFolderError):
-    code = "resync_required"
-    status = 410
-    message = "Changes since that version are no longer complete; list from since=0"
 
 
 async def bound_run(request: Request, conn: AsyncConnection[Any]) -> RunBinding:
@@ -180,27 +181,9 @@ async def get_object(request: Request) -> Response:
         row = await cur.fetchone()
     if row is None:
         raise NotFound("Object not found")
-    size = int(row["byte_size"])
     headers = {"Cache-Control": "private, no-store", "Accept-Ranges": "bytes"}
-    start, end, status = 0, size, 200
-    range_header = request.headers.get("range")
-    if range_header and size > 0:
-        try:
-            start, end = parse_range(range_header, size)
-        except RangeNotSatisfiable as exc:
-            return JSONResponse(exc.to_json(), exc.status, {"Content-Range": f"bytes */{size}"})
-        status = 206
-        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-    headers["Content-Length"] = str(end - start)
     key = object_key(run.company_id, digest)
-    if end == start:
-        return Response(b"", status_code=status, headers=headers)
-    return StreamingResponse(
-        stream_object(request, key, start, end),
-        status_code=status,
-        headers=headers,
-        media_type="application/octet-stream",
-    )
+    return object_response(request, key, int(row["byte_size"]), headers, "application/octet-stream")
 
 
 routes = [
@@ -211,24 +194,6 @@ routes = [
 
 
 # --- writes ------------------------------------------------------------------
-
-
-class MembershipRevoked(WorkFolderError):
-    code = "membership_revoked"
-    status = 403
-    message = "The run's responsible user is no longer a member; the user folder was not saved"
-
-
-class DigestMismatch(WorkFolderError):
-    code = "digest_mismatch"
-    status = 422
-    message = "Uploaded bytes do not match the declared digest or length"
-
-
-class BadFrame(WorkFolderError):
-    code = "bad_frame"
-    status = 400
-    message = "Corrupt upload frame"
 
 
 async def writable_folder(
@@ -330,11 +295,7 @@ async def upload(request: Request) -> Response:
             raise DigestMismatch(details=[{"digest": digest, "byteSize": size}])
         key = object_key(run.company_id, digest)
         await put_object(request, key, spool, size, digest)
-
-        async def ensure(k: str) -> None:
-            if not await asyncio.to_thread(st.storage.exists, k):
-                await put_object(request, k, spool, size, digest)
-
+        ensure = reupload_if_missing(request, spool, size, digest)
         async with connection(request) as conn:
             await apply.register_object(conn, run.company_id, digest, size, ensure)
             await conn.execute(
@@ -358,15 +319,7 @@ async def upload(request: Request) -> Response:
 @json_errors
 async def commit_checkpoint(request: Request) -> Response:
     st = state(request)
-    raw = await request.body()
-    if len(raw) > MAX_CHECKPOINT_BODY:
-        raise PayloadTooLarge("Checkpoint body too large")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ValidationError.single("body", "invalid_json", "body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ValidationError.single("body", "invalid_json", "body must be a JSON object")
+    body = await read_json(request, MAX_CHECKPOINT_BODY)
     cp = parse_checkpoint(body)
     async with connection(request) as conn:
         run = await bound_run(request, conn)

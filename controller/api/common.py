@@ -16,7 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from common.errors import (
+    CsrfFailed,
     DatabaseUnavailable,
+    PayloadTooLarge,
     Unauthenticated,
     ValidationError,
     WorkFolderError,
@@ -28,12 +30,6 @@ from controller.storage.base import StorageProvider
 log = logging.getLogger("controller.api")
 
 SESSION_COOKIE = "fsa_session"
-
-
-class CsrfFailed(WorkFolderError):
-    code = "csrf_failed"
-    status = 403
-    message = "Missing or wrong X-CSRF-Token for a cookie-authenticated write"
 
 
 @dataclass
@@ -105,15 +101,20 @@ async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principa
     raise Unauthenticated()
 
 
-async def read_json(request: Request) -> dict[str, Any]:
+async def read_json(request: Request, max_bytes: int = 64 * 1024) -> dict[str, Any]:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise ValidationError.single(
             "Content-Type", "invalid_content_type", "body must be application/json"
         )
-    raw = await request.body()
-    if len(raw) > 64 * 1024:
-        raise ValidationError.single("body", "too_large", "JSON body is larger than 64 KiB")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(f"JSON body is larger than {max_bytes} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise PayloadTooLarge(f"JSON body is larger than {max_bytes} bytes")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):

@@ -270,21 +270,25 @@ async def get_content(request: Request) -> Response:
     size = int(row["byte_size"])
     if preview and size > MAX_PREVIEW_BYTES:
         raise PayloadTooLarge(f"Previews are limited to {MAX_PREVIEW_BYTES} bytes")
-    headers = content_headers(row)
+    key = object_key(address[0], row["digest"])
+    media_type = row["content_type"] or "application/octet-stream"
+    return object_response(request, key, size, content_headers(row), media_type)
+
+
+def object_response(
+    request: Request, key: str, size: int, headers: dict[str, str], media_type: str
+) -> Response:
+    """Stream a stored object, honouring one ``Range`` (206) or refusing it (416)."""
     start, end, status = 0, size, 200
     range_header = request.headers.get("range")
     if range_header and size > 0:
         try:
             start, end = parse_range(range_header, size)
         except RangeNotSatisfiable as exc:
-            resp = JSONResponse(exc.to_json(), status_code=exc.status)
-            resp.headers["Content-Range"] = f"bytes */{size}"
-            return resp
+            return JSONResponse(exc.to_json(), exc.status, {"Content-Range": f"bytes */{size}"})
         status = 206
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
     headers["Content-Length"] = str(end - start)
-    key = object_key(address[0], row["digest"])
-    media_type = row["content_type"] or "application/octet-stream"
     if request.method == "HEAD" or end == start:
         return Response(b"", status_code=status, headers=headers, media_type=media_type)
     return StreamingResponse(
@@ -378,11 +382,7 @@ async def put_content(request: Request) -> Response:
     created_blob = False
     try:
         created_blob = await put_object(request, key, spool, size, digest)
-
-        async def ensure(k: str) -> None:
-            if not await asyncio.to_thread(st.storage.exists, k):
-                await put_object(request, k, spool, size, digest)
-
+        ensure = reupload_if_missing(request, spool, size, digest)
         async with connection(request) as conn:
             result = await apply.put_file(
                 conn,
@@ -413,6 +413,19 @@ async def put_object(request: Request, key: str, spool: Path, size: int, digest:
         raise
     except OSError as exc:
         raise StorageUnavailable(f"storing object failed: {exc}") from exc
+
+
+def reupload_if_missing(
+    request: Request, spool: Path, size: int, digest: str
+) -> apply.EnsureObject:
+    """Inside the commit, with the object's row locked: bring the bytes back if a
+    GC sweep removed them after our upload (see ``apply.register_object``)."""
+
+    async def ensure(key: str) -> None:
+        if not await asyncio.to_thread(state(request).storage.exists, key):
+            await put_object(request, key, spool, size, digest)
+
+    return ensure
 
 
 async def journal_orphan(request: Request, company_id: str, digest: str) -> None:
