@@ -46,7 +46,7 @@ from common.paths import validate_scope
 from controller import apply
 from controller.api.common import authenticate, connection, json_errors, read_json, state
 from controller.api.workfolders import (
-    _spool_append,
+    spool_append,
     object_response,
     put_object,
     reupload_if_missing,
@@ -283,7 +283,7 @@ async def upload(request: Request) -> Response:
         try:
             async for chunk in request.stream():
                 for raw in reader.feed(chunk):
-                    await asyncio.to_thread(_spool_append, fd, hasher, raw)
+                    await asyncio.to_thread(spool_append, fd, hasher, raw)
         finally:
             os.close(fd)
         if not reader.done:

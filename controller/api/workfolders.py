@@ -302,7 +302,7 @@ def object_response(
 # --- PUT /content ----------------------------------------------------------
 
 
-def _spool_append(fd: int, hasher: Any, data: bytes) -> None:
+def spool_append(fd: int, hasher: Any, data: bytes) -> None:
     hasher.update(data)
     view = memoryview(data)
     while view:
@@ -332,9 +332,9 @@ async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Pat
             buf += chunk
             if len(buf) >= SPOOL_WRITE_BYTES:
                 data, buf = bytes(buf), bytearray()
-                await asyncio.to_thread(_spool_append, fd, hasher, data)
+                await asyncio.to_thread(spool_append, fd, hasher, data)
         if buf:
-            await asyncio.to_thread(_spool_append, fd, hasher, bytes(buf))
+            await asyncio.to_thread(spool_append, fd, hasher, bytes(buf))
     except BaseException:
         os.close(fd)
         os.unlink(path)
