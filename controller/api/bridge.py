@@ -46,10 +46,10 @@ from common.paths import validate_scope
 from controller import apply
 from controller.api.common import authenticate, connection, json_errors, read_json, state
 from controller.api.workfolders import (
-    spool_append,
     object_response,
     put_object,
     reupload_if_missing,
+    spool_append,
 )
 from controller.auth import RunBinding, run_may_use_user_folder
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
