@@ -47,15 +47,20 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture
-def page(browser: Browser, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Page]:
+def views(tmp_path: Path) -> ViewRecorder:
+    """Screenshots of the main views; copied to test-artifacts/ if the test fails."""
+    return ViewRecorder(tmp_path)
+
+
+@pytest.fixture
+def page(browser: Browser, views: ViewRecorder, request: pytest.FixtureRequest) -> Iterator[Page]:
     context = browser.new_context(accept_downloads=True, viewport={"width": 1280, "height": 900})
     context.set_default_timeout(15_000)
     page = context.new_page()
     console: list[str] = []
     page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
     page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-    recorder = ViewRecorder(page, tmp_path)
-    page.views = recorder  # type: ignore[attr-defined]
+    views.page = page
     failed_before = request.session.testsfailed
     try:
         yield page
@@ -64,13 +69,9 @@ def page(browser: Browser, request: pytest.FixtureRequest, tmp_path: Path) -> It
     finally:
         # The call phase's report is counted before fixtures are torn down.
         if request.session.testsfailed > failed_before:
-            kept = recorder.keep(request.node.name, console)
+            kept = views.keep(request.node.name, console)
             print(f"screenshots of the failing test: {kept}")
         context.close()
-
-
-def snap(page: Page, name: str) -> None:
-    page.views.snap(name)  # type: ignore[attr-defined]
 
 
 def folder_url(tenant: Tenant, scope: str, owner_id: str) -> str:
@@ -108,7 +109,9 @@ def trash_row(page: Page, path: str) -> Any:
     return page.locator(f'.trash-view tbody tr[data-path="{path}"]')
 
 
-def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant) -> None:
+def test_sign_in_upload_preview_download_and_sign_out(
+    page: Page, tenant: Tenant, views: ViewRecorder
+) -> None:
     base = tenant.controller.url
     notes = b"".join(f"line {i}: the quick brown fox\n".encode() for i in range(40))
     image = png_bytes(3, 2, (200, 30, 60))
@@ -116,7 +119,7 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     # Signed out, the page asks for a token and says plainly when it is wrong.
     page.goto(base + "/files/")
     expect(page.get_by_role("heading", name="Sign in to Files")).to_be_visible()
-    snap(page, "sign-in")
+    views.snap("sign-in")
     page.get_by_label("API token").fill("fsa_u_not-a-real-token")
     page.get_by_role("button", name="Sign in").click()
     expect(page.get_by_role("alert")).to_have_text(
@@ -128,7 +131,7 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     expect(page.get_by_role("link", name="My files")).to_be_visible()
     cookie = next(c for c in page.context.cookies() if c["name"] == "fsa_session")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
-    snap(page, "home")
+    views.snap("home")
 
     page.get_by_role("link", name="My files").click()
     expect(page).to_have_url(
@@ -179,13 +182,13 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     page.get_by_role("button", name="Preview notes.txt").click()
     preview = page.locator(".preview")
     expect(preview.locator("pre")).to_have_text(notes.decode())
-    snap(page, "folder-text-preview")
+    views.snap("folder-text-preview")
     page.get_by_role("button", name="Preview pixel.png").click()
     img = preview.get_by_role("img", name="Preview of pixel.png")
     expect(img).to_be_visible()
     page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=img.element_handle())
     assert img.evaluate("img => [img.naturalWidth, img.naturalHeight]") == [3, 2]
-    snap(page, "folder-image-preview")
+    views.snap("folder-image-preview")
 
     # Download through the browser: the very same bytes.
     with page.expect_download() as download_info:
@@ -215,7 +218,7 @@ def test_sign_in_upload_preview_download_and_sign_out(page: Page, tenant: Tenant
     expect(page.get_by_text("notes.txt")).to_have_count(0)
 
 
-def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant) -> None:
+def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant, views: ViewRecorder) -> None:
     folder = tenant.my_folder
     put_file(tenant, folder, "docs/a.txt", b"alpha")
     put_file(tenant, folder, "docs/b.txt", b"bravo")
@@ -237,7 +240,7 @@ def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant) -> None:
     # Restore brings the folder back with everything in it.
     tab(page, "Trash").click()
     expect(trash_row(page, "docs")).to_contain_text("Folder with 2 items")
-    snap(page, "trash")
+    views.snap("trash")
     trash_row(page, "docs").get_by_role("button", name="Restore docs").click()
     expect(page.get_by_role("status")).to_have_text("Restored docs.")
     expect(trash_row(page, "docs")).to_have_count(0)
@@ -257,7 +260,7 @@ def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant) -> None:
         "Cannot restore: a file or folder already exists at that path: docs"
     )
     expect(alert).to_contain_text("Move or delete what is there now, then restore again.")
-    snap(page, "trash-collision")
+    views.snap("trash-collision")
     assert len(api_entries(tenant, folder, trash=True)) == 3
 
     # Purge asks first; cancelling keeps the batch, confirming removes it for good.
@@ -272,7 +275,9 @@ def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant) -> None:
     assert [e["path"] for e in api_entries(tenant, folder)] == ["docs"]
 
 
-def test_sync_panel_shows_a_runs_save_state(page: Page, tenant: Tenant) -> None:
+def test_sync_panel_shows_a_runs_save_state(
+    page: Page, tenant: Tenant, views: ViewRecorder
+) -> None:
     ctl = tenant.controller
     agent = ctl.admin("create-agent", tenant.company_id, "Builder Bot")["id"]
     project = ctl.admin("create-project", tenant.company_id, "Website")["id"]
@@ -321,7 +326,7 @@ def test_sync_panel_shows_a_runs_save_state(page: Page, tenant: Tenant) -> None:
     # The agent's save is not a direct file operation.
     expect(page.locator(".files-updated time")).to_have_attribute("datetime", files_updated or "")
     expect(listing_row(page, "agent-notes")).to_be_visible()
-    snap(page, "sync-saved")
+    views.snap("sync-saved")
 
     # Asking for a refresh reaches the run.
     item.get_by_role("button", name="Request refresh for Builder Bot").click()
@@ -346,7 +351,9 @@ def test_sync_panel_shows_a_runs_save_state(page: Page, tenant: Tenant) -> None:
     expect(save_time).to_have_attribute("datetime", saved["lastSavedAt"])
 
 
-def test_another_members_user_folder_looks_like_a_missing_one(page: Page, tenant: Tenant) -> None:
+def test_another_members_user_folder_looks_like_a_missing_one(
+    page: Page, tenant: Tenant, views: ViewRecorder
+) -> None:
     other_id, other_token = tenant.new_member("member")
     other = Tenant(tenant.controller, tenant.company_id, other_id, other_token)
     put_file(other, other.my_folder, "secret.txt", b"private")
@@ -355,7 +362,7 @@ def test_another_members_user_folder_looks_like_a_missing_one(page: Page, tenant
     page.goto(tenant.controller.url + folder_url(tenant, "user", other_id))
     expect(page.get_by_role("alert")).to_have_text(NOT_FOUND_TEXT)
     private_view = page.locator("main").inner_text()
-    snap(page, "not-found")
+    views.snap("not-found")
 
     page.goto(tenant.controller.url + folder_url(tenant, "user", str(uuid.uuid4())))
     expect(page.get_by_role("alert")).to_have_text(NOT_FOUND_TEXT)
@@ -368,7 +375,9 @@ def test_another_members_user_folder_looks_like_a_missing_one(page: Page, tenant
     expect(listing_row(page, "secret.txt")).to_be_visible()
 
 
-def test_large_folder_pages_and_a_failed_upload_can_be_retried(page: Page, tenant: Tenant) -> None:
+def test_large_folder_pages_and_a_failed_upload_can_be_retried(
+    page: Page, tenant: Tenant, views: ViewRecorder
+) -> None:
     folder = tenant.my_folder
     with tenant.client() as client:
         for i in range(230):
@@ -413,7 +422,7 @@ def test_large_folder_pages_and_a_failed_upload_can_be_retried(page: Page, tenan
         "Could not upload late.txt: Could not reach the server. Check the connection and try again."
     )
     assert entry_by_path(api_entries(tenant, folder), "many/late.txt") is None
-    snap(page, "upload-failed")
+    views.snap("upload-failed")
     upload.get_by_role("button", name="Retry upload of late.txt").click()
     expect(upload.locator(".upload-state")).to_have_text("Uploaded")
     page.get_by_role("button", name="Next page").click()  # files sort after the folders
@@ -450,7 +459,9 @@ def minimal_pdf(text: str) -> bytes:
     return out
 
 
-def test_previews_of_pdf_binary_and_oversized_files(page: Page, tenant: Tenant) -> None:
+def test_previews_of_pdf_binary_and_oversized_files(
+    page: Page, tenant: Tenant, views: ViewRecorder
+) -> None:
     folder = tenant.my_folder
     pdf = minimal_pdf("Hello PDF")
     with tenant.client() as client:
@@ -474,7 +485,7 @@ def test_previews_of_pdf_binary_and_oversized_files(page: Page, tenant: Tenant) 
     expect(frame).to_be_visible()
     blob_url = frame.get_attribute("src")
     assert blob_url is not None and blob_url.startswith("blob:")
-    snap(page, "pdf-preview")
+    views.snap("pdf-preview")
 
     page.get_by_role("button", name="Preview blob.bin").click()
     expect(preview).to_contain_text("blob.bin is not text, an image or a PDF")

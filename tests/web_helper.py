@@ -89,11 +89,12 @@ def sign_in(page: Page, base_url: str, token: str, path: str = "/files/") -> Non
 class ViewRecorder:
     """Screenshots of the main views, kept only when the test fails."""
 
-    page: Page
     scratch: Path
+    page: Page | None = None
     taken: list[Path] = field(default_factory=list)
 
     def snap(self, name: str) -> None:
+        assert self.page is not None, "no page to take a screenshot of"
         path = self.scratch / f"{len(self.taken) + 1:02d}-{name}.png"
         self.page.screenshot(path=str(path), full_page=True)
         self.taken.append(path)
@@ -107,7 +108,8 @@ class ViewRecorder:
         for path in self.taken:
             shutil.copy(path, target / path.name)
         try:
-            self.page.screenshot(path=str(target / "at-failure.png"), full_page=True)
+            if self.page is not None:
+                self.page.screenshot(path=str(target / "at-failure.png"), full_page=True)
         except Exception as exc:  # the page may be gone; the rest is still useful
             console.append(f"(final screenshot failed: {exc})")
         (target / "console.log").write_text("\n".join(console) + "\n")
