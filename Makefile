@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_DIR ?= .demo
 DEMO_LISTEN ?= 127.0.0.1:8750
 
-.PHONY: deps deps-test demo test lint bench clean
+.PHONY: deps deps-test demo test lint bench bench-fs bench-checkpoint clean
 
 $(VENV)/.installed: pyproject.toml
 	packaging/install-deps.sh
@@ -32,6 +32,12 @@ lint: deps
 
 bench: deps
 	$(PY) -m bench.api_bench
+
+bench-fs: deps
+	$(PY) -m bench.fsops
+
+bench-checkpoint: deps
+	$(PY) -m bench.checkpoint
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache
