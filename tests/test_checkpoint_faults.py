@@ -10,6 +10,7 @@ PostgreSQL, and the change set left in the sandbox's journal.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -540,6 +541,63 @@ def test_new_run_for_the_sandbox_fences_the_old_mount(mounts: MountFactory, tena
     assert m.signal(signal.SIGTERM) != 0
     assert set(m.changes()) == {"a.txt", "b.txt"}
     assert server_files(tenant, "task", task) == {"a.txt": b"saved before the new lease"}
+
+
+# --- 7. sandbox disk full -------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(mounts: MountFactory) -> Iterator[Path]:
+    """A 64 MiB tmpfs for the state dir; unmounted after the test's mounts stop."""
+    where = mounts.base / "small-disk"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        mounts.close()
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_disk_full_agent_gets_enospc_and_the_final_save_keeps_what_was_written(
+    mounts: MountFactory, tenant: Tenant, small_disk: Path
+) -> None:
+    run = start_run(tenant)
+    m = mounts.mount(
+        tenant.controller.url,
+        scope="task",
+        state_dir=small_disk / "state",
+        token_file=token_file(mounts, run),
+    )
+    written: dict[str, bytes] = {}
+    failed: OSError | None = None
+    for i in range(40):  # 40 x 4 MiB cannot fit on 64 MiB
+        name, data = f"out{i:02}.bin", os.urandom(4 << 20)
+        try:
+            with open(m.mountpoint / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            failed = exc
+            break
+        written[name] = data
+    assert failed is not None and failed.errno == errno.ENOSPC, failed
+    assert len(written) >= 8, sorted(written)
+    # The last file's write failed during writeback. The kernel's writeback
+    # cache keeps its own size and pages for it (it may show all of ``data``),
+    # while fsagent holds only what reached the disk: what can be saved is a
+    # prefix of what the agent wrote, never other bytes.
+    # Small metadata changes still work on a full disk (that is how an agent makes room).
+    os.rename(m.mountpoint / "out00.bin", m.mountpoint / "first.bin")
+    written["first.bin"] = written.pop("out00.bin")
+
+    assert m.signal(signal.SIGTERM, timeout=120) == 0, m.stderr()
+    saved = server_files(tenant, "task", run["task"])
+    assert {k: v for k, v in saved.items() if k != name} == written
+    partial = saved.get(name)
+    assert partial is None or data.startswith(partial), len(partial)
+    assert journal(m) == set()  # everything on the full disk was saved
 
 
 # --- 8. user folder of a removed member ---------------------------------------------------
