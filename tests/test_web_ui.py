@@ -530,3 +530,38 @@ def test_viewer_gets_a_read_only_page_and_writes_need_the_csrf_header(
     )
     assert status == [403, "csrf_failed"]
     assert entry_by_path(api_entries(tenant, tenant.folder("project", project)), "forged") is None
+
+
+def test_trash_pages_keep_each_deleted_folder_whole(page: Page, tenant: Tenant) -> None:
+    folder = tenant.my_folder
+    with tenant.client() as client:
+
+        def operate(action: str, path: str) -> None:
+            resp = client.post(folder + "/operations", json={"action": action, "path": path})
+            assert resp.status_code == 200, resp.text
+
+        for i in range(250):
+            operate("mkdir", f"big/d{i:03d}")
+        operate("delete", "big")  # one batch of 251 entries, deleted first
+        for i in range(205):
+            operate("mkdir", f"small{i:03d}")
+            operate("delete", f"small{i:03d}")  # 205 batches, newer than "big"
+    sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
+    tab(page, "Trash").click()
+    rows = page.locator(".trash-view tbody tr")
+    summary = page.locator(".trash-view .list-summary")
+    expect(rows).to_have_count(200)
+    expect(summary).to_have_text(
+        "Showing 1–200 of the first 200 deleted items; the trash has more."
+    )
+    expect(rows.first).to_have_attribute("data-path", "small204")
+    page.get_by_role("button", name="Next page").click()
+    expect(summary).to_have_text("Showing 201–206 of 206 deleted items.")
+    expect(rows).to_have_count(6)
+    # The big folder spans three API pages and still shows as one whole batch.
+    expect(trash_row(page, "big")).to_contain_text("Folder with 250 items")
+    trash_row(page, "big").get_by_role("button", name="Restore big").click()
+    expect(rows).to_have_count(5)
+    assert len([e for e in api_entries(tenant, folder) if e["path"].startswith("big/")]) == 250
+    page.get_by_role("button", name="Previous page").click()
+    expect(rows).to_have_count(200)

@@ -120,6 +120,7 @@ export class FolderPage {
 
     this.trashEntries = [];
     this.trashCursor = null;
+    this.trashStart = 0; // index of the first batch shown
     this.trashSeq = 0;
 
     this.uploads = [];
@@ -1164,11 +1165,17 @@ export class FolderPage {
     this.trashHeading = h("h2", { id: ids.trash, tabindex: "-1", text: "Trash" });
     this.trashBody = h("tbody");
     this.trashSummary = h("p", { class: "muted list-summary" });
-    this.trashMore = h(
+    this.trashPrev = h(
       "button",
-      { type: "button", class: "secondary", hidden: true, onClick: () => this.loadMoreTrash() },
-      "Load more",
+      { type: "button", class: "secondary", onClick: () => this.turnTrashPage(-1) },
+      "Previous page",
     );
+    this.trashNext = h(
+      "button",
+      { type: "button", class: "secondary", onClick: () => this.turnTrashPage(1) },
+      "Next page",
+    );
+    this.trashPager = h("div", { class: "pager", hidden: true }, this.trashPrev, this.trashNext);
     this.trashError = h("p", { class: "error", role: "alert" });
     return h(
       "section",
@@ -1179,7 +1186,7 @@ export class FolderPage {
         text: "Deleted items stay here until they are purged. Restoring brings back the item together with everything deleted with it.",
       }),
       h("div", { class: "table-scroll" }, this.buildTrashTable()),
-      h("div", { class: "list-footer" }, this.trashSummary, this.trashMore),
+      h("div", { class: "list-footer" }, this.trashSummary, this.trashPager),
       this.trashError,
     );
   }
@@ -1215,25 +1222,39 @@ export class FolderPage {
     }
   }
 
-  async loadMoreTrash() {
+  /**
+   * Show another page of batches. Entries arrive newest deletion first, so a
+   * batch is complete once a later one has started; fetch until the target
+   * page is full and its last batch complete, or the trash is exhausted.
+   */
+  async turnTrashPage(step) {
+    const target = this.trashStart + step * PAGE_SIZE;
+    if (target < 0) return;
     const seq = this.trashSeq;
-    this.trashMore.disabled = true;
+    this.trashPrev.disabled = this.trashNext.disabled = true;
     try {
-      const page = await this.api.list({ trash: true, cursor: this.trashCursor });
-      if (seq !== this.trashSeq || this.destroyed) return;
-      this.acceptTrashPage(page, false);
+      while (this.trashCursor && this.trashBatches().length <= target + PAGE_SIZE) {
+        const page = await this.api.list({ trash: true, cursor: this.trashCursor });
+        if (seq !== this.trashSeq || this.destroyed) return;
+        this.acceptTrashPage(page, false, false);
+      }
+      if (target < this.trashBatches().length) this.trashStart = target;
     } catch (err) {
+      if (!(err instanceof ApiError)) throw err;
       this.trashError.textContent = `Could not load more of the trash: ${this.explain(err)}`;
     } finally {
-      this.trashMore.disabled = false;
+      if (seq === this.trashSeq) this.renderTrash();
     }
   }
 
-  acceptTrashPage(page, reset) {
-    if (reset) this.trashEntries = [];
+  acceptTrashPage(page, reset, render = true) {
+    if (reset) {
+      this.trashEntries = [];
+      this.trashStart = 0;
+    }
     this.trashEntries.push(...page.entries);
     this.trashCursor = page.nextCursor;
-    this.renderTrash();
+    if (render) this.renderTrash();
   }
 
   /** Entries deleted together (same trash root and time) form one batch. */
@@ -1255,19 +1276,36 @@ export class FolderPage {
 
   renderTrash() {
     const batches = this.trashBatches();
+    const total = batches.length;
+    if (this.trashStart >= total) {
+      this.trashStart = Math.max(0, Math.floor((total - 1) / PAGE_SIZE) * PAGE_SIZE);
+    }
+    const shown = batches.slice(this.trashStart, this.trashStart + PAGE_SIZE);
     const fragment = document.createDocumentFragment();
-    for (const batch of batches) fragment.append(this.trashRowFor(batch));
-    if (!batches.length) {
+    for (const batch of shown) {
+      // The newest-loaded batch may continue on a page not fetched yet.
+      const partial = Boolean(this.trashCursor) && batch === batches[total - 1];
+      fragment.append(this.trashRowFor(batch, partial));
+    }
+    if (!total) {
       fragment.append(
         h("tr", { class: "empty" }, h("td", { colspan: "4", text: "Trash is empty." })),
       );
     }
     this.trashBody.replaceChildren(fragment);
-    this.trashSummary.textContent = this.trashCursor ? "More deleted items are available." : "";
-    this.trashMore.hidden = !this.trashCursor;
+    const paged = total > PAGE_SIZE || Boolean(this.trashCursor);
+    this.trashPager.hidden = !paged;
+    this.trashPrev.disabled = this.trashStart === 0;
+    this.trashNext.disabled = this.trashStart + PAGE_SIZE >= total && !this.trashCursor;
+    const range = `${(this.trashStart + 1).toLocaleString()}–${(this.trashStart + shown.length).toLocaleString()}`;
+    const count = total === 1 ? "1 deleted item" : `${total.toLocaleString()} deleted items`;
+    if (!paged) this.trashSummary.textContent = "";
+    else if (this.trashCursor) {
+      this.trashSummary.textContent = `Showing ${range} of the first ${count}; the trash has more.`;
+    } else this.trashSummary.textContent = `Showing ${range} of ${count}.`;
   }
 
-  trashRowFor(batch) {
+  trashRowFor(batch, partial = false) {
     const { root } = batch;
     const name = root.path;
     const isDir = root.kind === "directory";
@@ -1303,7 +1341,9 @@ export class FolderPage {
         ),
       ),
       h("td", {
-        text: isDir ? `Folder with ${plural(inside, "item")}` : formatSize(root.byteSize),
+        text: isDir
+          ? `Folder with ${partial ? "at least " : ""}${plural(inside, "item")}`
+          : formatSize(root.byteSize),
       }),
       h("td", {}, timeElement(batch.deletedAt, "—")),
       h("td", { class: "col-actions" }, actions, error),
@@ -1340,11 +1380,12 @@ export class FolderPage {
   async purgeBatch(batch, button, error) {
     const name = batch.root.path;
     const inside = batch.entries.length - 1;
+    const contents = inside
+      ? ` and ${batch.partial ? "at least " : ""}${plural(inside, "item")} inside it`
+      : "";
     const ok = await confirmAction({
       title: `Purge ${name}?`,
-      message:
-        `${name}${inside ? ` and ${plural(inside, "item")} inside it` : ""} will be deleted permanently. ` +
-        "This cannot be undone.",
+      message: `${name}${contents} will be deleted permanently. This cannot be undone.`,
       confirmLabel: "Purge permanently",
     });
     if (!ok) return;
