@@ -243,3 +243,25 @@ def test_unprivileged_daemon_mounts_through_fusermount3(mounts: MountFactory) ->
     assert as_nobody(f"fusermount3 -u {mp}").returncode == 0
     assert m.proc is not None and m.proc.wait(timeout=30) == 0
     assert (mounts.base / "state-u" / "agent" / "upper").stat().st_uid == nobody
+
+
+def test_mount_without_foreground_detaches_and_sigint_unmounts(mounts: MountFactory) -> None:
+    src = mounts.source({"agent": {"a": b"A"}})
+    mp, state = mounts.base / "bg-mnt", mounts.base / "bg" / "agent"
+    mp.mkdir()
+    res = fsagent(
+        "mount", "agent", str(mp), "--controller", f"dir:{src}", "--state-dir", str(state)
+    )
+    assert res.returncode == 0, res.stderr
+    try:
+        assert "agent mounted at" in res.stdout and os.path.ismount(mp)
+        assert (mp / "a").read_bytes() == b"A"
+        pid = json.loads((state / "daemon.json").read_text())["pid"]
+        os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while os.path.ismount(mp):
+            assert time.monotonic() < deadline, "SIGINT did not unmount"
+            time.sleep(0.05)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, check=False)
+    assert "mounted" in (mounts.base / "bg" / "agent.log").read_text()
