@@ -11,6 +11,7 @@ never see a partial or forged object.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -147,19 +148,28 @@ class ContentFetcher:
         log.info("prefetching %d objects (%d at a time)", len(missing), concurrency)
         limiter = trio.CapacityLimiter(concurrency)
         failed = 0
+        disk_full = False
 
         async def one(digest: Digest) -> None:
-            nonlocal failed
+            nonlocal failed, disk_full
             try:
                 await self.ensure(digest)
             except Exception as exc:  # logged only: the open path retries
                 failed += 1
-                log.warning("prefetch of %s failed: %s", digest[:12], exc)
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    disk_full = True
+                if failed <= 10:  # a dead controller would otherwise log every object
+                    log.warning("prefetch of %s failed: %s", digest[:12], exc)
             finally:
                 limiter.release_on_behalf_of(digest)
 
         async with trio.open_nursery() as nursery:
             for digest, _size in missing:
                 await limiter.acquire_on_behalf_of(digest)
+                if disk_full:
+                    # The cache must not eat the room the agent's own writes need.
+                    limiter.release_on_behalf_of(digest)
+                    log.warning("prefetch stopped: the disk is full")
+                    break
                 nursery.start_soon(one, digest)
         log.info("prefetch done: %d objects, %d failed", len(missing), failed)
