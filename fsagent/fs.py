@@ -610,12 +610,22 @@ class WorkFolderFS(pyfuse3.Operations):
             raise _err(errno.EFBIG)
         if not node.upper:
             await self._make_upper(node, copy=True)
-        written = os.pwrite(of.fd, buf, off)
-        if end > node.size:
-            node.size = end
-        node.mtime_ns = now_ns()
-        node.generation += 1
-        self.store.mark_unsaved(node)
+        # Never answer with a short count: FUSE writeback takes any answer
+        # without an error for the whole request, so the tail past a short
+        # write (the disk just filled) would be lost without a trace, even
+        # though the agent's fsync and close succeed. Write the rest, and
+        # let ENOSPC reach the kernel as this request's error.
+        view = memoryview(buf)
+        written = 0
+        try:
+            while written < len(buf):
+                written += os.pwrite(of.fd, view[written:], off + written)
+        finally:
+            if written:
+                node.size = max(node.size, off + written)
+                node.mtime_ns = now_ns()
+                node.generation += 1
+                self.store.mark_unsaved(node)
         return written
 
     def _persist_if_changed(self, ino: InodeNo) -> None:
