@@ -559,6 +559,18 @@ def small_disk(mounts: MountFactory) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+def write_synced(path: Path, data: bytes) -> OSError | None:
+    """Write, fsync and close as a careful agent does; the error it got, if any."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return exc
+    return None
+
+
 def test_disk_full_agent_gets_enospc_and_the_final_save_keeps_what_was_written(
     mounts: MountFactory, tenant: Tenant, small_disk: Path
 ) -> None:
@@ -570,33 +582,47 @@ def test_disk_full_agent_gets_enospc_and_the_final_save_keeps_what_was_written(
         token_file=token_file(mounts, run),
     )
     written: dict[str, bytes] = {}
-    failed: OSError | None = None
+    failed: dict[str, bytes] = {}
     for i in range(40):  # 40 x 4 MiB cannot fit on 64 MiB
         name, data = f"out{i:02}.bin", os.urandom(4 << 20)
-        try:
-            with open(m.mountpoint / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            failed = exc
+        error = write_synced(m.mountpoint / name, data)
+        if error is not None:
+            assert error.errno == errno.ENOSPC, error
+            failed[name] = data
             break
         written[name] = data
-    assert failed is not None and failed.errno == errno.ENOSPC, failed
-    assert len(written) >= 8, sorted(written)
-    # The last file's write failed during writeback. The kernel's writeback
-    # cache keeps its own size and pages for it (it may show all of ``data``),
-    # while fsagent holds only what reached the disk: what can be saved is a
-    # prefix of what the agent wrote, never other bytes.
-    # Small metadata changes still work on a full disk (that is how an agent makes room).
+    assert failed and len(written) >= 8, sorted(written)
+    # Metadata changes still work on a full disk: that is how an agent makes room.
     os.rename(m.mountpoint / "out00.bin", m.mountpoint / "first.bin")
     written["first.bin"] = written.pop("out00.bin")
+    # Shrinking a file frees its blocks at once; an odd size leaves room that
+    # ends inside a write request rather than on its boundary.
+    keep = (1 << 20) + (36 << 10)
+    os.truncate(m.mountpoint / "out01.bin", keep)
+    written["out01.bin"] = written["out01.bin"][:keep]
+    # A file a little larger than the room left: its last write request is cut
+    # short by the disk. The agent must hear of it, or all of it must be saved.
+    vfs = os.statvfs(small_disk)
+    room = vfs.f_bavail * vfs.f_frsize
+    assert room >= 1 << 20, room
+    tail = os.urandom(room + 8192)
+    error = write_synced(m.mountpoint / "tail.bin", tail)
+    if error is None:
+        written["tail.bin"] = tail
+    else:
+        assert error.errno == errno.ENOSPC, error
+        failed["tail.bin"] = tail
 
     assert m.signal(signal.SIGTERM, timeout=120) == 0, m.stderr()
     saved = server_files(tenant, "task", run["task"])
-    assert {k: v for k, v in saved.items() if k != name} == written
-    partial = saved.get(name)
-    assert partial is None or data.startswith(partial), len(partial)
+    assert {k: v for k, v in saved.items() if k not in failed} == written
+    # A failed file's writeback was cut short. The kernel's writeback cache
+    # keeps its own size and pages for it (the mount may show all it was
+    # given), while fsagent holds what reached the disk: what is saved is a
+    # prefix of what the agent wrote, never other bytes.
+    for path, data in failed.items():
+        partial = saved.get(path)
+        assert partial is None or data.startswith(partial), (path, len(partial))
     assert journal(m) == set()  # everything on the full disk was saved
 
 
