@@ -185,6 +185,19 @@ def stop_dropping(p: LossyProxy) -> None:
         p.rules.clear()
 
 
+def settled(p: LossyProxy, quiet: float = 0.3, timeout: float = 10) -> int:
+    """Requests seen so far, once none arrived for ``quiet`` seconds (a killed
+    client's last request may still be finishing upstream)."""
+    deadline = time.monotonic() + timeout
+    count, since = len(p.seen), time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, "the proxy never went quiet"
+        time.sleep(0.02)
+        if len(p.seen) != count:
+            count, since = len(p.seen), time.monotonic()
+    return count
+
+
 @pytest.fixture(scope="module")
 def own_controller(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
     """A controller of this module alone, so killing it leaves the shared one up."""
@@ -285,7 +298,7 @@ def test_kill9_after_commit_before_the_answer_replays_the_receipt(
     assert reply_of(flusher, 30)[0] != 0
 
     stop_dropping(proxy)
-    seen_before = len(proxy.seen)
+    seen_before = settled(proxy)
     m2 = remount(mounts, m, proxy.url)
     after_restart = proxy.seen[seen_before:]
     # Warm start replayed the committed body once; it uploaded nothing again.
