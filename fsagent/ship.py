@@ -45,6 +45,9 @@ from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
 
 log = logging.getLogger(__name__)
 
+UPLOAD_CONCURRENCY = 8
+"""Uploads in flight at once; memory stays bounded at about one frame each."""
+
 
 class SaveFailed(FsagentError):
     """A checkpoint could not be saved; the state dir keeps every change."""
@@ -128,12 +131,13 @@ class Shipper:
             return SaveResult(None, 0, 0, None)
         op_id = pending["operationId"] if pending else f"cp-{uuid.uuid4()}"
         self.store.set_pending_checkpoint({"operationId": op_id, "state": "uploading"})
+        uploaded = await self._upload_all([c for c in changes if c.action == "upload"])
         entries: list[dict[str, Any]] = []
         shipped: list[list[Any]] = []
         torn = 0
         for change in changes:
             if change.action == "upload":
-                digest = await self._upload(change)
+                digest = uploaded.get(change.path)
                 if digest is None:
                     torn += 1
                     continue
@@ -184,6 +188,33 @@ class Shipper:
             receipt.get("highWater"),
         )
         return receipt
+
+    async def _upload_all(self, changes: list[Change]) -> dict[str, Digest]:
+        """Upload several files at once: each answer waits for a durable store on
+        the controller, so one at a time would leave the link idle."""
+        results: dict[str, Digest] = {}
+        limiter = trio.CapacityLimiter(UPLOAD_CONCURRENCY)
+
+        async def one(change: Change) -> None:
+            async with limiter:
+                digest = await self._upload(change)
+            if digest is not None:
+                results[change.path] = digest
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for change in changes:
+                    nursery.start_soon(one, change)
+        except BaseExceptionGroup as group:
+            # One failed upload fails the checkpoint; report it like a single one.
+            matched, _ = group.split((FsagentError, OSError))
+            if matched is None:
+                raise
+            first: BaseException = matched
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from group
+        return results
 
     async def _upload(self, change: Change) -> Digest | None:
         """Stream one upper file; None when it changed while being read (stays dirty)."""
