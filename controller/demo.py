@@ -96,6 +96,7 @@ def main() -> int:
         start_new_session=True,
     )
     fsagent: subprocess.Popen[bytes] | None = None
+    run_id: str | None = None
     try:
         wait_until(lambda: healthy(base), "controller start", 120, controller)
         lines = []
@@ -111,6 +112,7 @@ def main() -> int:
                     sandbox="demo-sandbox",
                     home=str(home),
                 )
+            run_id = run["run_id"]
             token_file = data_dir / "run-token"
             token_file.write_text(run["token"])
             os.chmod(token_file, 0o600)
@@ -180,6 +182,10 @@ Press Ctrl-C to stop (fsagent saves, then the controller stops).
             print(
                 f"demo: fsagent stopped (exit {code}{', saved' if code == 0 else ', SAVE FAILED'})"
             )
+        if run_id is not None and controller.poll() is None:
+            # The sandbox is gone: end the run so /sync shows it stopped.
+            with database(Settings(data_dir=data_dir)) as url:
+                admin.end_run(url, run_id)
         if controller.poll() is None:
             controller.send_signal(signal.SIGTERM)
             controller.wait(timeout=60)
