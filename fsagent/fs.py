@@ -17,6 +17,8 @@ control characters or a backslash is refused with EINVAL; the reserved
 segment ``.fsagent`` with EPERM; a name over 255 bytes or a path over 1024
 characters with ENAMETOOLONG.  Lookups of such names answer ENOENT: nothing
 with that name can exist.  Symlinks, hard links and special files: EPERM.
+Limits mirror the controller's, so a refusal shows at write time rather than
+at save time: EFBIG past 1 GiB per file, EDQUOT past 100,000 entries.
 
 Threading: handlers run on the trio thread; reads and writes of one FUSE
 request (at most 128 KiB) on a local file go straight to the page cache and
@@ -41,7 +43,7 @@ import pyfuse3
 import trio
 
 from common.errors import InvalidPath
-from common.limits import MAX_COMPONENT_BYTES, MAX_FILE_BYTES, MAX_PATH_CHARS
+from common.limits import MAX_COMPONENT_BYTES, MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
 from common.paths import decode_fs_name
 from common.types import Digest
 from fsagent.hydrate import ContentFetcher
@@ -411,6 +413,11 @@ class WorkFolderFS(pyfuse3.Operations):
         name = self._new_name(parent, raw)
         if self.store.lookup(parent, name) is not None:
             raise _err(errno.EEXIST)
+        if self.store.count_entries() >= MAX_ENTRIES:
+            # The controller refuses folders over 100,000 entries at save time;
+            # saying so now (as a quota) keeps the agent from piling up work
+            # that could never be saved.
+            raise _err(errno.EDQUOT)
         return self.store.create(parent, name, kind, mode)
 
     @fuse_boundary

@@ -489,6 +489,11 @@ class Store:
             ino = inode.parent
         return "/".join(reversed(parts))
 
+    def count_entries(self) -> int:
+        """Linked names in the tree: what the controller's entry limit counts."""
+        with self._env.begin() as txn:
+            return int(txn.stat(self._entries)["entries"])
+
     def count_inodes(self) -> int:
         with self._env.begin() as txn:
             return int(txn.stat(self._inodes)["entries"])

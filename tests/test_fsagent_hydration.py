@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.limits import MAX_ENTRIES
 from tests.controller_helper import Tenant
 from tests.fuse_helper import MountFactory, mounts, sha256  # noqa: F401 - pytest fixtures
 
@@ -191,3 +192,19 @@ def test_hydrates_100k_entries_from_controller_in_seconds(
     )
     assert (m.mountpoint / "bulk" / "d042" / "f000042").read_bytes() == b"same bytes\n"
     assert m.changes() == {}
+
+
+def test_entry_limit_is_refused_at_write_time(mounts: MountFactory) -> None:
+    # 100 directories + 99,899 files = one entry short of the controller's limit.
+    src = big_manifest_source(mounts.base / "full", MAX_ENTRIES - 101)
+    m = mounts.mount(src, extra=["--prefetch", "0"])
+    (m.mountpoint / "last-one").write_bytes(b"fits")
+    with pytest.raises(OSError) as info:
+        (m.mountpoint / "one-too-many").write_bytes(b"x")
+    assert info.value.errno == errno.EDQUOT
+    with pytest.raises(OSError) as info:
+        (m.mountpoint / "dir-too-many").mkdir()
+    assert info.value.errno == errno.EDQUOT
+    os.unlink(m.mountpoint / "last-one")
+    (m.mountpoint / "room-again").write_bytes(b"ok")
+    assert (m.mountpoint / "room-again").read_bytes() == b"ok"
