@@ -121,12 +121,18 @@ def parse_checkpoint(body: dict[str, Any]) -> Checkpoint:
 
 
 async def check_lease(conn: AsyncConnection[Any], run: RunBinding, epoch: int) -> None:
-    """Fencing: only the newest lease of a sandbox may save."""
+    """Fencing: only the newest lease of a sandbox may save.
+
+    The run row stays locked (exclusively: the commit updates it at the end)
+    until the commit, so one run's checkpoints of its four folders commit one
+    after another; a shared lock here would let two of them deadlock on that
+    final update.
+    """
     cur = await conn.execute(
         "SELECT r.lease_epoch, r.active,"
         " (SELECT max(lease_epoch) FROM runs o"
         "   WHERE o.company_id = r.company_id AND o.sandbox_key = r.sandbox_key) AS newest"
-        " FROM runs r WHERE r.id = %s FOR SHARE",
+        " FROM runs r WHERE r.id = %s FOR NO KEY UPDATE",
         (run.run_id,),
     )
     row = await cur.fetchone()

@@ -375,3 +375,30 @@ def test_refresh_is_queued_for_a_running_run(tenant: Tenant) -> None:
         assert r.status_code == 202 and r.json() == {"queued": True}
         sync = c.get(tenant.folder("task", run.task or "") + "/sync").json()["runs"][0]
         assert sync["refreshRequested"] is True
+
+
+def test_one_runs_folders_commit_concurrently_without_deadlock(tenant: Tenant) -> None:
+    """The four folders of a run save at the same time at stop; none may fail."""
+    import concurrent.futures
+
+    run = start_run(tenant)
+    scopes = ["task", "agent", "project", "user"]
+    digests = {s: run.upload(s, f"content of {s}".encode()).json()["digest"] for s in scopes}
+    for round_ in range(5):
+
+        def commit(scope: str, n: int = round_) -> int:
+            entry = {
+                "op": "put",
+                "path": f"r{n}.txt",
+                "digest": digests[scope],
+                "executable": False,
+            }
+            return run.commit(scope, [entry], final=True).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(commit, scopes))
+        assert codes == [200, 200, 200, 200], codes
+    owners = {"task": run.task, "agent": run.agent, "project": run.project, "user": tenant.user_id}
+    for scope in scopes:
+        files = folder_files(tenant, scope, owners[scope] or "")
+        assert files == {f"r{n}.txt": f"content of {scope}".encode() for n in range(5)}

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import xxhash
 import zstandard
 from psycopg import AsyncConnection
@@ -32,6 +33,7 @@ from common.bridge import (
 )
 from common.errors import (
     BadFrame,
+    DatabaseUnavailable,
     DigestMismatch,
     MembershipRevoked,
     NotFound,
@@ -323,17 +325,24 @@ async def commit_checkpoint(request: Request) -> Response:
     cp = parse_checkpoint(body)
     async with connection(request) as conn:
         run = await bound_run(request, conn)
+
+    async def ensure(k: str) -> None:
+        if not await asyncio.to_thread(st.storage.exists, k):
+            raise ObjectMissing(f"uploaded object {k} is gone; upload it again")
+
     try:
-        async with connection(request) as conn:
-            folder = await writable_folder(request, conn, run)
-
-            async def ensure(k: str) -> None:
-                if not await asyncio.to_thread(st.storage.exists, k):
-                    raise ObjectMissing(f"uploaded object {k} is gone; upload it again")
-
-            result = await apply_checkpoint(
-                conn, folder, run, cp, ensure_object=ensure, gc_delay=st.settings.gc_delay
-            )
+        for attempt in range(1, 4):
+            try:
+                async with connection(request) as conn:
+                    folder = await writable_folder(request, conn, run)
+                    result = await apply_checkpoint(
+                        conn, folder, run, cp, ensure_object=ensure, gc_delay=st.settings.gc_delay
+                    )
+                break
+            except psycopg.errors.TransactionRollback:
+                # Rolled back whole: running it again is safe (all or nothing).
+                if attempt == 3:
+                    raise DatabaseUnavailable("checkpoint kept conflicting; retry") from None
     except (MembershipRevoked, StaleLease, UnknownContent) as exc:
         await record_run_failure(request, run, f"{exc.code}: {exc.text}")
         raise

@@ -50,6 +50,8 @@ async def connection(request: Request) -> AsyncIterator[AsyncConnection[Any]]:
     try:
         async with state(request).pool.connection() as conn, conn.transaction():
             yield conn
+    except psycopg.errors.TransactionRollback:
+        raise  # deadlock or serialization failure: the caller may run it again
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable() from exc
 
