@@ -903,6 +903,18 @@ class Store:
         with self._env.begin(write=True) as txn:
             cur = self._resolve(txn, path)
             key = path.encode("utf-8")
+            braw = txn.get(key, db=self._base)
+            base = BaseEntry.decode(braw) if braw is not None else None
+            if (
+                row is not None
+                and base is not None
+                and (base.kind, base.digest, base.executable)
+                == (row.kind, row.digest, row.executable)
+            ):
+                # Our own saved state coming back (or no real change): keep the
+                # local inode (and its upper copy), only note the new version.
+                txn.put(key, BaseEntry(*row_fields(row)).encode(), db=self._base)
+                return False
             if row is None:
                 if cur is None:
                     txn.delete(key, db=self._base)
@@ -1094,6 +1106,10 @@ class Store:
                 if name.startswith(".tmp-"):
                     os.unlink(self.objects / name)
         return freed, fixed
+
+
+def row_fields(row: ManifestRow) -> tuple[Kind, Digest | None, int, bool, FileVersion]:
+    return row.kind, row.digest, row.byte_size, row.executable, row.version
 
 
 @dataclass(frozen=True, slots=True)

@@ -181,3 +181,34 @@ def test_refresh_waits_for_the_final_save(mounts: MountFactory, tenant: Tenant) 
     finally:
         store.close()
     assert base is not None and base.digest == hashlib.sha256(b"v2 by a person").hexdigest()
+
+
+def test_warm_start_keeps_own_saved_files_and_takes_others(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    run = start_run(tenant)
+    folder = tenant.folder("task", run["task"])
+    m = mounts.mount(tenant.controller.url, scope="task", token_file=token_file(mounts, run))
+    (m.mountpoint / "own.txt").write_bytes(b"saved by the sandbox")
+    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+    with tenant.client() as c:
+        c.put(
+            folder + "/content",
+            params={"path": "theirs.txt"},
+            content=b"by a person",
+            headers=OCTET,
+        )
+    again = mounts.mount(
+        tenant.controller.url,
+        scope="task",
+        token_file=token_file(mounts, run),
+        state_dir=m.state_dir,
+        extra=["--prefetch", "0"],
+    )
+    # Only the other writer's file came in; the sandbox's own file kept its local copy.
+    assert "took 1 newer change(s)" in again.stderr(), again.stderr()
+    assert (again.mountpoint / "own.txt").read_bytes() == b"saved by the sandbox"
+    assert (again.mountpoint / "theirs.txt").read_bytes() == b"by a person"
+    assert list((again.state_dir / "objects").iterdir()) == [
+        again.state_dir / "objects" / hashlib.sha256(b"by a person").hexdigest()
+    ]
