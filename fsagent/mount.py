@@ -41,7 +41,7 @@ import pyfuse3
 import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
-from fsagent.client import BridgeClient, HttpBridgeClient, ManifestEntry
+from fsagent.client import BridgeClient, HttpBridgeClient
 from fsagent.errors import FsagentError, MountFailed, ResyncRequired
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher, hydrate_manifest
@@ -208,7 +208,7 @@ async def take_incoming(store: Store, client: HttpBridgeClient, scope: str) -> i
         async for page in client.iter_manifest(scope, since):
             high_water = max(high_water, page.high_water)
             for e in page.entries:
-                incoming.append((e.path, True) if e.deleted else _row(e))
+                incoming.append((e.path, True) if e.deleted else e.row())
     except ResyncRequired:
         log.warning("changes since %d are incomplete on the server; keeping local state", since)
         return 0
@@ -227,10 +227,6 @@ async def refresh_after_stop(store: Store, client: HttpBridgeClient, scope: str)
         print(f"fsagent: refresh applied ({applied} change(s) from the server)", file=sys.stderr)
     except FsagentError as exc:
         print(f"fsagent: refresh not applied, next start takes the changes: {exc}", file=sys.stderr)
-
-
-def _row(e: ManifestEntry) -> ManifestRow:
-    return e.row()
 
 
 async def serve(client: BridgeClient, opts: MountOptions) -> StopState:

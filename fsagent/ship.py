@@ -40,7 +40,7 @@ import zstandard
 from common.bridge import CHUNK_MAX, END_FRAME, encode_frame
 from common.types import Digest, FileVersion
 from fsagent.client import HttpBridgeClient
-from fsagent.errors import ControllerRefused, FsagentError
+from fsagent.errors import FsagentError
 from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
 
 log = logging.getLogger(__name__)
@@ -267,9 +267,6 @@ async def checkpoint_loop(shipper: Shipper, interval: float) -> None:
             result = await shipper.ship_checkpoint()
         except SaveFailed as exc:
             log.warning("checkpoint failed (kept for the next one): %s", exc)
-            continue
-        except ControllerRefused as exc:  # pragma: no cover - wrapped in SaveFailed
-            log.warning("checkpoint refused: %s", exc)
             continue
         if result.entries:
             log.info(

@@ -58,6 +58,7 @@ from typing import Any, Final, Literal, NewType
 
 import lmdb
 
+from common.paths import ancestors
 from common.types import Digest, FileVersion
 from fsagent.errors import StateBindingMismatch, StateCorrupt, StateForeign, StateInUse
 
@@ -892,7 +893,9 @@ class Store:
                 row: ManifestRow | None = None
             else:
                 path, row = item.path, item
-            if path in journal or any(path.startswith(j + "/") for j in journal if j):
+            # A path changed locally, or below one that was (e.g. a directory
+            # deleted here), keeps the local version: O(depth), not O(journal).
+            if path in journal or any(a in journal for a in ancestors(path)):
                 continue
             if self._apply_incoming_one(path, row):
                 applied += 1
