@@ -15,3 +15,7 @@ The change set since the baseline, which checkpoints ship, comes from
 :meth:`fsagent.store.Store.changes_since_baseline`; what a checkpoint saved is
 folded back with :meth:`fsagent.store.Store.acknowledge`.
 """
+
+SPIN_US = 200
+"""Default ``--spin-us``: how long the daemon keeps polling after a request
+(see :class:`fsagent.fs.Spinner`)."""

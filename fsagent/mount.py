@@ -41,6 +41,7 @@ import pyfuse3
 import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
+from fsagent import SPIN_US
 from fsagent.client import BridgeClient, HttpBridgeClient
 from fsagent.errors import FsagentError, MountFailed, ResyncRequired
 from fsagent.fs import WorkFolderFS
@@ -59,6 +60,7 @@ class MountOptions:
     allow_other: bool = False
     prefetch: int = 4
     checkpoint_interval: float = CHECKPOINT_INTERVAL_SECONDS
+    spin_us: int = SPIN_US
 
 
 @dataclass
@@ -265,7 +267,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             elif shipper is not None and isinstance(client, HttpBridgeClient):
                 await warm_start(store, client, shipper, opts.scope)
         fetcher = ContentFetcher(store, client, opts.scope)
-        fs = WorkFolderFS(store, fetcher, readonly=owner is None)
+        fs = WorkFolderFS(store, fetcher, readonly=owner is None, spin_ns=opts.spin_us * 1000)
         try:
             pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
         except RuntimeError as exc:
@@ -293,6 +295,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
+                nursery.start_soon(fs.spinner.run)
                 if owner is not None:
                     nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
                 if shipper is not None:

@@ -217,7 +217,7 @@ class Shipper:
         return results
 
     async def _upload(self, change: Change) -> Digest | None:
-        """Stream one upper file; None when it changed while being read (stays dirty)."""
+        """Stream one upper copy; None when it changed while being read (stays dirty)."""
         assert change.inode is not None
         path = self.store.upper / str(change.inode)
         try:
@@ -226,12 +226,21 @@ class Shipper:
             return None  # unlinked since the listing: the next listing says delete
         if before != change.generation:
             return None
+        # Read with the generation check above (no await in between): an
+        # inline copy is exactly the content of that generation.
+        inline = self.store.inline_data(change.inode)
         compressor = zstandard.ZstdCompressor(level=3)
         sent = 0
 
         async def frames() -> AsyncIterator[bytes]:
             nonlocal sent
             sent = 0  # called again for each attempt: count this attempt's bytes only
+            if inline is not None:
+                sent = len(inline)
+                if inline:
+                    yield encode_frame(inline, compressor)  # at most INLINE_MAX < CHUNK_MAX
+                yield END_FRAME
+                return
             fh = await trio.to_thread.run_sync(lambda: open(path, "rb"))  # noqa: SIM115
             try:
                 while True:

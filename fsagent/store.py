@@ -6,7 +6,7 @@ Layout of a state dir (default ``$HOME/.local/state/fsagent/<scope>``)::
     lock                 flock()ed by the daemon that owns the state
     db/                  LMDB environment (named databases below)
     objects/<digest>     saved contents, read-only, filled by hydration
-    upper/<inode>        copy-on-write contents of changed files
+    upper/<inode>        copy-on-write contents of changed files over INLINE_MAX
     daemon.json          pid + mountpoint of the running daemon (for status)
 
 LMDB databases:
@@ -22,6 +22,13 @@ LMDB databases:
              journal when anything happened at it since the baseline.
 ``orphans``  inodes unlinked while the kernel still knew them; freed on
              forget, or at the next start after a crash.
+``inline``   inode -> contents of a changed file of at most ``INLINE_MAX``
+             bytes.  Small files live here instead of in ``upper/``: creating,
+             writing and removing one is a single LMDB commit, with no file
+             created or deleted on the disk (on ext4 an inode allocation can
+             take a millisecond).  A file that grows past the limit moves to
+             ``upper/<inode>`` (:meth:`Store.drop_inline`); a file with the
+             upper flag is inline exactly when it has a key here.
 
 The journal is a set of *touched paths*, not a replay log: the change set
 since the baseline is derived by comparing, for each touched path, the live
@@ -69,7 +76,11 @@ Kind = Literal["file", "directory"]
 log = logging.getLogger(__name__)
 
 ROOT_INODE: Final = InodeNo(1)
-STATE_FORMAT: Final = 1
+STATE_FORMAT: Final = 2
+"""2 added the ``inline`` database; a format-1 dir is upgraded when opened for
+writing (format 1 code must not open a format 2 dir: it would not see inline files)."""
+_UPGRADABLE: Final = frozenset({1})
+INLINE_MAX: Final = 64 * 1024
 MARKER: Final = "fsagent-state.json"
 EMPTY_DIGEST: Final = Digest("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
 
@@ -285,11 +296,10 @@ class Store:
     Every public method is synchronous and commits at most one short write
     transaction, so on the trio thread each one is atomic with respect to
     other FUSE handlers.  A small in-memory cache holds the inodes the kernel
-    currently knows; records are written through on every metadata change,
-    while write() only bumps size/generation in memory until flush/fsync/
-    release (:meth:`persist`).  After a crash the size of an upper file is
-    recovered from the file itself, which is always exactly as long as the
-    logical file (see :meth:`recover`).
+    currently knows; records are written through on every change (a write()
+    commits size and generation with its bytes, :meth:`persist`).  After a
+    crash the size of an upper file is recovered from the file itself, which
+    is always exactly as long as the logical file (see :meth:`recover`).
     """
 
     def __init__(self, root: Path, env: Any, lock_fd: int, readonly: bool) -> None:
@@ -305,8 +315,11 @@ class Store:
         self._base = env.open_db(b"base", create=not readonly)
         self._journal = env.open_db(b"journal", create=not readonly)
         self._orphans = env.open_db(b"orphans", create=not readonly)
+        try:
+            self._inline: Any = env.open_db(b"inline", create=not readonly)
+        except lmdb.NotFoundError:
+            self._inline = None  # a format-1 dir opened read-only: nothing is inline
         self._cache: dict[InodeNo, Inode] = {}
-        self._unsaved: set[InodeNo] = set()
 
     # --- opening ------------------------------------------------------------
 
@@ -339,7 +352,7 @@ class Store:
             fmt = info["format"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise StateCorrupt(f"{marker} is unreadable: {exc}") from exc
-        if info.get("kind") != "fsagent-state" or fmt != STATE_FORMAT:
+        if info.get("kind") != "fsagent-state" or (fmt != STATE_FORMAT and fmt not in _UPGRADABLE):
             raise StateCorrupt(f"{marker}: unsupported state format {fmt!r}")
         lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if not readonly:
@@ -363,6 +376,10 @@ class Store:
             )
             store = cls(root, env, lock_fd, readonly)
             store._check_format(create=not readonly)
+            if fmt != STATE_FORMAT and not readonly:
+                tmp = root / (MARKER + ".tmp")
+                tmp.write_text(json.dumps({"kind": "fsagent-state", "format": STATE_FORMAT}) + "\n")
+                os.replace(tmp, marker)
         except lmdb.Error as exc:
             os.close(lock_fd)
             raise StateCorrupt(f"{root}/db is not a readable fsagent database: {exc}") from exc
@@ -385,14 +402,17 @@ class Store:
                     ROOT_INODE, "directory", 0o755, 0, t, t, ROOT_INODE, "", None, False, 0
                 )
                 txn.put(_ikey(ROOT_INODE), root.encode(), db=self._inodes)
-            elif raw != str(STATE_FORMAT).encode():
+            elif raw != str(STATE_FORMAT).encode() and not (
+                raw.isdigit() and int(raw) in _UPGRADABLE
+            ):
                 raise StateCorrupt(f"{self.root}/db has format {raw!r}, expected {STATE_FORMAT}")
             elif txn.get(_ikey(ROOT_INODE), db=self._inodes) is None:
                 raise StateCorrupt(f"{self.root}/db has no root directory")
+            elif create and raw != str(STATE_FORMAT).encode():
+                txn.put(b"format", str(STATE_FORMAT).encode(), db=self._meta)
 
     def close(self) -> None:
         if not self.readonly:
-            self.persist_all()
             self._env.sync(True)
         self._env.close()
         os.close(self._lock_fd)
@@ -451,8 +471,9 @@ class Store:
         return inode
 
     def evict(self, ino: InodeNo) -> None:
-        """Drop a clean inode from the cache once the kernel has forgotten it."""
-        if ino not in self._unsaved and ino != ROOT_INODE:
+        """Drop an inode from the cache once the kernel has forgotten it
+        (every change to it is already committed)."""
+        if ino != ROOT_INODE:
             self._cache.pop(ino, None)
 
     def lookup(self, parent: InodeNo, name: str) -> InodeNo | None:
@@ -499,32 +520,43 @@ class Store:
         with self._env.begin() as txn:
             return int(txn.stat(self._inodes)["entries"])
 
-    def is_unsaved(self, ino: InodeNo) -> bool:
-        return ino in self._unsaved
-
-    def mark_unsaved(self, inode: Inode) -> None:
-        """Note an in-memory change (size, generation, mtime) to persist at the next boundary."""
-        self._unsaved.add(inode.ino)
-
-    def persist(self, inode: Inode, *, touch: str | None = None) -> None:
-        """Write the inode record (and optionally touch its path) in one commit."""
+    def persist(
+        self, inode: Inode, *, touch: str | None = None, inline: bytes | None = None
+    ) -> None:
+        """Write the inode record (and optionally touch its path) in one commit;
+        ``inline`` also replaces the file's inline contents."""
         with self._env.begin(write=True) as txn:
+            if inline is not None:
+                txn.put(_ikey(inode.ino), inline, db=self._inline)
             self._put_inode(txn, inode)
             if touch is not None and inode.parent != 0:
                 path = self._path_in(txn, inode.ino)
                 if path:
                     self._touch(txn, [path], touch)
-        self._unsaved.discard(inode.ino)
 
-    def persist_all(self) -> None:
-        if not self._unsaved or self.readonly:
-            return
+    def inline_data(self, ino: InodeNo) -> bytes | None:
+        """The contents of an inline file; None when the file is not inline."""
+        if self._inline is None:
+            return None
+        with self._env.begin() as txn:
+            raw = txn.get(_ikey(ino), db=self._inline)
+        return None if raw is None else bytes(raw)
+
+    def drop_inline(self, inode: Inode) -> None:
+        """The file's contents are now complete in ``upper/<inode>``: forget the inline copy."""
         with self._env.begin(write=True) as txn:
-            for ino in list(self._unsaved):
-                inode = self._cache.get(ino)
-                if inode is not None:
-                    self._put_inode(txn, inode)
-        self._unsaved.clear()
+            txn.delete(_ikey(inode.ino), db=self._inline)
+            self._put_inode(txn, inode)
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of inline contents leave the metadata reserve intact.
+
+        Inline contents go into the database, whose reserve must stay for the
+        commits that make room (unlink, rename, the journal): when the disk is
+        that full, writes get ENOSPC as they would on the disk itself.
+        """
+        vfs = os.statvfs(self.root)
+        return vfs.f_bavail * vfs.f_frsize >= nbytes + 2 * _HEADROOM
 
     def _put_inode(self, txn: Any, inode: Inode) -> None:
         self._cache[inode.ino] = inode
@@ -579,6 +611,8 @@ class Store:
             ino = self._next_ino(txn)
             inode = Inode(ino, kind, mode & 0o777, 0, t, t, parent, name, None, kind == "file", 0)
             self._put_inode(txn, inode)
+            if kind == "file":
+                txn.put(_ikey(ino), b"", db=self._inline)
             txn.put(_ekey(parent, name), _U64.pack(ino), db=self._entries)
             path = self._path_in(txn, ino)
             assert path is not None
@@ -626,8 +660,10 @@ class Store:
         txn.delete(_ikey(inode.ino), db=self._inodes)
         txn.delete(_ikey(inode.ino), db=self._orphans)
         self._cache.pop(inode.ino, None)
-        self._unsaved.discard(inode.ino)
         if inode.upper:
+            txn.delete(_ikey(inode.ino), db=self._inline)
+            # Normally absent for an inline file (a cheap miss); present
+            # only after a crash while the file moved out of line.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.upper / str(inode.ino))
 
@@ -1073,11 +1109,14 @@ class Store:
         """Repair what a crash can leave behind; returns (orphans freed, sizes fixed).
 
         Orphans were kept only for handles that died with the old process.
-        An upper file's length is the truth for the file's size: write() only
-        persists size at flush/fsync/release, but the bytes themselves were
-        already written to the upper file before the write was acknowledged.
+        An upper file's length is the truth for the file's size: the bytes
+        reach the upper file before write() commits the size, so a crash in
+        between leaves the file longer than the record.  An inline file's
+        contents and size are one commit; an upper file left beside inline
+        contents (a crash while moving them out) is removed.
         """
         freed = fixed = 0
+        on_disk = set(os.listdir(self.upper))
         with self._env.begin(write=True) as txn:
             for key, _ in list(txn.cursor(db=self._orphans)):
                 ino = InodeNo(_U64.unpack(key)[0])
@@ -1093,11 +1132,16 @@ class Store:
                     continue
                 ino = _U64.unpack(key)[0]
                 upath = self.upper / str(ino)
-                try:
+                inline = txn.get(key, db=self._inline)
+                if inline is not None:
+                    size = len(inline)
+                    if str(ino) in on_disk:
+                        upath.unlink()
+                elif str(ino) in on_disk:
                     size = upath.stat().st_size
-                except FileNotFoundError:
-                    # Created but the upper file never reached the disk: empty file.
-                    upath.touch()
+                else:
+                    # The upper file never reached the disk: an empty file.
+                    txn.put(key, b"", db=self._inline)
                     size = 0
                 if size != rec[2]:
                     inode = Inode.decode(ino, raw)

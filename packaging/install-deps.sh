@@ -24,6 +24,11 @@ if ((${#missing[@]})); then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# udev makes /dev/fuse usable by every user (0666), which fusermount3 needs to
+# mount for an unprivileged fsagent; machines booted without udev leave it 0600.
+if [[ -c /dev/fuse && $(id -u) -eq 0 && $(stat -c %a /dev/fuse) != 666 ]]; then
+    chmod 0666 /dev/fuse
+fi
 # The Debian postgresql package starts a system cluster; this project runs its
 # own private clusters, so the system one is left alone (not stopped either).
 exit 0

@@ -123,6 +123,57 @@ def test_o_append_o_excl_truncate_ftruncate(mnt: FsagentMount) -> None:
     fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
     os.close(fd)
     assert p.read_bytes() == b""
+    # The kernel leaves O_TRUNC to open(): the daemon must have truncated too.
+    assert mnt.changes()["f"]["size"] == 0
+
+
+def test_small_files_live_in_the_store_and_move_out_when_they_grow(
+    mounts: MountFactory,
+) -> None:
+    big = os.urandom(200_000)
+    m = mounts.mount(mounts.source({"agent": {"saved.txt": b"saved bytes", "big.bin": big}}))
+    root = m.mountpoint
+    want: dict[str, bytes] = {}
+    want["small"] = os.urandom(1000)
+    (root / "small").write_bytes(want["small"])
+    # Grows past the inline limit (64 KiB) in steps the daemon sees one by one.
+    fd = os.open(root / "grows", os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+    chunks = [os.urandom(12_000) for _ in range(9)]
+    for chunk in chunks:
+        os.write(fd, chunk)
+        os.fsync(fd)
+    os.close(fd)
+    want["grows"] = b"".join(chunks)
+    # Copy-on-write of a small saved file stays inline; of a large one, not.
+    with open(root / "saved.txt", "r+b") as fh:
+        fh.seek(6)
+        fh.write(b"BYTES")
+    want["saved.txt"] = b"saved BYTES"
+    with open(root / "big.bin", "r+b") as fh:
+        fh.write(b"HEAD")
+    want["big.bin"] = b"HEAD" + big[4:]
+    # Truncated past the limit (a hole) and back.
+    (root / "t").write_bytes(b"abc")
+    os.truncate(root / "t", 100_000)
+    assert (root / "t").read_bytes() == b"abc" + bytes(100_000 - 3)
+    os.truncate(root / "t", 2)
+    want["t"] = b"ab"
+    # Emptied by O_TRUNC without a write after it.
+    (root / "trunc").write_bytes(b"old contents")
+    os.close(os.open(root / "trunc", os.O_WRONLY | os.O_TRUNC))
+    want["trunc"] = b""
+    for name, data in want.items():
+        assert (root / name).read_bytes() == data, name
+    # Only the files that outgrew the limit have an upper file on disk.
+    assert len(os.listdir(m.state_dir / "upper")) == 3
+    changes = m.changes()
+    assert {k: (v["action"], v["size"]) for k, v in changes.items()} == {
+        k: ("upload", len(v)) for k, v in want.items()
+    }
+    assert m.signal(signal.SIGTERM) == 0
+    again = mounts.mount(m.controller, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    for name, data in want.items():
+        assert (again.mountpoint / name).read_bytes() == data, name
 
 
 def test_sparse_write_and_fsync(mnt: FsagentMount) -> None:

@@ -8,9 +8,12 @@ clears a path.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 
 import httpx
+import lmdb
 import pytest
 import trio
 
@@ -22,9 +25,19 @@ from fsagent.errors import (
     ObjectUnavailable,
     ResyncRequired,
     StateBindingMismatch,
+    StateCorrupt,
     StateForeign,
 )
-from fsagent.store import ROOT_INODE, Binding, Change, InodeNo, ManifestRow, Store
+from fsagent.store import (
+    MARKER,
+    ROOT_INODE,
+    STATE_FORMAT,
+    Binding,
+    Change,
+    InodeNo,
+    ManifestRow,
+    Store,
+)
 
 
 def sha(data: bytes) -> Digest:
@@ -113,7 +126,7 @@ def test_acknowledge_clears_only_what_did_not_change_meanwhile(store: Store) -> 
     snapshot = by_path(store.changes_since_baseline())
     # While the checkpoint is in flight, "busy" is written again.
     g.generation += 1
-    store.mark_unsaved(g)
+    store.persist(g, touch="write")
     shipped = [(snapshot["docs/new"], sha(b"new"), FileVersion(10)),
                (snapshot["docs/busy"], sha(b""), FileVersion(11)),
                (snapshot["docs/a"], None, FileVersion(12))]  # fmt: skip
@@ -142,18 +155,69 @@ def test_binding_is_recorded_once_and_enforced(tmp_path: Path) -> None:
 def test_recover_frees_orphans_and_trusts_upper_file_sizes(store: Store) -> None:
     docs = ino(store, "docs")
     f = store.create(docs, "w", "file", 0o644)
+    store.drop_inline(f)  # a large file: its bytes live in upper/
     (store.upper / str(f.ino)).write_bytes(b"written before the crash")
     o = store.create(docs, "o", "file", 0o644)
+    store.drop_inline(o)
     (store.upper / str(o.ino)).write_bytes(b"orphan")
     store.unlink(docs, "o", keep=True)
+    # A crash while a file moved out of line leaves both copies: inline wins.
+    m = store.create(docs, "moving", "file", 0o644)
+    m.size = 5
+    store.persist(m, touch="write", inline=b"small")
+    (store.upper / str(m.ino)).write_bytes(b"small and then some")
+    # The upper file of a spilled file that never reached the disk.
+    lost = store.create(docs, "lost", "file", 0o644)
+    lost.size = 9
+    store.drop_inline(lost)
     root = store.root
     store.close()
     again = Store.open(root)
-    assert again.recover() == (1, 1)
+    assert again.recover() == (1, 2)
     assert again.get(f.ino).size == len(b"written before the crash")
     assert not (again.upper / str(o.ino)).exists()
     with pytest.raises(KeyError):
         again.get(o.ino)
+    assert again.get(m.ino).size == 5 and again.inline_data(m.ino) == b"small"
+    assert not (again.upper / str(m.ino)).exists()
+    assert again.get(lost.ino).size == 0 and again.inline_data(lost.ino) == b""
+
+
+def test_small_files_live_inline_and_leave_no_file_on_disk(store: Store) -> None:
+    docs = ino(store, "docs")
+    f = store.create(docs, "note", "file", 0o644)
+    assert store.inline_data(f.ino) == b""
+    f.size = 4
+    store.persist(f, touch="write", inline=b"abcd")
+    assert store.inline_data(f.ino) == b"abcd"
+    assert os.listdir(store.upper) == []
+    store.unlink(docs, "note", keep=False)
+    assert store.inline_data(f.ino) is None
+    with pytest.raises(KeyError):
+        store.get(f.ino)
+
+
+def test_format_1_state_dir_is_upgraded_and_format_2_refused_by_older(tmp_path: Path) -> None:
+    s = Store.open(tmp_path / "s")
+    s.close()
+    marker = tmp_path / "s" / MARKER
+    marker.write_text(json.dumps({"kind": "fsagent-state", "format": 1}) + "\n")
+    env = lmdb.open(str(tmp_path / "s" / "db"), max_dbs=8)
+    meta, inline = env.open_db(b"meta"), env.open_db(b"inline")
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"1", db=meta)
+        txn.drop(inline, delete=True)  # format 1 had no inline database
+    env.close()
+    # Read-only (fsagent status) leaves a format-1 dir as it is.
+    ro = Store.open(tmp_path / "s", readonly=True)
+    ro.close()
+    assert json.loads(marker.read_text())["format"] == 1
+    up = Store.open(tmp_path / "s")
+    assert json.loads(marker.read_text())["format"] == STATE_FORMAT == 2
+    up.close()
+    marker.write_text(json.dumps({"kind": "fsagent-state", "format": 3}) + "\n")
+    with pytest.raises(StateCorrupt, match="unsupported state format 3"):
+        Store.open(tmp_path / "s")
 
 
 # --- bridge client --------------------------------------------------------------
