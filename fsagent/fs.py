@@ -180,6 +180,7 @@ class WorkFolderFS(pyfuse3.Operations):
     ) -> None:
         super().__init__()
         self.spinner = Spinner(spin_ns)
+        self.initialized = trio.Event()
         self.store = store
         self.fetcher = fetcher
         self.readonly = readonly
@@ -191,6 +192,10 @@ class WorkFolderFS(pyfuse3.Operations):
         self.dirs: dict[int, list[tuple[bytes, InodeNo]]] = {}
         self._next_fh = 1
         self._copy_locks: dict[InodeNo, trio.Lock] = {}
+
+    def init(self) -> None:
+        """FUSE INIT is being answered (called on the trio thread)."""
+        self.initialized.set()
 
     # --- helpers ------------------------------------------------------------
 

@@ -28,6 +28,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -70,6 +71,53 @@ class StopState:
     saved: bool = True
     error: str | None = None
     final_done: bool = False
+
+
+READAHEAD_KIB = 1024
+"""Readahead for the mount when fsagent may set it (root): the kernel's
+default of 128 KiB splits a sequential read into 128 KiB READ requests, each a
+round trip to this daemon; at 1 MiB there are eight times fewer."""
+
+
+def mount_device(mountpoint: Path) -> str | None:
+    """``major:minor`` of what is mounted at ``mountpoint`` (alive or dead), or
+    None, from /proc/self/mountinfo.
+
+    Not from stat(): the daemon must not touch its own mount before it
+    serves it, and a dead mount answers ENOTCONN.
+    """
+    target = os.path.abspath(mountpoint)  # realpath() would stat the mount itself
+    found = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
+            for line in fh:
+                fields = line.split(" ")
+                # Mount points are octal-escaped (\040 for a space, and so on).
+                where = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+                if where == target:
+                    found = fields[2]  # the last one is the newest mount there
+    except (OSError, IndexError):
+        return None
+    return found
+
+
+async def _raise_readahead(fs: WorkFolderFS, mountpoint: Path) -> None:
+    """Once INIT is answered: the kernel lowers readahead to what the INIT
+    reply allows, and that is the value it offered, the default."""
+    await fs.initialized.wait()
+    _set_readahead(mountpoint)
+
+
+def _set_readahead(mountpoint: Path) -> None:
+    """Best effort: raise the mount's readahead to READAHEAD_KIB (needs root)."""
+    device = mount_device(mountpoint)
+    if device is None:
+        return
+    try:
+        with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as fh:
+            fh.write(str(READAHEAD_KIB))
+    except OSError as exc:
+        log.debug("readahead of %s stays at the default: %s", mountpoint, exc)
 
 
 def _fuse_options(opts: MountOptions, readonly: bool) -> set[str]:
@@ -296,6 +344,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
                 nursery.start_soon(fs.spinner.run)
+                nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
                 if owner is not None:
                     nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
                 if shipper is not None:

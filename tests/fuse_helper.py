@@ -33,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from fsagent.mount import mount_device
+
 REPO = Path(__file__).resolve().parent.parent
 SCOPES = ("task", "agent", "user", "project")
 
@@ -126,12 +128,7 @@ def is_mounted(path: Path) -> bool:
 
 def in_mount_table(path: Path) -> bool:
     """Whether anything, alive or dead, is mounted at ``path``."""
-    target = os.path.realpath(path).encode()
-    with open("/proc/self/mountinfo", "rb") as fh:
-        for line in fh:
-            if line.split()[4].replace(b"\\040", b" ") == target:
-                return True
-    return False
+    return mount_device(Path(os.path.realpath(path.parent)) / path.name) is not None
 
 
 @dataclass

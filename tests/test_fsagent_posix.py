@@ -176,6 +176,20 @@ def test_small_files_live_in_the_store_and_move_out_when_they_grow(
         assert (again.mountpoint / name).read_bytes() == data, name
 
 
+def test_readahead_is_raised_for_the_mount(mounts: MountFactory) -> None:
+    if os.getuid() != 0:
+        pytest.skip("only root may change a mount's readahead")
+    where = mounts.base / "mount point\twith space"
+    where.mkdir()
+    m = mounts.mount(mountpoint=where)
+    dev = os.stat(m.mountpoint).st_dev
+    with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as fh:
+        assert fh.read().strip() == "1024"
+    data = os.urandom(3 << 20)
+    (m.mountpoint / "big").write_bytes(data)
+    assert (m.mountpoint / "big").read_bytes() == data
+
+
 def test_sparse_write_and_fsync(mnt: FsagentMount) -> None:
     p = mnt.mountpoint / "sparse"
     fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
