@@ -16,6 +16,6 @@ The change set since the baseline, which checkpoints ship, comes from
 folded back with :meth:`fsagent.store.Store.acknowledge`.
 """
 
-SPIN_US = 200
-"""Default ``--spin-us``: how long the daemon keeps polling after a request
+SPIN_US = 100
+"""Default ``--spin-us``: the longest the daemon keeps polling after a request
 (see :class:`fsagent.fs.Spinner`)."""

@@ -501,8 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--spin-us",
         type=int,
         default=SPIN_US,
-        help="after each request keep polling for the next one this long before "
-        "sleeping (0 = off); saves a vCPU wake-up per request on virtual machines",
+        help="after a request keep polling for the next one up to this long before "
+        "sleeping (adapts to the request rate; 0 = off); saves a vCPU wake-up per "
+        "request on virtual machines",
     )
     m.set_defaults(func=cmd_mount)
 

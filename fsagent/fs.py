@@ -81,25 +81,41 @@ class Spinner:
     A round trip to the daemon costs two wake-ups: the daemon's when the
     request arrives and the caller's when the reply does.  On virtual machines
     an idle vCPU halts, and waking it costs tens of microseconds, more than
-    the handler itself.  Agents issue requests back to back (a ``git status``
-    stats every file), so after a request the loop keeps polling /dev/fuse for
-    ``window_ns`` before it sleeps again: the next request is picked up at
-    once.  The cost is bounded CPU: at most one window per burst of requests.
-    ``window_ns=0`` disables it.
+    most handlers.  Agents often issue requests back to back (a ``git status``
+    stats every file), so after a request the loop keeps polling /dev/fuse
+    for a while before it sleeps: the next request is picked up at once.
+
+    The window adapts, like the kernel's guest halt-polling: when a request
+    arrives after the window ended but within ``max_ns`` of the previous one,
+    a longer window would have caught it, so it doubles (up to ``max_ns``);
+    when requests are further apart than ``max_ns``, polling is wasted CPU,
+    so it halves, down to nothing.  ``max_ns=0`` disables polling.
     """
 
-    def __init__(self, window_ns: int) -> None:
-        self.window_ns = window_ns
+    GROW_START_NS: Final = 25_000
+
+    def __init__(self, max_ns: int) -> None:
+        self.max_ns = max_ns
+        self.window_ns = max_ns
         self._last = 0
         self._wake = trio.Event()
 
     def poke(self) -> None:
-        self._last = time.perf_counter_ns()
+        now = time.perf_counter_ns()
+        idle = now - self._last
+        if idle > self.window_ns:  # the loop had gone to sleep
+            if idle <= self.max_ns:
+                self.window_ns = min(self.max_ns, max(2 * self.window_ns, self.GROW_START_NS))
+            else:
+                self.window_ns //= 2
+                if self.window_ns < self.GROW_START_NS:
+                    self.window_ns = 0
+        self._last = now
         if not self._wake.is_set():
             self._wake.set()
 
     async def run(self) -> None:
-        if self.window_ns <= 0:
+        if self.max_ns <= 0:
             return
         clock = time.perf_counter_ns
         checkpoint = trio.lowlevel.checkpoint
