@@ -41,6 +41,7 @@ import stat
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, ParamSpec, TypeVar
 
 import pyfuse3
@@ -325,8 +326,6 @@ class WorkFolderFS(pyfuse3.Operations):
             if inode.upper:
                 return
             size = inode.size if copy and inode.digest and inode.digest != EMPTY_DIGEST else 0
-            dest = self.store.upper / str(inode.ino)
-            tmp = self.store.upper / f"{inode.ino}.tmp"
             src = await self.fetcher.ensure(Digest(inode.digest or EMPTY_DIGEST)) if size else None
             if size <= INLINE_MAX:
                 data = b"" if src is None else await trio.to_thread.run_sync(src.read_bytes)
@@ -335,17 +334,9 @@ class WorkFolderFS(pyfuse3.Operations):
                 inode.size = len(data)
             else:
                 assert src is not None
-
-                def do_copy() -> None:
-                    try:
-                        shutil.copyfile(src, tmp)
-                        os.replace(tmp, dest)
-                    except OSError:
-                        # ENOSPC and friends: leave no half copy behind.
-                        tmp.unlink(missing_ok=True)
-                        raise
-
-                await trio.to_thread.run_sync(do_copy)
+                await trio.to_thread.run_sync(
+                    self._write_upper, inode.ino, lambda tmp: shutil.copyfile(src, tmp)
+                )
                 data = None
             inode.upper = True
             inode.digest = None
@@ -354,10 +345,24 @@ class WorkFolderFS(pyfuse3.Operations):
             of = self.files.get(inode.ino)
             if of is not None and not of.upper:
                 old = of.fd
-                of.fd = -1 if data is not None else os.open(dest, os.O_RDWR | os.O_CLOEXEC)
+                of.fd = -1 if data is not None else self._open_rw(inode.ino)
                 of.upper, of.inline = True, data is not None
                 self._release_fd(of, old)
         self._copy_locks.pop(inode.ino, None)
+
+    def _write_upper(self, ino: InodeNo, fill: Callable[[Path], object]) -> None:
+        """Create ``upper/<ino>`` complete or not at all: ``fill`` writes a temp
+        name that is renamed into place (on ENOSPC and friends no half copy stays)."""
+        tmp = self.store.upper / f"{ino}.tmp"
+        try:
+            fill(tmp)
+            os.replace(tmp, self.store.upper / str(ino))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _open_rw(self, ino: InodeNo) -> int:
+        return os.open(self.store.upper / str(ino), os.O_RDWR | os.O_CLOEXEC)
 
     def _spill(self, inode: Inode, data: bytes) -> None:
         """Move an inline file that outgrows ``INLINE_MAX`` to ``upper/<inode>``.
@@ -366,24 +371,11 @@ class WorkFolderFS(pyfuse3.Operations):
         while it moves.  The file is complete before the inline copy is
         dropped; a crash in between leaves both and recovery keeps the inline one.
         """
-        dest = self.store.upper / str(inode.ino)
-        tmp = self.store.upper / f"{inode.ino}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, dest)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
+        self._write_upper(inode.ino, lambda tmp: tmp.write_bytes(data))
         self.store.drop_inline(inode)
         of = self.files.get(inode.ino)
         if of is not None:
-            of.fd = os.open(dest, os.O_RDWR | os.O_CLOEXEC)
+            of.fd = self._open_rw(inode.ino)
             of.inline = False
 
     # --- lookups and attributes ----------------------------------------------
@@ -724,7 +716,7 @@ class WorkFolderFS(pyfuse3.Operations):
     def _open_upper(self, ino: InodeNo) -> OpenFile:
         if self.store.inline_data(ino) is not None:
             return OpenFile(-1, upper=True, inline=True)
-        return OpenFile(os.open(self.store.upper / str(ino), os.O_RDWR | os.O_CLOEXEC), upper=True)
+        return OpenFile(self._open_rw(ino), upper=True)
 
     def _handle(self, fh: int) -> tuple[Handle, OpenFile]:
         h = self.handles.get(fh)

@@ -661,10 +661,7 @@ class Store:
         txn.delete(_ikey(inode.ino), db=self._inodes)
         txn.delete(_ikey(inode.ino), db=self._orphans)
         self._cache.pop(inode.ino, None)
-        if inode.upper:
-            txn.delete(_ikey(inode.ino), db=self._inline)
-            # Normally absent for an inline file (a cheap miss); present
-            # only after a crash while the file moved out of line.
+        if inode.upper and not txn.delete(_ikey(inode.ino), db=self._inline):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.upper / str(inode.ino))
 
@@ -1113,8 +1110,9 @@ class Store:
         An upper file's length is the truth for the file's size: the bytes
         reach the upper file before write() commits the size, so a crash in
         between leaves the file longer than the record.  An inline file's
-        contents and size are one commit; an upper file left beside inline
-        contents (a crash while moving them out) is removed.
+        contents and size are one commit.  Files in ``upper/`` that no inode
+        uses are removed: a temp copy cut short, or an upper file left beside
+        inline contents by a crash while they moved out of line.
         """
         freed = fixed = 0
         on_disk = set(os.listdir(self.upper))
@@ -1136,10 +1134,9 @@ class Store:
                 inline = txn.get(key, db=self._inline)
                 if inline is not None:
                     size = len(inline)
-                    if str(ino) in on_disk:
-                        upath.unlink()
                 elif str(ino) in on_disk:
                     size = upath.stat().st_size
+                    on_disk.discard(str(ino))
                 else:
                     # The upper file never reached the disk: an empty file.
                     txn.put(key, b"", db=self._inline)
@@ -1150,6 +1147,9 @@ class Store:
                     inode.generation += 1
                     txn.put(key, inode.encode(), db=self._inodes)
                     fixed += 1
+            for name in on_disk:  # what is left is used by no inode
+                with contextlib.suppress(FileNotFoundError):  # freed above
+                    os.unlink(self.upper / name)
             for name in os.listdir(self.objects):
                 if name.startswith(".tmp-"):
                     os.unlink(self.objects / name)
