@@ -13,7 +13,7 @@ import {
   signIn,
   signOut,
 } from "./api.js";
-import { clear, h, uid } from "./dom.js";
+import { carriesFiles, clear, h, uid } from "./dom.js";
 import { FolderPage, SCOPES } from "./folder.js";
 
 const main = document.getElementById("main");
@@ -84,7 +84,7 @@ window.addEventListener("popstate", () => render());
 // Dropping a file anywhere outside the drop zone must not navigate away.
 for (const type of ["dragover", "drop"]) {
   window.addEventListener(type, (event) => {
-    if (event.dataTransfer && [...event.dataTransfer.types].includes("Files")) {
+    if (carriesFiles(event)) {
       event.preventDefault();
     }
   });

@@ -95,3 +95,13 @@ export function joinPath(dir, name) {
 export function isWithin(path, root) {
   return path === root || path.startsWith(`${root}/`);
 }
+
+/** "1 file", "3 files". */
+export function plural(n, word) {
+  return `${n} ${word}${n === 1 ? "" : "s"}`;
+}
+
+/** True when a drag event carries files (not text or a link). */
+export function carriesFiles(event) {
+  return Boolean(event.dataTransfer) && [...event.dataTransfer.types].includes("Files");
+}

@@ -1,0 +1,177 @@
+// The preview panel: one file at a time, as an image, a PDF or UTF-8 text,
+// fetched as bytes (at most PREVIEW_LIMIT) and shown from a blob: URL.
+
+import { ApiError, PREVIEW_LIMIT } from "./api.js";
+import { baseName, clear, formatSize, h, isWithin } from "./dom.js";
+
+const IMAGE_EXTENSIONS = {
+  png: "image/png",
+  jpg: "image/jpeg",
+  jpeg: "image/jpeg",
+  gif: "image/gif",
+  webp: "image/webp",
+  bmp: "image/bmp",
+  svg: "image/svg+xml",
+  avif: "image/avif",
+  ico: "image/x-icon",
+};
+
+function extension(name) {
+  const i = name.lastIndexOf(".");
+  return i < 0 ? "" : name.slice(i + 1).toLowerCase();
+}
+
+/** "image" | "pdf" | "other", from the stored content type or the name. */
+function previewKind(entry) {
+  const type = (entry.contentType || "").split(";")[0].trim().toLowerCase();
+  const ext = extension(baseName(entry.path));
+  if (type.startsWith("image/") || IMAGE_EXTENSIONS[ext]) return "image";
+  if (type === "application/pdf" || ext === "pdf") return "pdf";
+  return "other";
+}
+
+/** UTF-8 text, or null when the bytes look binary (NUL bytes or invalid UTF-8). */
+function decodeText(bytes) {
+  const view = new Uint8Array(bytes);
+  if (view.includes(0)) return null;
+  try {
+    return new TextDecoder("utf-8", { fatal: true }).decode(view);
+  } catch {
+    return null;
+  }
+}
+
+export class Preview {
+  constructor(folder, ids) {
+    this.folder = folder;
+    this.seq = 0; // discards answers for a preview that was closed or replaced
+    this.url = null; // the blob: URL on screen, revoked when it goes
+    this.opener = null; // the button to give focus back to on close
+    this.path = null;
+    this.section = this.build(ids);
+  }
+
+  build(ids) {
+    this.heading = h("h2", { id: ids.preview, tabindex: "-1", text: "Preview" });
+    this.body = h("div", { class: "preview-body" });
+    this.download = h("a", { class: "button-link small", text: "Download" });
+    const close = h(
+      "button",
+      { type: "button", class: "small secondary", onClick: () => this.close() },
+      "Close preview",
+    );
+    return h(
+      "section",
+      { class: "card preview", "aria-labelledby": ids.preview, hidden: true },
+      h(
+        "div",
+        { class: "preview-head" },
+        this.heading,
+        h("div", { class: "row-actions" }, this.download, close),
+      ),
+      this.body,
+    );
+  }
+
+  revokeUrl() {
+    if (this.url) URL.revokeObjectURL(this.url);
+    this.url = null;
+  }
+
+  close() {
+    this.seq += 1;
+    this.revokeUrl();
+    this.path = null;
+    this.section.hidden = true;
+    clear(this.body);
+    if (this.opener && this.opener.isConnected) this.opener.focus();
+    this.opener = null;
+  }
+
+  /** Close the preview if it shows `path` or something below it (it was deleted). */
+  closeIfWithin(path) {
+    if (this.path && isWithin(this.path, path)) this.close();
+  }
+
+  async open(entry, opener) {
+    const seq = ++this.seq;
+    const name = baseName(entry.path);
+    const { api } = this.folder;
+    this.revokeUrl();
+    this.path = entry.path;
+    this.opener = opener;
+    this.section.hidden = false;
+    this.heading.textContent = `Preview: ${name}`;
+    this.download.href = api.contentUrl(entry.path);
+    this.download.download = name;
+    this.download.setAttribute("aria-label", `Download ${name}`);
+    const say = (text, cls = "muted") => clear(this.body).append(h("p", { class: cls, text }));
+    this.heading.focus();
+    if (entry.byteSize > PREVIEW_LIMIT) {
+      say(
+        `${name} is ${formatSize(entry.byteSize)}, larger than the 8 MiB preview limit. Download it to open it.`,
+      );
+      return;
+    }
+    say("Loading preview…");
+    let bytes;
+    try {
+      bytes = await api.previewBytes(entry.path);
+    } catch (err) {
+      if (seq !== this.seq) return;
+      if (err instanceof ApiError && err.status === 413) {
+        say(`${name} is larger than the 8 MiB preview limit. Download it to open it.`);
+      } else {
+        clear(this.body).append(
+          h("p", {
+            class: "error",
+            role: "alert",
+            text: `Could not load the preview: ${this.folder.explain(err)}`,
+          }),
+        );
+      }
+      return;
+    }
+    if (seq !== this.seq) return;
+    this.show(entry, name, bytes, say);
+  }
+
+  show(entry, name, bytes, say) {
+    const kind = previewKind(entry);
+    if (kind === "image") {
+      const declared = (entry.contentType || "").split(";")[0].trim();
+      const type = declared.startsWith("image/")
+        ? declared
+        : IMAGE_EXTENSIONS[extension(name)] || "";
+      this.url = URL.createObjectURL(new Blob([bytes], { type }));
+      const img = h("img", { src: this.url, alt: `Preview of ${name}` });
+      img.addEventListener("error", () =>
+        say(`${name} could not be shown as an image. Download it to open it.`),
+      );
+      clear(this.body).append(img);
+    } else if (kind === "pdf") {
+      this.url = URL.createObjectURL(new Blob([bytes], { type: "application/pdf" }));
+      clear(this.body).append(
+        h("iframe", { src: this.url, title: `Preview of ${name}`, class: "pdf" }),
+      );
+    } else {
+      const text = decodeText(bytes);
+      if (text === null) {
+        say(
+          `${name} is not text, an image or a PDF, so it can't be shown here. Download it to open it.`,
+        );
+      } else if (!text.length) {
+        say(`${name} is empty.`);
+      } else {
+        clear(this.body).append(
+          h("pre", {
+            class: "text-preview",
+            tabindex: "0",
+            "aria-label": `Contents of ${name}`,
+            text,
+          }),
+        );
+      }
+    }
+  }
+}
