@@ -86,6 +86,27 @@ export class FolderPage {
     this.sync?.refresh();
   }
 
+  /**
+   * A write started from a row's button (delete, restore, purge): the button
+   * stays disabled while it runs and after it succeeds, when `applied` updates
+   * the page before `success` is announced; a failure re-enables the button
+   * and puts `failure(err)` in the row's `error` line.
+   */
+  async rowOperation(body, { button, error, applied, success, failure }) {
+    error.textContent = "";
+    button.disabled = true;
+    try {
+      await this.api.operation(body);
+    } catch (err) {
+      button.disabled = false;
+      error.textContent = failure(err);
+      return;
+    }
+    applied();
+    this.announce(success);
+    this.refreshSync();
+  }
+
   /** The name of the folder's top directory, in breadcrumbs and captions. */
   rootLabel() {
     return this.ownerName || `${SCOPE_LABEL[this.route.scope]} folder`;

@@ -422,20 +422,21 @@ export class Listing {
       confirmLabel: "Delete",
     });
     if (!ok) return;
-    error.textContent = "";
-    button.disabled = true;
-    try {
-      await folder.api.operation({ action: "delete", path: entry.path });
-      this.entries = this.entries.filter((e) => !isWithin(e.path, entry.path));
-      this.rowCache.delete(entry.path);
-      this.sorted = null;
-      this.renderRows();
-      folder.preview.closeIfWithin(entry.path);
-      folder.announce(`Moved ${name} to Trash.`);
-      folder.refreshSync();
-    } catch (err) {
-      error.textContent = `Could not delete ${name}: ${folder.explain(err)}`;
-      button.disabled = false;
-    }
+    await folder.rowOperation(
+      { action: "delete", path: entry.path },
+      {
+        button,
+        error,
+        applied: () => {
+          this.entries = this.entries.filter((e) => !isWithin(e.path, entry.path));
+          this.rowCache.delete(entry.path);
+          this.sorted = null;
+          this.renderRows();
+          folder.preview.closeIfWithin(entry.path);
+        },
+        success: `Moved ${name} to Trash.`,
+        failure: (err) => `Could not delete ${name}: ${folder.explain(err)}`,
+      },
+    );
   }
 }

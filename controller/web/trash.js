@@ -196,23 +196,23 @@ export class Trash {
   async restore(batch, button, error) {
     const { folder } = this;
     const name = batch.root.path;
-    error.textContent = "";
-    button.disabled = true;
-    try {
-      await folder.api.operation({ action: "restore", fileId: batch.rootId });
-      this.drop(batch);
-      folder.listing.invalidate(); // the files view reloads when shown again
-      folder.announce(`Restored ${name}.`);
-      folder.refreshSync();
-    } catch (err) {
-      button.disabled = false;
-      if (err instanceof ApiError && err.code === "restore_collision") {
-        // The message names the occupied paths; say what to do about it.
-        error.textContent = `${err.message}. Move or delete what is there now, then restore again.`;
-      } else {
-        error.textContent = `Could not restore ${name}: ${folder.explain(err)}`;
-      }
-    }
+    await folder.rowOperation(
+      { action: "restore", fileId: batch.rootId },
+      {
+        button,
+        error,
+        applied: () => {
+          this.drop(batch);
+          folder.listing.invalidate(); // the files view reloads when shown again
+        },
+        success: `Restored ${name}.`,
+        failure: (err) =>
+          err instanceof ApiError && err.code === "restore_collision"
+            ? // The message names the occupied paths; say what to do about it.
+              `${err.message}. Move or delete what is there now, then restore again.`
+            : `Could not restore ${name}: ${folder.explain(err)}`,
+      },
+    );
   }
 
   async purge(batch, button, error) {
@@ -228,16 +228,15 @@ export class Trash {
       confirmLabel: "Purge permanently",
     });
     if (!ok) return;
-    error.textContent = "";
-    button.disabled = true;
-    try {
-      await folder.api.operation({ action: "purge", fileId: batch.rootId });
-      this.drop(batch);
-      folder.announce(`Permanently deleted ${name}.`);
-      folder.refreshSync();
-    } catch (err) {
-      button.disabled = false;
-      error.textContent = `Could not purge ${name}: ${folder.explain(err)}`;
-    }
+    await folder.rowOperation(
+      { action: "purge", fileId: batch.rootId },
+      {
+        button,
+        error,
+        applied: () => this.drop(batch),
+        success: `Permanently deleted ${name}.`,
+        failure: (err) => `Could not purge ${name}: ${folder.explain(err)}`,
+      },
+    );
   }
 }
