@@ -109,7 +109,8 @@ def decode_frame(frame: Frame) -> bytes:
         declared = zstandard.frame_content_size(frame.payload)
     except zstandard.ZstdError:
         raise BadFrame("payload is not a zstd frame") from None
-    if declared == zstandard.CONTENTSIZE_UNKNOWN:
+    # frame_content_size answers -1 (not CONTENTSIZE_UNKNOWN) for "not declared".
+    if declared < 0 or declared == zstandard.CONTENTSIZE_UNKNOWN:
         # Streaming such a frame would need an output bound of its own; every
         # writer (encode_frame) declares the size, so refusing costs nothing.
         raise BadFrame("zstd frame does not declare its content size")
