@@ -464,3 +464,38 @@ def test_serve_refuses_a_disabled_limit(
     assert code == 1
     assert f"{flag} must be positive" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # refused before touching the data dir
+
+
+def test_large_checkpoint_is_parsed_off_the_event_loop(stenant: Tenant) -> None:
+    """While a 100,000-entry checkpoint is validated, other requests are still answered."""
+    import threading
+
+    run = start_run(stenant)
+    deep = "/".join(f"seg{j}" for j in range(60))  # path checks dominate: ~2 s of CPU
+    entries: list[dict[str, object]] = [
+        {"op": "mkdir", "path": f"{deep}/{i}"} for i in range(100_000 - 1)
+    ]
+    entries.append({"op": "link", "path": "x"})  # refused only after every entry was checked
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=stenant.controller.url, timeout=30) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                assert c.get("/openapi.json").status_code == 200
+                gaps.append(time.monotonic() - t0)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        time.sleep(0.3)
+        r = run.commit("task", entries)
+    finally:
+        stop.set()
+        poller.join()
+    assert r.status_code == 400, r.text
+    assert r.json()["details"][0]["code"] == "invalid_op"
+    assert len(gaps) > 5
+    assert max(gaps) < 0.5, f"event loop stalled {max(gaps):.2f} s"
