@@ -39,5 +39,15 @@ bench-fs: deps
 bench-checkpoint: deps
 	$(PY) -m bench.checkpoint
 
+# Coverage-guided fuzzing of the upload frame reader and the checkpoint parser
+# (tests/fuzz/fuzz_upload.py); `make test` runs the same target for 5 s.
+FUZZ_SECONDS ?= 600
+FUZZ_CORPUS ?= .fuzz-corpus
+.PHONY: fuzz
+fuzz: deps
+	mkdir -p $(FUZZ_CORPUS)/artifacts
+	$(PY) tests/fuzz/fuzz_upload.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=1024 \
+		-timeout=10 -artifact_prefix=$(FUZZ_CORPUS)/artifacts/ $(FUZZ_CORPUS)/inputs
+
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache

@@ -46,9 +46,10 @@ MANIFEST_PAGE_MAX: Final = 5000
 # --- writes (checkpoints) ----------------------------------------------------
 #
 # ``PUT /bridge/v1/folders/{scope}/uploads``
-#     Body: a sequence of frames (see :func:`frame_header`), each one zstd
-#     frame of at most :data:`CHUNK_MAX` uncompressed bytes with the xxh64 of
-#     those bytes, ended by :data:`END_FRAME`. Headers ``X-Content-SHA256`` and
+#     Body: a sequence of frames (see :func:`frame_header`), each exactly one
+#     zstd frame (no trailing bytes) of at most :data:`CHUNK_MAX` uncompressed
+#     bytes that declares its content size, with the xxh64 of those bytes,
+#     ended by :data:`END_FRAME` (nothing after it); controller/frames.py. Headers ``X-Content-SHA256`` and
 #     ``X-Content-Length`` are hints: the controller computes both itself and
 #     answers 422 ``digest_mismatch`` when they differ (a torn read), 413 past
 #     1 GiB, 400 ``bad_frame`` for a corrupt frame. Answer:

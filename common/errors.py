@@ -185,3 +185,34 @@ class DatabaseUnavailable(WorkFolderError):
     code = "database_unavailable"
     status = 503
     message = "Database is unavailable"
+
+
+# --- transport limits (controller/api/limits.py, controller/api/protocol.py) --
+
+
+class RequestTimeout(WorkFolderError):
+    """The request head or body did not arrive in time (or arrived too slowly)."""
+
+    code = "request_timeout"
+    status = 408
+    message = "The request did not arrive in time"
+
+
+class TooManyRequests(WorkFolderError):
+    """Too many requests in flight for one token; answered with ``Retry-After``."""
+
+    code = "too_many_requests"
+    status = 429
+    message = "Too many concurrent requests for this token; retry later"
+
+
+class RequestHeadTooLarge(WorkFolderError):
+    code = "request_head_too_large"
+    status = 431
+    message = "Request line and headers are too large"
+
+
+class TooManyConnections(WorkFolderError):
+    code = "too_many_connections"
+    status = 503
+    message = "The controller has too many open connections; retry later"

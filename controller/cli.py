@@ -21,7 +21,7 @@ from typing import Any
 
 from common.errors import WorkFolderError
 from controller import admin
-from controller.config import Settings
+from controller.config import Settings, add_limit_arguments, limits_from
 from controller.pgembed import EmbeddedPostgres, EmbeddedPostgresError
 
 log = logging.getLogger("controller")
@@ -106,8 +106,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from controller.api.app import create_app
+    from controller.api.protocol import protocol_class
 
     settings = settings_from(args)
+    try:
+        settings.limits = limits_from(args)
+    except ValueError as exc:
+        raise admin.AdminError(str(exc)) from None
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise admin.AdminError(f"--listen must be HOST:PORT, got {args.listen!r}")
@@ -123,7 +128,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host=host.strip("[]"),
             port=int(port),
             loop="asyncio",
-            http="httptools",
+            # httptools plus the header timeout, head size and connection cap.
+            http=protocol_class(settings.limits),
+            timeout_keep_alive=settings.limits.keep_alive_timeout,
             lifespan="on",
             log_level="info" if args.verbose else "warning",
             access_log=args.verbose,
@@ -258,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between GC sweeps, 0 disables (default 180)",
     )
+    add_limit_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     mig = sub.add_parser("migrate", help="apply database migrations")

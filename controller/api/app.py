@@ -9,13 +9,16 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from common.errors import WorkFolderError
 from controller import gc
 from controller.api import openapi, web, workfolders
-from controller.api.common import AppState, connection, json_errors
+from controller.api.common import AppState, connection, error_response, json_errors
+from controller.api.limits import RequestLimits
 from controller.config import Settings
 from controller.db import make_pool
 from controller.storage.base import StorageProvider
@@ -41,6 +44,12 @@ async def http_error(request: Request, exc: Exception) -> Response:
         {"error": exc.detail, "code": codes.get(exc.status_code, "http_error")},
         status_code=exc.status_code,
     )
+
+
+async def project_error(request: Request, exc: Exception) -> Response:
+    """A project error raised outside a ``json_errors`` handler (e.g. a body timeout)."""
+    assert isinstance(exc, WorkFolderError)
+    return error_response(exc)
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:
@@ -85,7 +94,12 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
             *bridge.routes,
             *web.routes,
         ],
-        exception_handlers={HTTPException: http_error, Exception: unexpected_error},
+        exception_handlers={
+            HTTPException: http_error,
+            WorkFolderError: project_error,
+            Exception: unexpected_error,
+        },
+        middleware=[Middleware(RequestLimits, limits=settings.limits)],
         lifespan=lifespan,
     )
     app.state.workfolders = AppState(settings=settings, pool=pool, storage=storage)

@@ -17,22 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import xxhash
-import zstandard
 from psycopg import AsyncConnection
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.bridge import (
-    CHUNK_MAX,
-    FRAME_HEADER,
     MANIFEST_PAGE_MAX,
     MAX_CHECKPOINT_BODY,
     PREFIX,
 )
 from common.errors import (
-    BadFrame,
     DatabaseUnavailable,
     DigestMismatch,
     MembershipRevoked,
@@ -55,6 +50,7 @@ from controller.api.workfolders import (
 )
 from controller.auth import RunBinding, run_may_use_user_folder
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
+from controller.frames import Frame, FrameSplitter, decode_frame
 from controller.storage.base import ObjectMissing, object_key
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -221,47 +217,9 @@ async def record_run_failure(request: Request, run: RunBinding, error: str) -> N
         )
 
 
-class FrameReader:
-    """Decode the framed zstd upload body incrementally with bounded memory."""
-
-    def __init__(self, limit: int) -> None:
-        self.buf = bytearray()
-        self.limit = limit
-        self.total = 0
-        self.done = False
-        self.dctx = zstandard.ZstdDecompressor()
-
-    def feed(self, data: bytes) -> list[bytes]:
-        if self.done and data:
-            raise BadFrame("data after the end frame")
-        self.buf += data
-        out: list[bytes] = []
-        header = FRAME_HEADER.size
-        while not self.done and len(self.buf) >= header:
-            clen, rlen, checksum = FRAME_HEADER.unpack_from(self.buf)
-            if clen == 0 and rlen == 0:
-                self.done = True
-                del self.buf[:header]
-                if self.buf:
-                    raise BadFrame("data after the end frame")
-                break
-            if rlen > CHUNK_MAX or clen > CHUNK_MAX + 1024 or clen == 0:
-                raise BadFrame("frame larger than allowed")
-            if len(self.buf) < header + clen:
-                break
-            compressed = bytes(self.buf[header : header + clen])
-            del self.buf[: header + clen]
-            try:
-                raw = self.dctx.decompress(compressed, max_output_size=rlen)
-            except zstandard.ZstdError as exc:
-                raise BadFrame(f"zstd: {exc}") from None
-            if len(raw) != rlen or xxhash.xxh64_intdigest(raw) != checksum:
-                raise BadFrame("frame checksum or length mismatch")
-            self.total += rlen
-            if self.total > self.limit:
-                raise PayloadTooLarge(f"Files are limited to {self.limit} bytes")
-            out.append(raw)
-        return out
+def store_frame(frame: Frame, fd: int, hasher: Any) -> None:
+    """Decode, verify, hash and spool one frame: CPU and disk work, run in a thread."""
+    spool_append(fd, hasher, decode_frame(frame))
 
 
 @json_errors
@@ -275,7 +233,9 @@ async def upload(request: Request) -> Response:
         )
     hint = request.headers.get("x-content-sha256")
     hint_len = request.headers.get("x-content-length")
-    reader = FrameReader(st.settings.max_file_bytes)
+    limit = st.settings.max_file_bytes
+    splitter = FrameSplitter()
+    size = 0
     fd, name = await asyncio.to_thread(
         tempfile.mkstemp, dir=st.settings.spool_dir, prefix="bridge-"
     )
@@ -284,13 +244,16 @@ async def upload(request: Request) -> Response:
     try:
         try:
             async for chunk in request.stream():
-                for raw in reader.feed(chunk):
-                    await asyncio.to_thread(spool_append, fd, hasher, raw)
+                for frame in splitter.feed(chunk):
+                    # Checked on the declared length, before any decompression.
+                    size += frame.raw_len
+                    if size > limit:
+                        raise PayloadTooLarge(f"Files are limited to {limit} bytes")
+                    await asyncio.to_thread(store_frame, frame, fd, hasher)
         finally:
             os.close(fd)
-        if not reader.done:
-            raise BadFrame("body ended before the end frame")
-        digest, size = hasher.hexdigest(), reader.total
+        splitter.finish()
+        digest = hasher.hexdigest()
         if (hint is not None and hint != digest) or (
             hint_len is not None and hint_len != str(size)
         ):
@@ -321,10 +284,11 @@ async def upload(request: Request) -> Response:
 @json_errors
 async def commit_checkpoint(request: Request) -> Response:
     st = state(request)
-    body = await read_json(request, MAX_CHECKPOINT_BODY)
-    cp = parse_checkpoint(body)
     async with connection(request) as conn:
         run = await bound_run(request, conn)
+    body = await read_json(request, MAX_CHECKPOINT_BODY)
+    # Up to MAX_CHECKPOINT_ENTRIES entries: too much work for the event loop.
+    cp = await asyncio.to_thread(parse_checkpoint, body)
 
     async def ensure(k: str) -> None:
         if not await asyncio.to_thread(st.storage.exists, k):
@@ -360,6 +324,8 @@ async def refresh_applied(request: Request) -> Response:
 
 @json_errors
 async def report(request: Request) -> Response:
+    async with connection(request) as conn:
+        await bound_run(request, conn)
     body = await read_json(request)
     new_state = body.get("state")
     error = body.get("error")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,7 @@ from common.errors import (
     ValidationError,
     WorkFolderError,
 )
+from controller.api.limits import is_authenticated, mark_authenticated
 from controller.auth import Principal, principal_from_bearer, principal_from_session, same_secret
 from controller.config import Settings
 from controller.storage.base import StorageProvider
@@ -30,6 +32,13 @@ from controller.storage.base import StorageProvider
 log = logging.getLogger("controller.api")
 
 SESSION_COOKIE = "fsa_session"
+
+JSON_INLINE_BYTES = 256 * 1024
+"""Bodies up to this size are parsed on the event loop; larger ones in a thread."""
+
+# Parsing a large body costs CPU and several times its size in memory; a few
+# at a time bound both (the per-token cap alone would allow dozens per run).
+_large_bodies = asyncio.Semaphore(2)
 
 
 @dataclass
@@ -84,6 +93,22 @@ def is_write(request: Request) -> bool:
 
 
 async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
+    principal = await _authenticate(request, conn)
+    mark_authenticated(request)
+    return principal
+
+
+async def authenticate_first(request: Request) -> None:
+    """Check the credentials in a short transaction of their own, before any body
+    byte is read: an unauthenticated client gets its 401 at once and never
+    makes the controller buffer its body. Handlers authorize again inside their
+    own transaction (a token can be revoked in between)."""
+    if not is_authenticated(request):
+        async with connection(request) as conn:
+            await authenticate(request, conn)
+
+
+async def _authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
     header = request.headers.get("authorization")
     if header is not None:
         scheme, _, token = header.partition(" ")
@@ -103,7 +128,26 @@ async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principa
     raise Unauthenticated()
 
 
-async def read_json(request: Request, max_bytes: int = 64 * 1024) -> dict[str, Any]:
+def parse_json_object(raw: bytes | bytearray) -> dict[str, Any]:
+    """A JSON object from ``raw``; ValidationError for anything else."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ValidationError.single("body", "invalid_json", "body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ValidationError.single("body", "invalid_json", "body must be a JSON object")
+    return body
+
+
+async def read_json(
+    request: Request, max_bytes: int = 64 * 1024, *, before_auth: bool = False
+) -> dict[str, Any]:
+    """The JSON object body, read only after :func:`authenticate_first`.
+
+    ``before_auth`` is for sign-in alone, whose credential is the body itself.
+    """
+    if not before_auth:
+        await authenticate_first(request)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise ValidationError.single(
@@ -112,15 +156,18 @@ async def read_json(request: Request, max_bytes: int = 64 * 1024) -> dict[str, A
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLarge(f"JSON body is larger than {max_bytes} bytes")
+    raw = await _read_body(request, max_bytes)
+    if len(raw) <= JSON_INLINE_BYTES:
+        return parse_json_object(raw)
+    # Only the parse holds a slot: a slow sender must not keep others waiting.
+    async with _large_bodies:
+        return await asyncio.to_thread(parse_json_object, raw)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytearray:
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > max_bytes:
             raise PayloadTooLarge(f"JSON body is larger than {max_bytes} bytes")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ValidationError.single("body", "invalid_json", "body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ValidationError.single("body", "invalid_json", "body must be a JSON object")
-    return body
+    return raw

@@ -20,6 +20,9 @@ _ERRORS = {
     "400": _resp("Validation error", _ERROR),
     "401": _resp("Missing or invalid token", _ERROR),
     "404": _resp("Work folder not found (also every authorization denial)", _ERROR),
+    # Transport limits (controller/api/limits.py), on every route.
+    "408": _resp("Request body stalled or too slow (request_timeout)", _ERROR),
+    "429": _resp("Too many requests in flight for this token; see Retry-After", _ERROR),
 }
 
 _FOLDER_PARAMS = [

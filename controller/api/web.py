@@ -53,7 +53,7 @@ async def session_body(conn: Any, user_id: str, csrf: str) -> dict[str, Any]:
 
 @json_errors
 async def create_session(request: Request) -> Response:
-    body = await read_json(request)
+    body = await read_json(request, before_auth=True)  # the credential is the body
     token = body.get("token")
     if not isinstance(token, str) or not token or set(body) != {"token"}:
         raise ValidationError.single("token", "required", 'body must be {"token": <api token>}')

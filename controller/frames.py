@@ -1,0 +1,128 @@
+"""Read the framed zstd body of a bridge upload (format: :mod:`common.bridge`).
+
+Contract: the body is a sequence of frames, each ``FRAME_HEADER`` (compressed
+length, raw length, xxh64 of the raw bytes) followed by exactly one zstd frame,
+ended by :data:`common.bridge.END_FRAME` with nothing after it. Every refusal
+raises :class:`common.errors.BadFrame`; nothing else escapes for any input
+(``tests/fuzz/fuzz_upload.py`` holds the reader to that).
+
+Two halves, so that the event loop only ever does cheap work:
+
+* :class:`FrameSplitter` cuts the byte stream into frames and checks the
+  header's bounds. It copies bytes and nothing more.
+* :func:`decode_frame` decompresses and verifies one frame. It is CPU-bound and
+  runs in a worker thread.
+
+Memory is bounded before any decompression: the zstd frame must declare its
+content size, and that size must equal the header's raw length, which is at
+most :data:`CHUNK_MAX`. Without that check a frame of a few KiB that declares
+gigabytes made the decompressor allocate the declared size up front (zstd
+sizes its output buffer from the frame header, whatever ``max_output_size``
+says).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import xxhash
+import zstandard
+
+from common.bridge import CHUNK_MAX, FRAME_HEADER
+from common.errors import BadFrame
+
+MAX_COMPRESSED_FRAME = CHUNK_MAX + 1024
+"""Largest compressed payload of one frame (zstd stores incompressible data raw)."""
+
+MAX_WINDOW = 8 << 20
+"""Decoder window cap: a frame's window never needs to exceed its content."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One upload frame as sent: header fields and the compressed payload."""
+
+    raw_len: int
+    checksum: int
+    payload: bytes
+
+
+class FrameSplitter:
+    """Cut an upload body into frames; buffers at most one frame plus one chunk."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.done = False
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """The frames completed by ``data``; BadFrame on a header out of bounds."""
+        if self.done:
+            if data:
+                raise BadFrame("data after the end frame")
+            return []
+        self._buf += data
+        frames: list[Frame] = []
+        header = FRAME_HEADER.size
+        while len(self._buf) >= header:
+            clen, rlen, checksum = FRAME_HEADER.unpack_from(self._buf)
+            if clen == 0 and rlen == 0:
+                if checksum != 0:
+                    raise BadFrame("the end frame must be all zeros")
+                if len(self._buf) > header:
+                    raise BadFrame("data after the end frame")
+                self.done = True
+                self._buf.clear()
+                break
+            if not 0 < rlen <= CHUNK_MAX or not 0 < clen <= MAX_COMPRESSED_FRAME:
+                raise BadFrame("frame larger than allowed")
+            if len(self._buf) < header + clen:
+                break
+            frames.append(Frame(rlen, checksum, bytes(self._buf[header : header + clen])))
+            del self._buf[: header + clen]
+        return frames
+
+    def finish(self) -> None:
+        """The body ended: refuse it unless the end frame was seen."""
+        if not self.done:
+            raise BadFrame("body ended before the end frame")
+
+
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    # A decompression context is not thread-safe; one per worker thread.
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+    return dctx
+
+
+def decode_frame(frame: Frame) -> bytes:
+    """The raw bytes of ``frame``, verified; BadFrame for anything else.
+
+    Exactly one zstd frame with a declared content size equal to the header's
+    raw length, no trailing bytes, and the xxh64 of the result must match.
+    """
+    try:
+        declared = zstandard.frame_content_size(frame.payload)
+    except zstandard.ZstdError:
+        raise BadFrame("payload is not a zstd frame") from None
+    # frame_content_size answers -1 (not CONTENTSIZE_UNKNOWN) for "not declared".
+    if declared < 0 or declared == zstandard.CONTENTSIZE_UNKNOWN:
+        # Streaming such a frame would need an output bound of its own; every
+        # writer (encode_frame) declares the size, so refusing costs nothing.
+        raise BadFrame("zstd frame does not declare its content size")
+    if declared != frame.raw_len:
+        raise BadFrame(f"zstd frame declares {declared} bytes, the frame header {frame.raw_len}")
+    try:
+        raw = _decompressor().decompress(
+            frame.payload, max_output_size=frame.raw_len, allow_extra_data=False
+        )
+    except zstandard.ZstdError as exc:
+        # "unused data" is a second zstd frame or trailing junk in the payload.
+        raise BadFrame(f"zstd: {exc}") from None
+    if len(raw) != frame.raw_len or xxhash.xxh64_intdigest(raw) != frame.checksum:
+        raise BadFrame("frame checksum or length mismatch")
+    return raw

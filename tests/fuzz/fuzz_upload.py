@@ -1,0 +1,116 @@
+"""Coverage-guided fuzzing of what a sandbox sends: upload frames and checkpoint bodies.
+
+    python tests/fuzz/fuzz_upload.py [libFuzzer flags] [CORPUS_DIR...]
+
+The first input byte picks the target; the rest is the body. The documented
+refusals (``BadFrame`` for frames, ``ValidationError`` for checkpoints) are
+expected; any other exception, or a decoded frame of the wrong length, is a
+crash. Without a corpus directory the built-in seeds are used from a temp dir;
+an empty corpus directory is seeded first. ``make fuzz`` runs it for longer.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import atheris
+
+# Dependencies first, so that only our own parsing code is instrumented.
+import psycopg  # noqa: F401
+import starlette.requests  # noqa: F401
+import xxhash
+import zstandard
+
+with atheris.instrument_imports(
+    include=["controller.frames", "controller.checkpoint", "common.paths", "controller.api.common"]
+):
+    from common.bridge import END_FRAME, encode_frame, frame_header
+    from common.errors import BadFrame, ValidationError
+    from controller.api.common import parse_json_object
+    from controller.checkpoint import parse_checkpoint
+    from controller.frames import FrameSplitter, decode_frame
+
+FRAMES, CHECKPOINT = 0, 1
+
+
+def fuzz_frames(body: bytes, cut: int) -> None:
+    splitter = FrameSplitter()
+    try:
+        for i in range(0, len(body), cut):
+            for frame in splitter.feed(body[i : i + cut]):
+                raw = decode_frame(frame)
+                if len(raw) != frame.raw_len:
+                    raise AssertionError("decoded frame has the wrong length")
+        splitter.finish()
+    except BadFrame:
+        pass
+
+
+def fuzz_checkpoint(body: bytes) -> None:
+    try:
+        cp = parse_checkpoint(parse_json_object(body))
+    except ValidationError:
+        return
+    if not isinstance(cp.operation_id, str) or not isinstance(cp.lease_epoch, int):
+        raise AssertionError("parsed checkpoint has wrong field types")
+
+
+def test_one_input(data: bytes) -> None:
+    if len(data) < 2:
+        return
+    if data[0] % 2 == FRAMES:
+        fuzz_frames(data[2:], data[1] % 97 + 1)
+    else:
+        fuzz_checkpoint(data[1:])
+
+
+def seeds() -> list[bytes]:
+    cctx = zstandard.ZstdCompressor()
+    raw = b"hello, frames " * 50
+    frame = encode_frame(raw, cctx)
+    payload = cctx.compress(raw)
+    streamed = cctx.compressobj()
+    unknown = streamed.compress(raw) + streamed.flush()
+    check = xxhash.xxh64_intdigest(raw)
+    frames = [
+        frame + END_FRAME,
+        frame + encode_frame(b"x" * 1000, cctx) + END_FRAME,
+        frame_header(len(payload) + 4, len(raw), check) + payload + b"junk" + END_FRAME,
+        frame_header(len(unknown), len(raw), check) + unknown + END_FRAME,
+        END_FRAME,
+    ]
+    digest = "ab" * 32
+    checkpoints = [
+        b'{"operationId": "op-1", "leaseEpoch": 1, "final": false, "entries": []}',
+        (
+            '{"operationId": "op-2", "leaseEpoch": 3, "final": true, "entries": ['
+            '{"op": "mkdir", "path": "a"}, {"op": "delete", "path": "a/b.txt"}, '
+            f'{{"op": "put", "path": "a/\\u00e9 c", "digest": "{digest}", "executable": true}}]}}'
+        ).encode(),
+        b'{"operationId": "", "leaseEpoch": true, "entries": [{"op": "link"}], "x": 1}',
+    ]
+    return [bytes([FRAMES, 13]) + f for f in frames] + [
+        bytes([CHECKPOINT]) + c for c in checkpoints
+    ]
+
+
+def main() -> None:
+    argv = list(sys.argv)
+    corpora = [a for a in argv[1:] if not a.startswith("-")]
+    if not corpora:
+        corpus = Path(tempfile.mkdtemp(prefix="fuzz-upload-"))
+        argv.append(str(corpus))
+        corpora = [str(corpus)]
+    first = Path(corpora[0])
+    first.mkdir(parents=True, exist_ok=True)
+    if not any(first.iterdir()):
+        for i, seed in enumerate(seeds()):
+            (first / f"seed-{i}").write_bytes(seed)
+    atheris.Setup(argv, test_one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
