@@ -36,7 +36,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.fusemount import REPO, DaemonMount, load_line, machine_line, write_directory_source
+from bench.machine import load_line, machine_line
+from tests.support.constants import REPO
+from tests.support.mount import FsagentMount
+from tests.support.source import make_source
 
 SMALL = 4096
 MIB = 1 << 20
@@ -192,33 +195,42 @@ def run_workload(
     return times
 
 
+def bench_mount(
+    work: Path, controller: str, mountpoint: str, state: str, extra: list[str] | None = None
+) -> FsagentMount:
+    """An agent mount under ``work``; the mount is polled every 5 ms to time it."""
+    return FsagentMount(
+        "agent",
+        work / mountpoint,
+        work / state,
+        controller,
+        extra=list(extra or []),
+        log_dir=work,
+        poll_interval=0.005,
+    )
+
+
 def measure_mount_time(work: Path, entries: int, repeat: int) -> list[float]:
     """Fresh state dir each time: the manifest is hydrated into LMDB before mounting."""
     dirs = 100
     files = entries - dirs
     contents = [os.urandom(SMALL) for _ in range(256)]
-    source = write_directory_source(
-        work / "big-source",
-        "agent",
-        ((f"m{i % dirs:03d}/e{i:06d}.txt", contents[i % len(contents)]) for i in range(files)),
-        [f"m{d:03d}" for d in range(dirs)],
+    # Directories first, then the files, in this order: versions follow it.
+    agent: dict[str, bytes | None] = {f"m{d:03d}": None for d in range(dirs)}
+    agent.update(
+        (f"m{i % dirs:03d}/e{i:06d}.txt", contents[i % len(contents)]) for i in range(files)
     )
+    source = make_source(work / "big-source", {"agent": agent}, keep_order=True)
     times = []
     for k in range(repeat):
-        m = DaemonMount(
-            "agent",
-            work / f"big-mnt{k}",
-            work / f"big-state{k}",
-            f"dir:{source}",
-            extra=["--prefetch", "0"],
-        )
+        m = bench_mount(work, f"dir:{source}", f"big-mnt{k}", f"big-state{k}", ["--prefetch", "0"])
         try:
-            m.start()
+            m.start(timeout=120)
             times.append(m.mount_seconds)
             listed = len(os.listdir(m.mountpoint / "m007"))
             assert listed == files // dirs, listed
         finally:
-            m.stop()
+            m.stop(timeout=60)
         shutil.rmtree(m.state_dir, ignore_errors=True)
     return times
 
@@ -241,10 +253,10 @@ def main() -> int:
     block = os.urandom(4 * MIB)
     native_runs: list[dict[str, float]] = []
     mount_runs: list[dict[str, float]] = []
-    source = write_directory_source(work / "source", "agent", [])
-    mnt = DaemonMount("agent", work / "mnt", work / "state", f"dir:{source}")
+    source = make_source(work / "source", {"agent": {}})
+    mnt = bench_mount(work, f"dir:{source}", "mnt", "state")
     try:
-        mnt.start()
+        mnt.start(timeout=120)
         for k in range(args.repeat):
             native = work / f"native{k}"
             native.mkdir()
@@ -261,7 +273,7 @@ def main() -> int:
             print(f"round {k + 1}/{args.repeat} done", file=sys.stderr)
         rss = mnt.peak_rss_kib()
     finally:
-        mnt.stop()
+        mnt.stop(timeout=60)
     try:
         mount_times = measure_mount_time(work, args.manifest_entries, args.repeat)
     finally:

@@ -134,12 +134,13 @@ class ControllerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        """Signal the server, wait ``timeout`` seconds for it to stop its cluster and exit, kill."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(sig)
         try:
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

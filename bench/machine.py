@@ -1,0 +1,32 @@
+"""The machine / load line every benchmark result section carries.
+
+The real parts a benchmark starts (fsagent mounts, controllers, sources) come
+from the test-support package, :mod:`tests.support`, so a benchmark measures
+the same code path the tests prove.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def machine_line() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{platform.node()}, {os.cpu_count()} cores ({cpu}), Linux {platform.release()}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def load_line() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} / {five:.2f} / {fifteen:.2f}"
