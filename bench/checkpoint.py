@@ -54,9 +54,8 @@ import httpx
 import psycopg
 import zstandard
 
-from bench.machine import load_line, machine_line
+from bench.machine import add_output_options, load_line, machine_line, record
 from common.bridge import END_FRAME, PREFIX, encode_frame
-from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess
 from tests.support.mount import FsagentMount
 
@@ -347,9 +346,7 @@ def main() -> int:
     ap.add_argument("--seed-objects", type=int, default=500, help="distinct contents")
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--large-mib", type=int, default=256)
-    ap.add_argument("--base", type=Path, default=Path("/var/tmp"))
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
-    ap.add_argument("--no-record", action="store_true", help="print only")
+    add_output_options(ap)
     args = ap.parse_args()
 
     load_before = load_line()
@@ -440,9 +437,7 @@ def main() -> int:
     ]
     text = "\n".join(lines)
     print(text)
-    if not args.no_record:
-        with open(args.results, "a") as fh:
-            fh.write(text)
+    record(text, args)
     return 0
 
 

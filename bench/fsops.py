@@ -36,8 +36,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.machine import load_line, machine_line
-from tests.support.constants import REPO
+from bench.machine import add_output_options, load_line, machine_line, record
 from tests.support.mount import FsagentMount
 from tests.support.source import make_source
 
@@ -242,9 +241,7 @@ def main() -> int:
     ap.add_argument("--large-mib", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--manifest-entries", type=int, default=100_000)
-    ap.add_argument("--base", type=Path, default=Path("/var/tmp"))
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
-    ap.add_argument("--no-record", action="store_true", help="print only")
+    add_output_options(ap)
     args = ap.parse_args()
 
     load_before = load_line()
@@ -330,9 +327,7 @@ def main() -> int:
             + ", ".join(f"{p}: {n_run[p] * 1000:.0f}/{f_run[p] * 1000:.0f} ms" for p in PHASES),
             file=sys.stderr,
         )
-    if not args.no_record:
-        with open(args.results, "a") as fh:
-            fh.write(text)
+    record(text, args)
     return 0
 
 

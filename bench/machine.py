@@ -7,9 +7,29 @@ the same code path the tests prove.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 from pathlib import Path
+
+from tests.support.constants import REPO
+
+RESULTS = REPO / "bench" / "RESULTS.md"
+
+
+def add_output_options(ap: argparse.ArgumentParser, *, base: bool = True) -> None:
+    """``--base`` (where the work dir goes), ``--results`` and ``--no-record``."""
+    if base:
+        ap.add_argument("--base", type=Path, default=Path("/var/tmp"))
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--no-record", action="store_true", help="print only")
+
+
+def record(text: str, args: argparse.Namespace) -> None:
+    """Append a result section to ``--results`` unless ``--no-record``."""
+    if not args.no_record:
+        with open(args.results, "a") as fh:
+            fh.write(text)
 
 
 def machine_line() -> str:
