@@ -6,6 +6,7 @@ importing them.
 """
 
 pytest_plugins = [
+    "pytester",  # tests/test_support.py runs inner sessions to prove the session checks
     "tests.support.session",
     "tests.support.fixtures",
 ]

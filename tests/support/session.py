@@ -38,6 +38,9 @@ def session_temp_root(config: pytest.Config) -> Path:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "allow_warning_logs: the test may log WARNING records it does not inspect"
+    )
     root = Path(tempfile.mkdtemp(prefix="fsa-s-"))
     # Like /tmp: the embedded PostgreSQL and daemons run as other users and
     # make their own temp files here too.
