@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -77,7 +76,7 @@ class FsagentMount:
     fuse_conn: int | None = None
     """Minor device number of the mount = its /sys/fs/fuse/connections entry."""
     log_dir: Path | None = None
-    """Where the daemon's stderr file goes; None: a temp file (under the session's temp root)."""
+    """Where the daemon's stderr file goes; None: a private temp dir (see tests.support.tmp)."""
     poll_interval: float = 0.02
     """How often :meth:`start` checks for the mount; benchmarks timing the mount poll faster."""
     mount_seconds: float = 0.0
@@ -104,9 +103,7 @@ class FsagentMount:
 
     def _new_stderr_path(self) -> Path:
         if self.log_dir is None:
-            fd, name = tempfile.mkstemp(prefix="fsagent-stderr-")
-            os.close(fd)
-            return Path(name)
+            self.log_dir = private_tmpdir("fsagent-log-")  # removed with its claimant
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / f"{self.state_dir.name}-{self.mountpoint.name}.stderr"
 

@@ -9,6 +9,10 @@ root is then removed in any case (set ``FSA_KEEP_TMP=1`` to keep it for a
 post-mortem). Other developers run tests on the same machine at the same
 time, so the check looks only at this session's root, never at /tmp itself.
 
+Helpers' temp dirs: :mod:`tests.support.tmp` hands each dir to the fixture
+being set up or the test being run when it is made; it is removed after that
+fixture's teardown, or after the test's.
+
 WARNING logs: a test whose call phase logs a record at WARNING or above fails,
 unless it asks for ``caplog`` (it then inspects the records itself) or carries
 ``@pytest.mark.allow_warning_logs``. A warning nobody expected is a bug report
@@ -19,18 +23,22 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import subprocess
 import tempfile
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.support import tmp
+from tests.support.tmp import mounts_under, remove_tree
 
 KEEP_ENV = "FSA_KEEP_TMP"
 _root_key = pytest.StashKey[Path]()
 _old_tmpdir_key = pytest.StashKey[str | None]()
 _leftovers_key = pytest.StashKey[list[str]]()
+_test_dirs_key = pytest.StashKey[list[Path]]()
+_fixture_dirs: dict[int, list[Path]] = {}
 
 
 def session_temp_root(config: pytest.Config) -> Path:
@@ -51,21 +59,10 @@ def pytest_configure(config: pytest.Config) -> None:
     tempfile.tempdir = None  # recomputed from TMPDIR on next use
 
 
-def _mounts_under(root: Path) -> list[str]:
-    prefix = str(root) + "/"
-    found = []
-    with open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            point = line.split()[4].replace("\\040", " ")
-            if point.startswith(prefix):
-                found.append(point)
-    return found
-
-
 def leftovers(root: Path) -> list[str]:
     """What the session left in its temp root: live mounts, then files and dirs
     (pytest's own ``tmp_path`` tree aside, pytest manages that)."""
-    found = [f"mount {p}" for p in _mounts_under(root)]
+    found = [f"mount {p}" for p in mounts_under(root)]
     found += sorted(
         str(p.relative_to(root)) for p in root.iterdir() if not p.name.startswith("pytest-of-")
     )
@@ -107,9 +104,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if os.environ.get(KEEP_ENV):
         print(f"{KEEP_ENV} is set: the session's temp root stays at {root}")
         return
-    for point in _mounts_under(root):  # never recurse into a live mount
-        subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True, check=False)
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root)
 
 
 class _WarningRecords(logging.Handler):
@@ -131,9 +126,11 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     handler = _WarningRecords()
     root = logging.getLogger()
     root.addHandler(handler)
+    tmp.claim_begin()
     try:
         result = yield
     finally:
+        item.stash[_test_dirs_key] = tmp.claim_end()
         root.removeHandler(handler)
     if handler.records and not _expects_warnings(item):
         lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in handler.records[:20]]
@@ -143,3 +140,31 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
             pytrace=False,
         )
     return result
+
+
+# --- temp dirs the helpers made: removed by their owner's teardown ------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any]) -> Generator[None, object, object]:
+    tmp.claim_begin()
+    try:
+        return (yield)
+    finally:
+        _fixture_dirs.setdefault(id(fixturedef), []).extend(tmp.claim_end())
+
+
+def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any]) -> None:
+    """After the fixture's own teardown (it stops what runs in its dirs)."""
+    for d in _fixture_dirs.pop(id(fixturedef), []):
+        remove_tree(d)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    """After the test's function-scoped fixtures are torn down."""
+    try:
+        return (yield)
+    finally:
+        for d in item.stash.get(_test_dirs_key, []):
+            remove_tree(d)
