@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
-import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,53 +24,10 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.machine import RESULTS
+from tests.support.controller import ControllerProcess
+
 OCTET = {"Content-Type": "application/octet-stream"}
-
-
-def start_controller(data: Path, port: int) -> subprocess.Popen[bytes]:
-    boot = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "controller.cli",
-            "admin",
-            "bootstrap",
-            "--data-dir",
-            str(data),
-            "--json",
-        ],
-        check=True,
-        capture_output=True,
-        cwd=REPO,
-    )
-    (data / "boot.json").write_bytes(boot.stdout)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "controller.cli",
-            "serve",
-            "--data-dir",
-            str(data),
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--gc-interval",
-            "0",
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("controller did not start")
 
 
 def timed(fn: Any) -> float:
@@ -100,7 +55,7 @@ def main() -> int:
     ap.add_argument("--large-mib", type=int, default=256)
     ap.add_argument("--list-entries", type=int, default=10_000)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
+    ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="fsa-bench-", dir="/var/tmp"))
@@ -108,10 +63,12 @@ def main() -> int:
     data = work / "controller"
     data.mkdir()
     port = 18000 + os.getpid() % 1000
-    proc = start_controller(data, port)
+    # Its own embedded PostgreSQL under data/, GC sweeps only on demand.
+    ctl = ControllerProcess(None, data, port=port, gc_args=["--gc-interval", "0"])
+    boot = ctl.admin("bootstrap")
+    ctl.start(timeout=60)
     results: dict[str, Any] = {}
     try:
-        boot = json.loads((data / "boot.json").read_text())
         base = f"http://127.0.0.1:{port}"
         folder = f"/api/companies/{boot['company_id']}/work-folders/user/{boot['user_id']}"
         headers = {"Authorization": f"Bearer {boot['token']}"}
@@ -222,8 +179,7 @@ def main() -> int:
             (native_many / f"e{i:05d}").mkdir()
         results["native_scandir_10k_seconds"] = timed(lambda: sorted(os.listdir(native_many)))
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        ctl.stop(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
 
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")

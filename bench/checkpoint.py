@@ -39,12 +39,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
-import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,70 +54,26 @@ import httpx
 import psycopg
 import zstandard
 
-from bench.fusemount import REPO, DaemonMount, load_line, machine_line
+from bench.machine import add_output_options, load_line, machine_line, record
 from common.bridge import END_FRAME, PREFIX, encode_frame
-from controller.pgembed import EmbeddedPostgres
+from tests.support.controller import ControllerProcess
+from tests.support.mount import FsagentMount
 
 SMALL = 4096
 MIB = 1 << 20
 SEED_BATCH = 20_000
 
 
-class Controller:
-    """``controller serve`` with an embedded PostgreSQL under ``data``."""
+class Controller(ControllerProcess):
+    """``controller serve`` with its own embedded PostgreSQL under ``data_dir``,
+    and the company every benchmark run belongs to."""
 
-    def __init__(self, data: Path) -> None:
-        self.data = data
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
+    company: str = ""
 
-    def admin(self, *args: str) -> dict[str, Any]:
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "controller.cli",
-                "admin",
-                *args,
-                "--data-dir",
-                str(self.data),
-                "--json",
-            ],
-            capture_output=True,
-            check=False,
-            cwd=REPO,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"controller admin {args[0]} failed: {out.stderr.decode()}")
-        result: dict[str, Any] = json.loads(out.stdout)
-        return result
-
-    def start(self) -> Controller:
-        boot = self.admin("bootstrap")
-        self.company = str(boot["company_id"])
-        log = open(self.data / "serve.log", "wb")  # noqa: SIM115 - handed to the child
-        argv = ["serve", "--data-dir", str(self.data), "--listen", f"127.0.0.1:{self.port}"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", *argv, "--gc-interval", "0"],
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("controller exited:\n" + (self.data / "serve.log").read_text())
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("controller did not become healthy")
+    def start_with_company(self) -> Controller:
+        self.company = str(self.admin("bootstrap")["company_id"])
+        self.start(timeout=120)
+        return self
 
     def new_run(self, name: str) -> dict[str, Any]:
         """A task folder of its own and a run bound to it."""
@@ -129,15 +82,6 @@ class Controller:
         agent = self.admin("create-agent", self.company, f"bench-{name}")["id"]
         run = self.admin("start-run", self.company, "--agent", agent, "--task", task)
         return {**run, "task": task}
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def bridge(ctl: Controller, run: dict[str, Any]) -> httpx.Client:
@@ -193,7 +137,7 @@ def seed_collection(
     api_s = time.perf_counter() - started
     started = time.perf_counter()
     rest = range(api_files, files)
-    with psycopg.connect(EmbeddedPostgres(ctl.data).url, autocommit=True) as db:
+    with psycopg.connect(ctl.db_url, autocommit=True) as db:
         row = db.execute(
             "SELECT id FROM folders WHERE scope = 'task' AND owner_id = %s", (run["task"],)
         ).fetchone()
@@ -246,20 +190,22 @@ def bridge_manifest(ctl: Controller, run: dict[str, Any]) -> dict[str, dict[str,
             since = body["nextSince"]
 
 
-def mount(work: Path, ctl: Controller, run: dict[str, Any], name: str) -> DaemonMount:
+def mount(work: Path, ctl: Controller, run: dict[str, Any], name: str) -> FsagentMount:
     token = work / f"token-{name}"
     token.write_text(run["token"])
-    return DaemonMount(
+    return FsagentMount(
         "task",
         work / f"mnt-{name}",
         work / f"state-{name}",
         ctl.url,
         token_file=token,
         extra=["--prefetch", "0", "--checkpoint-interval", "3600"],
+        log_dir=work,
+        poll_interval=0.005,
     ).start(timeout=600)
 
 
-def timed_flush(m: DaemonMount) -> tuple[float, dict[str, Any]]:
+def timed_flush(m: FsagentMount) -> tuple[float, dict[str, Any]]:
     t = time.perf_counter()
     reply = m.fsagent("flush", "task")
     seconds = time.perf_counter() - t
@@ -323,7 +269,7 @@ def scenario_changed(
         assert manifest[seed_path(picks[-1])]["digest"] == expected
         rss = m.peak_rss_kib()
     finally:
-        m.stop()
+        m.stop(timeout=60)
     return {
         "size": size,
         "api_s": api_s,
@@ -351,7 +297,7 @@ def scenario_new_files(work: Path, ctl: Controller, files: int, dirs: int) -> di
         assert result["entries"] >= files, result
         rss = m.peak_rss_kib()
     finally:
-        m.stop()
+        m.stop(timeout=60)
     manifest = bridge_manifest(ctl, run)
     got = {p: e["digest"] for p, e in manifest.items() if e["kind"] == "file"}
     assert got == {
@@ -380,7 +326,7 @@ def scenario_large(work: Path, ctl: Controller, mib: int) -> dict[str, Any]:
         assert result["entries"] == 1, result
         rss = m.peak_rss_kib()
     finally:
-        m.stop()
+        m.stop(timeout=60)
     assert bridge_manifest(ctl, run)["large.bin"]["digest"] == digest
     native, _ = write_large(work / "native-large.bin", mib, sync=True)
     return {
@@ -400,9 +346,7 @@ def main() -> int:
     ap.add_argument("--seed-objects", type=int, default=500, help="distinct contents")
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--large-mib", type=int, default=256)
-    ap.add_argument("--base", type=Path, default=Path("/var/tmp"))
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
-    ap.add_argument("--no-record", action="store_true", help="print only")
+    add_output_options(ap)
     args = ap.parse_args()
 
     load_before = load_line()
@@ -410,9 +354,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="fsa-ckpt-", dir=args.base))
     os.chmod(work, 0o711)  # the embedded PostgreSQL runs as its own user
     (work / "controller").mkdir()
-    ctl = Controller(work / "controller")
+    # Sweeps only on demand, as before; the default GC delay stays.
+    ctl = Controller(None, work / "controller", gc_args=["--gc-interval", "0"])
     try:
-        ctl.start()
+        ctl.start_with_company()
         changed = [
             scenario_changed(work, ctl, int(s), args.rounds, args.api_seed, args.seed_objects)
             for s in args.sizes.split(",")
@@ -423,7 +368,7 @@ def main() -> int:
         large = scenario_large(work, ctl, args.large_mib)
         print("(c) done", file=sys.stderr)
     finally:
-        ctl.stop()
+        ctl.stop(timeout=60)
         shutil.rmtree(work, ignore_errors=True)
     load_after = load_line()
     elapsed = time.monotonic() - started
@@ -492,9 +437,7 @@ def main() -> int:
     ]
     text = "\n".join(lines)
     print(text)
-    if not args.no_record:
-        with open(args.results, "a") as fh:
-            fh.write(text)
+    record(text, args)
     return 0
 
 

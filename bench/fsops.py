@@ -36,7 +36,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.fusemount import REPO, DaemonMount, load_line, machine_line, write_directory_source
+from bench.machine import add_output_options, load_line, machine_line, record
+from tests.support.mount import FsagentMount
+from tests.support.source import make_source
 
 SMALL = 4096
 MIB = 1 << 20
@@ -192,33 +194,42 @@ def run_workload(
     return times
 
 
+def bench_mount(
+    work: Path, controller: str, mountpoint: str, state: str, extra: list[str] | None = None
+) -> FsagentMount:
+    """An agent mount under ``work``; the mount is polled every 5 ms to time it."""
+    return FsagentMount(
+        "agent",
+        work / mountpoint,
+        work / state,
+        controller,
+        extra=list(extra or []),
+        log_dir=work,
+        poll_interval=0.005,
+    )
+
+
 def measure_mount_time(work: Path, entries: int, repeat: int) -> list[float]:
     """Fresh state dir each time: the manifest is hydrated into LMDB before mounting."""
     dirs = 100
     files = entries - dirs
     contents = [os.urandom(SMALL) for _ in range(256)]
-    source = write_directory_source(
-        work / "big-source",
-        "agent",
-        ((f"m{i % dirs:03d}/e{i:06d}.txt", contents[i % len(contents)]) for i in range(files)),
-        [f"m{d:03d}" for d in range(dirs)],
+    # Directories first, then the files, in this order: versions follow it.
+    agent: dict[str, bytes | None] = {f"m{d:03d}": None for d in range(dirs)}
+    agent.update(
+        (f"m{i % dirs:03d}/e{i:06d}.txt", contents[i % len(contents)]) for i in range(files)
     )
+    source = make_source(work / "big-source", {"agent": agent}, keep_order=True)
     times = []
     for k in range(repeat):
-        m = DaemonMount(
-            "agent",
-            work / f"big-mnt{k}",
-            work / f"big-state{k}",
-            f"dir:{source}",
-            extra=["--prefetch", "0"],
-        )
+        m = bench_mount(work, f"dir:{source}", f"big-mnt{k}", f"big-state{k}", ["--prefetch", "0"])
         try:
-            m.start()
+            m.start(timeout=120)
             times.append(m.mount_seconds)
             listed = len(os.listdir(m.mountpoint / "m007"))
             assert listed == files // dirs, listed
         finally:
-            m.stop()
+            m.stop(timeout=60)
         shutil.rmtree(m.state_dir, ignore_errors=True)
     return times
 
@@ -230,9 +241,7 @@ def main() -> int:
     ap.add_argument("--large-mib", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--manifest-entries", type=int, default=100_000)
-    ap.add_argument("--base", type=Path, default=Path("/var/tmp"))
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md")
-    ap.add_argument("--no-record", action="store_true", help="print only")
+    add_output_options(ap)
     args = ap.parse_args()
 
     load_before = load_line()
@@ -241,10 +250,10 @@ def main() -> int:
     block = os.urandom(4 * MIB)
     native_runs: list[dict[str, float]] = []
     mount_runs: list[dict[str, float]] = []
-    source = write_directory_source(work / "source", "agent", [])
-    mnt = DaemonMount("agent", work / "mnt", work / "state", f"dir:{source}")
+    source = make_source(work / "source", {"agent": {}})
+    mnt = bench_mount(work, f"dir:{source}", "mnt", "state")
     try:
-        mnt.start()
+        mnt.start(timeout=120)
         for k in range(args.repeat):
             native = work / f"native{k}"
             native.mkdir()
@@ -261,7 +270,7 @@ def main() -> int:
             print(f"round {k + 1}/{args.repeat} done", file=sys.stderr)
         rss = mnt.peak_rss_kib()
     finally:
-        mnt.stop()
+        mnt.stop(timeout=60)
     try:
         mount_times = measure_mount_time(work, args.manifest_entries, args.repeat)
     finally:
@@ -318,9 +327,7 @@ def main() -> int:
             + ", ".join(f"{p}: {n_run[p] * 1000:.0f}/{f_run[p] * 1000:.0f} ms" for p in PHASES),
             file=sys.stderr,
         )
-    if not args.no_record:
-        with open(args.results, "a") as fh:
-            fh.write(text)
+    record(text, args)
     return 0
 
 

@@ -6,7 +6,7 @@ import uuid
 
 import httpx
 
-from tests.controller_helper import Tenant
+from tests.support.controller import Tenant
 
 OCTET = {"Content-Type": "application/octet-stream"}
 NOT_FOUND = {"error": "Work folder not found", "code": "not_found"}

@@ -10,8 +10,8 @@ import httpx
 import zstandard
 
 from common.bridge import END_FRAME, encode_frame, frame_header
-from tests.bridge_helper import Run, framed, start_run
-from tests.controller_helper import Tenant
+from tests.support.bridge import Run, framed, start_run
+from tests.support.controller import Tenant
 
 OCTET = {"Content-Type": "application/octet-stream"}
 
@@ -87,20 +87,22 @@ def test_objects_only_through_the_folder(tenant: Tenant) -> None:
     data = os.urandom(5000)
     digest = hashlib.sha256(data).hexdigest()
     with tenant.client() as c:
-        c.put(
+        r = c.put(
             tenant.folder("task", run.task or "") + "/content",
             params={"path": "x"},
             content=data,
             headers=OCTET,
         )
-        # The same bytes in the user's folder do not make them reachable through another scope.
+        assert r.status_code == 201, r.text
+        # Bytes stored in another folder of the run do not become reachable through this scope.
+        # The PUT is checked: were it refused, the 404 below would prove nothing.
         secret = os.urandom(100)
-        c.put(
-            tenant.folder("project", run.project or "") + "/content",
-            params={"path": "s"},
-            content=secret,
-            headers=OCTET,
-        )
+        project_folder = tenant.folder("project", run.project or "")
+        r = c.put(project_folder + "/content", params={"path": "s"}, content=secret, headers=OCTET)
+        assert r.status_code == 201, r.text
+        assert r.json()["file"]["digest"] == hashlib.sha256(secret).hexdigest()
+        r = c.get(project_folder + "/content", params={"path": "s"})
+        assert r.status_code == 200 and r.content == secret
     with run.client() as c:
         r = c.get(f"/folders/task/objects/{digest}")
         assert r.status_code == 200 and r.content == data

@@ -27,14 +27,14 @@ import pytest
 
 from fsagent.cli import collection_status
 from fsagent.store import Store
-from tests.controller_helper import (
+from tests.support.controller import (
     ControllerProcess,
     PgCluster,
     Tenant,
     world_searchable_tmpdir,
 )
-from tests.fuse_helper import REPO, FsagentMount, MountFactory
-from tests.lossy_proxy import LossyProxy
+from tests.support.lossy_proxy import LossyProxy
+from tests.support.mount import REPO, FsagentMount, MountFactory
 from tests.test_checkpoints import flush, server_files, start_run, token_file
 
 pytestmark = pytest.mark.fuse

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from fsagent.store import Store
-from tests.controller_helper import Tenant
-from tests.fuse_helper import FsagentMount, MountFactory
+from tests.support.controller import Tenant
+from tests.support.mount import FsagentMount, MountFactory
 
 pytestmark = pytest.mark.fuse
 OCTET = {"Content-Type": "application/octet-stream"}

@@ -14,7 +14,7 @@ import pytest
 
 from controller.db import migrations
 from controller.pgembed import EmbeddedPostgres
-from tests.controller_helper import (
+from tests.support.controller import (
     REPO,
     ControllerProcess,
     PgCluster,

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.controller_helper import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
-from tests.s3server import FAKE_CREDENTIALS, S3Server, running_s3_server
+from tests.support.controller import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
+from tests.support.s3server import FAKE_CREDENTIALS, S3Server, running_s3_server
 from tests.test_storage import s3_client
 
 OCTET = {"Content-Type": "application/octet-stream"}

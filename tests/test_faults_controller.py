@@ -10,8 +10,8 @@ import time
 import httpx
 import psycopg
 
-from tests.bridge_helper import start_run
-from tests.controller_helper import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
+from tests.support.bridge import start_run
+from tests.support.controller import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
 
 OCTET = {"Content-Type": "application/octet-stream"}
 

@@ -8,8 +8,6 @@ dir every acknowledged write must be there, byte for byte, and listed in the
 journal's change set.
 """
 
-# ruff: noqa: F811 - fixtures come from tests.fuse_helper and are re-bound as parameters
-
 from __future__ import annotations
 
 import errno
@@ -23,7 +21,7 @@ import time
 
 import pytest
 
-from tests.fuse_helper import MountFactory, mounts  # noqa: F401 - pytest fixtures
+from tests.support.mount import MountFactory
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 

@@ -7,8 +7,6 @@ fsx-style seeded random I/O sequence on one large file, verifying every read
 against an in-memory model.
 """
 
-# ruff: noqa: F811 - fixtures come from tests.fuse_helper and are re-bound as parameters
-
 from __future__ import annotations
 
 import errno
@@ -28,7 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from tests.fuse_helper import FsagentMount, MountFactory, mnt, mounts  # noqa: F401 - pytest fixtures
+from tests.support.mount import MountFactory
 
 pytestmark = pytest.mark.fuse
 

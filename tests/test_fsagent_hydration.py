@@ -3,8 +3,6 @@
 Runs against a DirectoryBridgeClient source and against the real controller.
 """
 
-# ruff: noqa: F811 - fixtures come from tests.fuse_helper and are re-bound as parameters
-
 from __future__ import annotations
 
 import errno
@@ -19,8 +17,8 @@ import httpx
 import pytest
 
 from common.limits import MAX_ENTRIES
-from tests.controller_helper import Tenant
-from tests.fuse_helper import MountFactory, mounts, sha256  # noqa: F401 - pytest fixtures
+from tests.support.controller import Tenant
+from tests.support.mount import MountError, MountFactory, sha256
 
 pytestmark = pytest.mark.fuse
 
@@ -148,7 +146,7 @@ def test_ended_run_is_refused_with_a_clear_error(mounts: MountFactory, tenant: T
     token_file = mounts.base / "token"
     token_file.write_text(str(run["token"]))
     m = mounts.mount(tenant.controller.url, token_file=token_file, start=False)
-    with pytest.raises(pytest.fail.Exception) as info:
+    with pytest.raises(MountError) as info:
         m.start()
     assert "exited with 4" in str(info.value) and "HTTP 401" in str(info.value)
     with httpx.Client() as c:  # the controller itself is fine

@@ -1,7 +1,5 @@
 """POSIX behaviour agents rely on, on a real mount; refusals; the journal's change set."""
 
-# ruff: noqa: F811 - fixtures come from tests.fuse_helper and are re-bound as parameters
-
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.fuse_helper import FsagentMount, MountFactory, mnt, mounts  # noqa: F401 - pytest fixtures
+from tests.support.mount import FsagentMount, MountFactory
 
 pytestmark = pytest.mark.fuse
 

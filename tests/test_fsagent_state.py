@@ -1,7 +1,5 @@
 """State dirs, bindings and the CLI around the mount: helper errors, status, doctor, up."""
 
-# ruff: noqa: F811 - fixtures come from tests.fuse_helper and are re-bound as parameters
-
 from __future__ import annotations
 
 import errno
@@ -15,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuse_helper import REPO, MountFactory, mounts  # noqa: F401 - pytest fixtures
+from tests.support.mount import REPO, MountError, MountFactory
 
 pytestmark = pytest.mark.fuse
 
@@ -30,7 +28,7 @@ def fsagent(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 def mount_fails(mounts: MountFactory, src: Path, **kw: object) -> str:
     """Start a mount that must fail; the helper reports the daemon's exit and stderr."""
     started = time.monotonic()
-    with pytest.raises(pytest.fail.Exception) as info:
+    with pytest.raises(MountError) as info:
         mounts.mount(src, **kw)  # type: ignore[arg-type]
     assert time.monotonic() - started < 20, "the helper did not fail fast"
     return str(info.value)
@@ -126,11 +124,16 @@ def test_doctor_reports_exactly_what_is_missing(tmp_path: Path) -> None:
                   "--token-file", str(tmp_path / "missing-token"), env=env)  # fmt: skip
     assert res.returncode == 6
     lines = res.stdout.splitlines()
-    assert "missing: fusermount3 is not on PATH" in lines
-    assert "missing: tar is not on PATH" in lines
-    assert "missing: sh is not on PATH" in lines
-    assert any("controller http://127.0.0.1:9 is not usable" in line for line in lines)
-    assert "doctor found" not in res.stdout and "3 problem" not in res.stderr
+    # Exactly these four lines: nothing else is reported missing, nothing is left out.
+    assert lines[:3] == [
+        "missing: fusermount3 is not on PATH",
+        "missing: tar is not on PATH",
+        "missing: sh is not on PATH",
+    ], res.stdout
+    assert len(lines) == 4 and lines[3].startswith(
+        "missing: controller http://127.0.0.1:9 is not usable: cannot read token file"
+    ), res.stdout
+    assert res.stderr.strip().splitlines() == ["fsagent: 4 problem(s) found"], res.stderr
 
 
 def test_up_mounts_all_four_and_writes_the_env_file(mounts: MountFactory) -> None:

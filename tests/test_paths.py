@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from common.errors import InvalidPath
 from common.limits import RESERVED_SEGMENT
 from common.paths import check_segment, decode_fs_name, validate_path
-from tests.controller_helper import Tenant
+from tests.support.controller import Tenant
 
 GOOD = [
     "a",

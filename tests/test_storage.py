@@ -39,7 +39,13 @@ from controller.storage import (
     validate_key,
 )
 from controller.storage import local_disk as local_disk_module
-from tests.s3server import FAKE_CREDENTIALS, S3Server, S3ServerError, free_port, running_s3_server
+from tests.support.s3server import (
+    FAKE_CREDENTIALS,
+    S3Server,
+    S3ServerError,
+    free_port,
+    running_s3_server,
+)
 
 MiB = 1 << 20
 COMPANY = "0b6f3c1e-6a3e-4c59-9a53-2f8f1d0f7a11"

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, FilePayload, Page, expect, sync_playwright
 
-from tests.controller_helper import Tenant
-from tests.web_helper import (
+from tests.support.controller import Tenant
+from tests.support.web import (
     CHROMIUM,
     ViewRecorder,
     drop_files,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import IO
+
+from tests.support.procs import free_port
 
 # Fake credentials: moto accepts anything, and botocore refuses to sign without some.
 FAKE_CREDENTIALS = {
@@ -29,14 +30,6 @@ FAKE_CREDENTIALS = {
 
 class S3ServerError(RuntimeError):
     """The server process died or did not answer before the deadline."""
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (another process may still take it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class S3Server:

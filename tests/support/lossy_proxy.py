@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from tests.controller_helper import free_port
+from tests.support.procs import free_port
 
 
 @dataclass

@@ -16,6 +16,8 @@ from typing import Any
 
 from playwright.sync_api import Browser, Page, Playwright
 
+from tests.support.constants import REPO
+
 CHROMIUM = "/usr/bin/chromium"
 # Root in a container has no user namespace for Chromium's sandbox; the rest
 # keeps the browser from phoning home or updating itself during tests.
@@ -28,7 +30,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+ARTIFACTS = REPO / "test-artifacts"
 
 
 def launch_chromium(pw: Playwright) -> Browser:

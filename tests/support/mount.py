@@ -1,116 +1,41 @@
-"""Real fsagent mounts for tests: one helper, used by every FUSE test.
+"""Real fsagent mounts: one helper, used by every FUSE test and by the benchmarks.
 
 The daemon always runs in its own process (``python -m fsagent.cli mount ...
 --foreground``); a test never touches a mount from the thread serving it.
 :meth:`FsagentMount.start` polls ``os.path.ismount`` with a deadline and fails
-at once, with the daemon's stderr, if the process dies first.  Teardown is
-``fusermount3 -u -z``, wait, terminate, kill.
+at once (:class:`MountError`, with the daemon's stderr) if the process dies
+first. Teardown is ``fusermount3 -u -z``, wait, terminate, kill.
 
-Sources: :func:`make_source` writes a DirectoryBridgeClient directory (run,
-manifests, objects), so filesystem behaviour can be tested without a
-controller; :func:`controller_source` is the same run served by the real
-controller.
+Sources: :func:`tests.support.source.make_source` writes a
+DirectoryBridgeClient directory (run, manifests, objects), so filesystem
+behaviour can be tested without a controller; or point ``controller`` at a
+real controller's URL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from fsagent.mount import mount_device
-
-REPO = Path(__file__).resolve().parent.parent
-SCOPES = ("task", "agent", "user", "project")
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+from tests.support.constants import REPO, SCOPES
+from tests.support.procs import ProcessError, run_module_json
+from tests.support.source import make_source, sha256
+from tests.support.tmp import private_tmpdir
 
 
-def make_source(
-    root: Path,
-    folders: dict[str, dict[str, bytes | None]] | None = None,
-    *,
-    bindings: dict[str, str | None] | None = None,
-    executable: set[str] = frozenset(),  # type: ignore[assignment]
-    fetch_delay: float = 0.0,
-    company_id: str | None = None,
-) -> Path:
-    """Write a DirectoryBridgeClient source: ``folders[scope][path] = bytes`` (None = a directory).
-
-    Scopes missing from ``bindings`` are bound to a fresh owner when they
-    appear in ``folders``; ``bindings`` can unbind (None) or pin owners.
-    """
-    folders = folders or {"agent": {}}
-    root.mkdir(parents=True, exist_ok=True)
-    owners: dict[str, str | None] = {s: None for s in SCOPES}
-    owners["agent"] = str(uuid.uuid4())
-    for scope in folders:
-        owners[scope] = owners[scope] or str(uuid.uuid4())
-    owners.update(bindings or {})
-    run = {
-        "runId": str(uuid.uuid4()),
-        "companyId": company_id or str(uuid.uuid4()),
-        "agentId": owners["agent"],
-        "leaseEpoch": 1,
-        "active": True,
-        "bindings": owners,
-    }
-    (root / "run.json").write_text(json.dumps(run))
-    if fetch_delay:
-        (root / "config.json").write_text(json.dumps({"fetchDelay": fetch_delay}))
-    for scope, files in folders.items():
-        objects = root / scope / "objects"
-        objects.mkdir(parents=True, exist_ok=True)
-        entries = []
-        for version, (path, data) in enumerate(sorted(files.items()), start=1):
-            if data is None:
-                entries.append(
-                    {
-                        "path": path,
-                        "kind": "directory",
-                        "digest": None,
-                        "byteSize": 0,
-                        "executable": False,
-                        "version": version,
-                        "deleted": False,
-                    }
-                )
-                continue
-            digest = sha256(data)
-            if not (objects / digest).exists():
-                (objects / digest).write_bytes(data)
-            entries.append(
-                {
-                    "path": path,
-                    "kind": "file",
-                    "digest": digest,
-                    "byteSize": len(data),
-                    "executable": path in executable,
-                    "version": version,
-                    "deleted": False,
-                }
-            )
-        (root / scope / "manifest.json").write_text(
-            json.dumps({"entries": entries, "highWater": len(entries)})
-        )
-    return root
+class MountError(RuntimeError):
+    """The daemon died or did not mount in time; the message carries its stderr."""
 
 
 def is_mounted(path: Path) -> bool:
@@ -150,6 +75,12 @@ class FsagentMount:
     env: dict[str, str] | None = None
     fuse_conn: int | None = None
     """Minor device number of the mount = its /sys/fs/fuse/connections entry."""
+    log_dir: Path | None = None
+    """Where the daemon's stderr file goes; None: a private temp dir (see tests.support.tmp)."""
+    poll_interval: float = 0.02
+    """How often :meth:`start` checks for the mount; benchmarks timing the mount poll faster."""
+    mount_seconds: float = 0.0
+    """Process start to the mount being there, measured by :meth:`start`."""
 
     def argv(self) -> list[str]:
         argv = [
@@ -170,32 +101,42 @@ class FsagentMount:
             argv += ["--token-file", str(self.token_file)]
         return argv
 
+    def _new_stderr_path(self) -> Path:
+        if self.log_dir is None:
+            self.log_dir = private_tmpdir("fsagent-log-")  # removed with its claimant
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.log_dir / f"{self.state_dir.name}-{self.mountpoint.name}.stderr"
+
     def start(self, timeout: float = 60.0) -> FsagentMount:
-        """Start the daemon; return once mounted, or fail with its stderr."""
+        """Start the daemon; return once mounted, or raise MountError with its stderr."""
         try:
             self.mountpoint.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             if exc.errno != errno.ENOTCONN:  # a crashed daemon's mount: fsagent detaches it
                 raise
-        self.stderr_path = Path(tempfile.mkstemp(prefix="fsagent-stderr-")[1])
+        self.stderr_path = self._new_stderr_path()
         with open(self.stderr_path, "wb") as err:
+            started = time.perf_counter()
             self.proc = subprocess.Popen(
                 self.argv(), stdout=err, stderr=err, cwd=REPO, stdin=subprocess.DEVNULL,
                 user=self.user, group=self.user, env=self.env,
             )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stderr_text = self.stderr()
-                code = self.proc.returncode
-                pytest.fail(f"fsagent exited with {code} before mounting:\n{self.stderr_text}")
+        deadline = started + timeout
+        while time.perf_counter() < deadline:
             if is_mounted(self.mountpoint):
+                self.mount_seconds = time.perf_counter() - started
                 with contextlib.suppress(OSError):
                     self.fuse_conn = os.minor(os.stat(self.mountpoint).st_dev)
                 return self
-            time.sleep(0.02)
+            if self.proc.poll() is not None:
+                self.stderr_text = self.stderr()
+                code = self.proc.returncode
+                raise MountError(f"fsagent exited with {code} before mounting:\n{self.stderr_text}")
+            time.sleep(self.poll_interval)
         self.stop()
-        pytest.fail(f"fsagent did not mount {self.mountpoint} within {timeout}s:\n{self.stderr()}")
+        raise MountError(
+            f"fsagent did not mount {self.mountpoint} within {timeout}s:\n{self.stderr()}"
+        )
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace") if self.stderr_path else ""
@@ -240,23 +181,22 @@ class FsagentMount:
             ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
         )
 
-    def fsagent(self, *args: str) -> Any:
-        """Run an fsagent subcommand with --json against this state dir; parsed output."""
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "fsagent.cli",
-                *args,
-                "--state-dir",
-                str(self.state_dir),
-                "--json",
-            ],
-            capture_output=True,
-            check=True,
-            cwd=REPO,
+    def peak_rss_kib(self) -> int:
+        """VmHWM of the daemon: its peak resident set so far, in KiB."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise MountError("no VmHWM in /proc status")
+
+    def fsagent(self, *args: str, timeout: float = 900.0) -> Any:
+        """Run an fsagent subcommand with --json against this state dir; parsed output.
+
+        Raises :class:`tests.support.procs.ProcessError` with its stderr if it fails.
+        """
+        return run_module_json(
+            "fsagent.cli", *args, "--state-dir", str(self.state_dir), "--json", timeout=timeout
         )
-        return json.loads(out.stdout)
 
     def changes(self) -> dict[str, dict[str, Any]]:
         """The state dir's change set since the baseline, keyed by path."""
@@ -265,7 +205,7 @@ class FsagentMount:
 
 @dataclass
 class MountFactory:
-    """Creates mounts under a test's tmp dir and tears every one down."""
+    """Creates mounts under one base dir and tears every one down."""
 
     base: Path
     mounts: list[FsagentMount] = field(default_factory=list)
@@ -297,6 +237,7 @@ class MountFactory:
             controller,
             token_file,
             list(extra or []),
+            log_dir=self.base / "logs",
         )
         self.mounts.append(m)
         return m.start() if start else m
@@ -306,34 +247,29 @@ class MountFactory:
             m.stop()
 
 
-def short_tmp(prefix: str) -> Path:
-    """A private temp dir on the normal /tmp (pytest's tmp_path can be long)."""
-    return Path(tempfile.mkdtemp(prefix=prefix))
-
-
-@pytest.fixture
-def mounts() -> Iterator[MountFactory]:
-    base = short_tmp("fsa-fuse-")
-    factory = MountFactory(base)
+@contextlib.contextmanager
+def mount_factory(prefix: str = "fsa-fuse-") -> Iterator[MountFactory]:
+    """A factory in a fresh short temp dir; on exit every mount is stopped and the dir removed."""
+    factory = MountFactory(private_tmpdir(prefix))
     try:
         yield factory
     finally:
-        factory.close()
-        shutil.rmtree(base, ignore_errors=True)
+        try:
+            factory.close()
+        finally:
+            shutil.rmtree(factory.base, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def module_mounts() -> Iterator[MountFactory]:
-    base = short_tmp("fsa-fuse-")
-    factory = MountFactory(base)
-    try:
-        yield factory
-    finally:
-        factory.close()
-        shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def mnt(mounts: MountFactory) -> FsagentMount:
-    """A mounted, bound, empty agent collection."""
-    return mounts.mount()
+__all__ = [
+    "REPO",
+    "SCOPES",
+    "FsagentMount",
+    "MountError",
+    "MountFactory",
+    "ProcessError",
+    "in_mount_table",
+    "is_mounted",
+    "make_source",
+    "mount_factory",
+    "sha256",
+]

@@ -11,7 +11,7 @@ import httpx
 import zstandard
 
 from common.bridge import CHUNK_MAX, END_FRAME, PREFIX, encode_frame
-from tests.controller_helper import Tenant
+from tests.support.controller import Tenant
 
 
 def framed(data: bytes, chunk: int = CHUNK_MAX) -> bytes:

@@ -1,4 +1,5 @@
-"""Start real controllers and a private PostgreSQL cluster for tests."""
+"""Real controllers for tests and benchmarks: a private PostgreSQL cluster and
+``controller serve`` in a subprocess."""
 
 from __future__ import annotations
 
@@ -6,15 +7,14 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +23,24 @@ import psycopg
 
 from controller.cli import main as controller_main
 from controller.pgembed import EmbeddedPostgres
+from tests.support.constants import REPO
+from tests.support.procs import ProcessError, free_port, wait_until_healthy
+from tests.support.tmp import world_searchable_tmpdir
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+GC_ON_DEMAND = ["--gc-delay", "0", "--gc-interval", "0"]
+"""Tests sweep garbage only when they ask (``gc --now``), and then everything due."""
 
 
-def world_searchable_tmpdir(prefix: str) -> Path:
-    """A temp dir the postgres user can reach when tests run as root."""
-    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    os.chmod(d, 0o711)
-    return d
+def parse_api_time(value: str) -> datetime:
+    """An API timestamp (ISO 8601, ``Z``) as an aware datetime.
+
+    Compare these, never the strings: ``isoformat`` drops the fraction when the
+    microseconds are 0, and ``...:05Z`` sorts after ``...:05.000100Z``.
+    """
+    parsed = datetime.fromisoformat(value)
+    if parsed.tzinfo is None:
+        raise ValueError(f"API timestamp without a time zone: {value!r}")
+    return parsed
 
 
 class PgCluster:
@@ -46,7 +49,11 @@ class PgCluster:
     def __init__(self) -> None:
         self.dir = world_searchable_tmpdir("fsa-pg-")
         self.pg = EmbeddedPostgres(self.dir)
-        self.pg.start()
+        try:
+            self.pg.start()
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
 
     def admin_url(self) -> str:
         return f"postgresql://controller@/postgres?host={self.pg.sockdir}"
@@ -58,24 +65,42 @@ class PgCluster:
         return f"postgresql://controller@/{name}?host={self.pg.sockdir}"
 
     def stop(self) -> None:
-        self.pg.stop()
+        """Stop the cluster and remove its files."""
+        try:
+            self.pg.stop()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclass
 class ControllerProcess:
-    """`controller serve` in a subprocess against a given database."""
+    """`controller serve` in a subprocess.
 
-    database_url: str
+    With a ``database_url`` it uses that database; with None, the controller's
+    own embedded PostgreSQL under ``data_dir`` (as an operator runs it).
+    """
+
+    database_url: str | None
     data_dir: Path
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    gc_args: list[str] = field(default_factory=lambda: list(GC_ON_DEMAND))
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def db_url(self) -> str:
+        """The database this controller uses, also in embedded mode."""
+        return self.database_url or EmbeddedPostgres(self.data_dir).url
+
+    def _db_args(self) -> list[str]:
+        url = ["--database-url", self.database_url] if self.database_url else []
+        return [*url, "--data-dir", str(self.data_dir)]
 
     def start(self, timeout: float = 30.0) -> ControllerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -87,16 +112,10 @@ class ControllerProcess:
                 "-m",
                 "controller.cli",
                 "serve",
-                "--database-url",
-                self.database_url,
-                "--data-dir",
-                str(self.data_dir),
+                *self._db_args(),
                 "--listen",
                 f"127.0.0.1:{self.port}",
-                "--gc-delay",
-                "0",
-                "--gc-interval",
-                "0",
+                *self.gc_args,
                 *self.extra_args,
             ],
             stdout=log,
@@ -105,28 +124,23 @@ class ControllerProcess:
             env={**os.environ, **self.env},
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"controller exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"controller did not become healthy:\n{self.log()}")
+        try:
+            wait_until_healthy(self.url + "/healthz", self.proc, timeout, self.log)
+        except ProcessError as exc:
+            self.stop()
+            raise RuntimeError(f"controller did not become healthy: {exc}") from None
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        """Signal the server, wait ``timeout`` seconds for it to stop its cluster and exit, kill."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(sig)
         try:
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -138,9 +152,7 @@ class ControllerProcess:
         """Run a `controller` subcommand in-process against this database."""
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = controller_main(
-                [*args, "--database-url", self.database_url, "--data-dir", str(self.data_dir)]
-            )
+            code = controller_main([*args, *self._db_args()])
         return code, out.getvalue(), err.getvalue()
 
     def admin(self, *args: str) -> dict[str, Any]:
@@ -157,7 +169,7 @@ class ControllerProcess:
         return result
 
     def db(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.database_url, autocommit=True)
+        return psycopg.connect(self.db_url, autocommit=True)
 
 
 @dataclass
@@ -189,6 +201,18 @@ class Tenant:
         return user["user_id"], user["token"]
 
 
+def bootstrap_tenant(ctl: ControllerProcess, **names: str) -> Tenant:
+    """A fresh company and owner (``company_name``/``email`` optional)."""
+    out = ctl.admin(
+        "bootstrap",
+        "--company-name",
+        names.get("company_name", f"co-{uuid.uuid4().hex[:8]}"),
+        "--email",
+        names.get("email", f"owner-{uuid.uuid4().hex[:10]}@example.com"),
+    )
+    return Tenant(ctl, out["company_id"], out["user_id"], out["token"])
+
+
 @contextlib.contextmanager
 def running_controller(cluster: PgCluster, tmp: Path, *extra: str) -> Iterator[ControllerProcess]:
     ctl = ControllerProcess(cluster.create_database(), tmp, list(extra)).start()
@@ -196,3 +220,17 @@ def running_controller(cluster: PgCluster, tmp: Path, *extra: str) -> Iterator[C
         yield ctl
     finally:
         ctl.stop()
+
+
+__all__ = [
+    "GC_ON_DEMAND",
+    "REPO",
+    "ControllerProcess",
+    "PgCluster",
+    "Tenant",
+    "bootstrap_tenant",
+    "free_port",
+    "parse_api_time",
+    "running_controller",
+    "world_searchable_tmpdir",
+]

@@ -1,0 +1,29 @@
+"""Test support shared by ``tests/`` and ``bench/``: one way to start each real part.
+
+* :mod:`tests.support.constants` — the repository root and the four scopes.
+* :mod:`tests.support.procs` — free ports, stopping and polling subprocesses,
+  running a CLI that answers JSON.
+* :mod:`tests.support.tmp` — private temp dirs (reachable by the embedded
+  PostgreSQL's own user when running as root).
+* :mod:`tests.support.controller` — embedded PostgreSQL, ``controller serve``
+  in a subprocess, a tenant with its HTTP client.
+* :mod:`tests.support.source` — DirectoryBridgeClient sources (run, manifests,
+  objects) written from plain data.
+* :mod:`tests.support.mount` — ``fsagent mount --foreground`` in a subprocess
+  and a factory that tears every mount down.
+* :mod:`tests.support.bridge`, :mod:`tests.support.web`,
+  :mod:`tests.support.s3server`, :mod:`tests.support.lossy_proxy` — a minimal
+  bridge client, the headless browser, moto as an S3 server, a proxy that
+  loses responses.
+
+pytest plugins (registered by ``tests/conftest.py`` through ``pytest_plugins``):
+
+* :mod:`tests.support.fixtures` — ``pg_cluster``, ``controller``, ``tenant``,
+  ``mounts``, ``module_mounts``, ``mnt``.
+* :mod:`tests.support.session` — a per-session temp root that must be empty
+  when the session ends, and the check that fails a test on unexpected
+  WARNING log records.
+
+Nothing here imports pytest except the two plugins, so the benchmarks can use
+the same helpers the tests prove.
+"""

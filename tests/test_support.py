@@ -1,0 +1,108 @@
+"""The test-support package's own contracts: the session checks and the helpers' error paths."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from tests.support.controller import ControllerProcess, parse_api_time
+from tests.support.tmp import world_searchable_tmpdir
+
+PLUGIN = ["-p", "tests.support.session"]
+
+
+def fsa_session_roots() -> set[str]:
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("fsa-s-")}
+
+
+def test_api_times_order_by_value_not_by_string() -> None:
+    # isoformat() leaves out the fraction when the microseconds are 0.
+    whole, later = "2026-12-02T21:00:05Z", "2026-12-02T21:00:05.000100Z"
+    assert not later > whole  # the string comparison the old assertion made gets this wrong
+    assert parse_api_time(later) > parse_api_time(whole)
+    assert parse_api_time("2026-12-02T21:00:05+00:00") == parse_api_time(whole)
+    with pytest.raises(ValueError, match="without a time zone"):
+        parse_api_time("2026-12-02T21:00:05")
+
+
+def test_session_fails_when_a_test_leaves_temp_files(pytester: pytest.Pytester) -> None:
+    before = fsa_session_roots()
+    pytester.makepyfile(
+        """
+        import tempfile
+
+        def test_leaks():
+            tempfile.mkdtemp(prefix="leaked-")
+            tempfile.mkstemp(prefix="leaked-file-")
+        """
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*temp files left behind*", "*2 entries in*", "  leaked-*"])
+    assert result.parseoutcomes() == {"passed": 1}
+    assert fsa_session_roots() == before  # the leaked files went with the session's root
+
+
+def test_session_passes_when_tests_clean_up(pytester: pytest.Pytester) -> None:
+    before = fsa_session_roots()
+    pytester.makepyfile(
+        """
+        import os, shutil, tempfile
+
+        def test_cleans_up(tmp_path):
+            d = tempfile.mkdtemp()
+            assert os.path.dirname(d) == os.environ["TMPDIR"]  # the session's root
+            shutil.rmtree(d)
+            (tmp_path / "kept-by-pytest").write_text("x")
+        """
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert "temp files left behind" not in result.stdout.str()
+    assert fsa_session_roots() == before
+
+
+def test_unexpected_warning_logs_fail_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import logging
+        import pytest
+
+        log = logging.getLogger("some.module")
+
+        def test_logs_a_warning():
+            log.warning("disk %s is nearly full", "sda")
+
+        def test_inspects_its_warning(caplog):
+            log.warning("expected")
+            assert caplog.records[0].getMessage() == "expected"
+
+        @pytest.mark.allow_warning_logs
+        def test_marked():
+            log.error("tolerated")
+
+        def test_info_is_fine():
+            log.info("routine")
+        """
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN, "--strict-markers")
+    assert result.parseoutcomes() == {"failed": 1, "passed": 3}
+    result.stdout.fnmatch_lines(
+        ["*unexpected WARNING log records*", "WARNING some.module: disk sda is nearly full"]
+    )
+
+
+def test_controller_helper_fails_fast_with_the_log() -> None:
+    data = world_searchable_tmpdir("fsa-bad-ctl-")
+    bad = ControllerProcess("postgresql://controller@/nodb?host=/nonexistent", data)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not become healthy") as info:
+        bad.start(timeout=60)
+    assert time.monotonic() - started < 30, "the helper waited out its deadline"
+    assert "exited" in str(info.value)
+    assert bad.log_path is not None and bad.log_path.parent == data
+    shutil.rmtree(data)
