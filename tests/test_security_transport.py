@@ -27,8 +27,8 @@ from common.bridge import CHUNK_MAX, END_FRAME, PREFIX, encode_frame, frame_head
 from common.errors import BadFrame
 from controller.cli import main as controller_main
 from controller.frames import FrameSplitter, decode_frame
-from tests.bridge_helper import Run, framed, start_run
-from tests.controller_helper import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
+from tests.support.bridge import Run, framed, start_run
+from tests.support.controller import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
 
 IDLE = 2.0  # --body-idle-timeout and --header-timeout of the module's controller
 PER_TOKEN = 3

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.controller_helper import ControllerProcess
+from tests.support.controller import ControllerProcess
 
 WEB = Path(__file__).resolve().parent.parent / "controller" / "web"
 MODULES = sorted(p.name for p in WEB.glob("*.js"))
