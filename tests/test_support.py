@@ -13,6 +13,14 @@ from tests.support.controller import ControllerProcess, parse_api_time
 from tests.support.tmp import world_searchable_tmpdir
 
 PLUGIN = ["-p", "tests.support.session"]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _repo_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytester's subprocess runs in its own temp dir: put the repository on its path."""
+    parts = [REPO_ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(parts))
 
 
 def fsa_session_roots() -> set[str]:
