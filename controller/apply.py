@@ -19,7 +19,7 @@ import json
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from psycopg import AsyncConnection
@@ -32,6 +32,7 @@ from common.errors import (
     RestoreCollision,
 )
 from common.paths import ancestors, parent_of
+from controller.api.serialize import entry_json
 from controller.storage.base import object_key
 
 Row = dict[str, Any]
@@ -39,26 +40,6 @@ EnsureObject = Callable[[str], Awaitable[None]]
 """Called with the object key inside the transaction, after the objects row
 is locked: must make sure the bytes are in storage (re-upload if a sweep
 removed them in between)."""
-
-
-def iso(ts: datetime | None) -> str | None:
-    return None if ts is None else ts.isoformat().replace("+00:00", "Z")
-
-
-def entry_json(row: Row) -> dict[str, Any]:
-    return {
-        "id": str(row["id"]),
-        "path": row["path"],
-        "kind": row["kind"],
-        "byteSize": int(row["byte_size"]),
-        "digest": row["digest"],
-        "executable": bool(row["executable"]),
-        "contentType": row["content_type"],
-        "deletedAt": iso(row["deleted_at"]),
-        "updatedAt": iso(row["updated_at"]),
-        "version": int(row["version"]),
-        "trashRoot": None if row["trash_root"] is None else str(row["trash_root"]),
-    }
 
 
 def fingerprint(**fields: Any) -> str:

@@ -26,6 +26,7 @@ from common.bridge import MAX_CHECKPOINT_ENTRIES
 from common.errors import IdempotencyConflict, StaleLease, UnknownContent, ValidationError
 from common.paths import validate_path
 from controller import apply
+from controller.api.serialize import iso
 from controller.auth import RunBinding
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -213,7 +214,7 @@ async def apply_checkpoint(
         "applied": True,
         "entries": len(cp.entries),
         "highWater": int(hw["v"]),
-        "savedAt": apply.iso(hw["t"]),
+        "savedAt": iso(hw["t"]),
     }
     await conn.execute(
         "INSERT INTO receipts (folder_id, operation_id, fingerprint, result)"

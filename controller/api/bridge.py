@@ -12,8 +12,6 @@ import asyncio
 import hashlib
 import os
 import re
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -42,8 +40,9 @@ from common.errors import (
 from common.paths import validate_scope
 from controller import apply
 from controller.api.common import authenticate, connection, json_errors, read_json, state
-from controller.api.workfolders import (
+from controller.api.objects import (
     object_response,
+    open_spool,
     put_object,
     reupload_if_missing,
     spool_append,
@@ -236,10 +235,7 @@ async def upload(request: Request) -> Response:
     limit = st.settings.max_file_bytes
     splitter = FrameSplitter()
     size = 0
-    fd, name = await asyncio.to_thread(
-        tempfile.mkstemp, dir=st.settings.spool_dir, prefix="bridge-"
-    )
-    spool = Path(name)
+    fd, spool = await open_spool(st.settings.spool_dir, "bridge-")
     hasher = hashlib.sha256()
     try:
         try:
@@ -277,7 +273,7 @@ async def upload(request: Request) -> Response:
     finally:
         # Unlinking one spool file is a single metadata update; a thread hop
         # here would also be skipped on cancellation, leaking the file.
-        spool.unlink(missing_ok=True)  # noqa: ASYNC240
+        spool.unlink(missing_ok=True)
     return JSONResponse({"digest": digest, "byteSize": size})
 
 

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
-import hashlib
 import json
 import logging
-import os
 import re
 import secrets
-import tempfile
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote
 
 from psycopg import AsyncConnection
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.errors import (
@@ -27,10 +21,8 @@ from common.errors import (
     InvalidPath,
     IsADirectory,
     PayloadTooLarge,
-    RangeNotSatisfiable,
     RunNotActive,
     RunNotFound,
-    StorageUnavailable,
     ValidationError,
 )
 from common.limits import (
@@ -49,12 +41,13 @@ from controller.api.common import (
     read_json,
     state,
 )
+from controller.api.objects import object_response, put_object, reupload_if_missing, spool_body
+from controller.api.serialize import entry_json, iso
 from controller.auth import Principal, authorize_folder
 from controller.storage.base import object_key
 
 log = logging.getLogger(__name__)
 
-SPOOL_WRITE_BYTES = 1 << 20
 _PRINTABLE = re.compile(r"^[\x20-\x7e]+$")
 
 
@@ -139,7 +132,7 @@ async def folder_last_operation(conn: AsyncConnection[Any], folder: apply.Folder
         return None
     cur = await conn.execute("SELECT last_operation_at FROM folders WHERE id = %s", (folder.id,))
     row = await cur.fetchone()
-    return apply.iso(row["last_operation_at"]) if row else None
+    return iso(row["last_operation_at"]) if row else None
 
 
 # --- GET / -----------------------------------------------------------------
@@ -201,7 +194,7 @@ async def list_entries(request: Request) -> Response:
             )
         return JSONResponse(
             {
-                "entries": [apply.entry_json(r) for r in rows],
+                "entries": [entry_json(r) for r in rows],
                 "nextCursor": next_cursor,
                 "lastOperationAt": await folder_last_operation(conn, folder),
             }
@@ -209,39 +202,6 @@ async def list_entries(request: Request) -> Response:
 
 
 # --- GET /content ----------------------------------------------------------
-
-
-def parse_range(header: str, size: int) -> tuple[int, int]:
-    """One ``bytes=`` range → [start, end) within ``size``; 416 when unsatisfiable."""
-    m = re.fullmatch(r"bytes=(\d*)-(\d*)", header.strip())
-    if m is None or (m.group(1) == "" and m.group(2) == ""):
-        raise RangeNotSatisfiable("Only a single bytes=start-end range is supported")
-    first, last = m.group(1), m.group(2)
-    if first == "":
-        suffix = int(last)
-        if suffix == 0:
-            raise RangeNotSatisfiable()
-        return max(0, size - suffix), size
-    start = int(first)
-    end = size if last == "" else min(size, int(last) + 1)
-    if start >= size or start >= end:
-        raise RangeNotSatisfiable()
-    return start, end
-
-
-async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
-    storage = state(request).storage
-    chunks = storage.read_chunks(key, start, end)
-    try:
-        while True:
-            chunk = await asyncio.to_thread(next, chunks, None)
-            if chunk is None:
-                return
-            yield chunk
-    finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
 
 
 def content_headers(row: dict[str, Any]) -> dict[str, str]:
@@ -275,72 +235,7 @@ async def get_content(request: Request) -> Response:
     return object_response(request, key, size, content_headers(row), media_type)
 
 
-def object_response(
-    request: Request, key: str, size: int, headers: dict[str, str], media_type: str
-) -> Response:
-    """Stream a stored object, honouring one ``Range`` (206) or refusing it (416)."""
-    start, end, status = 0, size, 200
-    range_header = request.headers.get("range")
-    if range_header and size > 0:
-        try:
-            start, end = parse_range(range_header, size)
-        except RangeNotSatisfiable as exc:
-            return JSONResponse(exc.to_json(), exc.status, {"Content-Range": f"bytes */{size}"})
-        status = 206
-        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-    headers["Content-Length"] = str(end - start)
-    if request.method == "HEAD" or end == start:
-        return Response(b"", status_code=status, headers=headers, media_type=media_type)
-    return StreamingResponse(
-        stream_object(request, key, start, end),
-        status_code=status,
-        headers=headers,
-        media_type=media_type,
-    )
-
-
 # --- PUT /content ----------------------------------------------------------
-
-
-def spool_append(fd: int, hasher: Any, data: bytes) -> None:
-    hasher.update(data)
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Path, int, str]:
-    """Stream the body to a spool file while hashing it; memory stays bounded.
-
-    Crossing ``limit`` aborts at once (413), whatever Content-Length claimed.
-    On any failure the spool file is removed, so nothing can be published.
-    """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"Files are limited to {limit} bytes")
-    fd, name = await asyncio.to_thread(tempfile.mkstemp, dir=spool_dir, prefix="upload-")
-    path = Path(name)
-    hasher = hashlib.sha256()
-    size = 0
-    buf = bytearray()
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"Files are limited to {limit} bytes")
-            buf += chunk
-            if len(buf) >= SPOOL_WRITE_BYTES:
-                data, buf = bytes(buf), bytearray()
-                await asyncio.to_thread(spool_append, fd, hasher, data)
-        if buf:
-            await asyncio.to_thread(spool_append, fd, hasher, bytes(buf))
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-    return path, size, hasher.hexdigest()
 
 
 def upload_headers(request: Request) -> tuple[str | None, bool]:
@@ -404,28 +299,6 @@ async def put_content(request: Request) -> Response:
         spool.unlink(missing_ok=True)
     status = 201 if result.pop("created", False) and result["applied"] else 200
     return JSONResponse(result, status_code=status)
-
-
-async def put_object(request: Request, key: str, spool: Path, size: int, digest: str) -> bool:
-    try:
-        return await asyncio.to_thread(state(request).storage.put_file, key, spool, size, digest)
-    except StorageUnavailable:
-        raise
-    except OSError as exc:
-        raise StorageUnavailable(f"storing object failed: {exc}") from exc
-
-
-def reupload_if_missing(
-    request: Request, spool: Path, size: int, digest: str
-) -> apply.EnsureObject:
-    """Inside the commit, with the object's row locked: bring the bytes back if a
-    GC sweep removed them after our upload (see ``apply.register_object``)."""
-
-    async def ensure(key: str) -> None:
-        if not await asyncio.to_thread(state(request).storage.exists, key):
-            await put_object(request, key, spool, size, digest)
-
-    return ensure
 
 
 async def journal_orphan(request: Request, company_id: str, digest: str) -> None:
@@ -507,13 +380,13 @@ def run_json(row: dict[str, Any]) -> dict[str, Any]:
         "runId": str(row["id"]),
         "agentId": str(row["agent_id"]),
         "state": row["state"],
-        "lastSavedAt": apply.iso(row["last_saved_at"]),
+        "lastSavedAt": iso(row["last_saved_at"]),
         "error": row["error"],
-        "finalCheckpointAt": apply.iso(row["final_checkpoint_at"]),
+        "finalCheckpointAt": iso(row["final_checkpoint_at"]),
         "refreshRequested": bool(row["refresh_requested"]),
         "active": bool(row["active"]),
-        "startedAt": apply.iso(row["started_at"]),
-        "endedAt": apply.iso(row["ended_at"]),
+        "startedAt": iso(row["started_at"]),
+        "endedAt": iso(row["ended_at"]),
     }
 
 

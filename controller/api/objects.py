@@ -1,0 +1,155 @@
+"""Stored objects over HTTP: streaming reads with one ``Range``, and upload spooling.
+
+Used by both the work-folder API and the bridge: a body is spooled to a
+file under the spool directory while it is hashed (memory stays bounded),
+then put into storage; a read streams the object in chunks from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from common.errors import PayloadTooLarge, RangeNotSatisfiable, StorageUnavailable
+from controller.api.common import state
+from controller.apply import EnsureObject
+
+SPOOL_WRITE_BYTES = 1 << 20
+
+
+# --- reads -----------------------------------------------------------------
+
+
+def parse_range(header: str, size: int) -> tuple[int, int]:
+    """One ``bytes=`` range → [start, end) within ``size``; 416 when unsatisfiable."""
+    m = re.fullmatch(r"bytes=(\d*)-(\d*)", header.strip())
+    if m is None or (m.group(1) == "" and m.group(2) == ""):
+        raise RangeNotSatisfiable("Only a single bytes=start-end range is supported")
+    first, last = m.group(1), m.group(2)
+    if first == "":
+        suffix = int(last)
+        if suffix == 0:
+            raise RangeNotSatisfiable()
+        return max(0, size - suffix), size
+    start = int(first)
+    end = size if last == "" else min(size, int(last) + 1)
+    if start >= size or start >= end:
+        raise RangeNotSatisfiable()
+    return start, end
+
+
+async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
+    storage = state(request).storage
+    chunks = storage.read_chunks(key, start, end)
+    try:
+        while True:
+            chunk = await asyncio.to_thread(next, chunks, None)
+            if chunk is None:
+                return
+            yield chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
+
+def object_response(
+    request: Request, key: str, size: int, headers: dict[str, str], media_type: str
+) -> Response:
+    """Stream a stored object, honouring one ``Range`` (206) or refusing it (416)."""
+    start, end, status = 0, size, 200
+    range_header = request.headers.get("range")
+    if range_header and size > 0:
+        try:
+            start, end = parse_range(range_header, size)
+        except RangeNotSatisfiable as exc:
+            return JSONResponse(exc.to_json(), exc.status, {"Content-Range": f"bytes */{size}"})
+        status = 206
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    headers["Content-Length"] = str(end - start)
+    if request.method == "HEAD" or end == start:
+        return Response(b"", status_code=status, headers=headers, media_type=media_type)
+    return StreamingResponse(
+        stream_object(request, key, start, end),
+        status_code=status,
+        headers=headers,
+        media_type=media_type,
+    )
+
+
+# --- writes ----------------------------------------------------------------
+
+
+async def open_spool(spool_dir: Path, prefix: str) -> tuple[int, Path]:
+    """A new spool file (descriptor and path); the caller closes and removes it."""
+    fd, name = await asyncio.to_thread(tempfile.mkstemp, dir=spool_dir, prefix=prefix)
+    return fd, Path(name)
+
+
+def spool_append(fd: int, hasher: Any, data: bytes) -> None:
+    hasher.update(data)
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Path, int, str]:
+    """Stream the body to a spool file while hashing it; memory stays bounded.
+
+    Crossing ``limit`` aborts at once (413), whatever Content-Length claimed.
+    On any failure the spool file is removed, so nothing can be published.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"Files are limited to {limit} bytes")
+    fd, path = await open_spool(spool_dir, "upload-")
+    hasher = hashlib.sha256()
+    size = 0
+    buf = bytearray()
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"Files are limited to {limit} bytes")
+            buf += chunk
+            if len(buf) >= SPOOL_WRITE_BYTES:
+                data, buf = bytes(buf), bytearray()
+                await asyncio.to_thread(spool_append, fd, hasher, data)
+        if buf:
+            await asyncio.to_thread(spool_append, fd, hasher, bytes(buf))
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return path, size, hasher.hexdigest()
+
+
+async def put_object(request: Request, key: str, spool: Path, size: int, digest: str) -> bool:
+    try:
+        return await asyncio.to_thread(state(request).storage.put_file, key, spool, size, digest)
+    except StorageUnavailable:
+        raise
+    except OSError as exc:
+        raise StorageUnavailable(f"storing object failed: {exc}") from exc
+
+
+def reupload_if_missing(request: Request, spool: Path, size: int, digest: str) -> EnsureObject:
+    """Inside the commit, with the object's row locked: bring the bytes back if a
+    GC sweep removed them after our upload (see ``apply.register_object``)."""
+
+    async def ensure(key: str) -> None:
+        if not await asyncio.to_thread(state(request).storage.exists, key):
+            await put_object(request, key, spool, size, digest)
+
+    return ensure
