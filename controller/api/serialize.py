@@ -31,3 +31,18 @@ def entry_json(row: Row) -> dict[str, Any]:
         "version": int(row["version"]),
         "trashRoot": None if row["trash_root"] is None else str(row["trash_root"]),
     }
+
+
+def run_json(row: Row) -> dict[str, Any]:
+    return {
+        "runId": str(row["id"]),
+        "agentId": str(row["agent_id"]),
+        "state": row["state"],
+        "lastSavedAt": iso(row["last_saved_at"]),
+        "error": row["error"],
+        "finalCheckpointAt": iso(row["final_checkpoint_at"]),
+        "refreshRequested": bool(row["refresh_requested"]),
+        "active": bool(row["active"]),
+        "startedAt": iso(row["started_at"]),
+        "endedAt": iso(row["ended_at"]),
+    }

@@ -21,8 +21,6 @@ from common.errors import (
     InvalidPath,
     IsADirectory,
     PayloadTooLarge,
-    RunNotActive,
-    RunNotFound,
     ValidationError,
 )
 from common.limits import (
@@ -33,7 +31,7 @@ from common.limits import (
     MAX_PREVIEW_BYTES,
 )
 from common.paths import validate_owner_id, validate_path, validate_scope, validate_uuid
-from controller import apply
+from controller import apply, folders, runs
 from controller.api.common import (
     authenticate,
     connection,
@@ -42,7 +40,7 @@ from controller.api.common import (
     state,
 )
 from controller.api.objects import object_response, put_object, reupload_if_missing, spool_body
-from controller.api.serialize import entry_json, iso
+from controller.api.serialize import entry_json, iso, run_json
 from controller.auth import Principal, authorize_folder
 from controller.storage.base import object_key
 
@@ -127,14 +125,6 @@ async def open_folder(
     return principal, folder, address
 
 
-async def folder_last_operation(conn: AsyncConnection[Any], folder: apply.Folder | None) -> Any:
-    if folder is None:
-        return None
-    cur = await conn.execute("SELECT last_operation_at FROM folders WHERE id = %s", (folder.id,))
-    row = await cur.fetchone()
-    return iso(row["last_operation_at"]) if row else None
-
-
 # --- GET / -----------------------------------------------------------------
 
 
@@ -154,51 +144,27 @@ async def list_entries(request: Request) -> Response:
 
     async with connection(request) as conn:
         _, folder, _ = await open_folder(request, conn, write=False)
-        rows: list[dict[str, Any]] = []
-        if folder is not None:
-            params: dict[str, Any] = {"fid": folder.id, "limit": limit + 1}
-            where = ["folder_id = %(fid)s"]
-            if parent is not None:
-                where.append("parent = %(parent)s")
-                params["parent"] = parent
-            if trash:
-                where.append("deleted_at IS NOT NULL")
-                order = "deleted_at DESC, path"
-                if cursor_raw:
-                    c = decode_cursor(cursor_raw, {"d", "p"})
-                    where.append(
-                        "(deleted_at < %(cd)s::timestamptz OR"
-                        " (deleted_at = %(cd)s::timestamptz AND path > %(cp)s))"
-                    )
-                    params.update(cd=c["d"], cp=c["p"])
-            else:
-                where.append("deleted_at IS NULL")
-                order = "path"
-                if cursor_raw:
-                    c = decode_cursor(cursor_raw, {"p"})
-                    where.append("path > %(cp)s")
-                    params["cp"] = c["p"]
-            cur = await conn.execute(
-                f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY {order} LIMIT %(limit)s",
-                params,
-            )
-            rows = list(await cur.fetchall())
-        next_cursor = None
-        if len(rows) > limit:
-            rows = rows[:limit]
-            last = rows[-1]
-            next_cursor = encode_cursor(
-                {"d": last["deleted_at"].isoformat(), "p": last["path"]}
-                if trash
-                else {"p": last["path"]}
-            )
-        return JSONResponse(
-            {
-                "entries": [entry_json(r) for r in rows],
-                "nextCursor": next_cursor,
-                "lastOperationAt": await folder_last_operation(conn, folder),
-            }
+        after = None
+        if cursor_raw and folder is not None:
+            after = decode_cursor(cursor_raw, {"d", "p"} if trash else {"p"})
+        page = await folders.list_entries(
+            conn, folder, parent=parent, trash=trash, limit=limit, after=after
         )
+    next_cursor = None
+    if page.more:
+        last = page.rows[-1]
+        next_cursor = encode_cursor(
+            {"d": last["deleted_at"].isoformat(), "p": last["path"]}
+            if trash
+            else {"p": last["path"]}
+        )
+    return JSONResponse(
+        {
+            "entries": [entry_json(r) for r in page.rows],
+            "nextCursor": next_cursor,
+            "lastOperationAt": iso(page.last_operation_at),
+        }
+    )
 
 
 # --- GET /content ----------------------------------------------------------
@@ -372,46 +338,18 @@ async def post_operations(request: Request) -> Response:
 
 # --- GET /sync and POST /refresh -------------------------------------------
 
-_RUN_COLUMN = {"task": "task_id", "agent": "agent_id", "project": "project_id", "user": "user_id"}
-
-
-def run_json(row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "runId": str(row["id"]),
-        "agentId": str(row["agent_id"]),
-        "state": row["state"],
-        "lastSavedAt": iso(row["last_saved_at"]),
-        "error": row["error"],
-        "finalCheckpointAt": iso(row["final_checkpoint_at"]),
-        "refreshRequested": bool(row["refresh_requested"]),
-        "active": bool(row["active"]),
-        "startedAt": iso(row["started_at"]),
-        "endedAt": iso(row["ended_at"]),
-    }
-
-
-async def bound_runs(
-    conn: AsyncConnection[Any], company_id: str, scope: str, owner_id: str
-) -> list[dict[str, Any]]:
-    cur = await conn.execute(
-        f"SELECT * FROM runs WHERE company_id = %s AND {_RUN_COLUMN[scope]}::text = %s"
-        " ORDER BY started_at DESC, id",
-        (company_id, owner_id),
-    )
-    return list(await cur.fetchall())
-
 
 @json_errors
 async def get_sync(request: Request) -> Response:
     async with connection(request) as conn:
         _, folder, address = await open_folder(request, conn, write=False)
-        runs = await bound_runs(conn, *address)
-        return JSONResponse(
-            {
-                "runs": [run_json(r) for r in runs],
-                "lastOperationAt": await folder_last_operation(conn, folder),
-            }
-        )
+        sync = await runs.sync_status(conn, folder, *address)
+    return JSONResponse(
+        {
+            "runs": [run_json(r) for r in sync.runs],
+            "lastOperationAt": iso(sync.last_operation_at),
+        }
+    )
 
 
 @json_errors
@@ -423,13 +361,7 @@ async def post_refresh(request: Request) -> Response:
     run_id = validate_uuid(run_id, "runId")
     async with connection(request) as conn:
         _, _, address = await open_folder(request, conn, write=True)
-        runs = {str(r["id"]): r for r in await bound_runs(conn, *address)}
-        run = runs.get(run_id)
-        if run is None:
-            raise RunNotFound()
-        if not run["active"]:
-            raise RunNotActive()
-        await conn.execute("UPDATE runs SET refresh_requested = true WHERE id = %s", (run_id,))
+        await runs.request_refresh(conn, *address, run_id)
     return JSONResponse({"queued": True}, status_code=202)
 
 

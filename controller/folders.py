@@ -1,0 +1,120 @@
+"""Reading work folders: listing pages, the last operation time, the bridge's
+manifest pages and which objects a folder references."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from common.errors import ResyncRequired
+from controller.apply import Folder, Row
+
+
+@dataclass(frozen=True)
+class EntryPage:
+    rows: list[Row]
+    more: bool
+    """True when rows past the last one exist (the caller hands out a cursor)."""
+    last_operation_at: datetime | None
+
+
+@dataclass(frozen=True)
+class ManifestPage:
+    rows: list[Row]
+    more: bool
+    high_water: int
+    """The highest version drawn so far, in any folder."""
+
+
+async def last_operation_at(conn: AsyncConnection[Any], folder: Folder | None) -> datetime | None:
+    if folder is None:
+        return None
+    cur = await conn.execute("SELECT last_operation_at FROM folders WHERE id = %s", (folder.id,))
+    row = await cur.fetchone()
+    return row["last_operation_at"] if row else None
+
+
+async def list_entries(
+    conn: AsyncConnection[Any],
+    folder: Folder | None,
+    *,
+    parent: str | None,
+    trash: bool,
+    limit: int,
+    after: dict[str, str] | None,
+) -> EntryPage:
+    """One page of live entries by path, or of trash entries newest first.
+
+    ``after`` is the last entry of the previous page: ``{"p": path}`` for live
+    entries, ``{"d": deleted_at, "p": path}`` for the trash.
+    """
+    rows: list[Row] = []
+    if folder is not None:
+        params: dict[str, Any] = {"fid": folder.id, "limit": limit + 1}
+        where = ["folder_id = %(fid)s"]
+        if parent is not None:
+            where.append("parent = %(parent)s")
+            params["parent"] = parent
+        if trash:
+            where.append("deleted_at IS NOT NULL")
+            order = "deleted_at DESC, path"
+            if after is not None:
+                where.append(
+                    "(deleted_at < %(cd)s::timestamptz OR"
+                    " (deleted_at = %(cd)s::timestamptz AND path > %(cp)s))"
+                )
+                params.update(cd=after["d"], cp=after["p"])
+        else:
+            where.append("deleted_at IS NULL")
+            order = "path"
+            if after is not None:
+                where.append("path > %(cp)s")
+                params["cp"] = after["p"]
+        cur = await conn.execute(
+            f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY {order} LIMIT %(limit)s",
+            params,
+        )
+        rows = list(await cur.fetchall())
+    return EntryPage(rows[:limit], len(rows) > limit, await last_operation_at(conn, folder))
+
+
+async def manifest_page(
+    conn: AsyncConnection[Any], folder: Folder | None, *, since: int, limit: int
+) -> ManifestPage:
+    """Entries changed after version ``since`` in version order (a full listing
+    of live entries when ``since`` is 0). ResyncRequired when a purge removed
+    versions past ``since``."""
+    cur = await conn.execute("SELECT last_value, is_called FROM file_version_seq")
+    seq = await cur.fetchone()
+    high_water = int(seq["last_value"]) if seq and seq["is_called"] else 0
+    if folder is None:
+        return ManifestPage([], False, high_water)
+    cur = await conn.execute("SELECT purge_floor FROM folders WHERE id = %s", (folder.id,))
+    floor_row = await cur.fetchone()
+    if since > 0 and floor_row is not None and since < int(floor_row["purge_floor"]):
+        raise ResyncRequired()
+    deleted_clause = "" if since > 0 else " AND deleted_at IS NULL"
+    cur = await conn.execute(
+        "SELECT * FROM files WHERE folder_id = %s AND version > %s"
+        + deleted_clause
+        + " ORDER BY version LIMIT %s",
+        (folder.id, since, limit + 1),
+    )
+    rows = list(await cur.fetchall())
+    return ManifestPage(rows[:limit], len(rows) > limit, high_water)
+
+
+async def referenced_object_size(
+    conn: AsyncConnection[Any], folder: Folder, digest: str
+) -> int | None:
+    """The size of ``digest`` when one of this folder's files (live or trashed)
+    references it; None otherwise."""
+    cur = await conn.execute(
+        "SELECT byte_size FROM files WHERE folder_id = %s AND digest = %s LIMIT 1",
+        (folder.id, digest),
+    )
+    row = await cur.fetchone()
+    return None if row is None else int(row["byte_size"])

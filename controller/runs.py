@@ -1,0 +1,104 @@
+"""Runs as the controller records them: which runs use a folder, their save
+state, refresh requests and the objects they uploaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from common.errors import RunNotActive, RunNotFound
+from controller import apply, folders
+from controller.apply import EnsureObject, Folder, Row
+
+MAX_ERROR_CHARS = 2000
+
+_OWNER_COLUMN = {"task": "task_id", "agent": "agent_id", "project": "project_id", "user": "user_id"}
+
+
+@dataclass(frozen=True)
+class SyncStatus:
+    runs: list[Row]
+    """Runs bound to the folder's owner, newest first."""
+    last_operation_at: datetime | None
+
+
+async def bound_runs(
+    conn: AsyncConnection[Any], company_id: str, scope: str, owner_id: str
+) -> list[Row]:
+    cur = await conn.execute(
+        f"SELECT * FROM runs WHERE company_id = %s AND {_OWNER_COLUMN[scope]}::text = %s"
+        " ORDER BY started_at DESC, id",
+        (company_id, owner_id),
+    )
+    return list(await cur.fetchall())
+
+
+async def sync_status(
+    conn: AsyncConnection[Any],
+    folder: Folder | None,
+    company_id: str,
+    scope: str,
+    owner_id: str,
+) -> SyncStatus:
+    runs = await bound_runs(conn, company_id, scope, owner_id)
+    return SyncStatus(runs, await folders.last_operation_at(conn, folder))
+
+
+async def request_refresh(
+    conn: AsyncConnection[Any], company_id: str, scope: str, owner_id: str, run_id: str
+) -> None:
+    """Ask a run bound to this owner to take the server's changes."""
+    runs = {str(r["id"]): r for r in await bound_runs(conn, company_id, scope, owner_id)}
+    run = runs.get(run_id)
+    if run is None:
+        raise RunNotFound()
+    if not run["active"]:
+        raise RunNotActive()
+    await conn.execute("UPDATE runs SET refresh_requested = true WHERE id = %s", (run_id,))
+
+
+async def refresh_requested(conn: AsyncConnection[Any], run_id: str) -> bool:
+    cur = await conn.execute("SELECT refresh_requested FROM runs WHERE id = %s", (run_id,))
+    row = await cur.fetchone()
+    return bool(row and row["refresh_requested"])
+
+
+async def clear_refresh(conn: AsyncConnection[Any], run_id: str) -> None:
+    await conn.execute("UPDATE runs SET refresh_requested = false WHERE id = %s", (run_id,))
+
+
+async def set_state(conn: AsyncConnection[Any], run_id: str, state: str, error: str | None) -> None:
+    """Record the run's save state; an empty error is stored as none."""
+    await conn.execute(
+        "UPDATE runs SET state = %s, error = %s WHERE id = %s",
+        (state, error[:MAX_ERROR_CHARS] if error else None, run_id),
+    )
+
+
+async def mark_saving(conn: AsyncConnection[Any], run_id: str) -> None:
+    await conn.execute(
+        "UPDATE runs SET state = 'saving' WHERE id = %s AND state <> 'saving'", (run_id,)
+    )
+
+
+async def record_upload(
+    conn: AsyncConnection[Any],
+    run_id: str,
+    company_id: str,
+    digest: str,
+    byte_size: int,
+    ensure_object: EnsureObject,
+    gc_delay: timedelta,
+) -> None:
+    """Register an object a run uploaded. It is collected later unless a
+    checkpoint references it (GC keeps it while the run is running)."""
+    await apply.register_object(conn, company_id, digest, byte_size, ensure_object)
+    await conn.execute(
+        "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
+        " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+        (run_id, company_id, digest, byte_size),
+    )
+    await apply.journal_deletion(conn, company_id, [digest], "bridge upload", gc_delay)
