@@ -31,14 +31,13 @@ from common.errors import (
     MembershipRevoked,
     NotFound,
     PayloadTooLarge,
-    ResyncRequired,
     StaleLease,
     Unauthenticated,
     UnknownContent,
     ValidationError,
 )
 from common.paths import validate_scope
-from controller import apply
+from controller import apply, folders, runs
 from controller.api.common import authenticate, connection, json_errors, read_json, state
 from controller.api.objects import (
     object_response,
@@ -47,6 +46,7 @@ from controller.api.objects import (
     reupload_if_missing,
     spool_append,
 )
+from controller.api.serialize import manifest_entry
 from controller.auth import RunBinding, run_may_use_user_folder
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
 from controller.frames import Frame, FrameSplitter, decode_frame
@@ -75,18 +75,6 @@ async def bound_folder(
     return await apply.get_folder(conn, run.company_id, scope, owner, create=False)
 
 
-def manifest_entry(row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "path": row["path"],
-        "kind": row["kind"],
-        "digest": row["digest"],
-        "byteSize": int(row["byte_size"]),
-        "executable": bool(row["executable"]),
-        "version": int(row["version"]),
-        "deleted": row["deleted_at"] is not None,
-    }
-
-
 def int_param(request: Request, name: str, default: int, maximum: int | None = None) -> int:
     raw = request.query_params.get(name, str(default))
     if not raw.isdigit() or (maximum is not None and not 1 <= int(raw) <= maximum):
@@ -101,11 +89,10 @@ async def get_run(request: Request) -> Response:
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         user_ok = await run_may_use_user_folder(conn, run)
-        cur = await conn.execute("SELECT refresh_requested FROM runs WHERE id = %s", (run.run_id,))
-        row = await cur.fetchone()
+        refresh = await runs.refresh_requested(conn, run.run_id)
     return JSONResponse(
         {
-            "refreshRequested": bool(row and row["refresh_requested"]),
+            "refreshRequested": refresh,
             "runId": run.run_id,
             "companyId": run.company_id,
             "agentId": run.agent_id,
@@ -128,32 +115,13 @@ async def get_manifest(request: Request) -> Response:
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         folder = await bound_folder(request, conn, run)
-        cur = await conn.execute("SELECT last_value, is_called FROM file_version_seq")
-        seq = await cur.fetchone()
-        high_water = int(seq["last_value"]) if seq and seq["is_called"] else 0
-        if folder is None:
-            return JSONResponse({"entries": [], "nextSince": None, "highWater": high_water})
-        cur = await conn.execute("SELECT purge_floor FROM folders WHERE id = %s", (folder.id,))
-        floor_row = await cur.fetchone()
-        if since > 0 and floor_row is not None and since < int(floor_row["purge_floor"]):
-            raise ResyncRequired()
-        deleted_clause = "" if since > 0 else " AND deleted_at IS NULL"
-        cur = await conn.execute(
-            "SELECT * FROM files WHERE folder_id = %s AND version > %s"
-            + deleted_clause
-            + " ORDER BY version LIMIT %s",
-            (folder.id, since, limit + 1),
-        )
-        rows = list(await cur.fetchall())
-    next_since = None
-    if len(rows) > limit:
-        rows = rows[:limit]
-        next_since = int(rows[-1]["version"])
+        page = await folders.manifest_page(conn, folder, since=since, limit=limit)
+    next_since = int(page.rows[-1]["version"]) if page.more else None
     return JSONResponse(
         {
-            "entries": [manifest_entry(r) for r in rows],
+            "entries": [manifest_entry(r) for r in page.rows],
             "nextSince": next_since,
-            "highWater": high_water,
+            "highWater": page.high_water,
         }
     )
 
@@ -171,16 +139,12 @@ async def get_object(request: Request) -> Response:
         if folder is None:
             raise NotFound("Object not found")
         # Reachable only through this folder's own files: a hash alone is no key.
-        cur = await conn.execute(
-            "SELECT byte_size FROM files WHERE folder_id = %s AND digest = %s LIMIT 1",
-            (folder.id, digest),
-        )
-        row = await cur.fetchone()
-    if row is None:
+        size = await folders.referenced_object_size(conn, folder, digest)
+    if size is None:
         raise NotFound("Object not found")
     headers = {"Cache-Control": "private, no-store", "Accept-Ranges": "bytes"}
     key = object_key(run.company_id, digest)
-    return object_response(request, key, int(row["byte_size"]), headers, "application/octet-stream")
+    return object_response(request, key, size, headers, "application/octet-stream")
 
 
 routes = [
@@ -211,9 +175,7 @@ async def writable_folder(
 async def record_run_failure(request: Request, run: RunBinding, error: str) -> None:
     """Make a refused save visible on /sync (own transaction: the save rolled back)."""
     async with connection(request) as conn:
-        await conn.execute(
-            "UPDATE runs SET state = 'failed', error = %s WHERE id = %s", (error[:2000], run.run_id)
-        )
+        await runs.set_state(conn, run.run_id, "failed", error)
 
 
 def store_frame(frame: Frame, fd: int, hasher: Any) -> None:
@@ -227,9 +189,7 @@ async def upload(request: Request) -> Response:
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         await writable_folder(request, conn, run)
-        await conn.execute(
-            "UPDATE runs SET state = 'saving' WHERE id = %s AND state <> 'saving'", (run.run_id,)
-        )
+        await runs.mark_saving(conn, run.run_id)
     hint = request.headers.get("x-content-sha256")
     hint_len = request.headers.get("x-content-length")
     limit = st.settings.max_file_bytes
@@ -258,15 +218,8 @@ async def upload(request: Request) -> Response:
         await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
         async with connection(request) as conn:
-            await apply.register_object(conn, run.company_id, digest, size, ensure)
-            await conn.execute(
-                "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
-                " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                (run.run_id, run.company_id, digest, size),
-            )
-            # Collected later unless a checkpoint references it.
-            await apply.journal_deletion(
-                conn, run.company_id, [digest], "bridge upload", st.settings.gc_delay
+            await runs.record_upload(
+                conn, run.run_id, run.company_id, digest, size, ensure, st.settings.gc_delay
             )
     except ClientDisconnect:
         return Response(status_code=400)
@@ -314,7 +267,7 @@ async def refresh_applied(request: Request) -> Response:
     """fsagent took the server's changes after its final save: the request is done."""
     async with connection(request) as conn:
         run = await bound_run(request, conn)
-        await conn.execute("UPDATE runs SET refresh_requested = false WHERE id = %s", (run.run_id,))
+        await runs.clear_refresh(conn, run.run_id)
     return JSONResponse({"refreshRequested": False})
 
 
@@ -329,10 +282,7 @@ async def report(request: Request) -> Response:
         raise ValidationError.single("state", "invalid", "state must be saving or failed")
     async with connection(request) as conn:
         run = await bound_run(request, conn)
-        await conn.execute(
-            "UPDATE runs SET state = %s, error = %s WHERE id = %s",
-            (new_state, (error or None) and error[:2000], run.run_id),
-        )
+        await runs.set_state(conn, run.run_id, new_state, error)
     return JSONResponse({"state": new_state})
 
 

@@ -46,3 +46,15 @@ def run_json(row: Row) -> dict[str, Any]:
         "startedAt": iso(row["started_at"]),
         "endedAt": iso(row["ended_at"]),
     }
+
+
+def manifest_entry(row: Row) -> dict[str, Any]:
+    return {
+        "path": row["path"],
+        "kind": row["kind"],
+        "digest": row["digest"],
+        "byteSize": int(row["byte_size"]),
+        "executable": bool(row["executable"]),
+        "version": int(row["version"]),
+        "deleted": row["deleted_at"] is not None,
+    }
