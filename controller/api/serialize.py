@@ -8,7 +8,11 @@ an idempotent replay returns the same bytes.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from controller.companies import Directory
+    from controller.sessions import Session
 
 Row = dict[str, Any]
 
@@ -57,4 +61,29 @@ def manifest_entry(row: Row) -> dict[str, Any]:
         "executable": bool(row["executable"]),
         "version": int(row["version"]),
         "deleted": row["deleted_at"] is not None,
+    }
+
+
+def session_json(session: Session) -> dict[str, Any]:
+    return {
+        "userId": session.user_id,
+        "email": session.email,
+        "csrfToken": session.csrf_token,
+        "companies": [
+            {"id": str(r["id"]), "name": r["name"], "role": r["role"]} for r in session.companies
+        ],
+    }
+
+
+def directory_json(d: Directory) -> dict[str, Any]:
+    return {
+        "agents": [{"id": str(r["id"]), "name": r["name"]} for r in d.agents],
+        "projects": [{"id": str(r["id"]), "name": r["name"]} for r in d.projects],
+        "tasks": [
+            {"id": str(r["id"]), "title": r["title"], "projectId": str(r["project_id"])}
+            for r in d.tasks
+        ],
+        "members": [
+            {"userId": str(r["id"]), "email": r["email"], "role": r["role"]} for r in d.members
+        ],
     }

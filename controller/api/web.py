@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import secrets
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -13,6 +11,7 @@ from starlette.routing import Route
 
 from common.errors import NotFound, Unauthenticated, ValidationError
 from common.paths import validate_uuid
+from controller import companies, sessions
 from controller.api.common import (
     SESSION_COOKIE,
     authenticate,
@@ -20,35 +19,11 @@ from controller.api.common import (
     json_errors,
     read_json,
 )
-from controller.auth import (
-    SESSION_PREFIX,
-    membership_role,
-    new_token,
-    principal_from_bearer,
-    token_hash,
-)
+from controller.api.serialize import directory_json, session_json
+from controller.auth import membership_role, principal_from_bearer
 
 SESSION_DAYS = 7
 WEB_ROOT = Path(str(resources.files("controller").joinpath("web")))
-
-
-async def session_body(conn: Any, user_id: str, csrf: str) -> dict[str, Any]:
-    cur = await conn.execute("SELECT email FROM users WHERE id = %s", (user_id,))
-    user = await cur.fetchone()
-    cur = await conn.execute(
-        "SELECT c.id, c.name, m.role FROM memberships m JOIN companies c ON c.id = m.company_id"
-        " WHERE m.user_id = %s ORDER BY c.name, c.id",
-        (user_id,),
-    )
-    companies = [
-        {"id": str(r["id"]), "name": r["name"], "role": r["role"]} for r in await cur.fetchall()
-    ]
-    return {
-        "userId": user_id,
-        "email": user["email"] if user else None,
-        "csrfToken": csrf,
-        "companies": companies,
-    }
 
 
 @json_errors
@@ -61,15 +36,8 @@ async def create_session(request: Request) -> Response:
         principal = await principal_from_bearer(conn, token)
         if principal.kind != "user" or principal.user_id is None:
             raise Unauthenticated("Sign in with a personal API token")
-        secret = new_token(SESSION_PREFIX)
-        csrf = secrets.token_urlsafe(24)
-        await conn.execute(
-            "INSERT INTO web_sessions (session_hash, user_id, csrf_token, expires_at)"
-            " VALUES (%s, %s, %s, now() + make_interval(days => %s))",
-            (token_hash(secret), principal.user_id, csrf, SESSION_DAYS),
-        )
-        body_out = await session_body(conn, principal.user_id, csrf)
-    resp = JSONResponse(body_out)
+        secret, session = await sessions.open_session(conn, principal.user_id, SESSION_DAYS)
+    resp = JSONResponse(session_json(session))
     resp.set_cookie(
         SESSION_COOKIE,
         secret,
@@ -88,7 +56,8 @@ async def get_session(request: Request) -> Response:
         principal = await authenticate(request, conn)
         if principal.kind != "user" or principal.user_id is None:
             raise Unauthenticated()
-        return JSONResponse(await session_body(conn, principal.user_id, principal.csrf_token or ""))
+        session = await sessions.describe(conn, principal.user_id, principal.csrf_token or "")
+    return JSONResponse(session_json(session))
 
 
 @json_errors
@@ -97,9 +66,7 @@ async def delete_session(request: Request) -> Response:
         principal = await authenticate(request, conn)
         secret = request.cookies.get(SESSION_COOKIE)
         if principal.via_session and secret:
-            await conn.execute(
-                "DELETE FROM web_sessions WHERE session_hash = %s", (token_hash(secret),)
-            )
+            await sessions.close_session(conn, secret)
     resp = Response(status_code=204)
     resp.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return resp
@@ -118,35 +85,8 @@ async def company_directory(request: Request) -> Response:
             assert principal.user_id is not None
             if await membership_role(conn, company_id, principal.user_id) is None:
                 raise NotFound("Company not found")
-
-        async def rows(sql: str) -> list[dict[str, Any]]:
-            cur = await conn.execute(sql, (company_id,))
-            return list(await cur.fetchall())
-
-        agents = await rows("SELECT id, name FROM agents WHERE company_id = %s ORDER BY name, id")
-        projects = await rows(
-            "SELECT id, name FROM projects WHERE company_id = %s ORDER BY name, id"
-        )
-        tasks = await rows(
-            "SELECT id, title, project_id FROM tasks WHERE company_id = %s ORDER BY title, id"
-        )
-        members = await rows(
-            "SELECT u.id, u.email, m.role FROM memberships m JOIN users u ON u.id = m.user_id"
-            " WHERE m.company_id = %s ORDER BY u.email"
-        )
-    return JSONResponse(
-        {
-            "agents": [{"id": str(r["id"]), "name": r["name"]} for r in agents],
-            "projects": [{"id": str(r["id"]), "name": r["name"]} for r in projects],
-            "tasks": [
-                {"id": str(r["id"]), "title": r["title"], "projectId": str(r["project_id"])}
-                for r in tasks
-            ],
-            "members": [
-                {"userId": str(r["id"]), "email": r["email"], "role": r["role"]} for r in members
-            ],
-        }
-    )
+        found = await companies.directory(conn, company_id)
+    return JSONResponse(directory_json(found))
 
 
 _PAGE_HEADERS = {
