@@ -20,7 +20,7 @@ from controller.api import openapi, web, workfolders
 from controller.api.common import AppState, connection, error_response, json_errors
 from controller.api.limits import RequestLimits
 from controller.config import Settings
-from controller.db import make_pool
+from controller.db import make_pool, ping
 from controller.storage.base import StorageProvider
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ async def openapi_json(request: Request) -> Response:
 @json_errors
 async def healthz(request: Request) -> Response:
     async with connection(request) as conn:
-        await conn.execute("SELECT 1")
+        await ping(conn)
     return JSONResponse({"ok": True})
 
 

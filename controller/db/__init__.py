@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import re
 from importlib import resources
+from typing import Any
 
 import psycopg
+from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -71,3 +73,8 @@ def make_pool(url: str, *, min_size: int = 2, max_size: int = 20) -> AsyncConnec
         check=AsyncConnectionPool.check_connection,
         kwargs={"autocommit": False, "row_factory": dict_row},
     )
+
+
+async def ping(conn: AsyncConnection[Any]) -> None:
+    """A round trip to the database (the health check)."""
+    await conn.execute("SELECT 1")
