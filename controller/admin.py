@@ -41,42 +41,53 @@ def _uuid(value: str, field: str) -> str:
 
 
 def create_user(url: str, email: str) -> dict[str, Any]:
+    with _conn(url) as conn:
+        return _create_user(conn, email)
+
+
+def _create_user(conn: psycopg.Connection[dict[str, Any]], email: str) -> dict[str, Any]:
     if "@" not in email or len(email) > 320 or any(c.isspace() for c in email):
         raise AdminError(f"not an email address: {email!r}")
     user_id = str(uuid.uuid4())
     token = new_token(USER_TOKEN_PREFIX)
-    with _conn(url) as conn:
-        if conn.execute("SELECT 1 FROM users WHERE email = %s", (email,)).fetchone():
-            raise AdminError(f"a user with email {email} already exists")
-        conn.execute("INSERT INTO users (id, email) VALUES (%s, %s)", (user_id, email))
-        conn.execute(
-            "INSERT INTO api_tokens (token_hash, user_id) VALUES (%s, %s)",
-            (token_hash(token), user_id),
-        )
+    if conn.execute("SELECT 1 FROM users WHERE email = %s", (email,)).fetchone():
+        raise AdminError(f"a user with email {email} already exists")
+    conn.execute("INSERT INTO users (id, email) VALUES (%s, %s)", (user_id, email))
+    conn.execute(
+        "INSERT INTO api_tokens (token_hash, user_id) VALUES (%s, %s)",
+        (token_hash(token), user_id),
+    )
     return {"user_id": user_id, "token": token}
 
 
 def bootstrap(url: str, company_name: str, email: str) -> dict[str, Any]:
+    """The company, its owner and the membership, all or nothing (one transaction)."""
     company_id = str(uuid.uuid4())
     with _conn(url) as conn:
         conn.execute("INSERT INTO companies (id, name) VALUES (%s, %s)", (company_id, company_name))
-    user = create_user(url, email)
-    add_member(url, company_id, user["user_id"], "owner")
+        user = _create_user(conn, email)
+        _add_member(conn, company_id, user["user_id"], "owner")
     return {"company_id": company_id, **user}
 
 
 def add_member(url: str, company: str, user: str, role: str) -> dict[str, Any]:
+    with _conn(url) as conn:
+        return _add_member(conn, company, user, role)
+
+
+def _add_member(
+    conn: psycopg.Connection[dict[str, Any]], company: str, user: str, role: str
+) -> dict[str, Any]:
     company, user = _uuid(company, "company"), _uuid(user, "user")
     if role not in ROLES:
         raise AdminError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    with _conn(url) as conn:
-        _require(conn, "companies", company)
-        _require(conn, "users", user)
-        conn.execute(
-            "INSERT INTO memberships (company_id, user_id, role) VALUES (%s, %s, %s)"
-            " ON CONFLICT (company_id, user_id) DO UPDATE SET role = EXCLUDED.role",
-            (company, user, role),
-        )
+    _require(conn, "companies", company)
+    _require(conn, "users", user)
+    conn.execute(
+        "INSERT INTO memberships (company_id, user_id, role) VALUES (%s, %s, %s)"
+        " ON CONFLICT (company_id, user_id) DO UPDATE SET role = EXCLUDED.role",
+        (company, user, role),
+    )
     return {"company_id": company, "user_id": user, "role": role}
 
 

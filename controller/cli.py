@@ -63,15 +63,19 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 @contextlib.contextmanager
-def database(settings: Settings, *, keep_running: bool = False) -> Iterator[str]:
-    """Yield a migrated database URL, starting the embedded cluster if needed.
+def database(
+    settings: Settings, *, keep_running: bool = False, migrated: bool = True
+) -> Iterator[str]:
+    """Yield a database URL (migrated unless ``migrated`` is false), starting the
+    embedded cluster if needed.
 
     A cluster this call started is stopped again on exit unless ``keep_running``.
     """
     from controller.db import migrate
 
     if settings.database_url:
-        migrate(settings.database_url)
+        if migrated:
+            migrate(settings.database_url)
         yield settings.database_url
         return
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +84,8 @@ def database(settings: Settings, *, keep_running: bool = False) -> Iterator[str]
     if started:
         pg.start()
     try:
-        migrate(pg.url)
+        if migrated:
+            migrate(pg.url)
         yield pg.url
     finally:
         if started and not keep_running:
@@ -153,12 +158,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     from controller.db import migrate
 
-    settings = settings_from(args)
-    if settings.database_url:
-        applied = migrate(settings.database_url)
-    else:
-        with database(settings) as url:
-            applied = migrate(url)
+    # Report what this run applied: `database()` must not have applied it first.
+    with database(settings_from(args), migrated=False) as url:
+        applied = migrate(url)
     emit(args, {"applied": applied}, lambda d: f"applied {len(d['applied'])} migration(s)")
     return 0
 
@@ -331,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    import psycopg  # after parsing: keeps `controller --help` fast
+
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -347,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     except WorkFolderError as exc:
         print(f"controller: {exc.code}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE if exc.status >= 500 else EXIT_ERROR
+    except psycopg.OperationalError as exc:
+        # Unreachable, refused, timed out, shut down: a dependency, not a bug.
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"controller: database unavailable: {reason}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,3 +198,88 @@ def test_unknown_route_and_method_are_json(controller: ControllerProcess) -> Non
     assert r.status_code == 404 and r.json()["code"] == "route_not_found"
     r = httpx.delete(controller.url + "/openapi.json")
     assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
+
+
+def test_migrate_on_a_fresh_data_dir_reports_what_it_applied() -> None:
+    data = world_searchable_tmpdir("fsa-mig-embedded-")
+    names = [name for _, name, _ in migrations()]
+
+    def migrate() -> list[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "controller.cli", "migrate", "--data-dir", str(data), "--json"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        applied: list[str] = json.loads(proc.stdout)["applied"]
+        return applied
+
+    try:
+        assert migrate() == names
+        assert migrate() == []
+        pg = EmbeddedPostgres(data)
+        assert not pg.running()
+        pg.start()
+        try:
+            with psycopg.connect(pg.url) as conn:
+                assert conn.execute("SELECT count(*) FROM schema_migrations").fetchone() == (
+                    len(names),
+                )
+        finally:
+            pg.stop()
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def test_bootstrap_with_a_taken_email_adds_no_company(controller: ControllerProcess) -> None:
+    controller.admin("bootstrap", "--email", "taken@example.com", "--company-name", "First")
+    with controller.db() as conn:
+        before = conn.execute("SELECT count(*) FROM companies").fetchone()
+        code, out, err = controller.cli(
+            "admin", "bootstrap", "--email", "taken@example.com", "--company-name", "Orphan"
+        )
+        assert code == 1 and out == "" and "already exists" in err and err.count("\n") == 1
+        assert conn.execute("SELECT count(*) FROM companies").fetchone() == before
+        assert conn.execute("SELECT 1 FROM companies WHERE name = 'Orphan'").fetchone() is None
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["serve", "--listen", "127.0.0.1:0"],
+        ["migrate"],
+        ["gc", "--now"],
+        ["admin", "bootstrap"],
+        ["admin", "create-user", "x@example.com"],
+        ["admin", "end-run", "00000000-0000-0000-0000-000000000000"],
+    ],
+)
+def test_unreachable_database_is_one_line_and_exit_3(command: list[str]) -> None:
+    data = world_searchable_tmpdir("fsa-nodb-")
+    # Nothing listens on this port: the connection is refused at once.
+    url = f"postgresql://controller@127.0.0.1:{free_port()}/controller?connect_timeout=5"
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "controller.cli",
+                *command,
+                "--data-dir",
+                str(data),
+                "--database-url",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.startswith("controller: database unavailable: "), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
