@@ -37,7 +37,7 @@ from fsagent.errors import (
     ObjectUnavailable,
     ResyncRequired,
 )
-from fsagent.store import Kind, ManifestRow
+from fsagent.records import Kind, ManifestRow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,13 +1,8 @@
-"""The FUSE operations: a copy-on-write view over saved contents and an upper layer.
+"""The FUSE operations over the tree (fsagent.store) and file contents (fsagent.content).
 
-Reads of unchanged files come from ``objects/<digest>`` (fetched on first
-open); the first write copies the file to the upper layer (a truncation to
-zero copies nothing) and from then on the upper copy is the content.  The
-upper copy of a file of at most ``INLINE_MAX`` bytes lives in the LMDB store
-(so creating, writing and removing a small file touches no file on disk); a
-larger one is ``upper/<inode>``, and a file moves there once it grows past
-the limit.  Every mutation goes through :class:`fsagent.store.Store`, which
-journals the paths it touched.
+Every mutation goes through :class:`fsagent.store.Store`, which journals the
+paths it touched; file contents (copy-on-write, inline and upper copies) go
+through :class:`fsagent.content.Content`.
 
 Kernel caching: fsagent is the only writer while a run lasts, so entries,
 attributes and data can be cached for a long time (``TIMEOUT``, ``keep_cache``)
@@ -22,27 +17,17 @@ characters with ENAMETOOLONG.  Lookups of such names answer ENOENT: nothing
 with that name can exist.  Symlinks, hard links and special files: EPERM.
 Limits mirror the controller's, so a refusal shows at write time rather than
 at save time: EFBIG past 1 GiB per file, EDQUOT past 100,000 entries.
-
-Threading: handlers run on the trio thread; reads and writes of one FUSE
-request (at most 128 KiB) on a local file go straight to the page cache and
-are done inline, because a thread hop would cost more than the copy.  Whole-
-file work (copy-up, fsync, object fetches) runs in worker threads; an fd used
-by a worker is pinned so that it is not closed underneath it.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
-import shutil
 import stat
-import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Final, ParamSpec, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
 
 import pyfuse3
 import trio
@@ -51,128 +36,16 @@ from common.errors import InvalidPath
 from common.limits import MAX_COMPONENT_BYTES, MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
 from common.paths import decode_fs_name
 from common.types import Digest
+from fsagent.content import Content, OpenFile
+from fsagent.fuseglue import Spinner, fuse_boundary, fuse_err, name_errno
 from fsagent.hydrate import ContentFetcher
-from fsagent.store import (
-    EMPTY_DIGEST,
-    INLINE_MAX,
-    ROOT_INODE,
-    Inode,
-    InodeNo,
-    Kind,
-    Store,
-    now_ns,
-)
+from fsagent.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store, now_ns
 
 log = logging.getLogger(__name__)
 
 TIMEOUT: Final = 3600.0
 """Entry/attr cache lifetime: nobody but this daemon changes the tree during a run."""
 BLKSIZE: Final = 128 * 1024
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-# OSError numbers that mean something to the caller and pass through as-is;
-# anything else from the local disk is an internal failure (EIO).
-_PASS_THROUGH: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
-
-
-class Spinner:
-    """Keep the trio loop polling for a short window after each request.
-
-    A round trip to the daemon costs two wake-ups: the daemon's when the
-    request arrives and the caller's when the reply does.  On virtual machines
-    an idle vCPU halts, and waking it costs tens of microseconds, more than
-    most handlers.  Agents often issue requests back to back (a ``git status``
-    stats every file), so after a request the loop keeps polling /dev/fuse
-    for a while before it sleeps: the next request is picked up at once.
-
-    The window adapts, like the kernel's guest halt-polling: when a request
-    arrives after the window ended but within ``max_ns`` of the previous one,
-    a longer window would have caught it, so it doubles (up to ``max_ns``);
-    when requests are further apart than ``max_ns``, polling is wasted CPU,
-    so it halves, down to nothing.  ``max_ns=0`` disables polling.
-    """
-
-    GROW_START_NS: Final = 25_000
-
-    def __init__(self, max_ns: int) -> None:
-        self.max_ns = max_ns
-        self.window_ns = max_ns
-        self._last = 0
-        self._wake = trio.Event()
-
-    def poke(self) -> None:
-        now = time.perf_counter_ns()
-        idle = now - self._last
-        if idle > self.window_ns:  # the loop had gone to sleep
-            if idle <= self.max_ns:
-                self.window_ns = min(self.max_ns, max(2 * self.window_ns, self.GROW_START_NS))
-            else:
-                self.window_ns //= 2
-                if self.window_ns < self.GROW_START_NS:
-                    self.window_ns = 0
-        self._last = now
-        if not self._wake.is_set():
-            self._wake.set()
-
-    async def run(self) -> None:
-        if self.max_ns <= 0:
-            return
-        clock = time.perf_counter_ns
-        checkpoint = trio.lowlevel.checkpoint
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            while clock() - self._last < self.window_ns:
-                await checkpoint()
-
-
-def fuse_boundary(
-    fn: Callable[_P, Coroutine[Any, Any, _R]],
-) -> Callable[_P, Coroutine[Any, Any, _R]]:
-    """Let only FUSEError out of a handler: log anything else once, answer EIO."""
-
-    @functools.wraps(fn)
-    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        args[0].spinner.poke()  # type: ignore[attr-defined]
-        try:
-            return await fn(*args, **kwargs)
-        except pyfuse3.FUSEError:
-            raise
-        except OSError as exc:
-            if exc.errno in _PASS_THROUGH:
-                raise pyfuse3.FUSEError(exc.errno) from None
-            log.exception("%s failed", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        except Exception:
-            log.exception("%s failed", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-
-    return wrapper
-
-
-def _err(code: int) -> pyfuse3.FUSEError:
-    return pyfuse3.FUSEError(code)
-
-
-def name_errno(exc: InvalidPath) -> int:
-    if exc.reason == "reserved_segment":
-        return errno.EPERM
-    if exc.reason == "segment_too_long":
-        return errno.ENAMETOOLONG
-    return errno.EINVAL
-
-
-@dataclass(slots=True)
-class OpenFile:
-    """Per-inode backing fd shared by all handles of that inode (-1 while inline)."""
-
-    fd: int
-    upper: bool
-    inline: bool = False
-    opens: int = 0
-    pins: int = 0
-    retired: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -204,11 +77,11 @@ class WorkFolderFS(pyfuse3.Operations):
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.lookups: dict[InodeNo, int] = {}
-        self.files: dict[InodeNo, OpenFile] = {}
+        self.content = Content(store, fetcher)
+        self.files = self.content.files
         self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, list[tuple[bytes, InodeNo]]] = {}
         self._next_fh = 1
-        self._copy_locks: dict[InodeNo, trio.Lock] = {}
 
     def init(self) -> None:
         """FUSE INIT is being answered (called on the trio thread)."""
@@ -225,7 +98,7 @@ class WorkFolderFS(pyfuse3.Operations):
         try:
             return self.store.get(ino)
         except KeyError:
-            raise _err(errno.ENOENT) from None
+            raise fuse_err(errno.ENOENT) from None
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -256,19 +129,19 @@ class WorkFolderFS(pyfuse3.Operations):
 
     def _writable(self) -> None:
         if self.readonly:
-            raise _err(errno.EROFS)
+            raise fuse_err(errno.EROFS)
 
     def _new_name(self, parent: InodeNo, raw: bytes) -> str:
         """Validate a name about to be created under ``parent``."""
         try:
             name = decode_fs_name(raw)
         except InvalidPath as exc:
-            raise _err(name_errno(exc)) from None
+            raise fuse_err(name_errno(exc)) from None
         ppath = self.store.path_of(parent)
         if ppath is None:
-            raise _err(errno.ENOENT)  # the directory itself was removed
+            raise fuse_err(errno.ENOENT)  # the directory itself was removed
         if len(ppath) + 1 + len(name) > MAX_PATH_CHARS:
-            raise _err(errno.ENAMETOOLONG)
+            raise fuse_err(errno.ENAMETOOLONG)
         return name
 
     @staticmethod
@@ -277,106 +150,20 @@ class WorkFolderFS(pyfuse3.Operations):
         try:
             return decode_fs_name(raw)
         except InvalidPath as exc:
-            raise _err(
+            raise fuse_err(
                 errno.ENAMETOOLONG if len(raw) > MAX_COMPONENT_BYTES else errno.ENOENT
             ) from exc
 
     def _dir(self, ino: InodeNo) -> Inode:
         inode = self._inode(ino)
         if inode.kind != "directory":
-            raise _err(errno.ENOTDIR)
+            raise fuse_err(errno.ENOTDIR)
         if inode.parent == 0:
-            raise _err(errno.ENOENT)
+            raise fuse_err(errno.ENOENT)
         return inode
 
     def _in_use(self, ino: InodeNo) -> bool:
         return self.lookups.get(ino, 0) > 0 or ino in self.files
-
-    def _release_fd(self, of: OpenFile, fd: int) -> None:
-        if fd < 0:
-            return
-        if of.pins:
-            of.retired.append(fd)
-        else:
-            os.close(fd)
-
-    async def _pinned(self, of: OpenFile, fn: Callable[[int], _R]) -> _R:
-        """Run ``fn(fd)`` in a worker thread without the fd being closed meanwhile."""
-        of.pins += 1
-        try:
-            return await trio.to_thread.run_sync(fn, of.fd)
-        finally:
-            of.pins -= 1
-            if not of.pins:
-                for fd in of.retired:
-                    os.close(fd)
-                of.retired.clear()
-
-    async def _make_upper(self, inode: Inode, *, copy: bool) -> None:
-        """Give ``inode`` its own upper copy (copy-on-write), once.
-
-        Up to ``INLINE_MAX`` bytes the copy goes into the store in the same
-        commit that sets the upper flag.  A larger copy is complete (written
-        to a temp name and renamed into place) before the inode record says
-        ``upper``, so a crash in between leaves the saved content showing,
-        never a half copy.  ``copy=False`` (a truncation to zero) copies nothing.
-        """
-        lock = self._copy_locks.setdefault(inode.ino, trio.Lock())
-        async with lock:
-            if inode.upper:
-                return
-            size = inode.size if copy and inode.digest and inode.digest != EMPTY_DIGEST else 0
-            src = await self.fetcher.ensure(Digest(inode.digest or EMPTY_DIGEST)) if size else None
-            if size <= INLINE_MAX:
-                data = b"" if src is None else await trio.to_thread.run_sync(src.read_bytes)
-                if not self.store.has_room(len(data)):
-                    raise _err(errno.ENOSPC)
-                inode.size = len(data)
-            else:
-                assert src is not None
-                await trio.to_thread.run_sync(
-                    self._write_upper, inode.ino, lambda tmp: shutil.copyfile(src, tmp)
-                )
-                data = None
-            inode.upper = True
-            inode.digest = None
-            inode.generation += 1
-            self.store.persist(inode, touch="write", inline=data)
-            of = self.files.get(inode.ino)
-            if of is not None and not of.upper:
-                old = of.fd
-                of.fd = -1 if data is not None else self._open_rw(inode.ino)
-                of.upper, of.inline = True, data is not None
-                self._release_fd(of, old)
-        self._copy_locks.pop(inode.ino, None)
-
-    def _write_upper(self, ino: InodeNo, fill: Callable[[Path], object]) -> None:
-        """Create ``upper/<ino>`` complete or not at all: ``fill`` writes a temp
-        name that is renamed into place (on ENOSPC and friends no half copy stays)."""
-        tmp = self.store.upper / f"{ino}.tmp"
-        try:
-            fill(tmp)
-            os.replace(tmp, self.store.upper / str(ino))
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
-
-    def _open_rw(self, ino: InodeNo) -> int:
-        return os.open(self.store.upper / str(ino), os.O_RDWR | os.O_CLOEXEC)
-
-    def _spill(self, inode: Inode, data: bytes) -> None:
-        """Move an inline file that outgrows ``INLINE_MAX`` to ``upper/<inode>``.
-
-        Synchronous on purpose: no other request may change the inline copy
-        while it moves.  The file is complete before the inline copy is
-        dropped; a crash in between leaves both and recovery keeps the inline one.
-        """
-        self._write_upper(inode.ino, lambda tmp: tmp.write_bytes(data))
-        self.store.drop_inline(inode)
-        of = self.files.get(inode.ino)
-        if of is not None:
-            of.fd = self._open_rw(inode.ino)
-            of.inline = False
 
     # --- lookups and attributes ----------------------------------------------
 
@@ -397,7 +184,7 @@ class WorkFolderFS(pyfuse3.Operations):
         try:
             text = decode_fs_name(name)
         except InvalidPath as exc:
-            raise _err(
+            raise fuse_err(
                 errno.ENAMETOOLONG if exc.reason == "segment_too_long" else errno.ENOENT
             ) from None
         child = self.store.lookup(parent, text)
@@ -444,11 +231,11 @@ class WorkFolderFS(pyfuse3.Operations):
         inline: bytes | None = None
         if fields.update_size:
             if node.kind == "directory":
-                raise _err(errno.EISDIR)
+                raise fuse_err(errno.EISDIR)
             size = attr.st_size
             if size > MAX_FILE_BYTES:
-                raise _err(errno.EFBIG)
-            inline = await self._truncate(node, size)
+                raise fuse_err(errno.EFBIG)
+            inline = await self.content.truncate(node, size)
             ops.append("truncate")
         if fields.update_mode:
             node.mode = attr.st_mode & 0o777
@@ -459,30 +246,6 @@ class WorkFolderFS(pyfuse3.Operations):
         node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now_ns()
         self.store.persist(node, touch="+".join(ops) if ops else None, inline=inline)
         return self._attrs(node)
-
-    async def _truncate(self, node: Inode, size: int) -> bytes | None:
-        """Set the file's length (copying it up first); the new inline
-        contents for the caller's commit, or None when the file is not inline."""
-        if not node.upper:
-            await self._make_upper(node, copy=size > 0)
-        inline = self.store.inline_data(node.ino)
-        if inline is not None and size > INLINE_MAX:
-            self._spill(node, inline)
-            inline = None
-        if inline is not None:
-            if size > len(inline) and not self.store.has_room(size - len(inline)):
-                raise _err(errno.ENOSPC)
-            inline = inline[:size] + bytes(max(0, size - len(inline)))
-        else:
-            of = self.files.get(node.ino)
-            if of is not None:
-                os.ftruncate(of.fd, size)
-            else:
-                os.truncate(self.store.upper / str(node.ino), size)
-        node.size = size
-        node.generation += 1
-        node.mtime_ns = now_ns()
-        return inline
 
     # --- refusals ----------------------------------------------------------------
 
@@ -495,7 +258,7 @@ class WorkFolderFS(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         """Always EPERM: scoped files may not be symbolic links (spec)."""
-        raise _err(errno.EROFS if self.readonly else errno.EPERM)
+        raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
 
     @fuse_boundary
     async def link(
@@ -506,7 +269,7 @@ class WorkFolderFS(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         """Always EPERM: scoped files may not be hard links (spec)."""
-        raise _err(errno.EROFS if self.readonly else errno.EPERM)
+        raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
 
     @fuse_boundary
     async def mknod(
@@ -518,12 +281,12 @@ class WorkFolderFS(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         """Always EPERM: no device nodes, FIFOs or sockets (regular files use create)."""
-        raise _err(errno.EROFS if self.readonly else errno.EPERM)
+        raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
 
     @fuse_boundary
     async def readlink(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> bytes:
         """There are no symlinks here."""
-        raise _err(errno.EINVAL)
+        raise fuse_err(errno.EINVAL)
 
     # --- namespace ----------------------------------------------------------------
 
@@ -544,12 +307,12 @@ class WorkFolderFS(pyfuse3.Operations):
         self._dir(parent)
         name = self._new_name(parent, raw)
         if self.store.lookup(parent, name) is not None:
-            raise _err(errno.EEXIST)
+            raise fuse_err(errno.EEXIST)
         if self.store.count_entries() >= MAX_ENTRIES:
             # The controller refuses folders over 100,000 entries at save time;
             # saying so now (as a quota) keeps the agent from piling up work
             # that could never be saved.
-            raise _err(errno.EDQUOT)
+            raise fuse_err(errno.EDQUOT)
         return self.store.create(parent, name, kind, mode)
 
     @fuse_boundary
@@ -584,9 +347,9 @@ class WorkFolderFS(pyfuse3.Operations):
         text = self._old_name(name)
         child = self.store.lookup(parent, text)
         if child is None:
-            raise _err(errno.ENOENT)
+            raise fuse_err(errno.ENOENT)
         if self._inode(child).kind == "directory":
-            raise _err(errno.EISDIR)
+            raise fuse_err(errno.EISDIR)
         self.store.unlink(parent, text, keep=self._in_use(child))
 
     @fuse_boundary
@@ -599,11 +362,11 @@ class WorkFolderFS(pyfuse3.Operations):
         text = self._old_name(name)
         child = self.store.lookup(parent, text)
         if child is None:
-            raise _err(errno.ENOENT)
+            raise fuse_err(errno.ENOENT)
         if self._inode(child).kind != "directory":
-            raise _err(errno.ENOTDIR)
+            raise fuse_err(errno.ENOTDIR)
         if self.store.has_children(child):
-            raise _err(errno.ENOTEMPTY)
+            raise fuse_err(errno.ENOTEMPTY)
         self.store.unlink(parent, text, keep=self._in_use(child))
 
     def _is_ancestor(self, ancestor: InodeNo, ino: InodeNo) -> bool:
@@ -635,39 +398,39 @@ class WorkFolderFS(pyfuse3.Operations):
         """
         self._writable()
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
-            raise _err(errno.EINVAL)
+            raise fuse_err(errno.EINVAL)
         old_parent, new_parent = InodeNo(parent_inode_old), InodeNo(parent_inode_new)
         old = self._old_name(name_old)
         self._dir(new_parent)
         new = self._new_name(new_parent, name_new)
         src = self.store.lookup(old_parent, old)
         if src is None:
-            raise _err(errno.ENOENT)
+            raise fuse_err(errno.ENOENT)
         src_node = self._inode(src)
         if src_node.kind == "directory" and self._is_ancestor(src, new_parent):
-            raise _err(errno.EINVAL)
+            raise fuse_err(errno.EINVAL)
         dst = self.store.lookup(new_parent, new)
         if flags & pyfuse3.RENAME_EXCHANGE:
             if dst is None:
-                raise _err(errno.ENOENT)
+                raise fuse_err(errno.ENOENT)
             dst_node = self._inode(dst)
             if dst_node.kind == "directory" and self._is_ancestor(dst, old_parent):
-                raise _err(errno.EINVAL)
+                raise fuse_err(errno.EINVAL)
             if dst != src:
                 self.store.exchange(old_parent, old, new_parent, new)
             return
         if dst is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:
-                raise _err(errno.EEXIST)
+                raise fuse_err(errno.EEXIST)
             if dst == src:
                 return
             dst_node = self._inode(dst)
             if src_node.kind == "directory" and dst_node.kind != "directory":
-                raise _err(errno.ENOTDIR)
+                raise fuse_err(errno.ENOTDIR)
             if src_node.kind != "directory" and dst_node.kind == "directory":
-                raise _err(errno.EISDIR)
+                raise fuse_err(errno.EISDIR)
             if dst_node.kind == "directory" and self.store.has_children(dst):
-                raise _err(errno.ENOTEMPTY)
+                raise fuse_err(errno.ENOTEMPTY)
         self.store.rename(old_parent, old, new_parent, new, keep_replaced=self._in_use)
 
     # --- files --------------------------------------------------------------------
@@ -685,27 +448,27 @@ class WorkFolderFS(pyfuse3.Operations):
         ino = InodeNo(inode)
         node = self._inode(ino)
         if node.kind == "directory":
-            raise _err(errno.EISDIR)
+            raise fuse_err(errno.EISDIR)
         if flags & os.O_ACCMODE != os.O_RDONLY:
             self._writable()
             if flags & os.O_TRUNC and node.size:
-                inline = await self._truncate(node, 0)
+                inline = await self.content.truncate(node, 0)
                 self.store.persist(node, touch="truncate", inline=inline)
         if ino not in self.files:
             if node.upper:
-                of = self._open_upper(ino)
+                of = self.content.open_upper(ino)
             else:
                 try:
                     path = await self.fetcher.ensure(Digest(node.digest or EMPTY_DIGEST))
                 except Exception as exc:  # any fetch failure is EIO for the reader
                     log.error("open of inode %d: content unavailable: %s", ino, exc)
-                    raise _err(errno.EIO) from None
+                    raise fuse_err(errno.EIO) from None
                 if self._inode(ino).upper:  # copied up (e.g. truncated) while we fetched
-                    of = self._open_upper(ino)
+                    of = self.content.open_upper(ino)
                 else:
-                    of = OpenFile(os.open(path, os.O_RDONLY | os.O_CLOEXEC), upper=False)
+                    of = self.content.open_saved(path)
             if ino in self.files:  # another open won the race while we fetched
-                self._release_fd(of, of.fd)
+                self.content.release_fd(of, of.fd)
             else:
                 self.files[ino] = of
         self.files[ino].opens += 1
@@ -713,24 +476,17 @@ class WorkFolderFS(pyfuse3.Operations):
         self.handles[fh] = Handle(ino, flags)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
-    def _open_upper(self, ino: InodeNo) -> OpenFile:
-        if self.store.inline_data(ino) is not None:
-            return OpenFile(-1, upper=True, inline=True)
-        return OpenFile(self._open_rw(ino), upper=True)
-
     def _handle(self, fh: int) -> tuple[Handle, OpenFile]:
         h = self.handles.get(fh)
         if h is None:
-            raise _err(errno.EBADF)
+            raise fuse_err(errno.EBADF)
         return h, self.files[h.ino]
 
     @fuse_boundary
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         """Read from the upper copy or the saved object (short at end of file)."""
         h, of = self._handle(fh)
-        if of.inline:
-            return (self.store.inline_data(h.ino) or b"")[off : off + size]
-        return os.pread(of.fd, size, off)
+        return self.content.read(h.ino, of, off, size)
 
     @fuse_boundary
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
@@ -745,55 +501,22 @@ class WorkFolderFS(pyfuse3.Operations):
         node = self._inode(h.ino)
         end = off + len(buf)
         if end > MAX_FILE_BYTES:
-            raise _err(errno.EFBIG)
-        if not node.upper:
-            await self._make_upper(node, copy=True)
-        if of.inline:
-            data = self.store.inline_data(node.ino) or b""
-            if end > INLINE_MAX:
-                self._spill(node, data)
-            else:
-                if end > len(data) and not self.store.has_room(end - len(data)):
-                    raise _err(errno.ENOSPC)
-                if off > len(data):
-                    data += bytes(off - len(data))
-                node.size = max(len(data), end)
-                node.mtime_ns = now_ns()
-                node.generation += 1
-                self.store.persist(node, touch="write", inline=data[:off] + buf + data[end:])
-                return len(buf)
-        # Never answer with a short count: FUSE writeback takes any answer
-        # without an error for the whole request, so the tail past a short
-        # write (the disk just filled) would be lost without a trace, even
-        # though the agent's fsync and close succeed. Write the rest, and
-        # let ENOSPC reach the kernel as this request's error.
-        view = memoryview(buf)
-        written = 0
-        try:
-            while written < len(buf):
-                written += os.pwrite(of.fd, view[written:], off + written)
-        finally:
-            if written:
-                node.size = max(node.size, off + written)
-                node.mtime_ns = now_ns()
-                node.generation += 1
-                self.store.persist(node, touch="write")
-        return written
+            raise fuse_err(errno.EFBIG)
+        return await self.content.write(node, of, off, buf)
 
     async def flush(self, fh: pyfuse3.FileHandleT) -> None:
         """ENOSYS, so the kernel stops sending FLUSH at all (one round trip less
         per close).  Nothing is lost: close() still writes back dirty pages and
         waits for those WRITEs, and each WRITE commits size, generation and the
         journal entry before it is answered, so a closed file survives kill -9."""
-        raise _err(errno.ENOSYS)
+        raise fuse_err(errno.ENOSYS)
 
     @fuse_boundary
     async def fsync(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """Make the upper file and the LMDB environment (the inode, the journal
         and inline contents, committed by write) durable against power loss."""
         _, of = self._handle(fh)
-        if of.upper and not of.inline:
-            await self._pinned(of, os.fsync)
+        await self.content.fsync(of)
         await trio.to_thread.run_sync(self.store.sync)
 
     @fuse_boundary
@@ -805,7 +528,7 @@ class WorkFolderFS(pyfuse3.Operations):
         of.opens -= 1
         if of.opens <= 0:
             del self.files[h.ino]
-            self._release_fd(of, of.fd)
+            self.content.release_fd(of, of.fd)
             self._maybe_free(h.ino)
 
     def _maybe_free(self, ino: InodeNo) -> None:
@@ -843,7 +566,7 @@ class WorkFolderFS(pyfuse3.Operations):
         """List entries from offset ``start_id``; each accepted entry is a lookup reference."""
         entries = self.dirs.get(fh)
         if entries is None:
-            raise _err(errno.EBADF)
+            raise fuse_err(errno.EBADF)
         for i in range(start_id, len(entries)):
             name, child = entries[i]
             try:
@@ -900,10 +623,5 @@ class WorkFolderFS(pyfuse3.Operations):
 
     def shutdown(self) -> None:
         """After unmount: close every backing fd (every change is already committed)."""
-        for of in self.files.values():
-            if of.fd >= 0:
-                os.close(of.fd)
-            for fd in of.retired:
-                os.close(fd)
-        self.files.clear()
+        self.content.close_all()
         self.handles.clear()

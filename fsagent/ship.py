@@ -219,7 +219,7 @@ class Shipper:
     async def _upload(self, change: Change) -> Digest | None:
         """Stream one upper copy; None when it changed while being read (stays dirty)."""
         assert change.inode is not None
-        path = self.store.upper / str(change.inode)
+        ino = change.inode
         try:
             before = self.store.get(change.inode).generation
         except KeyError:
@@ -241,7 +241,7 @@ class Shipper:
                     yield encode_frame(inline, compressor)  # at most INLINE_MAX < CHUNK_MAX
                 yield END_FRAME
                 return
-            fh = await trio.to_thread.run_sync(lambda: open(path, "rb"))  # noqa: SIM115
+            fh = await trio.to_thread.run_sync(self.store.upper.open_read, ino)
             try:
                 while True:
                     raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)

@@ -156,16 +156,16 @@ def test_recover_frees_orphans_and_trusts_upper_file_sizes(store: Store) -> None
     docs = ino(store, "docs")
     f = store.create(docs, "w", "file", 0o644)
     store.drop_inline(f)  # a large file: its bytes live in upper/
-    (store.upper / str(f.ino)).write_bytes(b"written before the crash")
+    store.upper.path(f.ino).write_bytes(b"written before the crash")
     o = store.create(docs, "o", "file", 0o644)
     store.drop_inline(o)
-    (store.upper / str(o.ino)).write_bytes(b"orphan")
+    store.upper.path(o.ino).write_bytes(b"orphan")
     store.unlink(docs, "o", keep=True)
     # A crash while a file moved out of line leaves both copies: inline wins.
     m = store.create(docs, "moving", "file", 0o644)
     m.size = 5
     store.persist(m, touch="write", inline=b"small")
-    (store.upper / str(m.ino)).write_bytes(b"small and then some")
+    store.upper.path(m.ino).write_bytes(b"small and then some")
     # The upper file of a spilled file that never reached the disk.
     lost = store.create(docs, "lost", "file", 0o644)
     lost.size = 9
@@ -175,11 +175,11 @@ def test_recover_frees_orphans_and_trusts_upper_file_sizes(store: Store) -> None
     again = Store.open(root)
     assert again.recover() == (1, 2)
     assert again.get(f.ino).size == len(b"written before the crash")
-    assert not (again.upper / str(o.ino)).exists()
+    assert not again.upper.path(o.ino).exists()
     with pytest.raises(KeyError):
         again.get(o.ino)
     assert again.get(m.ino).size == 5 and again.inline_data(m.ino) == b"small"
-    assert not (again.upper / str(m.ino)).exists()
+    assert not again.upper.path(m.ino).exists()
     assert again.get(lost.ino).size == 0 and again.inline_data(lost.ino) == b""
 
 
@@ -190,14 +190,14 @@ def test_small_files_live_inline_and_leave_no_file_on_disk(store: Store) -> None
     f.size = 4
     store.persist(f, touch="write", inline=b"abcd")
     assert store.inline_data(f.ino) == b"abcd"
-    assert os.listdir(store.upper) == []
+    assert os.listdir(store.upper.directory) == []
     store.unlink(docs, "note", keep=False)
     assert store.inline_data(f.ino) is None
     with pytest.raises(KeyError):
         store.get(f.ino)
 
 
-def test_format_1_state_dir_is_upgraded_and_format_2_refused_by_older(tmp_path: Path) -> None:
+def test_format_1_state_dir_is_upgraded_and_a_newer_format_refused(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "s")
     s.close()
     marker = tmp_path / "s" / MARKER
@@ -213,10 +213,10 @@ def test_format_1_state_dir_is_upgraded_and_format_2_refused_by_older(tmp_path: 
     ro.close()
     assert json.loads(marker.read_text())["format"] == 1
     up = Store.open(tmp_path / "s")
-    assert json.loads(marker.read_text())["format"] == STATE_FORMAT == 2
+    assert json.loads(marker.read_text())["format"] == STATE_FORMAT == 3
     up.close()
-    marker.write_text(json.dumps({"kind": "fsagent-state", "format": 3}) + "\n")
-    with pytest.raises(StateCorrupt, match="unsupported state format 3"):
+    marker.write_text(json.dumps({"kind": "fsagent-state", "format": 4}) + "\n")
+    with pytest.raises(StateCorrupt, match="unsupported state format 4"):
         Store.open(tmp_path / "s")
 
 

@@ -1,0 +1,276 @@
+"""The persisted records of a state dir: their keys, encoders and named decoders.
+
+Every value the store writes to LMDB is built and read here, nowhere else.
+A record is a compact JSON array whose first element is its record version
+(``_V``); decoders dispatch on it, so a later layout can be read beside an
+older one.  The arrays written before records were versioned (state formats
+1 and 2) are version 0: they are still decoded, so a read-only open
+(``fsagent status``) of an older state dir works without upgrading it, and
+:func:`upgrade_record` rewrites them when the dir is opened for writing.
+
+Keys: an inode number is 8 big-endian bytes; a directory entry is the parent's
+inode number followed by the name (at most 255 bytes, so always a valid
+LMDB key).  A work path keys the ``base`` and ``journal`` tables: LMDB keys
+are at most 511 bytes while a path may be up to 1024 characters (4096 bytes
+of UTF-8), so a path longer than the key limit is keyed by a NUL byte plus
+the SHA-256 of the path (a path never contains NUL).  Journal values carry
+the full path, so a scan of the journal never has to invert a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, NewType
+
+from common.types import Digest, FileVersion
+from fsagent.errors import StateCorrupt
+
+InodeNo = NewType("InodeNo", int)
+JournalSeq = NewType("JournalSeq", int)
+Kind = Literal["file", "directory"]
+
+EMPTY_DIGEST: Final = Digest("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+MAX_KEY_BYTES: Final = 511
+"""LMDB's key size limit (its compile-time default, which py-lmdb uses)."""
+_HASHED_KEY_PREFIX: Final = b"\x00"
+
+_V: Final = 1
+"""Version of the records this code writes. 0: the unversioned arrays of formats 1 and 2."""
+
+_U64 = struct.Struct(">Q")
+# One encoder for all records: json.dumps with options builds a new encoder per call,
+# which dominated the hydration of large manifests.
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def ikey(ino: int) -> bytes:
+    """Key of an inode in ``inodes``, ``orphans`` and ``inline``."""
+    return _U64.pack(ino)
+
+
+def ekey(parent: int, name: str) -> bytes:
+    """Key of a directory entry; entries of one directory share the 8-byte prefix."""
+    return _U64.pack(parent) + name.encode("utf-8")
+
+
+def ino_of(raw: bytes) -> InodeNo:
+    """Decode an inode number (an ``entries`` value or an inode key)."""
+    return InodeNo(_U64.unpack(raw)[0])
+
+
+def path_key(path: str) -> bytes:
+    """Key of a work path in ``base`` and ``journal``: the path itself when it
+    fits the key limit, else NUL + SHA-256 of it (see the module docstring)."""
+    raw = path.encode("utf-8")
+    if len(raw) <= MAX_KEY_BYTES:
+        return raw
+    return _HASHED_KEY_PREFIX + hashlib.sha256(raw).digest()
+
+
+def _load(raw: bytes, what: str) -> list[Any]:
+    try:
+        rec = json.loads(raw)
+    except ValueError as exc:
+        raise StateCorrupt(f"unreadable {what} record: {exc}") from exc
+    if not isinstance(rec, list):
+        raise StateCorrupt(f"unreadable {what} record: {rec!r}")
+    return rec
+
+
+def _version(rec: list[Any], legacy_first: type) -> int:
+    """The record version: legacy arrays start with a value of ``legacy_first``'s type."""
+    if rec and isinstance(rec[0], legacy_first) and not isinstance(rec[0], bool):
+        return 0
+    if rec and isinstance(rec[0], int) and rec[0] == _V:
+        return _V
+    raise StateCorrupt(f"record of unknown version: {rec[:1]!r}")
+
+
+@dataclass(slots=True)
+class Inode:
+    ino: InodeNo
+    kind: Kind
+    mode: int
+    """Permission bits (0o777); only the owner exec bit is part of the saved signature."""
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    parent: InodeNo
+    """0 once unlinked (an orphan kept alive by open handles or kernel lookups)."""
+    name: str
+    digest: Digest | None
+    """Saved content this file still shows (in objects/); None once it has an upper copy."""
+    upper: bool
+    generation: int
+    """Bumped on every content change; a shipper compares it before and after upload."""
+
+    @property
+    def executable(self) -> bool:
+        return bool(self.mode & 0o100)
+
+    def encode(self) -> bytes:
+        return _encode(
+            [
+                _V,
+                self.kind,
+                self.mode,
+                self.size,
+                self.mtime_ns,
+                self.ctime_ns,
+                self.parent,
+                self.name,
+                self.digest,
+                self.upper,
+                self.generation,
+            ]
+        ).encode()
+
+    @classmethod
+    def decode(cls, ino: int, raw: bytes) -> Inode:
+        rec = _load(raw, "inode")
+        fields = rec if _version(rec, str) == 0 else rec[1:]
+        try:
+            k, mode, size, mt, ct, parent, name, digest, upper, gen = fields
+        except ValueError:
+            raise StateCorrupt(f"inode {ino}: malformed record {rec!r}") from None
+        return cls(InodeNo(ino), k, mode, size, mt, ct, InodeNo(parent), name, digest, upper, gen)
+
+
+@dataclass(frozen=True, slots=True)
+class BaseEntry:
+    """What the controller held at a path when the baseline was taken."""
+
+    kind: Kind
+    digest: Digest | None
+    size: int
+    executable: bool
+    version: FileVersion
+
+    def encode(self) -> bytes:
+        return _encode(
+            [_V, self.kind, self.digest, self.size, self.executable, self.version]
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> BaseEntry:
+        rec = _load(raw, "baseline")
+        fields = rec if _version(rec, str) == 0 else rec[1:]
+        try:
+            kind, digest, size, exe, version = fields
+        except ValueError:
+            raise StateCorrupt(f"malformed baseline record {rec!r}") from None
+        return cls(kind, digest, size, exe, FileVersion(version))
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """A path touched since the baseline: its last sequence number and operation."""
+
+    path: str
+    seq: JournalSeq
+    op: str
+
+    def encode(self) -> bytes:
+        return _encode([_V, self.seq, self.op, self.path]).encode()
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> JournalEntry:
+        """``key`` gives the path of a version-0 record (whose keys were never hashed)."""
+        rec = _load(raw, "journal")
+        if len(rec) == 2:  # version 0: [seq, op], keyed by the path itself
+            seq, op = rec
+            return cls(bytes(key).decode("utf-8"), JournalSeq(seq), op)
+        try:
+            version, seq, op, path = rec
+        except ValueError:
+            raise StateCorrupt(f"malformed journal record {rec!r}") from None
+        if version != _V:
+            raise StateCorrupt(f"journal record of unknown version: {version!r}")
+        return cls(path, JournalSeq(seq), op)
+
+
+def upgrade_record(table: str, key: bytes, raw: bytes) -> bytes | None:
+    """The current encoding of a record of ``table``, or None when it is current."""
+    if table == "inodes":
+        new = Inode.decode(ino_of(key), raw).encode()
+    elif table == "base":
+        new = BaseEntry.decode(raw).encode()
+    elif table == "journal":
+        new = JournalEntry.decode(key, raw).encode()
+    else:
+        raise ValueError(table)
+    return None if new == bytes(raw) else new
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestRow:
+    """One live manifest entry, as hydration needs it."""
+
+    path: str
+    kind: Kind
+    digest: Digest | None
+    byte_size: int
+    executable: bool
+    version: FileVersion
+
+    def base_entry(self) -> BaseEntry:
+        return BaseEntry(self.kind, self.digest, self.byte_size, self.executable, self.version)
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """Who the state belongs to. A run with any other binding cannot reuse it."""
+
+    company_id: str
+    scope: str
+    owner_id: str | None
+    owners: dict[str, str | None] = field(default_factory=dict)
+    """The run's four bindings (task/agent/user/project -> owner id or None)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "companyId": self.company_id,
+            "scope": self.scope,
+            "ownerId": self.owner_id,
+            "owners": dict(sorted(self.owners.items())),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Binding:
+        return cls(data["companyId"], data["scope"], data["ownerId"], dict(data["owners"]))
+
+    def describe(self) -> str:
+        owners = ", ".join(f"{k}={v or '-'}" for k, v in sorted(self.owners.items()))
+        return f"company {self.company_id}, {self.scope} owner {self.owner_id or '-'} ({owners})"
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """The ``baseline`` meta value: the manifest high-water mark, and whether hydrated."""
+
+    high_water: int
+    hydrated: bool
+
+    def encode(self) -> bytes:
+        return encode_json({"highWater": self.high_water, "hydrated": self.hydrated})
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> Baseline:
+        if raw is None:
+            return cls(0, False)
+        data = json.loads(raw)
+        return cls(int(data["highWater"]), bool(data["hydrated"]))
+
+
+def now_ns() -> int:
+    """Timestamps in records: nanoseconds since the epoch."""
+    return time.time_ns()
+
+
+def encode_json(data: dict[str, Any]) -> bytes:
+    """A ``meta`` value (binding, baseline, pending checkpoint, save status)."""
+    return _encode(data).encode()
