@@ -22,6 +22,7 @@ from controller.api.common import (
 )
 from controller.auth import (
     SESSION_PREFIX,
+    Principal,
     membership_role,
     new_token,
     principal_from_bearer,
@@ -105,6 +106,13 @@ async def delete_session(request: Request) -> Response:
     return resp
 
 
+def directory_member(principal: Principal, row: dict[str, Any]) -> dict[str, Any]:
+    """A run sees who the members are, never their emails or roles."""
+    if principal.kind == "run":
+        return {"userId": str(row["id"])}
+    return {"userId": str(row["id"]), "email": row["email"], "role": row["role"]}
+
+
 @json_errors
 async def company_directory(request: Request) -> Response:
     company_id = validate_uuid(request.path_params["companyId"], "companyId")
@@ -142,9 +150,7 @@ async def company_directory(request: Request) -> Response:
                 {"id": str(r["id"]), "title": r["title"], "projectId": str(r["project_id"])}
                 for r in tasks
             ],
-            "members": [
-                {"userId": str(r["id"]), "email": r["email"], "role": r["role"]} for r in members
-            ],
+            "members": [directory_member(principal, r) for r in members],
         }
     )
 
