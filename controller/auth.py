@@ -265,12 +265,17 @@ async def confirm_write(
         assert principal.user_id is not None
         await confirm_member_writes(conn, company_id, principal.user_id)
         return
-    run = principal.run
-    assert run is not None
+    assert principal.run is not None and principal.run.company_id == company_id
+    await confirm_run_writes(conn, principal.run, scope)
+
+
+async def confirm_run_writes(conn: AsyncConnection[Any], run: RunBinding, scope: str) -> None:
+    """A run's part of :func:`confirm_write`: active, newest lease, and for the
+    user folder its user still a member with write rights."""
     await confirm_run_lease(conn, run)
     if scope == "user":
         assert run.user_id is not None
-        await confirm_member_writes(conn, company_id, run.user_id)
+        await confirm_member_writes(conn, run.company_id, run.user_id)
 
 
 def write_policy(

@@ -49,7 +49,12 @@ from controller.api.workfolders import (
     reupload_if_missing,
     spool_append,
 )
-from controller.auth import RunBinding, run_may_use_user_folder, run_may_write_user_folder
+from controller.auth import (
+    RunBinding,
+    confirm_run_writes,
+    run_may_use_user_folder,
+    run_may_write_user_folder,
+)
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
 from controller.frames import Frame, FrameSplitter, decode_frame
 from controller.storage.base import ObjectMissing, object_key
@@ -269,6 +274,7 @@ async def upload(request: Request) -> Response:
         await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
         async with connection(request) as conn:
+            await confirm_run_writes(conn, run, request.path_params["scope"])
             await apply.register_object(conn, run.company_id, digest, size, ensure)
             await conn.execute(
                 "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
