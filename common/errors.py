@@ -216,3 +216,49 @@ class TooManyConnections(WorkFolderError):
     code = "too_many_connections"
     status = 503
     message = "The controller has too many open connections; retry later"
+
+
+# --- authority and quotas (controller/auth.py, controller/quotas.py) --------
+
+
+class WriteNotAllowed(WorkFolderError):
+    """The caller may read but not write here (a viewer, or a run acting for one)."""
+
+    code = "write_not_allowed"
+    status = 403
+    message = "This principal may not write this folder"
+
+
+class PurgeForbidden(WorkFolderError):
+    code = "purge_forbidden"
+    status = 403
+    message = "Run tokens cannot purge trash; a person must do it"
+
+
+class QuotaExceeded(WorkFolderError):
+    code = "quota_exceeded"
+    status = 413
+    message = "A controller quota was exceeded"
+
+
+class FolderEntryLimit(QuotaExceeded):
+    code = "folder_entry_limit"
+    message = "The folder would hold more entries than the controller allows"
+
+
+class CheckpointRowLimit(QuotaExceeded):
+    code = "checkpoint_row_limit"
+    message = "The checkpoint would create more rows (parent directories included) than allowed"
+
+
+class StorageQuotaExceeded(QuotaExceeded):
+    code = "storage_quota_exceeded"
+    message = "The company's storage quota is used up"
+
+
+class UploadQuotaExceeded(QuotaExceeded):
+    """Too many uploaded bytes wait for a checkpoint; commit them or wait for expiry."""
+
+    code = "upload_quota_exceeded"
+    status = 429
+    message = "Too many uploaded bytes are not yet committed by a checkpoint"

@@ -6,10 +6,11 @@ accepted write draws from ``file_version_seq`` grows in commit order. That is
 what makes "last accepted write wins" well defined, and it also settles the
 parent-file/child-file race (one of the two sees the other's row).
 
-Objects: a file row may reference a digest only after the ``objects`` row for
-(company, digest) has been upserted in the same transaction. The upsert takes
-that row's lock, which is the lock the GC sweeper holds while it checks for
-references and deletes an object, so the two can never interleave.
+Objects: a file row may reference a digest only after the object's advisory
+lock (:func:`lock_object`) was taken and its ``objects`` row upserted in the
+same transaction. The GC sweeper holds the same lock while it checks for
+references and deletes an object, so the two never interleave, even when no
+row exists yet.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,6 +34,7 @@ from common.errors import (
     RestoreCollision,
 )
 from common.paths import ancestors, parent_of
+from controller import quotas
 from controller.api.serialize import entry_json
 from controller.storage.base import object_key
 
@@ -40,6 +43,17 @@ EnsureObject = Callable[[str], Awaitable[None]]
 """Called with the object key inside the transaction, after the objects row
 is locked: must make sure the bytes are in storage (re-upload if a sweep
 removed them in between)."""
+Authority = Callable[[AsyncConnection[Any]], Awaitable[None]]
+"""Raises unless the caller may still write; run inside the committing
+transaction, after the folder lock (see :func:`committing`)."""
+
+
+@dataclass(frozen=True)
+class WritePolicy:
+    """What every write to a folder re-checks at commit."""
+
+    confirm: Authority
+    max_folder_entries: int
 
 
 def fingerprint(**fields: Any) -> str:
@@ -86,7 +100,7 @@ async def live_row(conn: AsyncConnection[Any], folder: Folder, path: str) -> Row
     return await cur.fetchone()
 
 
-async def _check_receipt(
+async def _stored_result(
     conn: AsyncConnection[Any], folder: Folder, operation_id: str, fp: str
 ) -> dict[str, Any] | None:
     cur = await conn.execute(
@@ -99,8 +113,11 @@ async def _check_receipt(
     if row["fingerprint"] != fp:
         raise IdempotencyConflict()
     result: dict[str, Any] = dict(row["result"])
-    result["applied"] = False
     return result
+
+
+def _replayed(result: dict[str, Any]) -> dict[str, Any]:
+    return {**result, "applied": False}
 
 
 async def _store_receipt(
@@ -115,6 +132,50 @@ async def _store_receipt(
 
 async def _touch_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
     await conn.execute("UPDATE folders SET last_operation_at = now() WHERE id = %s", (folder.id,))
+
+
+@dataclass
+class Commit:
+    """One write in progress: ``replay`` is a stored result for this operation
+    id (the block must return it unchanged); otherwise the block sets ``result``."""
+
+    replay: dict[str, Any] | None
+    result: dict[str, Any] | None = None
+    touch: bool = True
+
+
+@asynccontextmanager
+async def committing(
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    operation_id: str,
+    fp: str,
+    policy: WritePolicy,
+    *,
+    grows: bool = False,
+    touch: bool = True,
+) -> AsyncIterator[Commit]:
+    """Lock the folder, re-check authority, look up the receipt; on success
+    check the folder's size (``grows``), store the receipt and touch the folder.
+
+    Authority is checked again here, inside the transaction that commits, and
+    not only when the request arrived: a token may be ended, its lease
+    superseded or its member removed or made a viewer while a body was still
+    arriving, and revocation must be final for anything committed after it.
+    It is checked before the receipt so a replay cannot outlive revocation.
+    """
+    await lock_folder(conn, folder)
+    await policy.confirm(conn)
+    commit = Commit(await _stored_result(conn, folder, operation_id, fp), touch=touch)
+    yield commit
+    if commit.replay is not None:
+        return
+    assert commit.result is not None
+    if grows:
+        await quotas.check_folder_entries(conn, folder.id, policy.max_folder_entries)
+    await _store_receipt(conn, folder, operation_id, fp, commit.result)
+    if commit.touch:
+        await _touch_folder(conn, folder)
 
 
 async def ensure_parents(
@@ -187,13 +248,32 @@ async def register_object(
     byte_size: int,
     ensure_object: EnsureObject,
 ) -> None:
-    """Upsert and lock the objects row, then make sure the bytes exist."""
+    """Lock the object, upsert its row, then make sure the bytes exist."""
+    await lock_object(conn, company_id, digest)
     await conn.execute(
         "INSERT INTO objects (company_id, digest, byte_size) VALUES (%s, %s, %s)"
         " ON CONFLICT (company_id, digest) DO UPDATE SET byte_size = EXCLUDED.byte_size",
         (company_id, digest, byte_size),
     )
     await ensure_object(object_key(company_id, digest))
+
+
+OBJECT_LOCK_CLASS = 0x6F626A
+"""First key of the two-key advisory locks on objects; two-key locks never
+collide with the one-key folder locks."""
+
+
+async def lock_object(conn: AsyncConnection[Any], company_id: str, digest: str) -> None:
+    """Serialize a writer and the GC sweeper on one object, row or no row.
+
+    A row lock is not enough: when the ``objects`` row does not exist yet (or
+    was just swept), ``FOR UPDATE`` locks nothing and a sweep could delete
+    the bytes a first writer is about to reference.
+    """
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+        (OBJECT_LOCK_CLASS, f"{company_id}:{digest}"),
+    )
 
 
 async def journal_deletion(
@@ -273,6 +353,7 @@ async def put_file(
     operation_id: str,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
+    policy: WritePolicy,
 ) -> dict[str, Any]:
     """A person's upload (server-accepted last-write-wins). Caller owns the transaction."""
     fp = fingerprint(
@@ -283,25 +364,22 @@ async def put_file(
         executable=executable,
         contentType=content_type,
     )
-    await lock_folder(conn, folder)
-    replay = await _check_receipt(conn, folder, operation_id, fp)
-    if replay is not None:
-        return replay
-    row, created = await write_file(
-        conn,
-        folder,
-        path=path,
-        digest=digest,
-        byte_size=byte_size,
-        executable=executable,
-        content_type=content_type,
-        ensure_object=ensure_object,
-        gc_delay=gc_delay,
-    )
-    result = {"applied": True, "created": created, "file": entry_json(row)}
-    await _store_receipt(conn, folder, operation_id, fp, result)
-    await _touch_folder(conn, folder)
-    return result
+    async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
+        if commit.replay is not None:
+            return _replayed(commit.replay)
+        row, created = await write_file(
+            conn,
+            folder,
+            path=path,
+            digest=digest,
+            byte_size=byte_size,
+            executable=executable,
+            content_type=content_type,
+            ensure_object=ensure_object,
+            gc_delay=gc_delay,
+        )
+        commit.result = {"applied": True, "created": created, "file": entry_json(row)}
+    return commit.result
 
 
 async def make_directory(
@@ -321,19 +399,21 @@ async def make_directory(
 
 
 async def mkdir(
-    conn: AsyncConnection[Any], folder: Folder, *, path: str, operation_id: str
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    *,
+    path: str,
+    operation_id: str,
+    policy: WritePolicy,
 ) -> dict[str, Any]:
     fp = fingerprint(action="mkdir", path=path, kind="directory")
-    await lock_folder(conn, folder)
-    replay = await _check_receipt(conn, folder, operation_id, fp)
-    if replay is not None:
-        return replay
-    row, created = await make_directory(conn, folder, path)
-    result = {"applied": created, "files": [entry_json(row)]}
-    if created:
-        await _touch_folder(conn, folder)
-    await _store_receipt(conn, folder, operation_id, fp, result)
-    return result
+    async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
+        if commit.replay is not None:
+            return _replayed(commit.replay)
+        row, created = await make_directory(conn, folder, path)
+        commit.result = {"applied": created, "files": [entry_json(row)]}
+        commit.touch = created
+    return commit.result
 
 
 def _subtree_clause(column: str = "path") -> str:
@@ -362,21 +442,23 @@ async def trash_path(conn: AsyncConnection[Any], folder: Folder, path: str) -> l
 
 
 async def delete_path(
-    conn: AsyncConnection[Any], folder: Folder, *, path: str, operation_id: str
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    *,
+    path: str,
+    operation_id: str,
+    policy: WritePolicy,
 ) -> dict[str, Any]:
     """A person's delete: the subtree goes to trash; a missing path is 404."""
     fp = fingerprint(action="delete", path=path)
-    await lock_folder(conn, folder)
-    replay = await _check_receipt(conn, folder, operation_id, fp)
-    if replay is not None:
-        return replay
-    rows = await trash_path(conn, folder, path)
-    if rows is None:
-        raise FileNotFound(details=[{"path": path}])
-    result = {"applied": True, "files": [entry_json(r) for r in rows]}
-    await _store_receipt(conn, folder, operation_id, fp, result)
-    await _touch_folder(conn, folder)
-    return result
+    async with committing(conn, folder, operation_id, fp, policy) as commit:
+        if commit.replay is not None:
+            return _replayed(commit.replay)
+        rows = await trash_path(conn, folder, path)
+        if rows is None:
+            raise FileNotFound(details=[{"path": path}])
+        commit.result = {"applied": True, "files": [entry_json(r) for r in rows]}
+    return commit.result
 
 
 async def _trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> list[Row]:
@@ -397,13 +479,22 @@ async def _trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str)
 
 
 async def restore(
-    conn: AsyncConnection[Any], folder: Folder, *, file_id: str, operation_id: str
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    *,
+    file_id: str,
+    operation_id: str,
+    policy: WritePolicy,
 ) -> dict[str, Any]:
     fp = fingerprint(action="restore", fileId=file_id)
-    await lock_folder(conn, folder)
-    replay = await _check_receipt(conn, folder, operation_id, fp)
-    if replay is not None:
-        return replay
+    async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
+        if commit.replay is not None:
+            return _replayed(commit.replay)
+        commit.result = await _restore_batch(conn, folder, file_id)
+    return commit.result
+
+
+async def _restore_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> Row:
     batch = await _trash_batch(conn, folder, file_id)
     paths = [r["path"] for r in batch]
     cur = await conn.execute(
@@ -422,10 +513,7 @@ async def restore(
         ([r["id"] for r in batch],),
     )
     rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
-    result = {"applied": True, "files": [entry_json(r) for r in rows]}
-    await _store_receipt(conn, folder, operation_id, fp, result)
-    await _touch_folder(conn, folder)
-    return result
+    return {"applied": True, "files": [entry_json(r) for r in rows]}
 
 
 async def purge(
@@ -435,23 +523,20 @@ async def purge(
     file_id: str,
     operation_id: str,
     gc_delay: timedelta,
+    policy: WritePolicy,
 ) -> dict[str, Any]:
     """Remove a trashed subtree for good and journal its objects for GC."""
     fp = fingerprint(action="purge", fileId=file_id)
-    await lock_folder(conn, folder)
-    replay = await _check_receipt(conn, folder, operation_id, fp)
-    if replay is not None:
-        return replay
-    batch = await _trash_batch(conn, folder, file_id)
-    await conn.execute("DELETE FROM files WHERE id = ANY(%s)", ([r["id"] for r in batch],))
-    await conn.execute(
-        "UPDATE folders SET purge_floor = nextval('file_version_seq') WHERE id = %s",
-        (folder.id,),
-    )
-    await journal_deletion(
-        conn, folder.company_id, [r["digest"] for r in batch if r["digest"]], "purged", gc_delay
-    )
-    result = {"applied": True, "purged": len(batch)}
-    await _store_receipt(conn, folder, operation_id, fp, result)
-    await _touch_folder(conn, folder)
-    return result
+    async with committing(conn, folder, operation_id, fp, policy) as commit:
+        if commit.replay is not None:
+            return _replayed(commit.replay)
+        batch = await _trash_batch(conn, folder, file_id)
+        await conn.execute("DELETE FROM files WHERE id = ANY(%s)", ([r["id"] for r in batch],))
+        await conn.execute(
+            "UPDATE folders SET purge_floor = nextval('file_version_seq') WHERE id = %s",
+            (folder.id,),
+        )
+        digests = [r["digest"] for r in batch if r["digest"]]
+        await journal_deletion(conn, folder.company_id, digests, "purged", gc_delay)
+        commit.result = {"applied": True, "purged": len(batch)}
+    return commit.result

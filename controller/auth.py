@@ -14,7 +14,15 @@ from typing import Any, Literal
 
 from psycopg import AsyncConnection
 
-from common.errors import NotFound, Unauthenticated
+from common.errors import (
+    MembershipRevoked,
+    NotFound,
+    PurgeForbidden,
+    StaleLease,
+    Unauthenticated,
+    WriteNotAllowed,
+)
+from controller.apply import Authority, WritePolicy
 
 USER_TOKEN_PREFIX = "fsa_u_"
 RUN_TOKEN_PREFIX = "fsa_r_"
@@ -148,6 +156,15 @@ async def run_may_use_user_folder(conn: AsyncConnection[Any], run: RunBinding) -
     return await membership_role(conn, run.company_id, run.user_id) is not None
 
 
+async def run_may_write_user_folder(conn: AsyncConnection[Any], run: RunBinding) -> bool:
+    """A run acts for its user: writing that user's folder also needs the
+    user's own write right (a viewer's run may read it, not change it)."""
+    if not run.active or run.user_id is None:
+        return False
+    role = await membership_role(conn, run.company_id, run.user_id)
+    return role is not None and role != "viewer"
+
+
 async def authorize_folder(
     conn: AsyncConnection[Any],
     principal: Principal,
@@ -171,15 +188,103 @@ async def authorize_folder(
     else:
         run = principal.run
         assert run is not None
-        if not run.active or run.company_id != company_id:
+        # A run's authority, for reads as for writes, is exactly its binding:
+        # its task and project, its own agent, and its user while that user is
+        # an active member. Everything else of the company is invisible to it.
+        if not run.active or run.company_id != company_id or owner_id != run.owner_for(scope):
             raise NotFound()
-        if scope == "user":
-            if owner_id != run.user_id or not await run_may_use_user_folder(conn, run):
-                raise NotFound()
-        elif scope == "agent" and write and owner_id != run.agent_id:
-            # An agent may write only its own agent folder.
+        if scope == "user" and not await run_may_use_user_folder(conn, run):
             raise NotFound()
-        elif scope in ("task", "project") and write and owner_id != run.owner_for(scope):
-            raise NotFound()
+        if scope == "user" and write and not await run_may_write_user_folder(conn, run):
+            raise WriteNotAllowed("The run's user is a viewer; the run cannot write their folder")
     if not await _owner_exists(conn, company_id, scope, owner_id):
         raise NotFound()
+
+
+def authorize_purge(principal: Principal) -> None:
+    """Purging makes deletions unrecoverable: a person's decision, never a sandbox's."""
+    if principal.kind == "run":
+        raise PurgeForbidden()
+
+
+async def _locked_role(conn: AsyncConnection[Any], company_id: str, user_id: str) -> str | None:
+    # FOR SHARE: a concurrent remove-member or role change waits for this
+    # commit, so it is ordered entirely before or after the write.
+    cur = await conn.execute(
+        "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s FOR SHARE",
+        (company_id, user_id),
+    )
+    row = await cur.fetchone()
+    return None if row is None else str(row["role"])
+
+
+async def confirm_member_writes(conn: AsyncConnection[Any], company_id: str, user_id: str) -> None:
+    role = await _locked_role(conn, company_id, user_id)
+    if role is None:
+        raise MembershipRevoked("The membership was removed; nothing was saved")
+    if role == "viewer":
+        raise WriteNotAllowed("The member is now a viewer; nothing was saved")
+
+
+_LEASE_SQL = (
+    "SELECT r.lease_epoch, r.active,"
+    " (SELECT max(lease_epoch) FROM runs o"
+    "   WHERE o.company_id = r.company_id AND o.sandbox_key = r.sandbox_key) AS newest"
+    " FROM runs r WHERE r.id = %s "
+)
+_ROW_LOCKS = {"share": "FOR SHARE", "update": "FOR NO KEY UPDATE"}
+
+
+async def locked_lease(
+    conn: AsyncConnection[Any], run_id: str, lock: Literal["share", "update"]
+) -> dict[str, Any] | None:
+    """The run's lease epoch, active flag and its sandbox's newest epoch, with
+    the run row locked: ending or superseding the run waits for this
+    transaction, so a write commits wholly before revocation or not at all."""
+    cur = await conn.execute(_LEASE_SQL + _ROW_LOCKS[lock], (run_id,))
+    row: dict[str, Any] | None = await cur.fetchone()
+    return row
+
+
+async def confirm_run_lease(conn: AsyncConnection[Any], run: RunBinding) -> None:
+    """The run is still active and holds its sandbox's newest lease."""
+    row = await locked_lease(conn, run.run_id, "share")
+    if row is None or not row["active"]:
+        raise Unauthenticated("The run has ended; nothing was saved")
+    if row["lease_epoch"] != run.lease_epoch or row["newest"] != row["lease_epoch"]:
+        raise StaleLease(details=[{"leaseEpoch": run.lease_epoch}])
+
+
+async def confirm_write(
+    conn: AsyncConnection[Any], principal: Principal, company_id: str, scope: str
+) -> None:
+    """Authority again, inside the transaction that commits a write (after the
+    folder lock): the token's run still active on the newest lease, the
+    responsible membership still present and still allowed to write."""
+    if principal.kind == "user":
+        assert principal.user_id is not None
+        await confirm_member_writes(conn, company_id, principal.user_id)
+        return
+    assert principal.run is not None and principal.run.company_id == company_id
+    await confirm_run_writes(conn, principal.run, scope)
+
+
+async def confirm_run_writes(conn: AsyncConnection[Any], run: RunBinding, scope: str) -> None:
+    """A run's part of :func:`confirm_write`: active, newest lease, and for the
+    user folder its user still a member with write rights."""
+    await confirm_run_lease(conn, run)
+    if scope == "user":
+        assert run.user_id is not None
+        await confirm_member_writes(conn, run.company_id, run.user_id)
+
+
+def write_policy(
+    principal: Principal, company_id: str, scope: str, max_folder_entries: int
+) -> WritePolicy:
+    """What a person's (or a run's REST) write re-checks when it commits."""
+
+    async def confirm(conn: AsyncConnection[Any]) -> None:
+        await confirm_write(conn, principal, company_id, scope)
+
+    authority: Authority = confirm
+    return WritePolicy(authority, max_folder_entries)

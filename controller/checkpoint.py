@@ -6,15 +6,15 @@ already visible to this folder (its live files or trash) or was uploaded by
 this very run. Without that last rule a sandbox could claim another tenant's
 object by naming its hash.
 
-Apply order inside one transaction: lock the folder, check the receipt,
-re-check the run's lease, apply entries in order with last-writer-wins (a
+Apply order inside one transaction (``apply.committing``): lock the folder,
+re-check the run's lease (and its user's write right for the user folder),
+check the receipt, apply entries in order with last-writer-wins (a
 conflicting server entry of the other kind goes to trash), store the receipt,
 advance the run's baseline, record the save on the run.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,11 +23,13 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from common.bridge import MAX_CHECKPOINT_ENTRIES
-from common.errors import IdempotencyConflict, StaleLease, UnknownContent, ValidationError
+from common.errors import StaleLease, UnknownContent, ValidationError
 from common.paths import validate_path
 from controller import apply
 from controller.api.serialize import iso
-from controller.auth import RunBinding
+from controller.auth import RunBinding, confirm_member_writes, locked_lease
+from controller.config import Quotas
+from controller.quotas import check_checkpoint_rows, mark_uploads_committed
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _OP_FIELDS = {
@@ -60,8 +62,12 @@ class Checkpoint:
         )
 
 
-def parse_checkpoint(body: dict[str, Any]) -> Checkpoint:
-    """Shape and path validation; raises ValidationError listing every problem."""
+def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Checkpoint:
+    """Shape and path validation; raises ValidationError listing every problem.
+
+    With ``max_rows``, also refuses (CheckpointRowLimit) a checkpoint that
+    could create more rows than that, counting every parent directory.
+    """
     problems: list[dict[str, Any]] = []
 
     def bad(field: str, code: str, message: str) -> None:
@@ -118,6 +124,8 @@ def parse_checkpoint(body: dict[str, Any]) -> Checkpoint:
     if problems:
         raise ValidationError(problems[:100])
     assert isinstance(op_id, str) and isinstance(epoch, int)
+    if max_rows is not None:
+        check_checkpoint_rows((e.path for e in entries), max_rows)
     return Checkpoint(op_id, epoch, bool(final), entries)
 
 
@@ -129,14 +137,7 @@ async def check_lease(conn: AsyncConnection[Any], run: RunBinding, epoch: int) -
     after another; a shared lock here would let two of them deadlock on that
     final update.
     """
-    cur = await conn.execute(
-        "SELECT r.lease_epoch, r.active,"
-        " (SELECT max(lease_epoch) FROM runs o"
-        "   WHERE o.company_id = r.company_id AND o.sandbox_key = r.sandbox_key) AS newest"
-        " FROM runs r WHERE r.id = %s FOR NO KEY UPDATE",
-        (run.run_id,),
-    )
-    row = await cur.fetchone()
+    row = await locked_lease(conn, run.run_id, "update")
     if row is None or epoch != row["lease_epoch"] or row["newest"] != row["lease_epoch"]:
         raise StaleLease(details=[{"leaseEpoch": epoch}])
     if not row["active"]:
@@ -144,16 +145,25 @@ async def check_lease(conn: AsyncConnection[Any], run: RunBinding, epoch: int) -
 
 
 async def content_sizes(
-    conn: AsyncConnection[Any], folder: apply.Folder, run: RunBinding, digests: set[str]
+    conn: AsyncConnection[Any],
+    folder: apply.Folder,
+    run: RunBinding,
+    digests: set[str],
+    upload_ttl: float,
 ) -> dict[str, int]:
-    """Sizes of the digests this checkpoint may reference; UnknownContent otherwise."""
+    """Sizes of the digests this checkpoint may reference; UnknownContent otherwise.
+
+    An upload no checkpoint committed within ``upload_ttl`` seconds has expired:
+    it no longer counts against the run's quota, so it may not be used either.
+    """
     if not digests:
         return {}
     cur = await conn.execute(
         "SELECT digest, byte_size FROM files WHERE folder_id = %(fid)s AND digest = ANY(%(d)s)"
         " UNION SELECT digest, byte_size FROM run_uploads"
-        "  WHERE run_id = %(rid)s AND digest = ANY(%(d)s)",
-        {"fid": folder.id, "rid": run.run_id, "d": list(digests)},
+        "  WHERE run_id = %(rid)s AND digest = ANY(%(d)s) AND (committed_at IS NOT NULL"
+        "   OR created_at > now() - make_interval(secs => %(ttl)s))",
+        {"fid": folder.id, "rid": run.run_id, "d": list(digests), "ttl": upload_ttl},
     )
     sizes = {r["digest"]: int(r["byte_size"]) for r in await cur.fetchall()}
     missing = sorted(digests - set(sizes))
@@ -170,20 +180,51 @@ async def apply_checkpoint(
     *,
     ensure_object: apply.EnsureObject,
     gc_delay: timedelta,
+    quotas: Quotas,
 ) -> dict[str, Any]:
+    async def confirm(c: AsyncConnection[Any]) -> None:
+        await check_lease(c, run, cp.lease_epoch)
+        if folder.scope == "user":
+            assert run.user_id is not None
+            await confirm_member_writes(c, run.company_id, run.user_id)
+
+    policy = apply.WritePolicy(confirm, quotas.max_folder_entries)
+    grows = any(e.op != "delete" for e in cp.entries)
     fp = cp.fingerprint()
-    await apply.lock_folder(conn, folder)
-    cur = await conn.execute(
-        "SELECT fingerprint, result FROM receipts WHERE folder_id = %s AND operation_id = %s",
-        (folder.id, cp.operation_id),
+    async with apply.committing(
+        conn, folder, cp.operation_id, fp, policy, grows=grows, touch=False
+    ) as commit:
+        if commit.replay is not None:
+            return {**commit.replay, "replayed": True}
+        commit.result = await _apply_entries(
+            conn, folder, run, cp, ensure_object, gc_delay, quotas.pending_upload_ttl
+        )
+    await conn.execute(
+        "INSERT INTO sync_baselines (run_id, folder_id, version) VALUES (%s, %s, %s)"
+        " ON CONFLICT (run_id, folder_id)"
+        " DO UPDATE SET version = EXCLUDED.version, updated_at = now()",
+        (run.run_id, folder.id, commit.result["highWater"]),
     )
-    receipt = await cur.fetchone()
-    if receipt is not None:
-        if receipt["fingerprint"] != fp:
-            raise IdempotencyConflict()
-        return {**receipt["result"], "replayed": True}
-    await check_lease(conn, run, cp.lease_epoch)
-    sizes = await content_sizes(conn, folder, run, {e.digest for e in cp.entries if e.digest})
+    await conn.execute(
+        "UPDATE runs SET state = 'saved', last_saved_at = now(), error = NULL,"
+        " final_checkpoint_at = CASE WHEN %s THEN now() ELSE final_checkpoint_at END"
+        " WHERE id = %s",
+        (cp.final, run.run_id),
+    )
+    return commit.result
+
+
+async def _apply_entries(
+    conn: AsyncConnection[Any],
+    folder: apply.Folder,
+    run: RunBinding,
+    cp: Checkpoint,
+    ensure_object: apply.EnsureObject,
+    gc_delay: timedelta,
+    upload_ttl: float,
+) -> dict[str, Any]:
+    digests = {e.digest for e in cp.entries if e.digest}
+    sizes = await content_sizes(conn, folder, run, digests, upload_ttl)
     for e in cp.entries:
         if e.op == "put":
             assert e.digest is not None
@@ -203,34 +244,17 @@ async def apply_checkpoint(
             await apply.make_directory(conn, folder, e.path, replace=True)
         else:
             await apply.trash_path(conn, folder, e.path)
+    await mark_uploads_committed(conn, run.run_id, digests)
     cur = await conn.execute(
         "SELECT coalesce(max(version), 0) AS v, now() AS t FROM files WHERE folder_id = %s",
         (folder.id,),
     )
     hw = await cur.fetchone()
     assert hw is not None
-    result = {
+    return {
         "operationId": cp.operation_id,
         "applied": True,
         "entries": len(cp.entries),
         "highWater": int(hw["v"]),
         "savedAt": iso(hw["t"]),
     }
-    await conn.execute(
-        "INSERT INTO receipts (folder_id, operation_id, fingerprint, result)"
-        " VALUES (%s, %s, %s, %s)",
-        (folder.id, cp.operation_id, fp, json.dumps(result)),
-    )
-    await conn.execute(
-        "INSERT INTO sync_baselines (run_id, folder_id, version) VALUES (%s, %s, %s)"
-        " ON CONFLICT (run_id, folder_id)"
-        " DO UPDATE SET version = EXCLUDED.version, updated_at = now()",
-        (run.run_id, folder.id, result["highWater"]),
-    )
-    await conn.execute(
-        "UPDATE runs SET state = 'saved', last_saved_at = now(), error = NULL,"
-        " final_checkpoint_at = CASE WHEN %s THEN now() ELSE final_checkpoint_at END"
-        " WHERE id = %s",
-        (cp.final, run.run_id),
-    )
-    return result

@@ -21,7 +21,13 @@ from typing import Any
 
 from common.errors import WorkFolderError
 from controller import admin
-from controller.config import Settings, add_limit_arguments, limits_from
+from controller.config import (
+    Settings,
+    add_limit_arguments,
+    add_quota_arguments,
+    limits_from,
+    quotas_from,
+)
 from controller.pgembed import EmbeddedPostgres, EmbeddedPostgresError
 
 log = logging.getLogger("controller")
@@ -116,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     try:
         settings.limits = limits_from(args)
+        settings.quotas = quotas_from(args)
     except ValueError as exc:
         raise admin.AdminError(str(exc)) from None
     host, _, port = args.listen.rpartition(":")
@@ -268,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between GC sweeps, 0 disables (default 180)",
     )
     add_limit_arguments(serve)
+    add_quota_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     mig = sub.add_parser("migrate", help="apply database migrations")

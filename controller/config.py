@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from common.limits import GC_DELAY_SECONDS, GC_SWEEP_INTERVAL_SECONDS, MAX_FILE_BYTES, KiB
+from common.limits import (
+    GC_DELAY_SECONDS,
+    GC_SWEEP_INTERVAL_SECONDS,
+    MAX_ENTRIES,
+    MAX_FILE_BYTES,
+    GiB,
+    KiB,
+)
 
 
 @dataclass
@@ -84,6 +91,87 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
 
 
 @dataclass
+class Quotas:
+    """What one tenant or run may cost the database and storage, enforced by the
+    controller at commit (``controller/quotas.py``), never trusted to fsagent."""
+
+    max_folder_entries: int = MAX_ENTRIES
+    """Live entries (files and directories) per folder; a write past it is 413."""
+    max_checkpoint_rows: int = 200_000
+    """Rows one checkpoint may create or change, parent directories included."""
+    max_pending_upload_bytes: int = 8 * GiB
+    """Per run: uploaded bytes no checkpoint has committed yet (429 beyond)."""
+    pending_upload_ttl: float = 86400.0
+    """Seconds an uncommitted upload counts, may be committed and is kept from GC."""
+    company_storage_bytes: int = 0
+    """Stored bytes per company; 0 turns the quota off (the default)."""
+    statement_timeout: float = 30.0
+    """Seconds one SQL statement may run inside a request (lock waits included)."""
+    pool_size: int = 20
+    """Database connections of one controller process."""
+    pool_share: int = 4
+    """Connections one token may hold at once; more requests wait on this share."""
+
+
+# flag, field, type, help, zero allowed.
+_QUOTA_FLAGS: list[tuple[str, str, type, str, bool]] = [
+    ("--max-folder-entries", "max_folder_entries", int, "live entries per folder", False),
+    ("--max-checkpoint-rows", "max_checkpoint_rows", int, "rows one checkpoint may write", False),
+    (
+        "--max-pending-upload-bytes",
+        "max_pending_upload_bytes",
+        int,
+        "uncommitted upload bytes per run",
+        False,
+    ),
+    (
+        "--pending-upload-ttl",
+        "pending_upload_ttl",
+        float,
+        "seconds an uncommitted upload lives",
+        False,
+    ),
+    (
+        "--company-storage-bytes",
+        "company_storage_bytes",
+        int,
+        "stored bytes per company, 0 = unlimited",
+        True,
+    ),
+    ("--statement-timeout", "statement_timeout", float, "seconds per SQL statement", False),
+    ("--pool-size", "pool_size", int, "database connections", False),
+    ("--pool-share", "pool_share", int, "database connections one token may hold", False),
+]
+
+
+def add_quota_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Quotas()
+    for flag, name, kind, text, _ in _QUOTA_FLAGS:
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=None,
+            help=f"{text} (default {getattr(defaults, name)})",
+        )
+
+
+def quotas_from(args: argparse.Namespace) -> Quotas:
+    """The quotas given on the command line; refuses values that disable one."""
+    quotas = Quotas()
+    for flag, name, _, _, zero_ok in _QUOTA_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not zero_ok):
+            raise ValueError(f"{flag} must be positive, got {value}")
+        setattr(quotas, name, value)
+    if quotas.pool_share > quotas.pool_size:
+        raise ValueError("--pool-share cannot exceed --pool-size")
+    return quotas
+
+
+@dataclass
 class Settings:
     data_dir: Path
     database_url: str | None = None
@@ -95,6 +183,7 @@ class Settings:
     gc_interval_seconds: float = GC_SWEEP_INTERVAL_SECONDS
     max_file_bytes: int = MAX_FILE_BYTES
     limits: ServerLimits = field(default_factory=ServerLimits)
+    quotas: Quotas = field(default_factory=Quotas)
 
     @property
     def spool_dir(self) -> Path:

@@ -1,11 +1,12 @@
 """Object garbage collection driven by the deletion journal.
 
-A journal entry becomes due at ``not_before``. The sweeper then locks the
-object's row and deletes the bytes only if no live file, trash entry or run
-upload of the company still references the digest; deleting the blob happens
-while the row lock is held, and every writer upserts that row (taking the
-same lock) before it may reference the digest. A writer that finds the row
-gone re-uploads the bytes (see ``apply.register_object``).
+A journal entry becomes due at ``not_before``. The sweeper then takes the
+object's advisory lock (``apply.lock_object``) and deletes the bytes only if
+no live file, trash entry or run upload of the company still references the
+digest; deleting the blob happens while the lock is held, and every writer
+takes the same lock before it may reference the digest, whether or not the
+``objects`` row exists. A writer that finds the bytes gone re-uploads them
+(see ``apply.register_object``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
+from controller.apply import lock_object
 from controller.storage.base import StorageProvider, object_key
 
 log = logging.getLogger(__name__)
@@ -92,10 +94,7 @@ async def _collect(
 ) -> str:
     company, digest = str(entry["company_id"]), entry["digest"]
     async with pool.connection() as conn, conn.transaction():
-        await conn.execute(
-            "SELECT 1 FROM objects WHERE company_id = %s AND digest = %s FOR UPDATE",
-            (company, digest),
-        )
+        await lock_object(conn, company, digest)
         cur = await conn.execute(REFERENCED_SQL, {"company": company, "digest": digest})
         row = await cur.fetchone()
         assert row is not None

@@ -60,7 +60,13 @@ async def unexpected_error(request: Request, exc: Exception) -> Response:
 def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = True) -> Starlette:
     database_url = settings.database_url
     assert database_url is not None
-    pool = make_pool(database_url)
+    q = settings.quotas
+    pool = make_pool(
+        database_url,
+        max_size=q.pool_size,
+        share_size=q.pool_share,
+        statement_timeout=q.statement_timeout,
+    )
     settings.spool_dir.mkdir(parents=True, exist_ok=True)
     # Spool files only live during one request; any found now were left by a
     # process that died mid-upload (one controller per data dir).

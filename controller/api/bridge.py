@@ -35,9 +35,10 @@ from common.errors import (
     Unauthenticated,
     UnknownContent,
     ValidationError,
+    WriteNotAllowed,
 )
 from common.paths import validate_scope
-from controller import apply, folders, runs
+from controller import apply, folders, quotas, runs
 from controller.api.common import authenticate, connection, json_errors, read_json, state
 from controller.api.objects import (
     object_response,
@@ -47,7 +48,12 @@ from controller.api.objects import (
     spool_append,
 )
 from controller.api.serialize import manifest_entry
-from controller.auth import RunBinding, run_may_use_user_folder
+from controller.auth import (
+    RunBinding,
+    confirm_run_writes,
+    run_may_use_user_folder,
+    run_may_write_user_folder,
+)
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
 from controller.frames import Frame, FrameSplitter, decode_frame
 from controller.storage.base import ObjectMissing, object_key
@@ -167,6 +173,8 @@ async def writable_folder(
         raise NotFound()
     if scope == "user" and not await run_may_use_user_folder(conn, run):
         raise MembershipRevoked()
+    if scope == "user" and not await run_may_write_user_folder(conn, run):
+        raise WriteNotAllowed("The run's user is a viewer; the run cannot write their folder")
     folder = await apply.get_folder(conn, run.company_id, scope, owner, create=True)
     assert folder is not None
     return folder
@@ -214,10 +222,15 @@ async def upload(request: Request) -> Response:
             hint_len is not None and hint_len != str(size)
         ):
             raise DigestMismatch(details=[{"digest": digest, "byteSize": size}])
+        async with connection(request) as conn:
+            await quotas.check_upload(
+                conn, run.company_id, run.run_id, digest, size, st.settings.quotas
+            )
         key = object_key(run.company_id, digest)
         await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
         async with connection(request) as conn:
+            await confirm_run_writes(conn, run, request.path_params["scope"])
             await runs.record_upload(
                 conn, run.run_id, run.company_id, digest, size, ensure, st.settings.gc_delay
             )
@@ -237,7 +250,7 @@ async def commit_checkpoint(request: Request) -> Response:
         run = await bound_run(request, conn)
     body = await read_json(request, MAX_CHECKPOINT_BODY)
     # Up to MAX_CHECKPOINT_ENTRIES entries: too much work for the event loop.
-    cp = await asyncio.to_thread(parse_checkpoint, body)
+    cp = await asyncio.to_thread(parse_checkpoint, body, st.settings.quotas.max_checkpoint_rows)
 
     async def ensure(k: str) -> None:
         if not await asyncio.to_thread(st.storage.exists, k):
@@ -249,14 +262,20 @@ async def commit_checkpoint(request: Request) -> Response:
                 async with connection(request) as conn:
                     folder = await writable_folder(request, conn, run)
                     result = await apply_checkpoint(
-                        conn, folder, run, cp, ensure_object=ensure, gc_delay=st.settings.gc_delay
+                        conn,
+                        folder,
+                        run,
+                        cp,
+                        ensure_object=ensure,
+                        gc_delay=st.settings.gc_delay,
+                        quotas=st.settings.quotas,
                     )
                 break
             except psycopg.errors.TransactionRollback:
                 # Rolled back whole: running it again is safe (all or nothing).
                 if attempt == 3:
                     raise DatabaseUnavailable("checkpoint kept conflicting; retry") from None
-    except (MembershipRevoked, StaleLease, UnknownContent) as exc:
+    except (MembershipRevoked, StaleLease, UnknownContent, WriteNotAllowed) as exc:
         await record_run_failure(request, run, f"{exc.code}: {exc.text}")
         raise
     return JSONResponse(result)

@@ -12,7 +12,6 @@ from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection
-from psycopg_pool import AsyncConnectionPool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,9 +23,10 @@ from common.errors import (
     ValidationError,
     WorkFolderError,
 )
-from controller.api.limits import is_authenticated, mark_authenticated
+from controller.api.limits import credential_key, is_authenticated, mark_authenticated
 from controller.auth import Principal, principal_from_bearer, principal_from_session, same_secret
 from controller.config import Settings
+from controller.db import SharedPool
 from controller.storage.base import StorageProvider
 
 log = logging.getLogger("controller.api")
@@ -44,7 +44,7 @@ _large_bodies = asyncio.Semaphore(2)
 @dataclass
 class AppState:
     settings: Settings
-    pool: AsyncConnectionPool
+    pool: SharedPool
     storage: StorageProvider
 
 
@@ -57,7 +57,9 @@ def state(request: Request) -> AppState:
 async def connection(request: Request) -> AsyncIterator[AsyncConnection[Any]]:
     """A pooled connection; the block runs in one transaction."""
     try:
-        async with state(request).pool.connection() as conn, conn.transaction():
+        pool = state(request).pool
+        share = credential_key(request.scope)
+        async with pool.connection(share=share) as conn, conn.transaction():
             yield conn
     except psycopg.errors.TransactionRollback:
         raise  # deadlock or serialization failure: the caller may run it again

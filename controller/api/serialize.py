@@ -75,7 +75,8 @@ def session_json(session: Session) -> dict[str, Any]:
     }
 
 
-def directory_json(d: Directory) -> dict[str, Any]:
+def directory_json(d: Directory, *, members_private: bool = False) -> dict[str, Any]:
+    """The company directory; ``members_private`` (a run asking) leaves out emails and roles."""
     return {
         "agents": [{"id": str(r["id"]), "name": r["name"]} for r in d.agents],
         "projects": [{"id": str(r["id"]), "name": r["name"]} for r in d.projects],
@@ -84,6 +85,9 @@ def directory_json(d: Directory) -> dict[str, Any]:
             for r in d.tasks
         ],
         "members": [
-            {"userId": str(r["id"]), "email": r["email"], "role": r["role"]} for r in d.members
+            {"userId": str(r["id"])}
+            if members_private
+            else {"userId": str(r["id"]), "email": r["email"], "role": r["role"]}
+            for r in d.members
         ],
     }

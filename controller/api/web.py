@@ -86,7 +86,7 @@ async def company_directory(request: Request) -> Response:
             if await membership_role(conn, company_id, principal.user_id) is None:
                 raise NotFound("Company not found")
         found = await companies.directory(conn, company_id)
-    return JSONResponse(directory_json(found))
+    return JSONResponse(directory_json(found, members_private=principal.kind == "run"))
 
 
 _PAGE_HEADERS = {

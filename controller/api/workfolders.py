@@ -31,7 +31,7 @@ from common.limits import (
     MAX_PREVIEW_BYTES,
 )
 from common.paths import validate_owner_id, validate_path, validate_scope, validate_uuid
-from controller import apply, folders, runs
+from controller import apply, folders, quotas, runs
 from controller.api.common import (
     authenticate,
     connection,
@@ -41,7 +41,7 @@ from controller.api.common import (
 )
 from controller.api.objects import object_response, put_object, reupload_if_missing, spool_body
 from controller.api.serialize import entry_json, iso, run_json
-from controller.auth import Principal, authorize_folder
+from controller.auth import Principal, authorize_folder, authorize_purge, write_policy
 from controller.storage.base import object_key
 
 log = logging.getLogger(__name__)
@@ -230,8 +230,9 @@ async def put_content(request: Request) -> Response:
     op_id = idempotency_key(request)
     # Authorize before reading a single body byte.
     async with connection(request) as conn:
-        _, folder, address = await open_folder(request, conn, write=True)
+        principal, folder, address = await open_folder(request, conn, write=True)
     assert folder is not None
+    policy = write_policy(principal, address[0], address[1], st.settings.quotas.max_folder_entries)
     try:
         spool, size, digest = await spool_body(
             request, st.settings.spool_dir, st.settings.max_file_bytes
@@ -242,6 +243,8 @@ async def put_content(request: Request) -> Response:
     key = object_key(address[0], digest)
     created_blob = False
     try:
+        async with connection(request) as conn:
+            await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
         created_blob = await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
         async with connection(request) as conn:
@@ -256,6 +259,7 @@ async def put_content(request: Request) -> Response:
                 operation_id=op_id,
                 ensure_object=ensure,
                 gc_delay=st.settings.gc_delay,
+                policy=policy,
             )
     except BaseException:
         if created_blob:
@@ -312,15 +316,18 @@ async def post_operations(request: Request) -> Response:
             ]
         )
     async with connection(request) as conn:
-        _, folder, _ = await open_folder(request, conn, write=True)
+        principal, folder, (company_id, scope, _) = await open_folder(request, conn, write=True)
         assert folder is not None
+        if action == "purge":
+            authorize_purge(principal)
+        policy = write_policy(principal, company_id, scope, st.settings.quotas.max_folder_entries)
         if action == "mkdir":
             result = await apply.mkdir(
-                conn, folder, path=validate_path(body["path"]), operation_id=op_id
+                conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
             )
         elif action == "delete":
             result = await apply.delete_path(
-                conn, folder, path=validate_path(body["path"]), operation_id=op_id
+                conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
             )
         else:
             file_id = body["fileId"]
@@ -328,10 +335,17 @@ async def post_operations(request: Request) -> Response:
                 raise ValidationError.single("fileId", "invalid_uuid", "fileId must be a UUID")
             file_id = validate_uuid(file_id, "fileId")
             if action == "restore":
-                result = await apply.restore(conn, folder, file_id=file_id, operation_id=op_id)
+                result = await apply.restore(
+                    conn, folder, file_id=file_id, operation_id=op_id, policy=policy
+                )
             else:
                 result = await apply.purge(
-                    conn, folder, file_id=file_id, operation_id=op_id, gc_delay=st.settings.gc_delay
+                    conn,
+                    folder,
+                    file_id=file_id,
+                    operation_id=op_id,
+                    gc_delay=st.settings.gc_delay,
+                    policy=policy,
                 )
     return JSONResponse(result)
 

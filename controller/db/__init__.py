@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +67,79 @@ def migrate(url: str) -> list[str]:
     return applied_now
 
 
-def make_pool(url: str, *, min_size: int = 2, max_size: int = 20) -> AsyncConnectionPool:
-    return AsyncConnectionPool(
+@dataclass
+class _Share:
+    slots: asyncio.Semaphore
+    users: int = 0
+
+
+class SharedPool(AsyncConnectionPool[AsyncConnection[Any]]):
+    """A connection pool in which one holder (a token) gets at most
+    ``share_size`` connections at once.
+
+    Without a share, one sandbox firing slow requests in parallel holds every
+    connection and other companies get 503. With it, that sandbox's extra
+    requests wait on its own share, in front of the pool, and the rest of the
+    pool stays free for everyone else.
+    """
+
+    def __init__(self, *args: Any, share_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.share_size = share_size
+        self._shares: dict[str, _Share] = {}
+
+    @asynccontextmanager
+    async def connection(
+        self,
+        timeout: float | None = None,  # noqa: ASYNC109 -- the overridden method's signature
+        *,
+        share: str | None = None,
+    ) -> AsyncIterator[AsyncConnection[Any]]:
+        if share is None:
+            async with super().connection(timeout) as conn:
+                yield conn
+            return
+        entry = self._shares.setdefault(share, _Share(asyncio.Semaphore(self.share_size)))
+        entry.users += 1
+        try:
+            try:
+                async with asyncio.timeout(self.timeout if timeout is None else timeout):
+                    await entry.slots.acquire()
+            except TimeoutError:
+                raise PoolTimeout("this token's share of database connections is busy") from None
+            try:
+                async with super().connection(timeout) as conn:
+                    yield conn
+            finally:
+                entry.slots.release()
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._shares[share]
+
+
+def make_pool(
+    url: str,
+    *,
+    min_size: int = 2,
+    max_size: int = 20,
+    share_size: int | None = None,
+    statement_timeout: float | None = None,
+) -> SharedPool:
+    """The pool; ``statement_timeout`` (seconds) bounds every statement of every
+    transaction, lock waits included, so no request holds a connection forever."""
+    options = {}
+    if statement_timeout is not None:
+        options["options"] = f"-c statement_timeout={int(statement_timeout * 1000)}"
+    return SharedPool(
         url,
         min_size=min_size,
         max_size=max_size,
+        share_size=max_size if share_size is None else share_size,
         open=False,
         # A connection that died with the server is replaced, not handed out.
         check=AsyncConnectionPool.check_connection,
-        kwargs={"autocommit": False, "row_factory": dict_row},
+        kwargs={"autocommit": False, "row_factory": dict_row, **options},
     )
 
 

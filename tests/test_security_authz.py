@@ -1,0 +1,208 @@
+"""Authority at commit and on reads: revocation is final, a run sees only its binding."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from tests.support.bridge import Run, start_run
+from tests.support.controller import Tenant
+
+OCTET = {"Content-Type": "application/octet-stream"}
+
+
+def live_rows(tenant: Tenant, path: str) -> int:
+    with tenant.controller.db() as db:
+        row = db.execute(
+            "SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
+            " WHERE d.company_id = %s AND f.path = %s",
+            (tenant.company_id, path),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def parked_put(
+    tenant: Tenant, token: str, folder: str, path: str, revoke: Callable[[], None]
+) -> httpx.Response:
+    """A chunked PUT /content that stalls mid-body while ``revoke`` runs, then finishes."""
+    first_sent, release = threading.Event(), threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield b"a" * 4096
+        first_sent.set()
+        release.wait(30)
+        yield b"b" * 4096
+
+    def send() -> httpx.Response:
+        with tenant.client(token) as c:
+            return c.put(f"{folder}/content", params={"path": path}, content=body(), headers=OCTET)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(send)
+        assert first_sent.wait(30)
+        time.sleep(1.0)  # the controller has authorized and is reading the body
+        revoke()
+        release.set()
+        return answer.result(60)
+
+
+def run_folder(tenant: Tenant, run: Run) -> str:
+    assert run.task is not None
+    return tenant.folder("task", run.task)
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "code"),
+    [
+        ("run_ended", 401, "unauthenticated"),
+        ("run_superseded", 401, "unauthenticated"),
+        ("member_removed", 403, "membership_revoked"),
+        ("member_made_viewer", 403, "write_not_allowed"),
+    ],
+)
+def test_revocation_mid_upload_publishes_nothing(
+    tenant: Tenant, case: str, status: int, code: str
+) -> None:
+    ctl = tenant.controller
+    if case.startswith("run"):
+        run = start_run(tenant, sandbox=f"box-{case}-{tenant.company_id}")
+        token, folder = run.token, run_folder(tenant, run)
+        if case == "run_ended":
+
+            def revoke() -> None:
+                ctl.admin("end-run", run.run_id)
+        else:
+
+            def revoke() -> None:
+                start_run(tenant, sandbox=f"box-{case}-{tenant.company_id}")
+    else:
+        member_id, token = tenant.new_member("member")
+        folder = tenant.folder("project", ctl.admin("create-project", tenant.company_id, "p")["id"])
+        if case == "member_removed":
+
+            def revoke() -> None:
+                ctl.admin("remove-member", tenant.company_id, member_id)
+        else:
+
+            def revoke() -> None:
+                ctl.admin("add-member", tenant.company_id, member_id, "--role", "viewer")
+
+    r = parked_put(tenant, token, folder, "late.bin", revoke)
+    assert r.status_code == status, r.text
+    assert r.json()["code"] == code
+    assert live_rows(tenant, "late.bin") == 0
+    with tenant.client() as owner:
+        listing = owner.get(folder + "/")
+        assert listing.status_code == 200 and listing.json()["entries"] == []
+
+
+def test_run_reads_only_its_bound_folders(tenant: Tenant) -> None:
+    r1 = start_run(tenant)
+    r2 = start_run(tenant)
+    assert r2.save("agent", {"memory.md": b"agent2 private"}).status_code == 200
+    assert r2.save("task", {"plan.md": b"task2"}).status_code == 200
+    with tenant.client() as owner:
+        assert owner.get(run_folder(tenant, r2) + "/").json()["entries"]
+    assert r2.project is not None and r1.task is not None and r1.project is not None
+    unbound = [
+        tenant.folder("agent", r2.agent),
+        tenant.folder("task", r2.task or ""),
+        tenant.folder("project", r2.project),
+    ]
+    with tenant.client(r1.token) as c:
+        for folder in unbound:
+            for suffix in ("/", "/sync", "/content?path=memory.md", "/content?path=plan.md"):
+                r = c.get(folder + suffix)
+                assert r.status_code == 404, (folder, suffix, r.text)
+                assert r.json()["code"] == "not_found"
+        for scope, owner in [
+            ("agent", r1.agent),
+            ("task", r1.task),
+            ("project", r1.project),
+            ("user", tenant.user_id),
+        ]:
+            for suffix in ("/", "/sync"):
+                r = c.get(tenant.folder(scope, owner) + suffix)
+                assert r.status_code == 200, (scope, suffix, r.text)
+        # Another member's user folder stays invisible, too.
+        other_id, _ = tenant.new_member("admin")
+        assert c.get(tenant.folder("user", other_id) + "/").status_code == 404
+
+
+def test_run_user_folder_only_while_the_user_is_a_member(tenant: Tenant) -> None:
+    member_id, _ = tenant.new_member("member")
+    ctl = tenant.controller
+    agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
+    run = ctl.admin("start-run", tenant.company_id, "--agent", agent, "--user", member_id)
+    folder = tenant.folder("user", member_id)
+    with tenant.client(run["token"]) as c:
+        assert c.get(folder + "/").status_code == 200
+        ctl.admin("remove-member", tenant.company_id, member_id)
+        assert c.get(folder + "/").status_code == 404
+        assert c.get(folder + "/sync").status_code == 404
+
+
+def test_company_directory_shows_a_run_no_emails_or_roles(tenant: Tenant) -> None:
+    run = start_run(tenant)
+    url = f"/api/companies/{tenant.company_id}/directory"
+    with tenant.client(run.token) as c:
+        r = c.get(url)
+    assert r.status_code == 200
+    members = r.json()["members"]
+    assert members == [{"userId": tenant.user_id}]
+    assert "@" not in r.text
+    with tenant.client() as owner:
+        people = owner.get(url).json()["members"]
+    assert people[0]["role"] == "owner" and "@" in people[0]["email"]
+
+
+def test_runs_cannot_purge_trash(tenant: Tenant) -> None:
+    run = start_run(tenant)
+    folder = run_folder(tenant, run)
+    with tenant.client(run.token) as c:
+        assert c.put(f"{folder}/content?path=x.txt", content=b"x", headers=OCTET).status_code == 201
+        deleted = c.post(f"{folder}/operations", json={"action": "delete", "path": "x.txt"})
+        assert deleted.status_code == 200
+        file_id = deleted.json()["files"][0]["id"]
+        r = c.post(f"{folder}/operations", json={"action": "purge", "fileId": file_id})
+        assert r.status_code == 403, r.text
+        assert r.json()["code"] == "purge_forbidden"
+    with tenant.client() as owner:
+        trash = owner.get(folder + "/", params={"trash": "true"}).json()["entries"]
+        assert [e["id"] for e in trash] == [file_id]
+        r = owner.post(f"{folder}/operations", json={"action": "purge", "fileId": file_id})
+        assert r.status_code == 200 and r.json()["purged"] == 1
+
+
+def test_a_viewers_run_cannot_write_the_viewers_folder(tenant: Tenant) -> None:
+    viewer_id, viewer_token = tenant.new_member("member")
+    ctl = tenant.controller
+    folder = tenant.folder("user", viewer_id)
+    with tenant.client(viewer_token) as member:
+        r = member.put(f"{folder}/content?path=own.txt", content=b"v", headers=OCTET)
+        assert r.status_code == 201
+    ctl.admin("add-member", tenant.company_id, viewer_id, "--role", "viewer")
+    agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
+    out = ctl.admin("start-run", tenant.company_id, "--agent", agent, "--user", viewer_id)
+    run = Run(tenant, out["run_id"], out["token"], out["lease_epoch"], agent, None, None)
+    # Through the bridge: the upload and the checkpoint are refused.
+    up = run.upload("user", b"from the run")
+    assert up.status_code == 403, up.text
+    assert up.json()["code"] == "write_not_allowed"
+    cp = run.commit("user", [{"op": "mkdir", "path": "d"}])
+    assert cp.status_code == 403 and cp.json()["code"] == "write_not_allowed"
+    # Through the REST API with the run token: reads work, writes do not.
+    with tenant.client(run.token) as c:
+        assert c.get(folder + "/").status_code == 200
+        r = c.put(f"{folder}/content?path=run.txt", content=b"r", headers=OCTET)
+        assert r.status_code == 403 and r.json()["code"] == "write_not_allowed"
+        r = c.post(f"{folder}/operations", json={"action": "delete", "path": "own.txt"})
+        assert r.status_code == 403 and r.json()["code"] == "write_not_allowed"
+    assert live_rows(tenant, "run.txt") == 0 and live_rows(tenant, "d") == 0
+    assert live_rows(tenant, "own.txt") == 1

@@ -1,0 +1,242 @@
+"""Controller-side quotas: entries per folder, rows per checkpoint, pending upload
+bytes, company storage, statement timeout and each token's share of the pool."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.bridge import start_run
+from tests.support.controller import (
+    ControllerProcess,
+    PgCluster,
+    Tenant,
+    bootstrap_tenant,
+    running_controller,
+    world_searchable_tmpdir,
+)
+
+OCTET = {"Content-Type": "application/octet-stream"}
+MAX_ENTRIES = 5
+MAX_ROWS = 50
+PENDING_BYTES = 10_000
+UPLOAD_TTL = 5
+COMPANY_BYTES = 20_000
+POOL, SHARE = 6, 2
+
+
+@pytest.fixture(scope="module")
+def quota_ctl(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+    tmp = world_searchable_tmpdir("fsa-quota-")
+    args = {
+        "--max-folder-entries": MAX_ENTRIES,
+        "--max-checkpoint-rows": MAX_ROWS,
+        "--max-pending-upload-bytes": PENDING_BYTES,
+        "--pending-upload-ttl": UPLOAD_TTL,
+        "--company-storage-bytes": COMPANY_BYTES,
+        "--pool-size": POOL,
+        "--pool-share": SHARE,
+    }
+    try:
+        with running_controller(
+            pg_cluster, tmp, *[str(x) for kv in args.items() for x in kv]
+        ) as ctl:
+            yield ctl
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def qt(quota_ctl: ControllerProcess) -> Tenant:
+    return bootstrap_tenant(quota_ctl)
+
+
+def folder_rows(t: Tenant, folder_path: str) -> int:
+    scope, owner = folder_path.rsplit("/", 2)[-2:]
+    with t.controller.db() as db:
+        row = db.execute(
+            "SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
+            " WHERE d.company_id = %s AND d.scope = %s AND d.owner_id = %s",
+            (t.company_id, scope, owner),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_folder_entry_limit_on_uploads_and_checkpoints(qt: Tenant) -> None:
+    with qt.client() as c:
+        for i in range(MAX_ENTRIES):
+            r = c.put(f"{qt.my_folder}/content?path=f{i}", content=b"x", headers=OCTET)
+            assert r.status_code == 201, r.text
+        r = c.put(f"{qt.my_folder}/content?path=one-more", content=b"x", headers=OCTET)
+        assert r.status_code == 413 and r.json()["code"] == "folder_entry_limit"
+        r = c.post(f"{qt.my_folder}/operations", json={"action": "mkdir", "path": "d"})
+        assert r.status_code == 413 and r.json()["code"] == "folder_entry_limit"
+        # Replacing a file does not grow the folder.
+        assert (
+            c.put(f"{qt.my_folder}/content?path=f0", content=b"y", headers=OCTET).status_code == 200
+        )
+    assert folder_rows(qt, qt.my_folder) == MAX_ENTRIES
+
+    run = start_run(qt)
+    entries = [{"op": "mkdir", "path": f"d{i}"} for i in range(MAX_ENTRIES + 1)]
+    r = run.commit("task", entries)
+    assert r.status_code == 413 and r.json()["code"] == "folder_entry_limit"
+    assert run.task is not None
+    assert folder_rows(qt, qt.folder("task", run.task)) == 0
+    assert run.commit("task", entries[:MAX_ENTRIES]).status_code == 200
+
+
+def test_checkpoint_row_limit_counts_parent_directories(qt: Tenant) -> None:
+    run = start_run(qt)
+    deep = "/".join(["d"] * MAX_ROWS + ["leaf"])
+    r = run.commit("agent", [{"op": "mkdir", "path": deep}])
+    assert r.status_code == 413, r.text
+    assert r.json()["code"] == "checkpoint_row_limit"
+    # Two chains that share nothing add up.
+    half = MAX_ROWS // 2 + 1
+    chains = [{"op": "mkdir", "path": "/".join([c] * half)} for c in "ab"]
+    r = run.commit("agent", chains)
+    assert r.status_code == 413 and r.json()["code"] == "checkpoint_row_limit"
+    with qt.controller.db() as db:
+        row = db.execute(
+            "SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
+            " WHERE d.company_id = %s",
+            (qt.company_id,),
+        ).fetchone()
+    assert row == (0,)
+
+
+def test_pending_upload_bytes_per_run(qt: Tenant) -> None:
+    run = start_run(qt)
+    first, second = os.urandom(6000), os.urandom(6000)
+    up = run.upload("task", first)
+    assert up.status_code == 200, up.text
+    refused = run.upload("task", second)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["code"] == "upload_quota_exceeded"
+    put = {"op": "put", "path": "a.bin", "digest": up.json()["digest"], "executable": False}
+    assert run.commit("task", [put]).status_code == 200
+    # Committed bytes no longer count against the run.
+    assert run.upload("task", second).status_code == 200
+
+
+def test_uncommitted_uploads_expire(qt: Tenant) -> None:
+    run = start_run(qt)
+    up = run.upload("task", os.urandom(6000))
+    assert up.status_code == 200
+    time.sleep(UPLOAD_TTL + 0.5)
+    # The expired upload stops counting, and may no longer be committed.
+    assert run.upload("task", os.urandom(6000)).status_code == 200
+    put = {"op": "put", "path": "late.bin", "digest": up.json()["digest"], "executable": False}
+    r = run.commit("task", [put])
+    assert r.status_code == 422 and r.json()["code"] == "unknown_content"
+
+
+def test_company_storage_quota(qt: Tenant) -> None:
+    big = os.urandom(COMPANY_BYTES - 5000)
+    with qt.client() as c:
+        assert (
+            c.put(f"{qt.my_folder}/content?path=big", content=big, headers=OCTET).status_code == 201
+        )
+        r = c.put(f"{qt.my_folder}/content?path=more", content=os.urandom(6000), headers=OCTET)
+        assert r.status_code == 413 and r.json()["code"] == "storage_quota_exceeded"
+        # Bytes the company already stores cost nothing again.
+        assert (
+            c.put(f"{qt.my_folder}/content?path=copy", content=big, headers=OCTET).status_code
+            == 201
+        )
+    run = start_run(qt)
+    r = run.upload("task", os.urandom(6000))
+    assert r.status_code == 413 and r.json()["code"] == "storage_quota_exceeded"
+
+
+def waiting_on_folder_lock(t: Tenant, folder_id: int) -> int:
+    with t.controller.db() as db:
+        row = db.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND objsubid = 1 AND objid = %s",
+            (folder_id,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_one_run_saturating_its_share_leaves_others_fast(qt: Tenant) -> None:
+    run = start_run(qt)
+    assert run.task is not None
+    folder = qt.folder("task", run.task)
+    other = bootstrap_tenant(qt.controller)
+    with other.client() as c:
+        assert (
+            c.put(f"{other.my_folder}/content?path=x", content=b"x", headers=OCTET).status_code
+            == 201
+        )
+    with qt.client(run.token) as c:
+        assert c.put(f"{folder}/content?path=p", content=b"0", headers=OCTET).status_code == 201
+    with qt.controller.db() as db:
+        row = db.execute(
+            "SELECT id FROM folders WHERE company_id = %s AND scope = 'task'", (qt.company_id,)
+        ).fetchone()
+        assert row is not None
+        folder_id = int(row[0])
+        # Every write of the run to this folder now waits inside its transaction.
+        db.execute("SELECT pg_advisory_lock(%s)", (folder_id,))
+
+        def write(i: int) -> int:
+            with qt.client(run.token) as c:
+                r = c.put(f"{folder}/content?path=p", content=str(i).encode(), headers=OCTET)
+                return r.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(3 * POOL) as pool:
+            try:
+                writes = [pool.submit(write, i) for i in range(3 * POOL)]
+                deadline = time.monotonic() + 20
+                while waiting_on_folder_lock(qt, folder_id) < SHARE:
+                    assert time.monotonic() < deadline, "the run's writes never reached the lock"
+                    time.sleep(0.1)
+                time.sleep(1.0)
+                assert waiting_on_folder_lock(qt, folder_id) == SHARE
+                started = time.monotonic()
+                with other.client() as c:
+                    listing = c.get(other.my_folder + "/")
+                elapsed = time.monotonic() - started
+                assert listing.status_code == 200, listing.text
+                assert [e["path"] for e in listing.json()["entries"]] == ["x"]
+                assert elapsed < 2.0, f"another company's listing took {elapsed:.1f}s"
+            finally:
+                db.execute("SELECT pg_advisory_unlock(%s)", (folder_id,))
+            assert sorted({w.result(60) for w in writes}) == [200]
+
+
+def test_statement_timeout_bounds_a_lock_wait(pg_cluster: PgCluster) -> None:
+    tmp = world_searchable_tmpdir("fsa-stmt-")
+    try:
+        with running_controller(pg_cluster, tmp, "--statement-timeout", "1") as ctl:
+            t = bootstrap_tenant(ctl)
+            with t.client() as c:
+                assert (
+                    c.put(f"{t.my_folder}/content?path=a", content=b"a", headers=OCTET).status_code
+                    == 201
+                )
+            with ctl.db() as db:
+                row = db.execute(
+                    "SELECT id FROM folders WHERE company_id = %s", (t.company_id,)
+                ).fetchone()
+                assert row is not None
+                db.execute("SELECT pg_advisory_lock(%s)", (row[0],))
+                started = time.monotonic()
+                with t.client() as c:
+                    r = c.put(f"{t.my_folder}/content?path=b", content=b"b", headers=OCTET)
+                elapsed = time.monotonic() - started
+                db.execute("SELECT pg_advisory_unlock(%s)", (row[0],))
+            assert r.status_code == 503 and r.json()["code"] == "database_unavailable"
+            assert elapsed < 10
+            assert folder_rows(t, t.my_folder) == 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
