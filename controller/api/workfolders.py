@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hashlib
-import json
 import logging
 import os
 import re
@@ -15,7 +12,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, quote
+from urllib.parse import quote
 
 from psycopg import AsyncConnection
 from starlette.requests import ClientDisconnect, Request
@@ -24,7 +21,6 @@ from starlette.routing import Route
 
 from common.errors import (
     FileNotFound,
-    InvalidPath,
     IsADirectory,
     PayloadTooLarge,
     RangeNotSatisfiable,
@@ -49,6 +45,16 @@ from controller.api.common import (
     read_json,
     state,
 )
+from controller.api.params import (
+    declared_length,
+    decode_list_cursor,
+    decode_trash_cursor,
+    encode_cursor,
+    parse_range,
+    query_bool,
+    query_int,
+    strict_query,
+)
 from controller.auth import Principal, authorize_folder
 from controller.storage.base import object_key
 
@@ -69,28 +75,11 @@ def folder_address(request: Request) -> tuple[str, str, str]:
     return company_id, scope, owner_id
 
 
-def strict_query(request: Request, name: str) -> list[str]:
-    """Query values decoded strictly: invalid UTF-8 is an error, not U+FFFD."""
-    raw = request.scope.get("query_string", b"").decode("latin-1")
-    try:
-        pairs = parse_qsl(raw, keep_blank_values=True, encoding="utf-8", errors="strict")
-    except UnicodeDecodeError:
-        raise InvalidPath("invalid_utf8", "query string is not valid UTF-8", name) from None
-    return [v for k, v in pairs if k == name]
-
-
 def query_path(request: Request) -> str:
     values = strict_query(request, "path")
     if len(values) != 1:
         raise ValidationError.single("path", "required", "exactly one path query parameter")
     return validate_path(values[0])
-
-
-def query_bool(request: Request, name: str) -> bool:
-    raw = request.query_params.get(name, "false")
-    if raw not in ("true", "false"):
-        raise ValidationError.single(name, "invalid_boolean", f"{name} must be true or false")
-    return raw == "true"
 
 
 def idempotency_key(request: Request) -> str:
@@ -104,24 +93,6 @@ def idempotency_key(request: Request) -> str:
             f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters",
         )
     return key
-
-
-def encode_cursor(data: dict[str, Any]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(data).encode()).decode().rstrip("=")
-
-
-def decode_cursor(raw: str, keys: set[str]) -> dict[str, Any]:
-    try:
-        data = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        data = None
-    if (
-        not isinstance(data, dict)
-        or set(data) != keys
-        or not all(isinstance(v, str) for v in data.values())
-    ):
-        raise ValidationError.single("cursor", "invalid_cursor", "cursor is not valid")
-    return data
 
 
 async def open_folder(
@@ -148,13 +119,17 @@ async def folder_last_operation(conn: AsyncConnection[Any], folder: apply.Folder
 @json_errors
 async def list_entries(request: Request) -> Response:
     trash = query_bool(request, "trash")
-    limit_raw = request.query_params.get("limit", str(DEFAULT_PAGE_LIMIT))
-    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= MAX_PAGE_LIMIT:
-        raise ValidationError.single(
-            "limit", "invalid_limit", f"limit must be an integer 1-{MAX_PAGE_LIMIT}"
-        )
-    limit = int(limit_raw)
-    cursor_raw = request.query_params.get("cursor")
+    limit = query_int(
+        request,
+        "limit",
+        DEFAULT_PAGE_LIMIT,
+        minimum=1,
+        maximum=MAX_PAGE_LIMIT,
+        code="invalid_limit",
+    )
+    cursors = strict_query(request, "cursor")
+    trash_after = decode_trash_cursor(cursors[0]) if cursors and trash else None
+    list_after = decode_list_cursor(cursors[0]) if cursors and not trash else None
     dirs = strict_query(request, "dir")
     dir_raw = dirs[0] if dirs else None
     parent = None if dir_raw is None else ("" if dir_raw == "" else validate_path(dir_raw, "dir"))
@@ -171,20 +146,18 @@ async def list_entries(request: Request) -> Response:
             if trash:
                 where.append("deleted_at IS NOT NULL")
                 order = "deleted_at DESC, path"
-                if cursor_raw:
-                    c = decode_cursor(cursor_raw, {"d", "p"})
+                if trash_after is not None:
                     where.append(
                         "(deleted_at < %(cd)s::timestamptz OR"
                         " (deleted_at = %(cd)s::timestamptz AND path > %(cp)s))"
                     )
-                    params.update(cd=c["d"], cp=c["p"])
+                    params.update(cd=trash_after[0], cp=trash_after[1])
             else:
                 where.append("deleted_at IS NULL")
                 order = "path"
-                if cursor_raw:
-                    c = decode_cursor(cursor_raw, {"p"})
+                if list_after is not None:
                     where.append("path > %(cp)s")
-                    params["cp"] = c["p"]
+                    params["cp"] = list_after
             cur = await conn.execute(
                 f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY {order} LIMIT %(limit)s",
                 params,
@@ -209,24 +182,6 @@ async def list_entries(request: Request) -> Response:
 
 
 # --- GET /content ----------------------------------------------------------
-
-
-def parse_range(header: str, size: int) -> tuple[int, int]:
-    """One ``bytes=`` range → [start, end) within ``size``; 416 when unsatisfiable."""
-    m = re.fullmatch(r"bytes=(\d*)-(\d*)", header.strip())
-    if m is None or (m.group(1) == "" and m.group(2) == ""):
-        raise RangeNotSatisfiable("Only a single bytes=start-end range is supported")
-    first, last = m.group(1), m.group(2)
-    if first == "":
-        suffix = int(last)
-        if suffix == 0:
-            raise RangeNotSatisfiable()
-        return max(0, size - suffix), size
-    start = int(first)
-    end = size if last == "" else min(size, int(last) + 1)
-    if start >= size or start >= end:
-        raise RangeNotSatisfiable()
-    return start, end
 
 
 async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
@@ -316,8 +271,8 @@ async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Pat
     Crossing ``limit`` aborts at once (413), whatever Content-Length claimed.
     On any failure the spool file is removed, so nothing can be published.
     """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
         raise PayloadTooLarge(f"Files are limited to {limit} bytes")
     fd, name = await asyncio.to_thread(tempfile.mkstemp, dir=spool_dir, prefix="upload-")
     path = Path(name)
