@@ -21,7 +21,19 @@ from common.limits import (
     SCOPES,
 )
 
-_FORBIDDEN_CHARS = frozenset([chr(c) for c in range(0x20)] + ["\x7f", "\\"])
+MAX_PATH_SEGMENTS = 64
+"""Deepest path accepted: each segment of a new path may create a parent row."""
+
+# C0 and C1 controls, DEL, backslash, and the bidirectional embeddings,
+# overrides and isolates that make a name display as another
+# (``invoice\u202etxt.exe`` shows as ``invoiceexe.txt``).
+_FORBIDDEN_CHARS = frozenset(
+    [chr(c) for c in range(0x20)]
+    + ["\x7f", "\\"]
+    + [chr(c) for c in range(0x80, 0xA0)]
+    + [chr(c) for c in range(0x202A, 0x202F)]
+    + [chr(c) for c in range(0x2066, 0x206A)]
+)
 
 
 def check_segment(segment: str) -> None:
@@ -62,7 +74,10 @@ def validate_path(path: object, field: str = "path") -> str:
         raise InvalidPath("too_long", f"path is longer than {MAX_PATH_CHARS} characters", field)
     if path.startswith("/"):
         raise InvalidPath("absolute", "path must be relative", field)
-    for segment in path.split("/"):
+    segments = path.split("/")
+    if len(segments) > MAX_PATH_SEGMENTS:
+        raise InvalidPath("too_deep", f"path has more than {MAX_PATH_SEGMENTS} segments", field)
+    for segment in segments:
         try:
             check_segment(segment)
         except InvalidPath as exc:

@@ -53,11 +53,12 @@ def _create_user(conn: psycopg.Connection[dict[str, Any]], email: str) -> dict[s
     if conn.execute("SELECT 1 FROM users WHERE email = %s", (email,)).fetchone():
         raise AdminError(f"a user with email {email} already exists")
     conn.execute("INSERT INTO users (id, email) VALUES (%s, %s)", (user_id, email))
-    conn.execute(
-        "INSERT INTO api_tokens (token_hash, user_id) VALUES (%s, %s)",
+    row = conn.execute(
+        "INSERT INTO api_tokens (token_hash, user_id) VALUES (%s, %s) RETURNING id",
         (token_hash(token), user_id),
-    )
-    return {"user_id": user_id, "token": token}
+    ).fetchone()
+    assert row is not None
+    return {"user_id": user_id, "token": token, "token_id": str(row["id"])}
 
 
 def bootstrap(url: str, company_name: str, email: str) -> dict[str, Any]:
@@ -238,3 +239,66 @@ def end_run(url: str, run: str) -> dict[str, Any]:
         state = conn.execute("SELECT state, error FROM runs WHERE id = %s", (run,)).fetchone()
     assert state is not None
     return {"run_id": run, "active": False, "state": state["state"], "error": state["error"]}
+
+
+def _iso(value: Any) -> str | None:
+    return None if value is None else str(value.isoformat())
+
+
+def list_tokens(url: str, company: str | None, user: str | None) -> dict[str, Any]:
+    """API tokens (never the tokens themselves), oldest first."""
+    where, params = [], []
+    if company is not None:
+        where.append("t.user_id IN (SELECT user_id FROM memberships WHERE company_id = %s)")
+        params.append(_uuid(company, "company"))
+    if user is not None:
+        where.append("t.user_id = %s")
+        params.append(_uuid(user, "user"))
+    sql = (
+        "SELECT t.id, t.user_id, u.email, t.created_at, t.revoked_at"
+        " FROM api_tokens t JOIN users u ON u.id = t.user_id"
+        + (" WHERE " + " AND ".join(where) if where else "")
+        + " ORDER BY t.created_at, t.id"
+    )
+    with _conn(url) as conn:
+        rows = conn.execute(sql, params).fetchall()
+    return {
+        "tokens": [
+            {
+                "token_id": str(r["id"]),
+                "user_id": str(r["user_id"]),
+                "email": r["email"],
+                "created_at": _iso(r["created_at"]),
+                "revoked_at": _iso(r["revoked_at"]),
+            }
+            for r in rows
+        ]
+    }
+
+
+def revoke_token(url: str, token_id: str) -> dict[str, Any]:
+    """Revoke an API token; requests presenting it answer 401 from now on."""
+    token_id = _uuid(token_id, "token")
+    with _conn(url) as conn:
+        row = conn.execute(
+            "UPDATE api_tokens SET revoked_at = coalesce(revoked_at, now())"
+            " WHERE id = %s RETURNING user_id, revoked_at",
+            (token_id,),
+        ).fetchone()
+    if row is None:
+        raise AdminError(f"no such token: {token_id}")
+    return {
+        "token_id": token_id,
+        "user_id": str(row["user_id"]),
+        "revoked": True,
+        "revoked_at": _iso(row["revoked_at"]),
+    }
+
+
+def end_sessions(url: str, user: str) -> dict[str, Any]:
+    """End every Files page session of ``user``; their next request is 401."""
+    user = _uuid(user, "user")
+    with _conn(url) as conn:
+        _require(conn, "users", user)
+        cur = conn.execute("DELETE FROM web_sessions WHERE user_id = %s", (user,))
+    return {"user_id": user, "ended": cur.rowcount}

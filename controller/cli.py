@@ -244,6 +244,12 @@ def cmd_admin(args: argparse.Namespace) -> int:
             )
         elif a == "end-run":
             out = admin.end_run(url, args.run)
+        elif a == "list-tokens":
+            out = admin.list_tokens(url, args.company, args.user)
+        elif a == "revoke-token":
+            out = admin.revoke_token(url, args.token_id)
+        elif a == "end-sessions":
+            out = admin.end_sessions(url, args.user)
         else:  # pragma: no cover - argparse restricts choices
             raise admin.AdminError(f"unknown admin command {a}")
     emit(args, out)
@@ -335,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default="/home/agent", help="the sandbox's $HOME, for the env paths")
     p = admin_cmd("end-run", "end a run; its token stops working at once")
     p.add_argument("run")
+    p = admin_cmd("list-tokens", "list API tokens by id (the tokens themselves are not stored)")
+    p.add_argument("--company", help="only tokens of this company's members")
+    p.add_argument("--user", help="only this user's tokens")
+    p = admin_cmd("revoke-token", "revoke an API token by id; it answers 401 at once")
+    p.add_argument("token_id")
+    p = admin_cmd("end-sessions", "end every Files page session of a user")
+    p.add_argument("user")
     return parser
 
 

@@ -44,7 +44,7 @@ async def list_entries(
     parent: str | None,
     trash: bool,
     limit: int,
-    after: dict[str, str] | None,
+    after: dict[str, Any] | None,
 ) -> EntryPage:
     """One page of live entries by path, or of trash entries newest first.
 

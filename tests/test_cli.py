@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import psycopg
@@ -26,7 +27,7 @@ from tests.support.controller import (
 
 def test_admin_commands_and_errors(controller: ControllerProcess) -> None:
     boot = controller.admin("bootstrap", "--email", "boss@example.com", "--company-name", "Acme")
-    assert set(boot) == {"company_id", "user_id", "token"}
+    assert set(boot) == {"company_id", "user_id", "token", "token_id"}
     with controller.db() as conn:
         row = conn.execute(
             "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s",
@@ -283,3 +284,57 @@ def test_unreachable_database_is_one_line_and_exit_3(command: list[str]) -> None
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.startswith("controller: database unavailable: "), proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_list_and_revoke_tokens_and_end_sessions(controller: ControllerProcess) -> None:
+    boot = controller.admin("bootstrap", "--email", f"rev-{uuid.uuid4().hex[:8]}@example.com")
+    other = controller.admin("create-user", f"other-{uuid.uuid4().hex[:8]}@example.com")
+    controller.admin("add-member", boot["company_id"], other["user_id"], "--role", "member")
+    lonely = controller.admin("create-user", f"lonely-{uuid.uuid4().hex[:8]}@example.com")
+    listed = controller.admin("list-tokens", "--company", boot["company_id"])["tokens"]
+    assert {t["token_id"] for t in listed} == {boot["token_id"], other["token_id"]}
+    assert all(t["revoked_at"] is None and "token" not in t for t in listed)
+    mine = controller.admin("list-tokens", "--user", lonely["user_id"])["tokens"]
+    assert [(t["token_id"], t["user_id"]) for t in mine] == [
+        (lonely["token_id"], lonely["user_id"])
+    ]
+
+    base = controller.url
+    listing = f"{base}/api/companies/{boot['company_id']}/directory"
+    bearer = {"Authorization": f"Bearer {other['token']}"}
+    assert httpx.get(listing, headers=bearer).status_code == 200
+    signed_in = httpx.post(f"{base}/files/api/session", json={"token": other["token"]})
+    assert signed_in.status_code == 200, signed_in.text
+    cookies = {"fsa_session": signed_in.cookies["fsa_session"]}
+    assert httpx.get(listing, cookies=cookies).status_code == 200
+
+    out = controller.admin("revoke-token", other["token_id"])
+    assert out["revoked"] is True and out["user_id"] == other["user_id"]
+    r = httpx.get(listing, headers=bearer)
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+    r = httpx.post(f"{base}/files/api/session", json={"token": other["token"]})
+    assert r.status_code == 401
+    # Revoking again changes nothing; the owner's token still works.
+    assert controller.admin("revoke-token", other["token_id"])["revoked_at"] == out["revoked_at"]
+    owner = {"Authorization": f"Bearer {boot['token']}"}
+    assert httpx.get(listing, headers=owner).status_code == 200
+    [row] = controller.admin("list-tokens", "--user", other["user_id"])["tokens"]
+    assert row["revoked_at"] == out["revoked_at"]
+
+    # The session signed in before the revocation lives until it is ended.
+    assert controller.admin("end-sessions", other["user_id"]) == {
+        "user_id": other["user_id"],
+        "ended": 1,
+    }
+    r = httpx.get(listing, cookies=cookies)
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+    assert httpx.get(f"{base}/files/api/session", cookies=cookies).status_code == 401
+
+    for args, message in (
+        (("revoke-token", "00000000-0000-0000-0000-000000000000"), "no such token"),
+        (("revoke-token", "nope"), "must be a UUID"),
+        (("end-sessions", "00000000-0000-0000-0000-000000000000"), "no such user"),
+        (("list-tokens", "--company", "x"), "must be a UUID"),
+    ):
+        code, _, err = controller.cli("admin", *args)
+        assert code == 1 and message in err, (args, err)

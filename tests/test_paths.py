@@ -20,7 +20,7 @@ GOOD = [
     "a/b/c.txt",
     "名前/ファイル.md",
     "x" * 255,
-    "/".join(["d"] * 300)[:1023],
+    "/".join(["d" * 15] * 64),  # 1023 characters in the most segments allowed
     "a b/c%_d",
     "é",
     ".hidden",
@@ -45,6 +45,13 @@ BAD = {
     "a" * 1025: "too_long",
     "e\u0301": "not_nfc",
     "bad\udcff": "invalid_utf8",
+    "a\x80b": "forbidden_character",  # C1 controls
+    "a\x9fb": "forbidden_character",
+    "invoice\u202etxt.exe": "forbidden_character",  # bidi override
+    "a\u202ab": "forbidden_character",
+    "a\u2066b": "forbidden_character",  # bidi isolates
+    "a\u2069b": "forbidden_character",
+    "/".join(["d"] * 65): "too_deep",
 }
 
 

@@ -47,6 +47,7 @@ from controller.api.objects import (
     reupload_if_missing,
     spool_append,
 )
+from controller.api.params import BIGINT_MAX, query_int
 from controller.api.serialize import manifest_entry
 from controller.auth import (
     RunBinding,
@@ -81,15 +82,6 @@ async def bound_folder(
     return await apply.get_folder(conn, run.company_id, scope, owner, create=False)
 
 
-def int_param(request: Request, name: str, default: int, maximum: int | None = None) -> int:
-    raw = request.query_params.get(name, str(default))
-    if not raw.isdigit() or (maximum is not None and not 1 <= int(raw) <= maximum):
-        raise ValidationError.single(
-            name, "invalid_integer", f"{name} must be a non-negative integer"
-        )
-    return int(raw)
-
-
 @json_errors
 async def get_run(request: Request) -> Response:
     async with connection(request) as conn:
@@ -116,8 +108,15 @@ async def get_run(request: Request) -> Response:
 
 @json_errors
 async def get_manifest(request: Request) -> Response:
-    since = int_param(request, "since", 0)
-    limit = int_param(request, "limit", MANIFEST_PAGE_MAX, MANIFEST_PAGE_MAX)
+    since = query_int(request, "since", 0, minimum=0, maximum=BIGINT_MAX, code="invalid_integer")
+    limit = query_int(
+        request,
+        "limit",
+        MANIFEST_PAGE_MAX,
+        minimum=1,
+        maximum=MANIFEST_PAGE_MAX,
+        code="invalid_integer",
+    )
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         folder = await bound_folder(request, conn, run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from common.errors import (
     WorkFolderError,
 )
 from controller.api.limits import credential_key, is_authenticated, mark_authenticated
+from controller.api.params import declared_length
 from controller.auth import Principal, principal_from_bearer, principal_from_session, same_secret
 from controller.config import Settings
 from controller.db import SharedPool
@@ -130,10 +132,47 @@ async def _authenticate(request: Request, conn: AsyncConnection[Any]) -> Princip
     raise Unauthenticated()
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects accepted in a JSON body."""
+
+# A JSON string (its escapes included) and a run of brackets outside strings.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKETS = re.compile(rb"[\[\]{}]+")
+
+
+def json_too_deep(raw: bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -> bool:
+    """True when ``raw`` nests arrays or objects deeper than ``max_depth``.
+
+    Checked before parsing, so a deep body costs neither recursion nor the
+    memory of a parsed tree; only bracket runs are visited in Python.
+    """
+    depth = 0
+    for run in _BRACKETS.finditer(_JSON_STRING.sub(b"", raw)):
+        for ch in run.group():
+            depth += 1 if ch in b"[{" else -1
+            if depth > max_depth:
+                return True
+    return False
+
+
 def parse_json_object(raw: bytes | bytearray) -> dict[str, Any]:
-    """A JSON object from ``raw``; ValidationError for anything else."""
+    """A JSON object from ``raw``; ValidationError for anything else.
+
+    Refused too: nesting deeper than :data:`MAX_JSON_DEPTH`, and ``\\uD800``-style
+    escapes of lone surrogates, which no UTF-8 text (or database) can hold.
+    """
+    if json_too_deep(raw):
+        raise ValidationError.single(
+            "body", "too_deep", f"JSON nests deeper than {MAX_JSON_DEPTH} levels"
+        )
     try:
         body = json.loads(raw)
+        if b"\\u" in raw:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError.single(
+            "body", "invalid_json", "body contains a lone surrogate escape"
+        ) from None
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise ValidationError.single("body", "invalid_json", "body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -155,8 +194,8 @@ async def read_json(
         raise ValidationError.single(
             "Content-Type", "invalid_content_type", "body must be application/json"
         )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    declared = declared_length(request)
+    if declared is not None and declared > max_bytes:
         raise PayloadTooLarge(f"JSON body is larger than {max_bytes} bytes")
     raw = await _read_body(request, max_bytes)
     if len(raw) <= JSON_INLINE_BYTES:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import re
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,30 +20,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import PayloadTooLarge, RangeNotSatisfiable, StorageUnavailable
 from controller.api.common import state
+from controller.api.params import declared_length, parse_range
 from controller.apply import EnsureObject
 
 SPOOL_WRITE_BYTES = 1 << 20
 
 
 # --- reads -----------------------------------------------------------------
-
-
-def parse_range(header: str, size: int) -> tuple[int, int]:
-    """One ``bytes=`` range → [start, end) within ``size``; 416 when unsatisfiable."""
-    m = re.fullmatch(r"bytes=(\d*)-(\d*)", header.strip())
-    if m is None or (m.group(1) == "" and m.group(2) == ""):
-        raise RangeNotSatisfiable("Only a single bytes=start-end range is supported")
-    first, last = m.group(1), m.group(2)
-    if first == "":
-        suffix = int(last)
-        if suffix == 0:
-            raise RangeNotSatisfiable()
-        return max(0, size - suffix), size
-    start = int(first)
-    end = size if last == "" else min(size, int(last) + 1)
-    if start >= size or start >= end:
-        raise RangeNotSatisfiable()
-    return start, end
 
 
 async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
@@ -109,8 +91,8 @@ async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Pat
     Crossing ``limit`` aborts at once (413), whatever Content-Length claimed.
     On any failure the spool file is removed, so nothing can be published.
     """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
         raise PayloadTooLarge(f"Files are limited to {limit} bytes")
     fd, path = await open_spool(spool_dir, "upload-")
     hasher = hashlib.sha256()

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import logging
 import re
 import secrets
 from typing import Any
-from urllib.parse import parse_qsl, quote
+from urllib.parse import quote
 
 from psycopg import AsyncConnection
 from starlette.requests import ClientDisconnect, Request
@@ -18,7 +15,6 @@ from starlette.routing import Route
 
 from common.errors import (
     FileNotFound,
-    InvalidPath,
     IsADirectory,
     PayloadTooLarge,
     ValidationError,
@@ -40,6 +36,14 @@ from controller.api.common import (
     state,
 )
 from controller.api.objects import object_response, put_object, reupload_if_missing, spool_body
+from controller.api.params import (
+    decode_list_cursor,
+    decode_trash_cursor,
+    encode_cursor,
+    query_bool,
+    query_int,
+    strict_query,
+)
 from controller.api.serialize import entry_json, iso, run_json
 from controller.auth import Principal, authorize_folder, authorize_purge, write_policy
 from controller.storage.base import object_key
@@ -60,28 +64,11 @@ def folder_address(request: Request) -> tuple[str, str, str]:
     return company_id, scope, owner_id
 
 
-def strict_query(request: Request, name: str) -> list[str]:
-    """Query values decoded strictly: invalid UTF-8 is an error, not U+FFFD."""
-    raw = request.scope.get("query_string", b"").decode("latin-1")
-    try:
-        pairs = parse_qsl(raw, keep_blank_values=True, encoding="utf-8", errors="strict")
-    except UnicodeDecodeError:
-        raise InvalidPath("invalid_utf8", "query string is not valid UTF-8", name) from None
-    return [v for k, v in pairs if k == name]
-
-
 def query_path(request: Request) -> str:
     values = strict_query(request, "path")
     if len(values) != 1:
         raise ValidationError.single("path", "required", "exactly one path query parameter")
     return validate_path(values[0])
-
-
-def query_bool(request: Request, name: str) -> bool:
-    raw = request.query_params.get(name, "false")
-    if raw not in ("true", "false"):
-        raise ValidationError.single(name, "invalid_boolean", f"{name} must be true or false")
-    return raw == "true"
 
 
 def idempotency_key(request: Request) -> str:
@@ -95,24 +82,6 @@ def idempotency_key(request: Request) -> str:
             f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters",
         )
     return key
-
-
-def encode_cursor(data: dict[str, Any]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(data).encode()).decode().rstrip("=")
-
-
-def decode_cursor(raw: str, keys: set[str]) -> dict[str, Any]:
-    try:
-        data = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        data = None
-    if (
-        not isinstance(data, dict)
-        or set(data) != keys
-        or not all(isinstance(v, str) for v in data.values())
-    ):
-        raise ValidationError.single("cursor", "invalid_cursor", "cursor is not valid")
-    return data
 
 
 async def open_folder(
@@ -131,22 +100,27 @@ async def open_folder(
 @json_errors
 async def list_entries(request: Request) -> Response:
     trash = query_bool(request, "trash")
-    limit_raw = request.query_params.get("limit", str(DEFAULT_PAGE_LIMIT))
-    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= MAX_PAGE_LIMIT:
-        raise ValidationError.single(
-            "limit", "invalid_limit", f"limit must be an integer 1-{MAX_PAGE_LIMIT}"
-        )
-    limit = int(limit_raw)
-    cursor_raw = request.query_params.get("cursor")
+    limit = query_int(
+        request,
+        "limit",
+        DEFAULT_PAGE_LIMIT,
+        minimum=1,
+        maximum=MAX_PAGE_LIMIT,
+        code="invalid_limit",
+    )
+    cursors = strict_query(request, "cursor")
+    after: dict[str, Any] | None = None
+    if cursors and trash:
+        deleted_at, last_path = decode_trash_cursor(cursors[0])
+        after = {"d": deleted_at, "p": last_path}
+    elif cursors:
+        after = {"p": decode_list_cursor(cursors[0])}
     dirs = strict_query(request, "dir")
     dir_raw = dirs[0] if dirs else None
     parent = None if dir_raw is None else ("" if dir_raw == "" else validate_path(dir_raw, "dir"))
 
     async with connection(request) as conn:
         _, folder, _ = await open_folder(request, conn, write=False)
-        after = None
-        if cursor_raw and folder is not None:
-            after = decode_cursor(cursor_raw, {"d", "p"} if trash else {"p"})
         page = await folders.list_entries(
             conn, folder, parent=parent, trash=trash, limit=limit, after=after
         )
