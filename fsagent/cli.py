@@ -29,7 +29,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from typing import Any
 import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US
+from fsagent import SPIN_US, control
 from fsagent.client import BridgeClient, RunInfo, open_client
 from fsagent.errors import DoctorFailed, FsagentError, MountFailed
 from fsagent.store import MARKER, Store, default_state_root
@@ -122,7 +121,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _daemonize(args: argparse.Namespace, mountpoint: Path, state_dir: Path) -> int:
     """Start the foreground daemon detached and return once it has mounted."""
-    argv = [a for a in sys.argv[1:] if a != "--foreground"]
+    # The command line main() parsed, which is sys.argv only when run as a program.
+    argv = [a for a in args.argv if a != "--foreground"]
     log_dir = state_dir.parent
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{args.scope}.log"
@@ -420,18 +420,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
     sock_path = state_dir / "control.sock"
     if _daemon(state_dir) is None or not sock_path.exists():
         raise FsagentError(f"no running fsagent daemon for {state_dir}")
-    request = json.dumps({"final": args.final}).encode() + b"\n"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(args.timeout)
-        sock.connect(str(sock_path))
-        sock.sendall(request)
-        raw = b""
-        while not raw.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            raw += chunk
-    reply = json.loads(raw or b"{}")
+    reply = control.request(sock_path, {"cmd": "flush", "final": args.final}, args.timeout)
     print(json.dumps(reply) if args.json else _describe_flush(reply))
     return 0 if reply.get("ok") else EXIT_SAVE_FAILED
 
@@ -545,7 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -39,7 +39,7 @@ import zstandard
 
 from common.bridge import CHUNK_MAX, END_FRAME, encode_frame
 from common.types import Digest, FileVersion
-from fsagent.client import HttpBridgeClient
+from fsagent.client import BridgeClient
 from fsagent.errors import FsagentError
 from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
 
@@ -92,9 +92,7 @@ def change_from_json(raw: list[Any]) -> Change:
 class Shipper:
     """Checkpoints for one collection; owned by the daemon that serves the mount."""
 
-    def __init__(
-        self, store: Store, client: HttpBridgeClient, scope: str, lease_epoch: int
-    ) -> None:
+    def __init__(self, store: Store, client: BridgeClient, scope: str, lease_epoch: int) -> None:
         self.store = store
         self.client = client
         self.scope = scope
@@ -267,16 +265,30 @@ class Shipper:
         return Digest(digest)
 
 
-async def checkpoint_loop(shipper: Shipper, interval: float) -> None:
-    """Ship every ``interval`` seconds; a failure is recorded and retried next time."""
+async def checkpoint_loop(shipper: Shipper, interval: float, *, max_backoff: float = 300.0) -> None:
+    """Ship every ``interval`` seconds; a failure is recorded and retried next time.
+
+    Anything else that goes wrong (a bug) is logged with its traceback and
+    retried with a growing delay, up to ``max_backoff``: never fatal to the
+    mount, whose final save still runs at stop.
+    """
+    failures = 0
+    delay = interval
     while True:
-        await trio.sleep(interval)
+        await trio.sleep(delay)
+        delay = interval
         started = time.monotonic()
         try:
             result = await shipper.ship_checkpoint()
         except SaveFailed as exc:
             log.warning("checkpoint failed (kept for the next one): %s", exc)
             continue
+        except Exception:
+            failures += 1
+            delay = min(max_backoff, max(interval, 1.0) * 2**failures)
+            log.exception("checkpoint failed unexpectedly; retrying in %.1fs", delay)
+            continue
+        failures = 0
         if result.entries:
             log.info(
                 "checkpoint of %d entries in %.2fs", result.entries, time.monotonic() - started
