@@ -71,12 +71,14 @@ def parse_request(raw: bytes) -> tuple[str, bool]:
 
 
 async def _read_line(conn: trio.SocketStream) -> bytes:
+    """The request line; past MAX_REQUEST the rest of the line is read and
+    dropped, so the reply is not lost to a reset by unread data."""
     raw = b""
-    while not raw.endswith(b"\n") and len(raw) <= MAX_REQUEST:
-        chunk = await conn.receive_some(MAX_REQUEST + 1)
+    while not raw.endswith(b"\n"):
+        chunk = await conn.receive_some(65536)
         if not chunk:
             break
-        raw += chunk
+        raw = raw + chunk if len(raw) <= MAX_REQUEST else raw[: MAX_REQUEST + 1] + chunk[-1:]
     return raw
 
 
