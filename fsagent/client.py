@@ -43,7 +43,6 @@ from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
     ObjectUnavailable,
-    ResyncRequired,
 )
 from fsagent.store import Kind, ManifestRow
 
@@ -134,7 +133,7 @@ class BridgeClient(ABC):
     def iter_manifest(self, scope: str, since: int = 0) -> AsyncIterator[ManifestPage]:
         """Pages of the folder's manifest with ``version > since``, in version order.
 
-        Raises ResyncRequired when ``since`` is older than the purge floor.
+        Raises ControllerRefused meaning common.errors.ResyncRequired when ``since`` is older than the purge floor.
         """
 
     @abstractmethod
@@ -300,8 +299,7 @@ class HttpBridgeClient(BridgeClient):
             code, message = body.get("code"), body.get("error", message)
         except (ValueError, AttributeError):
             pass
-        cls = ResyncRequired if resp.status_code == 410 else ControllerRefused
-        raise cls(
+        raise ControllerRefused(
             f"{what}: HTTP {resp.status_code} {code or ''} {message}".strip(),
             resp.status_code,
             code,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bridge import MANIFEST_PAGE_MAX
+from common.errors import ResyncRequired
 from common.limits import SCOPES
 from common.types import Digest, FileVersion
 from fsagent.client import (
@@ -43,7 +44,6 @@ from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
     ObjectUnavailable,
-    ResyncRequired,
 )
 
 
@@ -151,7 +151,9 @@ class MemoryBridgeClient(BridgeClient):
         self._call("iter_manifest")
         folder = self.folder(scope)
         if since and since < folder.purge_floor:
-            raise ResyncRequired(f"since {since} is below the purge floor", 410, "resync_required")
+            raise ControllerRefused(
+                f"since {since} is below the purge floor", 410, ResyncRequired.code
+            )
         chosen = sorted(
             (e for e in folder.entries.values() if e.version > since and (since or not e.deleted)),
             key=lambda e: e.version,

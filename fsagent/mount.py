@@ -41,14 +41,15 @@ from typing import Any
 import pyfuse3
 import trio
 
+from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent import SPIN_US
 from fsagent.client import BridgeClient
 from fsagent.control import FlushHandler, serve_control
-from fsagent.errors import FsagentError, MountFailed, ResyncRequired
+from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher, hydrate_manifest
-from fsagent.ship import SaveFailed, Shipper, checkpoint_loop
+from fsagent.ship import Shipper, checkpoint_loop
 from fsagent.store import MARKER, Binding, ManifestRow, Store
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,9 @@ async def take_incoming(store: Store, client: BridgeClient, scope: str) -> int:
             high_water = max(high_water, page.high_water)
             for e in page.entries:
                 incoming.append((e.path, True) if e.deleted else e.row())
-    except ResyncRequired:
+    except ControllerRefused as exc:
+        if not exc.means(ResyncRequired):
+            raise
         log.warning("changes since %d are incomplete on the server; keeping local state", since)
         return 0
     applied = store.apply_incoming(incoming)

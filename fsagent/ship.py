@@ -40,17 +40,13 @@ import zstandard
 from common.bridge import CHUNK_MAX, END_FRAME, encode_frame
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
-from fsagent.errors import FsagentError
+from fsagent.errors import FsagentError, SaveFailed
 from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
 
 log = logging.getLogger(__name__)
 
 UPLOAD_CONCURRENCY = 8
 """Uploads in flight at once; memory stays bounded at about one frame each."""
-
-
-class SaveFailed(FsagentError):
-    """A checkpoint could not be saved; the state dir keeps every change."""
 
 
 @dataclass(frozen=True)

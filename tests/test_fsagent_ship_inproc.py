@@ -19,11 +19,11 @@ import trio.testing
 
 from common.bridge import CHUNK_MAX
 from fsagent.client import Frames
-from fsagent.errors import ControllerRefused
+from fsagent.errors import ControllerRefused, SaveFailed
 from fsagent.hydrate import hydrate_manifest
 from fsagent.memclient import MemoryBridgeClient
 from fsagent.mount import warm_start
-from fsagent.ship import SaveFailed, Shipper, checkpoint_loop
+from fsagent.ship import Shipper, checkpoint_loop
 from fsagent.store import ROOT_INODE, InodeNo, Store
 
 SCOPE = "task"
