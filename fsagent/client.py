@@ -44,7 +44,6 @@ from fsagent.errors import (
     ControllerUnavailable,
     ObjectUnavailable,
 )
-from fsagent.store import Kind, ManifestRow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,12 +97,6 @@ class ManifestEntry:
             bool(data.get("executable", False)),
             FileVersion(int(data.get("version", 0))),
             bool(data.get("deleted", False)),
-        )
-
-    def row(self) -> ManifestRow:
-        kind: Kind = "directory" if self.kind == "directory" else "file"
-        return ManifestRow(
-            self.path, kind, self.digest, self.byte_size, self.executable, self.version
         )
 
 

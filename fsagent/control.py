@@ -127,17 +127,23 @@ async def serve_control(sock_path: Path, flush: FlushHandler) -> None:
             sock_path.unlink(missing_ok=True)  # noqa: ASYNC240 - as above, at shutdown
 
 
-def request(sock_path: Path, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Send one request to a daemon's control socket and return its reply."""
+def exchange(sock_path: Path, line: bytes, timeout: float, *, read: bool = True) -> bytes:
+    """Send raw bytes to a control socket; the reply line (b"" with ``read=False``)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(str(sock_path))
-        sock.sendall(json.dumps(body).encode() + b"\n")
+        sock.sendall(line)
         raw = b""
-        while not raw.endswith(b"\n"):
+        while read and not raw.endswith(b"\n"):
             chunk = sock.recv(65536)
             if not chunk:
                 break
             raw += chunk
+    return raw
+
+
+def request(sock_path: Path, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Send one request to a daemon's control socket and return its reply."""
+    raw = exchange(sock_path, json.dumps(body).encode() + b"\n", timeout)
     reply: dict[str, Any] = json.loads(raw or b"{}")
     return reply

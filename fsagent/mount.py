@@ -48,7 +48,7 @@ from fsagent.client import BridgeClient
 from fsagent.control import FlushHandler, serve_control
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import WorkFolderFS
-from fsagent.hydrate import ContentFetcher, hydrate_manifest
+from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
 from fsagent.ship import Shipper, checkpoint_loop
 from fsagent.store import MARKER, Binding, ManifestRow, Store
 
@@ -229,7 +229,7 @@ async def take_incoming(store: Store, client: BridgeClient, scope: str) -> int:
         async for page in client.iter_manifest(scope, since):
             high_water = max(high_water, page.high_water)
             for e in page.entries:
-                incoming.append((e.path, True) if e.deleted else e.row())
+                incoming.append((e.path, True) if e.deleted else manifest_row(e))
     except ControllerRefused as exc:
         if not exc.means(ResyncRequired):
             raise

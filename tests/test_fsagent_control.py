@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from fsagent.client import RETRY_AFTER_MAX, HttpBridgeClient, parse_retry_after
-from fsagent.control import MAX_REQUEST, BadRequest, parse_request
+from fsagent.control import MAX_REQUEST, BadRequest, exchange, parse_request
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.mount import MountFactory, is_mounted
@@ -50,20 +50,8 @@ def test_parse_request_accepts_the_protocol() -> None:
 
 
 def ask(sock_path: Path, raw: bytes, *, read: bool = True) -> dict[str, Any] | None:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(30)
-        sock.connect(str(sock_path))
-        sock.sendall(raw)
-        if not read:
-            return None
-        reply = b""
-        while not reply.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-    result: dict[str, Any] = json.loads(reply)
-    return result
+    reply = exchange(sock_path, raw, 30, read=read)
+    return json.loads(reply) if read else None
 
 
 @pytest.mark.fuse
