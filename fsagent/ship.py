@@ -22,7 +22,10 @@ One checkpoint, start to finish (:meth:`Shipper.ship_checkpoint`):
 At most one checkpoint is in flight (a trio lock). Transient failures
 (network, 5xx, 429) are retried with backoff and jitter up to a deadline;
 permanent refusals (403/404/409/422) stop at once and are recorded so
-``fsagent status`` shows them.
+``fsagent status`` shows them. A ``stale_lease`` refusal fences the shipper:
+a newer run owns the folder, so nothing is uploaded or committed again by
+this daemon (every later save fails at once) and the state dir keeps every
+change.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ import trio
 import zstandard
 
 from common.bridge import CHUNK_MAX, END_FRAME, encode_frame
+from common.errors import StaleLease
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
-from fsagent.errors import FsagentError, SaveFailed
+from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
 from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
 
 log = logging.getLogger(__name__)
@@ -94,6 +98,8 @@ class Shipper:
         self.scope = scope
         self.lease_epoch = lease_epoch
         self._lock = trio.Lock()
+        self.fenced: str | None = None
+        """Why the controller fenced this run off (stale lease); None while shipping."""
 
     @property
     def busy(self) -> bool:
@@ -102,10 +108,16 @@ class Shipper:
     async def ship_checkpoint(self, *, final: bool = False) -> SaveResult:
         """Save everything changed since the baseline; raises SaveFailed."""
         async with self._lock:
+            if self.fenced is not None:
+                message = f"not saved, a newer run holds the lease: {self.fenced}"
+                self.store.record_save_error(message)
+                raise SaveFailed(message)
             try:
                 return await self._ship(final=final)
             except (FsagentError, OSError) as exc:
                 message = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
+                    self.fenced = message
                 self.store.record_save_error(message)
                 with trio.move_on_after(10):
                     try:

@@ -127,7 +127,7 @@ async def test_failed_upload_is_recorded_reported_and_retried(
 
 
 @pytest.mark.trio
-async def test_stale_lease_is_refused_and_nothing_is_applied(
+async def test_stale_lease_fences_the_shipper_and_nothing_is_applied(
     tmp_path: Path, mem: MemoryBridgeClient
 ) -> None:
     store = await hydrated(tmp_path, mem)
@@ -135,12 +135,20 @@ async def test_stale_lease_is_refused_and_nothing_is_applied(
         write_small(store, "a.txt", b"from the old run")
         mem.run = replace(mem.run, lease_epoch=2)  # a newer run took the folder
         high = mem.folder(SCOPE).high_water
+        shipper = Shipper(store, mem, SCOPE, 1)
         with pytest.raises(SaveFailed, match="stale lease") as info:
-            await Shipper(store, mem, SCOPE, 1).ship_checkpoint()
+            await shipper.ship_checkpoint()
         cause = info.value.__cause__
         assert isinstance(cause, ControllerRefused) and cause.code == "stale_lease"
         assert mem.folder(SCOPE).high_water == high and "a.txt" not in mem.files(SCOPE)
         assert [c.path for c in store.changes_since_baseline()] == ["a.txt"]  # kept locally
+        # Fenced: later saves, the final one included, send nothing at all.
+        calls = len(mem.calls)
+        for final in (False, True):
+            with pytest.raises(SaveFailed, match="newer run holds the lease"):
+                await shipper.ship_checkpoint(final=final)
+        assert len(mem.calls) == calls
+        assert "newer run" in store.save_status()["lastError"]["message"]
     finally:
         store.close()
 
