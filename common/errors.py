@@ -1,6 +1,13 @@
-"""One exception hierarchy for both sides.
+"""The root of the project's errors, and the controller's hierarchy.
 
-Every error carries a stable ``code`` (listed in README, "Error codes") and the
+:class:`AppError` is the root of every error raised on purpose, on both sides:
+the controller's :class:`WorkFolderError` (an HTTP status and a stable code)
+and fsagent's :class:`fsagent.errors.FsagentError` (a CLI exit code). fsagent
+learns a controller refusal's meaning from its ``code``, compared with the
+classes here (:meth:`fsagent.errors.ControllerRefused.means`), so no class is
+defined on both sides.
+
+Every controller error carries a stable ``code`` (listed in README, "Error codes") and the
 HTTP status the controller answers with. The API body is always
 ``{"error": <message>, "code": <code>, "details"?: [...]}``.
 """
@@ -10,7 +17,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 
-class WorkFolderError(Exception):
+class AppError(Exception):
+    """Root of every error the project raises on purpose (either side)."""
+
+
+class WorkFolderError(AppError):
     code: ClassVar[str] = "internal_error"
     status: ClassVar[int] = 500
     message: ClassVar[str] = "Internal error"
@@ -156,11 +167,6 @@ class RunNotActive(Conflict):
 class StaleLease(Conflict):
     code = "stale_lease"
     message = "Lease epoch is older than the current lease"
-
-
-class BindingMismatch(Conflict):
-    code = "binding_mismatch"
-    message = "State is bound to a different owner"
 
 
 class PayloadTooLarge(WorkFolderError):

@@ -23,240 +23,27 @@ found problems.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US
-from fsagent.client import BridgeClient, RunInfo, open_client
-from fsagent.errors import DoctorFailed, FsagentError, MountFailed
+from fsagent import SPIN_US, control
+from fsagent.client import open_client
+from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount, read_token
+from fsagent.errors import DoctorFailed, FsagentError
 from fsagent.store import MARKER, Store, default_state_root
+from fsagent.up import cmd_up
 
 log = logging.getLogger("fsagent")
-
-
-def _read_token(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise FsagentError(f"cannot read token file {path}: {exc.strerror}") from None
-    if not token:
-        raise FsagentError(f"token file {path} is empty")
-    return token
-
-
-def _client(args: argparse.Namespace) -> BridgeClient:
-    token = _read_token(args.token_file)
-    if token is None and not args.controller.startswith(("dir:", "file://")):
-        raise FsagentError("--token-file is required for an HTTP controller")
-    return open_client(args.controller, token, retry_deadline=args.retry_deadline)
-
-
-# --- mount ---------------------------------------------------------------------
-
-
-def detach_dead_mount(mountpoint: Path) -> None:
-    """Detach the mount a crashed fsagent left behind (ENOTCONN), so a restart can mount.
-
-    Only a dead FUSE connection is detached; a live mount is left alone and
-    the new mount then fails with a clear message.
-    """
-    try:
-        os.stat(mountpoint)
-    except OSError as exc:
-        if exc.errno != errno.ENOTCONN:
-            return
-        log.warning("%s: detaching the dead mount of a previous fsagent", mountpoint)
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False,
-                       capture_output=True)  # fmt: skip
-
-
-def cmd_mount(args: argparse.Namespace) -> int:
-    from fsagent.mount import MountOptions, serve
-
-    if args.scope not in SCOPES:
-        raise FsagentError(f"scope must be one of {', '.join(SCOPES)}")
-    mountpoint = Path(args.mountpoint)
-    detach_dead_mount(mountpoint)
-    if not mountpoint.is_dir():
-        raise MountFailed(f"mountpoint {mountpoint} is not an existing directory")
-    state_dir = Path(args.state_dir) if args.state_dir else default_state_root() / args.scope
-    if not args.foreground:
-        return _daemonize(args, mountpoint, state_dir)
-    opts = MountOptions(
-        args.scope,
-        mountpoint,
-        state_dir,
-        args.allow_other,
-        args.prefetch,
-        args.checkpoint_interval,
-        args.spin_us,
-    )
-
-    async def main() -> bool:
-        client = _client(args)
-        try:
-            return (await serve(client, opts)).saved
-        finally:
-            await client.aclose()
-
-    saved = trio.run(main)
-    return 0 if saved else EXIT_SAVE_FAILED
-
-
-def _daemonize(args: argparse.Namespace, mountpoint: Path, state_dir: Path) -> int:
-    """Start the foreground daemon detached and return once it has mounted."""
-    argv = [a for a in sys.argv[1:] if a != "--foreground"]
-    log_dir = state_dir.parent
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{args.scope}.log"
-    with open(log_path, "ab") as log_fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fsagent.cli", *argv, "--foreground"],
-            stdin=subprocess.DEVNULL,
-            stdout=log_fh,
-            stderr=log_fh,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if os.path.ismount(mountpoint):
-            print(f"fsagent: {args.scope} mounted at {mountpoint} (pid {proc.pid}, log {log_path})")
-            return 0
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            print("\n".join(tail), file=sys.stderr)
-            return proc.returncode or 1
-        time.sleep(0.05)
-    proc.terminate()
-    raise MountFailed(f"{mountpoint} was not mounted within 300s (log {log_path})")
-
-
-# --- up ------------------------------------------------------------------------
-
-ENV_NAMES = {
-    "task": "PAPERCLIP_TASK_DIR",
-    "agent": "PAPERCLIP_AGENT_DIR",
-    "user": "PAPERCLIP_USER_DIR",
-    "project": "PAPERCLIP_PROJECT_DIR",
-}
-
-
-def env_for(home: Path, run: RunInfo) -> dict[str, str]:
-    """The environment an agent gets: only bound collections are exported."""
-    env = {"AGENT_HOME": str(home / "agent")}
-    for scope, name in ENV_NAMES.items():
-        if run.bindings.get(scope) is not None:
-            env[name] = str(home / scope)
-    return env
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    """Mount all four collections (one process each) and supervise them."""
-    home = Path(args.home).absolute()
-    state_root = Path(args.state_root) if args.state_root else default_state_root()
-    client = _client(args)
-
-    async def get_run() -> RunInfo:
-        try:
-            return await client.get_run()
-        finally:
-            await client.aclose()
-
-    run = trio.run(get_run)
-    stop = False
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    children: dict[str, subprocess.Popen[bytes]] = {}
-    for scope in SCOPES:
-        mp = home / scope
-        mp.mkdir(parents=True, exist_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "fsagent.cli",
-            "mount",
-            scope,
-            str(mp),
-            "--controller",
-            args.controller,
-            "--state-dir",
-            str(state_root / scope),
-            "--foreground",
-            "--prefetch",
-            str(args.prefetch),
-            "--checkpoint-interval",
-            str(args.checkpoint_interval),
-            "--spin-us",
-            str(args.spin_us),
-        ]
-        if args.token_file:
-            argv += ["--token-file", args.token_file]
-        if args.allow_other:
-            argv.append("--allow-other")
-        children[scope] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + args.timeout
-    pending = set(SCOPES)
-    failed: str | None = None
-    while pending and not stop and failed is None:
-        for scope in list(pending):
-            if os.path.ismount(home / scope):
-                pending.discard(scope)
-            elif children[scope].poll() is not None:
-                failed = f"{scope} exited with {children[scope].returncode}"
-        if time.monotonic() > deadline:
-            failed = f"not mounted within {args.timeout}s: {', '.join(sorted(pending))}"
-        time.sleep(0.05)
-    if failed is None and not stop:
-        env_file = Path(args.env_file) if args.env_file else state_root / "env"
-        env_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = env_file.with_suffix(".tmp")
-        tmp.write_text("".join(f"{k}={v}\n" for k, v in env_for(home, run).items()))
-        os.replace(tmp, env_file)
-        print(
-            f"fsagent: mounted {', '.join(SCOPES)} under {home}; environment in {env_file}",
-            flush=True,
-        )
-        while not stop and all(c.poll() is None for c in children.values()):
-            time.sleep(0.2)
-    for child in children.values():
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    codes = {}
-    for scope, child in children.items():
-        try:
-            codes[scope] = child.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            codes[scope] = child.wait()
-    if failed is not None:
-        raise MountFailed(f"fsagent up: {failed}")
-    bad = {s: c for s, c in codes.items() if c != 0}
-    if bad:
-        print(f"fsagent up: collections stopped with errors: {bad}", file=sys.stderr)
-        return max(bad.values())
-    return 0
 
 
 # --- status / changes ----------------------------------------------------------
@@ -380,7 +167,7 @@ def doctor_problems(home: Path, controller: str | None, token_file: str | None) 
             problems.append(f"{label} directory {path} is not writable")
     if controller:
         try:
-            token = _read_token(token_file)
+            token = read_token(token_file)
             client = open_client(controller, token, retry_deadline=5)
 
             async def probe_run() -> None:
@@ -406,12 +193,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- entry point ---------------------------------------------------------------
-
-
 # --- flush ---------------------------------------------------------------------
-
-EXIT_SAVE_FAILED = 4
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
@@ -420,18 +202,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
     sock_path = state_dir / "control.sock"
     if _daemon(state_dir) is None or not sock_path.exists():
         raise FsagentError(f"no running fsagent daemon for {state_dir}")
-    request = json.dumps({"final": args.final}).encode() + b"\n"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(args.timeout)
-        sock.connect(str(sock_path))
-        sock.sendall(request)
-        raw = b""
-        while not raw.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            raw += chunk
-    reply = json.loads(raw or b"{}")
+    reply = control.request(sock_path, {"cmd": "flush", "final": args.final}, args.timeout)
     print(json.dumps(reply) if args.json else _describe_flush(reply))
     return 0 if reply.get("ok") else EXIT_SAVE_FAILED
 
@@ -545,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,12 +1,18 @@
-"""The bridge client: how fsagent reads its run, manifests and objects.
+"""The bridge client: how fsagent reads its run, manifests and objects and
+saves checkpoints.
 
-One small interface (:class:`BridgeClient`) with two implementations side by
-side, so the filesystem can be tested and benchmarked without a controller:
+One interface (:class:`BridgeClient`: the read side and the write side) with
+implementations side by side, so the filesystem, the shipper and warm start
+can be tested and benchmarked without a controller:
 
 * :class:`HttpBridgeClient` talks to the controller's ``/bridge/v1`` routes
-  (:mod:`common.bridge`) with the run token, retrying transient failures.
+  (:mod:`common.bridge`) with the run token, retrying transient failures
+  (honouring ``Retry-After`` on 429 and 503, at most :data:`RETRY_AFTER_MAX`).
 * :class:`DirectoryBridgeClient` serves a run, manifests and objects from a
-  local directory (layout in its docstring).
+  local directory (layout in its docstring); it is read-only.
+* :class:`fsagent.memclient.MemoryBridgeClient` keeps a run in memory and
+  accepts checkpoints, validating them like the controller, with fault
+  injection.
 
 Objects are streamed to a destination file while their SHA-256 is computed;
 the caller compares it with the manifest digest before publishing anything.
@@ -19,11 +25,13 @@ import json
 import logging
 import os
 import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, ClassVar, TypeVar
 
 import httpx
 import trio
@@ -35,13 +43,16 @@ from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
     ObjectUnavailable,
-    ResyncRequired,
 )
-from fsagent.records import Kind, ManifestRow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHUNK = 256 * 1024
+RETRY_AFTER_MAX = 60.0
+"""Longest wait a ``Retry-After`` header can ask for between two attempts."""
+
+Frames = Callable[[], AsyncIterator[bytes]]
+"""Upload frames of one object (:mod:`common.bridge`); called again per attempt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +99,6 @@ class ManifestEntry:
             bool(data.get("deleted", False)),
         )
 
-    def row(self) -> ManifestRow:
-        kind: Kind = "directory" if self.kind == "directory" else "file"
-        return ManifestRow(
-            self.path, kind, self.digest, self.byte_size, self.executable, self.version
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class ManifestPage:
@@ -103,7 +108,15 @@ class ManifestPage:
 
 
 class BridgeClient(ABC):
-    """What fsagent needs from the controller (read side)."""
+    """What fsagent needs from the controller: the read side and the write side.
+
+    ``writable`` is False for a source that cannot take checkpoints (a local
+    directory): the mount then serves it without a shipper.
+    """
+
+    writable: ClassVar[bool] = True
+
+    # --- read side ---
 
     @abstractmethod
     async def get_run(self) -> RunInfo:
@@ -111,7 +124,10 @@ class BridgeClient(ABC):
 
     @abstractmethod
     def iter_manifest(self, scope: str, since: int = 0) -> AsyncIterator[ManifestPage]:
-        """Pages of the folder's manifest with ``version > since``, in version order."""
+        """Pages of the folder's manifest with ``version > since``, in version order.
+
+        Raises ControllerRefused meaning common.errors.ResyncRequired when ``since`` is older than the purge floor.
+        """
 
     @abstractmethod
     async def fetch_object(self, scope: str, digest: Digest, dest: Path) -> tuple[str, int]:
@@ -119,6 +135,34 @@ class BridgeClient(ABC):
 
         Raises ObjectUnavailable when the controller does not serve it.
         """
+
+    @abstractmethod
+    async def refresh_requested(self) -> bool:
+        """Whether the run asks for the server's changes after its final save."""
+
+    # --- write side ---
+
+    @abstractmethod
+    async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
+        """Stream one object as upload frames; return the controller's (digest, size).
+
+        ``frames`` is called again for each attempt, so a retry re-reads the file.
+        """
+
+    @abstractmethod
+    async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Apply one checkpoint body (all or nothing); return its receipt.
+
+        The same operation id and body again returns the same receipt.
+        """
+
+    @abstractmethod
+    async def report_state(self, state: str, error: str | None = None) -> None:
+        """Tell the controller that a save started or failed (shown on /sync)."""
+
+    @abstractmethod
+    async def refresh_applied(self) -> None:
+        """Clear the run's refresh request once its changes are taken."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most clients hold nothing
         """Release connections."""
@@ -129,7 +173,7 @@ def _flush_and_sync(fh: BinaryIO) -> None:
     os.fsync(fh.fileno())
 
 
-async def _copy_hashing(chunks: AsyncIterator[bytes], dest: Path) -> tuple[str, int]:
+async def copy_hashing(chunks: AsyncIterator[bytes], dest: Path) -> tuple[str, int]:
     """Stream chunks into ``dest`` (file I/O in a worker thread), hashing as we go."""
     sha = hashlib.sha256()
     size = 0
@@ -149,7 +193,27 @@ async def _copy_hashing(chunks: AsyncIterator[bytes], dest: Path) -> tuple[str, 
 
 
 class _Transient(Exception):
-    """A failure worth retrying (network, 5xx, 429)."""
+    """A failure worth retrying (network, 5xx, 429), maybe with the server's wait."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP
+    date), bounded to [0, RETRY_AFTER_MAX]; None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value) if value.isdigit() else None
+        if seconds is None:
+            when = parsedate_to_datetime(value).timestamp()
+            seconds = when - (time.time() if now is None else now)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return min(max(seconds, 0.0), RETRY_AFTER_MAX)
 
 
 async def with_retries(
@@ -174,6 +238,8 @@ async def with_retries(
             attempt += 1
             elapsed = trio.current_time() - start
             delay = random.uniform(0, min(max_delay, base_delay * 2**attempt))
+            if exc.retry_after is not None:
+                delay = max(delay, exc.retry_after)  # the server knows when it can answer
             if elapsed + delay > deadline:
                 raise ControllerUnavailable(
                     f"{what}: gave up after {attempt} attempts over {elapsed:.1f}s: {exc}"
@@ -215,7 +281,10 @@ class HttpBridgeClient(BridgeClient):
         if resp.status_code < 400:
             return
         if resp.status_code == 429 or resp.status_code >= 500:
-            raise _Transient(f"HTTP {resp.status_code}")
+            retry_after = None
+            if resp.status_code in (429, 503):
+                retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+            raise _Transient(f"HTTP {resp.status_code}", retry_after)
         code = None
         message = resp.reason_phrase
         try:
@@ -223,8 +292,7 @@ class HttpBridgeClient(BridgeClient):
             code, message = body.get("code"), body.get("error", message)
         except (ValueError, AttributeError):
             pass
-        cls = ResyncRequired if resp.status_code == 410 else ControllerRefused
-        raise cls(
+        raise ControllerRefused(
             f"{what}: HTTP {resp.status_code} {code or ''} {message}".strip(),
             resp.status_code,
             code,
@@ -276,7 +344,7 @@ class HttpBridgeClient(BridgeClient):
                     if resp.status_code >= 400:
                         await resp.aread()
                     self._check(resp, what)
-                    return await _copy_hashing(resp.aiter_bytes(CHUNK), dest)
+                    return await copy_hashing(resp.aiter_bytes(CHUNK), dest)
             except httpx.TransportError as exc:
                 raise _Transient(f"{type(exc).__name__}: {exc}") from exc
 
@@ -297,13 +365,7 @@ class HttpBridgeClient(BridgeClient):
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
-    async def upload_object(
-        self, scope: str, frames: Callable[[], AsyncIterator[bytes]]
-    ) -> tuple[str, int]:
-        """Stream one object as upload frames; returns the controller's (digest, size).
-
-        ``frames`` is called again for each attempt, so a retry re-reads the file.
-        """
+    async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
         url = f"{PREFIX}/folders/{scope}/uploads"
         what = f"PUT {scope} upload"
 
@@ -343,7 +405,7 @@ class HttpBridgeClient(BridgeClient):
 
 
 class DirectoryBridgeClient(BridgeClient):
-    """Serves a run from a directory, for tests and benchmarks.
+    """Serves a run from a directory, for tests and benchmarks (read-only).
 
     Layout::
 
@@ -352,6 +414,8 @@ class DirectoryBridgeClient(BridgeClient):
         <scope>/objects/<digest>      object bytes
         config.json (optional)        {"fetchDelay": seconds per object}
     """
+
+    writable = False
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -393,7 +457,25 @@ class DirectoryBridgeClient(BridgeClient):
                 while chunk := await trio.to_thread.run_sync(fh.read, CHUNK):
                     yield chunk
 
-        return await _copy_hashing(chunks(), dest)
+        return await copy_hashing(chunks(), dest)
+
+    async def refresh_requested(self) -> bool:
+        return False
+
+    def _read_only(self) -> ControllerRefused:
+        return ControllerRefused(f"{self.root} is a read-only source", 405, "read_only_source")
+
+    async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
+        raise self._read_only()
+
+    async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise self._read_only()
+
+    async def report_state(self, state: str, error: str | None = None) -> None:
+        raise self._read_only()
+
+    async def refresh_applied(self) -> None:
+        raise self._read_only()
 
 
 def open_client(

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from common.errors import AppError, WorkFolderError
 
-class FsagentError(Exception):
+
+class FsagentError(AppError):
     """A failure the CLI reports as one line and a documented exit code."""
 
     exit_code: ClassVar[int] = 1
@@ -64,13 +66,19 @@ class ControllerRefused(ControllerError):
         self.status = status
         self.code = code
 
-
-class ResyncRequired(ControllerRefused):
-    """``since`` is older than the folder's purge floor: list again from 0."""
+    def means(self, error: type[WorkFolderError]) -> bool:
+        """Whether the controller refused with ``error``'s code (common.errors)."""
+        return self.code == error.code
 
 
 class ObjectUnavailable(ControllerError):
     """An object could not be fetched, or its bytes did not match the digest."""
+
+
+class SaveFailed(FsagentError):
+    """A checkpoint could not be saved; the state dir keeps every change."""
+
+    exit_code = 4
 
 
 class MountFailed(FsagentError):

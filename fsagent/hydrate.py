@@ -25,9 +25,17 @@ from common.paths import validate_path
 from common.types import Digest
 from fsagent.client import BridgeClient, ManifestEntry, ManifestPage
 from fsagent.errors import ObjectUnavailable
-from fsagent.store import EMPTY_DIGEST, ManifestRow, Store
+from fsagent.store import EMPTY_DIGEST, Kind, ManifestRow, Store
 
 log = logging.getLogger(__name__)
+
+
+def manifest_row(entry: ManifestEntry) -> ManifestRow:
+    """The store's record of a live manifest entry."""
+    kind: Kind = "directory" if entry.kind == "directory" else "file"
+    return ManifestRow(
+        entry.path, kind, entry.digest, entry.byte_size, entry.executable, entry.version
+    )
 
 
 def _valid_rows(entries: list[ManifestEntry]) -> list[ManifestRow]:
@@ -42,7 +50,7 @@ def _valid_rows(entries: list[ManifestEntry]) -> list[ManifestRow]:
             # worth failing the whole mount over, but must not be shown.
             log.warning("skipping manifest entry with invalid path %r", entry.path)
             continue
-        rows.append(entry.row())
+        rows.append(manifest_row(entry))
     return rows
 
 

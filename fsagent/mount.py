@@ -41,13 +41,15 @@ from typing import Any
 import pyfuse3
 import trio
 
+from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent import SPIN_US
-from fsagent.client import BridgeClient, HttpBridgeClient
-from fsagent.errors import FsagentError, MountFailed, ResyncRequired
+from fsagent.client import BridgeClient
+from fsagent.control import FlushHandler, serve_control
+from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import WorkFolderFS
-from fsagent.hydrate import ContentFetcher, hydrate_manifest
-from fsagent.ship import SaveFailed, Shipper, checkpoint_loop
+from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
+from fsagent.ship import Shipper, checkpoint_loop
 from fsagent.store import MARKER, Binding, ManifestRow, Store
 
 log = logging.getLogger(__name__)
@@ -183,53 +185,22 @@ async def _flush_kernel(mountpoint: Path) -> None:
         log.warning("syncfs on %s failed: %s", mountpoint, exc)
 
 
-async def _serve_control(
-    sock_path: Path, mountpoint: Path, shipper: Shipper, stop: StopState
-) -> None:
-    """Answer `fsagent flush` requests: one JSON line in, one JSON line out."""
-    # Removing a stale socket file is one local metadata call, done before
-    # the mount serves anything: not worth a worker thread.
-    sock_path.unlink(missing_ok=True)  # noqa: ASYNC240
-    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    await listener.bind(str(sock_path))
-    os.chmod(sock_path, 0o600)
-    listener.listen(4)
+def _control_handler(mountpoint: Path, shipper: Shipper, stop: StopState) -> FlushHandler:
+    """What a valid ``fsagent flush`` request does (protocol: fsagent.control)."""
 
-    async def handle(conn: trio.SocketStream) -> None:
-        async with conn:
-            raw = b""
-            while not raw.endswith(b"\n") and len(raw) < 4096:
-                chunk = await conn.receive_some(4096)
-                if not chunk:
-                    break
-                raw += chunk
-            reply: dict[str, Any]
-            try:
-                request = json.loads(raw or b"{}")
-                final = bool(request.get("final", False))
-                await _flush_kernel(mountpoint)
-                if final:
-                    await _final_save(shipper, stop)
-                    reply = {"ok": stop.saved, "error": stop.error, "final": True}
-                    pyfuse3.terminate()
-                else:
-                    result = await shipper.ship_checkpoint()
-                    reply = {"ok": True, "result": result.to_json()}
-            except (SaveFailed, ValueError) as exc:
-                reply = {"ok": False, "error": str(exc)}
-            await conn.send_all(json.dumps(reply).encode() + b"\n")
+    async def flush(final: bool) -> dict[str, Any]:
+        await _flush_kernel(mountpoint)
+        if final:
+            await _final_save(shipper, stop)
+            pyfuse3.terminate()
+            return {"ok": stop.saved, "error": stop.error, "final": True}
+        result = await shipper.ship_checkpoint()
+        return {"ok": True, "result": result.to_json()}
 
-    async with trio.open_nursery() as nursery:
-        try:
-            while True:
-                client_sock, _ = await listener.accept()
-                nursery.start_soon(handle, trio.SocketStream(client_sock))
-        finally:
-            listener.close()
-            sock_path.unlink(missing_ok=True)  # noqa: ASYNC240 - as above, at shutdown
+    return flush
 
 
-async def warm_start(store: Store, client: HttpBridgeClient, shipper: Shipper, scope: str) -> None:
+async def warm_start(store: Store, client: BridgeClient, shipper: Shipper, scope: str) -> None:
     """Ship what was never checkpointed, then take the server's newer changes."""
     try:
         result = await shipper.ship_checkpoint()
@@ -246,7 +217,7 @@ async def warm_start(store: Store, client: HttpBridgeClient, shipper: Shipper, s
         )
 
 
-async def take_incoming(store: Store, client: HttpBridgeClient, scope: str) -> int:
+async def take_incoming(store: Store, client: BridgeClient, scope: str) -> int:
     """Apply the server's changes since the baseline to paths not changed locally.
 
     Only while nothing is mounted: the kernel must not cache what changes here.
@@ -258,8 +229,10 @@ async def take_incoming(store: Store, client: HttpBridgeClient, scope: str) -> i
         async for page in client.iter_manifest(scope, since):
             high_water = max(high_water, page.high_water)
             for e in page.entries:
-                incoming.append((e.path, True) if e.deleted else e.row())
-    except ResyncRequired:
+                incoming.append((e.path, True) if e.deleted else manifest_row(e))
+    except ControllerRefused as exc:
+        if not exc.means(ResyncRequired):
+            raise
         log.warning("changes since %d are incomplete on the server; keeping local state", since)
         return 0
     applied = store.apply_incoming(incoming)
@@ -267,7 +240,7 @@ async def take_incoming(store: Store, client: HttpBridgeClient, scope: str) -> i
     return applied
 
 
-async def refresh_after_stop(store: Store, client: HttpBridgeClient, scope: str) -> None:
+async def refresh_after_stop(store: Store, client: BridgeClient, scope: str) -> None:
     """An explicit refresh waits for the run to stop and its final save to succeed."""
     try:
         if not await client.refresh_requested():
@@ -306,13 +279,13 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             freed, fixed = store.recover()
             if freed or fixed:
                 log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)
-            if isinstance(client, HttpBridgeClient):
+            if client.writable:
                 shipper = Shipper(store, client, opts.scope, run.lease_epoch)
             if not store.baseline().hydrated:
                 entries, seconds = await hydrate_manifest(store, client, opts.scope)
                 log.info("hydrated %d entries in %.2fs", entries, seconds)
                 print(f"fsagent: hydrated {entries} entries in {seconds:.2f}s", file=sys.stderr)
-            elif shipper is not None and isinstance(client, HttpBridgeClient):
+            elif shipper is not None:
                 await warm_start(store, client, shipper, opts.scope)
         fetcher = ContentFetcher(store, client, opts.scope)
         fs = WorkFolderFS(store, fetcher, readonly=owner is None, spin_ns=opts.spin_us * 1000)
@@ -350,11 +323,9 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
                 if shipper is not None:
                     nursery.start_soon(checkpoint_loop, shipper, opts.checkpoint_interval)
                     nursery.start_soon(
-                        _serve_control,
+                        serve_control,
                         opts.state_dir / "control.sock",
-                        opts.mountpoint,
-                        shipper,
-                        stop,
+                        _control_handler(opts.mountpoint, shipper, stop),
                     )
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()

@@ -22,7 +22,10 @@ One checkpoint, start to finish (:meth:`Shipper.ship_checkpoint`):
 At most one checkpoint is in flight (a trio lock). Transient failures
 (network, 5xx, 429) are retried with backoff and jitter up to a deadline;
 permanent refusals (403/404/409/422) stop at once and are recorded so
-``fsagent status`` shows them.
+``fsagent status`` shows them. A ``stale_lease`` refusal fences the shipper:
+a newer run owns the folder, so nothing is uploaded or committed again by
+this daemon (every later save fails at once) and the state dir keeps every
+change.
 """
 
 from __future__ import annotations
@@ -38,19 +41,16 @@ import trio
 import zstandard
 
 from common.bridge import CHUNK_MAX, END_FRAME, encode_frame
+from common.errors import StaleLease
 from common.types import Digest, FileVersion
-from fsagent.client import HttpBridgeClient
-from fsagent.errors import FsagentError
+from fsagent.client import BridgeClient
+from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
 from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
 
 log = logging.getLogger(__name__)
 
 UPLOAD_CONCURRENCY = 8
 """Uploads in flight at once; memory stays bounded at about one frame each."""
-
-
-class SaveFailed(FsagentError):
-    """A checkpoint could not be saved; the state dir keeps every change."""
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,14 @@ def change_from_json(raw: list[Any]) -> Change:
 class Shipper:
     """Checkpoints for one collection; owned by the daemon that serves the mount."""
 
-    def __init__(
-        self, store: Store, client: HttpBridgeClient, scope: str, lease_epoch: int
-    ) -> None:
+    def __init__(self, store: Store, client: BridgeClient, scope: str, lease_epoch: int) -> None:
         self.store = store
         self.client = client
         self.scope = scope
         self.lease_epoch = lease_epoch
         self._lock = trio.Lock()
+        self.fenced: str | None = None
+        """Why the controller fenced this run off (stale lease); None while shipping."""
 
     @property
     def busy(self) -> bool:
@@ -108,10 +108,16 @@ class Shipper:
     async def ship_checkpoint(self, *, final: bool = False) -> SaveResult:
         """Save everything changed since the baseline; raises SaveFailed."""
         async with self._lock:
+            if self.fenced is not None:
+                message = f"not saved, a newer run holds the lease: {self.fenced}"
+                self.store.record_save_error(message)
+                raise SaveFailed(message)
             try:
                 return await self._ship(final=final)
             except (FsagentError, OSError) as exc:
                 message = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
+                    self.fenced = message
                 self.store.record_save_error(message)
                 with trio.move_on_after(10):
                     try:
@@ -267,16 +273,30 @@ class Shipper:
         return Digest(digest)
 
 
-async def checkpoint_loop(shipper: Shipper, interval: float) -> None:
-    """Ship every ``interval`` seconds; a failure is recorded and retried next time."""
+async def checkpoint_loop(shipper: Shipper, interval: float, *, max_backoff: float = 300.0) -> None:
+    """Ship every ``interval`` seconds; a failure is recorded and retried next time.
+
+    Anything else that goes wrong (a bug) is logged with its traceback and
+    retried with a growing delay, up to ``max_backoff``: never fatal to the
+    mount, whose final save still runs at stop.
+    """
+    failures = 0
+    delay = interval
     while True:
-        await trio.sleep(interval)
+        await trio.sleep(delay)
+        delay = interval
         started = time.monotonic()
         try:
             result = await shipper.ship_checkpoint()
         except SaveFailed as exc:
             log.warning("checkpoint failed (kept for the next one): %s", exc)
             continue
+        except Exception:
+            failures += 1
+            delay = min(max_backoff, max(interval, 1.0) * 2**failures)
+            log.exception("checkpoint failed unexpectedly; retrying in %.1fs", delay)
+            continue
+        failures = 0
         if result.entries:
             log.info(
                 "checkpoint of %d entries in %.2fs", result.entries, time.monotonic() - started

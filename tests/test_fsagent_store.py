@@ -17,13 +17,13 @@ import lmdb
 import pytest
 import trio
 
+from common.errors import ResyncRequired
 from common.types import Digest, FileVersion
 from fsagent.client import HttpBridgeClient
 from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
     ObjectUnavailable,
-    ResyncRequired,
     StateBindingMismatch,
     StateCorrupt,
     StateForeign,
@@ -276,8 +276,9 @@ def test_client_does_not_retry_permanent_refusals() -> None:
         async for _ in client.iter_manifest("agent", 5):
             pass
 
-    with pytest.raises(ResyncRequired):
+    with pytest.raises(ControllerRefused) as gone_info:
         trio.run(list_all)
+    assert gone_info.value.status == 410 and gone_info.value.means(ResyncRequired)
 
 
 def test_client_gives_up_at_the_deadline_naming_what_it_retried() -> None:

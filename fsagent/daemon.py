@@ -1,0 +1,126 @@
+"""``fsagent mount``: check the mountpoint, then serve in the foreground or
+start the foreground daemon detached and return once it has mounted.
+
+Also the run-token and controller options every command shares
+(:func:`read_token`, :func:`client_from_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from common.limits import SCOPES
+from fsagent.client import BridgeClient, open_client
+from fsagent.errors import FsagentError, MountFailed
+from fsagent.store import default_state_root
+
+log = logging.getLogger("fsagent")
+
+EXIT_SAVE_FAILED = 4
+"""Exit code when the final save failed: the state dir keeps every change."""
+
+
+def read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise FsagentError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise FsagentError(f"token file {path} is empty")
+    return token
+
+
+def client_from_args(args: argparse.Namespace) -> BridgeClient:
+    token = read_token(args.token_file)
+    if token is None and not args.controller.startswith(("dir:", "file://")):
+        raise FsagentError("--token-file is required for an HTTP controller")
+    return open_client(args.controller, token, retry_deadline=args.retry_deadline)
+
+
+def detach_dead_mount(mountpoint: Path) -> None:
+    """Detach the mount a crashed fsagent left behind (ENOTCONN), so a restart can mount.
+
+    Only a dead FUSE connection is detached; a live mount is left alone and
+    the new mount then fails with a clear message.
+    """
+    try:
+        os.stat(mountpoint)
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            return
+        log.warning("%s: detaching the dead mount of a previous fsagent", mountpoint)
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False,
+                       capture_output=True)  # fmt: skip
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from fsagent.mount import MountOptions, serve
+
+    if args.scope not in SCOPES:
+        raise FsagentError(f"scope must be one of {', '.join(SCOPES)}")
+    mountpoint = Path(args.mountpoint)
+    detach_dead_mount(mountpoint)
+    if not mountpoint.is_dir():
+        raise MountFailed(f"mountpoint {mountpoint} is not an existing directory")
+    state_dir = Path(args.state_dir) if args.state_dir else default_state_root() / args.scope
+    if not args.foreground:
+        return _daemonize(args, mountpoint, state_dir)
+    opts = MountOptions(
+        args.scope,
+        mountpoint,
+        state_dir,
+        args.allow_other,
+        args.prefetch,
+        args.checkpoint_interval,
+        args.spin_us,
+    )
+
+    async def main() -> bool:
+        client = client_from_args(args)
+        try:
+            return (await serve(client, opts)).saved
+        finally:
+            await client.aclose()
+
+    saved = trio.run(main)
+    return 0 if saved else EXIT_SAVE_FAILED
+
+
+def _daemonize(args: argparse.Namespace, mountpoint: Path, state_dir: Path) -> int:
+    """Start the foreground daemon detached and return once it has mounted."""
+    # The command line main() parsed, which is sys.argv only when run as a program.
+    argv = [a for a in args.argv if a != "--foreground"]
+    log_dir = state_dir.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{args.scope}.log"
+    with open(log_path, "ab") as log_fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsagent.cli", *argv, "--foreground"],
+            stdin=subprocess.DEVNULL,
+            stdout=log_fh,
+            stderr=log_fh,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if os.path.ismount(mountpoint):
+            print(f"fsagent: {args.scope} mounted at {mountpoint} (pid {proc.pid}, log {log_path})")
+            return 0
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            print("\n".join(tail), file=sys.stderr)
+            return proc.returncode or 1
+        time.sleep(0.05)
+    proc.terminate()
+    raise MountFailed(f"{mountpoint} was not mounted within 300s (log {log_path})")
