@@ -18,4 +18,4 @@ folded back with :meth:`fsagent.store.Store.acknowledge`.
 
 SPIN_US = 100
 """Default ``--spin-us``: the longest the daemon keeps polling after a request
-(see :class:`fsagent.fs.Spinner`)."""
+(see :class:`fsagent.fuseglue.Spinner`)."""

@@ -24,10 +24,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
 
 import pyfuse3
 import trio
@@ -37,15 +35,19 @@ from common.limits import MAX_COMPONENT_BYTES, MAX_ENTRIES, MAX_FILE_BYTES, MAX_
 from common.paths import decode_fs_name
 from common.types import Digest
 from fsagent.content import Content, OpenFile
-from fsagent.fuseglue import Spinner, fuse_boundary, fuse_err, name_errno
+from fsagent.fuseglue import (
+    TIMEOUT,
+    Spinner,
+    entry_attributes,
+    existing_name,
+    fuse_boundary,
+    fuse_err,
+    name_errno,
+)
 from fsagent.hydrate import ContentFetcher
 from fsagent.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store, now_ns
 
 log = logging.getLogger(__name__)
-
-TIMEOUT: Final = 3600.0
-"""Entry/attr cache lifetime: nobody but this daemon changes the tree during a run."""
-BLKSIZE: Final = 128 * 1024
 
 
 @dataclass(slots=True)
@@ -101,26 +103,7 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(errno.ENOENT) from None
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = inode.ino
-        a.generation = 0
-        a.entry_timeout = TIMEOUT
-        a.attr_timeout = TIMEOUT
-        kind_bits = stat.S_IFDIR if inode.kind == "directory" else stat.S_IFREG
-        mode = inode.mode & (0o555 if self.readonly else 0o777)
-        a.st_mode = kind_bits | mode
-        # 1 means "unknown" for directories: tools then do not infer subdirectory counts.
-        a.st_nlink = 1 if inode.parent or inode.ino == ROOT_INODE else 0
-        a.st_uid = self.uid
-        a.st_gid = self.gid
-        a.st_rdev = 0
-        a.st_size = inode.size
-        a.st_blksize = BLKSIZE
-        a.st_blocks = (inode.size + 511) // 512
-        a.st_atime_ns = inode.mtime_ns
-        a.st_mtime_ns = inode.mtime_ns
-        a.st_ctime_ns = inode.ctime_ns
-        return a
+        return entry_attributes(inode, self.readonly, self.uid, self.gid)
 
     def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new lookup reference."""
@@ -143,16 +126,6 @@ class WorkFolderFS(pyfuse3.Operations):
         if len(ppath) + 1 + len(name) > MAX_PATH_CHARS:
             raise fuse_err(errno.ENAMETOOLONG)
         return name
-
-    @staticmethod
-    def _old_name(raw: bytes) -> str:
-        """Decode a name that must already exist (invalid names cannot)."""
-        try:
-            return decode_fs_name(raw)
-        except InvalidPath as exc:
-            raise fuse_err(
-                errno.ENAMETOOLONG if len(raw) > MAX_COMPONENT_BYTES else errno.ENOENT
-            ) from exc
 
     def _dir(self, ino: InodeNo) -> Inode:
         inode = self._inode(ino)
@@ -344,7 +317,7 @@ class WorkFolderFS(pyfuse3.Operations):
         and writable through its handles; its data is freed in ``forget``."""
         self._writable()
         parent = InodeNo(parent_inode)
-        text = self._old_name(name)
+        text = existing_name(name)
         child = self.store.lookup(parent, text)
         if child is None:
             raise fuse_err(errno.ENOENT)
@@ -359,7 +332,7 @@ class WorkFolderFS(pyfuse3.Operations):
         """Remove an empty directory: ENOTEMPTY otherwise, ENOTDIR for a file."""
         self._writable()
         parent = InodeNo(parent_inode)
-        text = self._old_name(name)
+        text = existing_name(name)
         child = self.store.lookup(parent, text)
         if child is None:
             raise fuse_err(errno.ENOENT)
@@ -400,7 +373,7 @@ class WorkFolderFS(pyfuse3.Operations):
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             raise fuse_err(errno.EINVAL)
         old_parent, new_parent = InodeNo(parent_inode_old), InodeNo(parent_inode_new)
-        old = self._old_name(name_old)
+        old = existing_name(name_old)
         self._dir(new_parent)
         new = self._new_name(new_parent, name_new)
         src = self.store.lookup(old_parent, old)

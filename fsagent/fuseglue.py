@@ -1,10 +1,11 @@
-"""The boundary of every FUSE handler: errno mapping and the request spinner."""
+"""The boundary of every FUSE handler: errno mapping, names, attributes, the request spinner."""
 
 from __future__ import annotations
 
 import errno
 import functools
 import logging
+import stat
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, ParamSpec, TypeVar
@@ -13,8 +14,16 @@ import pyfuse3
 import trio
 
 from common.errors import InvalidPath
+from common.limits import MAX_COMPONENT_BYTES
+from common.paths import decode_fs_name
+from fsagent.records import Inode
+from fsagent.statedir import ROOT_INODE
 
 log = logging.getLogger("fsagent.fs")
+
+TIMEOUT: Final = 3600.0
+"""Entry/attr cache lifetime: nobody but this daemon changes the tree during a run."""
+BLKSIZE: Final = 128 * 1024
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -109,3 +118,37 @@ def name_errno(exc: InvalidPath) -> int:
     if exc.reason == "segment_too_long":
         return errno.ENAMETOOLONG
     return errno.EINVAL
+
+
+def entry_attributes(inode: Inode, readonly: bool, uid: int, gid: int) -> pyfuse3.EntryAttributes:
+    """What the kernel is told about ``inode`` (cached for ``TIMEOUT``)."""
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = inode.ino
+    a.generation = 0
+    a.entry_timeout = TIMEOUT
+    a.attr_timeout = TIMEOUT
+    kind_bits = stat.S_IFDIR if inode.kind == "directory" else stat.S_IFREG
+    mode = inode.mode & (0o555 if readonly else 0o777)
+    a.st_mode = kind_bits | mode
+    # 1 means "unknown" for directories: tools then do not infer subdirectory counts.
+    a.st_nlink = 1 if inode.parent or inode.ino == ROOT_INODE else 0
+    a.st_uid = uid
+    a.st_gid = gid
+    a.st_rdev = 0
+    a.st_size = inode.size
+    a.st_blksize = BLKSIZE
+    a.st_blocks = (inode.size + 511) // 512
+    a.st_atime_ns = inode.mtime_ns
+    a.st_mtime_ns = inode.mtime_ns
+    a.st_ctime_ns = inode.ctime_ns
+    return a
+
+
+def existing_name(raw: bytes) -> str:
+    """Decode a name that must already exist (invalid names cannot)."""
+    try:
+        return decode_fs_name(raw)
+    except InvalidPath as exc:
+        raise fuse_err(
+            errno.ENAMETOOLONG if len(raw) > MAX_COMPONENT_BYTES else errno.ENOENT
+        ) from exc

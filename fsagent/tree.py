@@ -227,16 +227,20 @@ class Tree(Journal):
         pinode.mtime_ns = pinode.ctime_ns = t
         self._put_inode(txn, pinode)
 
+    def _entry_inode(self, txn: Any, parent: InodeNo, name: str) -> Inode:
+        """The live inode linked at ``parent``/``name``; KeyError when there is none."""
+        raw = txn.get(ekey(parent, name), db=self._entries)
+        inode = None if raw is None else self._live_inode(txn, ino_of(raw))
+        if inode is None:
+            raise KeyError(name)
+        return inode
+
     def unlink(self, parent: InodeNo, name: str, *, keep: bool) -> Inode:
         """Remove the entry; ``keep`` makes the inode an orphan instead of freeing it."""
         t = now_ns()
         with self._env.begin(write=True) as txn:
-            raw = txn.get(ekey(parent, name), db=self._entries)
-            if raw is None:
-                raise KeyError(name)
-            ino = ino_of(raw)
-            path = self._path_in(txn, ino)
-            inode = self._cache.get(ino) or Inode.decode(ino, txn.get(ikey(ino), db=self._inodes))
+            inode = self._entry_inode(txn, parent, name)
+            path = self._path_in(txn, inode.ino)
             if path is not None:
                 self._touch(txn, [path], "rmdir" if inode.kind == "directory" else "unlink")
             txn.delete(ekey(parent, name), db=self._entries)
@@ -290,11 +294,8 @@ class Tree(Journal):
         """
         t = now_ns()
         with self._env.begin(write=True) as txn:
-            raw = txn.get(ekey(old_parent, old_name), db=self._entries)
-            if raw is None:
-                raise KeyError(old_name)
-            ino = ino_of(raw)
-            moved = self._cache.get(ino) or Inode.decode(ino, txn.get(ikey(ino), db=self._inodes))
+            moved = self._entry_inode(txn, old_parent, old_name)
+            ino = moved.ino
             old_path = self._path_in(txn, ino)
             replaced: Inode | None = None
             traw = txn.get(ekey(new_parent, new_name), db=self._entries)
