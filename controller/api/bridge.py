@@ -58,6 +58,7 @@ from controller.auth import (
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
 from controller.frames import Frame, FrameSplitter, decode_frame
 from controller.storage.base import ObjectMissing, object_key
+from controller.versions import folder_high_water
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -135,9 +136,7 @@ async def get_manifest(request: Request) -> Response:
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         folder = await bound_folder(request, conn, run)
-        cur = await conn.execute("SELECT last_value, is_called FROM file_version_seq")
-        seq = await cur.fetchone()
-        high_water = int(seq["last_value"]) if seq and seq["is_called"] else 0
+        high_water = await folder_high_water(conn, None if folder is None else folder.id)
         if folder is None:
             return JSONResponse({"entries": [], "nextSince": None, "highWater": high_water})
         cur = await conn.execute("SELECT purge_floor FROM folders WHERE id = %s", (folder.id,))
