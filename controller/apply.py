@@ -2,7 +2,8 @@
 
 Ordering rule: every write to a folder first takes that folder's advisory
 transaction lock, so writes to one folder are serialized and the version each
-accepted write draws from ``file_version_seq`` grows in commit order. That is
+accepted write draws from the folder's own counter (``controller.versions``)
+grows in commit order. That is
 what makes "last accepted write wins" well defined, and it also settles the
 parent-file/child-file race (one of the two sees the other's row).
 
@@ -20,7 +21,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +38,7 @@ from common.paths import ancestors, parent_of
 from controller import quotas
 from controller.api.serialize import entry_json
 from controller.storage.base import object_key
+from controller.versions import VersionClock
 
 Row = dict[str, Any]
 EnsureObject = Callable[[str], Awaitable[None]]
@@ -67,6 +69,7 @@ class Folder:
     company_id: str
     scope: str
     owner_id: str
+    clock: VersionClock = field(default_factory=VersionClock, compare=False, repr=False)
 
 
 async def get_folder(
@@ -89,7 +92,9 @@ async def get_folder(
 
 
 async def lock_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
+    """Serialize writes to the folder; only then may versions be drawn."""
     await conn.execute("SELECT pg_advisory_xact_lock(%s)", (folder.id,))
+    await folder.clock.load(conn, folder.id)
 
 
 async def live_row(conn: AsyncConnection[Any], folder: Folder, path: str) -> Row | None:
@@ -173,6 +178,7 @@ async def committing(
     assert commit.result is not None
     if grows:
         await quotas.check_folder_entries(conn, folder.id, policy.max_folder_entries)
+    await folder.clock.store(conn, folder.id)
     await _store_receipt(conn, folder, operation_id, fp, commit.result)
     if commit.touch:
         await _touch_folder(conn, folder)
@@ -222,7 +228,7 @@ async def _insert_row(
     cur = await conn.execute(
         "INSERT INTO files (id, folder_id, path, parent, kind, digest, byte_size, executable,"
         " content_type, version)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, nextval('file_version_seq'))"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
         " RETURNING *",
         (
             uuid.uuid4(),
@@ -234,6 +240,7 @@ async def _insert_row(
             byte_size,
             executable,
             content_type,
+            folder.clock.take(),
         ),
     )
     row: Row | None = await cur.fetchone()
@@ -328,9 +335,9 @@ async def write_file(
         return row, True
     cur = await conn.execute(
         "UPDATE files SET digest = %s, byte_size = %s, executable = %s, content_type = %s,"
-        " version = nextval('file_version_seq'), updated_at = now()"
+        " version = %s, updated_at = now()"
         " WHERE id = %s RETURNING *",
-        (digest, byte_size, executable, content_type, existing["id"]),
+        (digest, byte_size, executable, content_type, folder.clock.take(), existing["id"]),
     )
     updated: Row | None = await cur.fetchone()
     assert updated is not None
@@ -424,13 +431,16 @@ def _subtree_clause(column: str = "path") -> str:
 async def _trash_subtree(conn: AsyncConnection[Any], folder: Folder, target: Row) -> list[Row]:
     """Move ``target`` and everything below it to trash with one shared deletedAt."""
     cur = await conn.execute(
-        "UPDATE files SET deleted_at = now(), trash_root = %(tid)s,"
-        " version = nextval('file_version_seq')"
-        " WHERE folder_id = %(fid)s AND deleted_at IS NULL AND " + _subtree_clause() +
-        " RETURNING *",
-        {"tid": target["id"], "fid": folder.id, "root": target["path"]},
+        "UPDATE files f SET deleted_at = now(), trash_root = %(tid)s, version = %(base)s + t.n"
+        " FROM (SELECT id, row_number() OVER (ORDER BY path) AS n FROM files"
+        "  WHERE folder_id = %(fid)s AND deleted_at IS NULL AND " + _subtree_clause() + ") AS t"
+        " WHERE f.id = t.id RETURNING f.*",
+        {"tid": target["id"], "fid": folder.id, "root": target["path"],
+         "base": folder.clock.base()},
     )  # fmt: skip
-    return sorted(await cur.fetchall(), key=lambda r: r["path"])
+    rows = await cur.fetchall()
+    folder.clock.take(len(rows))
+    return sorted(rows, key=lambda r: r["path"])
 
 
 async def trash_path(conn: AsyncConnection[Any], folder: Folder, path: str) -> list[Row] | None:
@@ -507,12 +517,15 @@ async def _restore_batch(conn: AsyncConnection[Any], folder: Folder, file_id: st
         raise RestoreCollision(details=[{"path": p} for p in occupied])
     await ensure_parents(conn, folder, batch[0]["path"])
     cur = await conn.execute(
-        "UPDATE files SET deleted_at = NULL, trash_root = NULL,"
-        " version = nextval('file_version_seq'), updated_at = now()"
-        " WHERE id = ANY(%s) RETURNING *",
-        ([r["id"] for r in batch],),
+        "UPDATE files f SET deleted_at = NULL, trash_root = NULL, version = %s + t.n,"
+        " updated_at = now()"
+        " FROM (SELECT id, row_number() OVER (ORDER BY path) AS n FROM files"
+        "  WHERE id = ANY(%s)) AS t"
+        " WHERE f.id = t.id RETURNING f.*",
+        (folder.clock.base(), [r["id"] for r in batch]),
     )
     rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
+    folder.clock.take(len(rows))
     return {"applied": True, "files": [entry_json(r) for r in rows]}
 
 
@@ -533,8 +546,8 @@ async def purge(
         batch = await _trash_batch(conn, folder, file_id)
         await conn.execute("DELETE FROM files WHERE id = ANY(%s)", ([r["id"] for r in batch],))
         await conn.execute(
-            "UPDATE folders SET purge_floor = nextval('file_version_seq') WHERE id = %s",
-            (folder.id,),
+            "UPDATE folders SET purge_floor = %s WHERE id = %s",
+            (folder.clock.take(), folder.id),
         )
         digests = [r["digest"] for r in batch if r["digest"]]
         await journal_deletion(conn, folder.company_id, digests, "purged", gc_delay)

@@ -11,6 +11,7 @@ from psycopg import AsyncConnection
 
 from common.errors import ResyncRequired
 from controller.apply import Folder, Row
+from controller.versions import folder_high_water
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,7 @@ async def manifest_page(
     """Entries changed after version ``since`` in version order (a full listing
     of live entries when ``since`` is 0). ResyncRequired when a purge removed
     versions past ``since``."""
-    cur = await conn.execute("SELECT last_value, is_called FROM file_version_seq")
-    seq = await cur.fetchone()
-    high_water = int(seq["last_value"]) if seq and seq["is_called"] else 0
+    high_water = await folder_high_water(conn, None if folder is None else folder.id)
     if folder is None:
         return ManifestPage([], False, high_water)
     cur = await conn.execute("SELECT purge_floor FROM folders WHERE id = %s", (folder.id,))

@@ -165,16 +165,24 @@ def test_hydrates_100k_entries_from_controller_in_seconds(
     # Uploading 100,000 files through the API would take minutes: clone the
     # template's row in SQL instead (same object, fresh paths and versions).
     with tenant.controller.db() as conn:
+        row = conn.execute(
+            "SELECT folder_id FROM files WHERE path = 'template.txt' AND digest = %s LIMIT 1",
+            (hashlib.sha256(b"same bytes\n").hexdigest(),),
+        ).fetchone()
+        assert row is not None
         conn.execute(
             "INSERT INTO files (id, folder_id, path, parent, kind, digest, byte_size, executable,"
-            " version) SELECT gen_random_uuid(), folder_id,"
+            " version) SELECT gen_random_uuid(), f.folder_id,"
             " 'bulk/d' || lpad((i %% 100)::text, 3, '0') || '/f' || lpad(i::text, 6, '0'),"
-            " 'bulk/d' || lpad((i %% 100)::text, 3, '0'), kind, digest, byte_size, false,"
-            " nextval('file_version_seq')"
-            " FROM files, generate_series(1, 99999) AS i WHERE path = 'template.txt'"
-            " AND folder_id = (SELECT folder_id FROM files WHERE path = 'template.txt'"
-            " AND digest = %s LIMIT 1)",
-            (hashlib.sha256(b"same bytes\n").hexdigest(),),
+            " 'bulk/d' || lpad((i %% 100)::text, 3, '0'), f.kind, f.digest, f.byte_size, false,"
+            " d.version_counter + i"
+            " FROM files f JOIN folders d ON d.id = f.folder_id, generate_series(1, 99999) AS i"
+            " WHERE f.path = 'template.txt' AND f.folder_id = %s",
+            (row[0],),
+        )
+        # Versions count per folder: the folder's counter covers the new rows.
+        conn.execute(
+            "UPDATE folders SET version_counter = version_counter + 99999 WHERE id = %s", (row[0],)
         )
     token_file = mounts.base / "token"
     token_file.write_text(str(run["token"]))

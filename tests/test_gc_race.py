@@ -56,6 +56,7 @@ def test_first_writer_and_due_sweep_keep_the_blob(pg_cluster: PgCluster, tmp_pat
                 async with pool.connection() as conn, conn.transaction():
                     folder = await apply.get_folder(conn, company, "agent", "a1", create=True)
                     assert folder is not None
+                    await apply.lock_folder(conn, folder)
                     await apply.write_file(
                         conn,
                         folder,

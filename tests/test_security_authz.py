@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.support.bridge import Run, start_run
-from tests.support.controller import Tenant
+from tests.support.controller import Tenant, bootstrap_tenant
 
 OCTET = {"Content-Type": "application/octet-stream"}
 
@@ -206,3 +206,27 @@ def test_a_viewers_run_cannot_write_the_viewers_folder(tenant: Tenant) -> None:
         assert r.status_code == 403 and r.json()["code"] == "write_not_allowed"
     assert live_rows(tenant, "run.txt") == 0 and live_rows(tenant, "d") == 0
     assert live_rows(tenant, "own.txt") == 1
+
+
+def test_versions_count_per_folder_and_leak_no_other_writes(tenant: Tenant) -> None:
+    """``version`` and ``highWater`` follow this folder's own writes only."""
+    run = start_run(tenant)
+    assert run.save("task", {"one.txt": b"1"}).status_code == 200
+    with run.client() as c:
+        first = c.get("/folders/task/manifest").json()
+    v1 = first["entries"][0]["version"]
+    assert first["highWater"] == v1
+    # Another folder of the same company and another company write a lot.
+    other = bootstrap_tenant(tenant.controller)
+    with other.client() as o, tenant.client() as me:
+        for i in range(20):
+            r = o.put(f"{other.my_folder}/content?path=f{i}", content=b"x", headers=OCTET)
+            assert r.status_code == 201
+            r = me.put(f"{tenant.my_folder}/content?path=f{i}", content=b"x", headers=OCTET)
+            assert r.status_code == 201
+    commit = run.save("task", {"two.txt": b"2"})
+    assert commit.status_code == 200 and commit.json()["highWater"] == v1 + 1
+    with run.client() as c:
+        later = c.get("/folders/task/manifest", params={"since": v1}).json()
+    assert [(e["path"], e["version"]) for e in later["entries"]] == [("two.txt", v1 + 1)]
+    assert later["highWater"] == v1 + 1
