@@ -8,6 +8,12 @@ but this process's user and the postgres user can reach that directory.
 
 PostgreSQL refuses to run as root, so as root the cluster runs as the
 ``postgres`` user through ``runuser`` and the cluster directories belong to it.
+
+After a crash (the postmaster killed with the controller, the OOM killer) the
+next start waits, bounded by ``$CONTROLLER_PG_RECOVERY_WAIT`` seconds (default
+60), until the old cluster's processes are gone -- orphaned backends linger a
+moment and hold its shared memory -- then removes the stale ``postmaster.pid``
+and lets PostgreSQL run its crash recovery.
 """
 
 from __future__ import annotations
@@ -18,16 +24,38 @@ import os
 import pwd
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "controller"
 DB_USER = "controller"
+RECOVERY_WAIT_SECONDS = 60.0
 
 
 class EmbeddedPostgresError(RuntimeError):
     pass
+
+
+def _live_postgres(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) PostgreSQL server process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return False
+    comm, _, rest = stat.partition("(")[2].rpartition(")")
+    return comm == "postgres" and rest.split()[0] not in ("Z", "X")
+
+
+def _recovery_wait() -> float:
+    raw = os.environ.get("CONTROLLER_PG_RECOVERY_WAIT", "")
+    try:
+        return float(raw) if raw else RECOVERY_WAIT_SECONDS
+    except ValueError:
+        raise EmbeddedPostgresError(
+            f"CONTROLLER_PG_RECOVERY_WAIT must be a number of seconds, got {raw!r}"
+        ) from None
 
 
 def find_bindir() -> Path:
@@ -126,21 +154,59 @@ class EmbeddedPostgres:
             "--locale=C.UTF-8",
         )
 
+    def _postmaster_pid(self) -> int | None:
+        try:
+            return int((self.pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+
     def running(self) -> bool:
-        proc = subprocess.run(
-            self._cmd(str(self.bindir / "pg_ctl"), "status", "-D", str(self.pgdata)),
-            capture_output=True,
-            check=False,
-        )
-        return proc.returncode == 0
+        """Whether this cluster's postmaster runs. ``pg_ctl status`` is not asked:
+        it takes a killed postmaster that is still a zombie, or an unrelated
+        process that reused its PID, for a running server."""
+        pid = self._postmaster_pid()
+        return pid is not None and _live_postgres(pid)
+
+    def leftover_processes(self) -> list[int]:
+        """PostgreSQL processes still working in this cluster's data directory
+        (every server process runs with it as its working directory)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if Path(os.readlink(entry / "cwd")) != self.pgdata:
+                    continue
+            except OSError:
+                continue
+            if _live_postgres(int(entry.name)):
+                found.append(int(entry.name))
+        return found
+
+    def _clear_crashed_cluster(self) -> None:
+        """Wait for a crashed cluster's processes to go, then remove its locks."""
+        wait = _recovery_wait()
+        deadline = time.monotonic() + wait
+        while leftover := self.leftover_processes():
+            if time.monotonic() >= deadline:
+                raise EmbeddedPostgresError(
+                    f"processes of a previous PostgreSQL server are still running in "
+                    f"{self.pgdata} after {wait:g}s (pids {' '.join(map(str, leftover))}); "
+                    "stop them and start again"
+                )
+            time.sleep(0.1)
+        if (self.pgdata / "postmaster.pid").exists():
+            log.warning("embedded PostgreSQL was not shut down cleanly; it recovers now")
+            (self.pgdata / "postmaster.pid").unlink(missing_ok=True)
+        # A stale socket lock after a kill -9 would make postgres refuse to start.
+        for stale in self.sockdir.glob(".s.PGSQL.*"):
+            stale.unlink(missing_ok=True)
 
     def start(self) -> None:
         """Initialize if needed, start if not running, create the database."""
         self.init()
         if not self.running():
-            # A stale socket lock after a kill -9 would make postgres refuse to start.
-            for stale in self.sockdir.glob(".s.PGSQL.*"):
-                stale.unlink(missing_ok=True)
+            self._clear_crashed_cluster()
             opts = (
                 f"-k {self.sockdir} -c listen_addresses='' -c fsync=on "
                 "-c max_connections=200 -c shared_buffers=128MB"
@@ -164,7 +230,7 @@ class EmbeddedPostgres:
         import psycopg  # local: keeps `controller --help` fast
 
         admin_url = f"postgresql://{DB_USER}@/postgres?host={self.sockdir}"
-        with psycopg.connect(admin_url, autocommit=True) as conn:
+        with psycopg.connect(admin_url, autocommit=True, connect_timeout=30) as conn:
             row = conn.execute(
                 "SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)
             ).fetchone()
