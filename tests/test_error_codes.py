@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 
 import controller.api.app as app_module
-from common.errors import AppError, Conflict, WorkFolderError
+from common.errors import AppError, Conflict, QuotaExceeded, WorkFolderError
 from fsagent.errors import FsagentError
 from tests.support.constants import REPO
 
-ABSTRACT = {Conflict}
+ABSTRACT = {Conflict, QuotaExceeded}
 """Grouping classes that are never raised themselves."""
 
 
