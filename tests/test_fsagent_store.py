@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -281,12 +282,18 @@ def test_client_does_not_retry_permanent_refusals() -> None:
     assert gone_info.value.status == 410 and gone_info.value.means(ResyncRequired)
 
 
-def test_client_gives_up_at_the_deadline_naming_what_it_retried() -> None:
+def test_client_gives_up_at_the_deadline_naming_what_it_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "fsagent.client")
+
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(502)
 
     with pytest.raises(ControllerUnavailable, match=r"GET run: gave up after \d+ attempts"):
         run_client(handler, "get_run", deadline=0.5)
+    # Each retry is logged (quiet at first, a warning once it keeps failing).
+    assert any("GET run failed" in r.getMessage() for r in caplog.records)
 
 
 def test_client_pages_manifests_and_streams_objects(tmp_path: Path) -> None:
