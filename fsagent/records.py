@@ -57,6 +57,11 @@ def ekey(parent: int, name: str) -> bytes:
     return _U64.pack(parent) + name.encode("utf-8")
 
 
+def entry_name(key: bytes) -> str:
+    """The name in a directory entry's key (after the parent's 8 bytes)."""
+    return bytes(key[_U64.size :]).decode("utf-8")
+
+
 def ino_of(raw: bytes) -> InodeNo:
     """Decode an inode number (an ``entries`` value or an inode key)."""
     return InodeNo(_U64.unpack(raw)[0])

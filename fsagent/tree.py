@@ -39,6 +39,7 @@ from fsagent.records import (
     Kind,
     ManifestRow,
     ekey,
+    entry_name,
     ikey,
     ino_of,
     now_ns,
@@ -98,7 +99,7 @@ class Tree(Journal):
                 for key, val in cur:
                     if not key.startswith(prefix):
                         break
-                    out.append((key[8:].decode("utf-8"), ino_of(val)))
+                    out.append((entry_name(key), ino_of(val)))
         return out
 
     def has_children(self, parent: InodeNo) -> bool:
@@ -193,7 +194,7 @@ class Tree(Journal):
                 if not k.startswith(key):
                     break
                 child = ino_of(v)
-                cpath = f"{dpath}/{k[8:].decode('utf-8')}"
+                cpath = f"{dpath}/{entry_name(k)}"
                 yield cpath
                 craw = txn.get(ikey(child), db=self._inodes)
                 if craw is not None and Inode.decode(child, craw).kind == "directory":
@@ -454,7 +455,7 @@ class Tree(Journal):
             for k, v in cur:
                 if not bytes(k).startswith(key):
                     break
-                out.append((bytes(k)[len(key) :].decode("utf-8"), ino_of(v)))
+                out.append((entry_name(k), ino_of(v)))
         return out
 
     # --- hydration ----------------------------------------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsagent import fs
-from fsagent.fs import Spinner
+from fsagent import fuseglue
+from fsagent.fuseglue import Spinner
 
 US = 1000
 
@@ -21,7 +21,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(fs.time, "perf_counter_ns", c)
+    monkeypatch.setattr(fuseglue.time, "perf_counter_ns", c)
     return c
 
 
