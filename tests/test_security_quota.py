@@ -128,7 +128,8 @@ def test_pending_upload_bytes_per_run(qt: Tenant) -> None:
 
 def test_uncommitted_uploads_expire(qt: Tenant) -> None:
     run = start_run(qt)
-    up = run.upload("task", os.urandom(6000))
+    expired = os.urandom(3000)
+    up = run.upload("task", expired)
     assert up.status_code == 200
     time.sleep(UPLOAD_TTL + 0.5)
     # The expired upload stops counting, and may no longer be committed.
@@ -136,6 +137,9 @@ def test_uncommitted_uploads_expire(qt: Tenant) -> None:
     put = {"op": "put", "path": "late.bin", "digest": up.json()["digest"], "executable": False}
     r = run.commit("task", [put])
     assert r.status_code == 422 and r.json()["code"] == "unknown_content"
+    # Uploading it again renews it.
+    assert run.upload("task", expired).status_code == 200
+    assert run.commit("task", [put]).status_code == 200
 
 
 def test_company_storage_quota(qt: Tenant) -> None:

@@ -277,7 +277,9 @@ async def upload(request: Request) -> Response:
             await apply.register_object(conn, run.company_id, digest, size, ensure)
             await conn.execute(
                 "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
-                " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                " VALUES (%s, %s, %s, %s) ON CONFLICT (run_id, digest) DO UPDATE"
+                # Uploading an expired upload again makes it usable again.
+                " SET created_at = now() WHERE run_uploads.committed_at IS NULL",
                 (run.run_id, run.company_id, digest, size),
             )
             # Collected later unless a checkpoint references it.
