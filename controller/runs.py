@@ -98,7 +98,9 @@ async def record_upload(
     await apply.register_object(conn, company_id, digest, byte_size, ensure_object)
     await conn.execute(
         "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
-        " VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+        " VALUES (%s, %s, %s, %s) ON CONFLICT (run_id, digest) DO UPDATE"
+        # Uploading an expired upload again makes it usable again.
+        " SET created_at = now() WHERE run_uploads.committed_at IS NULL",
         (run_id, company_id, digest, byte_size),
     )
     await apply.journal_deletion(conn, company_id, [digest], "bridge upload", gc_delay)
