@@ -27,7 +27,7 @@ import os
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -105,6 +105,21 @@ class ManifestPage:
     entries: list[ManifestEntry]
     next_since: int | None
     high_water: int
+
+
+def manifest_pages(
+    entries: Iterable[ManifestEntry], since: int, high_water: int, page_size: int
+) -> Iterator[ManifestPage]:
+    """What the controller answers for ``since``, cut into pages (for local sources):
+    entries newer than ``since`` in version order; deleted ones only when since > 0."""
+    chosen = sorted(
+        (e for e in entries if e.version > since and (since > 0 or not e.deleted)),
+        key=lambda e: e.version,
+    )
+    for i in range(0, max(len(chosen), 1), page_size):
+        page = chosen[i : i + page_size]
+        more = i + page_size < len(chosen)
+        yield ManifestPage(page, int(page[-1].version) if more else None, high_water)
 
 
 class BridgeClient(ABC):
@@ -436,11 +451,8 @@ class DirectoryBridgeClient(BridgeClient):
         data = await trio.to_thread.run_sync(lambda: json.loads(path.read_text()))
         entries = [ManifestEntry.from_json(e) for e in data["entries"]]
         high = int(data.get("highWater", max((e.version for e in entries), default=0)))
-        chosen = [e for e in entries if e.version > since and (since > 0 or not e.deleted)]
-        for i in range(0, max(len(chosen), 1), MANIFEST_PAGE_MAX):
-            page = chosen[i : i + MANIFEST_PAGE_MAX]
-            more = i + MANIFEST_PAGE_MAX < len(chosen)
-            yield ManifestPage(page, int(page[-1].version) if more else None, high)
+        for page in manifest_pages(entries, since, high, MANIFEST_PAGE_MAX):
+            yield page
 
     async def fetch_object(self, scope: str, digest: Digest, dest: Path) -> tuple[str, int]:
         delay = float(self._config.get("fetchDelay", 0))

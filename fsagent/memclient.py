@@ -39,6 +39,7 @@ from fsagent.client import (
     ManifestPage,
     RunInfo,
     copy_hashing,
+    manifest_pages,
 )
 from fsagent.errors import (
     ControllerRefused,
@@ -154,15 +155,10 @@ class MemoryBridgeClient(BridgeClient):
             raise ControllerRefused(
                 f"since {since} is below the purge floor", 410, ResyncRequired.code
             )
-        chosen = sorted(
-            (e for e in folder.entries.values() if e.version > since and (since or not e.deleted)),
-            key=lambda e: e.version,
-        )
-        high = folder.high_water
-        for i in range(0, max(len(chosen), 1), self.page_size):
-            page = chosen[i : i + self.page_size]
-            more = i + self.page_size < len(chosen)
-            yield ManifestPage(page, int(page[-1].version) if more else None, high)
+        for page in manifest_pages(
+            folder.entries.values(), since, folder.high_water, self.page_size
+        ):
+            yield page
 
     def _visible(self, scope: str, digest: str) -> bool:
         folder = self.folder(scope)
