@@ -208,6 +208,14 @@ def test_lone_surrogate_escapes_are_400(tenant: Tenant) -> None:
     assert r.status_code == 400 and detail_code(r) == "invalid_json"
 
 
+def test_operation_action_of_the_wrong_type_is_400(tenant: Tenant) -> None:
+    with tenant.client() as c:
+        for action in ({"a": 1}, ["mkdir"], 1, None, True):
+            r = c.post(tenant.my_folder + "/operations", json={"action": action, "path": "x"})
+            assert r.status_code == 400, (action, r.text)
+            assert detail_code(r) == "invalid_action"
+
+
 # --- path rules ------------------------------------------------------------
 
 REFUSED_NAMES = ["invoice\u202etxt.exe", "a\u202ab", "a\u2066b", "a\u2069b", "a\x85b", "a\x9bb"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.bridge import MANIFEST_PAGE_MAX, PREFIX
 from common.limits import MAX_PAGE_LIMIT
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -54,6 +55,127 @@ _PATH_Q = {
 }
 
 
+_PUBLIC: list[dict[str, Any]] = []
+"""``security`` of a route that answers without credentials."""
+
+_SCOPE_P = {
+    "name": "scope",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "enum": ["task", "agent", "user", "project"]},
+}
+
+_JSON_OBJECT_BODY = {
+    "required": True,
+    "content": {"application/json": {"schema": {"type": "object"}}},
+}
+
+
+def _op(summary: str, *codes: str, **extra: Any) -> dict[str, Any]:
+    responses = {code: _resp(summary) for code in codes}
+    return {"summary": summary, "responses": {**responses, **_ERRORS}, **extra}
+
+
+def _bridge_paths() -> dict[str, Any]:
+    """fsagent's routes, authenticated with a run token (contract in common/bridge.py)."""
+    folder = PREFIX + "/folders/{scope}"
+    return {
+        PREFIX + "/run": {"get": _op("The run this token belongs to and its bindings", "200")},
+        PREFIX + "/run/report": {
+            "post": _op("Report the run's save state", "200", requestBody=_JSON_OBJECT_BODY)
+        },
+        PREFIX + "/run/refresh-applied": {"post": _op("The requested refresh was taken", "200")},
+        folder + "/manifest": {
+            "parameters": [_SCOPE_P],
+            "get": _op(
+                "Entries of a bound folder changed after a version",
+                "200",
+                "410",
+                parameters=[
+                    {
+                        "name": "since",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 0},
+                    },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": MANIFEST_PAGE_MAX},
+                    },
+                ],
+            ),
+        },
+        folder + "/objects/{digest}": {
+            "parameters": [
+                _SCOPE_P,
+                {"name": "digest", "in": "path", "required": True, "schema": {"type": "string"}},
+            ],
+            "get": _op("An object the folder references; supports Range", "200", "206", "416"),
+        },
+        folder + "/uploads": {
+            "parameters": [_SCOPE_P],
+            "put": _op(
+                "Upload framed zstd content; the controller computes its SHA-256",
+                "200",
+                "413",
+                requestBody={
+                    "required": True,
+                    "content": {
+                        "application/octet-stream": {
+                            "schema": {"type": "string", "format": "binary"}
+                        }
+                    },
+                },
+            ),
+        },
+        folder + "/checkpoints": {
+            "parameters": [_SCOPE_P],
+            "post": _op(
+                "Apply a checkpoint all or nothing",
+                "200",
+                "403",
+                "409",
+                "410",
+                "422",
+                requestBody=_JSON_OBJECT_BODY,
+            ),
+        },
+    }
+
+
+def _public_paths() -> dict[str, Any]:
+    page = {"200": {"description": "The Files page", "content": {"text/html": {}}}}
+    return {
+        "/openapi.json": {
+            "get": {"summary": "This document", "security": _PUBLIC, "responses": page}
+        },
+        "/files": {"get": {"summary": "The Files page", "security": _PUBLIC, "responses": page}},
+        "/files/{rest}": {
+            "parameters": [
+                {"name": "rest", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "get": {
+                "summary": "The Files page (client routes)",
+                "security": _PUBLIC,
+                "responses": page,
+            },
+        },
+        "/files/static/{name}": {
+            "parameters": [
+                {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "get": {
+                "summary": "A static asset of the Files page",
+                "security": _PUBLIC,
+                "responses": {
+                    "200": {"description": "The asset"},
+                    "404": _resp("No such asset", _ERROR),
+                },
+            },
+        },
+    }
+
+
 def document() -> dict[str, Any]:
     entry = {
         "type": "object",
@@ -72,7 +194,7 @@ def document() -> dict[str, Any]:
         },
     }
     base = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}"
-    return {
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "Work folders controller", "version": "1"},
         "components": {
@@ -241,6 +363,7 @@ def document() -> dict[str, Any]:
                 },
             },
             "/api/companies/{companyId}/directory": {
+                "parameters": [_FOLDER_PARAMS[0]],
                 "get": {
                     "summary": "Agents, projects, tasks and members of a company",
                     "responses": {"200": _resp("Directory"), **_ERRORS},
@@ -249,7 +372,25 @@ def document() -> dict[str, Any]:
             "/files/api/session": {
                 "post": {
                     "summary": "Sign in to the Files page with an API token",
-                    "responses": {"200": _resp("Signed in"), "401": _resp("Bad token", _ERROR)},
+                    # The credential is the body itself.
+                    "security": _PUBLIC,
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["token"],
+                                    "properties": {"token": {"type": "string"}},
+                                }
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": _resp("Signed in"),
+                        "400": _resp("Malformed body", _ERROR),
+                        "401": _resp("Bad token", _ERROR),
+                    },
                 },
                 "get": {"summary": "Current session", "responses": {"200": _resp("Session")}},
                 "delete": {
@@ -260,8 +401,15 @@ def document() -> dict[str, Any]:
             "/healthz": {
                 "get": {
                     "summary": "Liveness and database check",
+                    "security": _PUBLIC,
                     "responses": {"200": _resp("Healthy")},
                 }
             },
+            **_bridge_paths(),
+            **_public_paths(),
         },
     }
+    paths = doc["paths"]
+    # The listing answers with and without the trailing slash.
+    paths[base + "/"] = paths[base]
+    return doc

@@ -272,7 +272,7 @@ async def post_operations(request: Request) -> Response:
     op_id = idempotency_key(request)
     body = await read_json(request)
     action = body.get("action")
-    if action not in _OPERATION_FIELDS:
+    if not isinstance(action, str) or action not in _OPERATION_FIELDS:
         raise ValidationError.single(
             "action", "invalid_action", "action must be mkdir, delete, restore or purge"
         )
