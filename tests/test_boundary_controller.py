@@ -11,15 +11,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from controller.db import retry
 from controller.pgembed import EmbeddedPostgres
+from tests.support.bridge import start_run
 from tests.support.constants import REPO
 from tests.support.controller import (
     ControllerProcess,
+    PgCluster,
     Tenant,
     bootstrap_tenant,
     free_port,
@@ -206,3 +210,174 @@ def test_admin_command_recovers_embedded_postgres_killed_with_it(
         assert boot["user_id"]
     finally:
         pg.stop()
+
+
+# --- REST and checkpoint writes that PostgreSQL rolls back -------------------
+
+FORCED_CONFLICTS = """
+CREATE TABLE forced_conflicts (sqlstate text NOT NULL, times integer NOT NULL);
+CREATE SEQUENCE forced_conflict_tries;
+-- Counts each transaction that writes a file row once; the first `times` of
+-- them fail with `sqlstate`, as PostgreSQL itself would fail them.
+CREATE FUNCTION forced_conflict() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    plan forced_conflicts%ROWTYPE;
+BEGIN
+    SELECT * INTO plan FROM forced_conflicts LIMIT 1;
+    IF FOUND AND current_setting('forced.counted', true) IS DISTINCT FROM 'yes' THEN
+        PERFORM set_config('forced.counted', 'yes', true);
+        IF nextval('forced_conflict_tries') <= plan.times THEN
+            RAISE EXCEPTION 'forced %', plan.sqlstate USING ERRCODE = plan.sqlstate;
+        END IF;
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER forced_conflict BEFORE INSERT OR UPDATE ON files
+    FOR EACH ROW EXECUTE FUNCTION forced_conflict();
+"""
+
+
+@pytest.fixture(scope="module")
+def conflicted(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+    """A controller whose database runs every transaction SERIALIZABLE (so
+    concurrent writers really conflict) and can be told to fail file writes."""
+    url = pg_cluster.create_database()
+    name = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
+    with psycopg.connect(pg_cluster.admin_url(), autocommit=True) as admin:
+        admin.execute(f"ALTER DATABASE {name} SET default_transaction_isolation = 'serializable'")
+    ctl = ControllerProcess(url, world_searchable_tmpdir("fsa-conflict-")).start()
+    try:
+        with ctl.db() as conn:
+            conn.execute(FORCED_CONFLICTS)
+        yield ctl
+    finally:
+        ctl.stop()
+        shutil.rmtree(ctl.data_dir, ignore_errors=True)
+
+
+def force(ctl: ControllerProcess, sqlstate: str | None, times: int = 0) -> None:
+    with ctl.db() as conn:
+        conn.execute("DELETE FROM forced_conflicts")
+        conn.execute("ALTER SEQUENCE forced_conflict_tries RESTART")
+        if sqlstate:
+            conn.execute("INSERT INTO forced_conflicts VALUES (%s, %s)", (sqlstate, times))
+
+
+def tries(ctl: ControllerProcess) -> int:
+    with ctl.db() as conn:
+        row = conn.execute("SELECT last_value, is_called FROM forced_conflict_tries").fetchone()
+    assert row is not None
+    return int(row[0]) if row[1] else 0
+
+
+def live_rows(t: Tenant, path: str) -> int:
+    with t.controller.db() as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
+            " WHERE d.company_id = %s AND f.path = %s AND f.deleted_at IS NULL",
+            (t.company_id, path),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("sqlstate", ["40001", "40P01"])  # serialization failure, deadlock
+def test_rest_upload_is_retried_after_a_conflict(
+    conflicted: ControllerProcess, sqlstate: str
+) -> None:
+    t = bootstrap_tenant(conflicted)
+    force(conflicted, sqlstate, times=2)
+    try:
+        with t.client() as c:
+            r = c.put(
+                t.my_folder + "/content", params={"path": "a.txt"}, content=b"A", headers=OCTET
+            )
+    finally:
+        force(conflicted, None)
+    assert r.status_code == 201, r.text
+    assert live_rows(t, "a.txt") == 1
+    assert read(t, "a.txt") == b"A"
+
+
+def test_rest_operation_is_retried_after_a_deadlock(conflicted: ControllerProcess) -> None:
+    t = bootstrap_tenant(conflicted)
+    force(conflicted, "40P01", times=1)
+    try:
+        with t.client() as c:
+            r = c.post(t.my_folder + "/operations", json={"action": "mkdir", "path": "d"})
+    finally:
+        attempts = tries(conflicted)
+        force(conflicted, None)
+    assert r.status_code == 200, r.text
+    assert attempts == 2 and live_rows(t, "d") == 1
+
+
+def test_checkpoint_is_retried_by_the_same_helper(conflicted: ControllerProcess) -> None:
+    t = bootstrap_tenant(conflicted)
+    run = start_run(t)
+    digest = run.upload("task", b"saved").json()["digest"]
+    force(conflicted, "40001", times=3)
+    try:
+        r = run.commit(
+            "task", [{"op": "put", "path": "s.txt", "digest": digest, "executable": False}]
+        )
+    finally:
+        attempts = tries(conflicted)
+        force(conflicted, None)
+    assert r.status_code == 200, r.text
+    assert attempts == 4 and live_rows(t, "s.txt") == 1
+
+
+def test_only_conflicts_are_retried(conflicted: ControllerProcess) -> None:
+    """A lock timeout is not a conflict: one try, then 503, and nothing written."""
+    t = bootstrap_tenant(conflicted)
+    force(conflicted, "55P03", times=100)  # lock_not_available
+    try:
+        with t.client() as c:
+            r = c.put(
+                t.my_folder + "/content", params={"path": "l.txt"}, content=b"L", headers=OCTET
+            )
+    finally:
+        attempts = tries(conflicted)
+        force(conflicted, None)
+    assert r.status_code == 503 and r.json()["code"] == "database_unavailable", r.text
+    assert attempts == 1 and live_rows(t, "l.txt") == 0
+
+
+def test_retries_are_bounded(conflicted: ControllerProcess) -> None:
+    t = bootstrap_tenant(conflicted)
+    force(conflicted, "40001", times=100)
+    try:
+        with t.client() as c:
+            r = c.put(
+                t.my_folder + "/content", params={"path": "b.txt"}, content=b"B", headers=OCTET
+            )
+    finally:
+        attempts = tries(conflicted)
+        force(conflicted, None)
+    assert r.status_code == 503 and r.json()["code"] == "database_unavailable", r.text
+    assert attempts == retry.ATTEMPTS and live_rows(t, "b.txt") == 0
+
+
+def test_concurrent_serializable_writers_all_succeed(conflicted: ControllerProcess) -> None:
+    """Real conflicts: writers to one folder update its row under SERIALIZABLE."""
+    t = bootstrap_tenant(conflicted)
+    paths = [f"w{i}.txt" for i in range(8)]
+    start = threading.Barrier(len(paths))
+
+    def write(path: str) -> tuple[int, str]:
+        with t.client() as c:
+            start.wait()
+            r = c.put(
+                t.my_folder + "/content",
+                params={"path": path},
+                content=path.encode(),
+                headers=OCTET,
+            )
+            return r.status_code, r.text
+
+    with ThreadPoolExecutor(len(paths)) as pool:
+        answers = list(pool.map(write, paths))
+    assert [code for code, _ in answers] == [201] * len(paths), conflicted.log()[-3000:]
+    for path in paths:
+        assert live_rows(t, path) == 1 and read(t, path) == path.encode()

@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -28,7 +27,6 @@ from common.bridge import (
     PREFIX,
 )
 from common.errors import (
-    DatabaseUnavailable,
     DigestMismatch,
     MembershipRevoked,
     NotFound,
@@ -50,6 +48,7 @@ from controller.api.workfolders import (
 )
 from controller.auth import RunBinding, run_may_use_user_folder
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
+from controller.db.retry import retrying
 from controller.frames import Frame, FrameSplitter, decode_frame
 from controller.storage.base import ObjectMissing, object_key
 
@@ -294,19 +293,14 @@ async def commit_checkpoint(request: Request) -> Response:
         if not await asyncio.to_thread(st.storage.exists, k):
             raise ObjectMissing(f"uploaded object {k} is gone; upload it again")
 
+    async def commit(conn: AsyncConnection[Any]) -> dict[str, Any]:
+        folder = await writable_folder(request, conn, run)
+        return await apply_checkpoint(
+            conn, folder, run, cp, ensure_object=ensure, gc_delay=st.settings.gc_delay
+        )
+
     try:
-        for attempt in range(1, 4):
-            try:
-                async with connection(request) as conn:
-                    folder = await writable_folder(request, conn, run)
-                    result = await apply_checkpoint(
-                        conn, folder, run, cp, ensure_object=ensure, gc_delay=st.settings.gc_delay
-                    )
-                break
-            except psycopg.errors.TransactionRollback:
-                # Rolled back whole: running it again is safe (all or nothing).
-                if attempt == 3:
-                    raise DatabaseUnavailable("checkpoint kept conflicting; retry") from None
+        result = await retrying(st.pool, commit)
     except (MembershipRevoked, StaleLease, UnknownContent) as exc:
         await record_run_failure(request, run, f"{exc.code}: {exc.text}")
         raise

@@ -50,6 +50,7 @@ from controller.api.common import (
     state,
 )
 from controller.auth import Principal, authorize_folder
+from controller.db.retry import retrying
 from controller.storage.base import object_key
 
 log = logging.getLogger(__name__)
@@ -368,8 +369,7 @@ async def put_content(request: Request) -> Response:
     file_ctype, executable = upload_headers(request)
     op_id = idempotency_key(request)
     # Authorize before reading a single body byte.
-    async with connection(request) as conn:
-        _, folder, address = await open_folder(request, conn, write=True)
+    _, folder, address = await retrying(st.pool, lambda c: open_folder(request, c, write=True))
     assert folder is not None
     try:
         spool, size, digest = await spool_body(
@@ -383,8 +383,9 @@ async def put_content(request: Request) -> Response:
     try:
         created_blob = await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
-        async with connection(request) as conn:
-            result = await apply.put_file(
+        result = await retrying(
+            st.pool,
+            lambda conn: apply.put_file(
                 conn,
                 folder,
                 path=path,
@@ -395,7 +396,8 @@ async def put_content(request: Request) -> Response:
                 operation_id=op_id,
                 ensure_object=ensure,
                 gc_delay=st.settings.gc_delay,
-            )
+            ),
+        )
     except BaseException:
         if created_blob:
             await journal_orphan(request, address[0], digest)
@@ -472,29 +474,29 @@ async def post_operations(request: Request) -> Response:
                 for f in sorted(missing)
             ]
         )
-    async with connection(request) as conn:
+
+    async def operate(conn: AsyncConnection[Any]) -> dict[str, Any]:
         _, folder, _ = await open_folder(request, conn, write=True)
         assert folder is not None
         if action == "mkdir":
-            result = await apply.mkdir(
+            return await apply.mkdir(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id
             )
-        elif action == "delete":
-            result = await apply.delete_path(
+        if action == "delete":
+            return await apply.delete_path(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id
             )
-        else:
-            file_id = body["fileId"]
-            if not isinstance(file_id, str):
-                raise ValidationError.single("fileId", "invalid_uuid", "fileId must be a UUID")
-            file_id = validate_uuid(file_id, "fileId")
-            if action == "restore":
-                result = await apply.restore(conn, folder, file_id=file_id, operation_id=op_id)
-            else:
-                result = await apply.purge(
-                    conn, folder, file_id=file_id, operation_id=op_id, gc_delay=st.settings.gc_delay
-                )
-    return JSONResponse(result)
+        file_id = body["fileId"]
+        if not isinstance(file_id, str):
+            raise ValidationError.single("fileId", "invalid_uuid", "fileId must be a UUID")
+        file_id = validate_uuid(file_id, "fileId")
+        if action == "restore":
+            return await apply.restore(conn, folder, file_id=file_id, operation_id=op_id)
+        return await apply.purge(
+            conn, folder, file_id=file_id, operation_id=op_id, gc_delay=st.settings.gc_delay
+        )
+
+    return JSONResponse(await retrying(st.pool, operate))
 
 
 # --- GET /sync and POST /refresh -------------------------------------------
@@ -548,7 +550,8 @@ async def post_refresh(request: Request) -> Response:
     if not isinstance(run_id, str) or set(body) != {"runId"}:
         raise ValidationError.single("runId", "required", 'body must be {"runId": <uuid>}')
     run_id = validate_uuid(run_id, "runId")
-    async with connection(request) as conn:
+
+    async def queue(conn: AsyncConnection[Any]) -> None:
         _, _, address = await open_folder(request, conn, write=True)
         runs = {str(r["id"]): r for r in await bound_runs(conn, *address)}
         run = runs.get(run_id)
@@ -557,6 +560,8 @@ async def post_refresh(request: Request) -> Response:
         if not run["active"]:
             raise RunNotActive()
         await conn.execute("UPDATE runs SET refresh_requested = true WHERE id = %s", (run_id,))
+
+    await retrying(state(request).pool, queue)
     return JSONResponse({"queued": True}, status_code=202)
 
 
