@@ -161,22 +161,31 @@ def test_serve_gives_up_on_a_lingering_old_cluster_with_exit_3(embedded_dir: Pat
         pass
 
 
-def test_stale_postmaster_pid_of_a_live_other_process(embedded_dir: Path) -> None:
-    """The old postmaster's PID now belongs to an unrelated process."""
+@pytest.mark.parametrize("owner", ["unrelated process", "another cluster's postmaster"])
+def test_stale_postmaster_pid_reused_by_a_live_process(
+    embedded_dir: Path, pg_cluster: PgCluster, owner: str
+) -> None:
+    """The old postmaster's PID now belongs to another process, even a postgres."""
     t, _ = write_and_crash(embedded_dir)
     pg = EmbeddedPostgres(embedded_dir)
     with_timeout(lambda: not pg.leftover_processes(), 20)
-    other = subprocess.Popen(["sleep", "60"])
+    other = subprocess.Popen(["sleep", "60"]) if owner == "unrelated process" else None
     try:
+        pid = (
+            other.pid
+            if other
+            else int(pg_cluster.pg.pgdata.joinpath("postmaster.pid").read_text().split()[0])
+        )
         lock = pg.pgdata / "postmaster.pid"
         lines = lock.read_text().split("\n")
-        lock.write_text("\n".join([str(other.pid), *lines[1:]]))
+        lock.write_text("\n".join([str(pid), *lines[1:]]))
         assert not pg.running()
         with serving_again(embedded_dir, t):
             pass
     finally:
-        other.kill()
-        other.wait()
+        if other:
+            other.kill()
+            other.wait()
 
 
 def test_admin_command_recovers_embedded_postgres_killed_with_it(
