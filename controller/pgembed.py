@@ -165,23 +165,21 @@ class EmbeddedPostgres:
         it takes a killed postmaster that is still a zombie, or an unrelated
         process that reused its PID, for a running server."""
         pid = self._postmaster_pid()
-        return pid is not None and _live_postgres(pid)
+        return pid is not None and self._works_here(pid) and _live_postgres(pid)
+
+    def _works_here(self, pid: int) -> bool:
+        """Whether ``pid`` runs in this cluster's data directory (as its server
+        processes do; another cluster's postmaster may have reused the PID)."""
+        try:
+            return Path(os.readlink(f"/proc/{pid}/cwd")) == self.pgdata
+        except OSError:
+            return False
 
     def leftover_processes(self) -> list[int]:
         """PostgreSQL processes still working in this cluster's data directory
         (every server process runs with it as its working directory)."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if Path(os.readlink(entry / "cwd")) != self.pgdata:
-                    continue
-            except OSError:
-                continue
-            if _live_postgres(int(entry.name)):
-                found.append(int(entry.name))
-        return found
+        pids = (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
+        return [pid for pid in pids if self._works_here(pid) and _live_postgres(pid)]
 
     def _clear_crashed_cluster(self) -> None:
         """Wait for a crashed cluster's processes to go, then remove its locks."""

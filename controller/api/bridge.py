@@ -14,7 +14,6 @@ import os
 import re
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -26,7 +25,6 @@ from common.bridge import (
     PREFIX,
 )
 from common.errors import (
-    DatabaseUnavailable,
     DigestMismatch,
     MembershipRevoked,
     NotFound,
@@ -39,7 +37,14 @@ from common.errors import (
 )
 from common.paths import validate_scope
 from controller import apply, folders, quotas, runs
-from controller.api.common import authenticate, connection, json_errors, read_json, state
+from controller.api.common import (
+    authenticate,
+    connection,
+    json_errors,
+    read_json,
+    state,
+    write_transaction,
+)
 from controller.api.objects import (
     object_response,
     open_spool,
@@ -255,25 +260,20 @@ async def commit_checkpoint(request: Request) -> Response:
         if not await asyncio.to_thread(st.storage.exists, k):
             raise ObjectMissing(f"uploaded object {k} is gone; upload it again")
 
+    async def commit(conn: AsyncConnection[Any]) -> dict[str, Any]:
+        folder = await writable_folder(request, conn, run)
+        return await apply_checkpoint(
+            conn,
+            folder,
+            run,
+            cp,
+            ensure_object=ensure,
+            gc_delay=st.settings.gc_delay,
+            quotas=st.settings.quotas,
+        )
+
     try:
-        for attempt in range(1, 4):
-            try:
-                async with connection(request) as conn:
-                    folder = await writable_folder(request, conn, run)
-                    result = await apply_checkpoint(
-                        conn,
-                        folder,
-                        run,
-                        cp,
-                        ensure_object=ensure,
-                        gc_delay=st.settings.gc_delay,
-                        quotas=st.settings.quotas,
-                    )
-                break
-            except psycopg.errors.TransactionRollback:
-                # Rolled back whole: running it again is safe (all or nothing).
-                if attempt == 3:
-                    raise DatabaseUnavailable("checkpoint kept conflicting; retry") from None
+        result = await write_transaction(request, commit)
     except (MembershipRevoked, StaleLease, UnknownContent, WriteNotAllowed) as exc:
         await record_run_failure(request, run, f"{exc.code}: {exc.text}")
         raise

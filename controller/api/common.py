@@ -9,7 +9,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
@@ -29,9 +29,11 @@ from controller.api.params import declared_length
 from controller.auth import Principal, principal_from_bearer, principal_from_session, same_secret
 from controller.config import Settings
 from controller.db import SharedPool
+from controller.db.retry import retrying
 from controller.storage.base import StorageProvider
 
 log = logging.getLogger("controller.api")
+T = TypeVar("T")
 
 SESSION_COOKIE = "fsa_session"
 
@@ -67,6 +69,15 @@ async def connection(request: Request) -> AsyncIterator[AsyncConnection[Any]]:
         raise  # deadlock or serialization failure: the caller may run it again
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable() from exc
+
+
+async def write_transaction(
+    request: Request, work: Callable[[AsyncConnection[Any]], Awaitable[T]]
+) -> T:
+    """``work(conn)`` in one transaction from the caller's pool share, run again
+    (bounded, with jitter) when PostgreSQL rolls it back for a serialization
+    failure or a deadlock (:func:`controller.db.retry.retrying`)."""
+    return await retrying(state(request).pool, work, share=credential_key(request.scope))
 
 
 def error_response(exc: WorkFolderError) -> JSONResponse:

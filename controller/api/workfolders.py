@@ -34,6 +34,7 @@ from controller.api.common import (
     json_errors,
     read_json,
     state,
+    write_transaction,
 )
 from controller.api.objects import object_response, put_object, reupload_if_missing, spool_body
 from controller.api.params import (
@@ -203,8 +204,9 @@ async def put_content(request: Request) -> Response:
     file_ctype, executable = upload_headers(request)
     op_id = idempotency_key(request)
     # Authorize before reading a single body byte.
-    async with connection(request) as conn:
-        principal, folder, address = await open_folder(request, conn, write=True)
+    principal, folder, address = await write_transaction(
+        request, lambda c: open_folder(request, c, write=True)
+    )
     assert folder is not None
     policy = write_policy(principal, address[0], address[1], st.settings.quotas.max_folder_entries)
     try:
@@ -221,8 +223,9 @@ async def put_content(request: Request) -> Response:
             await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
         created_blob = await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
-        async with connection(request) as conn:
-            result = await apply.put_file(
+        result = await write_transaction(
+            request,
+            lambda conn: apply.put_file(
                 conn,
                 folder,
                 path=path,
@@ -234,7 +237,8 @@ async def put_content(request: Request) -> Response:
                 ensure_object=ensure,
                 gc_delay=st.settings.gc_delay,
                 policy=policy,
-            )
+            ),
+        )
     except BaseException:
         if created_blob:
             await journal_orphan(request, address[0], digest)
@@ -289,18 +293,19 @@ async def post_operations(request: Request) -> Response:
                 for f in sorted(missing)
             ]
         )
-    async with connection(request) as conn:
+
+    async def operate(conn: AsyncConnection[Any]) -> dict[str, Any]:
         principal, folder, (company_id, scope, _) = await open_folder(request, conn, write=True)
         assert folder is not None
         if action == "purge":
             authorize_purge(principal)
         policy = write_policy(principal, company_id, scope, st.settings.quotas.max_folder_entries)
         if action == "mkdir":
-            result = await apply.mkdir(
+            return await apply.mkdir(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
             )
         elif action == "delete":
-            result = await apply.delete_path(
+            return await apply.delete_path(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
             )
         else:
@@ -309,11 +314,11 @@ async def post_operations(request: Request) -> Response:
                 raise ValidationError.single("fileId", "invalid_uuid", "fileId must be a UUID")
             file_id = validate_uuid(file_id, "fileId")
             if action == "restore":
-                result = await apply.restore(
+                return await apply.restore(
                     conn, folder, file_id=file_id, operation_id=op_id, policy=policy
                 )
             else:
-                result = await apply.purge(
+                return await apply.purge(
                     conn,
                     folder,
                     file_id=file_id,
@@ -321,7 +326,8 @@ async def post_operations(request: Request) -> Response:
                     gc_delay=st.settings.gc_delay,
                     policy=policy,
                 )
-    return JSONResponse(result)
+
+    return JSONResponse(await write_transaction(request, operate))
 
 
 # --- GET /sync and POST /refresh -------------------------------------------
@@ -347,9 +353,12 @@ async def post_refresh(request: Request) -> Response:
     if not isinstance(run_id, str) or set(body) != {"runId"}:
         raise ValidationError.single("runId", "required", 'body must be {"runId": <uuid>}')
     run_id = validate_uuid(run_id, "runId")
-    async with connection(request) as conn:
+
+    async def queue(conn: AsyncConnection[Any]) -> None:
         _, _, address = await open_folder(request, conn, write=True)
         await runs.request_refresh(conn, *address, run_id)
+
+    await write_transaction(request, queue)
     return JSONResponse({"queued": True}, status_code=202)
 
 

@@ -1,0 +1,64 @@
+"""Run a write transaction again when PostgreSQL rolled it back for a
+serialization failure or a deadlock.
+
+Both errors mean the transaction was undone whole and running it again is safe
+and may well succeed; every other error (a lock timeout, a constraint, a lost
+connection) is final for this request. The pause before each new attempt is
+random (full jitter) so that writers that collided do not collide again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import AsyncConnection
+
+from common.errors import DatabaseUnavailable
+from controller.db import SharedPool
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RETRYABLE = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+ATTEMPTS = 8
+"""Tries in all, the first included."""
+BASE_DELAY = 0.02
+"""Seconds; the pause before try n is random in [0, BASE_DELAY * 2**(n-1))."""
+
+
+async def retrying(
+    pool: SharedPool,
+    work: Callable[[AsyncConnection[Any]], Awaitable[T]],
+    *,
+    share: str | None = None,
+) -> T:
+    """``work(conn)`` in a transaction of its own, tried up to ``ATTEMPTS`` times.
+
+    ``share`` is the caller's credential key: each attempt's connection comes
+    from that caller's share of the pool (:class:`controller.db.SharedPool`).
+
+    ``work`` must do everything inside that transaction (it runs again from the
+    start). Conflicts every time, or an unreachable database, raise
+    :class:`DatabaseUnavailable` (503, the client may retry).
+    """
+    attempt = 1
+    while True:
+        try:
+            async with pool.connection(share=share) as conn, conn.transaction():
+                return await work(conn)
+        except RETRYABLE as exc:
+            if attempt >= ATTEMPTS:
+                raise DatabaseUnavailable(
+                    f"the write kept conflicting with others ({attempt} tries); retry"
+                ) from exc
+            log.info("transaction rolled back (%s); trying again", exc.sqlstate)
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable() from exc
+        await asyncio.sleep(random.uniform(0, BASE_DELAY * 2**attempt))
+        attempt += 1
