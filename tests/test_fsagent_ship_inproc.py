@@ -238,7 +238,7 @@ async def test_upload_frames_carry_a_large_file_byte_exact(
     try:
         data = os.urandom(CHUNK_MAX * 2 + 12345)  # three frames, the last one short
         f = store.create(ROOT_INODE, "big.bin", "file", 0o644)
-        (store.upper / str(f.ino)).write_bytes(data)
+        store.upper.write_complete(f.ino, lambda p: p.write_bytes(data))
         f.upper, f.size = True, len(data)
         f.generation += 1
         store.persist(f, touch="write")
