@@ -43,31 +43,41 @@ class ServerLimits:
 
 # flag, field, type, help: one table so `controller serve --help` and the
 # dataclass cannot drift apart.
-_LIMIT_FLAGS: list[tuple[str, str, type, str]] = [
-    ("--header-timeout", "header_timeout", float, "seconds to receive the request headers"),
-    ("--keep-alive-timeout", "keep_alive_timeout", int, "seconds an idle connection stays open"),
+# flag, field, type, help, zero allowed.
+_LIMIT_FLAGS: list[tuple[str, str, type, str, bool]] = [
+    ("--header-timeout", "header_timeout", float, "seconds to receive the request headers", False),
+    (
+        "--keep-alive-timeout",
+        "keep_alive_timeout",
+        int,
+        "seconds an idle connection stays open",
+        False,
+    ),
     (
         "--body-idle-timeout",
         "body_idle_timeout",
         float,
         "seconds to wait for the next piece of a request body",
+        False,
     ),
-    ("--body-min-rate", "body_min_rate", int, "bytes/s a request body must average"),
-    ("--body-deadline", "body_deadline", float, "seconds to receive a whole request body"),
-    ("--max-connections", "max_connections", int, "open connections accepted at once"),
+    ("--body-min-rate", "body_min_rate", int, "bytes/s a request body must average", False),
+    ("--body-deadline", "body_deadline", float, "seconds to receive a whole request body", False),
+    ("--max-connections", "max_connections", int, "open connections accepted at once", False),
     (
         "--max-requests-per-token",
         "max_requests_per_token",
         int,
         "requests in flight per token (429 beyond)",
+        False,
     ),
-    ("--max-request-head", "max_head_bytes", int, "bytes of request line and headers"),
+    ("--max-request-head", "max_head_bytes", int, "bytes of request line and headers", False),
 ]
 
 
-def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = ServerLimits()
-    for flag, name, kind, text in _LIMIT_FLAGS:
+def _add_flags(
+    parser: argparse.ArgumentParser, flags: list[tuple[str, str, type, str, bool]], defaults: object
+) -> None:
+    for flag, name, kind, text, _ in flags:
         parser.add_argument(
             flag,
             dest=name,
@@ -77,16 +87,27 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def limits_from(args: argparse.Namespace) -> ServerLimits:
-    """The limits given on the command line; refuses values that disable a limit."""
-    limits = ServerLimits()
-    for flag, name, _, _ in _LIMIT_FLAGS:
+def _apply_flags(
+    args: argparse.Namespace, flags: list[tuple[str, str, type, str, bool]], target: object
+) -> None:
+    """Copy the given flags onto ``target``; refuses values that disable a limit."""
+    for flag, name, _, _, zero_ok in flags:
         value = getattr(args, name, None)
         if value is None:
             continue
-        if value <= 0:
+        if value < 0 or (value == 0 and not zero_ok):
             raise ValueError(f"{flag} must be positive, got {value}")
-        setattr(limits, name, value)
+        setattr(target, name, value)
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_flags(parser, _LIMIT_FLAGS, ServerLimits())
+
+
+def limits_from(args: argparse.Namespace) -> ServerLimits:
+    """The limits given on the command line; refuses values that disable a limit."""
+    limits = ServerLimits()
+    _apply_flags(args, _LIMIT_FLAGS, limits)
     return limits
 
 
@@ -145,27 +166,13 @@ _QUOTA_FLAGS: list[tuple[str, str, type, str, bool]] = [
 
 
 def add_quota_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = Quotas()
-    for flag, name, kind, text, _ in _QUOTA_FLAGS:
-        parser.add_argument(
-            flag,
-            dest=name,
-            type=kind,
-            default=None,
-            help=f"{text} (default {getattr(defaults, name)})",
-        )
+    _add_flags(parser, _QUOTA_FLAGS, Quotas())
 
 
 def quotas_from(args: argparse.Namespace) -> Quotas:
     """The quotas given on the command line; refuses values that disable one."""
     quotas = Quotas()
-    for flag, name, _, _, zero_ok in _QUOTA_FLAGS:
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        if value < 0 or (value == 0 and not zero_ok):
-            raise ValueError(f"{flag} must be positive, got {value}")
-        setattr(quotas, name, value)
+    _apply_flags(args, _QUOTA_FLAGS, quotas)
     if quotas.pool_share > quotas.pool_size:
         raise ValueError("--pool-share cannot exceed --pool-size")
     return quotas
