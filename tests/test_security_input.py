@@ -10,7 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from controller.api.common import MAX_JSON_DEPTH, json_too_deep
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant
 from tests.support.mount import FsagentMount
@@ -164,6 +167,30 @@ def test_deep_json_is_400_everywhere(tenant: Tenant) -> None:
         r = c.post("/folders/task/checkpoints", content=body, headers=headers)
         assert r.status_code == 400, r.text
         assert detail_code(r) == "too_deep"
+
+
+def _depth(raw: bytes) -> int:
+    depth = deepest = 0
+    for ch in raw:
+        depth += 1 if ch in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    st.recursive(
+        st.sampled_from([b"[]", b"{}"]),
+        lambda inner: st.tuples(
+            st.sampled_from([(b"[", b"]"), (b"{", b"}")]), st.lists(inner, min_size=1, max_size=3)
+        ).map(lambda t: t[0][0] + b"".join(t[1]) + t[0][1]),
+        max_leaves=200,
+    ),
+    st.integers(min_value=0, max_value=70),
+)
+def test_depth_check_matches_counting_every_bracket(shape: bytes, wrap: int) -> None:
+    raw = b"[" * wrap + shape + b"]" * wrap
+    assert json_too_deep(raw) == (_depth(raw) > MAX_JSON_DEPTH)
 
 
 def test_brackets_inside_strings_do_not_count_as_nesting(tenant: Tenant) -> None:
