@@ -13,7 +13,7 @@ fsync or under memory pressure; it also resolves O_APPEND offsets itself.
 Name rules (common.paths): a name that is not valid UTF-8, not NFC, contains
 control characters or a backslash is refused with EINVAL; the reserved
 segment ``.fsagent`` with EPERM; a name over 255 bytes or a path over 1024
-characters with ENAMETOOLONG.  Lookups of such names answer ENOENT: nothing
+characters or deeper than 64 segments with ENAMETOOLONG.  Lookups of such names answer ENOENT: nothing
 with that name can exist.  Symlinks, hard links and special files: EPERM.
 Limits mirror the controller's, so a refusal shows at write time rather than
 at save time: EFBIG past 1 GiB per file, EDQUOT past 100,000 entries.
@@ -32,7 +32,7 @@ import trio
 
 from common.errors import InvalidPath
 from common.limits import MAX_COMPONENT_BYTES, MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
-from common.paths import decode_fs_name
+from common.paths import MAX_PATH_SEGMENTS, decode_fs_name
 from common.types import Digest
 from fsagent.content import Content, OpenFile
 from fsagent.fuseglue import (
@@ -123,7 +123,8 @@ class WorkFolderFS(pyfuse3.Operations):
         ppath = self.store.path_of(parent)
         if ppath is None:
             raise fuse_err(errno.ENOENT)  # the directory itself was removed
-        if len(ppath) + 1 + len(name) > MAX_PATH_CHARS:
+        depth = ppath.count("/") + 2 if ppath else 1
+        if len(ppath) + 1 + len(name) > MAX_PATH_CHARS or depth > MAX_PATH_SEGMENTS:
             raise fuse_err(errno.ENAMETOOLONG)
         return name
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.paths import MAX_PATH_SEGMENTS
 from controller.api.common import MAX_JSON_DEPTH, json_too_deep
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant
@@ -293,3 +294,19 @@ def test_c1_and_bidi_names_are_einval_on_the_mount(mnt: FsagentMount) -> None:
             os.mkdir(mnt.mountpoint / name)
         assert info.value.errno == errno.EINVAL, name
     assert os.listdir(mnt.mountpoint) == []
+
+
+def test_paths_deeper_than_64_segments_are_enametoolong_on_the_mount(mnt: FsagentMount) -> None:
+    deepest = mnt.mountpoint.joinpath(*["d"] * (MAX_PATH_SEGMENTS - 1))
+    os.makedirs(deepest)
+    (deepest / "leaf").write_bytes(b"64 segments")  # exactly the limit
+    assert (deepest / "leaf").read_bytes() == b"64 segments"
+    os.mkdir(deepest / "sub")  # 64 segments
+    for make in (os.mkdir, lambda p: open(p, "wb").close()):
+        with pytest.raises(OSError) as info:
+            make(deepest / "sub" / "too-deep")  # 65 segments
+        assert info.value.errno == errno.ENAMETOOLONG
+    with pytest.raises(OSError) as info:
+        os.rename(deepest / "leaf", deepest / "sub" / "leaf")
+    assert info.value.errno == errno.ENAMETOOLONG
+    assert (deepest / "leaf").read_bytes() == b"64 segments"
