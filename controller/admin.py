@@ -9,14 +9,14 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from common.errors import ValidationError
+from common.errors import AppError, ValidationError
 from common.paths import validate_uuid
 from controller.auth import RUN_TOKEN_PREFIX, USER_TOKEN_PREFIX, new_token, token_hash
 
 ROLES = ("owner", "admin", "member", "viewer")
 
 
-class AdminError(Exception):
+class AdminError(AppError):
     """A refusal an operator can act on; printed as one line."""
 
 

@@ -27,6 +27,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from common.errors import AppError
+
 log = logging.getLogger(__name__)
 
 DB_NAME = "controller"
@@ -34,8 +36,8 @@ DB_USER = "controller"
 RECOVERY_WAIT_SECONDS = 60.0
 
 
-class EmbeddedPostgresError(RuntimeError):
-    pass
+class EmbeddedPostgresError(AppError):
+    """The embedded cluster could not be set up, started or recovered."""
 
 
 def _live_postgres(pid: int) -> bool:
