@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
 from tests.support.s3server import FAKE_CREDENTIALS, S3Server, running_s3_server
-from tests.test_storage import s3_client
+from tests.support.storage import s3_client
 
 OCTET = {"Content-Type": "application/octet-stream"}
 

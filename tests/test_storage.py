@@ -1,29 +1,20 @@
-"""One suite for every storage provider, plus the checks only one of them can have.
+"""One suite for every storage provider: the behaviour the controller relies on.
 
 The shared tests run against ``local_disk`` on a temporary directory and
 against ``s3`` on a moto server reached over HTTP; a behaviour the controller
-relies on must hold for both, byte for byte.
+relies on must hold for both, byte for byte. The checks only one provider can
+have are in ``test_storage_local.py`` and ``test_storage_s3.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import pathlib
-import random
-import socket
-import stat
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
 
-import boto3
 import pytest
-from botocore.exceptions import ClientError, EndpointConnectionError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,89 +29,23 @@ from controller.storage import (
     object_key,
     validate_key,
 )
-from controller.storage import local_disk as local_disk_module
-from tests.support.s3server import (
-    FAKE_CREDENTIALS,
-    S3Server,
-    S3ServerError,
-    free_port,
-    running_s3_server,
+from tests.support.s3server import S3Server
+from tests.support.storage import (
+    COMPANY,
+    OTHER_COMPANY,
+    TEST_PART_SIZE,
+    FailingSource,
+    MiB,
+    leftovers,
+    random_bytes,
+    read_all,
+    s3_client,
+    sha256,
+    store,
+    write_source,
 )
 
-MiB = 1 << 20
-COMPANY = "0b6f3c1e-6a3e-4c59-9a53-2f8f1d0f7a11"
-OTHER_COMPANY = "7d2c5a40-1f3b-4e8e-8a47-5b0c9e6d2f13"
-# Lowered from the 64 MiB production default so the multipart path runs on
-# test-sized objects; 8 MiB parts stay above S3's 5 MiB minimum.
-TEST_MULTIPART_THRESHOLD = 8 * MiB
-TEST_PART_SIZE = 8 * MiB
-
-
 # -- fixtures and helpers ---------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    with running_s3_server() as server:
-        yield server
-
-
-def s3_client(server: S3Server) -> Any:
-    return boto3.session.Session(
-        aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        region_name="us-east-1",
-    ).client("s3", endpoint_url=server.endpoint_url)
-
-
-def make_s3_provider(server: S3Server, bucket: str, **options: Any) -> S3Provider:
-    settings: dict[str, Any] = {
-        "multipart_threshold": TEST_MULTIPART_THRESHOLD,
-        "part_size": TEST_PART_SIZE,
-        "create_bucket": True,
-        **options,
-    }
-    return S3Provider(
-        bucket,
-        endpoint_url=server.endpoint_url,
-        region="us-east-1",
-        access_key=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        secret_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        **settings,
-    )
-
-
-def remove_bucket(server: S3Server, bucket: str) -> None:
-    """Empty and drop a test bucket so the server does not hold every test's bytes."""
-    client = s3_client(server)
-    with contextlib.suppress(ClientError):
-        for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
-            client.abort_multipart_upload(
-                Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-            )
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            for entry in page.get("Contents", []):
-                client.delete_object(Bucket=bucket, Key=entry["Key"])
-        client.delete_bucket(Bucket=bucket)
-
-
-@pytest.fixture
-def s3_bucket(s3_server: S3Server) -> Iterator[str]:
-    bucket = f"test-{uuid.uuid4().hex[:24]}"
-    yield bucket
-    remove_bucket(s3_server, bucket)
-
-
-@pytest.fixture
-def s3_provider(s3_server: S3Server, s3_bucket: str) -> S3Provider:
-    provider = make_s3_provider(s3_server, s3_bucket)
-    provider.check()
-    return provider
-
-
-@pytest.fixture
-def local_provider(tmp_path: Path) -> LocalDiskProvider:
-    return LocalDiskProvider(tmp_path / "store")
 
 
 @pytest.fixture(params=["local_disk", "s3"])
@@ -131,49 +56,11 @@ def provider(request: pytest.FixtureRequest) -> StorageProvider:
     return result
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def write_source(directory: Path, data: bytes) -> Path:
-    path = directory / f"src-{uuid.uuid4().hex}"
-    path.write_bytes(data)
-    return path
-
-
-def store(
-    provider: StorageProvider, tmp_path: Path, data: bytes, company: str = COMPANY
-) -> tuple[str, bool]:
-    digest = sha256(data)
-    key = object_key(company, digest)
-    created = provider.put_file(key, write_source(tmp_path, data), len(data), digest)
-    return key, created
-
-
-def read_all(provider: StorageProvider, key: str, start: int = 0, end: int | None = None) -> bytes:
-    return b"".join(provider.read_chunks(key, start, end))
-
-
-def leftovers(provider: StorageProvider, server: S3Server | None) -> list[str]:
-    """Anything a failed put could have left behind: temp files or pending multipart uploads."""
-    if isinstance(provider, LocalDiskProvider):
-        return sorted(os.listdir(provider.root / "tmp"))
-    assert isinstance(provider, S3Provider) and server is not None
-    uploads = s3_client(server).list_multipart_uploads(Bucket=provider.bucket)
-    return sorted(upload["Key"] for upload in uploads.get("Uploads", []))
-
-
 def server_of(request: pytest.FixtureRequest, provider: StorageProvider) -> S3Server | None:
     if isinstance(provider, S3Provider):
         server: S3Server = request.getfixturevalue("s3_server")
         return server
     return None
-
-
-def random_bytes(size: int, seed: int) -> bytes:
-    # Seeded so a failure reproduces; random so a mix-up of any two ranges
-    # shows up as a byte difference.
-    return random.Random(seed).randbytes(size)
 
 
 # -- object_key ---------------------------------------------------------------
@@ -525,37 +412,6 @@ def test_source_mismatch_stores_nothing(
     assert read_all(provider, key) == data
 
 
-class FailingSource(pathlib.PosixPath):
-    """A source file whose reads fail with EIO once ``fail_after`` bytes were read."""
-
-    fail_after = 10 * MiB
-
-    def open(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return _FailingReader(super().open(*args, **kwargs), self.fail_after)
-
-
-class _FailingReader:
-    def __init__(self, inner: IO[bytes], fail_after: int) -> None:
-        self._inner = inner
-        self._left = fail_after
-
-    def read(self, size: int = -1) -> bytes:
-        if self._left <= 0:
-            raise OSError(5, "Input/output error (injected)")
-        chunk = self._inner.read(size if 0 <= size <= self._left else self._left)
-        self._left -= len(chunk)
-        return chunk
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __enter__(self) -> _FailingReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._inner.close()
-
-
 def test_failure_mid_copy_stores_nothing(
     request: pytest.FixtureRequest, provider: StorageProvider, tmp_path: Path
 ) -> None:
@@ -569,305 +425,6 @@ def test_failure_mid_copy_stores_nothing(
     assert provider.exists(key) is False
     assert list(provider.iter_keys()) == []
     assert leftovers(provider, server_of(request, provider)) == []
-
-
-# -- local disk only --------------------------------------------------------------
-
-
-def _fail_fsync_of(kind: Callable[[int], bool]) -> Callable[[int], None]:
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        if kind(os.fstat(fd).st_mode):
-            raise OSError(5, "Input/output error (injected fsync failure)")
-        real_fsync(fd)
-
-    return fsync
-
-
-def test_local_fsync_failure_of_the_copy_stores_nothing(
-    local_provider: LocalDiskProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data = random_bytes(3 * MiB, seed=7)
-    digest = sha256(data)
-    key = object_key(COMPANY, digest)
-    monkeypatch.setattr(local_disk_module.os, "fsync", _fail_fsync_of(stat.S_ISREG))
-    with pytest.raises(StorageUnavailable, match="injected fsync"):
-        local_provider.put_file(key, write_source(tmp_path, data), len(data), digest)
-    monkeypatch.undo()
-    assert local_provider.exists(key) is False
-    assert leftovers(local_provider, None) == []
-    assert local_provider.put_file(key, write_source(tmp_path, data), len(data), digest) is True
-
-
-def test_local_fsync_failure_of_the_directory_withdraws_the_object(
-    local_provider: LocalDiskProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data = b"linked but not yet durable"
-    digest = sha256(data)
-    key = object_key(COMPANY, digest)
-    # Directories made on the way are synced too, so let the ones for this key
-    # exist first and fail only the sync after the link.
-    (local_provider.root / key).parent.mkdir(parents=True)
-    monkeypatch.setattr(local_disk_module.os, "fsync", _fail_fsync_of(stat.S_ISDIR))
-    with pytest.raises(StorageUnavailable, match="injected fsync"):
-        local_provider.put_file(key, write_source(tmp_path, data), len(data), digest)
-    monkeypatch.undo()
-    # Reporting failure while leaving the object visible would make the retry
-    # answer "already exists" for an object that might not survive a crash.
-    assert local_provider.exists(key) is False
-    assert leftovers(local_provider, None) == []
-
-
-def test_local_objects_are_files_under_root(
-    local_provider: LocalDiskProvider, tmp_path: Path
-) -> None:
-    key, _ = store(local_provider, tmp_path, b"on disk")
-    path = local_provider.root / key
-    assert path.read_bytes() == b"on disk"
-    assert path.is_relative_to(local_provider.root)
-
-
-def _plant_outside(tmp_path: Path, digest: str) -> Path:
-    outside = tmp_path / "outside"
-    (outside / digest[:2]).mkdir(parents=True)
-    (outside / digest[:2] / digest).write_bytes(b"secret outside root")
-    return outside
-
-
-def test_local_refuses_symlinked_directories(
-    local_provider: LocalDiskProvider, tmp_path: Path
-) -> None:
-    data = b"would land outside"
-    digest = sha256(data)
-    key = object_key(COMPANY, digest)
-    outside = _plant_outside(tmp_path, digest)
-    (local_provider.root / "objects").mkdir()
-    (local_provider.root / "objects" / COMPANY).symlink_to(outside)
-
-    with pytest.raises(StorageUnavailable):
-        local_provider.read_chunks(key)
-    with pytest.raises(StorageUnavailable):
-        local_provider.size(key)
-    with pytest.raises(StorageUnavailable):
-        local_provider.put_file(key, write_source(tmp_path, data), len(data), digest)
-    with pytest.raises(StorageUnavailable):
-        local_provider.delete(key)
-    assert list(local_provider.iter_keys()) == []
-    assert sorted(p.name for p in outside.rglob("*")) == sorted([digest[:2], digest])
-    assert (outside / digest[:2] / digest).read_bytes() == b"secret outside root"
-
-
-def test_local_refuses_symlinked_objects(local_provider: LocalDiskProvider, tmp_path: Path) -> None:
-    digest = sha256(b"secret outside root")
-    key = object_key(COMPANY, digest)
-    outside = _plant_outside(tmp_path, digest)
-    target = local_provider.root / key
-    target.parent.mkdir(parents=True)
-    target.symlink_to(outside / digest[:2] / digest)
-
-    with pytest.raises(StorageUnavailable):
-        local_provider.read_chunks(key)
-    with pytest.raises(StorageUnavailable):
-        local_provider.size(key)
-    assert list(local_provider.iter_keys()) == []
-    # Deleting removes the link inside root, never the file it points at.
-    local_provider.delete(key)
-    assert not target.is_symlink()
-    assert (outside / digest[:2] / digest).read_bytes() == b"secret outside root"
-
-
-def test_local_iter_keys_skips_foreign_files(
-    local_provider: LocalDiskProvider, tmp_path: Path
-) -> None:
-    key, _ = store(local_provider, tmp_path, b"real")
-    (local_provider.root / "tmp" / "put-inflight").write_bytes(b"partial")
-    (local_provider.root / key).with_name("notes.txt").write_text("junk")
-    (local_provider.root / "objects" / "README").write_text("junk")
-    assert list(local_provider.iter_keys()) == [key]
-
-
-def test_local_sweeps_stale_temp_files(tmp_path: Path) -> None:
-    root = tmp_path / "store"
-    LocalDiskProvider(root)
-    stale, fresh = root / "tmp" / "put-stale", root / "tmp" / "put-fresh"
-    stale.write_bytes(b"from a put that died")
-    fresh.write_bytes(b"from a put still running elsewhere")
-    two_hours_ago = time.time() - 7200
-    os.utime(stale, (two_hours_ago, two_hours_ago))
-    LocalDiskProvider(root)
-    assert sorted(os.listdir(root / "tmp")) == ["put-fresh"]
-
-
-def test_local_check(local_provider: LocalDiskProvider, tmp_path: Path) -> None:
-    local_provider.check()
-    assert leftovers(local_provider, None) == []
-    tmp_dir = local_provider.root / "tmp"
-    tmp_dir.rmdir()
-    tmp_dir.symlink_to(tmp_path)
-    with pytest.raises(StorageUnavailable):
-        local_provider.check()
-
-
-# -- S3 only --------------------------------------------------------------------
-
-
-def test_s3_small_objects_use_a_single_put(
-    s3_server: S3Server, s3_provider: S3Provider, tmp_path: Path
-) -> None:
-    data = random_bytes(TEST_MULTIPART_THRESHOLD - 1, seed=8)
-    key, created = store(s3_provider, tmp_path, data)
-    assert created is True
-    head = s3_client(s3_server).head_object(Bucket=s3_provider.bucket, Key=key)
-    assert head["ETag"].strip('"') == hashlib.md5(data).hexdigest()
-
-
-@pytest.mark.parametrize("size", [1000, 9 * MiB], ids=["single", "multipart"])
-def test_s3_conditional_create_settles_races(
-    s3_server: S3Server,
-    s3_provider: S3Provider,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    size: int,
-) -> None:
-    data = random_bytes(size, seed=9)
-    key, _ = store(s3_provider, tmp_path, data)
-    # Another writer finished between our HEAD and our write: only the
-    # If-None-Match condition can notice now.
-    monkeypatch.setattr(s3_provider, "exists", lambda key: False)
-    assert s3_provider.put_file(key, write_source(tmp_path, data), size, sha256(data)) is False
-    monkeypatch.undo()
-    assert read_all(s3_provider, key) == data
-    assert leftovers(s3_provider, s3_server) == []
-
-
-def test_s3_falls_back_when_conditional_writes_are_unsupported(
-    s3_provider: S3Provider,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    real_put = s3_provider._client.put_object
-    conditional_attempts: list[str] = []
-
-    def put_object_without_conditions(**kwargs: Any) -> Any:
-        if "IfNoneMatch" in kwargs:
-            conditional_attempts.append(kwargs["Key"])
-            raise ClientError(
-                {
-                    "Error": {"Code": "NotImplemented", "Message": "If-None-Match"},
-                    "ResponseMetadata": {"HTTPStatusCode": 501},
-                },
-                "PutObject",
-            )
-        return real_put(**kwargs)
-
-    monkeypatch.setattr(s3_provider._client, "put_object", put_object_without_conditions)
-    first, created = store(s3_provider, tmp_path, b"first")
-    second, created_too = store(s3_provider, tmp_path, b"second")
-    assert (created, created_too) == (True, True)
-    assert conditional_attempts == [first]  # asked once, then remembered
-    fallback_warnings = [r for r in caplog.records if "conditional writes" in r.getMessage()]
-    assert [r.levelname for r in fallback_warnings] == ["WARNING"]
-    assert read_all(s3_provider, first) == b"first"
-    assert read_all(s3_provider, second) == b"second"
-    assert store(s3_provider, tmp_path, b"first") == (first, False)
-
-
-def test_s3_failed_part_aborts_the_upload(
-    s3_server: S3Server, s3_provider: S3Provider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    data = random_bytes(20 * MiB, seed=10)
-    digest = sha256(data)
-    key = object_key(COMPANY, digest)
-    real_upload_part = s3_provider._client.upload_part
-    calls: list[int] = []
-
-    def flaky_upload_part(**kwargs: Any) -> Any:
-        calls.append(kwargs["PartNumber"])
-        if kwargs["PartNumber"] == 2:
-            raise EndpointConnectionError(endpoint_url=s3_server.endpoint_url)
-        return real_upload_part(**kwargs)
-
-    monkeypatch.setattr(s3_provider._client, "upload_part", flaky_upload_part)
-    with pytest.raises(StorageUnavailable):
-        s3_provider.put_file(key, write_source(tmp_path, data), len(data), digest)
-    assert calls == [1, 2]
-    assert s3_provider.exists(key) is False
-    assert leftovers(s3_provider, s3_server) == []
-
-
-def test_s3_unreachable_endpoint(tmp_path: Path) -> None:
-    provider = S3Provider(
-        "anything",
-        endpoint_url=f"http://127.0.0.1:{free_port()}",
-        region="us-east-1",
-        access_key="testing",
-        secret_key="testing",
-        max_attempts=2,
-        connect_timeout=2.0,
-    )
-    with pytest.raises(StorageUnavailable) as caught:
-        provider.check()
-    assert caught.value.code == "storage_unavailable"
-    assert caught.value.status == 503
-    key = object_key(COMPANY, sha256(b"x"))
-    with pytest.raises(StorageUnavailable):
-        provider.put_file(key, write_source(tmp_path, b"x"), 1, sha256(b"x"))
-    with pytest.raises(StorageUnavailable):
-        provider.read_chunks(key)
-    with pytest.raises(StorageUnavailable):
-        provider.size(key)
-    with pytest.raises(StorageUnavailable):
-        list(provider.iter_keys())
-
-
-def test_s3_missing_bucket(s3_server: S3Server, s3_bucket: str) -> None:
-    without = make_s3_provider(s3_server, s3_bucket, create_bucket=False)
-    with pytest.raises(StorageUnavailable):
-        without.check()
-    make_s3_provider(s3_server, s3_bucket, create_bucket=True).check()
-    s3_client(s3_server).head_bucket(Bucket=s3_bucket)
-    without.check()  # now it exists
-    # A second creator (another replica) is not an error.
-    make_s3_provider(s3_server, s3_bucket, create_bucket=True).check()
-
-
-def test_s3_iter_keys_skips_foreign_objects(
-    s3_server: S3Server, s3_provider: S3Provider, tmp_path: Path
-) -> None:
-    key, _ = store(s3_provider, tmp_path, b"ours")
-    client = s3_client(s3_server)
-    client.put_object(Bucket=s3_provider.bucket, Key="backups/dump.sql", Body=b"x")
-    client.put_object(Bucket=s3_provider.bucket, Key=key + ".bak", Body=b"x")
-    assert list(s3_provider.iter_keys()) == [key]
-
-
-def test_s3_provider_validates_settings() -> None:
-    with pytest.raises(ValueError):
-        S3Provider("")
-    with pytest.raises(ValueError):
-        S3Provider("bucket", part_size=4 * MiB)
-    with pytest.raises(ValueError):
-        S3Provider("bucket", multipart_threshold=0)
-
-
-# -- the test server helper itself -------------------------------------------------
-
-
-def test_s3_server_helper_fails_fast_when_the_port_is_taken() -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        started = time.monotonic()
-        server = S3Server(port=port, startup_timeout=60)
-        # The port answers nothing HTTP, and the server process dies: the helper
-        # must notice the death rather than wait out its deadline.
-        with pytest.raises(S3ServerError, match="exited"):
-            server.start()
-        assert time.monotonic() - started < 30
-        assert server.running is False
 
 
 # -- make_provider -------------------------------------------------------------------

@@ -11,6 +11,12 @@
   objects) written from plain data.
 * :mod:`tests.support.mount` — ``fsagent mount --foreground`` in a subprocess
   and a factory that tears every mount down.
+* :mod:`tests.support.storage` — storage-provider helpers: S3 clients and
+  providers on the moto server, objects stored from plain bytes, a source that
+  fails mid-read, what a failed put left behind.
+* :mod:`tests.support.checkpoints` — a checkpoint observed from outside:
+  receipts and versions in PostgreSQL, a state dir's change set and status,
+  ``fsagent flush`` as a subprocess.
 * :mod:`tests.support.bridge`, :mod:`tests.support.web`,
   :mod:`tests.support.s3server`, :mod:`tests.support.lossy_proxy` — a minimal
   bridge client, the headless browser, moto as an S3 server, a proxy that
@@ -19,7 +25,9 @@
 pytest plugins (registered by ``tests/conftest.py`` through ``pytest_plugins``):
 
 * :mod:`tests.support.fixtures` — ``pg_cluster``, ``controller``, ``tenant``,
-  ``mounts``, ``module_mounts``, ``mnt``.
+  ``mounts``, ``module_mounts``, ``mnt``, and the storage providers'
+  ``s3_server`` (one per session), ``s3_bucket``, ``s3_provider``,
+  ``local_provider``.
 * :mod:`tests.support.session` — a per-session temp root that must be empty
   when the session ends, and the check that fails a test on unexpected
   WARNING log records.

@@ -1,14 +1,18 @@
 """pytest fixtures for the real parts: one PostgreSQL cluster and one controller
-per session, a fresh tenant per test, and FUSE mounts torn down after each test
-(or module)."""
+per session, a fresh tenant per test, FUSE mounts torn down after each test
+(or module), and the storage providers (one moto S3 server per session, a
+fresh bucket or local-disk root per test)."""
 
 from __future__ import annotations
 
 import shutil
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from controller.storage import LocalDiskProvider, S3Provider
 from tests.support.controller import (
     ControllerProcess,
     PgCluster,
@@ -17,6 +21,8 @@ from tests.support.controller import (
     world_searchable_tmpdir,
 )
 from tests.support.mount import FsagentMount, MountFactory, mount_factory
+from tests.support.s3server import S3Server, running_s3_server
+from tests.support.storage import make_s3_provider, remove_bucket
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +68,28 @@ def module_mounts() -> Iterator[MountFactory]:
 def mnt(mounts: MountFactory) -> FsagentMount:
     """A mounted, bound, empty agent collection."""
     return mounts.mount()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> Iterator[str]:
+    bucket = f"test-{uuid.uuid4().hex[:24]}"
+    yield bucket
+    remove_bucket(s3_server, bucket)
+
+
+@pytest.fixture
+def s3_provider(s3_server: S3Server, s3_bucket: str) -> S3Provider:
+    provider = make_s3_provider(s3_server, s3_bucket)
+    provider.check()
+    return provider
+
+
+@pytest.fixture
+def local_provider(tmp_path: Path) -> LocalDiskProvider:
+    return LocalDiskProvider(tmp_path / "store")

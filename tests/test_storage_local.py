@@ -1,0 +1,163 @@
+"""Checks only the ``local_disk`` provider can have: files under its root,
+fsync failures, symlinks planted in the store, stray and stale files.
+
+The behaviour every provider shares is in ``test_storage.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from common.errors import StorageUnavailable
+from controller.storage import LocalDiskProvider, object_key
+from controller.storage import local_disk as local_disk_module
+from tests.support.storage import (
+    COMPANY,
+    MiB,
+    leftovers,
+    random_bytes,
+    sha256,
+    store,
+    write_source,
+)
+
+
+def _fail_fsync_of(kind: Callable[[int], bool]) -> Callable[[int], None]:
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if kind(os.fstat(fd).st_mode):
+            raise OSError(5, "Input/output error (injected fsync failure)")
+        real_fsync(fd)
+
+    return fsync
+
+
+def test_local_fsync_failure_of_the_copy_stores_nothing(
+    local_provider: LocalDiskProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = random_bytes(3 * MiB, seed=7)
+    digest = sha256(data)
+    key = object_key(COMPANY, digest)
+    monkeypatch.setattr(local_disk_module.os, "fsync", _fail_fsync_of(stat.S_ISREG))
+    with pytest.raises(StorageUnavailable, match="injected fsync"):
+        local_provider.put_file(key, write_source(tmp_path, data), len(data), digest)
+    monkeypatch.undo()
+    assert local_provider.exists(key) is False
+    assert leftovers(local_provider, None) == []
+    assert local_provider.put_file(key, write_source(tmp_path, data), len(data), digest) is True
+
+
+def test_local_fsync_failure_of_the_directory_withdraws_the_object(
+    local_provider: LocalDiskProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = b"linked but not yet durable"
+    digest = sha256(data)
+    key = object_key(COMPANY, digest)
+    # Directories made on the way are synced too, so let the ones for this key
+    # exist first and fail only the sync after the link.
+    (local_provider.root / key).parent.mkdir(parents=True)
+    monkeypatch.setattr(local_disk_module.os, "fsync", _fail_fsync_of(stat.S_ISDIR))
+    with pytest.raises(StorageUnavailable, match="injected fsync"):
+        local_provider.put_file(key, write_source(tmp_path, data), len(data), digest)
+    monkeypatch.undo()
+    # Reporting failure while leaving the object visible would make the retry
+    # answer "already exists" for an object that might not survive a crash.
+    assert local_provider.exists(key) is False
+    assert leftovers(local_provider, None) == []
+
+
+def test_local_objects_are_files_under_root(
+    local_provider: LocalDiskProvider, tmp_path: Path
+) -> None:
+    key, _ = store(local_provider, tmp_path, b"on disk")
+    path = local_provider.root / key
+    assert path.read_bytes() == b"on disk"
+    assert path.is_relative_to(local_provider.root)
+
+
+def _plant_outside(tmp_path: Path, digest: str) -> Path:
+    outside = tmp_path / "outside"
+    (outside / digest[:2]).mkdir(parents=True)
+    (outside / digest[:2] / digest).write_bytes(b"secret outside root")
+    return outside
+
+
+def test_local_refuses_symlinked_directories(
+    local_provider: LocalDiskProvider, tmp_path: Path
+) -> None:
+    data = b"would land outside"
+    digest = sha256(data)
+    key = object_key(COMPANY, digest)
+    outside = _plant_outside(tmp_path, digest)
+    (local_provider.root / "objects").mkdir()
+    (local_provider.root / "objects" / COMPANY).symlink_to(outside)
+
+    with pytest.raises(StorageUnavailable):
+        local_provider.read_chunks(key)
+    with pytest.raises(StorageUnavailable):
+        local_provider.size(key)
+    with pytest.raises(StorageUnavailable):
+        local_provider.put_file(key, write_source(tmp_path, data), len(data), digest)
+    with pytest.raises(StorageUnavailable):
+        local_provider.delete(key)
+    assert list(local_provider.iter_keys()) == []
+    assert sorted(p.name for p in outside.rglob("*")) == sorted([digest[:2], digest])
+    assert (outside / digest[:2] / digest).read_bytes() == b"secret outside root"
+
+
+def test_local_refuses_symlinked_objects(local_provider: LocalDiskProvider, tmp_path: Path) -> None:
+    digest = sha256(b"secret outside root")
+    key = object_key(COMPANY, digest)
+    outside = _plant_outside(tmp_path, digest)
+    target = local_provider.root / key
+    target.parent.mkdir(parents=True)
+    target.symlink_to(outside / digest[:2] / digest)
+
+    with pytest.raises(StorageUnavailable):
+        local_provider.read_chunks(key)
+    with pytest.raises(StorageUnavailable):
+        local_provider.size(key)
+    assert list(local_provider.iter_keys()) == []
+    # Deleting removes the link inside root, never the file it points at.
+    local_provider.delete(key)
+    assert not target.is_symlink()
+    assert (outside / digest[:2] / digest).read_bytes() == b"secret outside root"
+
+
+def test_local_iter_keys_skips_foreign_files(
+    local_provider: LocalDiskProvider, tmp_path: Path
+) -> None:
+    key, _ = store(local_provider, tmp_path, b"real")
+    (local_provider.root / "tmp" / "put-inflight").write_bytes(b"partial")
+    (local_provider.root / key).with_name("notes.txt").write_text("junk")
+    (local_provider.root / "objects" / "README").write_text("junk")
+    assert list(local_provider.iter_keys()) == [key]
+
+
+def test_local_sweeps_stale_temp_files(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    LocalDiskProvider(root)
+    stale, fresh = root / "tmp" / "put-stale", root / "tmp" / "put-fresh"
+    stale.write_bytes(b"from a put that died")
+    fresh.write_bytes(b"from a put still running elsewhere")
+    two_hours_ago = time.time() - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
+    LocalDiskProvider(root)
+    assert sorted(os.listdir(root / "tmp")) == ["put-fresh"]
+
+
+def test_local_check(local_provider: LocalDiskProvider, tmp_path: Path) -> None:
+    local_provider.check()
+    assert leftovers(local_provider, None) == []
+    tmp_dir = local_provider.root / "tmp"
+    tmp_dir.rmdir()
+    tmp_dir.symlink_to(tmp_path)
+    with pytest.raises(StorageUnavailable):
+        local_provider.check()
