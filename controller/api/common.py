@@ -65,9 +65,9 @@ async def connection(request: Request) -> AsyncIterator[AsyncConnection[Any]]:
         share = credential_key(request.scope)
         async with pool.connection(share=share) as conn, conn.transaction():
             yield conn
-    except psycopg.errors.TransactionRollback:
-        raise  # deadlock or serialization failure: the caller may run it again
     except psycopg.OperationalError as exc:
+        # Serialization failures and deadlocks are OperationalErrors in psycopg
+        # too: outside write_transaction (which runs them again) they are a 503.
         raise DatabaseUnavailable() from exc
 
 
