@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.support.bridge import Run, start_run
+from tests.support.bridge import Run, framed, start_run
 from tests.support.controller import Tenant, bootstrap_tenant
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -230,3 +231,45 @@ def test_versions_count_per_folder_and_leak_no_other_writes(tenant: Tenant) -> N
         later = c.get("/folders/task/manifest", params={"since": v1}).json()
     assert [(e["path"], e["version"]) for e in later["entries"]] == [("two.txt", v1 + 1)]
     assert later["highWater"] == v1 + 1
+
+
+def test_bridge_upload_revoked_mid_body_registers_nothing_and_queues_the_blob(
+    tenant: Tenant,
+) -> None:
+    run = start_run(tenant, sandbox=f"box-upload-{tenant.company_id}")
+    data = b"uploaded while the run ended " * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    body = framed(data)
+    first_sent, release = threading.Event(), threading.Event()
+
+    def chunks() -> Iterator[bytes]:
+        yield body[:100]
+        first_sent.set()
+        release.wait(30)
+        yield body[100:]
+
+    def send() -> httpx.Response:
+        with run.client() as c:
+            return c.put(
+                "/folders/task/uploads", content=chunks(), headers={"X-Content-SHA256": digest}
+            )
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(send)
+        assert first_sent.wait(30)
+        time.sleep(1.0)  # authorized; the body is being read
+        tenant.controller.admin("end-run", run.run_id)
+        release.set()
+        r = answer.result(60)
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
+    with tenant.controller.db() as db:
+        uploads = db.execute(
+            "SELECT count(*) FROM run_uploads WHERE run_id = %s", (run.run_id,)
+        ).fetchone()
+        journal = db.execute(
+            "SELECT reason FROM deletion_journal WHERE company_id = %s AND digest = %s",
+            (tenant.company_id, digest),
+        ).fetchall()
+    assert uploads is not None and uploads[0] == 0
+    # The bytes reached storage before the refusal: GC will collect them.
+    assert [row[0] for row in journal] == ["orphaned upload"]

@@ -46,6 +46,7 @@ from controller.api.common import (
     write_transaction,
 )
 from controller.api.objects import (
+    journal_orphan,
     object_response,
     open_spool,
     put_object,
@@ -231,13 +232,21 @@ async def upload(request: Request) -> Response:
                 conn, run.company_id, run.run_id, digest, size, st.settings.quotas
             )
         key = object_key(run.company_id, digest)
-        await put_object(request, key, spool, size, digest)
+        created_blob = await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
-        async with connection(request) as conn:
+
+        async def register(conn: AsyncConnection[Any]) -> None:
             await confirm_run_writes(conn, run, request.path_params["scope"])
             await runs.record_upload(
                 conn, run.run_id, run.company_id, digest, size, ensure, st.settings.gc_delay
             )
+
+        try:
+            await write_transaction(request, register)
+        except BaseException:
+            if created_blob:
+                await journal_orphan(request, run.company_id, digest)
+            raise
     except ClientDisconnect:
         return Response(status_code=400)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -19,9 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import PayloadTooLarge, RangeNotSatisfiable, StorageUnavailable
-from controller.api.common import state
+from controller import apply
+from controller.api.common import connection, state
 from controller.api.params import declared_length, parse_range
 from controller.apply import EnsureObject
+
+log = logging.getLogger(__name__)
 
 SPOOL_WRITE_BYTES = 1 << 20
 
@@ -135,3 +139,14 @@ def reupload_if_missing(request: Request, spool: Path, size: int, digest: str) -
             await put_object(request, key, spool, size, digest)
 
     return ensure
+
+
+async def journal_orphan(request: Request, company_id: str, digest: str) -> None:
+    """A stored object whose commit failed is queued for GC (which keeps it if referenced)."""
+    try:
+        async with connection(request) as conn:
+            await apply.journal_deletion(
+                conn, company_id, [digest], "orphaned upload", state(request).settings.gc_delay
+            )
+    except Exception:
+        log.exception("could not journal orphaned object %s", digest)

@@ -36,7 +36,13 @@ from controller.api.common import (
     state,
     write_transaction,
 )
-from controller.api.objects import object_response, put_object, reupload_if_missing, spool_body
+from controller.api.objects import (
+    journal_orphan,
+    object_response,
+    put_object,
+    reupload_if_missing,
+    spool_body,
+)
 from controller.api.params import (
     decode_list_cursor,
     decode_trash_cursor,
@@ -247,17 +253,6 @@ async def put_content(request: Request) -> Response:
         spool.unlink(missing_ok=True)
     status = 201 if result.pop("created", False) and result["applied"] else 200
     return JSONResponse(result, status_code=status)
-
-
-async def journal_orphan(request: Request, company_id: str, digest: str) -> None:
-    """A stored object whose commit failed is queued for GC (which keeps it if referenced)."""
-    try:
-        async with connection(request) as conn:
-            await apply.journal_deletion(
-                conn, company_id, [digest], "orphaned upload", state(request).settings.gc_delay
-            )
-    except Exception:
-        log.exception("could not journal orphaned object %s", digest)
 
 
 # --- POST /operations ------------------------------------------------------
