@@ -16,6 +16,11 @@ from controller.auth import RUN_TOKEN_PREFIX, USER_TOKEN_PREFIX, new_token, toke
 ROLES = ("owner", "admin", "member", "viewer")
 
 
+LEASE_LOCK_CLASS = 0x6C6561
+"""First key of the two-key advisory lock that serializes a sandbox's leases
+(``apply.OBJECT_LOCK_CLASS`` is another class; folders use one-key locks)."""
+
+
 class AdminError(AppError):
     """A refusal an operator can act on; printed as one line."""
 
@@ -173,8 +178,10 @@ def start_run(
         ):
             raise AdminError(f"user {user} is not a member of company {company}")
         # Serialize lease changes per sandbox; the new epoch fences every older one.
+        # Two keys: never the same lock as a folder's one-key lock (its id).
         conn.execute(
-            "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"lease:{company}:{sandbox_key}",)
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+            (LEASE_LOCK_CLASS, f"{company}:{sandbox_key}"),
         )
         row = conn.execute(
             "SELECT coalesce(max(lease_epoch), 0) AS e FROM runs"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import signal
@@ -338,3 +339,24 @@ def test_list_and_revoke_tokens_and_end_sessions(controller: ControllerProcess) 
     ):
         code, _, err = controller.cli("admin", *args)
         assert code == 1 and message in err, (args, err)
+
+
+def test_start_run_lease_lock_is_not_a_folder_lock(controller: ControllerProcess) -> None:
+    """The lease lock once shared the one-key space of the folder locks (folder ids):
+    a folder write holding lock k blocked start-run whenever its key hashed to k."""
+    boot = controller.admin("bootstrap", "--email", f"lease-{uuid.uuid4().hex[:8]}@example.com")
+    company = boot["company_id"]
+    agent = controller.admin("create-agent", company, "a")["id"]
+    box = "box-lock"
+    with controller.db() as holder:
+        holder.execute("BEGIN")
+        for text in (f"lease:{company}:{box}", f"{company}:{box}"):
+            holder.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (text,))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            started = pool.submit(controller.admin, "start-run", company, "--agent", agent,
+                                  "--sandbox", box)  # fmt: skip
+            try:
+                run = started.result(timeout=15)
+            finally:
+                holder.execute("ROLLBACK")
+    assert run["lease_epoch"] == 1 and run["token"]
