@@ -170,7 +170,7 @@ export class Trash {
         "Purge",
       );
       restore.addEventListener("click", () => this.restore(batch, restore, error));
-      purge.addEventListener("click", () => this.purge(batch, purge, error));
+      purge.addEventListener("click", () => this.purge(batch, purge, error, partial));
       actions.append(restore, purge);
     }
     return h(
@@ -215,12 +215,12 @@ export class Trash {
     );
   }
 
-  async purge(batch, button, error) {
+  async purge(batch, button, error, partial = false) {
     const { folder } = this;
     const name = batch.root.path;
     const inside = batch.entries.length - 1;
     const contents = inside
-      ? ` and ${batch.partial ? "at least " : ""}${plural(inside, "item")} inside it`
+      ? ` and ${partial ? "at least " : ""}${plural(inside, "item")} inside it`
       : "";
     const ok = await confirmAction({
       title: `Purge ${name}?`,
