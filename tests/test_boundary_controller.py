@@ -276,17 +276,6 @@ def forced(ctl: ControllerProcess, sqlstate: str, times: int) -> Iterator[list[i
         tried.append(int(row[0]) if row[1] else 0)
 
 
-def live_rows(t: Tenant, path: str) -> int:
-    with t.controller.db() as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
-            " WHERE d.company_id = %s AND f.path = %s AND f.deleted_at IS NULL",
-            (t.company_id, path),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01"])  # serialization failure, deadlock
 def test_rest_upload_is_retried_after_a_conflict(
     conflicted: ControllerProcess, sqlstate: str
@@ -295,7 +284,7 @@ def test_rest_upload_is_retried_after_a_conflict(
     with forced(conflicted, sqlstate, times=2) as tried:
         r = put_answer(t, "a.txt", b"A")
     assert r.status_code == 201, r.text
-    assert tried == [3] and live_rows(t, "a.txt") == 1
+    assert tried == [3] and t.file_rows("a.txt") == 1
     assert read(t, "a.txt") == b"A"
 
 
@@ -304,7 +293,7 @@ def test_rest_operation_is_retried_after_a_deadlock(conflicted: ControllerProces
     with forced(conflicted, "40P01", times=1) as tried, t.client() as c:
         r = c.post(t.my_folder + "/operations", json={"action": "mkdir", "path": "d"})
     assert r.status_code == 200, r.text
-    assert tried == [2] and live_rows(t, "d") == 1
+    assert tried == [2] and t.file_rows("d") == 1
 
 
 def test_checkpoint_is_retried_by_the_same_helper(conflicted: ControllerProcess) -> None:
@@ -315,7 +304,7 @@ def test_checkpoint_is_retried_by_the_same_helper(conflicted: ControllerProcess)
     with forced(conflicted, "40001", times=3) as tried:
         r = run.commit("task", [entry])
     assert r.status_code == 200, r.text
-    assert tried == [4] and live_rows(t, "s.txt") == 1
+    assert tried == [4] and t.file_rows("s.txt") == 1
 
 
 @pytest.mark.parametrize(
@@ -332,7 +321,7 @@ def test_failed_writes_answer_503_and_write_nothing(
     with forced(conflicted, sqlstate, times=100) as tried:
         r = put_answer(t, "l.txt", b"L")
     assert r.status_code == 503 and r.json()["code"] == "database_unavailable", r.text
-    assert tried == [expected_tries] and live_rows(t, "l.txt") == 0
+    assert tried == [expected_tries] and t.file_rows("l.txt") == 0
 
 
 def test_concurrent_serializable_writers_all_succeed(conflicted: ControllerProcess) -> None:
@@ -350,4 +339,4 @@ def test_concurrent_serializable_writers_all_succeed(conflicted: ControllerProce
         answers = list(pool.map(write, paths))
     assert [code for code, _ in answers] == [201] * len(paths), conflicted.log()[-3000:]
     for path in paths:
-        assert live_rows(t, path) == 1 and read(t, path) == path.encode()
+        assert t.file_rows(path) == 1 and read(t, path) == path.encode()

@@ -17,17 +17,6 @@ from tests.support.controller import Tenant, bootstrap_tenant
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
-def live_rows(tenant: Tenant, path: str) -> int:
-    with tenant.controller.db() as db:
-        row = db.execute(
-            "SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
-            " WHERE d.company_id = %s AND f.path = %s",
-            (tenant.company_id, path),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def parked_put(
     tenant: Tenant, token: str, folder: str, path: str, revoke: Callable[[], None]
 ) -> httpx.Response:
@@ -97,7 +86,7 @@ def test_revocation_mid_upload_publishes_nothing(
     r = parked_put(tenant, token, folder, "late.bin", revoke)
     assert r.status_code == status, r.text
     assert r.json()["code"] == code
-    assert live_rows(tenant, "late.bin") == 0
+    assert tenant.file_rows("late.bin", live=False) == 0
     with tenant.client() as owner:
         listing = owner.get(folder + "/")
         assert listing.status_code == 200 and listing.json()["entries"] == []
@@ -205,8 +194,8 @@ def test_a_viewers_run_cannot_write_the_viewers_folder(tenant: Tenant) -> None:
         assert r.status_code == 403 and r.json()["code"] == "write_not_allowed"
         r = c.post(f"{folder}/operations", json={"action": "delete", "path": "own.txt"})
         assert r.status_code == 403 and r.json()["code"] == "write_not_allowed"
-    assert live_rows(tenant, "run.txt") == 0 and live_rows(tenant, "d") == 0
-    assert live_rows(tenant, "own.txt") == 1
+    assert tenant.file_rows("run.txt", live=False) == 0 and tenant.file_rows("d", live=False) == 0
+    assert tenant.file_rows("own.txt", live=False) == 1
 
 
 def test_versions_count_per_folder_and_leak_no_other_writes(tenant: Tenant) -> None:

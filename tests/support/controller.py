@@ -200,6 +200,19 @@ class Tenant:
         self.controller.admin("add-member", self.company_id, user["user_id"], "--role", role)
         return user["user_id"], user["token"]
 
+    def file_rows(self, path: str, *, live: bool = True) -> int:
+        """Rows of the company's folders at ``path``: live ones, or (``live=False``)
+        trashed ones too -- what a refused write must not have published."""
+        with self.controller.db() as db:
+            row = db.execute(
+                "SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
+                " WHERE d.company_id = %s AND f.path = %s"
+                + (" AND f.deleted_at IS NULL" if live else ""),
+                (self.company_id, path),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
 
 def bootstrap_tenant(ctl: ControllerProcess, **names: str) -> Tenant:
     """A fresh company and owner (``company_name``/``email`` optional)."""
