@@ -9,7 +9,11 @@ Commands::
     fsagent flush [SCOPE] [--state-dir D] [--final] [--json]
     fsagent status [--state-dir D ...] [--json]
     fsagent changes --state-dir D [--json]
-    fsagent doctor [--home DIR] [--controller URL --token-file F]
+    fsagent bridge --controller URL --token-file F [--socket S] [--port N] [--env-file F]
+    fsagent launch [--require CMD[=INSTALL_COMMAND]]... [--shell sh|bash] [--home DIR]
+                   [--env-file F] -- COMMAND...
+    fsagent doctor [--home DIR] [--require CMD]... [--env-file F]
+                   [--controller URL --token-file F] [--json]
 
 ``--controller`` takes the controller's base URL, or ``dir:PATH`` to serve a
 run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
@@ -17,7 +21,9 @@ run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
 Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
 in use/bound elsewhere, 4 controller unreachable or refusing (including a
 failed save: the state dir keeps every change), 5 mount failed, 6 doctor
-found problems.
+found problems, 7 the sandbox does not meet the runtime contract (launch: a
+required CLI or the env file is missing). ``launch`` otherwise exits with
+COMMAND's own status.
 """
 
 from __future__ import annotations
@@ -26,20 +32,15 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import trio
-
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US, control
-from fsagent.client import open_client
-from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount, read_token
-from fsagent.errors import DoctorFailed, FsagentError
+from fsagent import SPIN_US, control, doctor, launch, localbridge
+from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount
+from fsagent.errors import FsagentError
 from fsagent.store import MARKER, Store, default_state_root
 from fsagent.up import cmd_up
 
@@ -139,57 +140,6 @@ def cmd_changes(args: argparse.Namespace) -> int:
     else:
         for c in changes:
             print(f"{c.action:9} {c.path}")
-    return 0
-
-
-# --- doctor --------------------------------------------------------------------
-
-
-def doctor_problems(home: Path, controller: str | None, token_file: str | None) -> list[str]:
-    """Every missing piece of the sandbox runtime contract, as one line each."""
-    problems: list[str] = []
-    if not os.path.exists("/dev/fuse"):
-        problems.append("/dev/fuse is missing (the sandbox needs the FUSE device)")
-    elif not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        problems.append("/dev/fuse is not readable and writable by this user")
-    for tool in ("fusermount3", "tar", "sh"):
-        if shutil.which(tool) is None:
-            problems.append(f"{tool} is not on PATH")
-    for label, path in (
-        ("home", home),
-        ("cache", home / ".cache"),
-        ("tmp", Path(tempfile.gettempdir())),
-    ):
-        probe = path
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if not os.access(probe, os.W_OK | os.X_OK):
-            problems.append(f"{label} directory {path} is not writable")
-    if controller:
-        try:
-            token = read_token(token_file)
-            client = open_client(controller, token, retry_deadline=5)
-
-            async def probe_run() -> None:
-                try:
-                    await client.get_run()
-                finally:
-                    await client.aclose()
-
-            trio.run(probe_run)
-        except (FsagentError, ValueError) as exc:
-            problems.append(f"controller {controller} is not usable: {exc}")
-    return problems
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    home = Path(args.home or os.path.expanduser("~"))
-    problems = doctor_problems(home, args.controller, args.token_file)
-    for p in problems:
-        print(f"missing: {p}")
-    if problems:
-        raise DoctorFailed(f"{len(problems)} problem(s) found")
-    print("fsagent doctor: all checks passed")
     return 0
 
 
@@ -296,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--timeout", type=float, default=300.0)
     u.add_argument("--checkpoint-interval", type=float, default=CHECKPOINT_INTERVAL_SECONDS)
     u.add_argument("--spin-us", type=int, default=SPIN_US)
+    u.add_argument(
+        "--bridge-port", type=int, default=0, help="local API endpoint port (default: any free one)"
+    )
+    u.add_argument(
+        "--bridge-socket", help="local API endpoint socket (default STATE_ROOT/run/api.sock)"
+    )
     u.set_defaults(func=cmd_up)
 
     s = sub.add_parser("status", help="bound owner, unsaved changes and state per collection")
@@ -308,10 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_changes)
 
-    d = sub.add_parser("doctor", help="check the sandbox runtime contract")
-    d.add_argument("--home")
-    controller_opts(d, required=False)
-    d.set_defaults(func=cmd_doctor)
+    doctor.add_parser(sub, controller_opts)
+    localbridge.add_parser(sub)
+    launch.add_parser(sub)
     return parser
 
 

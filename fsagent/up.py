@@ -1,9 +1,17 @@
-"""``fsagent up``: mount all four collections (one daemon process each) under
-one home, write the agent's environment file, and supervise the daemons."""
+"""``fsagent up``: start the local API endpoint (``fsagent bridge``), mount all
+four collections (one daemon process each) under one home, write the agent's
+environment file, and supervise them all.
+
+The env file is ``KEY=VALUE`` lines (no quoting): ``AGENT_HOME``,
+``PAPERCLIP_{TASK,AGENT,USER,PROJECT}_DIR`` for the bound collections, and
+``PAPERCLIP_API_URL`` / ``PAPERCLIP_API_SOCKET`` for the local endpoint.
+``fsagent launch`` reads it; it never holds the run token.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -37,6 +45,57 @@ def env_for(home: Path, run: RunInfo) -> dict[str, str]:
     return env
 
 
+def read_env_file(path: Path) -> dict[str, str]:
+    """The variables of an env file (``KEY=VALUE`` lines; blank and ``#`` lines skipped)."""
+    env: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            env[key.strip()] = value
+    return env
+
+
+def write_env_file(path: Path, env: dict[str, str]) -> None:
+    """Replace the env file atomically (a reader sees the old or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    os.replace(tmp, path)
+
+
+def update_env_file(path: Path, updates: dict[str, str]) -> None:
+    """Set ``updates`` in the env file, keeping its other variables."""
+    env = read_env_file(path) if path.exists() else {}
+    write_env_file(path, {**env, **updates})
+
+
+def start_bridge(
+    args: argparse.Namespace, state_root: Path
+) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    """Start ``fsagent bridge`` and wait until it listens; its env file variables."""
+    from fsagent.localbridge import default_socket, runtime_dir
+
+    ready = runtime_dir(state_root) / "bridge.json"
+    ready.parent.mkdir(parents=True, exist_ok=True)
+    ready.unlink(missing_ok=True)
+    sock = args.bridge_socket or str(default_socket(state_root))
+    argv = [sys.executable, "-m", "fsagent.cli", "bridge", "--controller", args.controller,
+            "--token-file", args.token_file, "--socket", sock, "--port", str(args.bridge_port),
+            "--ready-file", str(ready)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise MountFailed(f"fsagent up: the bridge exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise MountFailed("fsagent up: the bridge did not start within 60s")
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return proc, {k: str(info[k]) for k in ("PAPERCLIP_API_URL", "PAPERCLIP_API_SOCKET")}
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Mount all four collections (one process each) and supervise them."""
     home = Path(args.home).absolute()
@@ -59,6 +118,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     children: dict[str, subprocess.Popen[bytes]] = {}
+    api_env: dict[str, str] = {}
+    if args.controller.startswith(("http://", "https://")):
+        # A local directory source has no API to serve: no endpoint then.
+        children["bridge"], api_env = start_bridge(args, state_root)
     for scope in SCOPES:
         mp = home / scope
         mp.mkdir(parents=True, exist_ok=True)
@@ -100,10 +163,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     if failed is None and not stop:
         env_file = Path(args.env_file) if args.env_file else state_root / "env"
-        env_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = env_file.with_suffix(".tmp")
-        tmp.write_text("".join(f"{k}={v}\n" for k, v in env_for(home, run).items()))
-        os.replace(tmp, env_file)
+        write_env_file(env_file, {**env_for(home, run), **api_env})
         print(
             f"fsagent: mounted {', '.join(SCOPES)} under {home}; environment in {env_file}",
             flush=True,

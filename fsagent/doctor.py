@@ -1,0 +1,181 @@
+"""``fsagent doctor``: check the sandbox runtime contract, one line per check.
+
+Checks, in order: ``node`` and each ``--require`` CLI (probed exactly as
+``fsagent launch`` probes them, with ``sh -c 'command -v CMD'``), ``sh``,
+``tar``, ``fusermount3``, ``/dev/fuse``, a writable home, cache
+(``$XDG_CACHE_HOME`` or ``~/.cache``) and tmp, the controller (reachable, and
+the run token accepted; with ``--controller``), and the local API endpoint
+(``GET /healthz`` over ``PAPERCLIP_API_URL`` and over
+``PAPERCLIP_API_SOCKET``, taken from the env file; skipped when the env file
+names no endpoint).
+
+Each line is ``ok``, ``FAIL`` or ``skip``, the check's name and what was found.
+Any ``FAIL`` makes the exit status 6. ``--json`` prints
+``{"ok": bool, "checks": [{"name", "status", "detail"}]}`` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from fsagent.client import open_client
+from fsagent.daemon import read_token
+from fsagent.errors import ControllerRefused, DoctorFailed, FsagentError
+from fsagent.launch import ContractUnmet, parse_requirement, probe
+from fsagent.store import default_state_root
+
+BRIDGE_TIMEOUT = 5.0
+CONTROLLER_RETRY_DEADLINE = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    status: str  # "ok" | "fail" | "skip"
+    detail: str
+
+
+def ok(name: str, detail: str) -> Check:
+    return Check(name, "ok", detail)
+
+
+def fail(name: str, detail: str) -> Check:
+    return Check(name, "fail", detail)
+
+
+def check_cli(name: str, env: dict[str, str], home: Path) -> Check:
+    try:
+        where = probe(name, env, home if home.is_dir() else Path("/"))
+    except ContractUnmet:
+        return fail(name, "cannot probe: sh is not on PATH")
+    return ok(name, where) if where else fail(name, "not on PATH")
+
+
+def check_writable(name: str, path: Path) -> Check:
+    """Writable, or creatable: the nearest existing ancestor is writable and searchable."""
+    probe_dir = path
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    if os.access(probe_dir, os.W_OK | os.X_OK):
+        return ok(name, f"{path} is writable")
+    return fail(name, f"{path} is not writable")
+
+
+def check_fuse() -> Check:
+    if not os.path.exists("/dev/fuse"):
+        return fail("/dev/fuse", "missing (the sandbox needs the FUSE device)")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return fail("/dev/fuse", "not readable and writable by this user")
+    return ok("/dev/fuse", "present")
+
+
+def check_controller(controller: str | None, token_file: str | None) -> Check:
+    if not controller:
+        return Check("controller", "skip", "no --controller given")
+    try:
+        token = read_token(token_file)
+        client = open_client(controller, token, retry_deadline=CONTROLLER_RETRY_DEADLINE)
+
+        async def get_run() -> Any:
+            try:
+                return await client.get_run()
+            finally:
+                await client.aclose()
+
+        run = trio.run(get_run)
+    except ControllerRefused as exc:
+        return fail("controller", f"{controller} refused the run token ({exc.status} {exc.code})")
+    except (FsagentError, ValueError) as exc:
+        return fail("controller", f"{controller} is not usable: {exc}")
+    state = "active" if run.active else "ended"
+    return ok("controller", f"{controller} reachable, run {run.run_id} {state}")
+
+
+def check_bridge(env: dict[str, str]) -> Iterator[Check]:
+    url, sock = env.get("PAPERCLIP_API_URL"), env.get("PAPERCLIP_API_SOCKET")
+    if not url and not sock:
+        yield Check("bridge", "skip", "the env file names no local endpoint")
+        return
+    for name, where in (("bridge tcp", url), ("bridge socket", sock)):
+        if not where:
+            yield fail(name, "not named in the env file")
+            continue
+        transport = httpx.HTTPTransport(uds=sock) if name == "bridge socket" else None
+        base = url if name == "bridge tcp" else "http://bridge"
+        try:
+            with httpx.Client(transport=transport, timeout=BRIDGE_TIMEOUT) as client:
+                res = client.get(f"{base}/healthz")
+        except httpx.HTTPError as exc:
+            yield fail(name, f"{where} does not answer ({exc.__class__.__name__})")
+            continue
+        if res.status_code == 200:
+            yield ok(name, f"{where} answers")
+        else:
+            yield fail(name, f"{where} answered {res.status_code}")
+
+
+def run_checks(args: argparse.Namespace) -> list[Check]:
+    from fsagent.up import read_env_file
+
+    home = Path(args.home or os.path.expanduser("~"))
+    env_file = Path(args.env_file) if args.env_file else default_state_root() / "env"
+    try:
+        file_env = read_env_file(env_file)
+    except OSError:
+        file_env = {}
+    env = {**os.environ, "HOME": str(home)}
+    checks = [check_cli("node", env, home)]
+    checks += [check_cli(r.name, env, home) for r in args.require if r.name != "node"]
+    checks += [check_cli(tool, env, home) for tool in ("sh", "tar", "fusermount3")]
+    checks.append(check_fuse())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache")
+    checks += [
+        check_writable("home", home),
+        check_writable("cache", cache),
+        check_writable("tmp", Path(tempfile.gettempdir())),
+        check_controller(args.controller, args.token_file),
+    ]
+    checks += check_bridge(file_env)
+    return checks
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks = run_checks(args)
+    failed = [c for c in checks if c.status == "fail"]
+    if args.json:
+        print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            label = {"ok": "ok", "fail": "FAIL", "skip": "skip"}[c.status]
+            print(f"{label:<4}  {c.name:<{width}}  {c.detail}")
+    if failed:
+        raise DoctorFailed(f"{len(failed)} check(s) failed: {', '.join(c.name for c in failed)}")
+    return 0
+
+
+def add_parser(sub: Any, controller_opts: Any) -> None:
+    d = sub.add_parser("doctor", help="check the sandbox runtime contract")
+    d.add_argument("--home", help="the agent's home (default $HOME)")
+    d.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        type=parse_requirement,
+        metavar="CMD",
+        help="a CLI the runs use (an =INSTALL_COMMAND part is ignored: doctor installs nothing)",
+    )
+    d.add_argument("--env-file", help="default ~/.local/state/fsagent/env")
+    d.add_argument("--json", action="store_true")
+    controller_opts(d, required=False)
+    d.set_defaults(func=cmd_doctor)
