@@ -1,4 +1,6 @@
-"""State dirs, bindings and the CLI around the mount: helper errors, status, doctor, up."""
+"""State dirs, bindings and the CLI around the mount: helper errors, status, up.
+
+(``fsagent doctor`` is tested in test_fsagent_launch.py.)"""
 
 from __future__ import annotations
 
@@ -111,29 +113,6 @@ def test_status_reports_owner_unsaved_changes_and_state(mounts: MountFactory) ->
     assert text.startswith(f"agent: owner {owner}, 2 unsaved change(s), mounted at")
     assert m.signal(signal.SIGTERM) == 0
     assert m.fsagent("status")["collections"][0]["state"] == "stopped"
-
-
-def test_doctor_reports_exactly_what_is_missing(tmp_path: Path) -> None:
-    ok = fsagent("doctor", "--home", str(tmp_path))
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    bare = tmp_path / "bin"
-    bare.mkdir()
-    os.symlink(sys.executable, bare / "python")
-    env = {**os.environ, "PATH": str(bare)}
-    res = fsagent("doctor", "--home", str(tmp_path), "--controller", "http://127.0.0.1:9",
-                  "--token-file", str(tmp_path / "missing-token"), env=env)  # fmt: skip
-    assert res.returncode == 6
-    lines = res.stdout.splitlines()
-    # Exactly these four lines: nothing else is reported missing, nothing is left out.
-    assert lines[:3] == [
-        "missing: fusermount3 is not on PATH",
-        "missing: tar is not on PATH",
-        "missing: sh is not on PATH",
-    ], res.stdout
-    assert len(lines) == 4 and lines[3].startswith(
-        "missing: controller http://127.0.0.1:9 is not usable: cannot read token file"
-    ), res.stdout
-    assert res.stderr.strip().splitlines() == ["fsagent: 4 problem(s) found"], res.stderr
 
 
 def test_up_mounts_all_four_and_writes_the_env_file(mounts: MountFactory) -> None:

@@ -1,0 +1,304 @@
+"""``fsagent launch`` (the runtime contract: probes, install commands, shells, no
+profile writes) and ``fsagent doctor`` on a healthy and on a broken sandbox.
+
+Each test builds its own sandbox PATH: a directory with links to the few tools
+the commands use and, when the test wants it, a stand-in ``node`` and CLIs. So
+"absent" means absent, whatever the machine has installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsagent.launch import EXIT_CONTRACT_UNMET
+from tests.support.constants import REPO
+
+TOOLS = ("sh", "bash", "chmod", "cat", "touch", "env", "tar")
+PROFILE_FILES = (
+    ".profile",
+    ".bashrc",
+    ".bash_profile",
+    ".bash_login",
+    ".bash_logout",
+    ".zshrc",
+    ".zprofile",
+    ".zshenv",
+    ".zlogin",
+    ".config/fish/config.fish",
+    ".config/fish/conf.d/nvm.fish",
+    ".nvm/nvm.sh",
+)
+
+
+class Sandbox:
+    """A home, an env file and a PATH of chosen tools under one temp dir."""
+
+    def __init__(self, root: Path, node: bool = True) -> None:
+        self.home = root / "home"
+        self.home.mkdir()
+        self.bin = root / "bin"
+        self.bin.mkdir()
+        for tool in TOOLS:
+            found = shutil.which(tool)
+            assert found, tool
+            os.symlink(found, self.bin / tool)
+        if node:
+            self.add_cli("node", "echo v20.0.0")
+        self.env_file = root / "env"
+        self.env_file.write_text(
+            f"AGENT_HOME={self.home}/agent\nPAPERCLIP_TASK_DIR={self.home}/task\n"
+            "PAPERCLIP_API_URL=http://127.0.0.1:9\nPATH=/nonexistent\n"
+        )
+
+    def add_cli(self, name: str, body: str = "echo ran") -> Path:
+        path = self.bin / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+        return path
+
+    def launch(
+        self, *args: str, extra_env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        env = {
+            "PATH": str(self.bin),
+            "HOME": str(self.home),
+            "LANG": "C.UTF-8",
+            **(extra_env or {}),
+        }
+        return subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "launch", "--env-file", str(self.env_file), *args],
+            capture_output=True, text=True, cwd=REPO, env=env, check=False, timeout=120,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Sandbox:
+    return Sandbox(tmp_path)
+
+
+def test_present_cli_runs_command_in_home_with_env_file_and_own_path(sandbox: Sandbox) -> None:
+    sandbox.add_cli("fsa-agent-cli", "echo agent says hi")
+    res = sandbox.launch(
+        "--require", "fsa-agent-cli", "--",
+        'pwd; echo "task=$PAPERCLIP_TASK_DIR path=$PATH"; fsa-agent-cli; exit 3',
+    )  # fmt: skip
+    # The command's own exit status is the launch's.
+    assert res.returncode == 3, res.stderr
+    assert res.stdout.splitlines() == [
+        str(sandbox.home),
+        f"task={sandbox.home}/task path={sandbox.bin}",  # PATH from the env file is ignored
+        "agent says hi",
+    ]
+    assert res.stderr == ""
+
+
+def test_several_words_are_one_quoted_command_line(sandbox: Sandbox) -> None:
+    res = sandbox.launch("--", "sh", "-c", 'echo "[$1]"', "x", "two words; echo injected")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "[two words; echo injected]\n"
+
+
+def test_missing_cli_without_install_command_fails_loudly(sandbox: Sandbox) -> None:
+    marker = sandbox.home / "ran"
+    res = sandbox.launch("--require", "fsa-missing-cli", "--", f"touch {marker}")
+    assert res.returncode == EXIT_CONTRACT_UNMET == 7
+    assert res.stderr.splitlines() == ["fsagent: required CLI not on PATH: fsa-missing-cli"]
+    assert res.stdout == ""
+    assert not marker.exists()
+
+
+def test_missing_node_is_fatal_and_named(tmp_path: Path) -> None:
+    box = Sandbox(tmp_path, node=False)
+    res = box.launch("--", "true")
+    assert res.returncode == 7
+    assert res.stderr.splitlines() == ["fsagent: required CLI not on PATH: node"]
+
+
+def test_failed_install_is_logged_then_the_launch_fails_loudly(sandbox: Sandbox) -> None:
+    log = sandbox.home / "install.log"
+    marker = sandbox.home / "ran"
+    install = f"echo attempt >> {log}; echo 'no network' >&2; exit 3"
+    res = sandbox.launch("--require", f"fsa-cli={install}", "--", f"touch {marker}")
+    assert res.returncode == 7
+    assert log.read_text() == "attempt\n"  # run exactly once
+    lines = res.stderr.splitlines()
+    assert lines[0] == "fsagent launch: fsa-cli is not on PATH; running its install command"
+    assert lines[1] == "no network"
+    assert "WARNING" in lines[2] and "install command for fsa-cli failed with exit 3" in lines[2]
+    assert lines[3:] == ["fsagent: required CLI not on PATH: fsa-cli"]
+    assert res.stdout == "" and not marker.exists()
+
+
+def test_install_that_succeeds_then_launches(sandbox: Sandbox) -> None:
+    log = sandbox.home / "install.log"
+    cli = sandbox.bin / "fsa-cli"
+    install = (
+        f"echo attempt >> {log}; echo installing; "
+        f"printf '#!/bin/sh\\necho installed cli\\n' > {cli}; chmod 755 {cli}"
+    )
+    res = sandbox.launch("--require", f"fsa-cli={install}", "--", "fsa-cli")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "installed cli\n"  # the install's output went to stderr
+    assert "installing" in res.stderr.splitlines()
+    assert log.read_text() == "attempt\n"
+    # Present now: the install command is not run again.
+    again = sandbox.launch("--require", f"fsa-cli={install}", "--", "fsa-cli")
+    assert again.returncode == 0 and again.stderr == ""
+    assert log.read_text() == "attempt\n"
+
+
+def test_shell_is_sh_unless_bash_is_asked_for(sandbox: Sandbox) -> None:
+    script = 'echo "bash=${BASH_VERSION:-none}"'
+    as_sh = sandbox.launch("--", script)
+    assert as_sh.returncode == 0 and as_sh.stdout == "bash=none\n", as_sh.stderr
+    as_bash = sandbox.launch("--shell", "bash", "--", script)
+    assert as_bash.returncode == 0, as_bash.stderr
+    assert as_bash.stdout.startswith("bash=") and as_bash.stdout != "bash=none\n"
+    # bash is then a required CLI like any other.
+    os.unlink(sandbox.bin / "bash")
+    missing = sandbox.launch("--shell", "bash", "--", script)
+    assert missing.returncode == 7
+    assert missing.stderr.splitlines() == ["fsagent: required CLI not on PATH: bash"]
+
+
+def test_bad_requirement_and_missing_env_file_are_one_line_errors(sandbox: Sandbox) -> None:
+    bad = sandbox.launch("--require", "x;rm -rf /", "--", "true")
+    assert bad.returncode == 2 and "is not a command name" in bad.stderr
+    sandbox.env_file.unlink()
+    res = sandbox.launch("--", "true")
+    assert res.returncode == 7
+    assert res.stderr.splitlines() == [
+        f"fsagent: no env file at {sandbox.env_file} (is fsagent up running? else pass --env-file)"
+    ]
+    none = sandbox.launch()
+    assert none.returncode == 1 and "nothing to launch" in none.stderr
+
+
+def profile_hashes(home: Path) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PROFILE_FILES:
+        p = home / name
+        out[name] = hashlib.sha256(p.read_bytes()).hexdigest() if p.exists() else None
+    fish = home / ".config" / "fish"
+    if fish.exists():  # anything new anywhere under fish's config counts too
+        for p in sorted(fish.rglob("*")):
+            if p.is_file():
+                out[str(p.relative_to(home))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def test_no_profile_or_rc_file_appears_or_changes(sandbox: Sandbox) -> None:
+    (sandbox.home / ".profile").write_text("export FROM_PROFILE=1\n")
+    (sandbox.home / ".bashrc").write_text("export FROM_BASHRC=1\n")
+    (sandbox.home / ".config" / "fish").mkdir(parents=True)
+    (sandbox.home / ".config" / "fish" / "config.fish").write_text("set -x FROM_FISH 1\n")
+    before = profile_hashes(sandbox.home)
+    assert [k for k, v in before.items() if v is None]  # absent ones are in the set
+    cli = sandbox.bin / "fsa-cli"
+    install = f"printf '#!/bin/sh\\necho ok\\n' > {cli}; chmod 755 {cli}"
+    script = 'fsa-cli; echo "profile=${FROM_PROFILE:-} bashrc=${FROM_BASHRC:-} nvm=${NVM_DIR:-}"'
+    for shell in ("sh", "bash"):
+        res = sandbox.launch("--shell", shell, "--require", f"fsa-cli={install}", "--", script)
+        assert res.returncode == 0, res.stderr
+        # Neither profile was read: the shell is not a login or interactive one.
+        assert res.stdout == "ok\nprofile= bashrc= nvm=\n"
+        cli.unlink()
+    missing = sandbox.launch("--require", "fsa-absent", "--", "true")
+    assert missing.returncode == 7
+    assert profile_hashes(sandbox.home) == before
+
+
+# --- doctor -----------------------------------------------------------------------
+
+
+ROW = re.compile(r"(ok|FAIL|skip) +(\S+(?: \S+)?) {2,}(.*)")
+"""One line of doctor's output: status, check name (at most two words), detail."""
+
+
+def doctor(box: Sandbox, *args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": path or f"{box.bin}:/usr/bin:/bin", "HOME": str(box.home), "LANG": "C.UTF-8",
+           "TMPDIR": os.environ.get("TMPDIR", "/tmp")}  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(box.home),
+         "--env-file", str(box.env_file), *args],
+        capture_output=True, text=True, cwd=REPO, env=env, check=False, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.fuse
+def test_doctor_healthy_sandbox_without_controller(sandbox: Sandbox) -> None:
+    sandbox.add_cli("fsa-cli")
+    sandbox.env_file.write_text(f"AGENT_HOME={sandbox.home}/agent\n")
+    res = doctor(sandbox, "--require", "fsa-cli", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert report["ok"] is True
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert status == {
+        "node": "ok", "fsa-cli": "ok", "sh": "ok", "tar": "ok", "fusermount3": "ok",
+        "/dev/fuse": "ok", "home": "ok", "cache": "ok", "tmp": "ok",
+        "controller": "skip", "bridge": "skip",
+    }  # fmt: skip
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["node"]["detail"] == str(sandbox.bin / "node")
+    text = doctor(sandbox, "--require", "fsa-cli")
+    assert text.returncode == 0
+    lines = text.stdout.splitlines()
+    assert len(lines) == len(status) and lines[0].split() == [
+        "ok",
+        "node",
+        str(sandbox.bin / "node"),
+    ]
+
+
+def test_doctor_names_exactly_what_is_broken(tmp_path: Path) -> None:
+    box = Sandbox(tmp_path, node=False)
+    for tool in ("tar",):
+        os.unlink(box.bin / tool)
+    box.env_file.write_text(
+        f"PAPERCLIP_API_URL=http://127.0.0.1:9\nPAPERCLIP_API_SOCKET={tmp_path}/none.sock\n"
+    )
+    readonly_home = tmp_path / "ro-home"
+    readonly_home.mkdir(mode=0o555)
+    res = doctor(
+        box, "--home", str(readonly_home), "--require", "fsa-missing",
+        "--controller", "http://127.0.0.1:9", "--token-file", str(tmp_path / "no-token"),
+        path=str(box.bin),
+    )  # fmt: skip
+    assert res.returncode == 6, res.stdout + res.stderr
+    rows = [ROW.fullmatch(line).groups() for line in res.stdout.splitlines()]  # type: ignore[union-attr]
+    failed = {name: detail for status, name, detail in rows if status == "FAIL"}
+    expected = {
+        "node",
+        "fsa-missing",
+        "tar",
+        "fusermount3",
+        "controller",
+        "bridge tcp",
+        "bridge socket",
+    }
+    if os.getuid() != 0:  # root may write anywhere
+        expected |= {"home", "cache"}
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        expected.add("/dev/fuse")
+    assert set(failed) == expected, res.stdout
+    assert failed["node"] == "not on PATH"
+    assert failed["controller"].startswith(
+        "http://127.0.0.1:9 is not usable: cannot read token file"
+    )
+    assert failed["bridge tcp"] == "http://127.0.0.1:9 does not answer (ConnectError)"
+    assert failed["bridge socket"] == f"{tmp_path}/none.sock does not answer (ConnectError)"
+    assert {name for status, name, _ in rows if status == "ok"} >= {"sh", "tmp"}
+    assert res.stderr.splitlines() == [
+        f"fsagent: {len(expected)} check(s) failed: "
+        + ", ".join(n for _, n, _ in rows if n in failed)
+    ]
