@@ -30,9 +30,11 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -143,7 +145,12 @@ class LocalBridge:
 
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
+            # No cookie jar: a Set-Cookie from the controller must never be
+            # stored here and sent along with the next caller's request.
+            no_cookies = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
             self._client = httpx.AsyncClient(
+                cookies=no_cookies,
+                headers={"Accept-Encoding": "identity"},
                 timeout=UPSTREAM_TIMEOUT,
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=16),
             )
@@ -319,6 +326,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         loop="asyncio",
         http="httptools",
         interface="asgi3",
+        proxy_headers=False,
         timeout_keep_alive=5,
         server_header=False,
         date_header=True,
@@ -342,6 +350,11 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         finally:
             await app.aclose()
 
+    # uvicorn stops gracefully on SIGTERM/SIGINT and then raises the signal
+    # again for the handler it found: let that one do nothing, so the socket
+    # file and ready file are removed and the exit status is 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
     try:
         asyncio.run(serve())
     finally:
