@@ -106,6 +106,27 @@ async def principal_from_bearer(conn: AsyncConnection[Any], token: str) -> Princ
     return Principal(kind="user", user_id=str(row["user_id"]))
 
 
+_NEWEST_EPOCH = (
+    "(SELECT max(lease_epoch) FROM runs o"
+    " WHERE o.company_id = r.company_id AND o.sandbox_key = r.sandbox_key) AS newest"
+)
+
+
+async def principal_for_bridge(
+    conn: AsyncConnection[Any], run_id: str, lease_epoch: int
+) -> Principal:
+    """The run behind a request the API bridge forwards: read again for every
+    request, so a run ended or superseded (a newer lease epoch for its sandbox)
+    since the bridge checked its token is refused here too."""
+    cur = await conn.execute(f"SELECT r.*, {_NEWEST_EPOCH} FROM runs r WHERE r.id = %s", (run_id,))
+    row = await cur.fetchone()
+    if row is None or not row["active"]:
+        raise Unauthenticated("The run has ended")
+    if int(row["lease_epoch"]) != lease_epoch or row["newest"] != row["lease_epoch"]:
+        raise Unauthenticated("The run was superseded by a newer lease")
+    return Principal(kind="run", run=_run_from_row(row))
+
+
 async def principal_from_session(conn: AsyncConnection[Any], secret: str) -> Principal:
     cur = await conn.execute(
         "SELECT user_id, csrf_token FROM web_sessions"
@@ -226,12 +247,7 @@ async def confirm_member_writes(conn: AsyncConnection[Any], company_id: str, use
         raise WriteNotAllowed("The member is now a viewer; nothing was saved")
 
 
-_LEASE_SQL = (
-    "SELECT r.lease_epoch, r.active,"
-    " (SELECT max(lease_epoch) FROM runs o"
-    "   WHERE o.company_id = r.company_id AND o.sandbox_key = r.sandbox_key) AS newest"
-    " FROM runs r WHERE r.id = %s "
-)
+_LEASE_SQL = f"SELECT r.lease_epoch, r.active, {_NEWEST_EPOCH} FROM runs r WHERE r.id = %s "
 _ROW_LOCKS = {"share": "FOR SHARE", "update": "FOR NO KEY UPDATE"}
 
 

@@ -23,8 +23,10 @@ from common.errors import WorkFolderError
 from controller import admin
 from controller.config import (
     Settings,
+    add_bridge_arguments,
     add_limit_arguments,
     add_quota_arguments,
+    bridge_from,
     limits_from,
     quotas_from,
 )
@@ -123,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings.limits = limits_from(args)
         settings.quotas = quotas_from(args)
+        settings.bridge = bridge_from(args)
     except ValueError as exc:
         raise admin.AdminError(str(exc)) from None
     host, _, port = args.listen.rpartition(":")
@@ -134,7 +137,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings.database_url = url
         storage = make_storage(settings)
         storage.check()
-        app = create_app(settings, storage)
+        try:
+            app = create_app(settings, storage)
+        except ValueError as exc:
+            raise admin.AdminError(str(exc)) from None
         config = uvicorn.Config(
             app,
             host=host.strip("[]"),
@@ -282,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_limit_arguments(serve)
     add_quota_arguments(serve)
+    add_bridge_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     mig = sub.add_parser("migrate", help="apply database migrations")

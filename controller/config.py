@@ -179,6 +179,100 @@ def quotas_from(args: argparse.Namespace) -> Quotas:
 
 
 @dataclass
+class BridgeLimits:
+    """The API bridge (``/bridge/v1/api/...``, ``controller/api/apibridge.py``): which
+    routes sandbox code may call and what one call may cost the host."""
+
+    allow: list[tuple[str, str]] | None = None
+    """``(METHOD, route template)`` pairs; None is the documented default list."""
+    max_body_bytes: int = 64 * KiB
+    """Request body of a forwarded call; content uploads keep the file limit instead."""
+    max_response_bytes: int = 8 * 1024 * KiB
+    """Response body of a forwarded call; content downloads keep the file limit instead."""
+    request_timeout: float = 300.0
+    """Seconds one forwarded call may take, body included; then 504."""
+    max_concurrent: int = 8
+    """Forwarded calls in flight per run; one more is 429 with Retry-After."""
+
+
+# flag, field, type, help, zero allowed.
+_BRIDGE_FLAGS: list[tuple[str, str, type, str, bool]] = [
+    ("--bridge-max-body", "max_body_bytes", int, "bytes of a bridged request body", False),
+    (
+        "--bridge-max-response",
+        "max_response_bytes",
+        int,
+        "bytes of a bridged response body",
+        False,
+    ),
+    ("--bridge-timeout", "request_timeout", float, "seconds per bridged request", False),
+    (
+        "--bridge-max-concurrent",
+        "max_concurrent",
+        int,
+        "bridged requests in flight per run",
+        False,
+    ),
+]
+
+
+def add_bridge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bridge-allow",
+        action="append",
+        default=None,
+        metavar="METHOD:TEMPLATE",
+        help="allow one API route through the bridge (repeatable; replaces the default list; "
+        "'default' adds the default list)",
+    )
+    parser.add_argument(
+        "--bridge-allow-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="bridge allowlist file: one METHOD:TEMPLATE (or 'default') per line, # comments",
+    )
+    _add_flags(parser, _BRIDGE_FLAGS, BridgeLimits())
+
+
+def parse_bridge_allow(entries: list[str]) -> list[tuple[str, str]] | None:
+    """``METHOD:TEMPLATE`` entries as pairs; None (the default list) for ``default``
+    entries is expanded by the caller, so it is kept as ``("default", "")``."""
+    pairs: list[tuple[str, str]] = []
+    for raw in entries:
+        entry = raw.strip()
+        if entry == "default":
+            pairs.append(("default", ""))
+            continue
+        method, sep, template = entry.partition(":")
+        if not sep or not method.strip() or not template.strip().startswith("/"):
+            raise ValueError(f"bridge allowlist entry must be METHOD:/TEMPLATE, got {raw!r}")
+        pairs.append((method.strip().upper(), template.strip()))
+    return pairs
+
+
+def bridge_from(args: argparse.Namespace) -> BridgeLimits:
+    """The bridge settings given on the command line (allowlist entries unchecked:
+    ``controller.api.apibridge`` resolves them against the routes)."""
+    bridge = BridgeLimits()
+    _apply_flags(args, _BRIDGE_FLAGS, bridge)
+    entries: list[str] = list(getattr(args, "bridge_allow", None) or [])
+    allow_file: Path | None = getattr(args, "bridge_allow_file", None)
+    if allow_file is not None:
+        try:
+            text = allow_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--bridge-allow-file {allow_file}: {exc}") from None
+        for line in text.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                entries.append(line)
+    if entries or allow_file is not None:
+        bridge.allow = parse_bridge_allow(entries)
+    return bridge
+
+
+@dataclass
 class Settings:
     data_dir: Path
     database_url: str | None = None
@@ -191,6 +285,7 @@ class Settings:
     max_file_bytes: int = MAX_FILE_BYTES
     limits: ServerLimits = field(default_factory=ServerLimits)
     quotas: Quotas = field(default_factory=Quotas)
+    bridge: BridgeLimits = field(default_factory=BridgeLimits)
 
     @property
     def spool_dir(self) -> Path:

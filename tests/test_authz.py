@@ -6,6 +6,7 @@ import uuid
 
 import httpx
 
+from tests.support.bridge import api_client
 from tests.support.controller import Tenant
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -161,7 +162,7 @@ def test_run_token_scopes(tenant: Tenant) -> None:
     run = ctl.admin(
         "start-run", tenant.company_id, "--agent", agent, "--task", task, "--user", tenant.user_id
     )
-    with tenant.client(run["token"]) as c:
+    with api_client(tenant, run["token"]) as c:
         assert put(c, tenant.folder("agent", agent), "notes.md", b"n").status_code == 201
         assert put(c, tenant.folder("task", task), "out.txt", b"o").status_code == 201
         assert put(c, tenant.my_folder, "from-agent.txt", b"u").status_code == 201

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.support.bridge import Run, framed, start_run
+from tests.support.bridge import Run, api_client, framed, start_run
 from tests.support.controller import Tenant, bootstrap_tenant
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -105,7 +105,7 @@ def test_run_reads_only_its_bound_folders(tenant: Tenant) -> None:
         tenant.folder("task", r2.task or ""),
         tenant.folder("project", r2.project),
     ]
-    with tenant.client(r1.token) as c:
+    with r1.api_client() as c:
         for folder in unbound:
             for suffix in ("/", "/sync", "/content?path=memory.md", "/content?path=plan.md"):
                 r = c.get(folder + suffix)
@@ -131,7 +131,7 @@ def test_run_user_folder_only_while_the_user_is_a_member(tenant: Tenant) -> None
     agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
     run = ctl.admin("start-run", tenant.company_id, "--agent", agent, "--user", member_id)
     folder = tenant.folder("user", member_id)
-    with tenant.client(run["token"]) as c:
+    with api_client(tenant, run["token"]) as c:
         assert c.get(folder + "/").status_code == 200
         ctl.admin("remove-member", tenant.company_id, member_id)
         assert c.get(folder + "/").status_code == 404
@@ -141,7 +141,7 @@ def test_run_user_folder_only_while_the_user_is_a_member(tenant: Tenant) -> None
 def test_company_directory_shows_a_run_no_emails_or_roles(tenant: Tenant) -> None:
     run = start_run(tenant)
     url = f"/api/companies/{tenant.company_id}/directory"
-    with tenant.client(run.token) as c:
+    with run.api_client() as c:
         r = c.get(url)
     assert r.status_code == 200
     members = r.json()["members"]
@@ -155,7 +155,7 @@ def test_company_directory_shows_a_run_no_emails_or_roles(tenant: Tenant) -> Non
 def test_runs_cannot_purge_trash(tenant: Tenant) -> None:
     run = start_run(tenant)
     folder = run_folder(tenant, run)
-    with tenant.client(run.token) as c:
+    with run.api_client() as c:
         assert c.put(f"{folder}/content?path=x.txt", content=b"x", headers=OCTET).status_code == 201
         deleted = c.post(f"{folder}/operations", json={"action": "delete", "path": "x.txt"})
         assert deleted.status_code == 200
@@ -188,7 +188,7 @@ def test_a_viewers_run_cannot_write_the_viewers_folder(tenant: Tenant) -> None:
     cp = run.commit("user", [{"op": "mkdir", "path": "d"}])
     assert cp.status_code == 403 and cp.json()["code"] == "write_not_allowed"
     # Through the REST API with the run token: reads work, writes do not.
-    with tenant.client(run.token) as c:
+    with run.api_client() as c:
         assert c.get(folder + "/").status_code == 200
         r = c.put(f"{folder}/content?path=run.txt", content=b"r", headers=OCTET)
         assert r.status_code == 403 and r.json()["code"] == "write_not_allowed"

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from common.errors import WorkFolderError
 from controller import gc
-from controller.api import openapi, web, workfolders
+from controller.api import apibridge, openapi, web, workfolders
 from controller.api.common import AppState, connection, error_response, json_errors
 from controller.api.limits import RequestLimits
 from controller.config import Settings
@@ -58,6 +58,18 @@ async def unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = True) -> Starlette:
+    from controller.api import bridge
+
+    routes = [
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        *workfolders.routes,
+        *bridge.routes,
+        *apibridge.routes,
+        *web.routes,
+    ]
+    # ValueError for an allowlist entry that names no API route.
+    bridge_policy = apibridge.BridgePolicy.build(routes, settings.bridge, settings.max_file_bytes)
     database_url = settings.database_url
     assert database_url is not None
     q = settings.quotas
@@ -90,16 +102,8 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
                     await sweeper
             await pool.close()
 
-    from controller.api import bridge
-
     app = Starlette(
-        routes=[
-            Route("/openapi.json", openapi_json, methods=["GET"]),
-            Route("/healthz", healthz, methods=["GET"]),
-            *workfolders.routes,
-            *bridge.routes,
-            *web.routes,
-        ],
+        routes=routes,
         exception_handlers={
             HTTPException: http_error,
             WorkFolderError: project_error,
@@ -109,4 +113,5 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
         lifespan=lifespan,
     )
     app.state.workfolders = AppState(settings=settings, pool=pool, storage=storage)
+    app.state.apibridge = bridge_policy
     return app

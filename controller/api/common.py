@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -16,6 +16,7 @@ from psycopg import AsyncConnection
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from common.bridge import PREFIX as BRIDGE_PREFIX
 from common.errors import (
     CsrfFailed,
     DatabaseUnavailable,
@@ -26,7 +27,14 @@ from common.errors import (
 )
 from controller.api.limits import credential_key, is_authenticated, mark_authenticated
 from controller.api.params import declared_length
-from controller.auth import Principal, principal_from_bearer, principal_from_session, same_secret
+from controller.auth import (
+    RUN_TOKEN_PREFIX,
+    Principal,
+    principal_for_bridge,
+    principal_from_bearer,
+    principal_from_session,
+    same_secret,
+)
 from controller.config import Settings
 from controller.db import SharedPool
 from controller.db.retry import retrying
@@ -52,6 +60,33 @@ class AppState:
     storage: StorageProvider
 
 
+BRIDGE_IDENTITY = "controller.bridge_identity"
+"""Scope key of a request the API bridge forwards (``controller/api/apibridge.py``).
+Only the controller sets it: an ASGI scope is not something a client can send."""
+
+
+@dataclass(frozen=True)
+class BridgeIdentity:
+    """The run a forwarded request acts for, attached by the API bridge."""
+
+    run_id: str
+    agent_id: str
+    company_id: str
+    lease_epoch: int
+
+
+def bridge_identity(scope: MutableMapping[str, Any]) -> BridgeIdentity | None:
+    ident = scope.get(BRIDGE_IDENTITY)
+    return ident if isinstance(ident, BridgeIdentity) else None
+
+
+def share_key(scope: MutableMapping[str, Any]) -> str | None:
+    """Whose pool share a request draws on: its run when forwarded by the API
+    bridge (which removed the credential headers), else its credential."""
+    ident = bridge_identity(scope)
+    return "r:" + ident.run_id if ident is not None else credential_key(scope)
+
+
 def state(request: Request) -> AppState:
     st: AppState = request.app.state.workfolders
     return st
@@ -62,7 +97,7 @@ async def connection(request: Request) -> AsyncIterator[AsyncConnection[Any]]:
     """A pooled connection; the block runs in one transaction."""
     try:
         pool = state(request).pool
-        share = credential_key(request.scope)
+        share = share_key(request.scope)
         async with pool.connection(share=share) as conn, conn.transaction():
             yield conn
     except psycopg.OperationalError as exc:
@@ -77,7 +112,7 @@ async def write_transaction(
     """``work(conn)`` in one transaction from the caller's pool share, run again
     (bounded, with jitter) when PostgreSQL rolls it back for a serialization
     failure or a deadlock (:func:`controller.db.retry.retrying`)."""
-    return await retrying(state(request).pool, work, share=credential_key(request.scope))
+    return await retrying(state(request).pool, work, share=share_key(request.scope))
 
 
 def error_response(exc: WorkFolderError) -> JSONResponse:
@@ -107,6 +142,11 @@ def is_write(request: Request) -> bool:
     return request.method not in ("GET", "HEAD")
 
 
+def on_bridge(request: Request) -> bool:
+    path: str = request.scope.get("path", "")
+    return path.startswith(BRIDGE_PREFIX + "/")
+
+
 async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
     principal = await _authenticate(request, conn)
     mark_authenticated(request)
@@ -124,12 +164,22 @@ async def authenticate_first(request: Request) -> None:
 
 
 async def _authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
+    ident = bridge_identity(request.scope)
+    if ident is not None:
+        # Forwarded by the API bridge, which consumed the run token: the run's
+        # own authority, never a person's.
+        return await principal_for_bridge(conn, ident.run_id, ident.lease_epoch)
     header = request.headers.get("authorization")
     if header is not None:
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("Authorization must be 'Bearer <token>'")
-        return await principal_from_bearer(conn, token.strip())
+        # Bridge authentication is limited to bridge access: the API itself
+        # only sees a run through the API bridge's allowlist.
+        if token.startswith(RUN_TOKEN_PREFIX) and not on_bridge(request):
+            raise Unauthenticated(f"Run tokens are accepted only under {BRIDGE_PREFIX}/")
+        return await principal_from_bearer(conn, token)
     secret = request.cookies.get(SESSION_COOKIE)
     if secret:
         principal = await principal_from_session(conn, secret)

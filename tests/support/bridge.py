@@ -22,6 +22,16 @@ def framed(data: bytes, chunk: int = CHUNK_MAX) -> bytes:
     )
 
 
+def api_client(tenant: Tenant, token: str) -> httpx.Client:
+    """A client of the API bridge: ``/api/...`` paths go to ``/bridge/v1/api/...``
+    with the run token, the only way a run token reaches the API."""
+    return httpx.Client(
+        base_url=tenant.controller.url + PREFIX,
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
+
+
 @dataclass
 class Run:
     tenant: Tenant
@@ -38,6 +48,9 @@ class Run:
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=60,
         )
+
+    def api_client(self) -> httpx.Client:
+        return api_client(self.tenant, self.token)
 
     def upload(self, scope: str, data: bytes, **headers: str) -> httpx.Response:
         with self.client() as c:

@@ -1,0 +1,394 @@
+"""The API bridge: sandbox code calls the controller's API through
+``/bridge/v1/api/{path}``, authenticated with the run token.
+
+Every control here is a boundary control (spec/sandbox-runtime-requirements.md,
+"Surface 2"), so it runs on the host and trusts nothing the sandbox sends:
+
+* only a run token opens the bridge, and the forwarded request carries no
+  credential at all: it runs with the run's own authority (``controller.auth``,
+  read again for each request), never the responsible user's;
+* only allowlisted ``(method, route template)`` pairs are forwarded; anything
+  else is 403 ``bridge_route_denied``, a method outside :data:`KNOWN_METHODS` is 405;
+* only allowlisted request headers are forwarded; ``Set-Cookie`` never comes back;
+* the run identity (run id, agent id, lease epoch) is attached to the request
+  and every call is written to the audit trail (``controller.bridgeaudit``).
+
+The request is dispatched in-process to the matched route. The resource
+limits (body and response size, time, concurrent calls per run) protect the
+host's resources; they are not boundary controls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Match, Route
+
+from common.bridge import PREFIX
+from common.errors import (
+    PayloadTooLarge,
+    TooManyRequests,
+    Unauthenticated,
+    WorkFolderError,
+)
+from common.limits import MAX_FILE_BYTES
+from controller import bridgeaudit
+from controller.api.common import (
+    BRIDGE_IDENTITY,
+    BridgeIdentity,
+    authenticate,
+    connection,
+)
+from controller.api.limits import RETRY_AFTER_SECONDS
+from controller.api.params import declared_length
+from controller.auth import principal_for_bridge
+from controller.config import BridgeLimits
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+
+API_PREFIX = PREFIX + "/api"
+"""``/bridge/v1/api/...`` forwards to ``/api/...``."""
+
+WORK_FOLDER = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}"
+CONTENT = WORK_FOLDER + "/content"
+
+DEFAULT_ALLOW: tuple[tuple[str, str], ...] = (
+    ("GET", WORK_FOLDER),
+    ("GET", WORK_FOLDER + "/"),
+    ("GET", CONTENT),
+    ("HEAD", CONTENT),
+    ("PUT", CONTENT),
+    ("POST", WORK_FOLDER + "/operations"),
+    ("GET", WORK_FOLDER + "/sync"),
+    ("POST", WORK_FOLDER + "/refresh"),
+    ("GET", "/api/companies/{companyId}/directory"),
+)
+"""The work-folder routes and the company directory (read-only for a run)."""
+
+UPLOADS = frozenset({("PUT", CONTENT)})
+"""Routes whose body is file content: they keep the file limit (1 GiB)."""
+DOWNLOADS = frozenset({("GET", CONTENT), ("HEAD", CONTENT)})
+"""Routes whose answer is file content: they keep the file limit (1 GiB)."""
+
+KNOWN_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+"""Any other method is refused with 405 ``method_not_allowed`` before anything
+else is looked at (the token included)."""
+
+FORWARDED_HEADERS = frozenset(
+    {
+        b"content-type",
+        b"content-length",
+        b"accept",
+        b"range",
+        b"if-match",
+        b"if-none-match",
+        b"idempotency-key",
+        b"x-file-content-type",
+        b"x-file-executable",
+    }
+)
+"""The only request headers the API sees; Cookie, Authorization, X-Forwarded-*,
+Forwarded, hop-by-hop and CSRF headers (and everything else) are dropped."""
+
+IDENTITY_HEADERS = (b"x-paperclip-run-id", b"x-paperclip-agent-id", b"x-paperclip-lease-epoch")
+"""Attached by the controller to every forwarded request (never taken from the sandbox)."""
+
+
+class BridgeRouteDenied(WorkFolderError):
+    code = "bridge_route_denied"
+    status = 403
+    message = "This route is not open to sandbox code through the API bridge"
+
+
+class BridgeTimeout(WorkFolderError):
+    code = "bridge_timeout"
+    status = 504
+    message = "The bridged request took longer than the controller allows"
+
+
+class BridgeResponseTooLarge(WorkFolderError):
+    code = "bridge_response_too_large"
+    status = 502
+    message = "The answer is larger than the API bridge forwards"
+
+
+class _ResponseOverrun(Exception):
+    """An answer without Content-Length grew past the limit after it started."""
+
+
+@dataclass
+class BridgePolicy:
+    """The resolved allowlist and limits of one application."""
+
+    limits: BridgeLimits
+    max_file_bytes: int
+    routes: list[Route]
+    allow: frozenset[tuple[str, str]]
+    in_flight: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, routes: Iterable[BaseRoute], limits: BridgeLimits, max_file_bytes: int = MAX_FILE_BYTES
+    ) -> BridgePolicy:
+        """Resolve the configured allowlist against the API routes; ValueError
+        for an entry that names no API route or a method it does not answer."""
+        api = [r for r in routes if isinstance(r, Route) and r.path.startswith("/api/")]
+        wanted: list[tuple[str, str]] = []
+        for method, template in DEFAULT_ALLOW if limits.allow is None else limits.allow:
+            wanted.extend(DEFAULT_ALLOW if method == "default" else [(method, template)])
+        for method, template in wanted:
+            if not any(r.path == template and method in (r.methods or ()) for r in api):
+                raise ValueError(f"bridge allowlist: no API route {method} {template}")
+        return cls(limits, max_file_bytes, api, frozenset(wanted))
+
+    def match(self, path: str, method: str) -> tuple[str | None, Route | None]:
+        """The route template ``path`` matches (None for none) and the route that
+        answers ``method`` there, when that pair is allowlisted."""
+        probe = {"type": "http", "path": path, "root_path": "", "method": method}
+        template = None
+        for route in self.routes:
+            found, _ = route.matches(probe)
+            if found is Match.NONE:
+                continue
+            template = template or route.path
+            if found is Match.FULL and (method, route.path) in self.allow:
+                return route.path, route
+        return template, None
+
+    def body_limit(self, method: str, template: str) -> int:
+        if (method, template) in UPLOADS:
+            return self.max_file_bytes
+        return self.limits.max_body_bytes
+
+    def response_limit(self, method: str, template: str) -> int:
+        if (method, template) in DOWNLOADS:
+            return self.max_file_bytes
+        return self.limits.max_response_bytes
+
+
+def _plain_path(path: str) -> bool:
+    """No empty (but a trailing slash), ``.`` or ``..`` segment: the path means
+    what it says."""
+    segments = path.split("/")[1:]
+    if segments and segments[-1] == "":
+        segments.pop()
+    return all(seg not in ("", ".", "..") for seg in segments)
+
+
+@dataclass
+class _Meter:
+    route: str | None = None
+    status: int = 0
+    started: bool = False
+    request_bytes: int = 0
+    response_bytes: int = 0
+
+
+async def _answer(
+    scope: Scope, receive: Any, send: Any, exc: WorkFolderError, meter: _Meter
+) -> None:
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if isinstance(exc, TooManyRequests) else {}
+    response = JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+    meter.status, meter.started = exc.status, True
+    meter.response_bytes += len(response.body)
+    await response(scope, receive, send)
+
+
+class ApiBridge:
+    """The ASGI endpoint of ``/bridge/v1/api/{path:path}`` (every method)."""
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        request = Request(scope, receive)
+        policy: BridgePolicy = scope["app"].state.apibridge
+        meter = _Meter()
+        started = time.monotonic()
+        try:
+            ident = await self._identify(request)
+        except WorkFolderError as exc:
+            # No run is known: nothing to audit.
+            await _answer(scope, receive, send, exc, meter)
+            return
+        try:
+            await self._forward(request, policy, ident, meter, receive, send)
+        except WorkFolderError as exc:
+            if meter.started:
+                raise
+            await _answer(scope, receive, send, exc, meter)
+        finally:
+            await self._audit(request, ident, meter, started)
+
+    async def _identify(self, request: Request) -> BridgeIdentity:
+        if len(request.headers.getlist("authorization")) > 1:
+            raise Unauthenticated("The API bridge takes exactly one Authorization header")
+        async with connection(request) as conn:
+            principal = await authenticate(request, conn)
+            if principal.kind != "run" or principal.run is None:
+                raise Unauthenticated("The API bridge needs a run token")
+            run = principal.run
+            # Refuses a superseded lease too, not only an ended run.
+            await principal_for_bridge(conn, run.run_id, run.lease_epoch)
+        return BridgeIdentity(run.run_id, run.agent_id, run.company_id, run.lease_epoch)
+
+    async def _forward(
+        self,
+        request: Request,
+        policy: BridgePolicy,
+        ident: BridgeIdentity,
+        meter: _Meter,
+        receive: Any,
+        send: Any,
+    ) -> None:
+        scope = request.scope
+        method = str(scope["method"])
+        path = "/api/" + str(scope["path_params"]["path"])
+        if not _plain_path(path):
+            raise BridgeRouteDenied()
+        template, route = policy.match(path, method)
+        meter.route = template
+        if route is None or template is None:
+            raise BridgeRouteDenied()
+        body_limit = policy.body_limit(method, template)
+        declared = declared_length(request)
+        if declared is not None and declared > body_limit:
+            raise PayloadTooLarge(f"The API bridge forwards bodies of at most {body_limit} bytes")
+        lim = policy.limits
+        if policy.in_flight.get(ident.run_id, 0) >= lim.max_concurrent:
+            raise TooManyRequests(
+                f"More than {lim.max_concurrent} API bridge requests in flight for this run"
+            )
+        policy.in_flight[ident.run_id] = policy.in_flight.get(ident.run_id, 0) + 1
+        try:
+            child = _child_scope(scope, path, ident)
+            _, matched = route.matches(child)
+            child.update(matched)
+            await self._dispatch(
+                route,
+                child,
+                _metered_receive(receive, meter, body_limit),
+                _metered_send(send, meter, policy.response_limit(method, template)),
+                lim.request_timeout,
+                meter,
+            )
+        finally:
+            left = policy.in_flight[ident.run_id] - 1
+            if left:
+                policy.in_flight[ident.run_id] = left
+            else:
+                del policy.in_flight[ident.run_id]
+
+    async def _dispatch(
+        self, route: Route, child: Scope, receive: Any, send: Any, seconds: float, meter: _Meter
+    ) -> None:
+        try:
+            async with asyncio.timeout(seconds):
+                await route.handle(child, receive, send)
+        except TimeoutError:
+            if meter.started:
+                # The answer is under way: all that is left is to cut it off.
+                log.info("bridged request cut off after %g s", seconds)
+                raise _ResponseOverrun() from None
+            raise BridgeTimeout(
+                f"The bridged request took longer than {seconds:g} s; nothing more was done"
+            ) from None
+
+    async def _audit(
+        self,
+        request: Request,
+        ident: BridgeIdentity,
+        meter: _Meter,
+        started: float,
+    ) -> None:
+        rec = bridgeaudit.AuditRecord(
+            run_id=ident.run_id,
+            company_id=ident.company_id,
+            agent_id=ident.agent_id,
+            lease_epoch=ident.lease_epoch,
+            method=str(request.scope["method"])[:16],
+            route=meter.route,
+            status=meter.status or 500,
+            request_bytes=meter.request_bytes,
+            response_bytes=meter.response_bytes,
+            duration_ms=int((time.monotonic() - started) * 1000),
+        )
+        try:
+            async with connection(request) as conn:
+                await bridgeaudit.record(conn, rec)
+        except WorkFolderError as exc:
+            log.warning("bridge audit row for run %s not written: %s", ident.run_id, exc)
+
+
+def _child_scope(scope: Scope, path: str, ident: BridgeIdentity) -> Scope:
+    """The forwarded request: the API path, only the allowlisted headers plus
+    the run identity, and the identity the API authenticates from."""
+    headers = [(k, v) for k, v in scope["headers"] if k in FORWARDED_HEADERS]
+    values = (ident.run_id, ident.agent_id, str(ident.lease_epoch))
+    headers += [(k, v.encode()) for k, v in zip(IDENTITY_HEADERS, values, strict=True)]
+    child = {
+        k: v for k, v in scope.items() if k not in ("path_params", "endpoint", "route", "raw_path")
+    }
+    child.update(path=path, raw_path=path.encode(), headers=headers)
+    child[BRIDGE_IDENTITY] = ident
+    return child
+
+
+def _metered_receive(receive: Any, meter: _Meter, limit: int) -> Any:
+    async def metered() -> Message:
+        message: Message = await receive()
+        if message["type"] == "http.request":
+            meter.request_bytes += len(message.get("body", b""))
+            if meter.request_bytes > limit:
+                raise PayloadTooLarge(f"The API bridge forwards bodies of at most {limit} bytes")
+        return message
+
+    return metered
+
+
+def _metered_send(send: Any, meter: _Meter, limit: int) -> Any:
+    replaced = False
+
+    async def metered(message: Message) -> None:
+        nonlocal replaced
+        if replaced:
+            return
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"set-cookie"]
+            length = next((v for k, v in headers if k.lower() == b"content-length"), None)
+            if length is not None and length.isdigit() and int(length) > limit:
+                replaced = True
+                exc = BridgeResponseTooLarge(
+                    f"The answer is larger than the {limit} bytes the API bridge forwards"
+                )
+                body = JSONResponse(exc.to_json(), status_code=exc.status)
+                meter.status, meter.started = exc.status, True
+                meter.response_bytes += len(body.body)
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": exc.status,
+                        "headers": body.raw_headers,
+                    }
+                )
+                await send({"type": "http.response.body", "body": body.body})
+                return
+            meter.status, meter.started = int(message["status"]), True
+            message = {**message, "headers": headers}
+        elif message["type"] == "http.response.body":
+            meter.response_bytes += len(message.get("body", b""))
+            if meter.response_bytes > limit:
+                raise _ResponseOverrun()
+        await send(message)
+
+    return metered
+
+
+routes = [Route(API_PREFIX + "/{path:path}", ApiBridge(), methods=list(KNOWN_METHODS))]
