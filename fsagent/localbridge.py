@@ -17,8 +17,8 @@ Only the request headers the controller forwards (:data:`FORWARD_HEADERS`)
 are sent on; the caller's ``Authorization`` and ``Cookie`` never are, and
 ``Set-Cookie`` and hop-by-hop headers never come back. Bodies stream both
 ways in chunks (an upload of 1 GiB is never held in memory). When the
-controller cannot be reached the answer is 502 ``bridge_unreachable``; when it
-stops answering, 504 ``bridge_timeout``; when the token file cannot be read,
+controller cannot be reached the answer is 502 ``controller_unreachable``; when it
+stops answering, 504 ``controller_timeout``; when the token file cannot be read,
 503 ``run_token_unavailable``. ``GET /healthz`` is answered here
 (``{"ok": true}``) so ``fsagent doctor`` can tell the endpoint is up.
 """
@@ -215,11 +215,15 @@ class LocalBridge:
             return
         except httpx.TimeoutException as exc:
             log.warning("controller did not answer %s %s: %r", scope["method"], scope["path"], exc)
-            await _answer(send, *_error_body(504, "bridge_timeout", "controller did not answer"))
+            await _answer(
+                send, *_error_body(504, "controller_timeout", "controller did not answer")
+            )
             return
         except httpx.HTTPError as exc:
             log.warning("controller unreachable for %s %s: %r", scope["method"], scope["path"], exc)
-            await _answer(send, *_error_body(502, "bridge_unreachable", "controller unreachable"))
+            await _answer(
+                send, *_error_body(502, "controller_unreachable", "controller unreachable")
+            )
             return
         try:
             out = [

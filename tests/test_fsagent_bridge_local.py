@@ -23,7 +23,9 @@ import httpx
 import pytest
 import uvicorn
 
+from tests.support.bridge import Run, start_run
 from tests.support.constants import REPO
+from tests.support.controller import Tenant
 from tests.support.procs import free_port
 from tests.support.tmp import private_tmpdir
 
@@ -296,7 +298,7 @@ def test_unreachable_controller_is_502(tmp_path: Path) -> None:
     try:
         with ep.tcp() as client:
             res = client.get("/api/companies")
-        assert res.status_code == 502 and res.json()["code"] == "bridge_unreachable"
+        assert res.status_code == 502 and res.json()["code"] == "controller_unreachable"
     finally:
         assert ep.stop() == 0
     assert "controller unreachable for GET /api/companies" in ep.stderr()
@@ -335,3 +337,168 @@ def test_bodies_stream_both_ways_in_bounded_memory(
     print(f"256 MiB through the endpoint: up {size / MiB / up_s:.0f} MiB/s, "
           f"down {size / MiB / down_s:.0f} MiB/s, peak RSS {peak / MiB:.0f} MiB")  # fmt: skip
     assert peak < 100 * MiB, f"endpoint peak RSS {peak / MiB:.0f} MiB: a body was buffered"
+
+
+# --- against a real controller ----------------------------------------------------
+
+OCTET = {"Content-Type": "application/octet-stream"}
+
+
+@pytest.fixture
+def run_endpoint(tenant: Tenant) -> Iterator[tuple[Run, LocalEndpoint]]:
+    run = start_run(tenant)
+    ep = start_endpoint(tenant.controller.url, run.token)
+    yield run, ep
+    assert ep.stop() == 0, ep.stderr()
+
+
+def test_allowed_calls_work_with_the_agents_authority(
+    tenant: Tenant, run_endpoint: tuple[Run, LocalEndpoint]
+) -> None:
+    run, ep = run_endpoint
+    assert run.task is not None
+    task = tenant.folder("task", run.task)
+    mine = tenant.folder("agent", run.agent)
+    with ep.tcp() as tcp, ep.unix() as unix:
+        put = tcp.put(
+            f"{task}/content", params={"path": "notes.md"}, content=b"from tcp", headers=OCTET
+        )
+        assert put.status_code == 201, put.text
+        got = unix.get(f"{task}/content", params={"path": "notes.md"})
+        assert got.status_code == 200 and got.content == b"from tcp"
+        put = unix.put(
+            f"{mine}/content", params={"path": "a/b.txt"}, content=b"from socket", headers=OCTET
+        )
+        assert put.status_code == 201, put.text
+        listing = tcp.get(mine + "/", params={"recursive": "true"})
+        assert listing.status_code == 200, listing.text
+        assert "a/b.txt" in [e["path"] for e in listing.json()["entries"]]
+        ranged = tcp.get(
+            f"{mine}/content", params={"path": "a/b.txt"}, headers={"Range": "bytes=5-10"}
+        )
+        assert ranged.status_code == 206 and ranged.content == b"socket"
+        # The agent's authority, not the user's: another agent's folder is hidden
+        # although the responsible user (an owner) could read it.
+        other = tenant.controller.admin("create-agent", tenant.company_id, "other")["id"]
+        with tenant.client() as owner:
+            r = owner.put(f"{tenant.folder('agent', other)}/content", params={"path": "x"},
+                          content=b"theirs", headers=OCTET)  # fmt: skip
+            assert r.status_code == 201, r.text
+        for client in (tcp, unix):
+            hidden = client.get(f"{tenant.folder('agent', other)}/content", params={"path": "x"})
+            assert hidden.status_code == 404 and hidden.json()["code"] == "not_found"
+        directory = unix.get(f"/api/companies/{tenant.company_id}/directory")
+        assert directory.status_code == 200, directory.text
+        assert "@example.com" not in directory.text  # member ids only for a run
+    with tenant.client() as owner:
+        assert owner.get(f"{task}/content", params={"path": "notes.md"}).content == b"from tcp"
+        assert owner.get(f"{mine}/content", params={"path": "a/b.txt"}).content == b"from socket"
+
+
+def test_a_denied_route_is_the_controllers_403_and_changes_nothing(
+    tenant: Tenant, run_endpoint: tuple[Run, LocalEndpoint]
+) -> None:
+    run, ep = run_endpoint
+    assert run.task is not None
+    task = tenant.folder("task", run.task)
+    with ep.unix() as client:
+        r = client.put(f"{task}/content", params={"path": "keep"}, content=b"kept", headers=OCTET)
+        assert r.status_code == 201
+        for method, path in (("DELETE", f"{task}/content?path=keep"),
+                             ("GET", f"/api/companies/{tenant.company_id}/runs/{run.run_id}/audit")):  # fmt: skip
+            denied = client.request(method, path)
+            assert denied.status_code == 403, (method, path, denied.text)
+            assert denied.json()["code"] == "bridge_route_denied"
+    assert tenant.file_rows("keep") == 1
+
+
+def test_the_token_is_never_exposed_to_launched_code(
+    tenant: Tenant, run_endpoint: tuple[Run, LocalEndpoint]
+) -> None:
+    run, ep = run_endpoint
+    assert run.task is not None
+    home = ep.dir / "home"
+    home.mkdir()
+    env_file = ep.dir / "env"
+    env_file.write_text(f"PAPERCLIP_API_URL={ep.url}\nPAPERCLIP_API_SOCKET={ep.socket}\n")
+    url = f"{tenant.folder('task', run.task)}/content?path=hello.txt"
+    script = (
+        "import json, os, urllib.request as u\n"
+        f"req = u.Request(os.environ['PAPERCLIP_API_URL'] + {url!r}, data=b'hi', method='PUT',"
+        " headers={'Content-Type': 'application/octet-stream'})\n"
+        "with u.urlopen(req) as r: put = [r.status, dict(r.headers), r.read().decode()]\n"
+        f"with u.urlopen(os.environ['PAPERCLIP_API_URL'] + {url!r}) as r:\n"
+        "    got = [r.status, dict(r.headers), r.read().decode()]\n"
+        "print(json.dumps({'env': dict(os.environ), 'put': put, 'got': got}))\n"
+    )
+    (home / "probe.py").write_text(script)
+    res = subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "launch", "--home", str(home), "--env-file",
+         str(env_file), "--", sys.executable, "probe.py"],
+        capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["put"][0] == 201 and out["got"][0] == 200 and out["got"][2] == "hi"
+    assert out["env"]["PAPERCLIP_API_URL"] == ep.url
+    assert run.token not in res.stdout and run.token not in res.stderr
+    assert TOKEN not in res.stdout
+
+
+@pytest.mark.fuse
+def test_up_serves_the_endpoint_and_doctor_finds_everything_healthy(tenant: Tenant) -> None:
+    run = start_run(tenant)
+    assert run.task is not None
+    base = private_tmpdir("fsa-up-")
+    token_file = base / "token"
+    token_file.write_text(run.token)
+    home, state_root, env_file = base / "home", base / "state", base / "env"
+    with open(base / "up.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsagent.cli", "up", "--home", str(home), "--controller",
+             tenant.controller.url, "--token-file", str(token_file), "--state-root", str(state_root),
+             "--env-file", str(env_file)],
+            cwd=REPO, stdout=log, stderr=log,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not env_file.exists():
+            assert proc.poll() is None, (base / "up.log").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        env = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+        assert env["PAPERCLIP_API_SOCKET"] == str(state_root / "run" / "api.sock")
+        assert env["PAPERCLIP_API_URL"].startswith("http://127.0.0.1:")
+        assert run.token not in env_file.read_text()
+        (home / "task" / "saved.txt").write_bytes(b"through the mount")
+        with httpx.Client(base_url=env["PAPERCLIP_API_URL"], timeout=60) as api:
+            url = f"{tenant.folder('task', run.task)}/content"
+            r = api.put(url, params={"path": "api.txt"}, content=b"through the api", headers=OCTET)
+            assert r.status_code == 201, r.text
+            assert api.get(url, params={"path": "api.txt"}).content == b"through the api"
+        doc = subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(home), "--env-file",
+             str(env_file), "--controller", tenant.controller.url, "--token-file", str(token_file),
+             "--json"],
+            capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
+        )  # fmt: skip
+        assert doc.returncode == 0, doc.stdout + doc.stderr
+        checks = {c["name"]: c for c in json.loads(doc.stdout)["checks"]}
+        assert {n: c["status"] for n, c in checks.items() if c["status"] != "ok"} == {}
+        assert checks["controller"]["detail"].endswith(f"run {run.run_id} active")
+        assert set(checks) >= {"bridge tcp", "bridge socket", "controller", "node", "/dev/fuse"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (base / "up.log").read_text()
+        assert not Path(env["PAPERCLIP_API_SOCKET"]).exists()
+        with tenant.client() as owner:
+            saved = owner.get(
+                f"{tenant.folder('task', run.task)}/content", params={"path": "saved.txt"}
+            )
+            assert saved.content == b"through the mount"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for scope in ("task", "agent", "user", "project"):
+            subprocess.run(["fusermount3", "-u", "-z", str(home / scope)], capture_output=True,
+                           check=False)  # fmt: skip
