@@ -3,7 +3,10 @@
 Starts `controller serve` (embedded PostgreSQL, local_disk), creates a demo
 company, user, project, task and agent once (kept in ``<data-dir>/demo.json``
 so the next `make demo` reuses them and the same token), starts a run for
-them and mounts its four folders under ``demo-home/`` with `fsagent up`.
+them and mounts its four folders under ``demo-home/`` with `fsagent up`, which
+also serves the run's local API endpoint (``fsagent bridge``) and writes the
+sandbox's env file (``PAPERCLIP_API_URL``, ...). The printed ``curl`` lines
+under "Inside the sandbox" use only that env file: no token of their own.
 Ctrl-C stops fsagent (final save) and then the controller.
 """
 
@@ -22,7 +25,6 @@ from typing import Any
 
 import httpx
 
-from common.limits import SCOPES
 from controller import admin
 from controller.cli import database
 from controller.config import Settings
@@ -52,6 +54,22 @@ def wait_until(check: Any, what: str, timeout: float, proc: subprocess.Popen[byt
         if time.monotonic() > deadline:
             raise SystemExit(f"demo: {what} did not happen within {timeout:.0f}s")
         time.sleep(0.1)
+
+
+def sandbox_lines(env_file: Path, acc: dict[str, str], home: Path) -> list[str]:
+    """Lines to paste into a shell "inside the sandbox": its env file, then the
+    API through the local endpoint (which adds the run token)."""
+    task = f"/api/companies/{acc['company_id']}/work-folders/task/{acc['task_id']}"
+    url = f'"$PAPERCLIP_API_URL{task}/content?path=notes.md"'
+    return [
+        "",
+        "Inside the sandbox (its env file, then the API through the local endpoint; no token):",
+        f"  set -a; . {env_file}; set +a",
+        "  curl -sS -X PUT -H 'Content-Type: application/octet-stream'"
+        f" --data-binary 'written from the sandbox' {url}",
+        f"  curl -sS {url}",
+        f"  .venv/bin/fsagent launch --home {home} --env-file {env_file} -- 'curl -sS {url}'",
+    ]
 
 
 def healthy(base: str) -> bool:
@@ -136,14 +154,16 @@ def main() -> int:
                 ],
                 start_new_session=True,
             )
-            wait_until(
-                lambda: all(os.path.ismount(home / s) for s in SCOPES), "mounting", 300, fsagent
-            )
+            env_file = data_dir / "fsagent" / "env"
+            env_file.unlink(missing_ok=True)
+            # up writes the env file once every collection is mounted.
+            wait_until(env_file.exists, "mounting", 300, fsagent)
             lines = [
                 f"Sandbox:     {home}/{{task,agent,user,project}} (run {run['run_id']})",
                 f"             saved every {args.checkpoint_interval:.0f}s and at Ctrl-C;"
                 f" save now: .venv/bin/fsagent flush task --state-dir {data_dir}/fsagent/task",
             ]
+            lines += sandbox_lines(env_file, acc, home)
         folder = f"{base}/api/companies/{acc['company_id']}/work-folders/user/{acc['user_id']}"
         task_folder = f"{base}/api/companies/{acc['company_id']}/work-folders/task/{acc['task_id']}"
         print(

@@ -27,7 +27,7 @@ from tests.support.bridge import Run, start_run
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.procs import free_port
-from tests.support.tmp import private_tmpdir
+from tests.support.tmp import private_tmpdir, world_searchable_tmpdir
 
 TOKEN = "run-token-" + "s3cr3t" * 6
 MiB = 1 << 20
@@ -502,3 +502,54 @@ def test_up_serves_the_endpoint_and_doctor_finds_everything_healthy(tenant: Tena
         for scope in ("task", "agent", "user", "project"):
             subprocess.run(["fusermount3", "-u", "-z", str(home / scope)], capture_output=True,
                            check=False)  # fmt: skip
+
+
+@pytest.mark.fuse
+def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
+    base = world_searchable_tmpdir("fsa-demo-")
+    port = free_port()
+    with open(base / "demo.out", "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "controller.demo", "--data-dir", str(base / "data"), "--home",
+             str(base / "home"), "--listen", f"127.0.0.1:{port}", "--checkpoint-interval", "600"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        text = ""
+        while "Press Ctrl-C" not in text:
+            assert proc.poll() is None, text
+            assert time.monotonic() < deadline, text
+            time.sleep(0.2)
+            text = (base / "demo.out").read_text(errors="replace")
+        block = text.split("Inside the sandbox", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+        setup, put, get, launched = (line.strip() for line in block)
+        assert setup.startswith("set -a; . ") and "Bearer" not in "".join(block)
+        assert get.startswith('curl -sS "$PAPERCLIP_API_URL/api/companies/')
+        clean_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(base / "home")}
+
+        def sandbox_sh(*lines: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["sh", "-c", "\n".join(lines)], capture_output=True, text=True,
+                                  cwd=REPO, env=clean_env, check=False, timeout=60)  # fmt: skip
+
+        wrote = sandbox_sh(setup, put)
+        assert wrote.returncode == 0, wrote
+        assert json.loads(wrote.stdout)["file"]["path"] == "notes.md", wrote.stdout
+        read = sandbox_sh(setup, get)
+        assert read.returncode == 0 and read.stdout == "written from the sandbox", read
+        via_launch = sandbox_sh(launched)
+        assert via_launch.returncode == 0 and via_launch.stdout == "written from the sandbox", (
+            via_launch
+        )
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for scope in ("task", "agent", "user", "project"):
+            subprocess.run(["fusermount3", "-u", "-z", str(base / "home" / scope)],
+                           capture_output=True, check=False)  # fmt: skip
+    assert proc.returncode == 0, (base / "demo.out").read_text(errors="replace")
