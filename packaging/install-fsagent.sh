@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
-# Install fsagent into a virtualenv under /opt/fsagent and its systemd template unit.
+# Install fsagent into a virtualenv under /opt/fsagent with its systemd units:
+# the fsagent@.service template (one mount per collection) and
+# fsagent-bridge.service (the local API endpoint).
 #
 #   packaging/install-fsagent.sh --user AGENT_USER --home AGENT_HOME \
-#       --controller URL --token-file FILE [--allow-other] [--source DIR] [--no-systemd]
+#       --controller URL --token-file FILE [--bridge-port N] [--allow-other] \
+#       [--source DIR] [--no-systemd]
 #
 # Run as root inside the sandbox image build.  Installs the Debian packages
 # fsagent needs (fuse3, python3-venv), the package from --source (default: this
-# checkout) into /opt/fsagent/venv, the unit into /etc/systemd/system and its
+# checkout) into /opt/fsagent/venv, the units into /etc/systemd/system and their
 # configuration into /etc/fsagent/fsagent.env.  Nothing is started.
 set -euo pipefail
 
 src="$(cd "$(dirname "$0")/.." && pwd)"
-user="" home="" controller="" token_file="" args="" systemd=1
+user="" home="" controller="" token_file="" args="" systemd=1 bridge_port=8751
 while (($#)); do
     case "$1" in
         --user) user="$2"; shift 2 ;;
         --home) home="$2"; shift 2 ;;
         --controller) controller="$2"; shift 2 ;;
         --token-file) token_file="$2"; shift 2 ;;
+        --bridge-port) bridge_port="$2"; shift 2 ;;
         --allow-other) args="--allow-other"; shift ;;
         --source) src="$2"; shift 2 ;;
         --no-systemd) systemd=0; shift ;;
@@ -34,6 +38,10 @@ for v in user home controller token_file; do
         exit 2
     fi
 done
+if ! [[ "$bridge_port" =~ ^[0-9]+$ ]] || ((bridge_port < 1 || bridge_port > 65535)); then
+    echo "install-fsagent.sh: --bridge-port must be a port number, got $bridge_port" >&2
+    exit 2
+fi
 
 missing=()
 for p in fuse3 python3 python3-venv; do
@@ -64,18 +72,21 @@ FSAGENT_HOME=$home
 FSAGENT_CONTROLLER=$controller
 FSAGENT_TOKEN_FILE=$token_file
 FSAGENT_ARGS=$args
+FSAGENT_BRIDGE_PORT=$bridge_port
 ENV
 chmod 0644 /etc/fsagent/fsagent.env
 
 if ((systemd)); then
-    install -m 0644 "$src/packaging/systemd/fsagent@.service" /etc/systemd/system/fsagent@.service
-    install -d -m 0755 /etc/systemd/system/fsagent@.service.d
     group="$(id -gn "$user")"
-    printf '[Service]\nUser=%s\nGroup=%s\n' "$user" "$group" \
-        >/etc/systemd/system/fsagent@.service.d/user.conf
+    for unit in fsagent@.service fsagent-bridge.service; do
+        install -m 0644 "$src/packaging/systemd/$unit" "/etc/systemd/system/$unit"
+        install -d -m 0755 "/etc/systemd/system/$unit.d"
+        printf '[Service]\nUser=%s\nGroup=%s\n' "$user" "$group" \
+            >"/etc/systemd/system/$unit.d/user.conf"
+    done
     if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
         systemctl daemon-reload
     fi
 fi
 echo "fsagent installed in /opt/fsagent/venv; enable with:"
-echo "  systemctl enable --now fsagent@task fsagent@agent fsagent@user fsagent@project"
+echo "  systemctl enable --now fsagent-bridge fsagent@task fsagent@agent fsagent@user fsagent@project"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -553,3 +555,34 @@ def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
             subprocess.run(["fusermount3", "-u", "-z", str(base / "home" / scope)],
                            capture_output=True, check=False)  # fmt: skip
     assert proc.returncode == 0, (base / "demo.out").read_text(errors="replace")
+
+
+def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: Upstream) -> None:
+    unit = (REPO / "packaging" / "systemd" / "fsagent-bridge.service").read_text()
+    exec_start = unit.split("\nExecStart=", 1)[1].split("\n\n", 1)[0].split("\nKillSignal", 1)[0]
+    words = shlex.split(exec_start.replace("\\\n", " "))
+    assert words[:2] == ["/opt/fsagent/venv/bin/fsagent", "bridge"]
+    d = private_tmpdir("fsa-unit-")
+    (d / "token").write_text(TOKEN)
+    port = free_port()
+    config = {"FSAGENT_CONTROLLER": upstream.url, "FSAGENT_TOKEN_FILE": str(d / "token"),
+              "FSAGENT_BRIDGE_PORT": str(port), "FSAGENT_HOME": str(d)}  # fmt: skip
+    argv = [re.sub(r"\$\{(\w+)\}", lambda m: config[m.group(1)], w) for w in words[2:]]
+    env_file = d / ".local" / "state" / "fsagent" / "env"
+    env_file.parent.mkdir(parents=True)
+    env_file.write_text(f"AGENT_HOME={d}/agent\nPAPERCLIP_API_URL=http://127.0.0.1:1\n")
+    proc = subprocess.Popen([sys.executable, "-m", "fsagent.cli", "bridge", *argv], cwd=REPO,
+                            stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        sock = d / ".local" / "state" / "fsagent" / "run" / "api.sock"
+        expected = f"AGENT_HOME={d}/agent\nPAPERCLIP_API_URL=http://127.0.0.1:{port}\nPAPERCLIP_API_SOCKET={sock}\n"
+        deadline = time.monotonic() + 30
+        while env_file.read_text() != expected:
+            assert proc.poll() is None and time.monotonic() < deadline, env_file.read_text()
+            time.sleep(0.05)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as client:
+            assert client.get("http://bridge/api/companies").status_code == 200
+        assert upstream.seen[-1].headers["authorization"] == f"Bearer {TOKEN}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
