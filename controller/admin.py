@@ -309,3 +309,16 @@ def end_sessions(url: str, user: str) -> dict[str, Any]:
         _require(conn, "users", user)
         cur = conn.execute("DELETE FROM web_sessions WHERE user_id = %s", (user,))
     return {"user_id": user, "ended": cur.rowcount}
+
+
+def audit(url: str, run: str, after: int, limit: int) -> dict[str, Any]:
+    """The API bridge's audit rows of one run, oldest first (``after`` an id)."""
+    from controller.bridgeaudit import AUDIT_PAGE_MAX, LIST_SQL, row_json
+
+    run = _uuid(run, "run")
+    if not 1 <= limit <= AUDIT_PAGE_MAX or after < 0:
+        raise AdminError(f"--limit must be 1-{AUDIT_PAGE_MAX} and --after at least 0")
+    with _conn(url) as conn:
+        _require(conn, "runs", run)
+        rows = conn.execute(LIST_SQL, (run, after, limit)).fetchall()
+    return {"run_id": run, "entries": [row_json(r) for r in rows]}

@@ -254,6 +254,8 @@ def cmd_admin(args: argparse.Namespace) -> int:
             out = admin.list_tokens(url, args.company, args.user)
         elif a == "revoke-token":
             out = admin.revoke_token(url, args.token_id)
+        elif a == "audit":
+            out = admin.audit(url, args.run, args.after, args.limit)
         elif a == "end-sessions":
             out = admin.end_sessions(url, args.user)
         else:  # pragma: no cover - argparse restricts choices
@@ -355,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("token_id")
     p = admin_cmd("end-sessions", "end every Files page session of a user")
     p.add_argument("user")
+    p = admin_cmd("audit", "the API bridge's audit trail of a run, oldest first")
+    p.add_argument("--run", required=True)
+    p.add_argument("--after", type=int, default=0, help="only rows after this id")
+    p.add_argument("--limit", type=int, default=1000, help="at most this many rows (1-1000)")
     return parser
 
 

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from common.errors import WorkFolderError
 from controller import gc
-from controller.api import apibridge, openapi, web, workfolders
+from controller.api import apibridge, audit, openapi, web, workfolders
 from controller.api.common import AppState, connection, error_response, json_errors
 from controller.api.limits import RequestLimits
 from controller.config import Settings
@@ -66,6 +66,7 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
         *workfolders.routes,
         *bridge.routes,
         *apibridge.routes,
+        *audit.routes,
         *web.routes,
     ]
     # ValueError for an allowlist entry that names no API route.

@@ -143,6 +143,56 @@ def _bridge_paths() -> dict[str, Any]:
     }
 
 
+def _api_bridge_paths() -> dict[str, Any]:
+    """Sandbox code's way to the API (controller/api/apibridge.py), and its audit."""
+    path_p = {"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}
+
+    def forwarded(method: str) -> dict[str, Any]:
+        return _op(
+            f"{method} /api/{{path}} with the run's authority, when the allowlist has it",
+            "200",
+            "403",
+            "413",
+            "502",
+            "504",
+            description=(
+                "Run token only. Forwards allowlisted (method, route template) pairs"
+                " (README, 'API bridge'); anything else is 403 bridge_route_denied."
+                " Only allowlisted request headers are forwarded; Set-Cookie never"
+                " comes back. Each request is audited."
+            ),
+        )
+
+    run_p = {
+        "name": "runId",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "format": "uuid"},
+    }
+    company_p = {**run_p, "name": "companyId"}
+    return {
+        PREFIX + "/api/{path}": {
+            "parameters": [path_p],
+            **{m.lower(): forwarded(m) for m in ("GET", "PUT", "POST", "PATCH", "DELETE")},
+        },
+        "/api/companies/{companyId}/runs/{runId}/audit": {
+            "parameters": [company_p, run_p],
+            "get": _op(
+                "The run's API bridge audit trail, oldest first (owners and admins)",
+                "200",
+                parameters=[
+                    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    },
+                ],
+            ),
+        },
+    }
+
+
 def _public_paths() -> dict[str, Any]:
     page = {"200": {"description": "The Files page", "content": {"text/html": {}}}}
     return {
@@ -406,6 +456,7 @@ def document() -> dict[str, Any]:
                 }
             },
             **_bridge_paths(),
+            **_api_bridge_paths(),
             **_public_paths(),
         },
     }

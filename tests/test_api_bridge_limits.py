@@ -1,0 +1,159 @@
+"""The API bridge's resource limits on a real controller started with small ones:
+body size (413), response size (502), time (504) and calls in flight per run
+(429 with Retry-After). Each refused call changes nothing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.support.bridge import Run, start_run
+from tests.support.controller import (
+    ControllerProcess,
+    PgCluster,
+    Tenant,
+    bootstrap_tenant,
+    running_controller,
+    world_searchable_tmpdir,
+)
+
+OCTET = {"Content-Type": "application/octet-stream"}
+MAX_BODY, MAX_RESPONSE, TIMEOUT, CONCURRENT = 1024, 2048, 3, 2
+
+
+@pytest.fixture(scope="module")
+def tight(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+    tmp = world_searchable_tmpdir("fsa-bridge-limits-")
+    flags = {
+        "--bridge-max-body": MAX_BODY,
+        "--bridge-max-response": MAX_RESPONSE,
+        "--bridge-timeout": TIMEOUT,
+        "--bridge-max-concurrent": CONCURRENT,
+    }
+    try:
+        with running_controller(
+            pg_cluster, tmp, *[str(x) for kv in flags.items() for x in kv]
+        ) as ctl:
+            yield ctl
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def lt(tight: ControllerProcess) -> Tenant:
+    return bootstrap_tenant(tight)
+
+
+def folder_of(t: Tenant, run: Run) -> str:
+    assert run.task is not None
+    return t.folder("task", run.task)
+
+
+def test_bodies_over_the_limit_are_413_but_uploads_keep_the_file_limit(lt: Tenant) -> None:
+    run = start_run(lt)
+    folder = folder_of(lt, run)
+    big = {"action": "mkdir", "path": "d" * 200 + "/" + "e" * (MAX_BODY)}
+    with run.api_client() as c:
+        r = c.post(f"{folder}/operations", json=big)
+        assert r.status_code == 413 and r.json()["code"] == "payload_too_large", r.text
+        # Without a Content-Length the count is kept while the body arrives.
+        chunks = iter([b'{"action": "mkdir", "path": "', b"x" * MAX_BODY, b'"}'])
+        r = c.post(
+            f"{folder}/operations",
+            content=chunks,
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == 413 and r.json()["code"] == "payload_too_large", r.text
+        data = bytes(range(256)) * 16
+        r = c.put(f"{folder}/content", params={"path": "big.bin"}, content=data, headers=OCTET)
+        assert r.status_code == 201, r.text
+        # ... and downloads keep it too.
+        got = c.get(f"{folder}/content", params={"path": "big.bin"})
+        assert got.status_code == 200 and got.content == data
+    assert lt.file_rows("x" * MAX_BODY, live=False) == 0
+    with lt.client() as owner:
+        assert [e["path"] for e in owner.get(folder + "/").json()["entries"]] == ["big.bin"]
+
+
+def test_an_answer_over_the_response_limit_is_502(lt: Tenant) -> None:
+    run = start_run(lt)
+    folder = folder_of(lt, run)
+    with run.api_client() as c:
+        for i in range(12):
+            assert c.put(f"{folder}/content?path=f{i:02}", content=b"x", headers=OCTET).is_success
+        r = c.get(folder + "/")
+        assert r.status_code == 502, r.text
+        assert r.json()["code"] == "bridge_response_too_large"
+        small = c.get(folder + "/", params={"limit": 1})
+        assert small.status_code == 200 and len(small.json()["entries"]) == 1
+
+
+def _folder_id(t: Tenant) -> int:
+    with t.controller.db() as db:
+        row = db.execute(
+            "SELECT id FROM folders WHERE company_id = %s AND scope = 'task'", (t.company_id,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _waiting(t: Tenant, folder_id: int) -> int:
+    with t.controller.db() as db:
+        row = db.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND objsubid = 1 AND objid = %s",
+            (folder_id,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_slow_calls_are_504_and_one_too_many_is_429(lt: Tenant) -> None:
+    run = start_run(lt)
+    folder = folder_of(lt, run)
+    with run.api_client() as c:
+        assert c.put(f"{folder}/content?path=seed", content=b"s", headers=OCTET).is_success
+    folder_id = _folder_id(lt)
+
+    def write(i: int) -> httpx.Response:
+        with run.api_client() as c:
+            return c.put(f"{folder}/content?path=slow{i}", content=b"w", headers=OCTET)
+
+    with lt.controller.db() as db, concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+        # Every write to the folder now waits inside its transaction.
+        db.execute("SELECT pg_advisory_lock(%s)", (folder_id,))
+        try:
+            slow = [pool.submit(write, i) for i in range(CONCURRENT)]
+            deadline = time.monotonic() + TIMEOUT
+            while _waiting(lt, folder_id) < CONCURRENT:
+                assert time.monotonic() < deadline, "the writes never reached the folder lock"
+                time.sleep(0.05)
+            with run.api_client() as c:
+                busy = c.get(folder + "/")
+            assert busy.status_code == 429, busy.text
+            assert busy.json()["code"] == "too_many_requests"
+            assert busy.headers["Retry-After"] == "1"
+            answers = [f.result(TIMEOUT + 30) for f in slow]
+        finally:
+            db.execute("SELECT pg_advisory_unlock(%s)", (folder_id,))
+    for r in answers:
+        assert r.status_code == 504, r.text
+        assert r.json()["code"] == "bridge_timeout"
+    assert lt.file_rows("slow0", live=False) == 0 and lt.file_rows("slow1", live=False) == 0
+    # The run's slots and the database connections are free again.
+    with run.api_client() as c:
+        assert c.put(f"{folder}/content?path=after", content=b"a", headers=OCTET).is_success
+        statuses = [c.get(folder + "/", params={"limit": 1}).status_code for _ in range(3)]
+    assert statuses == [200, 200, 200]
+    with lt.controller.db() as db:
+        rows = db.execute(
+            "SELECT status FROM bridge_audit WHERE run_id = %s ORDER BY id", (run.run_id,)
+        ).fetchall()
+    assert sorted(r[0] for r in rows).count(504) == CONCURRENT
+    assert [r[0] for r in rows].count(429) == 1
+    assert "Traceback" not in lt.controller.log()
