@@ -13,9 +13,9 @@ errors:
 * a path outside ``/api/`` or with a ``.`` / ``..`` segment: 404 ``route_not_found``;
 * a method no API route has: 405 ``method_not_allowed``.
 
-Only the request headers the controller forwards (:data:`FORWARD_HEADERS`)
-are sent on; the caller's ``Authorization`` and ``Cookie`` never are, and
-``Set-Cookie`` and hop-by-hop headers never come back. Bodies stream both
+The caller's ``Authorization`` and ``Cookie`` and hop-by-hop headers are
+never sent on (the controller keeps only its own header allowlist of the
+rest), and ``Set-Cookie`` and hop-by-hop headers never come back. Bodies stream both
 ways in chunks (an upload of 1 GiB is never held in memory). When the
 controller cannot be reached the answer is 502 ``controller_unreachable``; when it
 stops answering, 504 ``controller_timeout``; when the token file cannot be read,
@@ -55,36 +55,27 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 API_PREFIX = "/api/"
 """Local paths under this prefix go to ``<controller>/bridge/v1/api/``."""
 
-FORWARD_HEADERS = frozenset(
-    {
-        "content-type",
-        "content-length",
-        "accept",
-        "range",
-        "if-match",
-        "if-none-match",
-        "idempotency-key",
-        "x-file-content-type",
-        "x-file-executable",
-    }
-)
-"""Request headers sent on: the controller forwards these and drops any other."""
-
-DROP_RESPONSE_HEADERS = frozenset(
+HOP_BY_HOP = frozenset(
     {
         "connection",
         "keep-alive",
         "proxy-authenticate",
         "proxy-authorization",
+        "proxy-connection",
         "te",
         "trailer",
         "transfer-encoding",
         "upgrade",
-        "set-cookie",
-        "server",
-        "date",
     }
 )
+"""Headers of one connection, never passed on in either direction."""
+
+DROP_REQUEST_HEADERS = HOP_BY_HOP | {"host", "expect", "authorization", "cookie"}
+"""Request headers not sent on: the connection's own, and the caller's
+credentials (the run token replaces them). Which of the rest the API sees is
+the controller's allowlist, enforced there and only there."""
+
+DROP_RESPONSE_HEADERS = HOP_BY_HOP | {"set-cookie", "server", "date"}
 """Response headers not passed back: hop-by-hop ones, cookies, and the two the
 local server writes itself."""
 
@@ -196,10 +187,17 @@ class LocalBridge:
             + raw_path.decode("latin-1")
             + ("?" + query.decode("latin-1") if query else "")
         )
+        # Headers a Connection header names are this connection's too.
+        named = {
+            t.strip().lower()
+            for k, v in scope["headers"]
+            if k == b"connection"
+            for t in v.decode("latin-1").split(",")
+        }
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in scope["headers"]
-            if k.decode("latin-1").lower() in FORWARD_HEADERS
+            if k.decode("latin-1").lower() not in DROP_REQUEST_HEADERS | named
         ]
         headers.append(("Authorization", f"Bearer {token}"))
         has_body = any(k.lower() == "content-length" for k, _ in headers) or any(

@@ -229,6 +229,8 @@ def test_forwards_over_tcp_and_socket_adding_the_run_token(
                     "If-Match": '"v0"',
                     "X-File-Executable": "true",
                     "Content-Type": "text/plain",
+                    "Connection": "keep-alive, X-Hop",
+                    "X-Hop": "this connection only",
                 },
             )
         assert res.status_code == 200, res.text
@@ -239,12 +241,13 @@ def test_forwards_over_tcp_and_socket_adding_the_run_token(
         assert (seen.method, seen.path, seen.query) == (
             "PUT", "/bridge/v1/api/companies/c1/work-folders/task/t1/content", "path=a%20b%2Fc.txt&x=1",
         )  # fmt: skip
-        assert seen.headers["authorization"] == f"Bearer {TOKEN}"
-        assert seen.headers["accept-encoding"] == "identity"  # raw bytes pass through
+        assert seen.headers["authorization"] == f"Bearer {TOKEN}"  # replaced, not added to
         assert seen.body_len == 5 and seen.body_sha == hashlib.sha256(b"hello").hexdigest()
-        forwarded = set(seen.headers) - {"host", "accept-encoding", "connection", "user-agent"}
-        assert forwarded == {"authorization", "content-length", "content-type", "accept",
-                             "idempotency-key", "if-match", "x-file-executable"}, seen.headers  # fmt: skip
+        assert "cookie" not in seen.headers and "x-hop" not in seen.headers
+        # The rest goes on as sent: the controller's allowlist decides what the API sees.
+        for name in ("x-forwarded-for", "forwarded", "x-csrf-token", "idempotency-key", "if-match",
+                     "x-file-executable", "content-type"):  # fmt: skip
+            assert name in seen.headers, (name, seen.headers)
     assert len(upstream.seen) == 2
 
 
@@ -395,6 +398,32 @@ def test_allowed_calls_work_with_the_agents_authority(
     with tenant.client() as owner:
         assert owner.get(f"{task}/content", params={"path": "notes.md"}).content == b"from tcp"
         assert owner.get(f"{mine}/content", params={"path": "a/b.txt"}).content == b"from socket"
+
+
+def test_credentials_the_caller_smuggles_change_nothing(
+    tenant: Tenant, run_endpoint: tuple[Run, LocalEndpoint]
+) -> None:
+    """The owner's own API token sent through the endpoint does not lend the run
+    the owner's authority: the run token replaces it."""
+    _, ep = run_endpoint
+    other = tenant.controller.admin("create-agent", tenant.company_id, "other")["id"]
+    theirs = f"{tenant.folder('agent', other)}/content"
+    with tenant.client() as owner:
+        assert (
+            owner.put(theirs, params={"path": "x"}, content=b"t", headers=OCTET).status_code == 201
+        )
+        session = owner.post("/files/api/session", json={"token": tenant.token})
+        assert session.status_code == 200 and session.cookies, session.text
+    smuggled = {"Authorization": f"Bearer {tenant.token}", "Cookie": "; ".join(
+        f"{k}={v}" for k, v in session.cookies.items()), "X-Forwarded-For": "127.0.0.1"}  # fmt: skip
+    with ep.tcp() as client:
+        read = client.get(theirs, params={"path": "x"}, headers=smuggled)
+        assert read.status_code == 404 and read.json()["code"] == "not_found", read.text
+        write = client.put(
+            theirs, params={"path": "y"}, content=b"no", headers={**OCTET, **smuggled}
+        )
+        assert write.status_code == 404, write.text
+    assert tenant.file_rows("y") == 0
 
 
 def test_a_denied_route_is_the_controllers_403_and_changes_nothing(
