@@ -14,7 +14,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,12 +22,12 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from tests.support.bridge import Run, start_run
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.procs import free_port
+from tests.support.threaded import ThreadedServer
 from tests.support.tmp import private_tmpdir, world_searchable_tmpdir
 
 TOKEN = "run-token-" + "s3cr3t" * 6
@@ -51,8 +50,7 @@ class Upstream:
 
     port: int = field(default_factory=free_port)
     seen: list[Seen] = field(default_factory=list)
-    _server: uvicorn.Server | None = None
-    _thread: threading.Thread | None = None
+    _server: ThreadedServer | None = None
 
     @property
     def url(self) -> str:
@@ -106,22 +104,12 @@ class Upstream:
         await send({"type": "http.response.body", "body": body.encode()})
 
     def start(self) -> Upstream:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="off", loop="asyncio", interface="asgi3")  # fmt: skip
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "stand-in controller did not start"
-            time.sleep(0.02)
+        self._server = ThreadedServer(self.app, self.port).start()
         return self
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._server.stop()
 
 
 @dataclass

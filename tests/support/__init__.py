@@ -17,6 +17,8 @@
 * :mod:`tests.support.checkpoints` — a checkpoint observed from outside:
   receipts and versions in PostgreSQL, a state dir's change set and status,
   ``fsagent flush`` as a subprocess.
+* :mod:`tests.support.threaded` — an ASGI app served by uvicorn on a thread
+  (stand-ins and proxies the test inspects directly).
 * :mod:`tests.support.bridge`, :mod:`tests.support.web`,
   :mod:`tests.support.s3server`, :mod:`tests.support.lossy_proxy` — a minimal
   bridge client, the headless browser, moto as an S3 server, a proxy that

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import uvicorn
 
 from tests.support.procs import free_port
+from tests.support.threaded import ThreadedServer
 
 
 @dataclass
@@ -34,8 +33,7 @@ class LossyProxy:
     rules: list[DropRule] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
-    _server: uvicorn.Server | None = None
-    _thread: threading.Thread | None = None
+    _server: ThreadedServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -112,27 +110,9 @@ class LossyProxy:
             await send({"type": "http.response.body", "body": b""})
 
     def start(self) -> LossyProxy:
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            interface="asgi3",
-            lifespan="off",
-            loop="asyncio",
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("proxy did not start")
-            time.sleep(0.02)
+        self._server = ThreadedServer(self.app, self.port).start()
         return self
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._server.stop()
