@@ -223,6 +223,12 @@ class LocalBridge:
                 send, *_error_body(502, "controller_unreachable", "controller unreachable")
             )
             return
+        # The server drops what is sent to a caller that hung up without a
+        # word: watch for the hang-up, so a 1 GiB download nobody reads is not
+        # fetched to its end (closing the response closes the controller's
+        # connection).
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_wait_disconnect(receive, gone))
         try:
             out = [
                 (k, v)
@@ -233,10 +239,20 @@ class LocalBridge:
                 {"type": "http.response.start", "status": response.status_code, "headers": out}
             )
             async for chunk in response.aiter_raw():
+                if gone.is_set():
+                    return
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
+            watcher.cancel()
             await response.aclose()
+
+
+async def _wait_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    """Set ``gone`` when the caller disconnects (body parts left unread are dropped)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
 
 
 async def _body(receive: Receive) -> AsyncIterator[bytes]:

@@ -7,6 +7,7 @@ controller), then against a real controller through ``/bridge/v1/api``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -50,6 +51,7 @@ class Upstream:
 
     port: int = field(default_factory=free_port)
     seen: list[Seen] = field(default_factory=list)
+    trickled: list[int] = field(default_factory=list)
     _server: ThreadedServer | None = None
 
     @property
@@ -85,6 +87,9 @@ class Upstream:
                 await send({"type": "http.response.body", "body": block, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             return
+        if path.endswith("/slow"):
+            await self.trickle(receive, send)
+            return
         status = 403 if path.endswith("/denied") else 200
         body = json.dumps(
             {"code": "bridge_route_denied"} if status == 403 else {"n": len(self.seen)}
@@ -102,6 +107,27 @@ class Upstream:
             }
         )
         await send({"type": "http.response.body", "body": body.encode()})
+
+    async def trickle(self, receive: Any, send: Any) -> None:
+        """1 MiB every 10 ms, up to 1000, until the reader hangs up; the count in ``trickled``."""
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        sent = 0
+        while sent < 1000 and not gone.is_set():
+            await send({"type": "http.response.body", "body": b"x" * MiB, "more_body": True})
+            sent += 1
+            await asyncio.sleep(0.01)
+        self.trickled.append(sent)
+        if not gone.is_set():
+            await send({"type": "http.response.body", "body": b""})
+        watcher.cancel()
 
     def start(self) -> Upstream:
         self._server = ThreadedServer(self.app, self.port).start()
@@ -259,6 +285,19 @@ def test_controller_refusal_comes_back_unchanged(
     with endpoint.unix() as client:
         res = client.post("/api/companies/c1/denied", json={"a": 1})
     assert res.status_code == 403 and res.json() == {"code": "bridge_route_denied"}
+
+
+def test_a_caller_hanging_up_stops_the_download(
+    upstream: Upstream, endpoint: LocalEndpoint
+) -> None:
+    with endpoint.tcp() as client, client.stream("GET", "/api/slow") as stream:
+        first = next(stream.iter_raw())
+        assert first
+    deadline = time.monotonic() + 20
+    while not upstream.trickled:
+        assert time.monotonic() < deadline, "the controller's answer was not cut short"
+        time.sleep(0.05)
+    assert upstream.trickled[0] < 500, upstream.trickled
 
 
 def test_chunked_upload_is_streamed_on(upstream: Upstream, endpoint: LocalEndpoint) -> None:
