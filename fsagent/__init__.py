@@ -2,7 +2,11 @@
 
 Layers, top down (one module each):
 
-``cli``      ``fsagent mount | up | status | changes | flush | doctor`` and exit codes
+``cli``      ``fsagent mount | up | status | changes | flush | bridge | launch | doctor``
+``up``       all four mounts and the local endpoint under one home; the env file
+``localbridge`` ``fsagent bridge``: sandbox code's API calls, forwarded with the run token
+``launch``   ``fsagent launch``: CLI probes, install commands, then the agent's command
+``doctor``   ``fsagent doctor``: the runtime contract, one line per check
 ``mount``    one collection's life: bind the state, hydrate, serve FUSE, stop cleanly
 ``fs``       pyfuse3 operations: copy-on-write over saved contents, POSIX semantics
 ``hydrate``  manifest into LMDB; contents fetched on first open and prefetched

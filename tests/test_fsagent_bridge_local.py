@@ -13,6 +13,7 @@ import json
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -642,3 +643,47 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
+
+
+def test_doctor_reports_a_refused_run_token(tenant: Tenant) -> None:
+    run = start_run(tenant)
+    tenant.controller.admin("end-run", run.run_id)
+    d = private_tmpdir("fsa-doc-")
+    (d / "token").write_text(run.token)
+    res = subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(d), "--env-file",
+         str(d / "no-env"), "--controller", tenant.controller.url, "--token-file", str(d / "token"),
+         "--json"],
+        capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 6, res.stdout + res.stderr
+    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert checks["controller"] == {
+        "name": "controller",
+        "status": "fail",
+        "detail": f"{tenant.controller.url} refused the run token (401 unauthenticated)",
+    }
+    assert res.stderr.splitlines() == ["fsagent: 1 check(s) failed: controller"]
+
+
+def test_up_stops_with_exit_5_when_the_endpoint_cannot_listen(tenant: Tenant) -> None:
+    run = start_run(tenant)
+    d = private_tmpdir("fsa-up-")
+    (d / "token").write_text(run.token)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "up", "--home", str(d / "home"), "--controller",
+             tenant.controller.url, "--token-file", str(d / "token"), "--state-root", str(d / "state"),
+             "--bridge-port", str(port)],
+            capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
+        )  # fmt: skip
+    assert res.returncode == 5, res.stderr
+    assert res.stderr.splitlines() == [
+        f"fsagent: cannot listen on 127.0.0.1:{port}: Address already in use",
+        "fsagent: fsagent up: the bridge exited with 1",
+    ]
+    assert not (d / "state" / "env").exists()
+    assert not (d / "home" / "task").exists()  # nothing was mounted
