@@ -319,7 +319,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     """Serve the local endpoint until SIGTERM/SIGINT."""
     import uvicorn
 
-    from fsagent.up import update_env_file
+    from fsagent.up import env_for, fetch_run, update_env_file
 
     if not args.controller.startswith(("http://", "https://")):
         raise FsagentError("fsagent bridge needs an http(s) --controller URL")
@@ -351,7 +351,8 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     if args.env_file:
-        update_env_file(Path(args.env_file), endpoint)
+        collections = env_for(Path(args.home).absolute(), fetch_run(args)) if args.home else {}
+        update_env_file(Path(args.env_file), {**collections, **endpoint})
     if args.ready_file:
         ready = Path(args.ready_file)
         tmp = ready.with_name(ready.name + ".tmp")
@@ -399,5 +400,11 @@ def add_parser(sub: Any) -> None:
     b.add_argument(
         "--env-file", help="write PAPERCLIP_API_URL and PAPERCLIP_API_SOCKET into this env file"
     )
+    b.add_argument(
+        "--home",
+        help="with --env-file, also write AGENT_HOME and PAPERCLIP_*_DIR for the run's "
+        "collections mounted under this home (what fsagent up writes)",
+    )
     b.add_argument("--ready-file", help="write the endpoint as JSON here once listening")
+    b.add_argument("--retry-deadline", type=float, default=60.0, help=argparse.SUPPRESS)
     b.set_defaults(func=cmd_bridge)

@@ -45,6 +45,19 @@ def env_for(home: Path, run: RunInfo) -> dict[str, str]:
     return env
 
 
+def fetch_run(args: argparse.Namespace) -> RunInfo:
+    """The run the token belongs to (``GET /bridge/v1/run``), with the usual retries."""
+    client = client_from_args(args)
+
+    async def get_run() -> RunInfo:
+        try:
+            return await client.get_run()
+        finally:
+            await client.aclose()
+
+    return trio.run(get_run)
+
+
 def read_env_file(path: Path) -> dict[str, str]:
     """The variables of an env file (``KEY=VALUE`` lines; blank and ``#`` lines skipped)."""
     env: dict[str, str] = {}
@@ -100,15 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Mount all four collections (one process each) and supervise them."""
     home = Path(args.home).absolute()
     state_root = Path(args.state_root) if args.state_root else default_state_root()
-    client = client_from_args(args)
-
-    async def get_run() -> RunInfo:
-        try:
-            return await client.get_run()
-        finally:
-            await client.aclose()
-
-    run = trio.run(get_run)
+    run = fetch_run(args)
     stop = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
