@@ -17,6 +17,8 @@
 * :mod:`tests.support.checkpoints` — a checkpoint observed from outside:
   receipts and versions in PostgreSQL, a state dir's change set and status,
   ``fsagent flush`` as a subprocess.
+* :mod:`tests.support.endpoint` — ``fsagent bridge`` (the sandbox's local API
+  endpoint) as a subprocess, and a stand-in controller that records requests.
 * :mod:`tests.support.threaded` — an ASGI app served by uvicorn on a thread
   (stand-ins and proxies the test inspects directly).
 * :mod:`tests.support.bridge`, :mod:`tests.support.web`,
