@@ -8,6 +8,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -187,6 +188,21 @@ def _company_rows(t: Tenant) -> tuple[int, int]:
 
 
 AUDIT = "/api/companies/{companyId}/runs/{runId}/audit"
+
+
+def _refused(template: str, method: str) -> Any:
+    """An explicit case: a route that answers ``method`` but is not for sandbox code."""
+    return example(
+        template=template,
+        any_method=method,
+        index=0,
+        answered=False,
+        scope="task",
+        suffix="",
+        headers={},
+    )
+
+
 SENT_HEADERS = st.dictionaries(
     st.sampled_from(
         ["Cookie", "X-CSRF-Token", "X-Forwarded-For", "Forwarded", "Proxy-Authorization",
@@ -211,36 +227,10 @@ SENT_HEADERS = st.dictionaries(
     headers=SENT_HEADERS,
 )
 # Routes that exist and answer the method, but are not for sandbox code.
-@example(
-    template=AUDIT, any_method="GET", index=0, answered=False, scope="task", suffix="", headers={}
-)
-@example(
-    template="/files/api/session",
-    any_method="POST",
-    index=0,
-    answered=False,
-    scope="task",
-    suffix="",
-    headers={},
-)
-@example(
-    template=PREFIX + "/run",
-    any_method="GET",
-    index=0,
-    answered=False,
-    scope="task",
-    suffix="",
-    headers={},
-)
-@example(
-    template=WORK_FOLDER,
-    any_method="HEAD",
-    index=0,
-    answered=False,
-    scope="task",
-    suffix="",
-    headers={},
-)
+@_refused(AUDIT, "GET")
+@_refused("/files/api/session", "POST")
+@_refused(PREFIX + "/run", "GET")
+@_refused(WORK_FOLDER, "HEAD")
 def test_the_allowlist_is_the_only_way_through(
     world: World,
     template: str,
