@@ -5,7 +5,6 @@ body size (413), response size (502), time (504) and calls in flight per run
 from __future__ import annotations
 
 import concurrent.futures
-import shutil
 import time
 from collections.abc import Iterator
 
@@ -18,30 +17,23 @@ from tests.support.controller import (
     PgCluster,
     Tenant,
     bootstrap_tenant,
-    running_controller,
-    world_searchable_tmpdir,
+    private_controller,
 )
 
 OCTET = {"Content-Type": "application/octet-stream"}
 MAX_BODY, MAX_RESPONSE, TIMEOUT, CONCURRENT = 1024, 2048, 3, 2
 
 
+TIGHT = [
+    *("--bridge-max-body", str(MAX_BODY), "--bridge-max-response", str(MAX_RESPONSE)),
+    *("--bridge-timeout", str(TIMEOUT), "--bridge-max-concurrent", str(CONCURRENT)),
+]
+
+
 @pytest.fixture(scope="module")
 def tight(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
-    tmp = world_searchable_tmpdir("fsa-bridge-limits-")
-    flags = {
-        "--bridge-max-body": MAX_BODY,
-        "--bridge-max-response": MAX_RESPONSE,
-        "--bridge-timeout": TIMEOUT,
-        "--bridge-max-concurrent": CONCURRENT,
-    }
-    try:
-        with running_controller(
-            pg_cluster, tmp, *[str(x) for kv in flags.items() for x in kv]
-        ) as ctl:
-            yield ctl
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with private_controller(pg_cluster, "fsa-bridge-limits-", *TIGHT) as ctl:
+        yield ctl
 
 
 @pytest.fixture
@@ -102,17 +94,6 @@ def _folder_id(t: Tenant) -> int:
     return int(row[0])
 
 
-def _waiting(t: Tenant, folder_id: int) -> int:
-    with t.controller.db() as db:
-        row = db.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            " AND objsubid = 1 AND objid = %s",
-            (folder_id,),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def test_slow_calls_are_504_and_one_too_many_is_429(lt: Tenant) -> None:
     run = start_run(lt)
     folder = folder_of(lt, run)
@@ -130,7 +111,7 @@ def test_slow_calls_are_504_and_one_too_many_is_429(lt: Tenant) -> None:
         try:
             slow = [pool.submit(write, i) for i in range(CONCURRENT)]
             deadline = time.monotonic() + TIMEOUT
-            while _waiting(lt, folder_id) < CONCURRENT:
+            while lt.folder_lock_waiters(folder_id) < CONCURRENT:
                 assert time.monotonic() < deadline, "the writes never reached the folder lock"
                 time.sleep(0.05)
             with run.api_client() as c:

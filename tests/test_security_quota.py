@@ -162,17 +162,6 @@ def test_company_storage_quota(qt: Tenant) -> None:
     assert r.status_code == 413 and r.json()["code"] == "storage_quota_exceeded"
 
 
-def waiting_on_folder_lock(t: Tenant, folder_id: int) -> int:
-    with t.controller.db() as db:
-        row = db.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            " AND objsubid = 1 AND objid = %s",
-            (folder_id,),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def test_one_run_saturating_its_share_leaves_others_fast(qt: Tenant) -> None:
     run = start_run(qt)
     assert run.task is not None
@@ -203,11 +192,11 @@ def test_one_run_saturating_its_share_leaves_others_fast(qt: Tenant) -> None:
             try:
                 writes = [pool.submit(write, i) for i in range(3 * POOL)]
                 deadline = time.monotonic() + 20
-                while waiting_on_folder_lock(qt, folder_id) < SHARE:
+                while qt.folder_lock_waiters(folder_id) < SHARE:
                     assert time.monotonic() < deadline, "the run's writes never reached the lock"
                     time.sleep(0.1)
                 time.sleep(1.0)
-                assert waiting_on_folder_lock(qt, folder_id) == SHARE
+                assert qt.folder_lock_waiters(folder_id) == SHARE
                 started = time.monotonic()
                 with other.client() as c:
                     listing = c.get(other.my_folder + "/")

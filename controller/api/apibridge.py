@@ -187,45 +187,78 @@ def _plain_path(path: str) -> bool:
 
 @dataclass
 class _Meter:
+    """What one bridged call did, for its audit row."""
+
     route: str | None = None
     status: int = 0
     started: bool = False
     request_bytes: int = 0
     response_bytes: int = 0
+    response_limit: int = 0
 
 
-async def _answer(
-    scope: Scope, receive: Any, send: Any, exc: WorkFolderError, meter: _Meter
-) -> None:
+class _Audit:
+    """Writes the call's audit row once: before the last byte of the answer is
+    sent (so a client that has its answer finds the row), or at the end of a
+    call whose answer never completed."""
+
+    def __init__(self, request: Request, ident: BridgeIdentity, meter: _Meter) -> None:
+        self.request, self.ident, self.meter = request, ident, meter
+        self.started = time.monotonic()
+        self.done = False
+
+    async def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        ident, meter = self.ident, self.meter
+        rec = bridgeaudit.AuditRecord(
+            run_id=ident.run_id,
+            company_id=ident.company_id,
+            agent_id=ident.agent_id,
+            lease_epoch=ident.lease_epoch,
+            method=str(self.request.scope["method"])[:16],
+            route=meter.route,
+            status=meter.status or 500,
+            request_bytes=meter.request_bytes,
+            response_bytes=meter.response_bytes,
+            duration_ms=int((time.monotonic() - self.started) * 1000),
+        )
+        try:
+            async with connection(self.request) as conn:
+                await bridgeaudit.record(conn, rec)
+        except WorkFolderError as exc:
+            log.warning("bridge audit row for run %s not written: %s", ident.run_id, exc)
+
+
+def _error(exc: WorkFolderError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if isinstance(exc, TooManyRequests) else {}
-    response = JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
-    meter.status, meter.started = exc.status, True
-    meter.response_bytes += len(response.body)
-    await response(scope, receive, send)
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
 
 class ApiBridge:
-    """The ASGI endpoint of ``/bridge/v1/api/{path:path}`` (every method)."""
+    """The ASGI endpoint of ``/bridge/v1/api/{path:path}``."""
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         request = Request(scope, receive)
         policy: BridgePolicy = scope["app"].state.apibridge
-        meter = _Meter()
-        started = time.monotonic()
         try:
             ident = await self._identify(request)
         except WorkFolderError as exc:
             # No run is known: nothing to audit.
-            await _answer(scope, receive, send, exc, meter)
+            await _error(exc)(scope, receive, send)
             return
+        meter = _Meter(response_limit=policy.limits.max_response_bytes)
+        audit = _Audit(request, ident, meter)
+        out = _metered_send(send, meter, audit)
         try:
-            await self._forward(request, policy, ident, meter, receive, send)
+            await self._forward(request, policy, ident, meter, receive, out)
         except WorkFolderError as exc:
             if meter.started:
                 raise
-            await _answer(scope, receive, send, exc, meter)
+            await _error(exc)(scope, receive, out)
         finally:
-            await self._audit(request, ident, meter, started)
+            await audit()
 
     async def _identify(self, request: Request) -> BridgeIdentity:
         if len(request.headers.getlist("authorization")) > 1:
@@ -266,19 +299,14 @@ class ApiBridge:
             raise TooManyRequests(
                 f"More than {lim.max_concurrent} API bridge requests in flight for this run"
             )
+        meter.response_limit = policy.response_limit(method, template)
         policy.in_flight[ident.run_id] = policy.in_flight.get(ident.run_id, 0) + 1
         try:
             child = _child_scope(scope, path, ident)
             _, matched = route.matches(child)
             child.update(matched)
-            await self._dispatch(
-                route,
-                child,
-                _metered_receive(receive, meter, body_limit),
-                _metered_send(send, meter, policy.response_limit(method, template)),
-                lim.request_timeout,
-                meter,
-            )
+            receive = _metered_receive(receive, meter, body_limit)
+            await self._dispatch(route, child, receive, send, lim.request_timeout, meter)
         finally:
             left = policy.in_flight[ident.run_id] - 1
             if left:
@@ -300,31 +328,6 @@ class ApiBridge:
             raise BridgeTimeout(
                 f"The bridged request took longer than {seconds:g} s; nothing more was done"
             ) from None
-
-    async def _audit(
-        self,
-        request: Request,
-        ident: BridgeIdentity,
-        meter: _Meter,
-        started: float,
-    ) -> None:
-        rec = bridgeaudit.AuditRecord(
-            run_id=ident.run_id,
-            company_id=ident.company_id,
-            agent_id=ident.agent_id,
-            lease_epoch=ident.lease_epoch,
-            method=str(request.scope["method"])[:16],
-            route=meter.route,
-            status=meter.status or 500,
-            request_bytes=meter.request_bytes,
-            response_bytes=meter.response_bytes,
-            duration_ms=int((time.monotonic() - started) * 1000),
-        )
-        try:
-            async with connection(request) as conn:
-                await bridgeaudit.record(conn, rec)
-        except WorkFolderError as exc:
-            log.warning("bridge audit row for run %s not written: %s", ident.run_id, exc)
 
 
 def _child_scope(scope: Scope, path: str, ident: BridgeIdentity) -> Scope:
@@ -353,7 +356,9 @@ def _metered_receive(receive: Any, meter: _Meter, limit: int) -> Any:
     return metered
 
 
-def _metered_send(send: Any, meter: _Meter, limit: int) -> Any:
+def _metered_send(send: Any, meter: _Meter, audit: _Audit) -> Any:
+    """Every answer of a bridged call: no Set-Cookie, at most the response
+    limit, counted, and audited before its last byte."""
     replaced = False
 
     async def metered(message: Message) -> None:
@@ -363,32 +368,33 @@ def _metered_send(send: Any, meter: _Meter, limit: int) -> Any:
         if message["type"] == "http.response.start":
             headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"set-cookie"]
             length = next((v for k, v in headers if k.lower() == b"content-length"), None)
-            if length is not None and length.isdigit() and int(length) > limit:
+            if length is not None and length.isdigit() and int(length) > meter.response_limit:
                 replaced = True
-                exc = BridgeResponseTooLarge(
-                    f"The answer is larger than the {limit} bytes the API bridge forwards"
-                )
-                body = JSONResponse(exc.to_json(), status_code=exc.status)
-                meter.status, meter.started = exc.status, True
-                meter.response_bytes += len(body.body)
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": exc.status,
-                        "headers": body.raw_headers,
-                    }
-                )
-                await send({"type": "http.response.body", "body": body.body})
+                await _too_large(send, meter, audit)
                 return
             meter.status, meter.started = int(message["status"]), True
             message = {**message, "headers": headers}
         elif message["type"] == "http.response.body":
             meter.response_bytes += len(message.get("body", b""))
-            if meter.response_bytes > limit:
+            if meter.response_bytes > meter.response_limit:
                 raise _ResponseOverrun()
+            if not message.get("more_body", False):
+                await audit()
         await send(message)
 
     return metered
+
+
+async def _too_large(send: Any, meter: _Meter, audit: _Audit) -> None:
+    exc = BridgeResponseTooLarge(
+        f"The answer is larger than the {meter.response_limit} bytes the API bridge forwards"
+    )
+    body = _error(exc)
+    meter.status, meter.started = exc.status, True
+    meter.response_bytes += len(body.body)
+    await send({"type": "http.response.start", "status": exc.status, "headers": body.raw_headers})
+    await audit()
+    await send({"type": "http.response.body", "body": body.body})
 
 
 routes = [Route(API_PREFIX + "/{path:path}", ApiBridge(), methods=list(KNOWN_METHODS))]

@@ -213,6 +213,18 @@ class Tenant:
         assert row is not None
         return int(row[0])
 
+    def folder_lock_waiters(self, folder_id: int) -> int:
+        """Transactions waiting on the folder's write lock (held by a test to
+        make writes to the folder wait inside their transaction)."""
+        with self.controller.db() as db:
+            row = db.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND objsubid = 1 AND objid = %s",
+                (folder_id,),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
 
 def bootstrap_tenant(ctl: ControllerProcess, **names: str) -> Tenant:
     """A fresh company and owner (``company_name``/``email`` optional)."""
@@ -235,6 +247,18 @@ def running_controller(cluster: PgCluster, tmp: Path, *extra: str) -> Iterator[C
         ctl.stop()
 
 
+@contextlib.contextmanager
+def private_controller(cluster: PgCluster, prefix: str, *extra: str) -> Iterator[ControllerProcess]:
+    """:func:`running_controller` in a temp dir of its own, removed afterwards:
+    a controller started with its own flags (small limits, say)."""
+    tmp = world_searchable_tmpdir(prefix)
+    try:
+        with running_controller(cluster, tmp, *extra) as ctl:
+            yield ctl
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 __all__ = [
     "GC_ON_DEMAND",
     "REPO",
@@ -244,6 +268,7 @@ __all__ = [
     "bootstrap_tenant",
     "free_port",
     "parse_api_time",
+    "private_controller",
     "running_controller",
     "world_searchable_tmpdir",
 ]
