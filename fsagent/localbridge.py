@@ -11,6 +11,7 @@ checks here only turn requests that can never succeed into early, local
 errors:
 
 * a path outside ``/api/`` or with a ``.`` / ``..`` segment: 404 ``route_not_found``;
+* a raw byte outside ASCII in the URL (the HTTP parser refuses these already): 400;
 * a method no API route has: 405 ``method_not_allowed``.
 
 The caller's ``Authorization`` and ``Cookie`` and hop-by-hop headers are
@@ -172,6 +173,8 @@ class LocalBridge:
         if scope["method"] == "GET" and path == "/healthz":
             return 200, b'{"ok": true}'
         raw = scope.get("raw_path") or path.encode()
+        if not (raw.isascii() and scope.get("query_string", b"").isascii()):
+            return _error_body(400, "validation_error", "percent-encode the URL")
         segments = unquote(raw.decode("latin-1")).split("/")
         if not path.startswith(API_PREFIX) or any(s in (".", "..") for s in segments):
             return _error_body(404, "route_not_found", "no such bridge route")
@@ -182,11 +185,10 @@ class LocalBridge:
     async def forward(self, scope: Scope, receive: Receive, send: Send, token: str) -> None:
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string", b"")
-        url = (
-            self.upstream
-            + raw_path.decode("latin-1")
-            + ("?" + query.decode("latin-1") if query else "")
-        )
+        # The target as the caller sent it (the HTTP parser admits only ASCII
+        # there): escapes are passed on, never decoded and encoded again.
+        target = raw_path.decode("ascii") + ("?" + query.decode("ascii") if query else "")
+        url = self.upstream + target
         # Headers a Connection header names are this connection's too.
         named = {
             t.strip().lower()
@@ -243,6 +245,10 @@ class LocalBridge:
                     return
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
+        except httpx.HTTPError as exc:
+            # Too late for an error answer: the caller sees the answer cut short.
+            log.warning("controller's answer to %s %s broke off: %r", scope["method"],
+                        scope["path"], exc)  # fmt: skip
         finally:
             watcher.cancel()
             await response.aclose()

@@ -85,6 +85,23 @@ def test_forwards_over_tcp_and_socket_adding_the_run_token(
     assert len(upstream.seen) == 2
 
 
+def test_the_target_reaches_the_controller_as_sent(
+    upstream: Upstream, endpoint: LocalEndpoint
+) -> None:
+    """Paths and queries are passed on byte for byte: escapes as the caller wrote
+    them, never decoded and encoded again."""
+    with socket.create_connection(("127.0.0.1", int(endpoint.url.rsplit(":", 1)[1]))) as conn:
+        conn.sendall(b"GET /api/caf%C3%A9/x%2Fy?path=na%C3%AFve%E2%80%AE.txt&q=a%20b+c HTTP/1.1\r\n"
+                     b"Host: x\r\nConnection: close\r\n\r\n")  # fmt: skip
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    seen = upstream.seen[-1]
+    assert seen.path == "/bridge/v1/api/caf%C3%A9/x%2Fy"
+    assert seen.query == "path=na%C3%AFve%E2%80%AE.txt&q=a%20b+c"
+
+
 def test_early_errors_never_reach_the_controller(
     upstream: Upstream, endpoint: LocalEndpoint
 ) -> None:
