@@ -118,7 +118,7 @@ def make_storage(settings: Settings) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from controller.api.app import create_app
+    from controller.api.app import app_routes, bridge_policy, create_app
     from controller.api.protocol import protocol_class
 
     settings = settings_from(args)
@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings.limits = limits_from(args)
         settings.quotas = quotas_from(args)
         settings.bridge = bridge_from(args)
+        bridge_policy(settings, app_routes())
     except ValueError as exc:
         raise admin.AdminError(str(exc)) from None
     host, _, port = args.listen.rpartition(":")
@@ -137,10 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings.database_url = url
         storage = make_storage(settings)
         storage.check()
-        try:
-            app = create_app(settings, storage)
-        except ValueError as exc:
-            raise admin.AdminError(str(exc)) from None
+        app = create_app(settings, storage)
         config = uvicorn.Config(
             app,
             host=host.strip("[]"),

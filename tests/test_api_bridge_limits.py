@@ -1,16 +1,22 @@
 """The API bridge's resource limits on a real controller started with small ones:
 body size (413), response size (502), time (504) and calls in flight per run
-(429 with Retry-After). Each refused call changes nothing."""
+(429 with Retry-After), each refused call changing nothing; and the operator's
+allowlist (``--bridge-allow``, ``--bridge-allow-file``)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import io
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from controller.api.apibridge import WORK_FOLDER
+from controller.cli import main as controller_main
 from tests.support.bridge import Run, start_run
 from tests.support.controller import (
     ControllerProcess,
@@ -138,3 +144,51 @@ def test_slow_calls_are_504_and_one_too_many_is_429(lt: Tenant) -> None:
     assert sorted(r[0] for r in rows).count(504) == CONCURRENT
     assert [r[0] for r in rows].count(429) == 1
     assert "Traceback" not in lt.controller.log()
+
+
+# --- operator configuration ----------------------------------------------------
+
+
+def test_serve_refuses_an_allowlist_entry_that_names_no_route(tmp_path: Path) -> None:
+    def serve(*args: str) -> tuple[int, str]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = controller_main(["serve", "--data-dir", str(tmp_path / "data"), *args])
+        return code, err.getvalue()
+
+    for args, message in (
+        (("--bridge-allow", "GET:/api/nowhere"), "no API route GET /api/nowhere"),
+        (("--bridge-allow", f"DELETE:{WORK_FOLDER}/content"), "no API route DELETE"),
+        (("--bridge-allow", "GET /api/x"), "METHOD:/TEMPLATE"),
+        (("--bridge-allow", "GET:/files/api/session"), "no API route"),
+        (("--bridge-allow-file", str(tmp_path / "missing")), "--bridge-allow-file"),
+    ):
+        code, err = serve(*args)
+        assert code == 1, (args, err)
+        assert message in err and err.count("\n") == 1, (args, err)
+    # Nothing was started: no data dir, no cluster.
+    assert not (tmp_path / "data").exists()
+
+
+def test_an_operator_allowlist_replaces_the_default(pg_cluster: PgCluster, tmp_path: Path) -> None:
+    allow = tmp_path / "allow"
+    allow.write_text(f"# listing only\nGET:{WORK_FOLDER}/  # trailing comment\n\n")
+    flags = ["--bridge-allow", "GET:/api/companies/{companyId}/directory"]
+    with private_controller(
+        pg_cluster, "fsa-bridge-allow-", *flags, "--bridge-allow-file", str(allow)
+    ) as ctl:
+        t = bootstrap_tenant(ctl)
+        run = start_run(t)
+        folder = folder_of(t, run)
+        with t.client() as owner:
+            assert owner.put(f"{folder}/content?path=a", content=b"a", headers=OCTET).is_success
+        with run.api_client() as c:
+            assert c.get(f"/api/companies/{t.company_id}/directory").status_code == 200
+            assert [e["path"] for e in c.get(folder + "/").json()["entries"]] == ["a"]
+            for r in (
+                c.get(folder),  # the template without the slash is not listed
+                c.get(f"{folder}/content?path=a"),
+                c.put(f"{folder}/content?path=b", content=b"b", headers=OCTET),
+            ):
+                assert r.status_code == 403 and r.json()["code"] == "bridge_route_denied"
+        assert t.file_rows("b", live=False) == 0

@@ -46,7 +46,7 @@ from controller.api.common import (
     authenticate,
     connection,
 )
-from controller.api.limits import RETRY_AFTER_SECONDS
+from controller.api.limits import RETRY_AFTER_SECONDS, credential_key
 from controller.api.params import declared_length
 from controller.auth import principal_for_bridge
 from controller.config import BridgeLimits
@@ -270,7 +270,13 @@ class ApiBridge:
             run = principal.run
             # Refuses a superseded lease too, not only an ended run.
             await principal_for_bridge(conn, run.run_id, run.lease_epoch)
-        return BridgeIdentity(run.run_id, run.agent_id, run.company_id, run.lease_epoch)
+        return BridgeIdentity(
+            run.run_id,
+            run.agent_id,
+            run.company_id,
+            run.lease_epoch,
+            share=credential_key(request.scope),
+        )
 
     async def _forward(
         self,

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from common.errors import WorkFolderError
 from controller import gc
@@ -57,10 +57,10 @@ async def unexpected_error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": "Internal error", "code": "internal_error"}, status_code=500)
 
 
-def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = True) -> Starlette:
+def app_routes() -> list[BaseRoute]:
     from controller.api import bridge
 
-    routes = [
+    return [
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         *workfolders.routes,
@@ -69,8 +69,17 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
         *audit.routes,
         *web.routes,
     ]
-    # ValueError for an allowlist entry that names no API route.
-    bridge_policy = apibridge.BridgePolicy.build(routes, settings.bridge, settings.max_file_bytes)
+
+
+def bridge_policy(settings: Settings, routes: list[BaseRoute]) -> apibridge.BridgePolicy:
+    """The API bridge's allowlist resolved against ``routes``; ValueError for an
+    entry that names no API route (``controller serve`` checks it before starting)."""
+    return apibridge.BridgePolicy.build(routes, settings.bridge, settings.max_file_bytes)
+
+
+def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = True) -> Starlette:
+    routes = app_routes()
+    policy = bridge_policy(settings, routes)
     database_url = settings.database_url
     assert database_url is not None
     q = settings.quotas
@@ -114,5 +123,5 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
         lifespan=lifespan,
     )
     app.state.workfolders = AppState(settings=settings, pool=pool, storage=storage)
-    app.state.apibridge = bridge_policy
+    app.state.apibridge = policy
     return app

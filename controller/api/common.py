@@ -73,6 +73,8 @@ class BridgeIdentity:
     agent_id: str
     company_id: str
     lease_epoch: int
+    share: str | None = None
+    """The pool share of the bridge request's own credential (its run token)."""
 
 
 def bridge_identity(scope: MutableMapping[str, Any]) -> BridgeIdentity | None:
@@ -81,10 +83,11 @@ def bridge_identity(scope: MutableMapping[str, Any]) -> BridgeIdentity | None:
 
 
 def share_key(scope: MutableMapping[str, Any]) -> str | None:
-    """Whose pool share a request draws on: its run when forwarded by the API
-    bridge (which removed the credential headers), else its credential."""
+    """Whose pool share a request draws on: its credential's, also when the API
+    bridge forwarded it without the credential headers (one share per run token,
+    whether fsagent or sandbox code presents it)."""
     ident = bridge_identity(scope)
-    return "r:" + ident.run_id if ident is not None else credential_key(scope)
+    return ident.share if ident is not None else credential_key(scope)
 
 
 def state(request: Request) -> AppState:
