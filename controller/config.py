@@ -241,9 +241,10 @@ def add_bridge_arguments(parser: argparse.ArgumentParser) -> None:
     _add_flags(parser, _BRIDGE_FLAGS, BridgeLimits())
 
 
-def parse_bridge_allow(entries: list[str]) -> list[tuple[str, str]] | None:
-    """``METHOD:TEMPLATE`` entries as pairs; None (the default list) for ``default``
-    entries is expanded by the caller, so it is kept as ``("default", "")``."""
+def parse_bridge_allow(entries: list[str]) -> list[tuple[str, str]]:
+    """``METHOD:TEMPLATE`` entries as pairs. The word ``default`` stands for the
+    default list; it is kept as ``("default", "")`` and expanded where the
+    routes are known (``controller/api/apibridge.py``)."""
     pairs: list[tuple[str, str]] = []
     for raw in entries:
         entry = raw.strip()
