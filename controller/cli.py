@@ -217,8 +217,19 @@ def emit(
             print(f"{k}: {json.dumps(v) if isinstance(v, dict | list) else v}")
 
 
+def audit_lines(data: dict[str, Any]) -> str:
+    """``admin audit`` without ``--json``: one line per bridged call."""
+    rows = [
+        f"{e['id']} {e['at']} {e['method']} {e['route'] or '-'} {e['status']}"
+        f" {e['requestBytes']}B/{e['responseBytes']}B {e['durationMs']}ms"
+        for e in data["entries"]
+    ]
+    return "\n".join(rows) if rows else f"no API bridge calls recorded for run {data['run_id']}"
+
+
 def cmd_admin(args: argparse.Namespace) -> int:
     settings = settings_from(args)
+    text: Callable[[dict[str, Any]], str] | None = None
     with database(settings) as url:
         a = args.admin_cmd
         if a == "bootstrap":
@@ -254,11 +265,12 @@ def cmd_admin(args: argparse.Namespace) -> int:
             out = admin.revoke_token(url, args.token_id)
         elif a == "audit":
             out = admin.audit(url, args.run, args.after, args.limit)
+            text = audit_lines
         elif a == "end-sessions":
             out = admin.end_sessions(url, args.user)
         else:  # pragma: no cover - argparse restricts choices
             raise admin.AdminError(f"unknown admin command {a}")
-    emit(args, out)
+    emit(args, out, text)
     return 0
 
 

@@ -190,7 +190,7 @@ class BridgeLimits:
     max_response_bytes: int = 8 * 1024 * KiB
     """Response body of a forwarded call; content downloads keep the file limit instead."""
     request_timeout: float = 300.0
-    """Seconds one forwarded call may take, body included; then 504."""
+    """Seconds until a forwarded call's answer starts (its body included); then 504."""
     max_concurrent: int = 8
     """Forwarded calls in flight per run; one more is 429 with Retry-After."""
 
@@ -205,7 +205,13 @@ _BRIDGE_FLAGS: list[tuple[str, str, type, str, bool]] = [
         "bytes of a bridged response body",
         False,
     ),
-    ("--bridge-timeout", "request_timeout", float, "seconds per bridged request", False),
+    (
+        "--bridge-timeout",
+        "request_timeout",
+        float,
+        "seconds until a bridged request's answer starts",
+        False,
+    ),
     (
         "--bridge-max-concurrent",
         "max_concurrent",
@@ -235,9 +241,10 @@ def add_bridge_arguments(parser: argparse.ArgumentParser) -> None:
     _add_flags(parser, _BRIDGE_FLAGS, BridgeLimits())
 
 
-def parse_bridge_allow(entries: list[str]) -> list[tuple[str, str]] | None:
-    """``METHOD:TEMPLATE`` entries as pairs; None (the default list) for ``default``
-    entries is expanded by the caller, so it is kept as ``("default", "")``."""
+def parse_bridge_allow(entries: list[str]) -> list[tuple[str, str]]:
+    """``METHOD:TEMPLATE`` entries as pairs. The word ``default`` stands for the
+    default list; it is kept as ``("default", "")`` and expanded where the
+    routes are known (``controller/api/apibridge.py``)."""
     pairs: list[tuple[str, str]] = []
     for raw in entries:
         entry = raw.strip()

@@ -253,6 +253,9 @@ def test_every_bridged_request_is_audited(tenant: Tenant) -> None:
         assert member.get(url).status_code == 404
     out = tenant.controller.admin("audit", "--run", run.run_id)
     assert out["run_id"] == run.run_id and out["entries"] == entries
+    code, text, _ = tenant.controller.cli("admin", "audit", "--run", run.run_id)
+    assert code == 0 and len(text.splitlines()) == 3
+    assert text.splitlines()[2].endswith("ms") and " GET - 403 0B/" in text.splitlines()[2]
     code, _, err = tenant.controller.cli("admin", "audit", "--run", "nope")
     assert code == 1 and "UUID" in err
 

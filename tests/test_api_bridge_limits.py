@@ -146,6 +146,23 @@ def test_slow_calls_are_504_and_one_too_many_is_429(lt: Tenant) -> None:
     assert "Traceback" not in lt.controller.log()
 
 
+def test_a_download_streams_at_its_readers_pace_past_the_timeout(lt: Tenant) -> None:
+    run = start_run(lt)
+    folder = folder_of(lt, run)
+    data = bytes(range(256)) * (32 * 1024)  # 8 MiB: more than the socket buffers hold
+    with run.api_client() as c:
+        r = c.put(f"{folder}/content?path=big", content=data, headers=OCTET)
+        assert r.status_code == 201, r.text
+        started, got = time.monotonic(), bytearray()
+        with c.stream("GET", f"{folder}/content?path=big") as resp:
+            assert resp.status_code == 200
+            for chunk in resp.iter_bytes(1024 * 1024):
+                got += chunk
+                time.sleep(0.5)
+    assert time.monotonic() - started > TIMEOUT
+    assert bytes(got) == data
+
+
 # --- operator configuration ----------------------------------------------------
 
 

@@ -123,7 +123,8 @@ class BridgeResponseTooLarge(WorkFolderError):
 
 
 class _ResponseOverrun(Exception):
-    """An answer without Content-Length grew past the limit after it started."""
+    """An answer without Content-Length grew past the limit after it started:
+    the connection is cut (no route answers so today)."""
 
 
 @dataclass
@@ -195,6 +196,7 @@ class _Meter:
     request_bytes: int = 0
     response_bytes: int = 0
     response_limit: int = 0
+    clock: asyncio.Timeout | None = None
 
 
 class _Audit:
@@ -324,16 +326,16 @@ class ApiBridge:
         self, route: Route, child: Scope, receive: Any, send: Any, seconds: float, meter: _Meter
     ) -> None:
         try:
-            async with asyncio.timeout(seconds):
+            # Until the answer starts (the send wrapper stops the clock then):
+            # a download streams at the pace of its reader.
+            async with asyncio.timeout(seconds) as meter.clock:
                 await route.handle(child, receive, send)
         except TimeoutError:
-            if meter.started:
-                # The answer is under way: all that is left is to cut it off.
-                log.info("bridged request cut off after %g s", seconds)
-                raise _ResponseOverrun() from None
             raise BridgeTimeout(
                 f"The bridged request took longer than {seconds:g} s; nothing more was done"
             ) from None
+        finally:
+            meter.clock = None
 
 
 def _child_scope(scope: Scope, path: str, ident: BridgeIdentity) -> Scope:
@@ -379,6 +381,8 @@ def _metered_send(send: Any, meter: _Meter, audit: _Audit) -> Any:
                 await _too_large(send, meter, audit)
                 return
             meter.status, meter.started = int(message["status"]), True
+            if meter.clock is not None and not meter.clock.expired():
+                meter.clock.reschedule(None)
             message = {**message, "headers": headers}
         elif message["type"] == "http.response.body":
             meter.response_bytes += len(message.get("body", b""))
