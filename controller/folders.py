@@ -22,6 +22,8 @@ class EntryPage:
     last_operation_at: datetime | None
     total: int
     """Entries matching the same filters on every page together."""
+    version: int
+    """The folder's version read before the rows: a ``since`` for :func:`changes_since`."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ async def list_entries(
     """
     rows: list[Row] = []
     total = 0
+    version = await folder_high_water(conn, None if folder is None else folder.id)
     if folder is not None:
         params: dict[str, Any] = {"fid": folder.id, "limit": limit + 1}
         where = ["folder_id = %(fid)s"]
@@ -96,7 +99,8 @@ async def list_entries(
             params,
         )
         rows = list(await cur.fetchall())
-    return EntryPage(rows[:limit], len(rows) > limit, await last_operation_at(conn, folder), total)
+    last_op = await last_operation_at(conn, folder)
+    return EntryPage(rows[:limit], len(rows) > limit, last_op, total, version)
 
 
 @dataclass(frozen=True)

@@ -11,18 +11,7 @@ import httpx
 
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant
-
-OCTET = {"Content-Type": "application/octet-stream"}
-
-
-def put(c: httpx.Client, folder: str, path: str, data: bytes, **headers: str) -> httpx.Response:
-    return c.put(
-        f"{folder}/content", params={"path": path}, content=data, headers={**OCTET, **headers}
-    )
-
-
-def op(c: httpx.Client, folder: str, body: dict[str, object], **headers: str) -> httpx.Response:
-    return c.post(f"{folder}/operations", json=body, headers=headers)
+from tests.test_api_workfolders import op, put
 
 
 def entries(c: httpx.Client, folder: str, **params: str) -> list[dict[str, Any]]:
@@ -293,6 +282,8 @@ def test_changes_since_is_cheap_and_per_directory(tenant: Tenant) -> None:
         put(c, f, "b/two.txt", b"2")
         v = c.get(f + "/changes", params={"since": "0"}).json()["version"]
         assert v > 0
+        # A listing says which version it shows, to poll from.
+        assert c.get(f + "/", params={"dir": "a"}).json()["version"] == v
         assert c.get(f + "/changes", params={"since": str(v)}).json() == {
             "version": v,
             "changed": False,

@@ -251,6 +251,7 @@ def document() -> dict[str, Any]:
                                     "nextCursor": {"type": ["string", "null"]},
                                     "lastOperationAt": {"type": ["string", "null"]},
                                     "total": {"type": "integer"},
+                                    "version": {"type": "integer"},
                                 },
                             },
                         ),

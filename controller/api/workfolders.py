@@ -146,6 +146,7 @@ async def list_entries(request: Request) -> Response:
             "nextCursor": next_cursor,
             "lastOperationAt": iso(page.last_operation_at),
             "total": page.total,
+            "version": page.version,
         }
     )
 
