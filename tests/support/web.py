@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from playwright.sync_api import Browser, Page, Playwright
+from playwright.sync_api import Browser, Locator, Page, Playwright
 
 from tests.support.constants import REPO
 
@@ -120,3 +120,9 @@ class ViewRecorder:
 
 def entry_by_path(entries: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
     return next((e for e in entries if e["path"] == path), None)
+
+
+def row_action(row: Locator, name: str, action: str) -> None:
+    """Choose ``action`` ("Rename…", "Delete…", …) from the row menu of the entry ``name``."""
+    row.get_by_role("button", name=f"Actions for {name}", exact=True).click()
+    row.get_by_role("menuitem", name=action, exact=True).click()
