@@ -9,24 +9,28 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, FilePayload, Page, expect, sync_playwright
+from playwright.sync_api import FilePayload, Page, expect
 
 from tests.support.controller import Tenant
 from tests.support.web import (
     CHROMIUM,
     ViewRecorder,
+    api_entries,
     drop_files,
     entry_by_path,
-    launch_chromium,
+    folder_url,
+    listing_row,
     png_bytes,
+    put_file,
     row_action,
     sign_in,
+    tab,
+    trash_row,
 )
 
 pytestmark = [
@@ -35,79 +39,6 @@ pytestmark = [
 ]
 
 NOT_FOUND_TEXT = "This folder doesn't exist or you don't have access"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture
-def views(tmp_path: Path) -> ViewRecorder:
-    """Screenshots of the main views; copied to test-artifacts/ if the test fails."""
-    return ViewRecorder(tmp_path)
-
-
-@pytest.fixture
-def page(browser: Browser, views: ViewRecorder, request: pytest.FixtureRequest) -> Iterator[Page]:
-    context = browser.new_context(accept_downloads=True, viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(15_000)
-    page = context.new_page()
-    console: list[str] = []
-    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-    page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-    views.page = page
-    failed_before = request.session.testsfailed
-    try:
-        yield page
-        # An uncaught error in the page is a failure even if every check passed.
-        assert not [c for c in console if c.startswith("pageerror")], console
-    finally:
-        # The call phase's report is counted before fixtures are torn down.
-        if request.session.testsfailed > failed_before:
-            kept = views.keep(request.node.name, console)
-            print(f"screenshots of the failing test: {kept}")
-        context.close()
-
-
-def folder_url(tenant: Tenant, scope: str, owner_id: str) -> str:
-    return f"/files/{tenant.company_id}/{scope}/{owner_id}"
-
-
-def api_entries(tenant: Tenant, folder: str, *, trash: bool = False) -> list[dict[str, Any]]:
-    with tenant.client() as client:
-        resp = client.get(folder + "/", params={"trash": str(trash).lower(), "limit": 1000})
-        resp.raise_for_status()
-        entries: list[dict[str, Any]] = resp.json()["entries"]
-        return entries
-
-
-def put_file(tenant: Tenant, folder: str, path: str, data: bytes) -> None:
-    with tenant.client() as client:
-        resp = client.put(
-            folder + "/content",
-            params={"path": path},
-            content=data,
-            headers={"Content-Type": "application/octet-stream"},
-        )
-        assert resp.status_code in (200, 201), resp.text
-
-
-def tab(page: Page, name: str) -> Any:
-    return page.get_by_role("navigation", name="Folder views").get_by_role("link", name=name)
-
-
-def listing_row(page: Page, path: str) -> Any:
-    return page.locator(f'.files-view tbody tr[data-path="{path}"]')
-
-
-def trash_row(page: Page, path: str) -> Any:
-    return page.locator(f'.trash-view tbody tr[data-path="{path}"]')
 
 
 def test_sign_in_upload_preview_download_and_sign_out(

@@ -163,7 +163,7 @@ export class Listing {
 
     this.summary = h("p", { class: "muted list-summary", "aria-live": "polite" });
     this.pager = new Pager((step) => this.turnPage(step));
-    this.error = h("p", { class: "error", role: "alert" });
+    this.error = h("p", { class: "error list-error", role: "alert" });
 
     return h(
       "section",
