@@ -33,6 +33,7 @@ pytestmark = [
 PHONE = {"width": 390, "height": 844}
 NARROWEST = {"width": 320, "height": 640}
 DESKTOP = {"width": 1280, "height": 900}
+ZOOMED = {"width": 640, "height": 450}  # a 1280 x 900 screen at 200% zoom
 
 LONG_NAME = "quarterly-report-with-a-very-long-name-that-never-breaks-2024-final-v2.pdf"
 
@@ -93,7 +94,9 @@ def seed(tenant: Tenant) -> dict[str, Any]:
 
 
 @pytest.mark.keep_views
-@pytest.mark.parametrize("viewport", [PHONE, NARROWEST], ids=["390px", "320px"])
+@pytest.mark.parametrize(
+    "viewport", [PHONE, NARROWEST, ZOOMED], ids=["390px", "320px", "640px-zoomed"]
+)
 def test_phone_widths_reflow_and_every_action_is_a_tap_away(
     page: Page, tenant: Tenant, views: ViewRecorder, viewport: dict[str, int]
 ) -> None:

@@ -61,6 +61,8 @@ def test_sign_in_upload_preview_download_and_sign_out(
     page.get_by_label("API token").fill(tenant.token)
     page.get_by_role("button", name="Sign in").click()
     expect(page.get_by_role("link", name="My files")).to_be_visible()
+    # After signing in, focus is on the page's heading, not lost on <body>.
+    expect(page.get_by_role("heading", level=1, name="Files")).to_be_focused()
     cookie = next(c for c in page.context.cookies() if c["name"] == "fsa_session")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     views.snap("home")
@@ -70,6 +72,9 @@ def test_sign_in_upload_preview_download_and_sign_out(
         re.compile(re.escape(folder_url(tenant, "user", tenant.user_id)) + "$")
     )
     expect(page.get_by_role("heading", level=1)).to_have_text("My files")
+    expect(page.get_by_role("heading", level=1)).to_be_focused()
+    # The subtitle names the company and the kind of folder, not a raw id.
+    expect(page.locator(".subtitle")).not_to_contain_text(tenant.user_id)
 
     # Two files dropped at once: both listed with their sizes.
     drop_files(
@@ -220,7 +225,11 @@ def test_sync_panel_shows_a_runs_save_state(
     # Reach the task's folder through the home page search.
     sign_in(page, ctl.url, tenant.token)
     page.get_by_label("Search tasks, agents and projects").fill("report")
-    page.get_by_role("link", name="Task: Write the report").click()
+    result = page.locator(".result", has_text="Task: Write the report")
+    expect(result).to_contain_text("No files yet")
+    expect(result).to_contain_text("Agent running")
+    expect(page.locator(".result")).to_have_count(1)
+    result.get_by_role("link").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Task: Write the report")
     item = page.locator(f'.runs li[data-run-id="{run["run_id"]}"]')
     expect(item).to_contain_text("Builder Bot")
@@ -332,6 +341,18 @@ def test_large_folder_pages_and_a_failed_upload_can_be_retried(
     expect(summary).to_have_text("Showing 201–230 of 230 entries.")
     expect(rows.first).to_have_attribute("data-path", "many/d0200")
     expect(page.get_by_role("button", name="Next page")).to_be_disabled()
+    # The page is in the address: a reload comes back to it.
+    expect(page).to_have_url(re.compile(r"\?dir=many&page=2$"))
+    page.reload()
+    expect(summary).to_have_text("Showing 201–230 of 230 entries.")
+    expect(rows.first).to_have_attribute("data-path", "many/d0200")
+    # The name filter runs on the server, over entries not loaded yet too.
+    page.get_by_label("Filter by name").fill("d021")
+    expect(summary).to_have_text("10 entries with “d021” in the name.")
+    expect(rows.first).to_have_attribute("data-path", "many/d0210")
+    expect(page).to_have_url(re.compile(r"\?dir=many&q=d021$"))
+    page.get_by_label("Filter by name").fill("")
+    expect(summary).to_have_text("Showing 1–200 of 230 entries.")
     # Sorting by name is operable from the keyboard and covers every entry.
     page.get_by_role("button", name="Name", exact=True).focus()
     page.keyboard.press("Enter")

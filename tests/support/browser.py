@@ -47,9 +47,13 @@ def page(
     viewport: dict[str, int],
     request: pytest.FixtureRequest,
 ) -> Iterator[Page]:
-    phone = viewport["width"] < 600
+    # Narrow windows get touch (a phone, or a tablet at 200% zoom); phones also
+    # the mobile viewport behaviour.
     context = browser.new_context(
-        accept_downloads=True, viewport=viewport, has_touch=phone, is_mobile=phone
+        accept_downloads=True,
+        viewport=viewport,
+        has_touch=viewport["width"] <= 720,
+        is_mobile=viewport["width"] < 600,
     )
     context.set_default_timeout(15_000)
     page = context.new_page()
