@@ -13,13 +13,38 @@ const KINDS = [
   { scope: "project", label: "Project", list: (d) => d.projects, name: (p) => p.name },
 ];
 
+const STATUS_CONCURRENCY = 4; // well under the server's requests-in-flight limit per session
 const statusCache = new Map(); // "company/scope/id" -> Promise of {hasFiles, active}
+const waiting = []; // lookups not started yet
+let running = 0;
+
+/** Run `task` (returns a promise) when fewer than STATUS_CONCURRENCY are running. */
+function queued(task) {
+  return new Promise((resolve, reject) => {
+    waiting.push({ task, resolve, reject });
+    pump();
+  });
+}
+
+function pump() {
+  while (running < STATUS_CONCURRENCY && waiting.length) {
+    const { task, resolve, reject } = waiting.shift();
+    running += 1;
+    task()
+      .then(resolve, reject)
+      .finally(() => {
+        running -= 1;
+        pump();
+      });
+  }
+}
 
 function folderStatus(companyId, scope, id) {
   const key = `${companyId}/${scope}/${id}`;
   if (!statusCache.has(key)) {
     const api = new FolderApi(companyId, scope, id);
-    const pending = Promise.all([api.list({ limit: 1 }), api.sync()]).then(
+    const lookup = () => Promise.all([api.list({ limit: 1 }), api.sync()]);
+    const pending = queued(lookup).then(
       ([page, sync]) => ({ hasFiles: page.total > 0, active: sync.runs.some((r) => r.active) }),
       (err) => {
         statusCache.delete(key);

@@ -326,6 +326,8 @@ export class Uploads {
       } else {
         item.state = "failed";
         el.error.textContent = `Could not upload ${item.file.name}: ${folder.explain(err)}`;
+        // The file changed again since Replace was chosen: Retry asks anew.
+        if (err.code === "precondition_failed") item.condition = "new";
       }
     } finally {
       item.abort = null;
