@@ -8,19 +8,17 @@ Every check looks at what a person sees and at the API state behind it.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from playwright.sync_api import Page, expect
 
 from tests.support.bridge import start_run
+from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
 from tests.support.web import (
-    CHROMIUM,
     ViewRecorder,
     api_entries,
     drop_files,
@@ -33,10 +31,7 @@ from tests.support.web import (
     trash_row,
 )
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium package"),
-]
+pytestmark = BROWSER_TESTS
 
 
 def stored(tenant: Tenant, folder: str, path: str) -> bytes | None:

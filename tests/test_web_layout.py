@@ -6,16 +6,15 @@ test-artifacts/)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 from playwright.sync_api import Page, expect
 
 from tests.support.bridge import start_run
+from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
 from tests.support.web import (
-    CHROMIUM,
     ViewRecorder,
     axe_violations,
     listing_row,
@@ -25,10 +24,7 @@ from tests.support.web import (
     trash_row,
 )
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium package"),
-]
+pytestmark = BROWSER_TESTS
 
 PHONE = {"width": 390, "height": 844}
 NARROWEST = {"width": 320, "height": 640}

@@ -6,19 +6,17 @@ and at the API state behind it, read with a bearer token.
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from playwright.sync_api import FilePayload, Page, expect
 
+from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
 from tests.support.web import (
-    CHROMIUM,
     ViewRecorder,
     api_entries,
     drop_files,
@@ -33,10 +31,7 @@ from tests.support.web import (
     trash_row,
 )
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium package"),
-]
+pytestmark = BROWSER_TESTS
 
 NOT_FOUND_TEXT = "This folder doesn't exist or you don't have access"
 

@@ -9,13 +9,20 @@ desktop and phone width).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from tests.support.web import ViewRecorder, launch_chromium
+from tests.support.web import CHROMIUM, ViewRecorder, launch_chromium
+
+BROWSER_TESTS = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium package"),
+]
+"""``pytestmark`` of a module of Files page tests."""
 
 
 @pytest.fixture(scope="module")
