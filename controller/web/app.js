@@ -226,8 +226,9 @@ function render() {
 
 function renderUnknown() {
   document.title = "Not found · Files";
+  const heading = h("h1", { tabindex: "-1", text: "Page not found" });
   clear(main).append(
-    h("h1", { tabindex: "-1", text: "Page not found" }),
+    heading,
     h(
       "p",
       {},
@@ -236,6 +237,7 @@ function renderUnknown() {
       ".",
     ),
   );
+  heading.focus();
 }
 
 async function boot() {

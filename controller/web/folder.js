@@ -200,11 +200,13 @@ export class FolderPage {
 
   renderNotFound() {
     document.title = "Folder not found · Files";
+    const heading = h("h1", { tabindex: "-1", text: "Folder not found" });
     clear(this.root).append(
-      h("h1", { tabindex: "-1", text: "Folder not found" }),
+      heading,
       h("p", { class: "error", role: "alert", text: NOT_FOUND_TEXT }),
       h("p", {}, h("a", { href: "/files/", "data-nav": true, text: "Go to your files" })),
     );
+    heading.focus();
   }
 
   renderLoadError(err) {

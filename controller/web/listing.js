@@ -210,6 +210,11 @@ export class Listing {
   showDir() {
     this.renderBreadcrumbs();
     if (this.loadedFor !== this.folder.dir) {
+      // Another directory starts with the address's filter and page (usually none).
+      const { q, page } = this.folder.route;
+      this.name = q || "";
+      this.filter.value = this.name;
+      this.wantedPage = page || 1;
       this.selected.clear();
       this.reload();
     }
