@@ -154,6 +154,16 @@ class RestoreCollision(Conflict):
     message = "Cannot restore: a file or folder already exists at that path"
 
 
+class MoveTargetExists(Conflict):
+    code = "target_exists"
+    message = "A file or folder already exists at the move's target"
+
+
+class MoveIntoItself(Conflict):
+    code = "move_into_itself"
+    message = "A folder cannot be moved into itself or below itself"
+
+
 class IdempotencyConflict(Conflict):
     code = "idempotency_conflict"
     message = "Idempotency key was already used for a different request"
@@ -167,6 +177,14 @@ class RunNotActive(Conflict):
 class StaleLease(Conflict):
     code = "stale_lease"
     message = "Lease epoch is older than the current lease"
+
+
+class PreconditionFailed(WorkFolderError):
+    """``If-None-Match: *`` met an existing file, or ``If-Match`` a different digest."""
+
+    code = "precondition_failed"
+    status = 412
+    message = "The file changed: the request's If-Match or If-None-Match condition does not hold"
 
 
 class PayloadTooLarge(WorkFolderError):

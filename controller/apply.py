@@ -37,6 +37,7 @@ from common.errors import (
 from common.paths import ancestors, parent_of
 from controller import quotas
 from controller.api.serialize import entry_json
+from controller.overwrite import Precondition, check_precondition, keep_replaced
 from controller.storage.base import object_key
 from controller.versions import VersionClock
 
@@ -361,8 +362,13 @@ async def put_file(
     ensure_object: EnsureObject,
     gc_delay: timedelta,
     policy: WritePolicy,
+    precondition: Precondition | None = None,
 ) -> dict[str, Any]:
-    """A person's upload (server-accepted last-write-wins). Caller owns the transaction."""
+    """A person's upload (server-accepted last-write-wins). Caller owns the transaction.
+
+    ``precondition`` is checked under the folder lock; a replaced file's old
+    content goes to the trash (:mod:`controller.overwrite`).
+    """
     fp = fingerprint(
         action="put",
         path=path,
@@ -374,6 +380,9 @@ async def put_file(
     async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
+        existing = await live_row(conn, folder, path)
+        check_precondition(existing, path, precondition)
+        await keep_replaced(conn, folder, existing, digest)
         row, created = await write_file(
             conn,
             folder,
@@ -471,7 +480,7 @@ async def delete_path(
     return commit.result
 
 
-async def _trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> list[Row]:
+async def trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> list[Row]:
     """The trashed entry ``file_id`` and its descendants from the same delete."""
     cur = await conn.execute(
         "SELECT * FROM files WHERE folder_id = %s AND id::text = %s AND deleted_at IS NOT NULL",
@@ -504,9 +513,10 @@ async def restore(
     return commit.result
 
 
-async def _restore_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> Row:
-    batch = await _trash_batch(conn, folder, file_id)
-    paths = [r["path"] for r in batch]
+async def check_restore_paths_free(
+    conn: AsyncConnection[Any], folder: Folder, paths: list[str]
+) -> None:
+    """RestoreCollision (naming every occupied path) unless all ``paths`` are free."""
     cur = await conn.execute(
         "SELECT path FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)"
         " ORDER BY path",
@@ -515,6 +525,11 @@ async def _restore_batch(conn: AsyncConnection[Any], folder: Folder, file_id: st
     occupied = [r["path"] for r in await cur.fetchall()]
     if occupied:
         raise RestoreCollision(details=[{"path": p} for p in occupied])
+
+
+async def _restore_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> Row:
+    batch = await trash_batch(conn, folder, file_id)
+    await check_restore_paths_free(conn, folder, [r["path"] for r in batch])
     await ensure_parents(conn, folder, batch[0]["path"])
     cur = await conn.execute(
         "UPDATE files f SET deleted_at = NULL, trash_root = NULL, version = %s + t.n,"
@@ -543,7 +558,7 @@ async def purge(
     async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
-        batch = await _trash_batch(conn, folder, file_id)
+        batch = await trash_batch(conn, folder, file_id)
         await conn.execute("DELETE FROM files WHERE id = ANY(%s)", ([r["id"] for r in batch],))
         await conn.execute(
             "UPDATE folders SET purge_floor = %s WHERE id = %s",

@@ -20,6 +20,10 @@ class EntryPage:
     more: bool
     """True when rows past the last one exist (the caller hands out a cursor)."""
     last_operation_at: datetime | None
+    total: int
+    """Entries matching the same filters on every page together."""
+    version: int
+    """The folder's version read before the rows: a ``since`` for :func:`changes_since`."""
 
 
 @dataclass(frozen=True)
@@ -46,21 +50,38 @@ async def list_entries(
     trash: bool,
     limit: int,
     after: dict[str, Any] | None,
+    name: str | None = None,
 ) -> EntryPage:
     """One page of live entries by path, or of trash entries newest first.
 
     ``after`` is the last entry of the previous page: ``{"p": path}`` for live
-    entries, ``{"d": deleted_at, "p": path}`` for the trash.
+    entries, ``{"d": deleted_at, "p": path}`` for the trash. ``name`` keeps
+    the entries whose last segment contains it (case-insensitive); it only
+    narrows the scan, so the keyset order and cursors stay the same.
     """
     rows: list[Row] = []
+    total = 0
+    version = await folder_high_water(conn, None if folder is None else folder.id)
     if folder is not None:
         params: dict[str, Any] = {"fid": folder.id, "limit": limit + 1}
         where = ["folder_id = %(fid)s"]
         if parent is not None:
             where.append("parent = %(parent)s")
             params["parent"] = parent
+        if name:
+            # strpos, not LIKE: '%' and '_' are ordinary characters in names.
+            where.append(
+                "strpos(lower(substr(path, length(parent) + CASE WHEN parent = '' THEN 1"
+                " ELSE 2 END)), lower(%(name)s)) > 0"
+            )
+            params["name"] = name
+        where.append("deleted_at IS NOT NULL" if trash else "deleted_at IS NULL")
+        cur = await conn.execute(
+            f"SELECT count(*) AS n FROM files WHERE {' AND '.join(where)}", params
+        )
+        counted = await cur.fetchone()
+        total = 0 if counted is None else int(counted["n"])
         if trash:
-            where.append("deleted_at IS NOT NULL")
             order = "deleted_at DESC, path"
             if after is not None:
                 where.append(
@@ -69,7 +90,6 @@ async def list_entries(
                 )
                 params.update(cd=after["d"], cp=after["p"])
         else:
-            where.append("deleted_at IS NULL")
             order = "path"
             if after is not None:
                 where.append("path > %(cp)s")
@@ -79,7 +99,49 @@ async def list_entries(
             params,
         )
         rows = list(await cur.fetchall())
-    return EntryPage(rows[:limit], len(rows) > limit, await last_operation_at(conn, folder))
+    last_op = await last_operation_at(conn, folder)
+    return EntryPage(rows[:limit], len(rows) > limit, last_op, total, version)
+
+
+@dataclass(frozen=True)
+class Changes:
+    version: int
+    """The folder's newest version: pass it as ``since`` next time."""
+    changed: bool
+
+
+async def changes_since(
+    conn: AsyncConnection[Any], folder: Folder | None, *, since: int, parent: str | None
+) -> Changes:
+    """Whether anything changed after version ``since`` (in directory ``parent`` only,
+    when given: an entry there written, trashed, restored, moved in or moved out).
+
+    Cheap enough to poll: an index range over the versions after ``since``.
+    """
+    high_water = await folder_high_water(conn, None if folder is None else folder.id)
+    if folder is None or high_water <= since:
+        return Changes(high_water, False)
+    if parent is None:
+        return Changes(high_water, True)
+    cur = await conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM files WHERE folder_id = %(fid)s AND version > %(v)s"
+        "  AND parent = %(p)s)"
+        " OR EXISTS (SELECT 1 FROM path_tombstones WHERE folder_id = %(fid)s"
+        "  AND version > %(v)s AND parent = %(p)s) AS changed",
+        {"fid": folder.id, "v": since, "p": parent},
+    )
+    row = await cur.fetchone()
+    return Changes(high_water, bool(row and row["changed"]))
+
+
+async def folder_saves(conn: AsyncConnection[Any], folder: Folder | None) -> dict[str, datetime]:
+    """When each run last saved a checkpoint of this folder (its sync baseline's time)."""
+    if folder is None:
+        return {}
+    cur = await conn.execute(
+        "SELECT run_id, updated_at FROM sync_baselines WHERE folder_id = %s", (folder.id,)
+    )
+    return {str(r["run_id"]): r["updated_at"] for r in await cur.fetchall()}
 
 
 async def manifest_page(
@@ -95,13 +157,22 @@ async def manifest_page(
     floor_row = await cur.fetchone()
     if since > 0 and floor_row is not None and since < int(floor_row["purge_floor"]):
         raise ResyncRequired()
-    deleted_clause = "" if since > 0 else " AND deleted_at IS NULL"
-    cur = await conn.execute(
-        "SELECT * FROM files WHERE folder_id = %s AND version > %s"
-        + deleted_clause
-        + " ORDER BY version LIMIT %s",
-        (folder.id, since, limit + 1),
-    )
+    if since > 0:
+        # Paths a move took rows off read as deletions (controller/moves.py).
+        cur = await conn.execute(
+            "SELECT path, kind, digest, byte_size, executable, version, deleted_at FROM files"
+            " WHERE folder_id = %(fid)s AND version > %(v)s"
+            " UNION ALL SELECT path, kind, digest, 0, false, version, moved_at"
+            " FROM path_tombstones WHERE folder_id = %(fid)s AND version > %(v)s"
+            " ORDER BY version LIMIT %(n)s",
+            {"fid": folder.id, "v": since, "n": limit + 1},
+        )
+    else:
+        cur = await conn.execute(
+            "SELECT * FROM files WHERE folder_id = %s AND version > %s AND deleted_at IS NULL"
+            " ORDER BY version LIMIT %s",
+            (folder.id, since, limit + 1),
+        )
     rows = list(await cur.fetchall())
     return ManifestPage(rows[:limit], len(rows) > limit, high_water)
 

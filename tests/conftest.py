@@ -9,4 +9,5 @@ pytest_plugins = [
     "pytester",  # tests/test_support.py runs inner sessions to prove the session checks
     "tests.support.session",
     "tests.support.fixtures",
+    "tests.support.browser",
 ]

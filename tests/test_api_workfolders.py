@@ -342,6 +342,14 @@ def test_superseded_object_is_collected_and_rewrite_after_gc_works(tenant: Tenan
     with tenant.client() as c:
         put(c, tenant.my_folder, "doc", v1)
         put(c, tenant.my_folder, "doc", v2)
+        # The replaced content is kept in the trash, so GC leaves it alone...
+        ctl.gc_now()
+        names = {p.name for p in (ctl.data_dir / "objects").rglob("*") if p.is_file()}
+        assert hashlib.sha256(v1).hexdigest() in names
+        # ...until that trash entry is purged.
+        (kept,) = listing(c, tenant.my_folder, trash="true")
+        r = op(c, tenant.my_folder, {"action": "purge", "fileId": str(kept["id"])})
+        assert r.status_code == 200, r.text
         ctl.gc_now()
         names = {p.name for p in (ctl.data_dir / "objects").rglob("*") if p.is_file()}
         assert hashlib.sha256(v1).hexdigest() not in names

@@ -79,11 +79,14 @@ def test_folder_entry_limit_on_uploads_and_checkpoints(qt: Tenant) -> None:
         assert r.status_code == 413 and r.json()["code"] == "folder_entry_limit"
         r = c.post(f"{qt.my_folder}/operations", json={"action": "mkdir", "path": "d"})
         assert r.status_code == 413 and r.json()["code"] == "folder_entry_limit"
-        # Replacing a file does not grow the folder.
+        # Replacing a file does not grow the folder's live entries (the old
+        # content waits in the trash, which the limit does not count).
         assert (
             c.put(f"{qt.my_folder}/content?path=f0", content=b"y", headers=OCTET).status_code == 200
         )
-    assert folder_rows(qt, qt.my_folder) == MAX_ENTRIES
+        trash = c.get(f"{qt.my_folder}/", params={"trash": "true"}).json()["entries"]
+        assert [e["path"] for e in trash] == ["f0"]
+    assert folder_rows(qt, qt.my_folder) == MAX_ENTRIES + 1
 
     run = start_run(qt)
     entries = [{"op": "mkdir", "path": f"d{i}"} for i in range(MAX_ENTRIES + 1)]

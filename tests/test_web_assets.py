@@ -30,7 +30,9 @@ def imports(source: str) -> list[tuple[str, set[str]]]:
     ]
 
 
-@pytest.mark.parametrize("name", [*MODULES, "app.css", "index.html"])
+@pytest.mark.parametrize(
+    "name", [*MODULES, *sorted(p.name for p in WEB.glob("*.css")), "index.html"]
+)
 def test_every_page_file_is_served_as_it_is_on_disk(
     controller: ControllerProcess, name: str
 ) -> None:

@@ -6,107 +6,34 @@ and at the API state behind it, read with a bearer token.
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from playwright.sync_api import Browser, FilePayload, Page, expect, sync_playwright
+from playwright.sync_api import FilePayload, Page, expect
 
+from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
 from tests.support.web import (
-    CHROMIUM,
     ViewRecorder,
+    api_entries,
     drop_files,
     entry_by_path,
-    launch_chromium,
+    folder_url,
+    listing_row,
     png_bytes,
+    put_file,
+    row_action,
     sign_in,
+    tab,
+    trash_row,
 )
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium package"),
-]
+pytestmark = BROWSER_TESTS
 
 NOT_FOUND_TEXT = "This folder doesn't exist or you don't have access"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture
-def views(tmp_path: Path) -> ViewRecorder:
-    """Screenshots of the main views; copied to test-artifacts/ if the test fails."""
-    return ViewRecorder(tmp_path)
-
-
-@pytest.fixture
-def page(browser: Browser, views: ViewRecorder, request: pytest.FixtureRequest) -> Iterator[Page]:
-    context = browser.new_context(accept_downloads=True, viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(15_000)
-    page = context.new_page()
-    console: list[str] = []
-    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-    page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-    views.page = page
-    failed_before = request.session.testsfailed
-    try:
-        yield page
-        # An uncaught error in the page is a failure even if every check passed.
-        assert not [c for c in console if c.startswith("pageerror")], console
-    finally:
-        # The call phase's report is counted before fixtures are torn down.
-        if request.session.testsfailed > failed_before:
-            kept = views.keep(request.node.name, console)
-            print(f"screenshots of the failing test: {kept}")
-        context.close()
-
-
-def folder_url(tenant: Tenant, scope: str, owner_id: str) -> str:
-    return f"/files/{tenant.company_id}/{scope}/{owner_id}"
-
-
-def api_entries(tenant: Tenant, folder: str, *, trash: bool = False) -> list[dict[str, Any]]:
-    with tenant.client() as client:
-        resp = client.get(folder + "/", params={"trash": str(trash).lower(), "limit": 1000})
-        resp.raise_for_status()
-        entries: list[dict[str, Any]] = resp.json()["entries"]
-        return entries
-
-
-def put_file(tenant: Tenant, folder: str, path: str, data: bytes) -> None:
-    with tenant.client() as client:
-        resp = client.put(
-            folder + "/content",
-            params={"path": path},
-            content=data,
-            headers={"Content-Type": "application/octet-stream"},
-        )
-        assert resp.status_code in (200, 201), resp.text
-
-
-def tab(page: Page, name: str) -> Any:
-    return page.get_by_role("navigation", name="Folder views").get_by_role("link", name=name)
-
-
-def listing_row(page: Page, path: str) -> Any:
-    return page.locator(f'.files-view tbody tr[data-path="{path}"]')
-
-
-def trash_row(page: Page, path: str) -> Any:
-    return page.locator(f'.trash-view tbody tr[data-path="{path}"]')
 
 
 def test_sign_in_upload_preview_download_and_sign_out(
@@ -129,6 +56,8 @@ def test_sign_in_upload_preview_download_and_sign_out(
     page.get_by_label("API token").fill(tenant.token)
     page.get_by_role("button", name="Sign in").click()
     expect(page.get_by_role("link", name="My files")).to_be_visible()
+    # After signing in, focus is on the page's heading, not lost on <body>.
+    expect(page.get_by_role("heading", level=1, name="Files")).to_be_focused()
     cookie = next(c for c in page.context.cookies() if c["name"] == "fsa_session")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     views.snap("home")
@@ -138,6 +67,9 @@ def test_sign_in_upload_preview_download_and_sign_out(
         re.compile(re.escape(folder_url(tenant, "user", tenant.user_id)) + "$")
     )
     expect(page.get_by_role("heading", level=1)).to_have_text("My files")
+    expect(page.get_by_role("heading", level=1)).to_be_focused()
+    # The subtitle names the company and the kind of folder, not a raw id.
+    expect(page.locator(".subtitle")).not_to_contain_text(tenant.user_id)
 
     # Two files dropped at once: both listed with their sizes.
     drop_files(
@@ -179,11 +111,11 @@ def test_sign_in_upload_preview_download_and_sign_out(
     assert order == ["reports", "run.sh", "pixel.png", "notes.txt"]
 
     # Text preview shows the exact text; image preview decodes to the real size.
-    page.get_by_role("button", name="Preview notes.txt").click()
+    page.get_by_role("link", name="Open notes.txt").click()
     preview = page.locator(".preview")
     expect(preview.locator("pre")).to_have_text(notes.decode())
     views.snap("folder-text-preview")
-    page.get_by_role("button", name="Preview pixel.png").click()
+    page.get_by_role("link", name="Open pixel.png").click()
     img = preview.get_by_role("img", name="Preview of pixel.png")
     expect(img).to_be_visible()
     page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=img.element_handle())
@@ -198,14 +130,15 @@ def test_sign_in_upload_preview_download_and_sign_out(
     assert Path(download.path()).read_bytes() == notes
 
     # Navigating into a folder updates the URL and the breadcrumbs.
-    listing_row(page, "reports").get_by_role("link").click()
+    listing_row(page, "reports").get_by_role("link", name="Open folder reports").click()
     expect(page).to_have_url(re.compile(r"\?dir=reports$"))
     expect(page.locator(".crumbs [aria-current]")).to_have_text("reports")
     expect(page.locator(".files-view tbody")).to_contain_text("This directory is empty")
-    expect(page.locator(".crumbs [aria-current]")).to_be_focused()
+    expect(page.get_by_role("heading", level=1)).to_be_focused()
     # Trash and back returns to the same directory.
     tab(page, "Trash").click()
-    expect(page.get_by_role("heading", name="Trash")).to_be_focused()
+    expect(page.get_by_role("heading", name="Trash")).to_be_visible()
+    expect(page.get_by_role("heading", level=1)).to_be_focused()
     tab(page, "Files").click()
     expect(page).to_have_url(re.compile(r"\?dir=reports$"))
 
@@ -226,7 +159,7 @@ def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant, views: Vi
     expect(listing_row(page, "docs")).to_be_visible()
 
     def delete_docs() -> None:
-        listing_row(page, "docs").get_by_role("button", name="Delete docs").click()
+        row_action(listing_row(page, "docs"), "docs", "Delete…")
         dialog = page.get_by_role("dialog")
         expect(dialog).to_contain_text("everything in it will move to Trash")
         dialog.get_by_role("button", name="Delete").click()
@@ -241,7 +174,7 @@ def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant, views: Vi
     tab(page, "Trash").click()
     expect(trash_row(page, "docs")).to_contain_text("Folder with 2 items")
     views.snap("trash")
-    trash_row(page, "docs").get_by_role("button", name="Restore docs").click()
+    trash_row(page, "docs").get_by_role("button", name="Restore docs", exact=True).click()
     expect(page.get_by_role("status")).to_have_text("Restored docs.")
     expect(trash_row(page, "docs")).to_have_count(0)
     assert {e["path"] for e in api_entries(tenant, folder)} == {"docs", "docs/a.txt", "docs/b.txt"}
@@ -254,12 +187,12 @@ def test_trash_restore_collision_and_purge(page: Page, tenant: Tenant, views: Vi
     page.get_by_role("button", name="Create folder").click()
     expect(listing_row(page, "docs")).to_be_visible()
     tab(page, "Trash").click()
-    trash_row(page, "docs").get_by_role("button", name="Restore docs").click()
+    trash_row(page, "docs").get_by_role("button", name="Restore docs", exact=True).click()
     alert = trash_row(page, "docs").get_by_role("alert")
     expect(alert).to_contain_text(
         "Cannot restore: a file or folder already exists at that path: docs"
     )
-    expect(alert).to_contain_text("Move or delete what is there now, then restore again.")
+    expect(alert).to_contain_text("Use Restore as… to bring it back under another name")
     views.snap("trash-collision")
     assert len(api_entries(tenant, folder, trash=True)) == 3
 
@@ -284,22 +217,26 @@ def test_sync_panel_shows_a_runs_save_state(
     task = ctl.admin("create-task", tenant.company_id, project, "Write the report")["id"]
     run = ctl.admin("start-run", tenant.company_id, "--agent", agent, "--task", task)
 
-    # Reach the task's folder through the home page picker.
+    # Reach the task's folder through the home page search.
     sign_in(page, ctl.url, tenant.token)
-    page.get_by_label("Task").select_option(label="Write the report")
-    page.get_by_role("button", name="Open task files").click()
+    page.get_by_label("Search tasks, agents and projects").fill("report")
+    result = page.locator(".result", has_text="Task: Write the report")
+    expect(result).to_contain_text("No files yet")
+    expect(result).to_contain_text("Agent running")
+    expect(page.locator(".result")).to_have_count(1)
+    result.get_by_role("link").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Task: Write the report")
     item = page.locator(f'.runs li[data-run-id="{run["run_id"]}"]')
     expect(item).to_contain_text("Builder Bot")
     expect(item.locator(".state")).to_have_text("Starting")
-    expect(item).to_contain_text("Last agent save: not yet")
-    expect(page.locator(".files-updated")).to_have_text("Files updated: no changes yet")
+    expect(item).to_contain_text("Last save of this folder: not yet")
+    expect(page.locator(".files-updated")).to_have_text("Direct changes: none yet")
 
     # A direct change updates "Files updated" and is never shown as an agent save.
     drop_files(page, ".dropzone", [("draft.md", "text/markdown", b"# Draft\n")])
     expect(listing_row(page, "draft.md")).to_be_visible()
     expect(page.locator(".files-updated time")).to_be_visible()
-    expect(item).to_contain_text("Last agent save: not yet")
+    expect(item).to_contain_text("Last save of this folder: not yet")
 
     files_updated = page.locator(".files-updated time").get_attribute("datetime")
 
@@ -321,7 +258,7 @@ def test_sync_panel_shows_a_runs_save_state(
     assert saved["state"] == "saved" and saved["lastSavedAt"]
     page.reload()
     expect(item.locator(".state")).to_have_text("Saved")
-    save_time = item.locator("p", has_text="Last agent save").locator("time")
+    save_time = item.locator("p", has_text="Last save of this folder").locator("time")
     expect(save_time).to_have_attribute("datetime", saved["lastSavedAt"])
     # The agent's save is not a direct file operation.
     expect(page.locator(".files-updated time")).to_have_attribute("datetime", files_updated or "")
@@ -386,11 +323,12 @@ def test_large_folder_pages_and_a_failed_upload_can_be_retried(
             )
             assert resp.status_code == 200, resp.text
     sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
-    listing_row(page, "many").get_by_role("link").click()
+    listing_row(page, "many").get_by_role("link", name="Open folder many").click()
     rows = page.locator(".files-view tbody tr")
     summary = page.locator(".files-view .list-summary")
     expect(rows).to_have_count(200)
-    expect(summary).to_have_text("Showing 1–200 of the first 200 entries; this directory has more.")
+    # The total comes from the server before every page is loaded.
+    expect(summary).to_have_text("Showing 1–200 of 230 entries.")
     expect(page.get_by_role("button", name="Previous page")).to_be_disabled()
     page.get_by_role("button", name="Next page").click()
     # Only one page of rows is ever in the document.
@@ -398,6 +336,18 @@ def test_large_folder_pages_and_a_failed_upload_can_be_retried(
     expect(summary).to_have_text("Showing 201–230 of 230 entries.")
     expect(rows.first).to_have_attribute("data-path", "many/d0200")
     expect(page.get_by_role("button", name="Next page")).to_be_disabled()
+    # The page is in the address: a reload comes back to it.
+    expect(page).to_have_url(re.compile(r"\?dir=many&page=2$"))
+    page.reload()
+    expect(summary).to_have_text("Showing 201–230 of 230 entries.")
+    expect(rows.first).to_have_attribute("data-path", "many/d0200")
+    # The name filter runs on the server, over entries not loaded yet too.
+    page.get_by_label("Filter by name").fill("d021")
+    expect(summary).to_have_text("10 entries with “d021” in the name.")
+    expect(rows.first).to_have_attribute("data-path", "many/d0210")
+    expect(page).to_have_url(re.compile(r"\?dir=many&q=d021$"))
+    page.get_by_label("Filter by name").fill("")
+    expect(summary).to_have_text("Showing 1–200 of 230 entries.")
     # Sorting by name is operable from the keyboard and covers every entry.
     page.get_by_role("button", name="Name", exact=True).focus()
     page.keyboard.press("Enter")
@@ -480,18 +430,18 @@ def test_previews_of_pdf_binary_and_oversized_files(
     sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
     preview = page.locator(".preview")
 
-    page.get_by_role("button", name="Preview hello.pdf").click()
+    page.get_by_role("link", name="Open hello.pdf").click()
     frame = preview.locator("iframe[title='Preview of hello.pdf']")
     expect(frame).to_be_visible()
     blob_url = frame.get_attribute("src")
     assert blob_url is not None and blob_url.startswith("blob:")
     views.snap("pdf-preview")
 
-    page.get_by_role("button", name="Preview blob.bin").click()
+    page.get_by_role("link", name="Open blob.bin").click()
     expect(preview).to_contain_text("blob.bin is not text, an image or a PDF")
     expect(preview.get_by_role("link", name="Download blob.bin")).to_be_visible()
 
-    page.get_by_role("button", name="Preview huge.log").click()
+    page.get_by_role("link", name="Open huge.log").click()
     expect(preview).to_contain_text("larger than the 8 MiB preview limit")
     with page.expect_download() as download_info:
         preview.get_by_role("link", name="Download huge.log").click()
@@ -499,8 +449,8 @@ def test_previews_of_pdf_binary_and_oversized_files(
 
     page.get_by_role("button", name="Close preview").click()
     expect(preview).to_be_hidden()
-    # Focus returns to the control that opened the preview.
-    expect(page.get_by_role("button", name="Preview huge.log")).to_be_focused()
+    # Focus returns to the file's row.
+    expect(page.get_by_role("link", name="Open huge.log")).to_be_focused()
 
 
 def test_viewer_gets_a_read_only_page_and_writes_need_the_csrf_header(
@@ -514,9 +464,13 @@ def test_viewer_gets_a_read_only_page_and_writes_need_the_csrf_header(
     expect(page.get_by_role("heading", level=1)).to_have_text("Project: Docs site")
     expect(listing_row(page, "readme.md")).to_be_visible()
     expect(page.get_by_text("You have view-only access to this folder.")).to_be_visible()
-    for name in ("Upload files…", "Create folder", "Delete readme.md"):
+    for name in ("Upload files…", "Create folder"):
         expect(page.get_by_role("button", name=name)).to_have_count(0)
-    expect(page.get_by_role("button", name="Preview readme.md")).to_be_visible()
+    expect(page.get_by_text("Drop files here")).to_have_count(0)
+    page.get_by_role("button", name="Actions for readme.md").click()
+    expect(page.get_by_role("menuitem")).to_have_text(["Preview", "Download"])
+    page.keyboard.press("Escape")
+    expect(page.get_by_role("link", name="Open readme.md")).to_be_visible()
 
     # Sign in as the owner: a write from the page without the CSRF header fails.
     page.get_by_role("button", name="Sign out").click()
@@ -560,7 +514,7 @@ def test_trash_pages_keep_each_deleted_folder_whole(page: Page, tenant: Tenant) 
     expect(rows).to_have_count(6)
     # The big folder spans three API pages and still shows as one whole batch.
     expect(trash_row(page, "big")).to_contain_text("Folder with 250 items")
-    trash_row(page, "big").get_by_role("button", name="Restore big").click()
+    trash_row(page, "big").get_by_role("button", name="Restore big", exact=True).click()
     expect(rows).to_have_count(5)
     assert len([e for e in api_entries(tenant, folder) if e["path"].startswith("big/")]) == 250
     page.get_by_role("button", name="Previous page").click()

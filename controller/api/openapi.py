@@ -280,6 +280,13 @@ def document() -> dict[str, Any]:
                             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_LIMIT},
                         },
                         {"name": "dir", "in": "query", "schema": {"type": "string"}},
+                        {
+                            "name": "name",
+                            "in": "query",
+                            "description": "keep entries whose name contains this"
+                            " (case-insensitive)",
+                            "schema": {"type": "string", "maxLength": 255},
+                        },
                     ],
                     "responses": {
                         "200": _resp(
@@ -293,6 +300,8 @@ def document() -> dict[str, Any]:
                                     },
                                     "nextCursor": {"type": ["string", "null"]},
                                     "lastOperationAt": {"type": ["string", "null"]},
+                                    "total": {"type": "integer"},
+                                    "version": {"type": "integer"},
                                 },
                             },
                         ),
@@ -338,6 +347,18 @@ def document() -> dict[str, Any]:
                             "in": "header",
                             "schema": {"type": "string", "enum": ["true", "false"]},
                         },
+                        {
+                            "name": "If-None-Match",
+                            "in": "header",
+                            "description": "* refuses to replace an existing entry (412)",
+                            "schema": {"type": "string", "enum": ["*"]},
+                        },
+                        {
+                            "name": "If-Match",
+                            "in": "header",
+                            "description": '* or "<sha256>": replace only that content (412)',
+                            "schema": {"type": "string"},
+                        },
                     ],
                     "requestBody": {
                         "required": True,
@@ -351,6 +372,7 @@ def document() -> dict[str, Any]:
                         "200": _resp("Replaced, or an idempotent replay (applied: false)"),
                         "201": _resp("Created"),
                         "409": _resp("Parent is a file, kind change, or key reused", _ERROR),
+                        "412": _resp("If-Match or If-None-Match does not hold", _ERROR),
                         "413": _resp("Larger than 1 GiB", _ERROR),
                         **_ERRORS,
                     },
@@ -359,7 +381,7 @@ def document() -> dict[str, Any]:
             base + "/operations": {
                 "parameters": _FOLDER_PARAMS,
                 "post": {
-                    "summary": "mkdir, delete (to trash), restore or purge",
+                    "summary": "mkdir, delete (to trash), move, restore (optionally as) or purge",
                     "requestBody": {
                         "required": True,
                         "content": {
@@ -376,10 +398,23 @@ def document() -> dict[str, Any]:
                                         },
                                         {
                                             "type": "object",
+                                            "required": ["action", "path", "to"],
+                                            "properties": {
+                                                "action": {"enum": ["move"]},
+                                                "path": {"type": "string"},
+                                                "to": {"type": "string"},
+                                            },
+                                        },
+                                        {
+                                            "type": "object",
                                             "required": ["action", "fileId"],
                                             "properties": {
                                                 "action": {"enum": ["restore", "purge"]},
                                                 "fileId": {"type": "string"},
+                                                "to": {
+                                                    "type": "string",
+                                                    "description": "restore only: a new path",
+                                                },
                                             },
                                         },
                                     ]
@@ -389,7 +424,38 @@ def document() -> dict[str, Any]:
                     },
                     "responses": {
                         "200": _resp("Applied (or idempotent replay)"),
-                        "409": _resp("Conflict (kind, parent is file, restore collision)", _ERROR),
+                        "409": _resp(
+                            "Conflict (kind, parent is file, restore collision, move target"
+                            " exists or lies under the source)",
+                            _ERROR,
+                        ),
+                        **_ERRORS,
+                    },
+                },
+            },
+            base + "/changes": {
+                "parameters": _FOLDER_PARAMS,
+                "get": {
+                    "summary": "Whether the folder (or one directory) changed after a version",
+                    "parameters": [
+                        {
+                            "name": "since",
+                            "in": "query",
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                        {"name": "dir", "in": "query", "schema": {"type": "string"}},
+                    ],
+                    "responses": {
+                        "200": _resp(
+                            "The newest version and whether anything changed",
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "version": {"type": "integer"},
+                                    "changed": {"type": "boolean"},
+                                },
+                            },
+                        ),
                         **_ERRORS,
                     },
                 },

@@ -37,7 +37,8 @@ def entry_json(row: Row) -> dict[str, Any]:
     }
 
 
-def run_json(row: Row) -> dict[str, Any]:
+def run_json(row: Row, *, folder_saved_at: datetime | None = None) -> dict[str, Any]:
+    """A run as /sync shows it; ``folderSavedAt`` is its last save of the folder asked about."""
     return {
         "runId": str(row["id"]),
         "agentId": str(row["agent_id"]),
@@ -49,6 +50,7 @@ def run_json(row: Row) -> dict[str, Any]:
         "active": bool(row["active"]),
         "startedAt": iso(row["started_at"]),
         "endedAt": iso(row["ended_at"]),
+        "folderSavedAt": iso(folder_saved_at),
     }
 
 

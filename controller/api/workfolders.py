@@ -27,7 +27,7 @@ from common.limits import (
     MAX_PREVIEW_BYTES,
 )
 from common.paths import validate_owner_id, validate_path, validate_scope, validate_uuid
-from controller import apply, folders, quotas, runs
+from controller import apply, folders, moves, quotas, runs
 from controller.api.common import (
     authenticate,
     connection,
@@ -53,11 +53,13 @@ from controller.api.params import (
 )
 from controller.api.serialize import entry_json, iso, run_json
 from controller.auth import Principal, authorize_folder, authorize_purge, write_policy
+from controller.overwrite import parse_precondition
 from controller.storage.base import object_key
 
 log = logging.getLogger(__name__)
 
 _PRINTABLE = re.compile(r"^[\x20-\x7e]+$")
+MAX_NAME_FILTER_CHARS = 255
 
 
 # --- request parsing -------------------------------------------------------
@@ -122,14 +124,13 @@ async def list_entries(request: Request) -> Response:
         after = {"d": deleted_at, "p": last_path}
     elif cursors:
         after = {"p": decode_list_cursor(cursors[0])}
-    dirs = strict_query(request, "dir")
-    dir_raw = dirs[0] if dirs else None
-    parent = None if dir_raw is None else ("" if dir_raw == "" else validate_path(dir_raw, "dir"))
+    parent = query_dir(request)
+    name = query_name(request)
 
     async with connection(request) as conn:
         _, folder, _ = await open_folder(request, conn, write=False)
         page = await folders.list_entries(
-            conn, folder, parent=parent, trash=trash, limit=limit, after=after
+            conn, folder, parent=parent, trash=trash, limit=limit, after=after, name=name
         )
     next_cursor = None
     if page.more:
@@ -144,8 +145,48 @@ async def list_entries(request: Request) -> Response:
             "entries": [entry_json(r) for r in page.rows],
             "nextCursor": next_cursor,
             "lastOperationAt": iso(page.last_operation_at),
+            "total": page.total,
+            "version": page.version,
         }
     )
+
+
+def query_dir(request: Request) -> str | None:
+    """``dir``: None (the whole folder), "" (the top level) or a directory path."""
+    dirs = strict_query(request, "dir")
+    if len(dirs) > 1:
+        raise ValidationError.single("dir", "invalid_path", "at most one dir query parameter")
+    if not dirs:
+        return None
+    return "" if dirs[0] == "" else validate_path(dirs[0], "dir")
+
+
+def query_name(request: Request) -> str | None:
+    values = strict_query(request, "name")
+    if len(values) > 1 or (values and len(values[0]) > MAX_NAME_FILTER_CHARS):
+        raise ValidationError.single(
+            "name",
+            "invalid_name_filter",
+            f"at most one name filter of at most {MAX_NAME_FILTER_CHARS} characters",
+        )
+    if values and any(ord(c) < 0x20 or ord(c) == 0x7F for c in values[0]):
+        raise ValidationError.single(
+            "name", "invalid_name_filter", "the name filter may not hold control characters"
+        )
+    return values[0] if values and values[0] else None
+
+
+# --- GET /changes ------------------------------------------------------------
+
+
+@json_errors
+async def get_changes(request: Request) -> Response:
+    since = query_int(request, "since", 0, minimum=0, maximum=2**63 - 1, code="invalid_integer")
+    parent = query_dir(request)
+    async with connection(request) as conn:
+        _, folder, _ = await open_folder(request, conn, write=False)
+        changes = await folders.changes_since(conn, folder, since=since, parent=parent)
+    return JSONResponse({"version": changes.version, "changed": changes.changed})
 
 
 # --- GET /content ----------------------------------------------------------
@@ -208,6 +249,9 @@ async def put_content(request: Request) -> Response:
     st = state(request)
     path = query_path(request)
     file_ctype, executable = upload_headers(request)
+    precondition = parse_precondition(
+        request.headers.get("if-match"), request.headers.get("if-none-match")
+    )
     op_id = idempotency_key(request)
     # Authorize before reading a single body byte.
     principal, folder, address = await write_transaction(
@@ -243,6 +287,7 @@ async def put_content(request: Request) -> Response:
                 ensure_object=ensure,
                 gc_delay=st.settings.gc_delay,
                 policy=policy,
+                precondition=precondition,
             ),
         )
     except BaseException:
@@ -260,6 +305,7 @@ async def put_content(request: Request) -> Response:
 _OPERATION_FIELDS = {
     "mkdir": {"action", "path"},
     "delete": {"action", "path"},
+    "move": {"action", "path", "to"},
     "restore": {"action", "fileId"},
     "purge": {"action", "fileId"},
 }
@@ -273,9 +319,10 @@ async def post_operations(request: Request) -> Response:
     action = body.get("action")
     if not isinstance(action, str) or action not in _OPERATION_FIELDS:
         raise ValidationError.single(
-            "action", "invalid_action", "action must be mkdir, delete, restore or purge"
+            "action", "invalid_action", "action must be mkdir, delete, move, restore or purge"
         )
-    extra = set(body) - _OPERATION_FIELDS[action]
+    # restore may name a new path for the batch ("restore as").
+    extra = set(body) - _OPERATION_FIELDS[action] - ({"to"} if action == "restore" else set())
     missing = _OPERATION_FIELDS[action] - set(body)
     if extra or missing:
         raise ValidationError(
@@ -303,11 +350,29 @@ async def post_operations(request: Request) -> Response:
             return await apply.delete_path(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
             )
+        elif action == "move":
+            return await moves.move(
+                conn,
+                folder,
+                path=validate_path(body["path"]),
+                to=body_path(body, "to"),
+                operation_id=op_id,
+                policy=policy,
+            )
         else:
             file_id = body["fileId"]
             if not isinstance(file_id, str):
                 raise ValidationError.single("fileId", "invalid_uuid", "fileId must be a UUID")
             file_id = validate_uuid(file_id, "fileId")
+            if action == "restore" and "to" in body:
+                return await moves.restore_as(
+                    conn,
+                    folder,
+                    file_id=file_id,
+                    to=body_path(body, "to"),
+                    operation_id=op_id,
+                    policy=policy,
+                )
             if action == "restore":
                 return await apply.restore(
                     conn, folder, file_id=file_id, operation_id=op_id, policy=policy
@@ -325,6 +390,13 @@ async def post_operations(request: Request) -> Response:
     return JSONResponse(await write_transaction(request, operate))
 
 
+def body_path(body: dict[str, Any], field: str) -> str:
+    value = body[field]
+    if not isinstance(value, str):
+        raise ValidationError.single(field, "invalid_path", f"{field} must be a path string")
+    return validate_path(value, field)
+
+
 # --- GET /sync and POST /refresh -------------------------------------------
 
 
@@ -333,9 +405,10 @@ async def get_sync(request: Request) -> Response:
     async with connection(request) as conn:
         _, folder, address = await open_folder(request, conn, write=False)
         sync = await runs.sync_status(conn, folder, *address)
+        saves = await folders.folder_saves(conn, folder)
     return JSONResponse(
         {
-            "runs": [run_json(r) for r in sync.runs],
+            "runs": [run_json(r, folder_saved_at=saves.get(str(r["id"]))) for r in sync.runs],
             "lastOperationAt": iso(sync.last_operation_at),
         }
     )
@@ -365,6 +438,7 @@ routes = [
     Route(BASE + "/content", get_content, methods=["GET", "HEAD"]),
     Route(BASE + "/content", put_content, methods=["PUT"]),
     Route(BASE + "/operations", post_operations, methods=["POST"]),
+    Route(BASE + "/changes", get_changes, methods=["GET"]),
     Route(BASE + "/sync", get_sync, methods=["GET"]),
     Route(BASE + "/refresh", post_refresh, methods=["POST"]),
 ]

@@ -30,6 +30,9 @@ const PLAIN_MESSAGES = {
   database_unavailable: "The server's database is unavailable right now. Try again shortly.",
   storage_unavailable: "File storage is unavailable right now. Try again shortly.",
   internal_error: "Something went wrong on the server. Try again.",
+  target_exists: "Something with that name is already there. Pick another name.",
+  move_into_itself: "A folder cannot be moved into itself.",
+  precondition_failed: "The file changed in the meantime.",
 };
 
 export class ApiError extends Error {
@@ -143,11 +146,31 @@ export class FolderApi {
   }
 
   /** One page of entries: direct children of `dir`, or the whole trash. */
-  list({ dir = null, trash = false, cursor = null, limit = PAGE_SIZE } = {}) {
+  list({ dir = null, trash = false, cursor = null, limit = PAGE_SIZE, name = "" } = {}) {
     const q = new URLSearchParams({ trash: String(trash), limit: String(limit) });
     if (dir !== null) q.set("dir", dir);
     if (cursor) q.set("cursor", cursor);
+    if (name) q.set("name", name);
     return request("GET", `${this.base}/?${q}`);
+  }
+
+  /** The entry at `path`, or null: one filtered listing of its directory. */
+  async entry(path) {
+    const i = path.lastIndexOf("/");
+    const dir = i < 0 ? "" : path.slice(0, i);
+    const page = await this.list({ dir, name: path.slice(i + 1), limit: 1000 });
+    return page.entries.find((e) => e.path === path) || null;
+  }
+
+  /** {version, changed}: whether `dir` (or, with null, anything) changed after `since`. */
+  changes(since, dir = null) {
+    const q = new URLSearchParams({ since: String(since) });
+    if (dir !== null) q.set("dir", dir);
+    return request("GET", `${this.base}/changes?${q}`);
+  }
+
+  move(path, to, key = newIdempotencyKey()) {
+    return this.operation({ action: "move", path, to }, key);
   }
 
   contentUrl(path, { preview = false } = {}) {
@@ -180,7 +203,7 @@ export class FolderApi {
    * upload progress. The caller keeps `key` and passes it again on retry, so
    * an upload that landed but whose answer was lost is not applied twice.
    */
-  upload(path, file, { key, executable = false, onProgress = () => {} }) {
+  upload(path, file, { key, executable = false, condition = null, onProgress = () => {} }) {
     const xhr = new XMLHttpRequest();
     const promise = new Promise((resolve, reject) => {
       xhr.open("PUT", this.contentUrl(path));
@@ -189,6 +212,9 @@ export class FolderApi {
       xhr.setRequestHeader("Idempotency-Key", key);
       if (file.type) xhr.setRequestHeader("X-File-Content-Type", file.type);
       if (executable) xhr.setRequestHeader("X-File-Executable", "true");
+      // "new": refuse to replace anything; a digest: replace only that content.
+      if (condition === "new") xhr.setRequestHeader("If-None-Match", "*");
+      else if (condition) xhr.setRequestHeader("If-Match", `"${condition}"`);
       xhr.upload.addEventListener("progress", (e) => {
         if (e.lengthComputable) onProgress(e.loaded, e.total);
       });

@@ -1,8 +1,9 @@
 // Entry point of the Files page: session, routing, sign-in and the home view.
 //
 // Routes (all under /files/):
-//   /files/                                  home: "My files" and pickers per company
-//   /files/{companyId}/{scope}/{ownerId}     one work folder (?dir=a/b, ?view=trash)
+//   /files/                                  home: "My files" and a search per company
+//   /files/{companyId}/{scope}/{ownerId}     one work folder (?dir=a/b, ?view=trash,
+//                                            ?preview=a/b/c.txt, ?q=filter, ?page=N)
 
 import {
   ApiError,
@@ -15,6 +16,7 @@ import {
 } from "./api.js";
 import { carriesFiles, clear, h, uid } from "./dom.js";
 import { FolderPage, SCOPES } from "./folder.js";
+import { renderHome } from "./home.js";
 
 const main = document.getElementById("main");
 const account = document.getElementById("account");
@@ -57,6 +59,9 @@ function parseRoute() {
       ownerId,
       dir: params.get("dir") || "",
       view: params.get("view") === "trash" ? "trash" : "files",
+      preview: params.get("preview") || null,
+      q: params.get("q") || "",
+      page: Math.max(1, Number.parseInt(params.get("page") || "1", 10) || 1),
     };
   }
   return { name: "unknown" };
@@ -215,14 +220,15 @@ function render() {
     return;
   }
   teardownPage();
-  if (route.name === "home") renderHome();
+  if (route.name === "home") renderHome(main, app.session, directoryFor);
   else renderUnknown();
 }
 
 function renderUnknown() {
   document.title = "Not found · Files";
+  const heading = h("h1", { tabindex: "-1", text: "Page not found" });
   clear(main).append(
-    h("h1", { tabindex: "-1", text: "Page not found" }),
+    heading,
     h(
       "p",
       {},
@@ -231,111 +237,7 @@ function renderUnknown() {
       ".",
     ),
   );
-}
-
-const PICKERS = [
-  { scope: "task", label: "Task", plural: "tasks", list: (d) => d.tasks, name: (t) => t.title },
-  { scope: "agent", label: "Agent", plural: "agents", list: (d) => d.agents, name: (a) => a.name },
-  {
-    scope: "project",
-    label: "Project",
-    plural: "projects",
-    list: (d) => d.projects,
-    name: (p) => p.name,
-  },
-];
-
-function renderHome() {
-  document.title = "Files";
-  const { session } = app;
-  const heading = h("h1", { tabindex: "-1", text: "Files" });
-  clear(main).append(heading);
-  if (!session.companies.length) {
-    main.append(h("p", { text: "You are not a member of any company yet." }));
-    return;
-  }
-  for (const company of session.companies) {
-    const headingId = uid("company");
-    const pickers = h(
-      "div",
-      { class: "pickers", "aria-busy": "true" },
-      h("p", { class: "muted", text: "Loading tasks, agents and projects…" }),
-    );
-    main.append(
-      h(
-        "section",
-        { class: "card company", "aria-labelledby": headingId },
-        h("h2", { id: headingId, text: company.name }),
-        h("p", { class: "muted", text: `Your role: ${company.role}` }),
-        h(
-          "p",
-          {},
-          h("a", {
-            class: "button-link",
-            href: `/files/${encodeURIComponent(company.id)}/user/${encodeURIComponent(session.userId)}`,
-            "data-nav": true,
-            text: "My files",
-          }),
-        ),
-        pickers,
-      ),
-    );
-    fillPickers(pickers, company.id);
-  }
-}
-
-async function fillPickers(container, companyId) {
-  let directory;
-  try {
-    directory = await directoryFor(companyId);
-  } catch (err) {
-    if (!(err instanceof ApiError)) throw err;
-    container.removeAttribute("aria-busy");
-    clear(container).append(
-      h("p", {
-        class: "error",
-        role: "alert",
-        text: `Could not load this company's folders: ${err.message}`,
-      }),
-    );
-    return;
-  }
-  container.removeAttribute("aria-busy");
-  clear(container);
-  for (const picker of PICKERS) {
-    const items = picker.list(directory);
-    const selectId = uid(picker.scope);
-    if (!items.length) {
-      container.append(
-        h(
-          "div",
-          { class: "picker" },
-          h("span", { class: "picker-label", text: picker.label }),
-          h("p", { class: "muted", text: `No ${picker.plural} yet.` }),
-        ),
-      );
-      continue;
-    }
-    const select = h(
-      "select",
-      { id: selectId, name: picker.scope },
-      items.map((item) => h("option", { value: item.id, text: picker.name(item) })),
-    );
-    const form = h(
-      "form",
-      { class: "picker" },
-      h("label", { for: selectId, class: "picker-label", text: picker.label }),
-      select,
-      h("button", { type: "submit" }, `Open ${picker.label.toLowerCase()} files`),
-    );
-    form.addEventListener("submit", (event) => {
-      event.preventDefault();
-      navigate(
-        `/files/${encodeURIComponent(companyId)}/${picker.scope}/${encodeURIComponent(select.value)}`,
-      );
-    });
-    container.append(form);
-  }
+  heading.focus();
 }
 
 async function boot() {

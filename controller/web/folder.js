@@ -1,16 +1,18 @@
 // One work folder's page. It lays out the views and routes between them;
 // each view is its own module and reaches the others through this page:
 //
-//   listing.js    the files view (breadcrumbs, table, sorting, paging, delete)
+//   listing.js    the files view (breadcrumbs, table, sorting, paging, filter, delete)
 //   newfolder.js  the files view's "New folder" form
 //   uploads.js    upload button, drag-and-drop, the upload queue
-//   preview.js    the preview panel
-//   trash.js      the trash view (batches, restore, purge)
+//   preview.js    the preview view (?preview=path)
+//   trash.js      the trash view (batches, restore, restore as, purge)
 //   sync.js       the sync panel (last change, agent runs, refresh requests)
+//   live.js       polls the folder's changes and refreshes what is on screen
 
 import { ApiError, FolderApi } from "./api.js";
 import { clear, h, uid } from "./dom.js";
 import { Listing } from "./listing.js";
+import { LiveUpdates } from "./live.js";
 import { Preview } from "./preview.js";
 import { SyncPanel } from "./sync.js";
 import { Trash } from "./trash.js";
@@ -46,6 +48,15 @@ export class FolderPage {
     this.preview = null;
     this.trash = null;
     this.sync = null;
+    this.live = null;
+    this.onKey = (event) => {
+      // Escape closes the preview unless a dialog or menu has it.
+      if (event.key !== "Escape" || !this.preview?.path || event.defaultPrevented) return;
+      if (document.querySelector("dialog[open]")) return;
+      event.preventDefault();
+      this.closePreview();
+    };
+    document.addEventListener("keydown", this.onKey);
   }
 
   sameFolder(route) {
@@ -58,7 +69,9 @@ export class FolderPage {
 
   destroy() {
     this.destroyed = true;
+    document.removeEventListener("keydown", this.onKey);
     this.sync?.stop();
+    this.live?.stop();
     this.preview?.revokeUrl();
     this.uploads?.abortAll();
   }
@@ -66,6 +79,36 @@ export class FolderPage {
   dirUrl(dir) {
     const base = location.pathname;
     return dir ? `${base}?${new URLSearchParams({ dir })}` : base;
+  }
+
+  /** The address of a file's preview: its directory's URL plus ?preview=path. */
+  previewUrl(path) {
+    const q = new URLSearchParams();
+    if (this.dir) q.set("dir", this.dir);
+    q.set("preview", path);
+    return `${location.pathname}?${q}`;
+  }
+
+  openPreview(path) {
+    this.navigate(this.previewUrl(path));
+  }
+
+  /** Back to the directory's address; focus returns to the file's row. */
+  closePreview() {
+    const path = this.preview.path;
+    this.navigate(this.dirUrl(this.dir));
+    if (path) this.listing.focusPath(path);
+  }
+
+  /** Change query parameters in place (page, filter): no new history entry. */
+  replaceParams(changes) {
+    const q = new URLSearchParams(location.search);
+    for (const [key, value] of Object.entries(changes)) {
+      if (value === null || value === "") q.delete(key);
+      else q.set(key, value);
+    }
+    const search = q.toString();
+    history.replaceState(null, "", search ? `${location.pathname}?${search}` : location.pathname);
   }
 
   trashUrl() {
@@ -126,7 +169,7 @@ export class FolderPage {
       first =
         this.view === "trash"
           ? await this.api.list({ trash: true })
-          : await this.api.list({ dir: this.dir });
+          : await this.api.list({ dir: this.dir, name: this.route.q });
     } catch (err) {
       if (this.destroyed) return;
       if (!(err instanceof ApiError)) throw err;
@@ -141,21 +184,29 @@ export class FolderPage {
     if (this.view === "trash") {
       this.trash.acceptPage(first, true);
       this.trash.fresh = true;
-    } else this.listing.acceptPage(first, this.dir, true);
+    } else {
+      this.listing.acceptPage(first, this.dir, true);
+      this.listing.openWantedPage();
+    }
     this.sync.showFilesUpdated(first.lastOperationAt);
-    this.applyView(false);
+    this.applyView(true);
+    if (this.route.preview) this.applyPreview();
     this.resolveNames();
     this.refreshSync();
     this.sync.startPolling();
+    this.live = new LiveUpdates(this);
+    this.live.start();
   }
 
   renderNotFound() {
     document.title = "Folder not found · Files";
+    const heading = h("h1", { tabindex: "-1", text: "Folder not found" });
     clear(this.root).append(
-      h("h1", { tabindex: "-1", text: "Folder not found" }),
+      heading,
       h("p", { class: "error", role: "alert", text: NOT_FOUND_TEXT }),
       h("p", {}, h("a", { href: "/files/", "data-nav": true, text: "Go to your files" })),
     );
+    heading.focus();
   }
 
   renderLoadError(err) {
@@ -203,6 +254,7 @@ export class FolderPage {
       sync: uid("sync-heading"),
       preview: uid("preview-heading"),
       exec: uid("exec"),
+      filter: uid("filter"),
       folderName: uid("folder-name"),
       upload: uid("upload-input"),
     };
@@ -233,22 +285,29 @@ export class FolderPage {
       h(
         "div",
         { class: "layout" },
-        h("div", { class: "primary" }, this.listing.section, this.trash.section),
-        h("div", { class: "secondary-col" }, this.preview.section, this.sync.section),
+        h(
+          "div",
+          { class: "primary" },
+          this.preview.section,
+          this.listing.section,
+          this.trash.section,
+        ),
+        h("div", { class: "secondary-col" }, this.sync.section),
       ),
+      this.uploads.box,
     );
     this.renderTitle();
   }
 
   renderTitle() {
-    const { scope, ownerId } = this.route;
+    const { scope } = this.route;
     const label = SCOPE_LABEL[scope];
     let title;
     if (scope === "user") title = this.ownerName || "User files";
     else title = this.ownerName ? `${label}: ${this.ownerName}` : `${label} files`;
     this.titleEl.textContent = title;
     const companyName = this.company ? this.company.name : "";
-    const parts = [companyName, `${label.toLowerCase()} folder`, ownerId].filter(Boolean);
+    const parts = [companyName, `${label.toLowerCase()} folder`].filter(Boolean);
     this.subtitleEl.textContent = parts.join(" · ");
     document.title = `${title} · Files`;
   }
@@ -269,7 +328,20 @@ export class FolderPage {
     if (route.view === "files") this.dir = route.dir;
     this.view = route.view;
     this.announce("");
+    const previewChanged = (route.preview || null) !== (this.preview.path || null);
     this.applyView(dirChanged || viewChanged);
+    if (previewChanged || dirChanged || viewChanged) this.applyPreview();
+  }
+
+  /** Open or close the preview to match the URL's ?preview=. */
+  applyPreview() {
+    const path = this.view === "files" ? this.route.preview : null;
+    if (!path) {
+      this.preview.close();
+      return;
+    }
+    const entry = this.listing.entryAt(path);
+    this.preview.openPath(path, entry);
   }
 
   applyView(moveFocus) {
@@ -286,7 +358,8 @@ export class FolderPage {
       this.trashTab.removeAttribute("aria-current");
       this.listing.showDir();
     }
-    // Keyboard and screen reader users land where the new content starts.
-    if (moveFocus) (trash ? this.trash.heading : this.listing.currentCrumb()).focus();
+    // Keyboard and screen reader users land on the main heading after every
+    // navigation (the preview takes focus itself when it opens).
+    if (moveFocus && !(this.view === "files" && this.route.preview)) this.titleEl.focus();
   }
 }

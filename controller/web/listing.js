@@ -1,5 +1,7 @@
-// The files view: breadcrumbs, the toolbar (uploads, new folder), the drop
-// zone and the listing of one directory's direct children, with Delete.
+// The files view: breadcrumbs, the toolbar (uploads, new folder, name
+// filter), the selection bar and the listing of one directory's direct
+// children. Rows are built in rows.js, keyboard work is keys.js, rename and
+// move are moveops.js.
 //
 // At most PAGE_SIZE rows are in the document at any time, whatever the
 // folder holds: laying out a table of ten thousand rows takes seconds, two
@@ -7,16 +9,20 @@
 // time, in the server's order (by name, byte order), and later pages are
 // fetched only when the user pages forward. Sorting by a column needs every
 // entry, so the first click on a header of a partly loaded folder loads the
-// rest first.
+// rest first. The name filter runs on the server, so it covers every entry.
 
 import { ApiError, PAGE_SIZE } from "./api.js";
 import { confirmAction } from "./dialog.js";
-import { baseName, clear, formatSize, h, isWithin, parentDir, timeElement } from "./dom.js";
+import { baseName, clear, h, isWithin, parentDir, plural } from "./dom.js";
+import { RowKeys } from "./keys.js";
+import { MoveOps } from "./moveops.js";
 import { NewFolderForm } from "./newfolder.js";
-import { Pager, clampStart, countText, entryName, showingText } from "./table.js";
+import { buildRow, rowLink } from "./rows.js";
+import { Pager, clampStart, countText } from "./table.js";
 
 const SORT_LABEL = { name: "Name", size: "Size", modified: "Modified", executable: "Executable" };
 const NAME_ORDER = new Intl.Collator(undefined, { numeric: true, sensitivity: "base" });
+const FILTER_DELAY_MS = 250;
 
 const SORT_VALUE = {
   name: () => 0,
@@ -53,12 +59,19 @@ export class Listing {
     this.entries = [];
     this.rowCache = new Map(); // path -> {entry, tr}: rows are rebuilt only when their entry changes
     this.cursor = null;
+    this.total = 0; // entries the server has for this directory and filter
+    this.version = 0; // the folder version the loaded entries show
     this.loadedFor = null; // dir whose listing is in this.entries
     this.seq = 0; // discards answers to superseded listing requests
     this.sort = null; // null: the server's order, until a header is clicked
     this.sorted = null; // this.entries in display order; null when stale
     this.start = 0; // index in the display order of the first row shown
+    this.selected = new Set(); // paths
+    this.name = folder.route.q || ""; // the name filter
+    this.wantedPage = folder.route.page || 1; // from the URL, until it is reached
+    this.ops = new MoveOps(this);
     this.section = this.build(ids);
+    this.keys = new RowKeys(this);
   }
 
   build(ids) {
@@ -70,6 +83,43 @@ export class Listing {
     const toolbar = folder.readOnly
       ? h("p", { class: "muted", text: "You have view-only access to this folder." })
       : h("div", { class: "toolbar" }, folder.uploads.controls, this.newFolder.form);
+
+    this.filter = h("input", {
+      id: ids.filter,
+      type: "search",
+      autocomplete: "off",
+      spellcheck: "false",
+      value: this.name,
+    });
+    let timer = null;
+    this.filter.addEventListener("input", () => {
+      clearTimeout(timer);
+      timer = setTimeout(() => this.setFilter(this.filter.value.trim()), FILTER_DELAY_MS);
+    });
+    const filterForm = h(
+      "form",
+      { class: "filter", role: "search" },
+      h("label", { for: ids.filter, text: "Filter by name" }),
+      this.filter,
+    );
+    filterForm.addEventListener("submit", (e) => {
+      e.preventDefault();
+      clearTimeout(timer);
+      this.setFilter(this.filter.value.trim());
+    });
+
+    this.bulkCount = h("span", { class: "bulk-count" });
+    const bulkButton = (label, action, cls = "small") =>
+      h("button", { type: "button", class: cls, onClick: () => action(this.selectedEntries()) }, label);
+    this.bulkBar = h(
+      "div",
+      { class: "bulk", role: "region", "aria-label": "Selected items", hidden: true },
+      this.bulkCount,
+      bulkButton("Download", (e) => this.ops.downloadSelected(e)),
+      folder.readOnly ? null : bulkButton("Move…", (e) => this.ops.move(e)),
+      folder.readOnly ? null : bulkButton("Delete…", (e) => this.ops.deleteSelected(e), "small danger-outline"),
+      bulkButton("Clear selection", () => this.clearSelection(), "small secondary"),
+    );
 
     this.tbody = h("tbody");
     this.sortButtons = {};
@@ -83,10 +133,12 @@ export class Listing {
       this.sortButtons[key] = button;
       return h("th", { scope: "col", class: cls }, button);
     };
+    this.selectAll = h("input", { type: "checkbox", "aria-label": "Select all shown" });
+    this.selectAll.addEventListener("change", () => this.selectShown(this.selectAll.checked));
     this.caption = h("caption", { class: "sr-only" });
     const table = h(
       "table",
-      { class: "listing" },
+      { class: "listing files" },
       this.caption,
       h(
         "thead",
@@ -94,6 +146,7 @@ export class Listing {
         h(
           "tr",
           {},
+          h("td", { class: "col-select" }, this.selectAll),
           header("name", "col-name"),
           header("size", "col-size"),
           header("modified", "col-modified"),
@@ -104,18 +157,13 @@ export class Listing {
       this.tbody,
     );
 
-    this.dropHint = h("p", { class: "drop-hint muted" });
-    const dropZone = h(
-      "div",
-      { class: "dropzone" },
-      this.dropHint,
-      h("div", { class: "table-scroll" }, table),
-    );
+    this.dropHint = folder.readOnly ? null : h("p", { class: "drop-hint muted" });
+    const dropZone = h("div", { class: "dropzone" }, this.dropHint, table);
     if (!folder.readOnly) folder.uploads.acceptDrops(dropZone);
 
     this.summary = h("p", { class: "muted list-summary", "aria-live": "polite" });
     this.pager = new Pager((step) => this.turnPage(step));
-    this.error = h("p", { class: "error", role: "alert" });
+    this.error = h("p", { class: "error list-error", role: "alert" });
 
     return h(
       "section",
@@ -124,26 +172,20 @@ export class Listing {
       this.crumbs,
       toolbar,
       this.newFolder.error,
-      folder.uploads.box,
+      filterForm,
+      this.bulkBar,
+      this.error,
       dropZone,
       h("div", { class: "list-footer" }, this.summary, this.pager.el),
-      this.error,
     );
-  }
-
-  /** Where focus goes when the user moves to another directory. */
-  currentCrumb() {
-    return this.crumbs.querySelector("[aria-current]");
   }
 
   renderBreadcrumbs() {
     const { dir } = this.folder;
     const rootLabel = this.folder.rootLabel();
+    const parts = dir ? dir.split("/") : [];
     const items = [{ label: rootLabel, dir: "" }];
-    if (dir) {
-      const parts = dir.split("/");
-      parts.forEach((part, i) => items.push({ label: part, dir: parts.slice(0, i + 1).join("/") }));
-    }
+    parts.forEach((part, i) => items.push({ label: part, dir: parts.slice(0, i + 1).join("/") }));
     const list = h("ol");
     items.forEach((item, i) => {
       const last = i === items.length - 1;
@@ -152,25 +194,44 @@ export class Listing {
           "li",
           {},
           last
-            ? h("span", { "aria-current": "location", tabindex: "-1", text: item.label })
+            ? h("span", { "aria-current": "location", text: item.label })
             : h("a", { href: this.folder.dirUrl(item.dir), "data-nav": true, text: item.label }),
         ),
       );
     });
     clear(this.crumbs).append(list);
     this.caption.textContent = dir ? `Contents of ${dir}` : `Contents of ${rootLabel}`;
-    this.dropHint.textContent = `Drop files here to upload them to ${dir || "the top of this folder"}.`;
+    if (this.dropHint) {
+      this.dropHint.textContent = `Drop files here to upload them to ${dir || "the top of this folder"}.`;
+    }
   }
 
   /** Show the folder's current directory, loading it unless it is on screen. */
   showDir() {
     this.renderBreadcrumbs();
-    if (this.loadedFor !== this.folder.dir) this.reload();
+    if (this.loadedFor !== this.folder.dir) {
+      // Another directory starts with the address's filter and page (usually none).
+      const { q, page } = this.folder.route;
+      this.name = q || "";
+      this.filter.value = this.name;
+      this.wantedPage = page || 1;
+      this.selected.clear();
+      this.reload();
+    }
   }
 
   /** Forget the loaded directory: it reloads when the files view is shown again. */
   invalidate() {
     this.loadedFor = null;
+  }
+
+  setFilter(name) {
+    if (name === this.name) return;
+    this.name = name;
+    this.wantedPage = 1;
+    this.folder.replaceParams({ q: name || null, page: null });
+    this.selected.clear();
+    this.reload();
   }
 
   async reload() {
@@ -179,10 +240,11 @@ export class Listing {
     this.error.textContent = "";
     this.tbody.setAttribute("aria-busy", "true");
     try {
-      const page = await this.folder.api.list({ dir });
+      const page = await this.folder.api.list({ dir, name: this.name });
       if (seq !== this.seq || this.folder.destroyed) return;
       this.acceptPage(page, dir, true);
       this.folder.sync.showFilesUpdated(page.lastOperationAt);
+      await this.openWantedPage();
     } catch (err) {
       if (seq !== this.seq || this.folder.destroyed) return;
       this.error.textContent = `Could not load this directory: ${this.folder.explain(err)}`;
@@ -191,13 +253,63 @@ export class Listing {
     }
   }
 
+  /** A `?page=N` from the URL: fetch pages until it is loaded, then show it. */
+  async openWantedPage() {
+    const wanted = this.wantedPage;
+    this.wantedPage = 1;
+    if (wanted <= 1) return;
+    const target = (wanted - 1) * PAGE_SIZE;
+    while (this.entries.length <= target && this.cursor) {
+      if (!(await this.fetchMore({ render: false }))) break;
+    }
+    this.start = clampStart(target, this.entries.length);
+    this.renderRows();
+  }
+
+  /**
+   * Load the pages on screen again (the folder changed, or this page moved
+   * or deleted something) and keep the current page, sort and focus. Rows
+   * whose entry did not change keep their elements.
+   */
+  async reloadKeepingPlace() {
+    const { dir } = this.folder;
+    const seq = ++this.seq;
+    const pages = Math.max(1, Math.ceil(this.entries.length / PAGE_SIZE));
+    const fresh = [];
+    let cursor = null;
+    let last = null;
+    try {
+      for (let i = 0; i < pages; i += 1) {
+        last = await this.folder.api.list({ dir, name: this.name, cursor });
+        if (seq !== this.seq || this.folder.destroyed) return;
+        fresh.push(...last.entries);
+        cursor = last.nextCursor;
+        if (!cursor) break;
+      }
+    } catch (err) {
+      if (!(err instanceof ApiError)) throw err;
+      if (seq === this.seq) this.error.textContent = `Could not refresh: ${this.folder.explain(err)}`;
+      return;
+    }
+    this.entries = fresh;
+    this.cursor = cursor;
+    this.total = last.total;
+    this.version = Math.max(this.version, last.version);
+    this.loadedFor = dir;
+    this.sorted = null;
+    const known = new Set(fresh.map((e) => e.path));
+    for (const path of [...this.selected]) if (!known.has(path)) this.selected.delete(path);
+    this.folder.sync.showFilesUpdated(last.lastOperationAt);
+    this.renderRows();
+  }
+
   /** Fetch the next API page of this directory; false when it failed. */
   async fetchMore({ render = true } = {}) {
     const { dir } = this.folder;
     const seq = this.seq;
     this.error.textContent = "";
     try {
-      const page = await this.folder.api.list({ dir, cursor: this.cursor });
+      const page = await this.folder.api.list({ dir, name: this.name, cursor: this.cursor });
       if (seq !== this.seq || this.folder.destroyed) return false;
       this.acceptPage(page, dir, false, render);
       return true;
@@ -218,6 +330,8 @@ export class Listing {
       this.start = target;
     } finally {
       this.renderRows();
+      const page = Math.floor(this.start / PAGE_SIZE) + 1;
+      this.folder.replaceParams({ page: page > 1 ? String(page) : null });
     }
   }
 
@@ -245,6 +359,8 @@ export class Listing {
     const known = new Set(this.entries.map((e) => e.path));
     for (const entry of page.entries) if (!known.has(entry.path)) this.entries.push(entry);
     this.cursor = page.nextCursor;
+    this.total = page.total;
+    this.version = Math.max(this.version, page.version || 0);
     this.loadedFor = dir;
     this.sorted = null;
     if (render) this.renderRows();
@@ -272,6 +388,10 @@ export class Listing {
     return this.sorted;
   }
 
+  entryAt(path) {
+    return this.entries.find((e) => e.path === path) || null;
+  }
+
   renderSortHeaders() {
     const sort = this.sort || { key: "name", ascending: true };
     for (const [key, button] of Object.entries(this.sortButtons)) {
@@ -290,102 +410,103 @@ export class Listing {
   renderRows() {
     this.renderSortHeaders();
     const order = this.displayOrder();
-    const total = order.length;
-    this.start = clampStart(this.start, total);
+    const loaded = order.length;
+    this.start = clampStart(this.start, loaded);
     const shown = order.slice(this.start, this.start + PAGE_SIZE);
+    // Re-inserting a row takes focus off it; give it back afterwards.
+    const focused = this.tbody.contains(document.activeElement) ? document.activeElement : null;
     const fragment = document.createDocumentFragment();
     for (const entry of shown) fragment.append(this.rowFor(entry));
-    if (!total) {
-      fragment.append(
-        h(
-          "tr",
-          { class: "empty" },
-          h("td", {
-            colspan: "5",
-            text: this.folder.readOnly
-              ? "This directory is empty."
-              : "This directory is empty. Drop files here or use Upload files.",
-          }),
-        ),
-      );
+    if (!loaded) {
+      let text = "This directory is empty.";
+      if (this.name) text = `Nothing here has a name containing “${this.name}”.`;
+      else if (!this.folder.readOnly) text += " Drop files here or use Upload files.";
+      fragment.append(h("tr", { class: "empty" }, h("td", { colspan: "6", text })));
     }
     this.tbody.replaceChildren(fragment);
+    this.keys.restore();
+    if (focused && focused.isConnected) focused.focus({ preventScroll: true });
+    this.renderSelection();
 
     const more = Boolean(this.cursor);
-    const paged = this.pager.update(this.start, total, more);
+    const total = Math.max(this.total, loaded);
+    const paged = this.pager.update(this.start, loaded, more);
     const count = countText(total, "entry", "entries");
-    if (!total) this.summary.textContent = "";
-    else if (!paged) this.summary.textContent = `${count}.`;
+    const matching = this.name ? ` with “${this.name}” in the name` : "";
+    if (!loaded) this.summary.textContent = "";
+    else if (!paged) this.summary.textContent = `${count}${matching}.`;
     else {
-      this.summary.textContent = showingText(
-        this.start,
-        shown.length,
-        count,
-        more,
-        "this directory",
-      );
+      const range = `${(this.start + 1).toLocaleString()}–${(this.start + shown.length).toLocaleString()}`;
+      this.summary.textContent = `Showing ${range} of ${count}${matching}.`;
     }
   }
 
   rowFor(entry) {
     const cached = this.rowCache.get(entry.path);
-    if (cached && cached.entry === entry) return cached.tr;
-    const tr = this.buildRow(entry);
+    if (cached && cached.entry.id === entry.id && cached.entry.version === entry.version) {
+      cached.entry = entry;
+      cached.tr.querySelector(".row-select").checked = this.selected.has(entry.path);
+      return cached.tr;
+    }
+    const { tr } = buildRow(this, entry);
     this.rowCache.set(entry.path, { entry, tr });
     return tr;
   }
 
-  buildRow(entry) {
-    const { folder } = this;
-    const name = baseName(entry.path);
-    const isDir = entry.kind === "directory";
-    const error = h("p", { class: "error row-error", role: "alert" });
-    const nameCell = h(
-      "th",
-      { scope: "row", class: "col-name" },
-      entryName(entry.kind, name, isDir ? folder.dirUrl(entry.path) : null),
-    );
-    const actions = h("div", { class: "row-actions" });
-    if (!isDir) {
-      const preview = h(
-        "button",
-        { type: "button", class: "small", "aria-label": `Preview ${name}` },
-        "Preview",
-      );
-      preview.addEventListener("click", () => folder.preview.open(entry, preview));
-      actions.append(
-        preview,
-        h("a", {
-          class: "button-link small",
-          href: folder.api.contentUrl(entry.path),
-          download: name,
-          "aria-label": `Download ${name}`,
-          text: "Download",
-        }),
-      );
+  // --- selection ------------------------------------------------------------
+
+  selectedEntries() {
+    return this.entries.filter((e) => this.selected.has(e.path));
+  }
+
+  toggleSelected(path, on) {
+    if (on) this.selected.add(path);
+    else this.selected.delete(path);
+    this.renderSelection();
+  }
+
+  selectShown(on) {
+    for (const tr of this.tbody.querySelectorAll("tr[data-path]")) {
+      tr.querySelector(".row-select").checked = on;
+      if (on) this.selected.add(tr.dataset.path);
+      else this.selected.delete(tr.dataset.path);
     }
-    if (!folder.readOnly) {
-      const del = h(
-        "button",
-        { type: "button", class: "small danger-outline", "aria-label": `Delete ${name}` },
-        "Delete",
-      );
-      del.addEventListener("click", () => this.deleteEntry(entry, del, error));
-      actions.append(del);
-    }
-    return h(
-      "tr",
-      { dataset: { path: entry.path, kind: entry.kind } },
-      nameCell,
-      h("td", {
-        class: "col-size",
-        dataset: { bytes: isDir ? "" : String(entry.byteSize) },
-        text: isDir ? "—" : formatSize(entry.byteSize),
-      }),
-      h("td", { class: "col-modified" }, timeElement(entry.updatedAt, "—")),
-      h("td", { class: "col-exec", text: isDir ? "—" : entry.executable ? "Yes" : "No" }),
-      h("td", { class: "col-actions" }, actions, error),
+    this.renderSelection();
+  }
+
+  clearSelection() {
+    this.selectShown(false);
+    this.selected.clear();
+    this.renderSelection();
+  }
+
+  renderSelection() {
+    const n = this.selected.size;
+    this.bulkBar.hidden = n === 0;
+    this.bulkCount.textContent = `${plural(n, "item")} selected`;
+    const boxes = [...this.tbody.querySelectorAll(".row-select")];
+    this.selectAll.checked = boxes.length > 0 && boxes.every((b) => b.checked);
+    this.selectAll.indeterminate = !this.selectAll.checked && boxes.some((b) => b.checked);
+  }
+
+  // --- focus ----------------------------------------------------------------
+
+  /** Focus the row of `path`, or the first row, or the page heading. */
+  focusPath(path) {
+    const tr = [...this.tbody.querySelectorAll("tr[data-path]")].find(
+      (r) => r.dataset.path === path,
     );
+    if (tr) {
+      this.keys.activate(tr);
+      rowLink(tr).focus();
+    } else this.focusAfterChange();
+  }
+
+  /** After rows went away: the row now at the active row's place, or the heading. */
+  focusAfterChange(index = null) {
+    const rows = [...this.tbody.querySelectorAll("tr[data-path]")];
+    const at = index ?? Math.max(0, rows.findIndex((r) => r.dataset.path === this.keys.active));
+    if (!this.keys.focusIndex(at)) this.folder.titleEl.focus();
   }
 
   /** Insert or replace entries returned by a write, if they belong on screen. */
@@ -393,6 +514,9 @@ export class Listing {
     let changed = false;
     for (const entry of entries) {
       if (entry.deletedAt || parentDir(entry.path) !== this.loadedFor) continue;
+      if (this.name && !baseName(entry.path).toLowerCase().includes(this.name.toLowerCase())) {
+        continue;
+      }
       const i = this.entries.findIndex((e) => e.path === entry.path);
       if (i >= 0) this.entries[i] = entry;
       else if (!this.sort) {
@@ -401,7 +525,11 @@ export class Listing {
         if (at >= 0) this.entries.splice(at, 0, entry);
         else if (!this.cursor) this.entries.push(entry);
         else continue;
-      } else this.entries.push(entry);
+        this.total += 1;
+      } else {
+        this.entries.push(entry);
+        this.total += 1;
+      }
       changed = true;
     }
     if (changed) {
@@ -410,7 +538,7 @@ export class Listing {
     }
   }
 
-  async deleteEntry(entry, button, error) {
+  async deleteEntry(entry, error) {
     const { folder } = this;
     const name = baseName(entry.path);
     const isDir = entry.kind === "directory";
@@ -422,21 +550,27 @@ export class Listing {
       confirmLabel: "Delete",
     });
     if (!ok) return;
-    await folder.rowOperation(
-      { action: "delete", path: entry.path },
-      {
-        button,
-        error,
-        applied: () => {
-          this.entries = this.entries.filter((e) => !isWithin(e.path, entry.path));
-          this.rowCache.delete(entry.path);
-          this.sorted = null;
-          this.renderRows();
-          folder.preview.closeIfWithin(entry.path);
-        },
-        success: `Moved ${name} to Trash.`,
-        failure: (err) => `Could not delete ${name}: ${folder.explain(err)}`,
-      },
-    );
+    const rows = [...this.tbody.querySelectorAll("tr[data-path]")];
+    const index = rows.findIndex((r) => r.dataset.path === entry.path);
+    if (error) error.textContent = "";
+    try {
+      await folder.api.operation({ action: "delete", path: entry.path });
+    } catch (err) {
+      const message = `Could not delete ${name}: ${folder.explain(err)}`;
+      if (error && error.isConnected) error.textContent = message;
+      else this.error.textContent = message;
+      return;
+    }
+    this.entries = this.entries.filter((e) => !isWithin(e.path, entry.path));
+    this.rowCache.delete(entry.path);
+    this.selected.delete(entry.path);
+    this.total = Math.max(0, this.total - 1);
+    this.sorted = null;
+    this.renderRows();
+    folder.preview.closeIfWithin(entry.path);
+    folder.announce(`Moved ${name} to Trash.`);
+    folder.refreshSync();
+    // Focus the row that took the deleted one's place (or the one before it).
+    this.focusAfterChange(Math.max(0, index));
   }
 }

@@ -1,5 +1,7 @@
-// The preview panel: one file at a time, as an image, a PDF or UTF-8 text,
-// fetched as bytes (at most PREVIEW_LIMIT) and shown from a blob: URL.
+// The preview view: one file at a time, as an image, a PDF or UTF-8 text,
+// fetched as bytes (at most PREVIEW_LIMIT) and shown from a blob: URL. It
+// has its own address (?preview=path), spans the content column, and
+// "Expand" gives it the whole window; Escape or "Close preview" goes back.
 
 import { ApiError, PREVIEW_LIMIT } from "./api.js";
 import { baseName, clear, formatSize, h, isWithin } from "./dom.js";
@@ -46,7 +48,6 @@ export class Preview {
     this.folder = folder;
     this.seq = 0; // discards answers for a preview that was closed or replaced
     this.url = null; // the blob: URL on screen, revoked when it goes
-    this.opener = null; // the button to give focus back to on close
     this.path = null;
     this.section = this.build(ids);
   }
@@ -57,8 +58,18 @@ export class Preview {
     this.download = h("a", { class: "button-link small", text: "Download" });
     const close = h(
       "button",
-      { type: "button", class: "small secondary", onClick: () => this.close() },
+      { type: "button", class: "small secondary", onClick: () => this.folder.closePreview() },
       "Close preview",
+    );
+    this.expand = h(
+      "button",
+      {
+        type: "button",
+        class: "small secondary",
+        "aria-pressed": "false",
+        onClick: () => this.setExpanded(!this.section.classList.contains("expanded")),
+      },
+      "Expand",
     );
     return h(
       "section",
@@ -67,10 +78,17 @@ export class Preview {
         "div",
         { class: "preview-head" },
         this.heading,
-        h("div", { class: "row-actions" }, this.download, close),
+        h("div", { class: "row-actions" }, this.download, this.expand, close),
       ),
       this.body,
     );
+  }
+
+  setExpanded(on) {
+    this.section.classList.toggle("expanded", on);
+    this.expand.setAttribute("aria-pressed", String(on));
+    this.expand.textContent = on ? "Shrink" : "Expand";
+    document.body.classList.toggle("preview-expanded", on);
   }
 
   revokeUrl() {
@@ -83,24 +101,48 @@ export class Preview {
     this.revokeUrl();
     this.path = null;
     this.section.hidden = true;
+    this.setExpanded(false);
     clear(this.body);
-    if (this.opener && this.opener.isConnected) this.opener.focus();
-    this.opener = null;
   }
 
-  /** Close the preview if it shows `path` or something below it (it was deleted). */
+  /** Close the preview if it shows `path` or something below it (it was deleted or moved). */
   closeIfWithin(path) {
-    if (this.path && isWithin(this.path, path)) this.close();
+    if (this.path && isWithin(this.path, path)) this.folder.closePreview();
   }
 
-  async open(entry, opener) {
+  /** Open `path` (from the URL); `entry` when the listing has it, else it is looked up. */
+  async openPath(path, entry) {
     const seq = ++this.seq;
+    this.path = path;
+    this.section.hidden = false;
+    this.heading.textContent = `Preview: ${baseName(path)}`;
+    this.heading.focus();
+    if (!entry) {
+      clear(this.body).append(h("p", { class: "muted", text: "Loading preview…" }));
+      try {
+        entry = await this.folder.api.entry(path);
+      } catch (err) {
+        if (seq !== this.seq) return;
+        clear(this.body).append(
+          h("p", { class: "error", role: "alert", text: `Could not load the preview: ${this.folder.explain(err)}` }),
+        );
+        return;
+      }
+      if (seq !== this.seq) return;
+      if (!entry || entry.kind !== "file") {
+        clear(this.body).append(
+          h("p", { class: "error", role: "alert", text: `There is no file ${path} in this folder.` }),
+        );
+        return;
+      }
+    }
+    await this.open(entry, seq);
+  }
+
+  async open(entry, seq) {
     const name = baseName(entry.path);
     const { api } = this.folder;
     this.revokeUrl();
-    this.path = entry.path;
-    this.opener = opener;
-    this.section.hidden = false;
     this.heading.textContent = `Preview: ${name}`;
     this.download.href = api.contentUrl(entry.path);
     this.download.download = name;

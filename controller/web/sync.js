@@ -1,6 +1,8 @@
-// The sync panel: when the folder's files last changed directly, and each
-// agent run that used the folder with its save state and a "Request refresh"
-// button. Polled every SYNC_POLL_MS while the tab is visible.
+// The sync panel: when the folder last changed directly and when an agent
+// last saved it, and each agent run bound to the folder with its state in
+// words that match the run, its own last save of this folder, and a
+// "Request refresh" button. Polled every SYNC_POLL_MS while the tab is
+// visible, and at once when live.js sees the folder change.
 
 import { ApiError } from "./api.js";
 import { h, timeElement } from "./dom.js";
@@ -12,6 +14,24 @@ const RUN_STATE_LABEL = {
   saved: "Saved",
   failed: "Save failed",
 };
+
+const PENDING_REFRESH =
+  "Refresh requested: waiting for the agent. It takes this folder's new files at its next safe point, and the request clears once it has.";
+
+/** {key, text, reason}: the run's state in words, with why an ended run saved nothing. */
+function runState(run) {
+  if (run.active) return { key: run.state, text: RUN_STATE_LABEL[run.state] || run.state };
+  if (run.state === "failed") return { key: "failed", text: "Ended — save failed" };
+  if (run.state === "saving") return { key: "failed", text: "Ended while saving" };
+  if (!run.lastSavedAt) {
+    return {
+      key: "failed",
+      text: "Ended — not saved",
+      reason: run.error || "The run ended before it saved anything.",
+    };
+  }
+  return { key: "saved", text: "Ended — saved" };
+}
 
 export class SyncPanel {
   constructor(folder, ids) {
@@ -25,16 +45,18 @@ export class SyncPanel {
 
   build(ids) {
     this.filesUpdated = h("span", { class: "files-updated-value" });
+    this.agentUpdated = h("span", { class: "agent-updated-value" });
     this.runList = h("ul", { class: "runs" });
     this.error = h("p", { class: "error", role: "alert" });
     return h(
       "section",
       { class: "card sync", "aria-labelledby": ids.sync },
       h("h2", { id: ids.sync, text: "Sync" }),
-      h("p", { class: "files-updated" }, "Files updated: ", this.filesUpdated),
+      h("p", { class: "files-updated" }, "Direct changes: ", this.filesUpdated),
+      h("p", { class: "agent-updated" }, "Agent saves: ", this.agentUpdated),
       h("p", {
         class: "help",
-        text: "Files updated is the last direct change here (upload, new folder, delete, restore or purge). Agent saves are listed per run below.",
+        text: "Direct changes are uploads, new folders, renames, moves, deletes, restores and purges made here or through the API. Agent saves are the checkpoints runs saved into this folder; each run is listed below.",
       }),
       h("h3", { text: "Agent runs" }),
       this.runList,
@@ -63,7 +85,25 @@ export class SyncPanel {
   }
 
   showFilesUpdated(iso) {
-    this.filesUpdated.replaceChildren(timeElement(iso, "no changes yet"));
+    this.filesUpdated.replaceChildren(timeElement(iso, "none yet"));
+  }
+
+  /** The newest save of this folder by any run, with the run's agent. */
+  showAgentUpdated(runs) {
+    const saved = runs.filter((r) => r.folderSavedAt);
+    if (!saved.length) {
+      this.agentUpdated.replaceChildren(timeElement(null, "none yet"));
+      return;
+    }
+    const newest = saved.reduce((a, b) => (a.folderSavedAt >= b.folderSavedAt ? a : b));
+    this.agentUpdated.replaceChildren(
+      timeElement(newest.folderSavedAt),
+      ` by ${this.agentName(newest)}`,
+    );
+  }
+
+  agentName(run) {
+    return this.agentNames.get(run.agentId) || `Agent ${run.agentId.slice(0, 8)}`;
   }
 
   async refresh() {
@@ -84,6 +124,7 @@ export class SyncPanel {
 
   render(data) {
     this.showFilesUpdated(data.lastOperationAt);
+    this.showAgentUpdated(data.runs);
     // A run whose state did not change keeps its element, so a poll never
     // takes keyboard focus or a pending message away from it.
     const previous = this.runItems || new Map();
@@ -111,9 +152,10 @@ export class SyncPanel {
   }
 
   runItem(run, note) {
-    const agent = this.agentNames.get(run.agentId) || `Agent ${run.agentId.slice(0, 8)}`;
-    const stateLabel = RUN_STATE_LABEL[run.state] || run.state;
-    const refreshNote = h("p", { class: "refresh-note", role: "status", text: note });
+    const agent = this.agentName(run);
+    const state = runState(run);
+    const pending = run.active && run.refreshRequested ? PENDING_REFRESH : "";
+    const refreshNote = h("p", { class: "refresh-note", role: "status", text: note || pending });
     const refreshError = h("p", { class: "error", role: "alert" });
     const refresh =
       run.active && !this.folder.readOnly
@@ -126,12 +168,23 @@ export class SyncPanel {
         "p",
         { class: "run-head" },
         h("strong", { text: agent }),
-        h("span", { class: `state state-${run.state}`, text: stateLabel }),
+        h("span", { class: `state state-${state.key}`, text: state.text }),
         h("span", { class: "muted", text: run.active ? "running" : "ended" }),
       ),
-      h("p", {}, "Last agent save: ", timeElement(run.lastSavedAt, "not yet")),
+      state.reason ? h("p", { class: "run-reason", text: state.reason }) : null,
+      h(
+        "p",
+        { class: "run-saved" },
+        "Last save of this folder: ",
+        timeElement(run.folderSavedAt, "not yet"),
+      ),
+      run.lastSavedAt && run.lastSavedAt !== run.folderSavedAt
+        ? h("p", { class: "muted small-text" }, "Last save of any of its folders: ", timeElement(run.lastSavedAt))
+        : null,
       run.finalCheckpointAt ? h("p", {}, "Final save: ", timeElement(run.finalCheckpointAt)) : null,
-      run.error ? h("p", { class: "error run-error", text: `Error: ${run.error}` }) : null,
+      run.error && !state.reason
+        ? h("p", { class: "error run-error", text: `Error: ${run.error}` })
+        : null,
       h(
         "p",
         { class: "muted small-text" },
@@ -163,7 +216,7 @@ export class SyncPanel {
       try {
         await this.folder.api.requestRefresh(run.runId);
         showRequested(true);
-        note.textContent = "Refresh requested: the agent picks up changes at its next safe point.";
+        note.textContent = PENDING_REFRESH;
       } catch (err) {
         showRequested(false);
         error.textContent = `Could not request a refresh: ${this.folder.explain(err)}`;

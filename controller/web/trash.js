@@ -1,9 +1,11 @@
 // The trash view: deleted entries grouped into batches (everything deleted
-// together), paged PAGE_SIZE batches at a time, with Restore and Purge.
+// together, or the previous content of a replaced file), paged PAGE_SIZE
+// batches at a time, with Restore, Restore as… (the way out of a collision)
+// and Purge.
 
 import { ApiError, PAGE_SIZE } from "./api.js";
-import { confirmAction } from "./dialog.js";
-import { formatSize, h, plural, timeElement } from "./dom.js";
+import { askText, confirmAction } from "./dialog.js";
+import { baseName, formatSize, h, parentDir, plural, timeElement } from "./dom.js";
 import { Pager, clampStart, countText, entryName, showingText } from "./table.js";
 
 export class Trash {
@@ -14,6 +16,7 @@ export class Trash {
     this.start = 0; // index of the first batch shown
     this.seq = 0; // discards answers to superseded listing requests
     this.fresh = false; // the first page arrived with the page itself
+    this.version = 0; // the folder version the loaded trash shows
     this.section = this.build(ids);
   }
 
@@ -35,6 +38,7 @@ export class Trash {
           {},
           h("th", { scope: "col", text: "Name" }),
           h("th", { scope: "col", text: "Items" }),
+          h("th", { scope: "col", class: "col-size", text: "Size" }),
           h("th", { scope: "col", text: "Deleted" }),
           h("th", { scope: "col", class: "col-actions", text: "Actions" }),
         ),
@@ -106,6 +110,7 @@ export class Trash {
     }
     this.entries.push(...page.entries);
     this.cursor = page.nextCursor;
+    this.version = Math.max(this.version, page.version || 0);
     if (render) this.render();
   }
 
@@ -139,7 +144,7 @@ export class Trash {
     }
     if (!total) {
       fragment.append(
-        h("tr", { class: "empty" }, h("td", { colspan: "4", text: "Trash is empty." })),
+        h("tr", { class: "empty" }, h("td", { colspan: "5", text: "Trash is empty." })),
       );
     }
     this.tbody.replaceChildren(fragment);
@@ -169,19 +174,24 @@ export class Trash {
         { type: "button", class: "small danger-outline", "aria-label": `Purge ${name}` },
         "Purge",
       );
+      const restoreAs = h(
+        "button",
+        { type: "button", class: "small", "aria-label": `Restore ${name} as…` },
+        "Restore as…",
+      );
       restore.addEventListener("click", () => this.restore(batch, restore, error));
+      restoreAs.addEventListener("click", () => this.restoreAs(batch, restoreAs, error));
       purge.addEventListener("click", () => this.purge(batch, purge, error, partial));
-      actions.append(restore, purge);
+      actions.append(restore, restoreAs, purge);
     }
     return h(
       "tr",
       { dataset: { path: root.path, kind: root.kind } },
       h("th", { scope: "row", class: "col-name" }, entryName(root.kind, name)),
       h("td", {
-        text: isDir
-          ? `Folder with ${partial ? "at least " : ""}${plural(inside, "item")}`
-          : formatSize(root.byteSize),
+        text: isDir ? `Folder with ${partial ? "at least " : ""}${plural(inside, "item")}` : "1 file",
       }),
+      h("td", { class: "col-size", text: isDir ? "—" : formatSize(root.byteSize) }),
       h("td", {}, timeElement(batch.deletedAt, "—")),
       h("td", { class: "col-actions" }, actions, error),
     );
@@ -209,8 +219,42 @@ export class Trash {
         failure: (err) =>
           err instanceof ApiError && err.code === "restore_collision"
             ? // The message names the occupied paths; say what to do about it.
-              `${err.message}. Move or delete what is there now, then restore again.`
+              `${err.message}. Use Restore as… to bring it back under another name, or move or delete what is there now.`
             : `Could not restore ${name}: ${folder.explain(err)}`,
+      },
+    );
+  }
+
+  async restoreAs(batch, button, error) {
+    const { folder } = this;
+    const name = batch.root.path;
+    const base = baseName(name);
+    const dot = base.lastIndexOf(".");
+    const suggested =
+      batch.root.kind === "file" && dot > 0
+        ? `${base.slice(0, dot)} (restored)${base.slice(dot)}`
+        : `${base} (restored)`;
+    const answer = await askText({
+      title: `Restore ${name} as`,
+      message: "The restored item gets this path; everything deleted with it comes along.",
+      label: "Restore to (path in this folder)",
+      value: parentDir(name) ? `${parentDir(name)}/${suggested}` : suggested,
+      confirmLabel: "Restore",
+      check: (text) => (text ? "" : "Enter a path."),
+    });
+    if (answer === null) return;
+    const to = answer.replace(/^\/+|\/+$/g, "");
+    await folder.rowOperation(
+      { action: "restore", fileId: batch.rootId, to },
+      {
+        button,
+        error,
+        applied: () => {
+          this.drop(batch);
+          folder.listing.invalidate();
+        },
+        success: `Restored ${name} as ${to}.`,
+        failure: (err) => `Could not restore ${name} as ${to}: ${folder.explain(err)}`,
       },
     );
   }

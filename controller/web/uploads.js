@@ -1,10 +1,17 @@
 // Uploads into the folder's current directory: the upload button and its
-// "executable" checkbox, the list of uploads with a progress bar each, and a
+// "executable" checkbox, the list of uploads with a progress bar each (a
+// panel over the page's corner, so it never pushes the listing down), and a
 // queue that runs UPLOAD_CONCURRENCY of them at a time. A failed upload stays
 // listed with a Retry button that reuses its Idempotency-Key.
+//
+// No silent overwrites: every upload first goes with `If-None-Match: *`. When
+// the name is taken the page asks: Replace (sent again with `If-Match` of the
+// file that was there, whose old content the server keeps in the trash),
+// Keep both (the next free "name (n).ext") or Skip.
 
 import { ApiError, UPLOAD_LIMIT, newIdempotencyKey } from "./api.js";
-import { carriesFiles, formatSize, h, joinPath, parentDir, plural } from "./dom.js";
+import { chooseAction } from "./dialog.js";
+import { baseName, carriesFiles, formatSize, h, joinPath, parentDir, plural } from "./dom.js";
 
 const UPLOAD_CONCURRENCY = 3;
 const STATE_LABEL = {
@@ -12,13 +19,21 @@ const STATE_LABEL = {
   uploading: "Uploading",
   done: "Uploaded",
   failed: "Failed",
+  skipped: "Skipped",
 };
+
+/** "a.txt" -> "a (2).txt" for n = 2; "Makefile" -> "Makefile (2)". */
+function numberedName(name, n) {
+  const dot = name.lastIndexOf(".");
+  return dot > 0 ? `${name.slice(0, dot)} (${n})${name.slice(dot)}` : `${name} (${n})`;
+}
 
 export class Uploads {
   constructor(folder, ids) {
     this.folder = folder;
     this.items = [];
     this.active = 0;
+    this.asking = Promise.resolve(); // overwrite questions, one at a time
 
     this.input = h("input", { id: ids.upload, type: "file", multiple: true, hidden: true });
     this.input.addEventListener("change", () => {
@@ -52,7 +67,12 @@ export class Uploads {
       "Clear finished uploads",
     );
     /** The list of uploads, for the files view. */
-    this.box = h("div", { class: "uploads-box" }, this.list, this.clearButton);
+    this.box = h(
+      "section",
+      { class: "uploads-box", "aria-label": "Uploads", hidden: true },
+      this.list,
+      this.clearButton,
+    );
   }
 
   abortAll() {
@@ -95,6 +115,8 @@ export class Uploads {
         path: joinPath(this.folder.dir, file.name),
         executable,
         key: newIdempotencyKey(), // kept for retries of this same upload
+        condition: "new", // or the digest of the file it may replace
+        copy: 0, // the "(n)" of a kept-both copy
         state: "queued",
         abort: null,
       };
@@ -102,6 +124,7 @@ export class Uploads {
       this.items.push(item);
       this.list.append(item.el.li);
     }
+    this.box.hidden = false;
     this.folder.announce(`${plural(files.length, "file")} queued for upload.`);
     this.pump();
   }
@@ -153,6 +176,7 @@ export class Uploads {
       item.el.li.remove();
       this.updateClearButton();
     });
+    const nameEl = h("span", { class: "upload-name" }, name);
     const dest = parentDir(item.path);
     const li = h(
       "li",
@@ -160,12 +184,8 @@ export class Uploads {
       h(
         "div",
         { class: "upload-line" },
-        h(
-          "span",
-          { class: "upload-name" },
-          name,
-          dest ? h("span", { class: "muted", text: ` → ${dest}/` }) : null,
-        ),
+        nameEl,
+        dest ? h("span", { class: "muted", text: ` → ${dest}/` }) : null,
         h("span", { class: "muted upload-size", text: formatSize(item.file.size) }),
         item.executable ? h("span", { class: "badge", text: "executable" }) : null,
         state,
@@ -176,7 +196,7 @@ export class Uploads {
       progress,
       error,
     );
-    return { li, progress, state, error, retry, cancel, remove };
+    return { li, progress, state, error, retry, cancel, remove, nameEl };
   }
 
   updateRow(item) {
@@ -186,7 +206,7 @@ export class Uploads {
     el.li.dataset.state = item.state;
     el.retry.hidden = item.state !== "failed";
     el.cancel.hidden = !(item.state === "queued" || item.state === "uploading");
-    el.remove.hidden = !(item.state === "failed" || item.state === "done");
+    el.remove.hidden = !["failed", "done", "skipped"].includes(item.state);
     // A full bar next to "Failed" would read as success.
     el.progress.hidden = item.state === "failed";
     if (item.state === "queued") {
@@ -197,13 +217,63 @@ export class Uploads {
   }
 
   updateClearButton() {
-    this.clearButton.hidden = !this.items.some((u) => u.state === "done");
+    this.clearButton.hidden = !this.items.some((u) => u.state === "done" || u.state === "skipped");
+    this.box.hidden = !this.items.length;
   }
 
   clearFinished() {
-    for (const item of this.items.filter((u) => u.state === "done")) item.el.li.remove();
-    this.items = this.items.filter((u) => u.state !== "done");
+    const finished = (u) => u.state === "done" || u.state === "skipped";
+    for (const item of this.items.filter(finished)) item.el.li.remove();
+    this.items = this.items.filter((u) => !finished(u));
     this.updateClearButton();
+  }
+
+  /**
+   * The name is taken: ask (one question at a time) and set the item up for
+   * its next attempt. Returns false when it is skipped.
+   */
+  async resolveConflict(item, err) {
+    const detail = err.details[0] || {};
+    if (item.copy) {
+      // A numbered copy's name is taken too: try the next number, no question.
+      item.copy += 1;
+    } else {
+      const name = baseName(item.path);
+      const where = parentDir(item.path) || "the top of this folder";
+      const isFile = Boolean(detail.digest);
+      const ask = () =>
+        chooseAction({
+          title: `${name} already exists`,
+          message: isFile
+            ? `A file named ${name} is already in ${where}. Replace it (its current content goes to Trash), keep both, or skip this upload?`
+            : `A folder named ${name} is already in ${where}. Keep both (the upload gets a numbered name) or skip it?`,
+          choices: [
+            isFile ? { label: "Replace", value: "replace", class: "danger" } : null,
+            { label: "Keep both", value: "keep" },
+            { label: "Skip", value: "skip", class: "secondary" },
+          ].filter(Boolean),
+        });
+      const asked = this.asking.then(ask);
+      this.asking = asked.catch(() => null);
+      const choice = await asked;
+      if (choice === "replace") {
+        item.condition = detail.digest;
+        return true;
+      }
+      if (choice !== "keep") return false;
+      item.copy = 1;
+      const known = new Set(this.folder.listing.entries.map((e) => e.path));
+      while (known.has(this.copyPath(item))) item.copy += 1;
+    }
+    item.path = this.copyPath(item);
+    item.condition = "new";
+    item.key = newIdempotencyKey(); // another request: another key
+    item.el.nameEl.textContent = baseName(item.path);
+    return true;
+  }
+
+  copyPath(item) {
+    return joinPath(parentDir(item.path), numberedName(item.file.name, item.copy));
   }
 
   pump() {
@@ -231,6 +301,7 @@ export class Uploads {
       const { promise, abort } = folder.api.upload(item.path, item.file, {
         key: item.key,
         executable: item.executable,
+        condition: item.condition,
         onProgress: (loaded, total) => {
           const pct = total ? Math.floor((loaded / total) * 100) : 0;
           el.progress.value = pct;
@@ -242,14 +313,22 @@ export class Uploads {
       item.state = "done";
       // A replayed key answers applied=false: the file was already there.
       item.doneText = result && result.applied === false ? "Already uploaded" : "Uploaded";
+      if (item.condition !== "new") item.doneText = "Replaced";
       el.progress.value = 100;
       if (result && result.file) folder.listing.upsertEntries([result.file]);
       folder.announce(`${item.doneText}: ${item.file.name}.`);
       folder.refreshSync();
     } catch (err) {
       if (!(err instanceof ApiError)) throw err;
-      item.state = "failed";
-      el.error.textContent = `Could not upload ${item.file.name}: ${folder.explain(err)}`;
+      if (err.code === "precondition_failed" && item.condition === "new") {
+        item.state = (await this.resolveConflict(item, err)) ? "queued" : "skipped";
+        if (item.state === "skipped") folder.announce(`Skipped ${item.file.name}.`);
+      } else {
+        item.state = "failed";
+        el.error.textContent = `Could not upload ${item.file.name}: ${folder.explain(err)}`;
+        // The file changed again since Replace was chosen: Retry asks anew.
+        if (err.code === "precondition_failed") item.condition = "new";
+      }
     } finally {
       item.abort = null;
       this.active -= 1;

@@ -32,6 +32,9 @@ pytest plugins (registered by ``tests/conftest.py`` through ``pytest_plugins``):
   ``mounts``, ``module_mounts``, ``mnt``, and the storage providers'
   ``s3_server`` (one per session), ``s3_bucket``, ``s3_provider``,
   ``local_provider``.
+* :mod:`tests.support.browser` — ``browser`` (headless Chromium per module),
+  ``page`` (a context per test, sized by the ``viewport`` fixture), ``views``
+  (screenshots).
 * :mod:`tests.support.session` — a per-session temp root that must be empty
   when the session ends, and the check that fails a test on unexpected
   WARNING log records.

@@ -9,14 +9,17 @@ from __future__ import annotations
 import base64
 import shutil
 import struct
+import subprocess
+import tarfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from playwright.sync_api import Browser, Page, Playwright
+from playwright.sync_api import Browser, Locator, Page, Playwright
 
 from tests.support.constants import REPO
+from tests.support.controller import Tenant
 
 CHROMIUM = "/usr/bin/chromium"
 # Root in a container has no user namespace for Chromium's sandbox; the rest
@@ -101,8 +104,8 @@ class ViewRecorder:
         self.page.screenshot(path=str(path), full_page=True)
         self.taken.append(path)
 
-    def keep(self, test_name: str, console: list[str]) -> Path:
-        """Copy the screenshots, a final one and the console log to test-artifacts/."""
+    def keep(self, test_name: str, console: list[str], *, final: bool = True) -> Path:
+        """Copy the screenshots, a final one (``final``) and the console log to test-artifacts/."""
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in test_name)
         target = ARTIFACTS / safe
         shutil.rmtree(target, ignore_errors=True)
@@ -110,7 +113,7 @@ class ViewRecorder:
         for path in self.taken:
             shutil.copy(path, target / path.name)
         try:
-            if self.page is not None:
+            if final and self.page is not None:
                 self.page.screenshot(path=str(target / "at-failure.png"), full_page=True)
         except Exception as exc:  # the page may be gone; the rest is still useful
             console.append(f"(final screenshot failed: {exc})")
@@ -120,3 +123,95 @@ class ViewRecorder:
 
 def entry_by_path(entries: list[dict[str, Any]], path: str) -> dict[str, Any] | None:
     return next((e for e in entries if e["path"] == path), None)
+
+
+def row_action(row: Locator, name: str, action: str) -> None:
+    """Choose ``action`` ("Rename…", "Delete…", …) from the row menu of the entry ``name``."""
+    row.get_by_role("button", name=f"Actions for {name}", exact=True).click()
+    row.get_by_role("menuitem", name=action, exact=True).click()
+
+
+def folder_url(tenant: Tenant, scope: str, owner_id: str) -> str:
+    return f"/files/{tenant.company_id}/{scope}/{owner_id}"
+
+
+def api_entries(tenant: Tenant, folder: str, *, trash: bool = False) -> list[dict[str, Any]]:
+    with tenant.client() as client:
+        resp = client.get(folder + "/", params={"trash": str(trash).lower(), "limit": 1000})
+        resp.raise_for_status()
+        entries: list[dict[str, Any]] = resp.json()["entries"]
+        return entries
+
+
+def put_file(tenant: Tenant, folder: str, path: str, data: bytes) -> None:
+    with tenant.client() as client:
+        resp = client.put(
+            folder + "/content",
+            params={"path": path},
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert resp.status_code in (200, 201), resp.text
+
+
+def tab(page: Page, name: str) -> Locator:
+    return page.get_by_role("navigation", name="Folder views").get_by_role("link", name=name)
+
+
+def listing_row(page: Page, path: str) -> Locator:
+    return page.locator(f'.files-view tbody tr[data-path="{path}"]')
+
+
+def trash_row(page: Page, path: str) -> Locator:
+    return page.locator(f'.trash-view tbody tr[data-path="{path}"]')
+
+
+AXE_VERSION = "4.10.3"
+AXE_CACHE = REPO / ".test-cache" / f"axe-core-{AXE_VERSION}"
+
+
+def axe_source() -> str:
+    """axe-core's browser build, fetched once with npm into a cache the tests own.
+
+    It is injected into the page under test only; the controller never serves it.
+    """
+    script = AXE_CACHE / "package" / "axe.min.js"
+    if not script.exists():
+        AXE_CACHE.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(
+            [
+                "npm",
+                "pack",
+                f"axe-core@{AXE_VERSION}",
+                "--silent",
+                "--pack-destination",
+                str(AXE_CACHE),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=True,
+        )
+        tarball = AXE_CACHE / out.stdout.strip().splitlines()[-1]
+        with tarfile.open(tarball) as tar:
+            tar.extract("package/axe.min.js", AXE_CACHE, filter="data")
+        tarball.unlink()
+    return script.read_text()
+
+
+def axe_violations(page: Page, impacts: tuple[str, ...] = ("serious", "critical")) -> list[str]:
+    """Run axe-core on the page as it is; one line per violation of those impacts."""
+    if not page.evaluate("() => typeof window.axe !== 'undefined'"):
+        # Evaluated through the DevTools protocol, which the page's CSP does not
+        # govern: the page itself can still load nothing but its own scripts.
+        page.evaluate(axe_source() + "\n;undefined")
+    result = page.evaluate(
+        "async () => (await axe.run(document, { resultTypes: ['violations'] })).violations"
+        ".map(v => ({ id: v.id, impact: v.impact, help: v.help,"
+        " nodes: v.nodes.map(n => n.target.join(' ')).slice(0, 5) }))"
+    )
+    return [
+        f"{v['impact']}: {v['id']} ({v['help']}) at {v['nodes']}"
+        for v in result
+        if v["impact"] in impacts
+    ]
