@@ -69,6 +69,7 @@ DEFAULT_ALLOW: tuple[tuple[str, str], ...] = (
     ("HEAD", CONTENT),
     ("PUT", CONTENT),
     ("POST", WORK_FOLDER + "/operations"),
+    ("GET", WORK_FOLDER + "/changes"),
     ("GET", WORK_FOLDER + "/sync"),
     ("POST", WORK_FOLDER + "/refresh"),
     ("GET", "/api/companies/{companyId}/directory"),
