@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ from fsagent.fuseglue import (
     fuse_boundary,
     fuse_err,
     name_errno,
+    set_metadata,
 )
 from fsagent.hydrate import ContentFetcher
 from fsagent.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store, now_ns
@@ -76,8 +78,6 @@ class WorkFolderFS(pyfuse3.Operations):
         self.store = store
         self.fetcher = fetcher
         self.readonly = readonly
-        self.uid = os.getuid()
-        self.gid = os.getgid()
         self.lookups: dict[InodeNo, int] = {}
         self.content = Content(store, fetcher)
         self.files = self.content.files
@@ -103,7 +103,7 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(errno.ENOENT) from None
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        return entry_attributes(inode, self.readonly, self.uid, self.gid)
+        return entry_attributes(inode, self.readonly)
 
     def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new lookup reference."""
@@ -185,16 +185,18 @@ class WorkFolderFS(pyfuse3.Operations):
         fh: pyfuse3.FileHandleT | None,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
-        """truncate/ftruncate, chmod (all permission bits kept; the owner exec bit is
-        what is saved), utimens.  Ownership changes are accepted and ignored:
-        scoped files have no owner.  Journals the path; EROFS when unbound,
-        EFBIG beyond the 1 GiB file limit.
+        """truncate/ftruncate, chmod, chown/chgrp (stored as told: the kernel
+        checked them), utimens; mode, owner and times: fuseglue.set_metadata.
+        The kernel clears setuid/setgid on write, truncate and chown (it sends
+        the new mode).  EROFS when unbound, EFBIG beyond the 1 GiB file limit.
         """
         self._writable()
         node = self._inode(inode)
-        if not (
-            fields.update_size or fields.update_mode or fields.update_uid or fields.update_gid
-        ) and (not fields.update_mtime or attr.st_mtime_ns == node.mtime_ns):
+        f = fields
+        changes = f.update_size or f.update_mode or f.update_uid or f.update_gid
+        if not (changes or f.update_atime) and (
+            not f.update_mtime or attr.st_mtime_ns == node.mtime_ns
+        ):
             # The kernel writing back its own ctime after a rename or unlink (it
             # owns c/mtime with the writeback cache): nothing to save or journal.
             # The cached inode shows the new ctime; losing it at a crash is harmless.
@@ -211,12 +213,7 @@ class WorkFolderFS(pyfuse3.Operations):
                 raise fuse_err(errno.EFBIG)
             inline = await self.content.truncate(node, size)
             ops.append("truncate")
-        if fields.update_mode:
-            node.mode = attr.st_mode & 0o777
-            ops.append("chmod")
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
-            ops.append("utimens")
+        ops += set_metadata(node, attr, fields)
         node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now_ns()
         self.store.persist(node, touch="+".join(ops) if ops else None, inline=inline)
         return self._attrs(node)
@@ -273,13 +270,22 @@ class WorkFolderFS(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         """Create a directory; EEXIST if the name is taken. Journals the path."""
-        return self._ref(await self._create_node(parent_inode, name, "directory", mode))
+        return self._ref(await self._create_node(parent_inode, name, "directory", mode, ctx))
 
-    async def _create_node(self, parent_inode: int, raw: bytes, kind: Kind, mode: int) -> Inode:
+    async def _create_node(
+        self, parent_inode: int, raw: bytes, kind: Kind, mode: int, ctx: pyfuse3.RequestContext
+    ) -> Inode:
+        """A new entry is the caller's, in the caller's group or a setgid
+        directory's (a new directory inherits the bit), as on Linux."""
         self._writable()
         parent = InodeNo(parent_inode)
-        self._dir(parent)
+        pnode = self._dir(parent)
         name = self._new_name(parent, raw)
+        gid = ctx.gid
+        if pnode.mode & stat.S_ISGID:
+            gid = pnode.gid
+            if kind == "directory":
+                mode |= stat.S_ISGID
         if self.store.lookup(parent, name) is not None:
             raise fuse_err(errno.EEXIST)
         if self.store.count_entries() >= MAX_ENTRIES:
@@ -287,7 +293,7 @@ class WorkFolderFS(pyfuse3.Operations):
             # saying so now (as a quota) keeps the agent from piling up work
             # that could never be saved.
             raise fuse_err(errno.EDQUOT)
-        return self.store.create(parent, name, kind, mode)
+        return self.store.create(parent, name, kind, mode, ctx.uid, gid)
 
     @fuse_boundary
     async def create(
@@ -303,7 +309,7 @@ class WorkFolderFS(pyfuse3.Operations):
         EEXIST if the name is taken (the kernel has already applied O_EXCL
         semantics through lookup; this closes the race).  Journals the path.
         """
-        inode = await self._create_node(parent_inode, name, "file", mode)
+        inode = await self._create_node(parent_inode, name, "file", mode, ctx)
         # Empty and inline (in the same commit): no file is created on disk.
         self.files[inode.ino] = OpenFile(-1, upper=True, inline=True, opens=1)
         fh = self._new_fh()

@@ -33,19 +33,22 @@ from fsagent.records import Binding, Inode, InodeNo, encode_json, ikey, now_ns, 
 log = logging.getLogger(__name__)
 
 ROOT_INODE: Final = InodeNo(1)
-STATE_FORMAT: Final = 3
+STATE_FORMAT: Final = 4
 """2 added the ``inline`` table; 3 versioned every record and keys paths longer
-than LMDB's key limit by their hash (fsagent.records).  An older dir is upgraded
-in place when opened for writing; older code refuses a newer dir (format 2 code
-would misread versioned records)."""
-_UPGRADABLE: Final = frozenset({1, 2})
+than LMDB's key limit by their hash (fsagent.records); 4 gives inodes an owner
+(uid, gid) and an atime (inode records of version 2; older ones are read as
+owned by the daemon's user, atime = mtime, which is what they reported).  An
+older dir is upgraded in place when opened for writing; older code refuses a
+newer dir (format 2 code would misread versioned records, format 3 code would
+refuse version-2 inode records)."""
+_UPGRADABLE: Final = frozenset({1, 2, 3})
 MARKER: Final = "fsagent-state.json"
 _MAP_SIZE: Final = 16 << 30  # address space only; the file grows as needed
 # (100,000 inline files of 64 KiB alone are 6.1 GiB, plus copy-on-write pages)
 HEADROOM: Final = 2 << 20
 _TABLES: Final = ("meta", "inodes", "entries", "base", "journal", "orphans", "inline")
 _VERSIONED: Final = ("inodes", "base", "journal")
-"""Tables whose values are versioned records (rewritten by the format-3 upgrade)."""
+"""Tables whose values are versioned records (rewritten by the format-3 and -4 upgrades)."""
 
 
 def default_state_root() -> Path:

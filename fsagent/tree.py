@@ -202,12 +202,17 @@ class Tree(Journal):
 
     # --- mutations (each one commit; each touches the journal) --------------
 
-    def create(self, parent: InodeNo, name: str, kind: Kind, mode: int) -> Inode:
-        """Link a new empty file or directory; the caller checked the name is free."""
+    def create(
+        self, parent: InodeNo, name: str, kind: Kind, mode: int, uid: int = -1, gid: int = -1
+    ) -> Inode:
+        """Link a new empty file or directory owned by ``uid``:``gid`` (-1: the
+        daemon's user); the caller checked the name is free."""
         t = now_ns()
         with self._env.begin(write=True) as txn:
             ino = self._next_ino(txn)
-            inode = Inode(ino, kind, mode & 0o777, 0, t, t, parent, name, None, kind == "file", 0)
+            inode = Inode(
+                ino, kind, mode & 0o7777, 0, t, t, parent, name, None, kind == "file", 0, uid, gid
+            )
             self._put_inode(txn, inode)
             if kind == "file":
                 txn.put(ikey(ino), b"", db=self._inline)
