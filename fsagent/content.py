@@ -274,9 +274,10 @@ class Content:
         return written
 
     async def fsync(self, of: OpenFile) -> None:
-        """Make the upper file durable (the caller syncs the store)."""
+        """Make the upper file's data and length durable (the caller syncs the
+        store when the inode's records may not be durable yet)."""
         if of.upper and not of.inline:
-            await self.pinned(of, os.fsync)
+            await self.pinned(of, os.fdatasync)
 
     def close_all(self) -> None:
         """After unmount: close every backing fd (every change is already committed)."""

@@ -177,6 +177,15 @@ class WorkFolderFS(pyfuse3.Operations):
         return self._attrs(self._inode(inode))
 
     @fuse_boundary
+    async def access(
+        self, inode: pyfuse3.InodeT, mode: pyfuse3.ModeT, ctx: pyfuse3.RequestContext
+    ) -> bool:
+        """access(2) when the kernel does not check modes (root, no --allow-other):
+        root may do anything but execute a file without any exec bit."""
+        node = self._inode(inode)
+        return not (mode & os.X_OK and node.kind == "file" and not node.mode & 0o111)
+
+    @fuse_boundary
     async def setattr(
         self,
         inode: pyfuse3.InodeT,
@@ -213,6 +222,8 @@ class WorkFolderFS(pyfuse3.Operations):
                 raise fuse_err(errno.EFBIG)
             inline = await self.content.truncate(node, size)
             ops.append("truncate")
+        if f.update_mode or f.update_uid or f.update_gid:
+            self.store.forget_durable()  # the next fsync makes the new mode durable
         ops += set_metadata(node, attr, fields)
         node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now_ns()
         self.store.persist(node, touch="+".join(ops) if ops else None, inline=inline)
@@ -494,10 +505,19 @@ class WorkFolderFS(pyfuse3.Operations):
     @fuse_boundary
     async def fsync(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """Make the upper file and the LMDB environment (the inode, the journal
-        and inline contents, committed by write) durable against power loss."""
-        _, of = self._handle(fh)
+        and inline contents, committed by write) durable against power loss.
+        Once an upper file's records are durable (statedir, ``mark_durable``),
+        its own ``fdatasync`` is all a later fsync needs."""
+        h, of = self._handle(fh)
+        out_of_line = of.upper and not of.inline
+        if out_of_line and self.store.is_durable(h.ino):
+            await self.content.fsync(of)
+            return
+        epoch = self.store.durable_epoch()
         await self.content.fsync(of)
         await trio.to_thread.run_sync(self.store.sync)
+        if out_of_line:
+            self.store.mark_durable(h.ino, epoch)
 
     @fuse_boundary
     async def release(self, fh: pyfuse3.FileHandleT) -> None:

@@ -129,6 +129,8 @@ class StateDir:
         self.readonly = readonly
         self._env = GuardedEnv(env, root / "db" / "data.mdb")
         self._lock_fd = lock_fd
+        self._durable: set[InodeNo] = set()
+        self._durable_epoch = 0
         self._meta = env.open_db(b"meta", create=not readonly)
         self._inodes = env.open_db(b"inodes", create=not readonly)
         self._entries = env.open_db(b"entries", create=not readonly)
@@ -289,3 +291,29 @@ class StateDir:
     def sync(self) -> None:
         """Make every committed transaction durable against power loss (slow: run in a thread)."""
         self._env.sync(True)
+
+    # --- what an fsync of an upper file still needs ----------------------------
+    #
+    # An upper file's length is the truth for its size after a crash
+    # (fsagent.tree, ``recover``), so once its inode record (with the upper
+    # flag) and its journal entry are durable, an fsync of it only needs the
+    # file's own data: ``fdatasync``, without syncing the whole environment.
+    # Anything that could make those records stale again (a rename moving the
+    # path, an acknowledged checkpoint clearing the journal entry, a file
+    # moving out of line, a mode or owner change) forgets every such inode.
+
+    def durable_epoch(self) -> int:
+        """Read before a :meth:`sync`, handed to :meth:`mark_durable` after it."""
+        return self._durable_epoch
+
+    def mark_durable(self, ino: InodeNo, epoch: int) -> None:
+        """``ino``'s records were committed before a sync that began at ``epoch``."""
+        if epoch == self._durable_epoch:
+            self._durable.add(ino)
+
+    def is_durable(self, ino: InodeNo) -> bool:
+        return ino in self._durable
+
+    def forget_durable(self) -> None:
+        self._durable.clear()
+        self._durable_epoch += 1

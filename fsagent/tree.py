@@ -152,6 +152,7 @@ class Tree(Journal):
 
     def drop_inline(self, inode: Inode) -> None:
         """The file's contents are now complete in ``upper/<inode>``: forget the inline copy."""
+        self.forget_durable()
         with self._env.begin(write=True) as txn:
             txn.delete(ikey(inode.ino), db=self._inline)
             self._put_inode(txn, inode)
@@ -299,6 +300,7 @@ class Tree(Journal):
         new one.
         """
         t = now_ns()
+        self.forget_durable()
         with self._env.begin(write=True) as txn:
             moved = self._entry_inode(txn, old_parent, old_name)
             ino = moved.ino
@@ -329,6 +331,7 @@ class Tree(Journal):
     def exchange(self, p1: InodeNo, n1: str, p2: InodeNo, n2: str) -> None:
         """RENAME_EXCHANGE: swap two existing entries atomically."""
         t = now_ns()
+        self.forget_durable()
         with self._env.begin(write=True) as txn:
             r1 = txn.get(ekey(p1, n1), db=self._entries)
             r2 = txn.get(ekey(p2, n2), db=self._entries)

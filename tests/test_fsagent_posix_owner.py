@@ -165,3 +165,62 @@ def test_other_users_in_handed_setgid_and_sticky_directories(mounts: MountFactor
     assert _as(OTHER, f"open('{prog}', 'ab').write(b'user')").returncode == 0
     assert stat.S_IMODE(prog.stat().st_mode) == 0o777
     assert prog.read_bytes() == b"xrootuser"
+
+
+def _mount_options(mountpoint: Path) -> set[str]:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(mountpoint):
+            return set(fields[-1].split(","))
+    raise AssertionError(f"{mountpoint} is not mounted")
+
+
+@pytest.mark.fuse
+def test_root_only_mount_checks_exec_itself_without_default_permissions(
+    mounts: MountFactory,
+) -> None:
+    """As root without --allow-other only root reaches the mount, so the kernel's
+    mode checks (and the directory GETATTR after each change they cost) are off;
+    exec of a file without any exec bit is still refused, as for root natively."""
+    _needs_root()
+    private = mounts.mount()
+    shared = mounts.mount(extra=["--allow-other"])
+    assert "default_permissions" not in _mount_options(private.mountpoint)
+    assert "default_permissions" in _mount_options(shared.mountpoint)
+    script = private.mountpoint / "run.sh"
+    script.write_text("#!/bin/sh\necho ran\n")
+    os.chmod(script, 0o644)
+    assert not os.access(script, os.X_OK)
+    assert os.access(script, os.R_OK | os.W_OK)
+    with pytest.raises(PermissionError):
+        subprocess.run([str(script)], check=False)
+    os.chmod(script, 0o700)
+    assert os.access(script, os.X_OK)
+    assert subprocess.run([str(script)], capture_output=True, text=True).stdout == "ran\n"
+    locked = private.mountpoint / "locked"
+    locked.write_bytes(b"root may")
+    os.chmod(locked, 0)
+    with open(locked, "ab") as fh:  # root passes mode checks, as on a native filesystem
+        fh.write(b" write")
+    assert locked.read_bytes() == b"root may write"
+
+
+def test_fsync_skips_the_store_sync_only_while_an_upper_file_records_are_durable(
+    tmp_path: Path,
+) -> None:
+    store = Store.open(tmp_path / "s")
+    f = store.create(ROOT_INODE, "wal", "file", 0o644)
+    epoch = store.durable_epoch()
+    store.mark_durable(f.ino, epoch)
+    assert store.is_durable(f.ino)
+    store.rename(ROOT_INODE, "wal", ROOT_INODE, "wal2", keep_replaced=lambda _: False)
+    assert not store.is_durable(f.ino)  # the new path's journal entry is not durable yet
+    store.mark_durable(f.ino, epoch)  # a sync that began before the rename proves nothing
+    assert not store.is_durable(f.ino)
+    store.mark_durable(f.ino, store.durable_epoch())
+    store.acknowledge([], high_water=1)
+    assert not store.is_durable(f.ino)  # acknowledged entries come back with the next write
+    store.mark_durable(f.ino, store.durable_epoch())
+    store.drop_inline(store.get(f.ino))
+    assert not store.is_durable(f.ino)
+    store.close()
