@@ -32,7 +32,7 @@ import pyfuse3
 import trio
 
 from common.errors import InvalidPath
-from common.limits import MAX_COMPONENT_BYTES, MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
+from common.limits import MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
 from common.paths import MAX_PATH_SEGMENTS, decode_fs_name
 from common.types import Digest
 from fsagent.content import Content, OpenFile
@@ -45,6 +45,7 @@ from fsagent.fuseglue import (
     fuse_err,
     name_errno,
     set_metadata,
+    statfs_reply,
 )
 from fsagent.hydrate import ContentFetcher
 from fsagent.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store, now_ns
@@ -360,16 +361,6 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(errno.ENOTEMPTY)
         self.store.unlink(parent, text, keep=self._in_use(child))
 
-    def _is_ancestor(self, ancestor: InodeNo, ino: InodeNo) -> bool:
-        while True:
-            if ino == ancestor:
-                return True
-            if ino == ROOT_INODE:
-                return False
-            ino = self._inode(ino).parent
-            if ino == 0:
-                return False
-
     @fuse_boundary
     async def rename(
         self,
@@ -398,14 +389,14 @@ class WorkFolderFS(pyfuse3.Operations):
         if src is None:
             raise fuse_err(errno.ENOENT)
         src_node = self._inode(src)
-        if src_node.kind == "directory" and self._is_ancestor(src, new_parent):
+        if src_node.kind == "directory" and self.store.is_ancestor(src, new_parent):
             raise fuse_err(errno.EINVAL)
         dst = self.store.lookup(new_parent, new)
         if flags & pyfuse3.RENAME_EXCHANGE:
             if dst is None:
                 raise fuse_err(errno.ENOENT)
             dst_node = self._inode(dst)
-            if dst_node.kind == "directory" and self._is_ancestor(dst, old_parent):
+            if dst_node.kind == "directory" and self.store.is_ancestor(dst, old_parent):
                 raise fuse_err(errno.EINVAL)
             if dst != src:
                 self.store.exchange(old_parent, old, new_parent, new)
@@ -496,10 +487,9 @@ class WorkFolderFS(pyfuse3.Operations):
         return await self.content.write(node, of, off, buf)
 
     async def flush(self, fh: pyfuse3.FileHandleT) -> None:
-        """ENOSYS, so the kernel stops sending FLUSH at all (one round trip less
-        per close).  Nothing is lost: close() still writes back dirty pages and
-        waits for those WRITEs, and each WRITE commits size, generation and the
-        journal entry before it is answered, so a closed file survives kill -9."""
+        """ENOSYS, so the kernel stops sending FLUSH (one round trip less per
+        close).  close() still writes back dirty pages and waits for those
+        WRITEs, each committed before it is answered: a closed file survives kill -9."""
         raise fuse_err(errno.ENOSYS)
 
     @fuse_boundary
@@ -590,19 +580,7 @@ class WorkFolderFS(pyfuse3.Operations):
     @fuse_boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         """Space of the disk holding the state dir (where the upper layer lives)."""
-        vfs = os.statvfs(self.store.root)
-        out = pyfuse3.StatvfsData()
-        out.f_bsize = vfs.f_bsize
-        out.f_frsize = vfs.f_frsize
-        out.f_blocks = vfs.f_blocks
-        out.f_bfree = 0 if self.readonly else vfs.f_bfree
-        out.f_bavail = 0 if self.readonly else vfs.f_bavail
-        used = self.store.count_inodes()
-        out.f_files = max(vfs.f_files, used)
-        out.f_ffree = 0 if self.readonly else max(vfs.f_ffree, 0)
-        out.f_favail = out.f_ffree
-        out.f_namemax = MAX_COMPONENT_BYTES
-        return out
+        return statfs_reply(os.statvfs(self.store.root), self.readonly, self.store.count_inodes())
 
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
         """Drop kernel references; free orphans nobody uses any more.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import stat
 import time
 from collections.abc import Callable, Coroutine
@@ -181,6 +182,21 @@ def set_metadata(
         node.mtime_ns = attr.st_mtime_ns
         ops.append("utimens")
     return ops
+
+
+def statfs_reply(vfs: os.statvfs_result, readonly: bool, used: int) -> pyfuse3.StatvfsData:
+    """STATFS: the state dir's disk (``vfs``); nothing free on a read-only mount."""
+    out = pyfuse3.StatvfsData()
+    out.f_bsize = vfs.f_bsize
+    out.f_frsize = vfs.f_frsize
+    out.f_blocks = vfs.f_blocks
+    out.f_bfree = 0 if readonly else vfs.f_bfree
+    out.f_bavail = 0 if readonly else vfs.f_bavail
+    out.f_files = max(vfs.f_files, used)
+    out.f_ffree = 0 if readonly else max(vfs.f_ffree, 0)
+    out.f_favail = out.f_ffree
+    out.f_namemax = MAX_COMPONENT_BYTES
+    return out
 
 
 def existing_name(raw: bytes) -> str:

@@ -91,16 +91,8 @@ class Tree(Journal):
 
     def children(self, parent: InodeNo) -> list[tuple[str, InodeNo]]:
         """All entries of a directory, sorted by name bytes (a stable readdir order)."""
-        prefix = ikey(parent)
-        out: list[tuple[str, InodeNo]] = []
         with self._env.begin() as txn:
-            cur = txn.cursor(db=self._entries)
-            if cur.set_range(prefix):
-                for key, val in cur:
-                    if not key.startswith(prefix):
-                        break
-                    out.append((entry_name(key), ino_of(val)))
-        return out
+            return self._children_in(txn, parent)
 
     def has_children(self, parent: InodeNo) -> bool:
         prefix = ikey(parent)
@@ -118,6 +110,16 @@ class Tree(Journal):
             parts.append(inode.name)
             ino = inode.parent
         return "/".join(reversed(parts))
+
+    def is_ancestor(self, ancestor: InodeNo, ino: InodeNo) -> bool:
+        """Whether directory ``ancestor`` is ``ino`` or above it (False for an orphan)."""
+        while ino != ancestor:
+            if ino == ROOT_INODE:
+                return False
+            ino = self.get(ino).parent
+            if ino == 0:
+                return False
+        return True
 
     def count_entries(self) -> int:
         """Linked names in the tree: what the controller's entry limit counts."""
@@ -564,11 +566,10 @@ class Tree(Journal):
 
         Orphans were kept only for handles that died with the old process.
         An upper file's length is the truth for the file's size: the bytes
-        reach the upper file before write() commits the size, so a crash in
-        between leaves the file longer than the record.  An inline file's
-        contents and size are one commit.  Files in ``upper/`` that no inode
-        uses are removed: a temp copy cut short, or an upper file left beside
-        inline contents by a crash while they moved out of line.
+        reach it before write() commits the size (an inline file's contents
+        and size are one commit).  Files in ``upper/`` that no inode uses are
+        removed: a temp copy cut short, or one left beside inline contents by
+        a crash while they moved out of line.
         """
         freed = fixed = 0
         on_disk = self.upper.sizes()
