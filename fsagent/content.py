@@ -76,6 +76,14 @@ class UpperFiles:
     def truncate(self, ino: int, size: int) -> None:
         os.truncate(self.path(ino), size)
 
+    def sync_directory(self) -> None:
+        """Make the names in ``upper/`` durable: each file got its name by a rename."""
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def remove(self, ino: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(ino))

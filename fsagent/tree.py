@@ -121,6 +121,12 @@ class Tree(Journal):
                 return False
         return True
 
+    def sync(self) -> None:
+        """Everything committed, and the names of the upper files, made durable
+        against power loss (slow: run in a thread)."""
+        super().sync()
+        self.upper.sync_directory()
+
     def count_entries(self) -> int:
         """Linked names in the tree: what the controller's entry limit counts."""
         with self._env.begin() as txn:
@@ -166,13 +172,8 @@ class Tree(Journal):
     def _path_in(self, txn: Any, ino: InodeNo) -> str | None:
         parts: list[str] = []
         while ino != ROOT_INODE:
-            inode = self._cache.get(ino)
-            if inode is None:
-                raw = txn.get(ikey(ino), db=self._inodes)
-                if raw is None:
-                    return None
-                inode = Inode.decode(ino, raw)
-            if inode.parent == 0:
+            inode = self._live_inode(txn, ino)
+            if inode is None or inode.parent == 0:
                 return None
             parts.append(inode.name)
             ino = inode.parent
@@ -227,12 +228,9 @@ class Tree(Journal):
         return inode
 
     def _touch_parent_mtime(self, txn: Any, parent: InodeNo, t: int) -> None:
-        pinode = self._cache.get(parent)
+        pinode = self._live_inode(txn, parent)
         if pinode is None:
-            raw = txn.get(ikey(parent), db=self._inodes)
-            if raw is None:
-                return
-            pinode = Inode.decode(parent, raw)
+            return
         pinode.mtime_ns = pinode.ctime_ns = t
         self._put_inode(txn, pinode)
 
