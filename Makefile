@@ -34,6 +34,7 @@ bench: deps
 	$(PY) -m bench.api_bench
 
 bench-fs: deps
+	packaging/install-deps.sh --bench
 	$(PY) -m bench.fsops
 
 bench-checkpoint: deps

@@ -76,6 +76,14 @@ class UpperFiles:
     def truncate(self, ino: int, size: int) -> None:
         os.truncate(self.path(ino), size)
 
+    def sync_directory(self) -> None:
+        """Make the names in ``upper/`` durable: each file got its name by a rename."""
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def remove(self, ino: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(ino))
@@ -274,9 +282,10 @@ class Content:
         return written
 
     async def fsync(self, of: OpenFile) -> None:
-        """Make the upper file durable (the caller syncs the store)."""
+        """Make the upper file's data and length durable (the caller syncs the
+        store when the inode's records may not be durable yet)."""
         if of.upper and not of.inline:
-            await self.pinned(of, os.fsync)
+            await self.pinned(of, os.fdatasync)
 
     def close_all(self) -> None:
         """After unmount: close every backing fd (every change is already committed)."""

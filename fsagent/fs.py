@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import pyfuse3
 import trio
 
 from common.errors import InvalidPath
-from common.limits import MAX_COMPONENT_BYTES, MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
+from common.limits import MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
 from common.paths import MAX_PATH_SEGMENTS, decode_fs_name
 from common.types import Digest
 from fsagent.content import Content, OpenFile
@@ -43,6 +44,8 @@ from fsagent.fuseglue import (
     fuse_boundary,
     fuse_err,
     name_errno,
+    set_metadata,
+    statfs_reply,
 )
 from fsagent.hydrate import ContentFetcher
 from fsagent.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store, now_ns
@@ -76,8 +79,6 @@ class WorkFolderFS(pyfuse3.Operations):
         self.store = store
         self.fetcher = fetcher
         self.readonly = readonly
-        self.uid = os.getuid()
-        self.gid = os.getgid()
         self.lookups: dict[InodeNo, int] = {}
         self.content = Content(store, fetcher)
         self.files = self.content.files
@@ -103,7 +104,7 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(errno.ENOENT) from None
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        return entry_attributes(inode, self.readonly, self.uid, self.gid)
+        return entry_attributes(inode, self.readonly)
 
     def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new lookup reference."""
@@ -177,6 +178,15 @@ class WorkFolderFS(pyfuse3.Operations):
         return self._attrs(self._inode(inode))
 
     @fuse_boundary
+    async def access(
+        self, inode: pyfuse3.InodeT, mode: pyfuse3.ModeT, ctx: pyfuse3.RequestContext
+    ) -> bool:
+        """access(2) when the kernel does not check modes (root, no --allow-other):
+        root may do anything but execute a file without any exec bit."""
+        node = self._inode(inode)
+        return not (mode & os.X_OK and node.kind == "file" and not node.mode & 0o111)
+
+    @fuse_boundary
     async def setattr(
         self,
         inode: pyfuse3.InodeT,
@@ -185,16 +195,18 @@ class WorkFolderFS(pyfuse3.Operations):
         fh: pyfuse3.FileHandleT | None,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
-        """truncate/ftruncate, chmod (all permission bits kept; the owner exec bit is
-        what is saved), utimens.  Ownership changes are accepted and ignored:
-        scoped files have no owner.  Journals the path; EROFS when unbound,
-        EFBIG beyond the 1 GiB file limit.
+        """truncate/ftruncate, chmod, chown/chgrp (stored as told: the kernel
+        checked them), utimens; mode, owner and times: fuseglue.set_metadata.
+        The kernel clears setuid/setgid on write, truncate and chown (it sends
+        the new mode).  EROFS when unbound, EFBIG beyond the 1 GiB file limit.
         """
         self._writable()
         node = self._inode(inode)
-        if not (
-            fields.update_size or fields.update_mode or fields.update_uid or fields.update_gid
-        ) and (not fields.update_mtime or attr.st_mtime_ns == node.mtime_ns):
+        f = fields
+        changes = f.update_size or f.update_mode or f.update_uid or f.update_gid
+        if not (changes or f.update_atime) and (
+            not f.update_mtime or attr.st_mtime_ns == node.mtime_ns
+        ):
             # The kernel writing back its own ctime after a rename or unlink (it
             # owns c/mtime with the writeback cache): nothing to save or journal.
             # The cached inode shows the new ctime; losing it at a crash is harmless.
@@ -211,12 +223,9 @@ class WorkFolderFS(pyfuse3.Operations):
                 raise fuse_err(errno.EFBIG)
             inline = await self.content.truncate(node, size)
             ops.append("truncate")
-        if fields.update_mode:
-            node.mode = attr.st_mode & 0o777
-            ops.append("chmod")
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
-            ops.append("utimens")
+        if f.update_mode or f.update_uid or f.update_gid:
+            self.store.forget_durable()  # the next fsync makes the new mode durable
+        ops += set_metadata(node, attr, fields)
         node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now_ns()
         self.store.persist(node, touch="+".join(ops) if ops else None, inline=inline)
         return self._attrs(node)
@@ -273,13 +282,22 @@ class WorkFolderFS(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         """Create a directory; EEXIST if the name is taken. Journals the path."""
-        return self._ref(await self._create_node(parent_inode, name, "directory", mode))
+        return self._ref(await self._create_node(parent_inode, name, "directory", mode, ctx))
 
-    async def _create_node(self, parent_inode: int, raw: bytes, kind: Kind, mode: int) -> Inode:
+    async def _create_node(
+        self, parent_inode: int, raw: bytes, kind: Kind, mode: int, ctx: pyfuse3.RequestContext
+    ) -> Inode:
+        """A new entry is the caller's, in the caller's group or a setgid
+        directory's (a new directory inherits the bit), as on Linux."""
         self._writable()
         parent = InodeNo(parent_inode)
-        self._dir(parent)
+        pnode = self._dir(parent)
         name = self._new_name(parent, raw)
+        gid = ctx.gid
+        if pnode.mode & stat.S_ISGID:
+            gid = pnode.gid
+            if kind == "directory":
+                mode |= stat.S_ISGID
         if self.store.lookup(parent, name) is not None:
             raise fuse_err(errno.EEXIST)
         if self.store.count_entries() >= MAX_ENTRIES:
@@ -287,7 +305,7 @@ class WorkFolderFS(pyfuse3.Operations):
             # saying so now (as a quota) keeps the agent from piling up work
             # that could never be saved.
             raise fuse_err(errno.EDQUOT)
-        return self.store.create(parent, name, kind, mode)
+        return self.store.create(parent, name, kind, mode, ctx.uid, gid)
 
     @fuse_boundary
     async def create(
@@ -303,7 +321,7 @@ class WorkFolderFS(pyfuse3.Operations):
         EEXIST if the name is taken (the kernel has already applied O_EXCL
         semantics through lookup; this closes the race).  Journals the path.
         """
-        inode = await self._create_node(parent_inode, name, "file", mode)
+        inode = await self._create_node(parent_inode, name, "file", mode, ctx)
         # Empty and inline (in the same commit): no file is created on disk.
         self.files[inode.ino] = OpenFile(-1, upper=True, inline=True, opens=1)
         fh = self._new_fh()
@@ -343,16 +361,6 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(errno.ENOTEMPTY)
         self.store.unlink(parent, text, keep=self._in_use(child))
 
-    def _is_ancestor(self, ancestor: InodeNo, ino: InodeNo) -> bool:
-        while True:
-            if ino == ancestor:
-                return True
-            if ino == ROOT_INODE:
-                return False
-            ino = self._inode(ino).parent
-            if ino == 0:
-                return False
-
     @fuse_boundary
     async def rename(
         self,
@@ -381,14 +389,14 @@ class WorkFolderFS(pyfuse3.Operations):
         if src is None:
             raise fuse_err(errno.ENOENT)
         src_node = self._inode(src)
-        if src_node.kind == "directory" and self._is_ancestor(src, new_parent):
+        if src_node.kind == "directory" and self.store.is_ancestor(src, new_parent):
             raise fuse_err(errno.EINVAL)
         dst = self.store.lookup(new_parent, new)
         if flags & pyfuse3.RENAME_EXCHANGE:
             if dst is None:
                 raise fuse_err(errno.ENOENT)
             dst_node = self._inode(dst)
-            if dst_node.kind == "directory" and self._is_ancestor(dst, old_parent):
+            if dst_node.kind == "directory" and self.store.is_ancestor(dst, old_parent):
                 raise fuse_err(errno.EINVAL)
             if dst != src:
                 self.store.exchange(old_parent, old, new_parent, new)
@@ -479,19 +487,27 @@ class WorkFolderFS(pyfuse3.Operations):
         return await self.content.write(node, of, off, buf)
 
     async def flush(self, fh: pyfuse3.FileHandleT) -> None:
-        """ENOSYS, so the kernel stops sending FLUSH at all (one round trip less
-        per close).  Nothing is lost: close() still writes back dirty pages and
-        waits for those WRITEs, and each WRITE commits size, generation and the
-        journal entry before it is answered, so a closed file survives kill -9."""
+        """ENOSYS, so the kernel stops sending FLUSH (one round trip less per
+        close).  close() still writes back dirty pages and waits for those
+        WRITEs, each committed before it is answered: a closed file survives kill -9."""
         raise fuse_err(errno.ENOSYS)
 
     @fuse_boundary
     async def fsync(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """Make the upper file and the LMDB environment (the inode, the journal
-        and inline contents, committed by write) durable against power loss."""
-        _, of = self._handle(fh)
+        and inline contents, committed by write) durable against power loss.
+        Once an upper file's records are durable (statedir, ``mark_durable``),
+        its own ``fdatasync`` is all a later fsync needs."""
+        h, of = self._handle(fh)
+        out_of_line = of.upper and not of.inline
+        if out_of_line and self.store.is_durable(h.ino):
+            await self.content.fsync(of)
+            return
+        epoch = self.store.durable_epoch()
         await self.content.fsync(of)
         await trio.to_thread.run_sync(self.store.sync)
+        if out_of_line:
+            self.store.mark_durable(h.ino, epoch)
 
     @fuse_boundary
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
@@ -564,19 +580,7 @@ class WorkFolderFS(pyfuse3.Operations):
     @fuse_boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         """Space of the disk holding the state dir (where the upper layer lives)."""
-        vfs = os.statvfs(self.store.root)
-        out = pyfuse3.StatvfsData()
-        out.f_bsize = vfs.f_bsize
-        out.f_frsize = vfs.f_frsize
-        out.f_blocks = vfs.f_blocks
-        out.f_bfree = 0 if self.readonly else vfs.f_bfree
-        out.f_bavail = 0 if self.readonly else vfs.f_bavail
-        used = self.store.count_inodes()
-        out.f_files = max(vfs.f_files, used)
-        out.f_ffree = 0 if self.readonly else max(vfs.f_ffree, 0)
-        out.f_favail = out.f_ffree
-        out.f_namemax = MAX_COMPONENT_BYTES
-        return out
+        return statfs_reply(os.statvfs(self.store.root), self.readonly, self.store.count_inodes())
 
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
         """Drop kernel references; free orphans nobody uses any more.

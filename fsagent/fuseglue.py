@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import stat
 import time
 from collections.abc import Callable, Coroutine
@@ -120,28 +121,82 @@ def name_errno(exc: InvalidPath) -> int:
     return errno.EINVAL
 
 
-def entry_attributes(inode: Inode, readonly: bool, uid: int, gid: int) -> pyfuse3.EntryAttributes:
-    """What the kernel is told about ``inode`` (cached for ``TIMEOUT``)."""
+def entry_attributes(inode: Inode, readonly: bool) -> pyfuse3.EntryAttributes:
+    """What the kernel is told about ``inode`` (cached for ``TIMEOUT``).
+
+    Owner, group and the full mode (setuid, setgid, sticky) are the inode's
+    own; with ``default_permissions`` the kernel checks access against them.
+    A read-only mount shows no write bits.
+    """
     a = pyfuse3.EntryAttributes()
     a.st_ino = inode.ino
     a.generation = 0
     a.entry_timeout = TIMEOUT
     a.attr_timeout = TIMEOUT
     kind_bits = stat.S_IFDIR if inode.kind == "directory" else stat.S_IFREG
-    mode = inode.mode & (0o555 if readonly else 0o777)
+    mode = inode.mode & (0o7555 if readonly else 0o7777)
     a.st_mode = kind_bits | mode
     # 1 means "unknown" for directories: tools then do not infer subdirectory counts.
     a.st_nlink = 1 if inode.parent or inode.ino == ROOT_INODE else 0
-    a.st_uid = uid
-    a.st_gid = gid
+    a.st_uid = inode.uid
+    a.st_gid = inode.gid
     a.st_rdev = 0
     a.st_size = inode.size
     a.st_blksize = BLKSIZE
     a.st_blocks = (inode.size + 511) // 512
-    a.st_atime_ns = inode.mtime_ns
+    a.st_atime_ns = inode.atime_ns
     a.st_mtime_ns = inode.mtime_ns
     a.st_ctime_ns = inode.ctime_ns
     return a
+
+
+def kill_suid(mode: int) -> int:
+    """``mode`` without setuid, and without setgid when group exec is set (a
+    setgid bit without group exec means mandatory locking, which Linux keeps)."""
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
+
+
+def set_metadata(
+    node: Inode, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields
+) -> list[str]:
+    """Apply a SETATTR's mode, owner and times to ``node``; the journal
+    operations among them (an owner exec bit change, an mtime)."""
+    ops: list[str] = []
+    if fields.update_mode:
+        executable = node.executable
+        node.mode = attr.st_mode & 0o7777
+        if node.executable != executable:
+            ops.append("chmod")
+    elif (fields.update_uid or fields.update_gid) and node.kind == "file":
+        node.mode = kill_suid(node.mode)
+    if fields.update_uid:
+        node.uid = attr.st_uid
+    if fields.update_gid:
+        node.gid = attr.st_gid
+    if fields.update_atime:
+        node.atime_ns = attr.st_atime_ns
+    if fields.update_mtime:
+        node.mtime_ns = attr.st_mtime_ns
+        ops.append("utimens")
+    return ops
+
+
+def statfs_reply(vfs: os.statvfs_result, readonly: bool, used: int) -> pyfuse3.StatvfsData:
+    """STATFS: the state dir's disk (``vfs``); nothing free on a read-only mount."""
+    out = pyfuse3.StatvfsData()
+    out.f_bsize = vfs.f_bsize
+    out.f_frsize = vfs.f_frsize
+    out.f_blocks = vfs.f_blocks
+    out.f_bfree = 0 if readonly else vfs.f_bfree
+    out.f_bavail = 0 if readonly else vfs.f_bavail
+    out.f_files = max(vfs.f_files, used)
+    out.f_ffree = 0 if readonly else max(vfs.f_ffree, 0)
+    out.f_favail = out.f_ffree
+    out.f_namemax = MAX_COMPONENT_BYTES
+    return out
 
 
 def existing_name(raw: bytes) -> str:

@@ -137,6 +137,7 @@ class Journal(StateDir):
         checkpoint and torn content is never taken as saved.
         """
         cleared = 0
+        self.forget_durable()  # a journal entry cleared here is re-added by the next write
         with self._env.begin(write=True) as txn:
             for change, digest, version in shipped:
                 key = path_key(change.path)

@@ -129,6 +129,12 @@ def _fuse_options(opts: MountOptions, readonly: bool) -> set[str]:
         # Needed when the agent runs as another user than fsagent; with
         # default_permissions the kernel still enforces the file modes.
         options.add("allow_other")
+    elif os.geteuid() == 0:
+        # Only root can reach this mount, and root passes every mode check but
+        # exec, which the kernel still checks for FUSE files (and fs.access for
+        # access(2)). Without default_permissions the kernel no longer fetches
+        # a directory's attributes again (GETATTR) after each change in it.
+        options.discard("default_permissions")
     if readonly:
         options.add("ro")
     return options

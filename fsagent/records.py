@@ -19,8 +19,10 @@ the full path, so a scan of the journal never has to invert a key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -40,6 +42,8 @@ _HASHED_KEY_PREFIX: Final = b"\x00"
 
 _V: Final = 1
 """Version of the records this code writes. 0: the unversioned arrays of formats 1 and 2."""
+_V_INODE: Final = 2
+"""Inode records: 1 had no owner and no atime (format 3); 2 adds uid, gid and atime."""
 
 _U64 = struct.Struct(">Q")
 # One encoder for all records: json.dumps with options builds a new encoder per call,
@@ -86,13 +90,20 @@ def _load(raw: bytes, what: str) -> list[Any]:
     return rec
 
 
-def _version(rec: list[Any], legacy_first: type) -> int:
+def _version(rec: list[Any], legacy_first: type, known: tuple[int, ...] = (_V,)) -> int:
     """The record version: legacy arrays start with a value of ``legacy_first``'s type."""
     if rec and isinstance(rec[0], legacy_first) and not isinstance(rec[0], bool):
         return 0
-    if rec and isinstance(rec[0], int) and rec[0] == _V:
-        return _V
+    if rec and isinstance(rec[0], int) and not isinstance(rec[0], bool) and rec[0] in known:
+        return int(rec[0])
     raise StateCorrupt(f"record of unknown version: {rec[:1]!r}")
+
+
+@functools.cache
+def process_owner() -> tuple[int, int]:
+    """The owner of entries whose records predate ownership (and of hydrated ones):
+    the daemon's own uid and gid, which is what every entry reported then."""
+    return os.getuid(), os.getgid()
 
 
 @dataclass(slots=True)
@@ -100,7 +111,8 @@ class Inode:
     ino: InodeNo
     kind: Kind
     mode: int
-    """Permission bits (0o777); only the owner exec bit is part of the saved signature."""
+    """Permission bits with setuid, setgid and sticky (0o7777); only the owner
+    exec bit is part of the saved signature, the rest is local metadata."""
     size: int
     mtime_ns: int
     ctime_ns: int
@@ -112,6 +124,19 @@ class Inode:
     upper: bool
     generation: int
     """Bumped on every content change; a shipper compares it before and after upload."""
+    uid: int = field(default=-1)
+    """Owner (local metadata, never shipped); -1 in the constructor: the daemon's user."""
+    gid: int = field(default=-1)
+    atime_ns: int = field(default=-1)
+    """-1 in the constructor: the same as ``mtime_ns``."""
+
+    def __post_init__(self) -> None:
+        if self.uid < 0 or self.gid < 0:
+            uid, gid = process_owner()
+            self.uid = uid if self.uid < 0 else self.uid
+            self.gid = gid if self.gid < 0 else self.gid
+        if self.atime_ns < 0:
+            self.atime_ns = self.mtime_ns
 
     @property
     def executable(self) -> bool:
@@ -120,7 +145,7 @@ class Inode:
     def encode(self) -> bytes:
         return _encode(
             [
-                _V,
+                _V_INODE,
                 self.kind,
                 self.mode,
                 self.size,
@@ -131,18 +156,30 @@ class Inode:
                 self.digest,
                 self.upper,
                 self.generation,
+                self.uid,
+                self.gid,
+                self.atime_ns,
             ]
         ).encode()
 
     @classmethod
     def decode(cls, ino: int, raw: bytes) -> Inode:
+        """Versions 0 and 1 have no owner or atime: the daemon's user, atime = mtime."""
         rec = _load(raw, "inode")
-        fields = rec if _version(rec, str) == 0 else rec[1:]
+        version = _version(rec, str, (1, _V_INODE))
+        fields = rec if version == 0 else rec[1:]
+        owner: list[Any] = [-1, -1, -1]
+        if version == _V_INODE:
+            fields, owner = fields[:10], fields[10:]
         try:
             k, mode, size, mt, ct, parent, name, digest, upper, gen = fields
+            uid, gid, at = owner
         except ValueError:
             raise StateCorrupt(f"inode {ino}: malformed record {rec!r}") from None
-        return cls(InodeNo(ino), k, mode, size, mt, ct, InodeNo(parent), name, digest, upper, gen)
+        return cls(
+            InodeNo(ino), k, mode, size, mt, ct, InodeNo(parent), name, digest, upper, gen,
+            uid, gid, at,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,19 +33,22 @@ from fsagent.records import Binding, Inode, InodeNo, encode_json, ikey, now_ns, 
 log = logging.getLogger(__name__)
 
 ROOT_INODE: Final = InodeNo(1)
-STATE_FORMAT: Final = 3
+STATE_FORMAT: Final = 4
 """2 added the ``inline`` table; 3 versioned every record and keys paths longer
-than LMDB's key limit by their hash (fsagent.records).  An older dir is upgraded
-in place when opened for writing; older code refuses a newer dir (format 2 code
-would misread versioned records)."""
-_UPGRADABLE: Final = frozenset({1, 2})
+than LMDB's key limit by their hash (fsagent.records); 4 gives inodes an owner
+(uid, gid) and an atime (inode records of version 2; older ones are read as
+owned by the daemon's user, atime = mtime, which is what they reported).  An
+older dir is upgraded in place when opened for writing; older code refuses a
+newer dir (format 2 code would misread versioned records, format 3 code would
+refuse version-2 inode records)."""
+_UPGRADABLE: Final = frozenset({1, 2, 3})
 MARKER: Final = "fsagent-state.json"
 _MAP_SIZE: Final = 16 << 30  # address space only; the file grows as needed
 # (100,000 inline files of 64 KiB alone are 6.1 GiB, plus copy-on-write pages)
 HEADROOM: Final = 2 << 20
 _TABLES: Final = ("meta", "inodes", "entries", "base", "journal", "orphans", "inline")
 _VERSIONED: Final = ("inodes", "base", "journal")
-"""Tables whose values are versioned records (rewritten by the format-3 upgrade)."""
+"""Tables whose values are versioned records (rewritten by the format-3 and -4 upgrades)."""
 
 
 def default_state_root() -> Path:
@@ -126,6 +129,8 @@ class StateDir:
         self.readonly = readonly
         self._env = GuardedEnv(env, root / "db" / "data.mdb")
         self._lock_fd = lock_fd
+        self._durable: set[InodeNo] = set()
+        self._durable_epoch = 0
         self._meta = env.open_db(b"meta", create=not readonly)
         self._inodes = env.open_db(b"inodes", create=not readonly)
         self._entries = env.open_db(b"entries", create=not readonly)
@@ -286,3 +291,29 @@ class StateDir:
     def sync(self) -> None:
         """Make every committed transaction durable against power loss (slow: run in a thread)."""
         self._env.sync(True)
+
+    # --- what an fsync of an upper file still needs ----------------------------
+    #
+    # An upper file's length is the truth for its size after a crash
+    # (fsagent.tree, ``recover``), so once its inode record (with the upper
+    # flag) and its journal entry are durable, an fsync of it only needs the
+    # file's own data: ``fdatasync``, without syncing the whole environment.
+    # Anything that could make those records stale again (a rename moving the
+    # path, an acknowledged checkpoint clearing the journal entry, a file
+    # moving out of line, a mode or owner change) forgets every such inode.
+
+    def durable_epoch(self) -> int:
+        """Read before a :meth:`sync`, handed to :meth:`mark_durable` after it."""
+        return self._durable_epoch
+
+    def mark_durable(self, ino: InodeNo, epoch: int) -> None:
+        """``ino``'s records were committed before a sync that began at ``epoch``."""
+        if epoch == self._durable_epoch:
+            self._durable.add(ino)
+
+    def is_durable(self, ino: InodeNo) -> bool:
+        return ino in self._durable
+
+    def forget_durable(self) -> None:
+        self._durable.clear()
+        self._durable_epoch += 1

@@ -91,16 +91,8 @@ class Tree(Journal):
 
     def children(self, parent: InodeNo) -> list[tuple[str, InodeNo]]:
         """All entries of a directory, sorted by name bytes (a stable readdir order)."""
-        prefix = ikey(parent)
-        out: list[tuple[str, InodeNo]] = []
         with self._env.begin() as txn:
-            cur = txn.cursor(db=self._entries)
-            if cur.set_range(prefix):
-                for key, val in cur:
-                    if not key.startswith(prefix):
-                        break
-                    out.append((entry_name(key), ino_of(val)))
-        return out
+            return self._children_in(txn, parent)
 
     def has_children(self, parent: InodeNo) -> bool:
         prefix = ikey(parent)
@@ -118,6 +110,22 @@ class Tree(Journal):
             parts.append(inode.name)
             ino = inode.parent
         return "/".join(reversed(parts))
+
+    def is_ancestor(self, ancestor: InodeNo, ino: InodeNo) -> bool:
+        """Whether directory ``ancestor`` is ``ino`` or above it (False for an orphan)."""
+        while ino != ancestor:
+            if ino == ROOT_INODE:
+                return False
+            ino = self.get(ino).parent
+            if ino == 0:
+                return False
+        return True
+
+    def sync(self) -> None:
+        """Everything committed, and the names of the upper files, made durable
+        against power loss (slow: run in a thread)."""
+        super().sync()
+        self.upper.sync_directory()
 
     def count_entries(self) -> int:
         """Linked names in the tree: what the controller's entry limit counts."""
@@ -152,6 +160,7 @@ class Tree(Journal):
 
     def drop_inline(self, inode: Inode) -> None:
         """The file's contents are now complete in ``upper/<inode>``: forget the inline copy."""
+        self.forget_durable()
         with self._env.begin(write=True) as txn:
             txn.delete(ikey(inode.ino), db=self._inline)
             self._put_inode(txn, inode)
@@ -163,13 +172,8 @@ class Tree(Journal):
     def _path_in(self, txn: Any, ino: InodeNo) -> str | None:
         parts: list[str] = []
         while ino != ROOT_INODE:
-            inode = self._cache.get(ino)
-            if inode is None:
-                raw = txn.get(ikey(ino), db=self._inodes)
-                if raw is None:
-                    return None
-                inode = Inode.decode(ino, raw)
-            if inode.parent == 0:
+            inode = self._live_inode(txn, ino)
+            if inode is None or inode.parent == 0:
                 return None
             parts.append(inode.name)
             ino = inode.parent
@@ -202,12 +206,17 @@ class Tree(Journal):
 
     # --- mutations (each one commit; each touches the journal) --------------
 
-    def create(self, parent: InodeNo, name: str, kind: Kind, mode: int) -> Inode:
-        """Link a new empty file or directory; the caller checked the name is free."""
+    def create(
+        self, parent: InodeNo, name: str, kind: Kind, mode: int, uid: int = -1, gid: int = -1
+    ) -> Inode:
+        """Link a new empty file or directory owned by ``uid``:``gid`` (-1: the
+        daemon's user); the caller checked the name is free."""
         t = now_ns()
         with self._env.begin(write=True) as txn:
             ino = self._next_ino(txn)
-            inode = Inode(ino, kind, mode & 0o777, 0, t, t, parent, name, None, kind == "file", 0)
+            inode = Inode(
+                ino, kind, mode & 0o7777, 0, t, t, parent, name, None, kind == "file", 0, uid, gid
+            )
             self._put_inode(txn, inode)
             if kind == "file":
                 txn.put(ikey(ino), b"", db=self._inline)
@@ -219,12 +228,9 @@ class Tree(Journal):
         return inode
 
     def _touch_parent_mtime(self, txn: Any, parent: InodeNo, t: int) -> None:
-        pinode = self._cache.get(parent)
+        pinode = self._live_inode(txn, parent)
         if pinode is None:
-            raw = txn.get(ikey(parent), db=self._inodes)
-            if raw is None:
-                return
-            pinode = Inode.decode(parent, raw)
+            return
         pinode.mtime_ns = pinode.ctime_ns = t
         self._put_inode(txn, pinode)
 
@@ -294,6 +300,7 @@ class Tree(Journal):
         new one.
         """
         t = now_ns()
+        self.forget_durable()
         with self._env.begin(write=True) as txn:
             moved = self._entry_inode(txn, old_parent, old_name)
             ino = moved.ino
@@ -324,6 +331,7 @@ class Tree(Journal):
     def exchange(self, p1: InodeNo, n1: str, p2: InodeNo, n2: str) -> None:
         """RENAME_EXCHANGE: swap two existing entries atomically."""
         t = now_ns()
+        self.forget_durable()
         with self._env.begin(write=True) as txn:
             r1 = txn.get(ekey(p1, n1), db=self._entries)
             r2 = txn.get(ekey(p2, n2), db=self._entries)
@@ -556,11 +564,10 @@ class Tree(Journal):
 
         Orphans were kept only for handles that died with the old process.
         An upper file's length is the truth for the file's size: the bytes
-        reach the upper file before write() commits the size, so a crash in
-        between leaves the file longer than the record.  An inline file's
-        contents and size are one commit.  Files in ``upper/`` that no inode
-        uses are removed: a temp copy cut short, or an upper file left beside
-        inline contents by a crash while they moved out of line.
+        reach it before write() commits the size (an inline file's contents
+        and size are one commit).  Files in ``upper/`` that no inode uses are
+        removed: a temp copy cut short, or one left beside inline contents by
+        a crash while they moved out of line.
         """
         freed = fixed = 0
         on_disk = self.upper.sizes()

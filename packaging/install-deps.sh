@@ -2,13 +2,19 @@
 # Install the Debian packages this project needs, only those that are missing.
 #   packaging/install-deps.sh           runtime: FUSE, PostgreSQL server binaries, build tools
 #   packaging/install-deps.sh --test    also Chromium for the browser tests, npm for axe-core
+#   packaging/install-deps.sh --bench   also the FUSE peers bench.fsops compares with
+#                                       (bindfs, rclone)
 set -euo pipefail
 
 pkgs=(fuse3 libfuse3-dev pkg-config gcc make python3 python3-dev python3-venv
       postgresql tar ca-certificates)
-if [[ "${1:-}" == "--test" ]]; then
-    pkgs+=(chromium chromium-driver fonts-dejavu-core nodejs npm)
-fi
+for opt in "$@"; do
+    case "$opt" in
+        --test) pkgs+=(chromium chromium-driver fonts-dejavu-core nodejs npm) ;;
+        --bench) pkgs+=(bindfs rclone) ;;
+        *) echo "usage: $0 [--test] [--bench]" >&2; exit 2 ;;
+    esac
+done
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import mmap
 import os
 import random
 import shutil
 import stat
+import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -54,13 +56,17 @@ def outcome(fn: Callable[[], Any]) -> Outcome:
         return ("err", errno.errorcode.get(exc.errno or 0, exc.errno))
 
 
-def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
-    """Everything a user can observe about a tree, except times and inode numbers."""
+def snapshot(root: Path, *, owners: bool = False) -> dict[str, tuple[Any, ...]]:
+    """Everything a user can observe about a tree, except times and inode numbers
+    (and, unless ``owners``, the full mode and the owner: without them the
+    mount shows its own user and the plain directory root)."""
     out: dict[str, tuple[Any, ...]] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
         for d in dirnames:
-            out[os.path.normpath(os.path.join(rel, d))] = ("dir",)
+            st_ = os.stat(os.path.join(dirpath, d))
+            meta = (stat.S_IMODE(st_.st_mode), st_.st_uid, st_.st_gid) if owners else ()
+            out[os.path.normpath(os.path.join(rel, d))] = ("dir", *meta)
         for f in filenames:
             p = os.path.join(dirpath, f)
             st_ = os.stat(p)
@@ -70,123 +76,130 @@ def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
                 os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 data = fh.read()
             key = os.path.normpath(os.path.join(rel, f))
-            out[key] = ("file", st_.st_size, bool(st_.st_mode & stat.S_IXUSR), data)
+            meta = (stat.S_IMODE(st_.st_mode), st_.st_uid, st_.st_gid) if owners else ()
+            out[key] = ("file", st_.st_size, bool(st_.st_mode & stat.S_IXUSR), data, *meta)
     return out
+
+
+def _write(path: Path, flags: int, data: bytes, off: int | None = None) -> int:
+    fd = os.open(path, flags, 0o644)
+    try:
+        return os.write(fd, data) if off is None else os.pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path, off: int, size: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, size, off)
+    finally:
+        os.close(fd)
+
+
+def _utime(path: Path, atime_ns: int, mtime_ns: int) -> tuple[int, int]:
+    os.utime(path, ns=(atime_ns, mtime_ns))
+    st_ = os.stat(path)
+    return st_.st_atime_ns, st_.st_mtime_ns
+
+
+class Differential(RuleBasedStateMachine):
+    """Set ``plain`` and ``mount`` (two empty directories) in a subclass before running."""
+
+    plain: Path
+    mount: Path
+    owners = False
+    counter = itertools.count()
+
+    def __init__(self) -> None:
+        super().__init__()
+        n = next(self.counter)
+        self.roots = (self.plain / f"ex{n}", self.mount / f"ex{n}")
+        for r in self.roots:
+            r.mkdir()
+            for d in DIRS:
+                (r / d).mkdir()
+            for name, size in (("a", 100), ("d/b", 5000), ("e/c", 30_000)):
+                (r / name).write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+
+    def both(self, op: Callable[[Path], Any]) -> Outcome:
+        a, b = (outcome(lambda r=r: op(r)) for r in self.roots)
+        assert a == b, f"plain dir gave {a!r}, mount gave {b!r}"
+        return a
+
+    @rule(path=paths, data=payloads)
+    def create_file(self, path: str, data: bytes) -> None:
+        self.both(lambda root: _write(root / path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, data))
+
+    @rule(path=paths)
+    def create_exclusive(self, path: str) -> None:
+        self.both(lambda root: os.close(os.open(root / path, os.O_CREAT | os.O_EXCL, 0o644)))
+
+    @rule(path=paths, off=offsets, data=payloads)
+    def write_at(self, path: str, off: int, data: bytes) -> None:
+        self.both(lambda root: _write(root / path, os.O_WRONLY, data, off))
+
+    @rule(path=paths, data=payloads)
+    def append(self, path: str, data: bytes) -> None:
+        self.both(lambda root: _write(root / path, os.O_WRONLY | os.O_APPEND, data))
+
+    @rule(path=paths, size=offsets)
+    def truncate(self, path: str, size: int) -> None:
+        self.both(lambda root: os.truncate(root / path, size))
+
+    @rule(src=paths, dst=paths)
+    def rename(self, src: str, dst: str) -> None:
+        self.both(lambda root: os.rename(root / src, root / dst))
+
+    @rule(path=paths)
+    def unlink(self, path: str) -> None:
+        self.both(lambda root: os.unlink(root / path))
+
+    @rule(path=paths)
+    def mkdir(self, path: str) -> None:
+        self.both(lambda root: os.mkdir(root / path))
+
+    @rule(path=paths)
+    def rmdir(self, path: str) -> None:
+        self.both(lambda root: os.rmdir(root / path))
+
+    @rule(path=paths, on=st.booleans())
+    def chmod_exec(self, path: str, on: bool) -> None:
+        self.both(lambda root: os.chmod(root / path, 0o755 if on else 0o644))
+
+    @rule(path=paths, off=offsets, size=st.integers(0, 5000))
+    def read_back(self, path: str, off: int, size: int) -> None:
+        self.both(lambda root: _read(root / path, off, size))
+
+    @rule(path=paths)
+    def listdir(self, path: str) -> None:
+        self.both(lambda root: sorted(os.listdir(root / path)))
+
+    @invariant()
+    def trees_match(self) -> None:
+        assert snapshot(self.roots[0], owners=self.owners) == snapshot(
+            self.roots[1], owners=self.owners
+        )
+
+
+def run_differential(machine: type[Differential], plain: Path, mount: Path) -> None:
+    run_state_machine_as_test(
+        type("Run", (machine,), {"plain": plain, "mount": mount}),
+        settings=settings(
+            max_examples=40,
+            stateful_step_count=30,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
 
 
 def test_mount_matches_plain_directory(mounts: MountFactory) -> None:
     m = mounts.mount()
     plain = Path(tempfile.mkdtemp(prefix="fsa-plain-"))
-    counter = itertools.count()
-
-    class Differential(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            n = next(counter)
-            self.roots = (plain / f"ex{n}", m.mountpoint / f"ex{n}")
-            for r in self.roots:
-                r.mkdir()
-                for d in DIRS:
-                    (r / d).mkdir()
-                for name, size in (("a", 100), ("d/b", 5000), ("e/c", 30_000)):
-                    (r / name).write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
-
-        def both(self, op: Callable[[Path], Any]) -> Outcome:
-            a, b = (outcome(lambda r=r: op(r)) for r in self.roots)
-            assert a == b, f"plain dir gave {a!r}, mount gave {b!r}"
-            return a
-
-        @rule(path=paths, data=payloads)
-        def create_file(self, path: str, data: bytes) -> None:
-            def op(root: Path) -> int:
-                fd = os.open(root / path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-                try:
-                    return os.write(fd, data)
-                finally:
-                    os.close(fd)
-
-            self.both(op)
-
-        @rule(path=paths)
-        def create_exclusive(self, path: str) -> None:
-            self.both(lambda root: os.close(os.open(root / path, os.O_CREAT | os.O_EXCL, 0o644)))
-
-        @rule(path=paths, off=offsets, data=payloads)
-        def write_at(self, path: str, off: int, data: bytes) -> None:
-            def op(root: Path) -> int:
-                fd = os.open(root / path, os.O_WRONLY)
-                try:
-                    return os.pwrite(fd, data, off)
-                finally:
-                    os.close(fd)
-
-            self.both(op)
-
-        @rule(path=paths, data=payloads)
-        def append(self, path: str, data: bytes) -> None:
-            def op(root: Path) -> int:
-                fd = os.open(root / path, os.O_WRONLY | os.O_APPEND)
-                try:
-                    return os.write(fd, data)
-                finally:
-                    os.close(fd)
-
-            self.both(op)
-
-        @rule(path=paths, size=offsets)
-        def truncate(self, path: str, size: int) -> None:
-            self.both(lambda root: os.truncate(root / path, size))
-
-        @rule(src=paths, dst=paths)
-        def rename(self, src: str, dst: str) -> None:
-            self.both(lambda root: os.rename(root / src, root / dst))
-
-        @rule(path=paths)
-        def unlink(self, path: str) -> None:
-            self.both(lambda root: os.unlink(root / path))
-
-        @rule(path=paths)
-        def mkdir(self, path: str) -> None:
-            self.both(lambda root: os.mkdir(root / path))
-
-        @rule(path=paths)
-        def rmdir(self, path: str) -> None:
-            self.both(lambda root: os.rmdir(root / path))
-
-        @rule(path=paths, on=st.booleans())
-        def chmod_exec(self, path: str, on: bool) -> None:
-            self.both(lambda root: os.chmod(root / path, 0o755 if on else 0o644))
-
-        @rule(path=paths, off=offsets, size=st.integers(0, 5000))
-        def read_back(self, path: str, off: int, size: int) -> None:
-            def op(root: Path) -> bytes:
-                fd = os.open(root / path, os.O_RDONLY)
-                try:
-                    return os.pread(fd, size, off)
-                finally:
-                    os.close(fd)
-
-            self.both(op)
-
-        @rule(path=paths)
-        def listdir(self, path: str) -> None:
-            self.both(lambda root: sorted(os.listdir(root / path)))
-
-        @invariant()
-        def trees_match(self) -> None:
-            assert snapshot(self.roots[0]) == snapshot(self.roots[1])
-
     try:
-        run_state_machine_as_test(
-            Differential,
-            settings=settings(
-                max_examples=40,
-                stateful_step_count=30,
-                deadline=None,
-                database=None,
-                suppress_health_check=[HealthCheck.too_slow],
-            ),
-        )
+        run_differential(Differential, plain, m.mountpoint)
     finally:
         shutil.rmtree(plain, ignore_errors=True)
     # Every surviving file of the last examples is in the journal's change set.
@@ -195,6 +208,145 @@ def test_mount_matches_plain_directory(mounts: MountFactory) -> None:
         if info[0] == "file":
             assert changes[path]["action"] == "upload", path
             assert changes[path]["size"] == info[1], path
+
+
+OTHER = 65534
+"""The second user: ``nobody`` (a uid needs no passwd entry to act)."""
+OTHER_GROUP = 100
+SPECIAL_MODES = (0o644, 0o755, 0o700, 0o4755, 0o2755, 0o6755, 0o2644, 0o1777, 0o3777, 0o0)
+
+_WORKER = """
+import errno, json, os, sys
+def call(op, a):
+    if op == "create":
+        fd = os.open(a[0], os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try: return os.write(fd, bytes.fromhex(a[1]))
+        finally: os.close(fd)
+    if op == "write_at":
+        fd = os.open(a[0], os.O_WRONLY)
+        try: return os.pwrite(fd, bytes.fromhex(a[2]), a[1])
+        finally: os.close(fd)
+    if op == "truncate": return os.truncate(a[0], a[1])
+    if op == "unlink": return os.unlink(a[0])
+    if op == "mkdir": return os.mkdir(a[0])
+    if op == "rmdir": return os.rmdir(a[0])
+    if op == "rename": return os.rename(a[0], a[1])
+    if op == "chmod": return os.chmod(a[0], a[1])
+    if op == "chown": return os.chown(a[0], a[1], a[2])
+    if op == "utime": return os.utime(a[0], ns=(a[1], a[2]))
+    if op == "read":
+        with open(a[0], "rb") as fh: return fh.read().hex()
+    if op == "listdir": return sorted(os.listdir(a[0]))
+    raise ValueError(op)
+for line in sys.stdin:
+    op, args = json.loads(line)
+    try: out = ["ok", call(op, args)]
+    except OSError as exc: out = ["err", errno.errorcode.get(exc.errno, exc.errno)]
+    print(json.dumps(out), flush=True)
+"""
+
+
+class OtherUser:
+    """A process running as ``OTHER`` that performs one operation per request."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            ["/usr/bin/python3", "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, user=OTHER, group=OTHER, cwd="/",
+        )  # fmt: skip
+
+    def __call__(self, op: str, *args: Any) -> Outcome:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(
+            json.dumps([op, [str(a) if isinstance(a, Path) else a for a in args]]) + "\n"
+        )
+        self.proc.stdin.flush()
+        kind, value = json.loads(self.proc.stdout.readline())
+        return (kind, value)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+times = st.integers(min_value=0, max_value=2**40) | st.integers(
+    min_value=1_600_000_000 * 10**9, max_value=1_900_000_000 * 10**9
+)
+other_ops = st.sampled_from(
+    ["create", "write_at", "truncate", "unlink", "mkdir", "rmdir", "rename", "chmod", "chown",
+     "utime", "read", "listdir"]
+)  # fmt: skip
+
+
+class OwnedDifferential(Differential):
+    """Also owners, special mode bits, atime and a second user acting in ``e``,
+    which is handed to it (``other`` is set before running)."""
+
+    owners = True
+    other: OtherUser
+
+    def __init__(self) -> None:
+        super().__init__()
+        for r in self.roots:
+            os.chown(r / "e", OTHER, OTHER)
+            os.chown(r / "e" / "c", OTHER, OTHER)
+
+    def both_other(self, op: str, *args: Any) -> Outcome:
+        a, b = (self.other(op, *[r / x if isinstance(x, Path) else x for x in args])
+                for r in self.roots)  # fmt: skip
+        assert a == b, f"{op}{args} as uid {OTHER}: plain dir gave {a!r}, mount gave {b!r}"
+        return a
+
+    @rule(path=paths, uid=st.sampled_from([-1, 0, OTHER]),
+          gid=st.sampled_from([-1, 0, OTHER_GROUP, OTHER]))  # fmt: skip
+    def chown(self, path: str, uid: int, gid: int) -> None:
+        self.both(lambda root: os.chown(root / path, uid, gid))
+
+    @rule(path=paths, mode=st.sampled_from(SPECIAL_MODES))
+    def chmod_special(self, path: str, mode: int) -> None:
+        self.both(lambda root: os.chmod(root / path, mode))
+
+    @rule(path=paths, atime=times, mtime=times)
+    def utimens(self, path: str, atime: int, mtime: int) -> None:
+        self.both(lambda root: _utime(root / path, atime, mtime))
+
+    @rule(op=other_ops, path=paths, dst=paths, off=st.integers(0, 70_000), data=payloads,
+          mode=st.sampled_from(SPECIAL_MODES), uid=st.sampled_from([-1, 0, OTHER]),
+          gid=st.sampled_from([-1, OTHER_GROUP, OTHER]))  # fmt: skip
+    def as_other(
+        self, op: str, path: str, dst: str, off: int, data: bytes, mode: int, uid: int, gid: int
+    ) -> None:
+        p = Path(path)
+        args: dict[str, tuple[Any, ...]] = {
+            "create": (p, data.hex()), "write_at": (p, off, data.hex()), "truncate": (p, off),
+            "unlink": (p,), "mkdir": (p,), "rmdir": (p,), "rename": (p, Path(dst)),
+            "chmod": (p, mode), "chown": (p, uid, gid), "utime": (p, off, off * 3),
+            "read": (p,), "listdir": (p,),
+        }  # fmt: skip
+        self.both_other(op, *args[op])
+
+
+def test_mount_matches_plain_directory_with_owners_and_a_second_user(
+    mounts: MountFactory,
+) -> None:
+    """As root, with --allow-other: chown, setuid/setgid/sticky, utimensat, and
+    ``nobody`` acting in a directory handed to it, compared with a plain directory."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to change owners and act as another user")
+    m = mounts.mount(extra=["--allow-other"])
+    plain = mounts.base / "plain"
+    plain.mkdir()
+    for d in (mounts.base, plain, m.mountpoint):
+        os.chmod(d, 0o755)
+    other = OtherUser()
+    try:
+        run_differential(
+            type("WithOther", (OwnedDifferential,), {"other": other}), plain, m.mountpoint
+        )
+    finally:
+        other.close()
+        shutil.rmtree(plain, ignore_errors=True)
 
 
 FSX_SEED = int(os.environ.get("FSX_SEED", "20261202"))

@@ -43,14 +43,14 @@ def summary(store: Store) -> list[tuple[str, str, int, str | None]]:
 
 def test_records_round_trip_with_a_version_and_reject_unknown_ones() -> None:
     inode = Inode(InodeNo(7), "file", 0o644, 3, 1, 2, ROOT_INODE, "n", None, True, 4)
-    assert json.loads(inode.encode())[0] == 1
+    assert json.loads(inode.encode())[0] == 2
     assert Inode.decode(7, inode.encode()) == inode
     base = BaseEntry("file", Digest("ab" * 32), 3, True, FileVersion(9))
     assert BaseEntry.decode(base.encode()) == base
     entry = JournalEntry("a/b", 5, "write")  # type: ignore[arg-type]
     assert JournalEntry.decode(path_key("a/b"), entry.encode()) == entry
     with pytest.raises(StateCorrupt, match="unknown version"):
-        Inode.decode(7, b'[2,"file"]')
+        Inode.decode(7, b'[3,"file"]')
     with pytest.raises(StateCorrupt, match="malformed"):
         BaseEntry.decode(b'[1,"file"]')
 
@@ -78,11 +78,11 @@ def test_format_2_state_dir_is_read_as_is_and_upgraded_in_place(tmp_path: Path) 
     assert json.loads((root / MARKER).read_text())["format"] == 2
 
     Store.open(root).close()
-    assert json.loads((root / MARKER).read_text())["format"] == STATE_FORMAT == 3
-    assert raw_records(root, b"meta")[b"format"] == b"3"
-    for table in (b"inodes", b"base", b"journal"):
+    assert json.loads((root / MARKER).read_text())["format"] == STATE_FORMAT == 4
+    assert raw_records(root, b"meta")[b"format"] == b"4"
+    for table, version in ((b"inodes", 2), (b"base", 1), (b"journal", 1)):
         records = raw_records(root, table)
-        assert records and all(json.loads(v)[0] == 1 for v in records.values()), table
+        assert records and all(json.loads(v)[0] == version for v in records.values()), table
     store = Store.open(root)
     assert summary(store) == expected
     docs = store.lookup(ROOT_INODE, "docs")

@@ -1,0 +1,156 @@
+"""The filesystems bench.fsops compares: native, fsagent and two FUSE peers.
+
+Each one is a directory to run the workload in (``root``) plus the directories
+whose files hold its bytes on the real disk (``backing``, so that the page
+cache can be dropped on both layers):
+
+- ``native``: a plain directory on the disk under ``--base``;
+- ``fsagent``: a ``task`` mount of a real controller (embedded PostgreSQL,
+  local_disk storage), with the options ``fsagent up`` passes (prefetch 4,
+  180 s checkpoint cadence, adaptive polling, writeback cache);
+- ``bindfs``: bindfs (C, libfuse) over a plain directory, its defaults;
+- ``rclone``: ``rclone mount`` of a local directory with
+  ``--vfs-cache-mode writes`` (without it rclone cannot do the random writes
+  SQLite needs).
+
+bindfs and rclone come from Debian packages (``packaging/install-deps.sh
+--bench``); a peer whose binary is missing is skipped and named in the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.checkpoint import Controller
+from tests.support.mount import FsagentMount, in_mount_table
+
+
+@dataclass
+class Peer:
+    """One filesystem under test; ``start`` and ``stop`` bracket the whole run."""
+
+    name: str
+    root: Path
+    backing: list[Path] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    mount: FsagentMount | None = None
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def stop(self) -> None:
+        pass
+
+    def pid(self) -> int | None:
+        if self.mount is not None and self.mount.proc is not None:
+            return self.mount.proc.pid
+        return None if self.proc is None else self.proc.pid
+
+
+@dataclass
+class FusePeer(Peer):
+    """A FUSE daemon started with ``argv`` (in the foreground) that serves ``root``."""
+
+    argv: list[str] = field(default_factory=list)
+    log: Path | None = None
+
+    def start(self) -> None:
+        for d in (self.root, *self.backing):
+            d.mkdir(parents=True, exist_ok=True)
+        assert self.log is not None
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(self.root):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not mount:\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if in_mount_table(self.root):
+            subprocess.run(["fusermount3", "-u", str(self.root)], capture_output=True, check=False)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if in_mount_table(self.root):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.root)], check=False)
+
+
+def bindfs(work: Path) -> Peer | None:
+    if shutil.which("bindfs") is None:
+        return None
+    src = work / "bindfs-src"
+    mnt = work / "bindfs-mnt"
+    return FusePeer(
+        "bindfs", mnt, [src], argv=["bindfs", "-f", str(src), str(mnt)], log=work / "bindfs.log"
+    )
+
+
+def rclone(work: Path) -> Peer | None:
+    if shutil.which("rclone") is None:
+        return None
+    src, cache, mnt = work / "rclone-src", work / "rclone-cache", work / "rclone-mnt"
+    argv = ["rclone", "mount", str(src), str(mnt), "--config", "/dev/null",
+            "--vfs-cache-mode", "writes", "--cache-dir", str(cache)]  # fmt: skip
+    return FusePeer("rclone", mnt, [src, cache], argv=argv, log=work / "rclone.log")
+
+
+class FsagentPeer(Peer):
+    """A task-folder mount of a real controller; the controller outlives the rounds."""
+
+    def __init__(self, work: Path) -> None:
+        super().__init__("fsagent", work / "fsagent-mnt", [work / "fsagent-state" / "upper"])
+        self.work = work
+        (work / "controller").mkdir()
+        os.chmod(work, 0o711)  # the embedded PostgreSQL runs as its own user
+        self.controller = Controller(None, work / "controller", gc_args=["--gc-interval", "0"])
+
+    def start(self) -> None:
+        self.controller.start_with_company()
+        run = self.controller.new_run("fsops")
+        token = self.work / "fsagent-token"
+        token.write_text(run["token"])
+        self.mount = FsagentMount(
+            "task", self.root, self.work / "fsagent-state", self.controller.url,
+            token_file=token, log_dir=self.work, poll_interval=0.005,
+        ).start(timeout=300)  # fmt: skip
+
+    def stop(self) -> None:
+        try:
+            if self.mount is not None:
+                self.mount.stop(timeout=120)
+        finally:
+            self.controller.stop(timeout=60)
+
+
+def all_peers(work: Path) -> tuple[list[Peer], list[str]]:
+    """Native, fsagent, bindfs and rclone (in the order each round runs them), and
+    the names of the peers that are not installed."""
+    peers: list[Peer] = [Peer("native", work / "native"), FsagentPeer(work)]
+    missing = []
+    for name, make in (("bindfs", bindfs), ("rclone", rclone)):
+        peer = make(work)
+        if peer is None:
+            missing.append(name)
+        else:
+            peers.append(peer)
+    return peers, missing
+
+
+def stop_all(peers: list[Peer]) -> None:
+    for peer in reversed(peers):
+        with contextlib.suppress(Exception):
+            peer.stop()
