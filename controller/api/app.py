@@ -16,11 +16,11 @@ from starlette.routing import Route
 
 from common.errors import WorkFolderError
 from controller import gc
-from controller.api import openapi, web, workfolders
-from controller.api.common import AppState, connection, error_response, json_errors
+from controller.api import health, openapi, web, workfolders
+from controller.api.common import AppState, error_response
 from controller.api.limits import RequestLimits
 from controller.config import Settings
-from controller.db import make_pool, ping
+from controller.db import make_pool
 from controller.storage.base import StorageProvider
 
 log = logging.getLogger(__name__)
@@ -28,13 +28,6 @@ log = logging.getLogger(__name__)
 
 async def openapi_json(request: Request) -> Response:
     return JSONResponse(openapi.document())
-
-
-@json_errors
-async def healthz(request: Request) -> Response:
-    async with connection(request) as conn:
-        await ping(conn)
-    return JSONResponse({"ok": True})
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -95,7 +88,7 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
     app = Starlette(
         routes=[
             Route("/openapi.json", openapi_json, methods=["GET"]),
-            Route("/healthz", healthz, methods=["GET"]),
+            *health.routes,
             *workfolders.routes,
             *bridge.routes,
             *web.routes,
