@@ -130,6 +130,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise admin.AdminError(f"--listen must be HOST:PORT, got {args.listen!r}")
     if settings.storage == "s3" and not settings.s3_bucket:
         raise admin.AdminError("--storage s3 needs --s3-bucket")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise admin.AdminError("--tls-cert and --tls-key go together")
+    for path in (args.tls_cert, args.tls_key):
+        if path and not os.access(path, os.R_OK):
+            raise admin.AdminError(f"cannot read {path}")
+    scheme = "https" if args.tls_cert else "http"
     with database(settings) as url:
         settings.database_url = url
         storage = make_storage(settings)
@@ -147,10 +153,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level="info" if args.verbose else "warning",
             access_log=args.verbose,
             timeout_graceful_shutdown=10,
+            ssl_certfile=args.tls_cert,
+            ssl_keyfile=args.tls_key,
         )
         server = uvicorn.Server(config)
         print(
-            f"controller listening on http://{args.listen} (storage: {settings.storage})",
+            f"controller listening on {scheme}://{args.listen} (storage: {settings.storage})",
             flush=True,
         )
         # uvicorn handles SIGTERM/SIGINT itself, shuts down gracefully and then
@@ -264,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP API, the Files page and the GC sweeper")
     add_db_options(serve)
     serve.add_argument("--listen", default="127.0.0.1:8750", help="HOST:PORT (default %(default)s)")
+    serve.add_argument("--tls-cert", metavar="FILE", help="PEM certificate (chain): serve HTTPS")
+    serve.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     serve.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
     serve.add_argument("--s3-endpoint")
     serve.add_argument("--s3-bucket")

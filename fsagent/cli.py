@@ -17,7 +17,8 @@ run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
 Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
 in use/bound elsewhere, 4 controller unreachable or refusing (including a
 failed save: the state dir keeps every change), 5 mount failed, 6 doctor
-found problems.
+found problems. A plain ``http://`` controller URL that is not a loopback
+address is refused with exit 2 unless ``--insecure-http`` is given.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US, control
+from fsagent import SPIN_US, control, tls
 from fsagent.client import open_client
 from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount, read_token
 from fsagent.errors import DoctorFailed, FsagentError
@@ -145,7 +146,12 @@ def cmd_changes(args: argparse.Namespace) -> int:
 # --- doctor --------------------------------------------------------------------
 
 
-def doctor_problems(home: Path, controller: str | None, token_file: str | None) -> list[str]:
+def doctor_problems(
+    home: Path,
+    controller: str | None,
+    token_file: str | None,
+    transport: tls.TransportOptions | None = None,
+) -> list[str]:
     """Every missing piece of the sandbox runtime contract, as one line each."""
     problems: list[str] = []
     if not os.path.exists("/dev/fuse"):
@@ -168,7 +174,7 @@ def doctor_problems(home: Path, controller: str | None, token_file: str | None) 
     if controller:
         try:
             token = read_token(token_file)
-            client = open_client(controller, token, retry_deadline=5)
+            client = open_client(controller, token, retry_deadline=5, tls=transport)
 
             async def probe_run() -> None:
                 try:
@@ -184,7 +190,7 @@ def doctor_problems(home: Path, controller: str | None, token_file: str | None) 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     home = Path(args.home or os.path.expanduser("~"))
-    problems = doctor_problems(home, args.controller, args.token_file)
+    problems = doctor_problems(home, args.controller, args.token_file, tls.options_from(args))
     for p in problems:
         print(f"missing: {p}")
     if problems:
@@ -243,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=60.0,
             help="seconds to keep retrying transient controller errors",
         )
+        tls.add_arguments(p)
 
     m = sub.add_parser("mount", help="mount one collection")
     m.add_argument("scope", help="task, agent, user or project")

@@ -19,6 +19,7 @@ from fsagent.client import RunInfo
 from fsagent.daemon import client_from_args
 from fsagent.errors import MountFailed
 from fsagent.store import default_state_root
+from fsagent.tls import forwarded_argv, options_from
 
 ENV_NAMES = {
     "task": "PAPERCLIP_TASK_DIR",
@@ -85,6 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             argv += ["--token-file", args.token_file]
         if args.allow_other:
             argv.append("--allow-other")
+        argv += forwarded_argv(options_from(args))
         children[scope] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + args.timeout
     pending = set(SCOPES)
