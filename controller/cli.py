@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common import logs
 from common.errors import WorkFolderError
 from controller import admin
 from controller.config import (
@@ -136,6 +137,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if path and not os.access(path, os.R_OK):
             raise admin.AdminError(f"cannot read {path}")
     scheme = "https" if args.tls_cert else "http"
+    if args.metrics_listen:
+        m_host, _, m_port = args.metrics_listen.rpartition(":")
+        if not m_host or not m_port.isdigit():
+            raise admin.AdminError(
+                f"--metrics-listen must be HOST:PORT, got {args.metrics_listen!r}"
+            )
+        if args.metrics_listen == args.listen:
+            raise admin.AdminError("--metrics-listen must differ from --listen")
+        settings.metrics_listen = args.metrics_listen
     with database(settings) as url:
         settings.database_url = url
         storage = make_storage(settings)
@@ -151,6 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             timeout_keep_alive=settings.limits.keep_alive_timeout,
             lifespan="on",
             log_level="info" if args.verbose else "warning",
+            log_config=None,  # uvicorn's records go through our handler and format
             access_log=args.verbose,
             timeout_graceful_shutdown=10,
             ssl_certfile=args.tls_cert,
@@ -272,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP API, the Files page and the GC sweeper")
     add_db_options(serve)
     serve.add_argument("--listen", default="127.0.0.1:8750", help="HOST:PORT (default %(default)s)")
+    serve.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics (GET /metrics) on this separate, unauthenticated "
+        "address; keep it off the public network (default: no metrics listener)",
+    )
+    logs.add_argument(serve)
     serve.add_argument("--tls-cert", metavar="FILE", help="PEM certificate (chain): serve HTTPS")
     serve.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     serve.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
@@ -366,9 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import psycopg  # after parsing: keeps `controller --help` fast
 
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    logs.configure(
+        getattr(args, "log_format", None), logging.INFO if args.verbose else logging.WARNING
     )
     try:
         code: int = args.func(args)

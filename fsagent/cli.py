@@ -36,6 +36,7 @@ from typing import Any
 
 import trio
 
+from common import logs
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
 from fsagent import SPIN_US, control, tls
 from fsagent.client import open_client
@@ -250,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="seconds to keep retrying transient controller errors",
         )
         tls.add_arguments(p)
+        logs.add_argument(p)
 
     m = sub.add_parser("mount", help="mount one collection")
     m.add_argument("scope", help="task, agent, user or project")
@@ -327,9 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     args = build_parser().parse_args(argv)
     args.argv = list(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    logs.configure(
+        getattr(args, "log_format", None), logging.INFO if args.verbose else logging.WARNING
     )
     try:
         code: int = args.func(args)

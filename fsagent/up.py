@@ -87,6 +87,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if args.allow_other:
             argv.append("--allow-other")
         argv += forwarded_argv(options_from(args))
+        if args.log_format:
+            argv += ["--log-format", args.log_format]
         children[scope] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + args.timeout
     pending = set(SCOPES)

@@ -21,6 +21,7 @@ from controller.api.common import AppState, error_response
 from controller.api.limits import RequestLimits
 from controller.config import Settings
 from controller.db import make_pool
+from controller.metrics import Metrics, Observe
 from controller.storage.base import StorageProvider
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,17 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await pool.open(wait=True, timeout=30)
+        if settings.metrics_listen:
+            metrics.serve(settings.metrics_listen, pool)
         sweeper = None
         if run_gc and settings.gc_interval_seconds > 0:
             sweeper = asyncio.create_task(
-                gc.run_sweeper(pool, storage, settings.gc_interval_seconds)
+                gc.run_sweeper(pool, storage, settings.gc_interval_seconds, metrics.sweep_done)
             )
         try:
             yield
         finally:
+            metrics.stop()
             if sweeper is not None:
                 sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -85,21 +89,27 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
 
     from controller.api import bridge
 
+    metrics = Metrics()
+    routes = [
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        *health.routes,
+        *workfolders.routes,
+        *bridge.routes,
+        *web.routes,
+    ]
     app = Starlette(
-        routes=[
-            Route("/openapi.json", openapi_json, methods=["GET"]),
-            *health.routes,
-            *workfolders.routes,
-            *bridge.routes,
-            *web.routes,
-        ],
+        routes=routes,
         exception_handlers={
             HTTPException: http_error,
             WorkFolderError: project_error,
             Exception: unexpected_error,
         },
-        middleware=[Middleware(RequestLimits, limits=settings.limits)],
+        middleware=[
+            Middleware(Observe, metrics=metrics, routes=routes),
+            Middleware(RequestLimits, limits=settings.limits),
+        ],
         lifespan=lifespan,
     )
     app.state.workfolders = AppState(settings=settings, pool=pool, storage=storage)
+    app.state.metrics = metrics
     return app

@@ -24,6 +24,7 @@ from common.errors import (
     ValidationError,
     WorkFolderError,
 )
+from common.logs import note_run
 from controller.api.limits import credential_key, is_authenticated, mark_authenticated
 from controller.api.params import declared_length
 from controller.auth import Principal, principal_from_bearer, principal_from_session, same_secret
@@ -110,6 +111,8 @@ def is_write(request: Request) -> bool:
 async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
     principal = await _authenticate(request, conn)
     mark_authenticated(request)
+    if principal.run is not None:
+        note_run(principal.run.run_id)
     return principal
 
 
