@@ -290,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         "address; keep it off the public network (default: no metrics listener)",
     )
     logs.add_argument(serve)
+    serve.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log at INFO, with an access log line per request",
+    )
     serve.add_argument("--tls-cert", metavar="FILE", help="PEM certificate (chain): serve HTTPS")
     serve.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     serve.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
