@@ -78,12 +78,15 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
     finally:
         store.close()
     daemon = _daemon(state_dir)
+    files = [c for c in changes if c.action in ("upload", "reference")]
     return {
         "stateDir": str(state_dir),
         "scope": binding.scope if binding else None,
         "companyId": binding.company_id if binding else None,
         "ownerId": binding.owner_id if binding else None,
         "unsavedChanges": len(changes),
+        "unsavedFiles": len(files),
+        "unsavedBytes": sum(c.size or 0 for c in files if c.action == "upload"),
         "baseline": baseline.high_water,
         "state": "mounted" if daemon else "stopped",
         "mountpoint": daemon["mountpoint"] if daemon else None,
@@ -91,7 +94,19 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
         "lastSave": saves.get("lastSave"),
         "lastError": saves.get("lastError"),
         "pendingCheckpoint": pending.get("operationId") if pending else None,
+        "live": _live_stats(state_dir) if daemon else None,
     }
+
+
+def _live_stats(state_dir: Path) -> dict[str, Any] | None:
+    """The running daemon's FUSE figures, queue depth and last checkpoint; None if it
+    does not answer within a second (busy or an unbound, read-only mount)."""
+    try:
+        reply = control.request(state_dir / "control.sock", {"cmd": "stats"}, 1.0)
+    except (OSError, ValueError):
+        return None
+    reply.pop("ok", None)
+    return reply
 
 
 def cmd_status(args: argparse.Namespace) -> int:
