@@ -215,6 +215,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_backup(args: argparse.Namespace) -> int:
+    from controller import backup
+
+    settings = settings_from(args)
+    if args.admin_cmd == "backup":
+        with database(settings) as url:
+            out = backup.backup(url, args.storage, settings.data_dir, args.to.resolve())
+    else:
+        # No migrations first: the dump brings the schema it was taken with.
+        with database(settings, migrated=False) as url:
+            out = backup.restore(url, settings.data_dir, args.source.resolve())
+    emit(args, out)
+    return 0
+
+
 # --- admin -------------------------------------------------------------------
 
 
@@ -383,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("token_id")
     p = admin_cmd("end-sessions", "end every Files page session of a user")
     p.add_argument("user")
+    p = admin_cmd("backup", "pg_dump the database, then copy the local object directory")
+    p.add_argument("--to", type=Path, required=True, help="new (or empty) directory")
+    p.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
+    p.set_defaults(func=cmd_backup)
+    p = admin_cmd("restore", "load a backup (the controller must be stopped)")
+    p.add_argument("--from", dest="source", type=Path, required=True, help="a backup directory")
+    p.set_defaults(func=cmd_backup)
     return parser
 
 
