@@ -95,15 +95,17 @@ def resolve(choice: str | None, stream: TextIO | None = None) -> str:
 
 
 def configure(choice: str | None, level: int) -> str:
-    """Send log records to stderr in the chosen format; returns the format used."""
+    """Send log records to stderr in the chosen format; returns the format used.
+
+    Like ``logging.basicConfig``, this leaves a root logger that already has
+    handlers alone (a host program, or pytest running the CLI in-process).
+    """
     fmt = resolve(choice)
+    root = logging.getLogger()
+    if root.handlers:
+        return fmt
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        if getattr(old, "_fsa_log_handler", False):
-            root.removeHandler(old)
-    handler._fsa_log_handler = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
     return fmt
