@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -133,9 +134,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise admin.AdminError("--storage s3 needs --s3-bucket")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise admin.AdminError("--tls-cert and --tls-key go together")
-    for path in (args.tls_cert, args.tls_key):
-        if path and not os.access(path, os.R_OK):
-            raise admin.AdminError(f"cannot read {path}")
+    if args.tls_cert:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                args.tls_cert, args.tls_key
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise admin.AdminError(f"cannot load --tls-cert/--tls-key: {exc}") from None
     scheme = "https" if args.tls_cert else "http"
     if args.metrics_listen:
         m_host, _, m_port = args.metrics_listen.rpartition(":")
@@ -145,12 +150,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         if args.metrics_listen == args.listen:
             raise admin.AdminError("--metrics-listen must differ from --listen")
-        settings.metrics_listen = args.metrics_listen
     with database(settings) as url:
         settings.database_url = url
         storage = make_storage(settings)
         storage.check()
         app = create_app(settings, storage)
+        if args.metrics_listen:
+            try:
+                app.state.metrics.listen(args.metrics_listen)
+            except OSError as exc:
+                raise admin.AdminError(
+                    f"cannot listen on --metrics-listen {args.metrics_listen}: {exc.strerror}"
+                ) from None
         config = uvicorn.Config(
             app,
             host=host.strip("[]"),
@@ -177,7 +188,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # embedded cluster is stopped by `database()` and we exit 0.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
-        asyncio.run(server.serve())
+        try:
+            asyncio.run(server.serve())
+        finally:
+            app.state.metrics.stop()
+        if not server.started:  # uvicorn logged why (e.g. the metrics address is in use)
+            raise admin.AdminError("the server did not start")
     return 0
 
 

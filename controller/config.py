@@ -191,8 +191,6 @@ class Settings:
     max_file_bytes: int = MAX_FILE_BYTES
     limits: ServerLimits = field(default_factory=ServerLimits)
     quotas: Quotas = field(default_factory=Quotas)
-    metrics_listen: str | None = None
-    """HOST:PORT of the Prometheus scrape listener; None: no metrics listener."""
 
     @property
     def spool_dir(self) -> Path:

@@ -120,12 +120,15 @@ class Metrics:
         self.checkpoint_entries.inc(int(answer.get("entries") or 0))
         self.checkpoint_bytes.inc(int(answer.get("byteSize") or 0))
 
-    def serve(self, listen: str, pool: SharedPool) -> None:
-        """Start the scrape listener (a thread) for this process's pool and loop."""
-        host, _, port = listen.rpartition(":")
-        self.registry.register(_PoolCollector(pool, asyncio.get_running_loop()))
+    def listen(self, address: str) -> None:
+        """Start the scrape listener (a thread) on HOST:PORT; OSError if it cannot bind."""
+        host, _, port = address.rpartition(":")
         self._server, _ = start_http_server(int(port), host.strip("[]"), registry=self.registry)
-        log.info("metrics on http://%s/metrics", listen)
+        log.info("metrics on http://%s/metrics", address)
+
+    def attach(self, pool: SharedPool) -> None:
+        """Report ``pool`` (and active runs through it) from the running event loop."""
+        self.registry.register(_PoolCollector(pool, asyncio.get_running_loop()))
 
     def stop(self) -> None:
         if self._server is not None:

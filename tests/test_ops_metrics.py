@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -11,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.bridge import start_run
+from tests.support.constants import REPO
 from tests.support.controller import (
     ControllerProcess,
     PgCluster,
@@ -128,3 +132,25 @@ def test_answers_carry_a_request_id(metered: tuple[ControllerProcess, str]) -> N
     bad = httpx.get(ctl.url + "/healthz", headers={"X-Request-Id": "no spaces\tplease"})
     assert bad.headers["x-request-id"] != "no spaces\tplease"
     assert len(bad.headers["x-request-id"]) == 16
+
+
+@pytest.mark.allow_warning_logs
+def test_a_busy_metrics_address_stops_the_start(pg_cluster: PgCluster) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        data_dir = world_searchable_tmpdir("fsa-ctl-busy-")
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "controller.cli", "serve",
+                 "--database-url", pg_cluster.create_database(), "--data-dir", str(data_dir),
+                 "--listen", f"127.0.0.1:{free_port()}", "--metrics-listen", f"127.0.0.1:{port}"],
+                capture_output=True, text=True, cwd=REPO, timeout=120,
+            )  # fmt: skip
+        finally:
+            shutil.rmtree(data_dir, ignore_errors=True)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == (
+        f"controller: cannot listen on --metrics-listen 127.0.0.1:{port}: Address already in use"
+    )

@@ -181,3 +181,15 @@ def test_insecure_http_flag_and_loopback_pass_the_rule() -> None:
     check_url("https://controller.example", TransportOptions())
     with pytest.raises(InsecureController, match="must be https"):
         check_url("ftp://controller.example", TransportOptions())
+
+
+def test_serve_refuses_an_unusable_certificate(controller: ControllerProcess, pki: Pki) -> None:
+    code, _, err = controller.cli(
+        "serve", "--tls-cert", str(pki.ca), "--tls-key", str(pki.key), "--listen", "127.0.0.1:1"
+    )
+    assert code == 1
+    assert err.startswith("controller: cannot load --tls-cert/--tls-key:")
+    assert err.count("\n") == 1
+    code, _, err = controller.cli("serve", "--tls-cert", str(pki.cert), "--listen", "127.0.0.1:1")
+    assert code == 1
+    assert "--tls-cert and --tls-key go together" in err

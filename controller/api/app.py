@@ -70,8 +70,7 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await pool.open(wait=True, timeout=30)
-        if settings.metrics_listen:
-            metrics.serve(settings.metrics_listen, pool)
+        metrics.attach(pool)
         sweeper = None
         if run_gc and settings.gc_interval_seconds > 0:
             sweeper = asyncio.create_task(
@@ -80,7 +79,6 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
         try:
             yield
         finally:
-            metrics.stop()
             if sweeper is not None:
                 sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
