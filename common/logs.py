@@ -2,7 +2,8 @@
 
 ``json`` writes one object per line (``ts``, ``level``, ``logger``, ``msg``, and
 ``requestId``, ``runId``, ``route``, ``method``, ``status`` when the line was
-logged while serving a request, plus ``exc`` for a traceback). ``text`` is the
+logged while serving a request, fsagent's ``runId`` and ``scope`` once known,
+plus ``exc`` for a traceback). ``text`` is the
 classic one-line format. The default is text on a terminal and json otherwise
 (a service manager or container runtime collecting stderr).
 """
@@ -50,6 +51,10 @@ current_request: contextvars.ContextVar[RequestContext | None] = contextvars.Con
 )
 
 
+process_fields: dict[str, Any] = {}
+"""Fields on every JSON line of this process (fsagent: ``runId``, ``scope``)."""
+
+
 def note_run(run_id: str) -> None:
     """Record the run a request acts for, for every later line about it."""
     ctx = current_request.get()
@@ -66,6 +71,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        out.update(process_fields)
         ctx = current_request.get()
         if ctx is not None:
             out.update(ctx.fields())

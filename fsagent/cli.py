@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         tls.add_arguments(p)
         logs.add_argument(p)
+        p.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO"
+        )
 
     m = sub.add_parser("mount", help="mount one collection")
     m.add_argument("scope", help="task, agent, user or project")

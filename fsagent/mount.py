@@ -41,6 +41,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from common import logs
 from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent import SPIN_US, stats
@@ -268,6 +269,7 @@ async def refresh_after_stop(store: Store, client: BridgeClient, scope: str) -> 
 async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     """Mount one collection and serve it until unmounted or signalled."""
     run = await client.get_run()
+    logs.process_fields.update(runId=run.run_id, scope=opts.scope)
     owner = run.bindings.get(opts.scope)
     binding = Binding(run.company_id, opts.scope, owner, dict(run.bindings))
     scratch: Path | None = None

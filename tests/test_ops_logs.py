@@ -20,9 +20,11 @@ from tests.support.constants import REPO
 from tests.support.controller import (
     ControllerProcess,
     PgCluster,
+    Tenant,
     bootstrap_tenant,
     world_searchable_tmpdir,
 )
+from tests.support.mount import MountFactory
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,23 @@ def test_fsagent_json_lines(tmp_path: Path) -> None:
     plain = [line for line in out.stderr.splitlines() if not line.startswith("{")]
     assert plain == ["fsagent: 1 problem(s) found"]  # the command's own error line
     assert any("GET run failed" in x["msg"] and x["level"] == "INFO" for x in lines), out.stderr
+
+
+@pytest.mark.fuse
+def test_fsagent_mount_lines_name_run_and_scope(tenant: Tenant, mounts: MountFactory) -> None:
+    run = start_run(tenant)
+    token = mounts.base / "token"
+    token.write_text(run.token)
+    m = mounts.mount(
+        tenant.controller.url, "task", token_file=token, extra=["--log-format", "json", "-v"]
+    )
+    (m.mountpoint / "a.txt").write_bytes(b"a")
+    assert m.fsagent("flush")["ok"]
+    assert m.stop() == 0
+    lines = [json.loads(x) for x in m.stderr().splitlines() if x.startswith("{")]
+    saved = [x for x in lines if "saved" in x["msg"] and x["logger"] == "fsagent.ship"]
+    assert saved, m.stderr()
+    assert all(x["runId"] == run.run_id and x["scope"] == "task" for x in saved)
 
 
 class Tty(io.StringIO):
