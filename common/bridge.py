@@ -62,8 +62,8 @@ MANIFEST_PAGE_MAX: Final = 5000
 #     ``{"op": "mkdir", "path"}`` or ``{"op": "delete", "path"}``, applied in
 #     order, all or nothing. A put may reference only content visible to the
 #     folder (its live files or trash) or uploaded by this run. Answer: the
-#     receipt ``{"operationId", "applied": true, "entries", "highWater",
-#     "savedAt"}``; a retry with the same operation id and body returns the
+#     receipt ``{"operationId", "applied": true, "entries", "byteSize" (content
+#     bytes the puts reference), "highWater", "savedAt"}``; a retry with the same operation id and body returns the
 #     same receipt with ``"replayed": true``; the same id with another body is
 #     409 ``idempotency_conflict``; an old lease epoch is 409 ``stale_lease``;
 #     a user folder whose user left the company is 403 ``membership_revoked``.

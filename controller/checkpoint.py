@@ -255,6 +255,7 @@ async def _apply_entries(
         "operationId": cp.operation_id,
         "applied": True,
         "entries": len(cp.entries),
+        "byteSize": sum(sizes[e.digest] for e in cp.entries if e.op == "put" and e.digest),
         "highWater": int(hw["v"]),
         "savedAt": iso(hw["t"]),
     }

@@ -13,12 +13,14 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common import logs
 from common.errors import WorkFolderError
 from controller import admin
 from controller.config import (
@@ -134,11 +136,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise admin.AdminError(f"--listen must be HOST:PORT, got {args.listen!r}")
     if settings.storage == "s3" and not settings.s3_bucket:
         raise admin.AdminError("--storage s3 needs --s3-bucket")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise admin.AdminError("--tls-cert and --tls-key go together")
+    if args.tls_cert:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                args.tls_cert, args.tls_key
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise admin.AdminError(f"cannot load --tls-cert/--tls-key: {exc}") from None
+    scheme = "https" if args.tls_cert else "http"
+    if args.metrics_listen:
+        m_host, _, m_port = args.metrics_listen.rpartition(":")
+        if not m_host or not m_port.isdigit():
+            raise admin.AdminError(
+                f"--metrics-listen must be HOST:PORT, got {args.metrics_listen!r}"
+            )
+        if args.metrics_listen == args.listen:
+            raise admin.AdminError("--metrics-listen must differ from --listen")
     with database(settings) as url:
         settings.database_url = url
         storage = make_storage(settings)
         storage.check()
         app = create_app(settings, storage)
+        if args.metrics_listen:
+            try:
+                app.state.metrics.listen(args.metrics_listen)
+            except OSError as exc:
+                raise admin.AdminError(
+                    f"cannot listen on --metrics-listen {args.metrics_listen}: {exc.strerror}"
+                ) from None
         config = uvicorn.Config(
             app,
             host=host.strip("[]"),
@@ -149,12 +176,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             timeout_keep_alive=settings.limits.keep_alive_timeout,
             lifespan="on",
             log_level="info" if args.verbose else "warning",
+            log_config=None,  # uvicorn's records go through our handler and format
             access_log=args.verbose,
             timeout_graceful_shutdown=10,
+            ssl_certfile=args.tls_cert,
+            ssl_keyfile=args.tls_key,
         )
         server = uvicorn.Server(config)
         print(
-            f"controller listening on http://{args.listen} (storage: {settings.storage})",
+            f"controller listening on {scheme}://{args.listen} (storage: {settings.storage})",
             flush=True,
         )
         # uvicorn handles SIGTERM/SIGINT itself, shuts down gracefully and then
@@ -162,7 +192,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # embedded cluster is stopped by `database()` and we exit 0.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
-        asyncio.run(server.serve())
+        try:
+            asyncio.run(server.serve())
+        finally:
+            app.state.metrics.stop()
+        if not server.started:  # uvicorn logged why (e.g. the metrics address is in use)
+            raise admin.AdminError("the server did not start")
     return 0
 
 
@@ -197,6 +232,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with database(settings) as url:
         report = asyncio.run(sweep(url))
     emit(args, report, lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
+    return 0
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    from controller import backup
+
+    settings = settings_from(args)
+    if args.admin_cmd == "backup":
+        with database(settings) as url:
+            out = backup.backup(url, args.storage, settings.data_dir, args.to.resolve())
+    else:
+        # No migrations first: the dump brings the schema it was taken with.
+        with database(settings, migrated=False) as url:
+            out = backup.restore(url, settings.data_dir, args.source.resolve())
+    emit(args, out)
     return 0
 
 
@@ -282,6 +332,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP API, the Files page and the GC sweeper")
     add_db_options(serve)
     serve.add_argument("--listen", default="127.0.0.1:8750", help="HOST:PORT (default %(default)s)")
+    serve.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics (GET /metrics) on this separate, unauthenticated "
+        "address; keep it off the public network (default: no metrics listener)",
+    )
+    logs.add_argument(serve)
+    serve.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log at INFO, with an access log line per request",
+    )
+    serve.add_argument("--tls-cert", metavar="FILE", help="PEM certificate (chain): serve HTTPS")
+    serve.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     serve.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
     serve.add_argument("--s3-endpoint")
     serve.add_argument("--s3-bucket")
@@ -371,6 +437,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True)
     p.add_argument("--after", type=int, default=0, help="only rows after this id")
     p.add_argument("--limit", type=int, default=1000, help="at most this many rows (1-1000)")
+    p = admin_cmd("backup", "pg_dump the database, then copy the local object directory")
+    p.add_argument("--to", type=Path, required=True, help="new (or empty) directory")
+    p.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
+    p.set_defaults(func=cmd_backup)
+    p = admin_cmd("restore", "load a backup (the controller must be stopped)")
+    p.add_argument("--from", dest="source", type=Path, required=True, help="a backup directory")
+    p.set_defaults(func=cmd_backup)
     return parser
 
 
@@ -379,9 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import psycopg  # after parsing: keeps `controller --help` fast
 
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    logs.configure(
+        getattr(args, "log_format", None), logging.INFO if args.verbose else logging.WARNING
     )
     try:
         code: int = args.func(args)

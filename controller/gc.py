@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,14 +123,24 @@ async def _collect(
 
 
 async def run_sweeper(
-    pool: AsyncConnectionPool[AsyncConnection[Any]], storage: StorageProvider, interval: float
+    pool: AsyncConnectionPool[AsyncConnection[Any]],
+    storage: StorageProvider,
+    interval: float,
+    on_sweep: Callable[[dict[str, int] | None], None] | None = None,
 ) -> None:
-    """Sweep every ``interval`` seconds until cancelled; a failed sweep is retried next time."""
+    """Sweep every ``interval`` seconds until cancelled; a failed sweep is retried next time.
+
+    ``on_sweep`` gets each sweep's report, or None for a failed sweep (metrics).
+    """
     while True:
+        outcome: dict[str, int] | None = None
         try:
             report = await sweep_once(pool, storage)
+            outcome = report.as_json()
             if report.examined:
-                log.info("GC sweep: %s", report.as_json())
+                log.info("GC sweep: %s", outcome)
         except Exception:
             log.exception("GC sweep failed")
+        if on_sweep is not None:
+            on_sweep(outcome)
         await asyncio.sleep(interval)

@@ -23,7 +23,8 @@ in use/bound elsewhere, 4 controller unreachable or refusing (including a
 failed save: the state dir keeps every change), 5 mount failed, 6 doctor
 found problems, 7 the sandbox does not meet the runtime contract (launch: a
 required CLI or the env file is missing). ``launch`` otherwise exits with
-COMMAND's own status.
+COMMAND's own status. A plain ``http://`` controller URL that is not a loopback
+address is refused with exit 2 unless ``--insecure-http`` is given.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import logs
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US, control, doctor, launch, localbridge
+from fsagent import SPIN_US, control, doctor, launch, localbridge, tls
 from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount
 from fsagent.errors import FsagentError
 from fsagent.store import MARKER, Store, default_state_root
@@ -77,12 +79,15 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
     finally:
         store.close()
     daemon = _daemon(state_dir)
+    files = [c for c in changes if c.action in ("upload", "reference")]
     return {
         "stateDir": str(state_dir),
         "scope": binding.scope if binding else None,
         "companyId": binding.company_id if binding else None,
         "ownerId": binding.owner_id if binding else None,
         "unsavedChanges": len(changes),
+        "unsavedFiles": len(files),
+        "unsavedBytes": sum(c.size or 0 for c in files if c.action == "upload"),
         "baseline": baseline.high_water,
         "state": "mounted" if daemon else "stopped",
         "mountpoint": daemon["mountpoint"] if daemon else None,
@@ -90,7 +95,19 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
         "lastSave": saves.get("lastSave"),
         "lastError": saves.get("lastError"),
         "pendingCheckpoint": pending.get("operationId") if pending else None,
+        "live": _live_stats(state_dir) if daemon else None,
     }
+
+
+def _live_stats(state_dir: Path) -> dict[str, Any] | None:
+    """The running daemon's FUSE figures, queue depth and last checkpoint; None if it
+    does not answer within a second (busy or an unbound, read-only mount)."""
+    try:
+        reply = control.request(state_dir / "control.sock", {"cmd": "stats"}, 1.0)
+    except (OSError, ValueError):
+        return None
+    reply.pop("ok", None)
+    return reply
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -193,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
             default=60.0,
             help="seconds to keep retrying transient controller errors",
         )
+        tls.add_arguments(p)
+        logs.add_argument(p)
+        p.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO"
+        )
 
     m = sub.add_parser("mount", help="mount one collection")
     m.add_argument("scope", help="task, agent, user or project")
@@ -275,9 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     args = build_parser().parse_args(argv)
     args.argv = list(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    logs.configure(
+        getattr(args, "log_format", None), logging.INFO if args.verbose else logging.WARNING
     )
     try:
         code: int = args.func(args)

@@ -44,6 +44,7 @@ from fsagent.errors import (
     ControllerUnavailable,
     ObjectUnavailable,
 )
+from fsagent.tls import TransportOptions, check_url, ssl_context, untrusted_certificate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -250,6 +251,11 @@ async def with_retries(
         try:
             return await attempt_once()
         except _Transient as exc:
+            untrusted = untrusted_certificate(exc)
+            if untrusted is not None:  # retrying cannot make the certificate trusted
+                raise ControllerUnavailable(
+                    f"{what}: TLS certificate not trusted: {untrusted}"
+                ) from exc
             attempt += 1
             elapsed = trio.current_time() - start
             delay = random.uniform(0, min(max_delay, base_delay * 2**attempt))
@@ -279,8 +285,11 @@ class HttpBridgeClient(BridgeClient):
         *,
         retry_deadline: float = 60.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        tls: TransportOptions | None = None,
     ) -> None:
+        tls = tls or TransportOptions()
         self._http = httpx.AsyncClient(
+            verify=ssl_context(tls),
             base_url=base_url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}", "User-Agent": "fsagent"},
             timeout=httpx.Timeout(30.0, connect=10.0),
@@ -491,13 +500,19 @@ class DirectoryBridgeClient(BridgeClient):
 
 
 def open_client(
-    controller: str, token: str | None, *, retry_deadline: float = 60.0
+    controller: str,
+    token: str | None,
+    *,
+    retry_deadline: float = 60.0,
+    tls: TransportOptions | None = None,
 ) -> BridgeClient:
-    """``dir:PATH`` / ``file://PATH`` → DirectoryBridgeClient; http(s) URL → HttpBridgeClient."""
+    """``dir:PATH`` / ``file://PATH`` → DirectoryBridgeClient; http(s) URL → HttpBridgeClient
+    (plain ``http://`` only to loopback unless ``tls.insecure_http``: :mod:`fsagent.tls`)."""
     if controller.startswith("dir:"):
         return DirectoryBridgeClient(Path(controller[4:]))
     if controller.startswith("file://"):
         return DirectoryBridgeClient(Path(controller[7:]))
     if token is None:
         raise ValueError("a run token is required for an HTTP controller")
-    return HttpBridgeClient(controller, token, retry_deadline=retry_deadline)
+    check_url(controller, tls or TransportOptions())
+    return HttpBridgeClient(controller, token, retry_deadline=retry_deadline, tls=tls)

@@ -4,7 +4,9 @@ Protocol: one JSON object on one line in, one JSON object on one line out.
 
 Request: ``{"cmd": "flush", "final": false}`` (``cmd`` defaults to
 ``flush``, ``final`` to false). ``final: true`` ships the final checkpoint and
-unmounts. ``{"cmd": "ping"}`` answers ``{"ok": true}``.
+unmounts. ``{"cmd": "ping"}`` answers ``{"ok": true}``. ``{"cmd": "stats"}``
+answers ``{"ok": true, "fuse": {...}, "queueDepth": N, "lastCheckpoint": {...}}``
+(the live part of ``fsagent status --json``).
 
 Reply: ``{"ok": true, ...}`` or ``{"ok": false, "code": CODE, "error": TEXT}``
 with CODE ``bad_request`` (not JSON, not an object, unknown command or field,
@@ -39,6 +41,11 @@ READ_TIMEOUT = 10.0
 FlushHandler = Callable[[bool], Awaitable[dict[str, Any]]]
 """``handler(final)`` -> the reply of a valid flush request."""
 
+StatsHandler = Callable[[], dict[str, Any]]
+"""``handler()`` -> the reply of a stats request."""
+
+COMMANDS = ("flush", "ping", "stats")
+
 
 class BadRequest(ValueError):
     """A control request that does not follow the protocol."""
@@ -62,8 +69,8 @@ def parse_request(raw: bytes) -> tuple[str, bool]:
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
     cmd = request.get("cmd", "flush")
-    if cmd not in ("flush", "ping"):
-        raise BadRequest(f"unknown command {cmd!r} (flush or ping)")
+    if cmd not in COMMANDS:
+        raise BadRequest(f"unknown command {cmd!r} ({', '.join(COMMANDS)})")
     final = request.get("final", False)
     if not isinstance(final, bool):
         raise BadRequest('"final" must be true or false')
@@ -82,14 +89,19 @@ async def _read_line(conn: trio.SocketStream) -> bytes:
     return raw
 
 
-async def _answer(conn: trio.SocketStream, flush: FlushHandler) -> None:
+async def _answer(conn: trio.SocketStream, flush: FlushHandler, stats: StatsHandler | None) -> None:
     reply: dict[str, Any]
     raw = b""
     with trio.move_on_after(READ_TIMEOUT):
         raw = await _read_line(conn)
     try:
         cmd, final = parse_request(raw)
-        reply = {"ok": True} if cmd == "ping" else await flush(final)
+        if cmd == "ping":
+            reply = {"ok": True}
+        elif cmd == "stats":
+            reply = {"ok": True, **(stats() if stats is not None else {})}
+        else:
+            reply = await flush(final)
     except BadRequest as exc:
         reply = _error("bad_request", str(exc))
     except FsagentError as exc:
@@ -100,7 +112,9 @@ async def _answer(conn: trio.SocketStream, flush: FlushHandler) -> None:
     await conn.send_all(json.dumps(reply).encode() + b"\n")
 
 
-async def serve_control(sock_path: Path, flush: FlushHandler) -> None:
+async def serve_control(
+    sock_path: Path, flush: FlushHandler, stats: StatsHandler | None = None
+) -> None:
     """Answer control requests on ``sock_path`` until cancelled."""
     # Removing a stale socket file is one local metadata call, done before
     # the mount serves anything: not worth a worker thread.
@@ -113,7 +127,7 @@ async def serve_control(sock_path: Path, flush: FlushHandler) -> None:
     async def handle(conn: trio.SocketStream) -> None:
         try:
             async with conn:
-                await _answer(conn, flush)
+                await _answer(conn, flush, stats)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             log.info("control client went away: %s", exc)
 

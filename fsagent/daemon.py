@@ -22,6 +22,7 @@ from common.limits import SCOPES
 from fsagent.client import BridgeClient, open_client
 from fsagent.errors import FsagentError, MountFailed
 from fsagent.store import default_state_root
+from fsagent.tls import options_from
 
 log = logging.getLogger("fsagent")
 
@@ -45,7 +46,9 @@ def client_from_args(args: argparse.Namespace) -> BridgeClient:
     token = read_token(args.token_file)
     if token is None and not args.controller.startswith(("dir:", "file://")):
         raise FsagentError("--token-file is required for an HTTP controller")
-    return open_client(args.controller, token, retry_deadline=args.retry_deadline)
+    return open_client(
+        args.controller, token, retry_deadline=args.retry_deadline, tls=options_from(args)
+    )
 
 
 def detach_dead_mount(mountpoint: Path) -> None:

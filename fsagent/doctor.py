@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import trio
 
+from fsagent import tls
 from fsagent.client import open_client
 from fsagent.daemon import read_token
 from fsagent.errors import ControllerRefused, DoctorFailed, FsagentError
@@ -79,12 +80,16 @@ def check_fuse() -> Check:
     return ok("/dev/fuse", "present")
 
 
-def check_controller(controller: str | None, token_file: str | None) -> Check:
+def check_controller(
+    controller: str | None, token_file: str | None, transport: tls.TransportOptions
+) -> Check:
     if not controller:
         return Check("controller", "skip", "no --controller given")
     try:
         token = read_token(token_file)
-        client = open_client(controller, token, retry_deadline=CONTROLLER_RETRY_DEADLINE)
+        client = open_client(
+            controller, token, retry_deadline=CONTROLLER_RETRY_DEADLINE, tls=transport
+        )
 
         async def get_run() -> Any:
             try:
@@ -143,7 +148,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         check_writable("home", home),
         check_writable("cache", cache),
         check_writable("tmp", Path(tempfile.gettempdir())),
-        check_controller(args.controller, args.token_file),
+        check_controller(args.controller, args.token_file, tls.options_from(args)),
     ]
     checks += check_bridge(file_env)
     return checks

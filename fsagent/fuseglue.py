@@ -17,6 +17,7 @@ import trio
 from common.errors import InvalidPath
 from common.limits import MAX_COMPONENT_BYTES
 from common.paths import decode_fs_name
+from fsagent import stats
 from fsagent.records import Inode
 from fsagent.statedir import ROOT_INODE
 
@@ -93,8 +94,12 @@ def fuse_boundary(
     @functools.wraps(fn)
     async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         args[0].spinner.poke()  # type: ignore[attr-defined]
+        started = stats.now_ns()
+        failed = True
         try:
-            return await fn(*args, **kwargs)
+            result = await fn(*args, **kwargs)
+            failed = False
+            return result
         except pyfuse3.FUSEError:
             raise
         except OSError as exc:
@@ -105,6 +110,8 @@ def fuse_boundary(
         except Exception:
             log.exception("%s failed", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            stats.FUSE.record(fn.__name__, stats.now_ns() - started, failed)
 
     return wrapper
 

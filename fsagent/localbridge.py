@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -43,6 +44,7 @@ from urllib.parse import unquote
 import httpx
 
 from common.bridge import PREFIX
+from fsagent import tls
 from fsagent.daemon import read_token
 from fsagent.errors import FsagentError
 from fsagent.store import default_state_root
@@ -130,9 +132,12 @@ class ClientGone(Exception):
 class LocalBridge:
     """The ASGI application: one forwarded request per local request."""
 
-    def __init__(self, controller: str, tokens: TokenSource) -> None:
+    def __init__(
+        self, controller: str, tokens: TokenSource, verify: ssl.SSLContext | bool = True
+    ) -> None:
         self.upstream = controller.rstrip("/") + PREFIX
         self.tokens = tokens
+        self.verify = verify
         self._client: httpx.AsyncClient | None = None
 
     def client(self) -> httpx.AsyncClient:
@@ -142,6 +147,7 @@ class LocalBridge:
             no_cookies = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
             self._client = httpx.AsyncClient(
                 cookies=no_cookies,
+                verify=self.verify,
                 headers={"Accept-Encoding": "identity"},
                 timeout=UPSTREAM_TIMEOUT,
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=16),
@@ -331,6 +337,9 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         raise FsagentError("fsagent bridge needs an http(s) --controller URL")
     if not args.token_file:
         raise FsagentError("--token-file is required")
+    transport = tls.options_from(args)
+    tls.check_url(args.controller, transport)
+    verify = tls.ssl_context(transport) if args.controller.startswith("https://") else True
     tokens = TokenSource(args.token_file)
     tokens.get()  # an unreadable token file is a startup error, not a 503 per request
     sock_path = Path(args.socket) if args.socket else default_socket()
@@ -341,7 +350,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         "PAPERCLIP_API_URL": f"http://127.0.0.1:{port}",
         "PAPERCLIP_API_SOCKET": str(sock_path),
     }
-    app = LocalBridge(args.controller, tokens)
+    app = LocalBridge(args.controller, tokens, verify)
     config = uvicorn.Config(
         app,
         lifespan="off",
@@ -413,4 +422,5 @@ def add_parser(sub: Any) -> None:
     )
     b.add_argument("--ready-file", help="write the endpoint as JSON here once listening")
     b.add_argument("--retry-deadline", type=float, default=60.0, help=argparse.SUPPRESS)
+    tls.add_arguments(b)
     b.set_defaults(func=cmd_bridge)

@@ -41,11 +41,12 @@ from typing import Any
 import pyfuse3
 import trio
 
+from common import logs
 from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
-from fsagent import SPIN_US
+from fsagent import SPIN_US, stats
 from fsagent.client import BridgeClient
-from fsagent.control import FlushHandler, serve_control
+from fsagent.control import FlushHandler, StatsHandler, serve_control
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
@@ -206,6 +207,19 @@ def _control_handler(mountpoint: Path, shipper: Shipper, stop: StopState) -> Flu
     return flush
 
 
+def _stats_handler(shipper: Shipper) -> StatsHandler:
+    """What a ``stats`` request answers: the live part of ``fsagent status --json``."""
+
+    def live() -> dict[str, Any]:
+        return {
+            "fuse": stats.FUSE.to_json(),
+            "queueDepth": shipper.queue_depth,
+            "lastCheckpoint": shipper.last_checkpoint,
+        }
+
+    return live
+
+
 async def warm_start(store: Store, client: BridgeClient, shipper: Shipper, scope: str) -> None:
     """Ship what was never checkpointed, then take the server's newer changes."""
     try:
@@ -261,6 +275,7 @@ async def refresh_after_stop(store: Store, client: BridgeClient, scope: str) -> 
 async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     """Mount one collection and serve it until unmounted or signalled."""
     run = await client.get_run()
+    logs.process_fields.update(runId=run.run_id, scope=opts.scope)
     owner = run.bindings.get(opts.scope)
     binding = Binding(run.company_id, opts.scope, owner, dict(run.bindings))
     scratch: Path | None = None
@@ -332,6 +347,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
                         serve_control,
                         opts.state_dir / "control.sock",
                         _control_handler(opts.mountpoint, shipper, stop),
+                        _stats_handler(shipper),
                     )
                 await pyfuse3.main()
                 nursery.cancel_scope.cancel()

@@ -100,10 +100,17 @@ class Shipper:
         self._lock = trio.Lock()
         self.fenced: str | None = None
         """Why the controller fenced this run off (stale lease); None while shipping."""
+        self.last_checkpoint: dict[str, Any] | None = None
+        """Duration, entries and bytes of the last checkpoint that committed."""
 
     @property
     def busy(self) -> bool:
         return self._lock.locked()
+
+    @property
+    def queue_depth(self) -> int:
+        """Checkpoints in flight or waiting for the one in flight."""
+        return int(self.busy) + self._lock.statistics().tasks_waiting
 
     async def ship_checkpoint(self, *, final: bool = False) -> SaveResult:
         """Save everything changed since the baseline; raises SaveFailed."""
@@ -113,7 +120,15 @@ class Shipper:
                 self.store.record_save_error(message)
                 raise SaveFailed(message)
             try:
-                return await self._ship(final=final)
+                started = trio.current_time()
+                result = await self._ship(final=final)
+                if result.receipt is not None:
+                    self.last_checkpoint = {
+                        "seconds": round(trio.current_time() - started, 3),
+                        "entries": result.entries,
+                        "bytes": result.receipt.get("byteSize"),
+                    }
+                return result
             except (FsagentError, OSError) as exc:
                 message = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, ControllerRefused) and exc.means(StaleLease):

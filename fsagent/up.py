@@ -27,6 +27,7 @@ from fsagent.client import RunInfo
 from fsagent.daemon import client_from_args
 from fsagent.errors import MountFailed
 from fsagent.store import default_state_root
+from fsagent.tls import forwarded_argv, options_from
 
 ENV_NAMES = {
     "task": "PAPERCLIP_TASK_DIR",
@@ -95,6 +96,7 @@ def start_bridge(
     argv = [sys.executable, "-m", "fsagent.cli", "bridge", "--controller", args.controller,
             "--token-file", args.token_file, "--socket", sock, "--port", str(args.bridge_port),
             "--ready-file", str(ready)]  # fmt: skip
+    argv += forwarded_argv(options_from(args))
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not ready.exists():
@@ -153,6 +155,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             argv += ["--token-file", args.token_file]
         if args.allow_other:
             argv.append("--allow-other")
+        argv += forwarded_argv(options_from(args))
+        if args.log_format:
+            argv += ["--log-format", args.log_format]
         children[scope] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + args.timeout
     pending = set(SCOPES)

@@ -16,11 +16,12 @@ from starlette.routing import BaseRoute, Route
 
 from common.errors import WorkFolderError
 from controller import gc
-from controller.api import apibridge, audit, openapi, web, workfolders
-from controller.api.common import AppState, connection, error_response, json_errors
+from controller.api import apibridge, audit, health, openapi, web, workfolders
+from controller.api.common import AppState, error_response
 from controller.api.limits import RequestLimits
 from controller.config import Settings
-from controller.db import make_pool, ping
+from controller.db import make_pool
+from controller.metrics import Metrics, Observe
 from controller.storage.base import StorageProvider
 
 log = logging.getLogger(__name__)
@@ -28,13 +29,6 @@ log = logging.getLogger(__name__)
 
 async def openapi_json(request: Request) -> Response:
     return JSONResponse(openapi.document())
-
-
-@json_errors
-async def healthz(request: Request) -> Response:
-    async with connection(request) as conn:
-        await ping(conn)
-    return JSONResponse({"ok": True})
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -62,7 +56,7 @@ def app_routes() -> list[BaseRoute]:
 
     return [
         Route("/openapi.json", openapi_json, methods=["GET"]),
-        Route("/healthz", healthz, methods=["GET"]),
+        *health.routes,
         *workfolders.routes,
         *bridge.routes,
         *apibridge.routes,
@@ -95,13 +89,16 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
     for stale in settings.spool_dir.iterdir():
         stale.unlink(missing_ok=True)
 
+    metrics = Metrics()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await pool.open(wait=True, timeout=30)
+        metrics.attach(pool)
         sweeper = None
         if run_gc and settings.gc_interval_seconds > 0:
             sweeper = asyncio.create_task(
-                gc.run_sweeper(pool, storage, settings.gc_interval_seconds)
+                gc.run_sweeper(pool, storage, settings.gc_interval_seconds, metrics.sweep_done)
             )
         try:
             yield
@@ -119,9 +116,13 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
             WorkFolderError: project_error,
             Exception: unexpected_error,
         },
-        middleware=[Middleware(RequestLimits, limits=settings.limits)],
+        middleware=[
+            Middleware(Observe, metrics=metrics, routes=routes),
+            Middleware(RequestLimits, limits=settings.limits),
+        ],
         lifespan=lifespan,
     )
     app.state.workfolders = AppState(settings=settings, pool=pool, storage=storage)
     app.state.apibridge = policy
+    app.state.metrics = metrics
     return app

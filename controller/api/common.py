@@ -25,6 +25,7 @@ from common.errors import (
     ValidationError,
     WorkFolderError,
 )
+from common.logs import note_run
 from controller.api.limits import credential_key, is_authenticated, mark_authenticated
 from controller.api.params import declared_length
 from controller.auth import (
@@ -153,6 +154,8 @@ def on_bridge(request: Request) -> bool:
 async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
     principal = await _authenticate(request, conn)
     mark_authenticated(request)
+    if principal.run is not None:
+        note_run(principal.run.run_id)
     return principal
 
 

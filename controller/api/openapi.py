@@ -516,9 +516,19 @@ def document() -> dict[str, Any]:
             },
             "/healthz": {
                 "get": {
-                    "summary": "Liveness and database check",
+                    "summary": "Liveness: the process serves (no dependency is touched)",
                     "security": _PUBLIC,
-                    "responses": {"200": _resp("Healthy")},
+                    "responses": {"200": _resp("Alive")},
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "Readiness: the database and object storage answer",
+                    "security": _PUBLIC,
+                    "responses": {
+                        "200": _resp("Ready"),
+                        "503": _resp("Not ready; `failing` names the dependencies"),
+                    },
                 }
             },
             **_bridge_paths(),

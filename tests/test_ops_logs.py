@@ -1,0 +1,117 @@
+"""`--log-format json`: one JSON object per line, with request id, run id and route."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from common import logs
+from tests.support.bridge import start_run
+from tests.support.constants import REPO
+from tests.support.controller import (
+    ControllerProcess,
+    PgCluster,
+    Tenant,
+    bootstrap_tenant,
+    world_searchable_tmpdir,
+)
+from tests.support.mount import MountFactory
+
+
+@pytest.fixture(scope="module")
+def json_controller(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+    ctl = ControllerProcess(
+        pg_cluster.create_database(),
+        world_searchable_tmpdir("fsa-ctl-logs-"),
+        extra_args=["--log-format", "json", "-v"],
+    )
+    try:
+        yield ctl
+    finally:
+        ctl.stop()
+        shutil.rmtree(ctl.data_dir, ignore_errors=True)
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("controller listening on"):  # the start banner, on stdout
+            continue
+        out.append(json.loads(line))  # every other line is one JSON object
+    return out
+
+
+def test_controller_json_lines_name_request_run_and_route(
+    json_controller: ControllerProcess,
+) -> None:
+    ctl = json_controller
+    ctl.start()
+    tenant = bootstrap_tenant(ctl)
+    run = start_run(tenant)
+    with run.client() as c:
+        r = c.get("/run", headers={"X-Request-Id": "req-logs-1"})
+    assert r.status_code == 200
+    httpx.get(ctl.url + "/healthz", headers={"X-Request-Id": "req-logs-2"})
+    ctl.stop()
+    lines = json_lines(ctl.log())
+    assert lines, ctl.log()
+    for line in lines:
+        assert {"ts", "level", "logger", "msg"} <= line.keys()
+    (bridge,) = [x for x in lines if x.get("requestId") == "req-logs-1"]
+    assert bridge["runId"] == run.run_id
+    assert bridge["route"] == "/bridge/v1/run"
+    assert bridge["status"] == 200
+    assert bridge["logger"] == "uvicorn.access"
+    (health,) = [x for x in lines if x.get("requestId") == "req-logs-2"]
+    assert health["route"] == "/healthz" and "runId" not in health
+
+
+def test_fsagent_json_lines(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    out = subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "-v", "doctor", "--log-format", "json",
+         "--controller", "http://127.0.0.1:9", "--token-file", str(token)],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
+    plain = [line for line in out.stderr.splitlines() if not line.startswith("{")]
+    assert plain == ["fsagent: 1 problem(s) found"]  # the command's own error line
+    assert any("GET run failed" in x["msg"] and x["level"] == "INFO" for x in lines), out.stderr
+
+
+@pytest.mark.fuse
+def test_fsagent_mount_lines_name_run_and_scope(tenant: Tenant, mounts: MountFactory) -> None:
+    run = start_run(tenant)
+    token = mounts.base / "token"
+    token.write_text(run.token)
+    m = mounts.mount(
+        tenant.controller.url, "task", token_file=token, extra=["--log-format", "json", "-v"]
+    )
+    (m.mountpoint / "a.txt").write_bytes(b"a")
+    assert m.fsagent("flush")["ok"]
+    assert m.stop() == 0
+    lines = [json.loads(x) for x in m.stderr().splitlines() if x.startswith("{")]
+    saved = [x for x in lines if "saved" in x["msg"] and x["logger"] == "fsagent.ship"]
+    assert saved, m.stderr()
+    assert all(x["runId"] == run.run_id and x["scope"] == "task" for x in saved)
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_text_is_the_default_on_a_terminal() -> None:
+    assert logs.resolve(None, Tty()) == "text"
+    assert logs.resolve(None, io.StringIO()) == "json"
+    assert logs.resolve("text", io.StringIO()) == "text"

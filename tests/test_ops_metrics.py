@@ -1,0 +1,156 @@
+"""`GET /metrics` on the separate `--metrics-listen` address of a real controller."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.bridge import start_run
+from tests.support.constants import REPO
+from tests.support.controller import (
+    ControllerProcess,
+    PgCluster,
+    bootstrap_tenant,
+    world_searchable_tmpdir,
+)
+from tests.support.procs import free_port
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(scope="module")
+def metered(pg_cluster: PgCluster) -> Iterator[tuple[ControllerProcess, str]]:
+    port = free_port()
+    ctl = ControllerProcess(
+        pg_cluster.create_database(),
+        world_searchable_tmpdir("fsa-ctl-metrics-"),
+        extra_args=["--metrics-listen", f"127.0.0.1:{port}"],
+        gc_args=["--gc-delay", "0", "--gc-interval", "0.3"],
+    )
+    try:
+        yield ctl.start(), f"http://127.0.0.1:{port}/metrics"
+    finally:
+        ctl.stop()
+        shutil.rmtree(ctl.data_dir, ignore_errors=True)
+
+
+def scrape(url: str) -> Samples:
+    r = httpx.get(url)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    out: Samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_are_not_on_the_api_listener(metered: tuple[ControllerProcess, str]) -> None:
+    ctl, _ = metered
+    r = httpx.get(ctl.url + "/metrics")
+    assert r.status_code == 404
+    assert r.json()["code"] == "route_not_found"
+
+
+def test_counters_move_with_real_traffic(metered: tuple[ControllerProcess, str]) -> None:
+    ctl, url = metered
+    before = scrape(url)
+    tenant = bootstrap_tenant(ctl)
+    run = start_run(tenant)
+    data = b"metrics " * 1000
+    r = run.save("task", {"a.txt": data, "b.txt": b"second"})
+    assert r.status_code == 200, r.text
+    assert r.json()["byteSize"] == len(data) + len(b"second")
+    refused = run.commit(
+        "task", [{"op": "put", "path": "c.txt", "digest": "0" * 64, "executable": False}]
+    )
+    assert 400 <= refused.status_code < 500, refused.text
+    refused_code = refused.json()["code"]
+    with tenant.client() as c:
+        for _ in range(3):
+            assert c.get(tenant.folder("task", str(run.task)) + "/").status_code == 200
+        assert httpx.get(ctl.url + "/readyz").status_code == 200
+        put = c.put(
+            tenant.folder("task", str(run.task)) + "/content",
+            params={"path": "d.bin"},
+            content=b"x" * 321,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert put.status_code == 201, put.text
+    time.sleep(1.0)  # a few GC sweeps (every 0.3 s)
+    after = scrape(url)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    listing = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}/"
+    assert moved("controller_http_requests_total", route=listing, method="GET", status="200") == 3
+    assert (
+        moved(
+            "controller_http_request_duration_seconds_count",
+            route=listing,
+            method="GET",
+            status="200",
+        )
+        == 3
+    )
+    assert moved("controller_http_requests_total", route="/readyz", method="GET", status="200") == 1
+    assert moved("controller_checkpoint_commits_total", outcome="applied") == 1
+    assert moved("controller_checkpoint_entries_total") == 2
+    assert moved("controller_checkpoint_bytes_total") == len(data) + len(b"second")
+    assert moved("controller_checkpoint_refusals_total", code=refused_code) == 1
+    uploads = "/bridge/v1/folders/{scope}/uploads"
+    assert moved("controller_upload_bytes_total", route=uploads) == len(data) + len(b"second")
+    content = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}/content"
+    assert moved("controller_upload_bytes_total", route=content) == 321
+    assert moved("controller_gc_sweeps_total", outcome="ok") >= 2
+    assert value(after, "controller_active_runs") >= 1
+    assert value(after, "controller_db_pool_max") == 20
+    in_use = value(after, "controller_db_pool_connections", state="in_use")
+    idle = value(after, "controller_db_pool_connections", state="idle")
+    assert in_use >= 0 and in_use + idle >= 1
+    # Route labels are templates: no tenant id ever becomes a label value.
+    assert not any(tenant.company_id in v for (_, labels) in after for _, v in labels)
+
+
+def test_answers_carry_a_request_id(metered: tuple[ControllerProcess, str]) -> None:
+    ctl, _ = metered
+    r = httpx.get(ctl.url + "/healthz", headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    bad = httpx.get(ctl.url + "/healthz", headers={"X-Request-Id": "no spaces\tplease"})
+    assert bad.headers["x-request-id"] != "no spaces\tplease"
+    assert len(bad.headers["x-request-id"]) == 16
+
+
+@pytest.mark.allow_warning_logs
+def test_a_busy_metrics_address_stops_the_start(pg_cluster: PgCluster) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        data_dir = world_searchable_tmpdir("fsa-ctl-busy-")
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "controller.cli", "serve",
+                 "--database-url", pg_cluster.create_database(), "--data-dir", str(data_dir),
+                 "--listen", f"127.0.0.1:{free_port()}", "--metrics-listen", f"127.0.0.1:{port}"],
+                capture_output=True, text=True, cwd=REPO, timeout=120,
+            )  # fmt: skip
+        finally:
+            shutil.rmtree(data_dir, ignore_errors=True)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == (
+        f"controller: cannot listen on --metrics-listen 127.0.0.1:{port}: Address already in use"
+    )

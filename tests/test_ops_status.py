@@ -1,0 +1,51 @@
+"""`fsagent status --json`: unsaved bytes and files, and the live figures of a running mount."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsagent import control
+from tests.support.bridge import start_run
+from tests.support.controller import Tenant
+from tests.support.mount import MountFactory
+
+pytestmark = pytest.mark.fuse
+
+
+def test_status_reports_unsaved_work_and_live_figures(tenant: Tenant, mounts: MountFactory) -> None:
+    run = start_run(tenant)
+    token = mounts.base / "token"
+    token.write_text(run.token)
+    m = mounts.mount(tenant.controller.url, "task", token_file=token)
+    (m.mountpoint / "small.txt").write_bytes(b"s" * 100)
+    (m.mountpoint / "big.bin").write_bytes(b"b" * 5000)
+    (m.mountpoint / "dir").mkdir()
+
+    (row,) = m.fsagent("status")["collections"]
+    assert row["state"] == "mounted"
+    assert row["unsavedFiles"] == 2
+    assert row["unsavedBytes"] == 5100
+    assert row["unsavedChanges"] == 3
+    live = row["live"]
+    assert live["queueDepth"] == 0
+    assert live["lastCheckpoint"] is None
+    fuse = live["fuse"]
+    assert fuse["requests"] >= 3
+    assert fuse["byOperation"]["create"] == 2
+    assert fuse["byOperation"]["mkdir"] == 1
+    assert fuse["latencyMs"]["samples"] >= 3
+    assert 0 <= fuse["latencyMs"]["p50"] <= fuse["latencyMs"]["p90"] <= fuse["latencyMs"]["p99"]
+
+    assert m.fsagent("flush")["ok"]
+    (row,) = m.fsagent("status")["collections"]
+    assert row["unsavedFiles"] == 0 and row["unsavedBytes"] == 0
+    last = row["live"]["lastCheckpoint"]
+    assert last["entries"] == 3
+    assert last["bytes"] == 5100
+    assert last["seconds"] > 0
+
+
+def test_stats_is_a_control_command() -> None:
+    assert control.parse_request(b'{"cmd": "stats"}') == ("stats", False)
+    with pytest.raises(control.BadRequest, match="flush, ping, stats"):
+        control.parse_request(b'{"cmd": "nope"}')
