@@ -85,7 +85,7 @@ def test_fsagent_json_lines(tmp_path: Path) -> None:
     )  # fmt: skip
     lines = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
     plain = [line for line in out.stderr.splitlines() if not line.startswith("{")]
-    assert plain == ["fsagent: 1 problem(s) found"]  # the command's own error line
+    assert plain == ["fsagent: 1 check(s) failed: controller"]  # the command's own error line
     assert any("GET run failed" in x["msg"] and x["level"] == "INFO" for x in lines), out.stderr
 
 
