@@ -92,15 +92,21 @@ async def record_upload(
     byte_size: int,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
+    ttl: float,
 ) -> None:
-    """Register an object a run uploaded. It is collected later unless a
-    checkpoint references it (GC keeps it while the run is running)."""
+    """Register an object a run uploaded. Its row pins the object for ``ttl``
+    seconds or, once a checkpoint commits it, while the run is running (the
+    pin rule is in :mod:`controller.gc`); after that the object is collected
+    unless a file references it."""
     await apply.register_object(conn, company_id, digest, byte_size, ensure_object)
     await conn.execute(
-        "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
-        " VALUES (%s, %s, %s, %s) ON CONFLICT (run_id, digest) DO UPDATE"
+        "INSERT INTO run_uploads (run_id, company_id, digest, byte_size, expires_at)"
+        " VALUES (%(run)s, %(company)s, %(digest)s, %(size)s,"
+        "  now() + make_interval(secs => %(ttl)s))"
+        " ON CONFLICT (run_id, digest) DO UPDATE"
         # Uploading an expired upload again makes it usable again.
-        " SET created_at = now() WHERE run_uploads.committed_at IS NULL",
-        (run_id, company_id, digest, byte_size),
+        " SET created_at = now(), expires_at = EXCLUDED.expires_at"
+        " WHERE run_uploads.committed_at IS NULL",
+        {"run": run_id, "company": company_id, "digest": digest, "size": byte_size, "ttl": ttl},
     )
     await apply.journal_deletion(conn, company_id, [digest], "bridge upload", gc_delay)

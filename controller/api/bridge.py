@@ -63,7 +63,7 @@ from controller.auth import (
 )
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
 from controller.frames import Frame, FrameSplitter, decode_frame
-from controller.storage.base import ObjectMissing, object_key
+from controller.storage.base import object_key
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -238,7 +238,14 @@ async def upload(request: Request) -> Response:
         async def register(conn: AsyncConnection[Any]) -> None:
             await confirm_run_writes(conn, run, request.path_params["scope"])
             await runs.record_upload(
-                conn, run.run_id, run.company_id, digest, size, ensure, st.settings.gc_delay
+                conn,
+                run.run_id,
+                run.company_id,
+                digest,
+                size,
+                ensure,
+                st.settings.gc_delay,
+                st.settings.quotas.pending_upload_ttl,
             )
 
         try:
@@ -265,20 +272,11 @@ async def commit_checkpoint(request: Request) -> Response:
     # Up to MAX_CHECKPOINT_ENTRIES entries: too much work for the event loop.
     cp = await asyncio.to_thread(parse_checkpoint, body, st.settings.quotas.max_checkpoint_rows)
 
-    async def ensure(k: str) -> None:
-        if not await asyncio.to_thread(st.storage.exists, k):
-            raise ObjectMissing(f"uploaded object {k} is gone; upload it again")
-
     async def commit(conn: AsyncConnection[Any]) -> dict[str, Any]:
         folder = await writable_folder(request, conn, run)
+        # No object check per file: every digest is pinned (checkpoint.claim_contents).
         return await apply_checkpoint(
-            conn,
-            folder,
-            run,
-            cp,
-            ensure_object=ensure,
-            gc_delay=st.settings.gc_delay,
-            quotas=st.settings.quotas,
+            conn, folder, run, cp, gc_delay=st.settings.gc_delay, quotas=st.settings.quotas
         )
 
     try:
