@@ -7,11 +7,12 @@ grows in commit order. That is
 what makes "last accepted write wins" well defined, and it also settles the
 parent-file/child-file race (one of the two sees the other's row).
 
-Objects: a file row may reference a digest only after the object's advisory
-lock (:func:`lock_object`) was taken and its ``objects`` row upserted in the
-same transaction. The GC sweeper holds the same lock while it checks for
-references and deletes an object, so the two never interleave, even when no
-row exists yet.
+Objects: a single write here may reference a digest only after the object's
+advisory lock (:func:`lock_object`) was taken and its ``objects`` row upserted
+in the same transaction. The GC sweeper holds the same lock while it checks
+for references and deletes an object, so the two never interleave, even when
+no row exists yet. (A checkpoint references pinned digests instead; see
+:mod:`controller.gc`.)
 """
 
 from __future__ import annotations

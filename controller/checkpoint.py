@@ -8,8 +8,10 @@ object by naming its hash.
 
 Apply order inside one transaction (``apply.committing``): lock the folder,
 re-check the run's lease (and its user's write right for the user folder),
-check the receipt, apply entries in order with last-writer-wins (a
-conflicting server entry of the other kind goes to trash), store the receipt,
+check the receipt, claim the referenced digests (one query), apply the
+entries in order with last-writer-wins as one change set
+(:mod:`controller.changeset`; a conflicting server entry of the other kind
+goes to trash), check the entry limit, store the counters and the receipt,
 advance the run's baseline, record the save on the run.
 """
 
