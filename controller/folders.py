@@ -24,10 +24,15 @@ class EntryPage:
 
 @dataclass(frozen=True)
 class ManifestPage:
-    rows: list[Row]
+    entries_json: str
+    """The page's entries as a JSON array, in version order (wire format of
+    :mod:`common.bridge`)."""
+    last_version: int | None
+    """The version of the page's last entry (None for an empty page)."""
     more: bool
+    """True when entries past the last one exist (the caller hands out ``nextSince``)."""
     high_water: int
-    """The highest version drawn so far, in any folder."""
+    """The folder's version counter before the page was read."""
 
 
 async def last_operation_at(conn: AsyncConnection[Any], folder: Folder | None) -> datetime | None:
@@ -82,28 +87,45 @@ async def list_entries(
     return EntryPage(rows[:limit], len(rows) > limit, await last_operation_at(conn, folder))
 
 
+_MANIFEST_SQL = """
+SELECT coalesce(json_agg(json_build_object(
+           'path', path, 'kind', kind, 'digest', digest, 'byteSize', byte_size,
+           'executable', executable, 'version', version, 'deleted', deleted)
+       ORDER BY version) FILTER (WHERE n <= %(limit)s), '[]')::text AS entries,
+       max(version) FILTER (WHERE n <= %(limit)s) AS last,
+       count(*) > %(limit)s AS more
+FROM (SELECT path, kind, digest, byte_size, executable, version,
+             deleted_at IS NOT NULL AS deleted, row_number() OVER (ORDER BY version) AS n
+      FROM (SELECT * FROM files WHERE folder_id = %(fid)s AND version > %(since)s {live}
+            ORDER BY version LIMIT %(limit)s + 1) AS page) AS numbered
+"""
+
+
 async def manifest_page(
     conn: AsyncConnection[Any], folder: Folder | None, *, since: int, limit: int
 ) -> ManifestPage:
     """Entries changed after version ``since`` in version order (a full listing
     of live entries when ``since`` is 0). ResyncRequired when a purge removed
-    versions past ``since``."""
+    versions past ``since``.
+
+    Keyset paging on ``(folder_id, version)`` (index ``files_folder_version``):
+    each page starts where the last one ended, whatever its depth. PostgreSQL
+    builds the page's JSON itself, so a 5,000-entry page costs the controller
+    no Python work per entry.
+    """
     high_water = await folder_high_water(conn, None if folder is None else folder.id)
     if folder is None:
-        return ManifestPage([], False, high_water)
+        return ManifestPage("[]", None, False, high_water)
     cur = await conn.execute("SELECT purge_floor FROM folders WHERE id = %s", (folder.id,))
     floor_row = await cur.fetchone()
     if since > 0 and floor_row is not None and since < int(floor_row["purge_floor"]):
         raise ResyncRequired()
-    deleted_clause = "" if since > 0 else " AND deleted_at IS NULL"
-    cur = await conn.execute(
-        "SELECT * FROM files WHERE folder_id = %s AND version > %s"
-        + deleted_clause
-        + " ORDER BY version LIMIT %s",
-        (folder.id, since, limit + 1),
-    )
-    rows = list(await cur.fetchall())
-    return ManifestPage(rows[:limit], len(rows) > limit, high_water)
+    sql = _MANIFEST_SQL.format(live="" if since > 0 else "AND deleted_at IS NULL")
+    cur = await conn.execute(sql, {"fid": folder.id, "since": since, "limit": limit})
+    row = await cur.fetchone()
+    assert row is not None
+    last = None if row["last"] is None else int(row["last"])
+    return ManifestPage(row["entries"], last, bool(row["more"]), high_water)
 
 
 async def referenced_object_size(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 from typing import Any
@@ -54,7 +55,6 @@ from controller.api.objects import (
     spool_append,
 )
 from controller.api.params import BIGINT_MAX, query_int
-from controller.api.serialize import manifest_entry
 from controller.auth import (
     RunBinding,
     confirm_run_writes,
@@ -127,14 +127,13 @@ async def get_manifest(request: Request) -> Response:
         run = await bound_run(request, conn)
         folder = await bound_folder(request, conn, run)
         page = await folders.manifest_page(conn, folder, since=since, limit=limit)
-    next_since = int(page.rows[-1]["version"]) if page.more else None
-    return JSONResponse(
-        {
-            "entries": [manifest_entry(r) for r in page.rows],
-            "nextSince": next_since,
-            "highWater": page.high_water,
-        }
+    next_since = page.last_version if page.more else None
+    # The entries arrive as JSON text from the database (folders.manifest_page).
+    body = (
+        f'{{"entries":{page.entries_json},"nextSince":{json.dumps(next_since)},'
+        f'"highWater":{page.high_water}}}'
     )
+    return Response(body, media_type="application/json")
 
 
 @json_errors
