@@ -12,6 +12,7 @@ from psycopg import AsyncConnection
 from common.errors import RunNotActive, RunNotFound
 from controller import apply, folders
 from controller.apply import EnsureObject, Folder, Row
+from controller.storage.base import object_key
 
 MAX_ERROR_CHARS = 2000
 
@@ -82,6 +83,42 @@ async def mark_saving(conn: AsyncConnection[Any], run_id: str) -> None:
     await conn.execute(
         "UPDATE runs SET state = 'saving' WHERE id = %s AND state <> 'saving'", (run_id,)
     )
+
+
+async def record_uploads(
+    conn: AsyncConnection[Any],
+    run_id: str,
+    company_id: str,
+    sizes: dict[str, int],
+    ensure_object: EnsureObject,
+    gc_delay: timedelta,
+) -> None:
+    """:func:`record_upload` for many objects with a few multi-row statements:
+    the objects' locks in digest order (the order every writer takes them),
+    their rows, the bytes re-checked, the run's uploads and the GC journal."""
+    digests = sorted(sizes)
+    sizes_list = [sizes[d] for d in digests]
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(%s, hashtext(%s || ':' || d)) FROM"
+        ' (SELECT d FROM unnest(%s::text[]) AS d ORDER BY d COLLATE "C") AS ordered',
+        (apply.OBJECT_LOCK_CLASS, company_id, digests),
+    )
+    await conn.execute(
+        "INSERT INTO objects (company_id, digest, byte_size)"
+        " SELECT %s, d, s FROM unnest(%s::text[], %s::bigint[]) AS u(d, s)"
+        " ON CONFLICT (company_id, digest) DO UPDATE SET byte_size = EXCLUDED.byte_size",
+        (company_id, digests, sizes_list),
+    )
+    for digest in digests:
+        await ensure_object(object_key(company_id, digest))
+    await conn.execute(
+        "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
+        " SELECT %s, %s, d, s FROM unnest(%s::text[], %s::bigint[]) AS u(d, s)"
+        " ON CONFLICT (run_id, digest) DO UPDATE"
+        " SET created_at = now() WHERE run_uploads.committed_at IS NULL",
+        (run_id, company_id, digests, sizes_list),
+    )
+    await apply.journal_deletion(conn, company_id, digests, "bridge upload", gc_delay)
 
 
 async def record_upload(

@@ -21,6 +21,7 @@ and absolute paths; this is the second line of defence.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ from .base import (
     DEFAULT_CHUNK_SIZE,
     ObjectMissing,
     SourceMismatch,
+    Span,
     StorageProvider,
     check_put_arguments,
     check_range,
@@ -130,6 +132,70 @@ class LocalDiskProvider(StorageProvider):
                             os.unlink(tmp_name, dir_fd=tmp_fd)
         except OSError as exc:
             raise self._unavailable("store", key, exc) from exc
+
+    def adopt_file(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
+        """Link the caller's synced spool file into place: no copy, no second hash.
+
+        One fsync of the data and one of the directory, as for a copied put;
+        a spool on another filesystem is copied (``put_file``).
+        """
+        check_put_arguments(key, size, sha256_hex)
+        dirs, name = self._split(key)
+        try:
+            fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                    raise SourceMismatch(f"{src} is not a {size}-byte regular file")
+                with self._directory(dirs, create=True) as dir_fd:
+                    if _lexists(name, dir_fd):
+                        return False
+                    if os.fstat(dir_fd).st_dev != st.st_dev:
+                        return self.put_file(key, src, size, sha256_hex)
+                    os.fsync(fd)
+                    return _link_into_place(str(src), None, name, dir_fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._unavailable("store", key, exc) from exc
+
+    def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
+        """Write every new object to a temp file, link each into place, then make
+        them all durable with one ``syncfs`` of the object filesystem. If that
+        sync fails the objects this call linked are removed again."""
+        for span in spans:
+            check_put_arguments(span.key, span.size, span.sha256_hex)
+        created: list[bool] = []
+        linked: list[tuple[list[str], str]] = []
+        try:
+            with (
+                open(src, "rb") as source,
+                self._directory([_TMP_DIR], create=True) as tmp_fd,
+            ):
+                for span in spans:
+                    source.seek(span.offset)
+                    data = source.read(span.size)
+                    if (
+                        len(data) != span.size
+                        or hashlib.sha256(data).hexdigest() != span.sha256_hex
+                    ):
+                        raise SourceMismatch(f"{src} at {span.offset} is not {span.sha256_hex}")
+                    dirs, name = self._split(span.key)
+                    with self._directory(dirs, create=True) as dir_fd:
+                        made = not _lexists(name, dir_fd) and _link_new(data, tmp_fd, name, dir_fd)
+                    created.append(made)
+                    if made:
+                        linked.append((dirs, name))
+                if linked:
+                    _syncfs(tmp_fd)
+        except BaseException as exc:
+            for dirs, name in linked:
+                with contextlib.suppress(OSError), self._directory(dirs, create=False) as dir_fd:
+                    os.unlink(name, dir_fd=dir_fd)
+            if isinstance(exc, OSError):
+                raise self._unavailable("store", spans[0].key, exc) from exc
+            raise
+        return created
 
     def read_chunks(
         self, key: str, start: int = 0, end: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -317,7 +383,40 @@ def _write_synced_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> st
     return tmp_name
 
 
-def _link_into_place(tmp_name: str, tmp_fd: int, name: str, dir_fd: int) -> bool:
+def _link_new(data: bytes, tmp_fd: int, name: str, dir_fd: int) -> bool:
+    """Write ``data`` to a temp file and link it into place, unsynced (the
+    caller syncs the filesystem once for many)."""
+    tmp_name = f"put-{secrets.token_hex(16)}"
+    fd = os.open(
+        tmp_name,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=tmp_fd,
+    )
+    try:
+        with open(fd, "wb", closefd=True) as out:
+            out.write(data)
+        try:
+            os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name, dir_fd=tmp_fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _syncfs(fd: int) -> None:
+    """Flush the whole filesystem holding ``fd``: one sync for many new files."""
+    if _libc.syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _link_into_place(tmp_name: str, tmp_fd: int | None, name: str, dir_fd: int) -> bool:
     try:
         os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except FileExistsError:
