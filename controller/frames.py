@@ -229,11 +229,11 @@ class BatchSplitter:
             return True
         if not 0 < rlen <= CHUNK_MAX or not 0 < clen <= MAX_COMPRESSED_FRAME:
             raise BadFrame("frame larger than allowed")
-        self._member_bytes += rlen
-        if self._member_bytes > self._member.raw_len:
+        if self._member_bytes + rlen > self._member.raw_len:
             raise DigestMismatch("a batch member's frames exceed its declared size")
         if len(self._buf) < header + clen:
             return False
+        self._member_bytes += rlen
         out.append(Frame(rlen, checksum, bytes(self._buf[header : header + clen])))
         del self._buf[: header + clen]
         return True
