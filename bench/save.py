@@ -114,6 +114,7 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
     (work / "controller").mkdir()
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, work, True)
+        stack.push(lambda *exc: show_logs(work, exc[0] is not None))
         extra, env, counter = s3_setup(stack) if provider == "s3" else ([], {}, None)
         ctl = Controller(None, work / "controller", extra, env, gc_args=["--gc-interval", "0"])
         stack.callback(ctl.stop, timeout=60)
@@ -152,6 +153,14 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
         if "rest" in rows:
             out.update(scenario_rest(ctl, sizes["rest_files"]))
     return out
+
+
+def show_logs(work: Path, failed: bool) -> bool:
+    """On a failure, the daemons' and the controller's logs go to stderr."""
+    if failed:
+        for log in sorted([*work.glob("*.stderr"), *work.glob("controller/*.log")]):
+            print(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
+    return False
 
 
 def s3_setup(stack: contextlib.ExitStack) -> tuple[list[str], dict[str, str], Any]:

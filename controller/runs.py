@@ -3,6 +3,7 @@ state, refresh requests and the objects they uploaded."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -90,12 +91,13 @@ async def record_uploads(
     run_id: str,
     company_id: str,
     sizes: dict[str, int],
-    ensure_object: EnsureObject,
+    ensure_objects: Callable[[list[str]], Awaitable[None]],
     gc_delay: timedelta,
 ) -> None:
     """:func:`record_upload` for many objects with a few multi-row statements:
     the objects' locks in digest order (the order every writer takes them),
-    their rows, the bytes re-checked, the run's uploads and the GC journal."""
+    their rows, the bytes re-checked (``ensure_objects`` with every key, as
+    ``EnsureObject`` for one), the run's uploads and the GC journal."""
     digests = sorted(sizes)
     sizes_list = [sizes[d] for d in digests]
     await conn.execute(
@@ -109,8 +111,7 @@ async def record_uploads(
         " ON CONFLICT (company_id, digest) DO UPDATE SET byte_size = EXCLUDED.byte_size",
         (company_id, digests, sizes_list),
     )
-    for digest in digests:
-        await ensure_object(object_key(company_id, digest))
+    await ensure_objects([object_key(company_id, d) for d in digests])
     await conn.execute(
         "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
         " SELECT %s, %s, d, s FROM unnest(%s::text[], %s::bigint[]) AS u(d, s)"

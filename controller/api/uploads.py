@@ -123,9 +123,15 @@ async def _store_and_register(
     created = await _put_spans(request, spool, list(spans.values()))
     new = [span.sha256_hex for span, made in zip(spans.values(), created, strict=True) if made]
 
-    async def ensure(key: str) -> None:
-        if not await asyncio.to_thread(st.storage.exists, key):
-            await _put_spans(request, spool, [spans[key.rsplit("/", 1)[1]]])
+    async def ensure(keys: list[str]) -> None:
+        # Inside the registration, the objects locked: bring back any bytes a
+        # GC sweep removed since they were stored (one thread hop for all).
+        def missing() -> list[Span]:
+            return [spans[k.rsplit("/", 1)[1]] for k in keys if not st.storage.exists(k)]
+
+        lost = await asyncio.to_thread(missing)
+        if lost:
+            await _put_spans(request, spool, lost)
 
     async def register(conn: AsyncConnection[Any]) -> None:
         await confirm_run_writes(conn, run, request.path_params["scope"])
