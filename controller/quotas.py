@@ -72,23 +72,42 @@ async def check_pending_uploads(
 
 
 async def check_company_storage(
-    conn: AsyncConnection[Any], company_id: str, digest: str, size: int, *, limit: int
+    conn: AsyncConnection[Any], company_id: str, sizes: dict[str, int], *, limit: int
 ) -> None:
-    """The optional per-company storage quota (``limit`` 0 = off). Bytes the
-    company already stores under ``digest`` cost nothing again."""
-    if limit <= 0:
+    """The optional per-company storage quota (``limit`` 0 = off) for new
+    objects of ``sizes`` (digest -> bytes), in one query. Bytes the company
+    already stores under a digest cost nothing again."""
+    if limit <= 0 or not sizes:
         return
     cur = await conn.execute(
         "SELECT coalesce(sum(byte_size), 0) AS used,"
-        " bool_or(digest = %s) AS present FROM objects WHERE company_id = %s",
-        (digest, company_id),
+        " coalesce(array_agg(digest) FILTER (WHERE digest = ANY(%s)), '{}') AS present"
+        " FROM objects WHERE company_id = %s",
+        (sorted(sizes), company_id),
     )
     row = await cur.fetchone()
     assert row is not None
-    if row["present"]:
-        return
-    if int(row["used"]) + size > limit:
+    present = set(row["present"])
+    new = sum(size for digest, size in sizes.items() if digest not in present)
+    if new and int(row["used"]) + new > limit:
         raise StorageQuotaExceeded(details=[{"limit": limit, "used": int(row["used"])}])
+
+
+async def check_uploads(
+    conn: AsyncConnection[Any],
+    company_id: str,
+    run_id: str | None,
+    sizes: dict[str, int],
+    quotas: Quotas,
+) -> None:
+    """Before uploaded bytes are stored (``sizes``: digest -> bytes, any
+    number of objects, two queries): the company's storage quota and, for a
+    run's bridge upload, its allowance of uncommitted bytes."""
+    if run_id is not None:
+        await check_pending_uploads(
+            conn, run_id, sum(sizes.values()), limit=quotas.max_pending_upload_bytes
+        )
+    await check_company_storage(conn, company_id, sizes, limit=quotas.company_storage_bytes)
 
 
 async def check_upload(
@@ -99,8 +118,5 @@ async def check_upload(
     size: int,
     quotas: Quotas,
 ) -> None:
-    """Before an upload's bytes are stored: the company's storage quota and,
-    for a run's bridge upload, its allowance of uncommitted bytes."""
-    if run_id is not None:
-        await check_pending_uploads(conn, run_id, size, limit=quotas.max_pending_upload_bytes)
-    await check_company_storage(conn, company_id, digest, size, limit=quotas.company_storage_bytes)
+    """:func:`check_uploads` for one object."""
+    await check_uploads(conn, company_id, run_id, {digest: size}, quotas)

@@ -55,6 +55,7 @@ from controller.api.objects import (
     spool_append,
 )
 from controller.api.params import BIGINT_MAX, query_int
+from controller.api.uploads import receive_batch
 from controller.auth import (
     RunBinding,
     confirm_run_writes,
@@ -263,6 +264,20 @@ async def upload(request: Request) -> Response:
 
 
 @json_errors
+async def upload_batch(request: Request) -> Response:
+    """Many small objects in one framed body (:mod:`controller.api.uploads`)."""
+    async with connection(request) as conn:
+        run = await bound_run(request, conn)
+        await writable_folder(request, conn, run)
+        await runs.mark_saving(conn, run.run_id)
+    try:
+        objects = await receive_batch(request, run)
+    except ClientDisconnect:
+        return Response(status_code=400)
+    return JSONResponse({"objects": objects})
+
+
+@json_errors
 async def commit_checkpoint(request: Request) -> Response:
     st = state(request)
     async with connection(request) as conn:
@@ -314,5 +329,6 @@ routes += [
     Route(PREFIX + "/run/report", report, methods=["POST"]),
     Route(PREFIX + "/run/refresh-applied", refresh_applied, methods=["POST"]),
     Route(PREFIX + "/folders/{scope}/uploads", upload, methods=["PUT"]),
+    Route(PREFIX + "/folders/{scope}/uploads/batch", upload_batch, methods=["PUT"]),
     Route(PREFIX + "/folders/{scope}/checkpoints", commit_checkpoint, methods=["POST"]),
 ]
