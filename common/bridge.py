@@ -36,6 +36,7 @@ taken from the run's binding, never from the client.
 
 import hashlib
 import struct
+import threading
 from typing import Final
 
 import xxhash
@@ -168,10 +169,14 @@ def compressible(first_block: bytes) -> bool:
     sample = first_block[:COMPRESSIBLE_SAMPLE]
     if len(sample) < 512:
         return True  # too small to judge; compressing it costs next to nothing
-    return len(_SAMPLER.compress(sample)) < COMPRESSIBLE_RATIO * len(sample)
+    sampler = getattr(_local, "sampler", None)
+    if sampler is None:
+        # A compression context is not thread-safe: one per thread.
+        sampler = _local.sampler = zstandard.ZstdCompressor(level=1)
+    return len(sampler.compress(sample)) < COMPRESSIBLE_RATIO * len(sample)
 
 
-_SAMPLER = zstandard.ZstdCompressor(level=1)
+_local = threading.local()
 
 
 def encode_member(raw: bytes, compressor: zstandard.ZstdCompressor | None) -> bytes:

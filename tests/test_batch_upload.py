@@ -3,6 +3,7 @@ objects in one request, all or nothing, each stored under its own digest."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 
@@ -169,3 +170,10 @@ def test_the_batch_reader_gives_the_same_items_whatever_the_body_is_cut_into() -
 
     for step in (1, 7, 4096, len(body)):
         assert read(step) == members, step
+
+
+def test_encoding_batches_in_many_threads_at_once_gives_valid_bodies() -> None:
+    members = [os.urandom(3000) for _ in range(64)] + [b"text " * 800 for _ in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        bodies = list(pool.map(lambda _: encode_batch(members), range(200)))
+    assert all(b == bodies[0] for b in bodies)
