@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from common.bridge import encode_batch
 from tests.support.bridge import start_run
 from tests.support.controller import (
     ControllerProcess,
@@ -328,3 +329,23 @@ def test_over_limit_folder_can_still_delete_and_overwrite(qt: Tenant) -> None:
             "SELECT committed_at IS NULL FROM run_uploads WHERE run_id = %s AND digest = %s",
             (run.run_id, fresh.json()["digest"]),
         ).fetchone() == (True,)
+
+
+def test_company_storage_quota_counts_a_whole_batch(qt: Tenant) -> None:
+    """Each member fits the company's quota on its own; together they do not,
+    and the batch is refused as a whole (its bytes are never registered)."""
+    with qt.client() as c:
+        r = c.put(f"{qt.my_folder}/content?path=base", content=os.urandom(12_000), headers=OCTET)
+        assert r.status_code == 201, r.text
+    members = [os.urandom(4500) for _ in range(2)]
+    run = start_run(qt)
+    with run.client() as c:
+        r = c.put("/folders/task/uploads/batch", content=encode_batch(members))
+        assert r.status_code == 413 and r.json()["code"] == "storage_quota_exceeded", r.text
+        with qt.controller.db() as db:
+            row = db.execute(
+                "SELECT count(*) FROM objects WHERE company_id = %s", (qt.company_id,)
+            ).fetchone()
+            assert row == (1,)
+        r = c.put("/folders/task/uploads/batch", content=encode_batch(members[:1]))
+        assert r.status_code == 200, r.text
