@@ -135,10 +135,6 @@ async def _store_receipt(
     )
 
 
-async def _touch_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
-    await conn.execute("UPDATE folders SET last_operation_at = now() WHERE id = %s", (folder.id,))
-
-
 @dataclass
 class Commit:
     """One write in progress: ``replay`` is a stored result for this operation
@@ -177,24 +173,30 @@ async def committing(
         return
     assert commit.result is not None
     folder.counters.check_entries(policy.max_folder_entries)
-    await folder.counters.store(conn, folder.id)
+    await folder.counters.store(conn, folder.id, touch=commit.touch)
     await _store_receipt(conn, folder, operation_id, fp, commit.result)
-    if commit.touch:
-        await _touch_folder(conn, folder)
 
 
-async def ensure_parents(conn: AsyncConnection[Any], folder: Folder, path: str) -> None:
+async def path_rows(conn: AsyncConnection[Any], folder: Folder, path: str) -> dict[str, Row]:
+    """The live rows at ``path`` and at each of its ancestors, in one query."""
+    cur = await conn.execute(
+        "SELECT * FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)",
+        (folder.id, [*ancestors(path), path]),
+    )
+    return {r["path"]: r for r in await cur.fetchall()}
+
+
+async def ensure_parents(
+    conn: AsyncConnection[Any], folder: Folder, path: str, found: dict[str, Row] | None = None
+) -> None:
     """Create missing ancestor directories; a file in the way is a 409
-    (ParentIsFile). (A checkpoint sends such a file to trash instead:
+    (ParentIsFile). ``found``: :func:`path_rows` of ``path``, when the caller
+    has them already. (A checkpoint sends such a file to trash instead:
     :mod:`controller.changeset`.)"""
     wanted = list(ancestors(path))
     if not wanted:
         return
-    cur = await conn.execute(
-        "SELECT * FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)",
-        (folder.id, wanted),
-    )
-    existing = {r["path"]: r for r in await cur.fetchall()}
+    existing = found if found is not None else await path_rows(conn, folder, path)
     for anc in wanted:
         row = existing.get(anc)
         if row is not None and row["kind"] != "directory":
@@ -299,8 +301,9 @@ async def write_file(
 ) -> tuple[Row, bool]:
     """Write one file under the folder lock; returns (row, created).
     A directory at ``path`` is a KindConflict."""
-    await ensure_parents(conn, folder, path)
-    existing = await live_row(conn, folder, path)
+    found = await path_rows(conn, folder, path)
+    await ensure_parents(conn, folder, path, found)
+    existing = found.get(path)
     if existing is not None and existing["kind"] != "file":
         raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
     await register_object(conn, folder.company_id, digest, byte_size, ensure_object)
@@ -374,8 +377,9 @@ async def put_file(
 
 async def make_directory(conn: AsyncConnection[Any], folder: Folder, path: str) -> tuple[Row, bool]:
     """Create a directory under the folder lock; returns (row, created)."""
-    await ensure_parents(conn, folder, path)
-    existing = await live_row(conn, folder, path)
+    found = await path_rows(conn, folder, path)
+    await ensure_parents(conn, folder, path, found)
+    existing = found.get(path)
     if existing is not None and existing["kind"] != "directory":
         raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
     if existing is not None:

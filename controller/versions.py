@@ -69,12 +69,19 @@ class FolderCounters:
                 f"A folder holds at most {limit} entries", details=[{"limit": limit}]
             )
 
-    async def store(self, conn: AsyncConnection[Any], folder_id: int) -> None:
-        if (self.current is not None and self.current != self.stored) or self.entries_delta:
+    async def store(self, conn: AsyncConnection[Any], folder_id: int, *, touch: bool) -> None:
+        """Write the counters back, with the folder's last operation time
+        (``touch``) in the same statement."""
+        if (
+            (self.current is not None and self.current != self.stored)
+            or self.entries_delta
+            or touch
+        ):
             await conn.execute(
-                "UPDATE folders SET version_counter = %s, live_entries = live_entries + %s"
+                "UPDATE folders SET version_counter = %s, live_entries = live_entries + %s,"
+                " last_operation_at = CASE WHEN %s THEN now() ELSE last_operation_at END"
                 " WHERE id = %s",
-                (self.current, self.entries_delta, folder_id),
+                (self.current, self.entries_delta, touch, folder_id),
             )
             self.stored = self.current
             self.entries += self.entries_delta
