@@ -103,7 +103,6 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
         mount,
         scenario_changed,
         scenario_large,
-        scenario_new_files,
         timed_flush,
         write_large,
     )
@@ -125,13 +124,20 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
             result = fn()
             return result, (len(counter.seen) - before if counter is not None else 0)
 
+        helpers = {"mount": mount, "timed_flush": timed_flush, "manifest": bridge_manifest}
         if "small" in rows:
-            r = scenario_new_files(work, ctl, sizes["small_files"], 50)
-            out["small_fps"] = r["files"] / r["save_s"]
+            n = sizes["small_files"]
+            r = scenario_files(work, ctl, "small", [4096] * n, 50, helpers)
+            out["small_fps"] = n / r["save_s"]
+            out["small_upload_s"] = r["upload_s"]
+            out["small_commit_s"] = r["save_s"] - r["upload_s"]
         if "mixed" in rows:
-            r = scenario_mixed(work, ctl, sizes["mixed_files"], mount, timed_flush, bridge_manifest)
+            n = sizes["mixed_files"]
+            r = scenario_files(work, ctl, "mixed", mixed_sizes(n), max(1, n // 100), helpers)
             out["mixed_s"] = r["save_s"]
             out["mixed_workload_s"] = r["workload_s"]
+            out["mixed_upload_s"] = r["upload_s"]
+            out["mixed_commit_s"] = r["save_s"] - r["upload_s"]
         if "large" in rows:
             r, reqs = requests_during(lambda: scenario_large(work, ctl, sizes["large_mib"]))
             out["large_mbs"] = r["mib"] * MIB / 1e6 / r["save_s"]
@@ -179,27 +185,40 @@ def s3_setup(stack: contextlib.ExitStack) -> tuple[list[str], dict[str, str], An
     return [*args, "--s3-region", "us-east-1"], dict(FAKE_CREDENTIALS), proxy
 
 
-def scenario_mixed(
-    work: Path, ctl: Any, files: int, mount: Any, timed_flush: Any, manifest: Any
+def scenario_files(
+    work: Path, ctl: Any, name: str, sizes: list[int], dirs: int, helpers: dict[str, Any]
 ) -> dict[str, Any]:
-    run = ctl.new_run("mixed")
-    m = mount(work, ctl, run, "mixed")
-    sizes = mixed_sizes(files)
-    dirs = max(1, files // 100)
+    """New files of ``sizes`` bytes in ``dirs`` directories, then one timed flush.
+
+    The flush is split at the last upload the controller registered
+    (``run_uploads.created_at``): before it the uploads, after it the commit.
+    """
+    run = ctl.new_run(name)
+    m = helpers["mount"](work, ctl, run, name)
+    paths = [f"m{i % dirs:03d}/f{i:05d}" for i in range(len(sizes))]
     try:
         t = time.perf_counter()
         for d in range(dirs):
             (m.mountpoint / f"m{d:03d}").mkdir()
-        for i, size in enumerate(sizes):
-            (m.mountpoint / f"m{i % dirs:03d}/f{i:05d}").write_bytes(os.urandom(size))
+        for path, size in zip(paths, sizes, strict=True):
+            (m.mountpoint / path).write_bytes(os.urandom(size))
         workload = time.perf_counter() - t
-        seconds, result = timed_flush(m)
-        assert result["entries"] >= files, result
+        started = time.time()
+        seconds, result = helpers["timed_flush"](m)
+        assert result["entries"] >= len(sizes), result
     finally:
-        m.stop(timeout=120)
-    got = {p: e["byteSize"] for p, e in manifest(ctl, run).items() if e["kind"] == "file"}
-    assert got == {f"m{i % dirs:03d}/f{i:05d}": s for i, s in enumerate(sizes)}
-    return {"workload_s": workload, "save_s": seconds}
+        m.stop(timeout=300)
+    got = {
+        p: e["byteSize"] for p, e in helpers["manifest"](ctl, run).items() if e["kind"] == "file"
+    }
+    assert got == dict(zip(paths, sizes, strict=True))
+    with ctl.db() as db:
+        row = db.execute(
+            "SELECT extract(epoch FROM max(created_at)) FROM run_uploads WHERE run_id = %s",
+            (run["run_id"],),
+        ).fetchone()
+    uploads = float(row[0]) - started if row and row[0] is not None else float("nan")
+    return {"workload_s": workload, "save_s": seconds, "upload_s": uploads}
 
 
 def scenario_ten(
@@ -329,6 +348,10 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
             f"| {label.format(**labels)} | {goal} | {cells} | {met(values[0], target, higher)} |"
         )
     extras = [
+        ("small_upload_s", "small files: flush start to the last upload registered", "s"),
+        ("small_commit_s", "small files: from there to the receipt (the commit)", "s"),
+        ("mixed_upload_s", "mixed files: flush start to the last upload registered", "s"),
+        ("mixed_commit_s", "mixed files: from there to the receipt (the commit)", "s"),
         ("mixed_workload_s", "workload of the mixed row (writes through the mount)", "s"),
         ("large_requests_per_file", "S3 requests for the one large file", "requests"),
         ("ten_requests_per_file", "S3 requests per 64 MiB file", "requests"),
@@ -360,11 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     ap.add_argument("--large-mib", type=int, help="size of the one large file")
+    ap.add_argument("--mixed-files", type=int, help="files of the mixed row")
     add_output_options(ap)
     args = ap.parse_args(argv)
     sizes = dict(QUICK if args.quick else FULL)
     if args.large_mib:
         sizes["large_mib"] = args.large_mib
+    if args.mixed_files:
+        sizes["mixed_files"] = args.mixed_files
     rows = (args.rows or ",".join(S3_ROWS if args.provider == "s3" else ROWS)).split(",")
     started = time.monotonic()
     with baseline_tree(args.baseline) as base_tree:

@@ -4,7 +4,10 @@ Contract: the body is a sequence of frames, each ``FRAME_HEADER`` (compressed
 length, raw length, xxh64 of the raw bytes) followed by exactly one zstd frame,
 ended by :data:`common.bridge.END_FRAME` with nothing after it. Every refusal
 raises :class:`common.errors.BadFrame`; nothing else escapes for any input
-(``tests/fuzz/fuzz_upload.py`` holds the reader to that).
+(``tests/fuzz/fuzz_upload.py`` holds the reader to that). A batch upload
+(:class:`BatchSplitter`) adds member headers around the same frames; it
+refuses with BadFrame, :class:`BatchTooLarge` (413) or, for frames that do not
+add up to a member's declared size, DigestMismatch (422).
 
 Two halves, so that the event loop only ever does cheap work:
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import random
 
 import httpx
 import zstandard
@@ -21,6 +22,7 @@ from common.bridge import (
     encode_frame,
     encode_member,
 )
+from common.errors import WorkFolderError
 from controller.frames import BatchSplitter, Frame, Member, decode_frame
 from controller.storage.base import object_key
 from tests.support.bridge import Run, start_run
@@ -177,3 +179,21 @@ def test_encoding_batches_in_many_threads_at_once_gives_valid_bodies() -> None:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         bodies = list(pool.map(lambda _: encode_batch(members), range(200)))
     assert all(b == bodies[0] for b in bodies)
+
+
+def test_the_batch_reader_refuses_any_mangled_body_with_a_project_error() -> None:
+    rng = random.Random(15)
+    body = encode_batch([os.urandom(rng.randrange(0, 3000)) for _ in range(12)])
+    for _ in range(400):
+        mangled = bytearray(body)
+        for _ in range(rng.randrange(1, 4)):
+            mangled[rng.randrange(len(mangled))] = rng.randrange(256)
+        cut = rng.choice([len(mangled), rng.randrange(len(mangled))])
+        splitter = BatchSplitter()
+        try:
+            for item in splitter.feed(bytes(mangled[:cut])):
+                if isinstance(item, Frame):
+                    decode_frame(item)
+            splitter.finish()
+        except WorkFolderError as exc:
+            assert exc.status in (400, 413, 422), exc

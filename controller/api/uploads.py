@@ -110,7 +110,13 @@ async def _store_and_register(
     spans = {
         d: Span(object_key(run.company_id, d), off, size, d) for d, (off, size) in first.items()
     }
-    created = await _put_spans(request, spool, list(spans.values()))
+    try:
+        created = await _put_spans(request, spool, list(spans.values()))
+    except BaseException:
+        # A provider may have stored some members before failing (S3 puts them
+        # one by one): every one is queued for GC, which keeps referenced ones.
+        await journal_orphans(request, run.company_id, list(spans))
+        raise
     new = [span.sha256_hex for span, made in zip(spans.values(), created, strict=True) if made]
 
     async def ensure(keys: list[str]) -> None:
