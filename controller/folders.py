@@ -11,7 +11,6 @@ from psycopg import AsyncConnection
 
 from common.errors import ResyncRequired
 from controller.apply import Folder, Row
-from controller.versions import folder_high_water
 
 
 @dataclass(frozen=True)
@@ -113,12 +112,22 @@ async def manifest_page(
     builds the page's JSON itself, so a 5,000-entry page costs the controller
     no Python work per entry.
     """
-    high_water = await folder_high_water(conn, None if folder is None else folder.id)
     if folder is None:
-        return ManifestPage("[]", None, False, high_water)
-    cur = await conn.execute("SELECT purge_floor FROM folders WHERE id = %s", (folder.id,))
-    floor_row = await cur.fetchone()
-    if since > 0 and floor_row is not None and since < int(floor_row["purge_floor"]):
+        return ManifestPage("[]", None, False, 0)
+    # The page must walk files_folder_version in order and stop at the limit.
+    # Right after a large checkpoint, before autovacuum's ANALYZE, the planner
+    # guesses a handful of rows and would rather read every row of the folder
+    # with a bitmap scan and sort them, once per page; these settings (for
+    # this transaction only) leave it the ordered index scan.
+    cur = await conn.execute(
+        "SELECT version_counter, purge_floor, set_config('enable_bitmapscan', 'off', true),"
+        " set_config('enable_sort', 'off', true) FROM folders WHERE id = %s",
+        (folder.id,),
+    )
+    head = await cur.fetchone()
+    assert head is not None
+    high_water = int(head["version_counter"])
+    if since > 0 and since < int(head["purge_floor"]):
         raise ResyncRequired()
     sql = _MANIFEST_SQL.format(live="" if since > 0 else "AND deleted_at IS NULL")
     cur = await conn.execute(sql, {"fid": folder.id, "since": since, "limit": limit})

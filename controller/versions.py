@@ -86,12 +86,3 @@ class FolderCounters:
             self.stored = self.current
             self.entries += self.entries_delta
             self.entries_delta = 0
-
-
-async def folder_high_water(conn: AsyncConnection[Any], folder_id: int | None) -> int:
-    """Every committed change of the folder has a version at or below this."""
-    if folder_id is None:
-        return 0
-    cur = await conn.execute("SELECT version_counter FROM folders WHERE id = %s", (folder_id,))
-    row = await cur.fetchone()
-    return 0 if row is None else int(row["version_counter"])
