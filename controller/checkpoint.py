@@ -222,16 +222,16 @@ async def _apply_entries(
     sizes = await claim_contents(conn, folder, run.run_id, digests)
     outcome = await apply_changes(conn, folder, cp.entries, sizes, gc_delay)
     folder.counters.count(outcome.entries_delta)
-    cur = await conn.execute(
-        "SELECT coalesce(max(version), 0) AS v, now() AS t FROM files WHERE folder_id = %s",
-        (folder.id,),
-    )
-    hw = await cur.fetchone()
-    assert hw is not None
+    # The folder's counter (under its lock): every change of the folder,
+    # this checkpoint's included, has a version at or below it, as the
+    # manifest's highWater.
+    cur = await conn.execute("SELECT now() AS t")
+    row = await cur.fetchone()
+    assert row is not None
     return {
         "operationId": cp.operation_id,
         "applied": True,
         "entries": len(cp.entries),
-        "highWater": int(hw["v"]),
-        "savedAt": iso(hw["t"]),
+        "highWater": folder.counters.base(),
+        "savedAt": iso(row["t"]),
     }
