@@ -329,6 +329,9 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         f" --rounds {args.rounds}"
         + (f" --baseline {args.baseline}" if args.baseline else "")
         + (" --quick" if args.quick else "")
+        + (f" --mixed-files {args.mixed_files}" if args.mixed_files else "")
+        + (f" --large-mib {args.large_mib}" if args.large_mib else "")
+        + (f" --rows {args.rows}" if args.rows else "")
         + f"` ({args.elapsed:.0f} s, load average after:"
         f" {load_line()}). This tree: {head}"
         + (f"; baseline: {args.baseline} ({args.baseline_sha})" if args.baseline else "")
