@@ -329,6 +329,9 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         f" --rounds {args.rounds}"
         + (f" --baseline {args.baseline}" if args.baseline else "")
         + (" --quick" if args.quick else "")
+        + (f" --mixed-files {args.mixed_files}" if args.mixed_files else "")
+        + (f" --large-mib {args.large_mib}" if args.large_mib else "")
+        + (f" --rows {args.rows}" if args.rows else "")
         + f"` ({args.elapsed:.0f} s, load average after:"
         f" {load_line()}). This tree: {head}"
         + (f"; baseline: {args.baseline} ({args.baseline_sha})" if args.baseline else "")
@@ -353,8 +356,8 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         ("mixed_upload_s", "mixed files: flush start to the last upload registered", "s"),
         ("mixed_commit_s", "mixed files: from there to the receipt (the commit)", "s"),
         ("mixed_workload_s", "workload of the mixed row (writes through the mount)", "s"),
-        ("large_requests_per_file", "S3 requests for the one large file", "requests"),
-        ("ten_requests_per_file", "S3 requests per 64 MiB file", "requests"),
+        ("large_requests_per_file", "S3 requests for the {large_mib} MiB file", "requests"),
+        ("ten_requests_per_file", "S3 requests per {ten_mib} MiB file", "requests"),
         ("large_rss_mib", "daemon peak RSS, large file", "MiB"),
         ("ten_rss_mib", "daemon peak RSS, ten files", "MiB"),
     ]
@@ -362,7 +365,7 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         values = [median_of(sides[n], key) for n in names]
         if any(v is not None for v in values):
             cells = " | ".join(fmt(v, unit) for v in values)
-            lines.append(f"| {label} | | {cells} | |")
+            lines.append(f"| {label.format(**labels)} | | {cells} | |")
     lines.append("")
     return "\n".join(lines)
 

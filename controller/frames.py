@@ -6,7 +6,7 @@ ended by :data:`common.bridge.END_FRAME` with nothing after it. Every refusal
 raises :class:`common.errors.BadFrame`; nothing else escapes for any input
 (``tests/fuzz/fuzz_upload.py`` holds the reader to that). A batch upload
 (:class:`BatchSplitter`) adds member headers around the same frames; it
-refuses with BadFrame, :class:`BatchTooLarge` (413) or, for frames that do not
+refuses with BadFrame, PayloadTooLarge (413: too many members or bytes) or, for frames that do not
 add up to a member's declared size, DigestMismatch (422).
 
 Two halves, so that the event loop only ever does cheap work:
@@ -100,10 +100,6 @@ class FrameSplitter:
             raise BadFrame("body ended before the end frame")
 
 
-class BatchTooLarge(PayloadTooLarge):
-    """A batch with too many members, a member or a batch over its byte bound."""
-
-
 _local = threading.local()
 
 
@@ -193,7 +189,7 @@ class BatchSplitter:
             if magic != BATCH_MAGIC:
                 raise BadFrame("not a batch upload")
             if not 0 < count <= BATCH_MAX_MEMBERS:
-                raise BatchTooLarge(f"a batch carries 1-{BATCH_MAX_MEMBERS} members")
+                raise PayloadTooLarge(f"a batch carries 1-{BATCH_MAX_MEMBERS} members")
             self._count = count
             del self._buf[: BATCH_HEADER.size]
             return True
@@ -207,10 +203,10 @@ class BatchSplitter:
                 return False
             raw_len, sha = MEMBER_HEADER.unpack_from(self._buf)
             if raw_len > BATCH_MEMBER_MAX:
-                raise BatchTooLarge(f"a batch member carries at most {BATCH_MEMBER_MAX} bytes")
+                raise PayloadTooLarge(f"a batch member carries at most {BATCH_MEMBER_MAX} bytes")
             self._total += raw_len
             if self._total > BATCH_MAX_BYTES:
-                raise BatchTooLarge(f"a batch carries at most {BATCH_MAX_BYTES} bytes")
+                raise PayloadTooLarge(f"a batch carries at most {BATCH_MAX_BYTES} bytes")
             del self._buf[: MEMBER_HEADER.size]
             self._member = Member(raw_len, sha)
             self._member_bytes = 0

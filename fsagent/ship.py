@@ -356,10 +356,12 @@ class Shipper:
                     raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
                     if not raw:
                         break
-                    if sent == 0:
-                        use = compressor if compressible(raw) else None
+                    if sent == 0:  # the compressibility check is CPU work too: a thread
+                        frame, use = await trio.to_thread.run_sync(encode_first, raw, compressor)
+                    else:
+                        frame = await trio.to_thread.run_sync(encode_frame, raw, use)
                     sent += len(raw)
-                    yield await trio.to_thread.run_sync(encode_frame, raw, use)
+                    yield frame
             finally:
                 fh.close()
             yield END_FRAME
@@ -376,6 +378,15 @@ class Shipper:
             log.info("%s changed while it was uploaded; it stays dirty", change.path)
             return None
         return Digest(digest)
+
+
+def encode_first(
+    raw: bytes, compressor: zstandard.ZstdCompressor
+) -> tuple[bytes, zstandard.ZstdCompressor | None]:
+    """The first frame of a file and the compressor for the rest of it: none
+    when the first block does not compress (then every frame goes up stored)."""
+    use = compressor if compressible(raw) else None
+    return encode_frame(raw, use), use
 
 
 async def checkpoint_loop(shipper: Shipper, interval: float, *, max_backoff: float = 300.0) -> None:
