@@ -146,7 +146,7 @@ def seed_collection(
         # Each new row copies the API-made row of seed index i % api_files
         # (digest, size, flags) under its own path, with a fresh version from
         # the folder's own counter, as the controller draws them; the counter
-        # then covers the new rows: the rows _insert_row writes.
+        # then covers the new rows, and its entry count includes them.
         db.execute(
             "INSERT INTO files (id, folder_id, path, parent, kind, digest, byte_size,"
             " executable, content_type, version)"
@@ -164,9 +164,9 @@ def seed_collection(
             ),
         )
         db.execute(
-            "UPDATE folders SET last_operation_at = now(), version_counter = version_counter + %s"
-            " WHERE id = %s",
-            (len(rest), row[0]),
+            "UPDATE folders SET last_operation_at = now(), version_counter = version_counter + %s,"
+            " live_entries = live_entries + %s WHERE id = %s",
+            (len(rest), len(rest), row[0]),
         )
         db.execute("ANALYZE files")
         live = db.execute(

@@ -34,7 +34,9 @@ taken from the run's binding, never from the client.
     404 otherwise: an object is never reachable by hash alone.
 """
 
+import hashlib
 import struct
+import threading
 from typing import Final
 
 import xxhash
@@ -55,6 +57,21 @@ MANIFEST_PAGE_MAX: Final = 5000
 #     1 GiB, 400 ``bad_frame`` for a corrupt frame. Answer:
 #     ``{"digest", "byteSize"}``. The object may then be referenced by this
 #     run's checkpoints.
+#
+# ``PUT /bridge/v1/folders/{scope}/uploads/batch``
+#     Many small objects in one body: :data:`BATCH_HEADER` (magic
+#     :data:`BATCH_MAGIC`, member count, 1 to :data:`BATCH_MAX_MEMBERS`), then
+#     per member :data:`MEMBER_HEADER` (raw byte size, declared SHA-256) and
+#     its upload frames ended by :data:`END_FRAME`, exactly as in a single
+#     upload; nothing after the last member. A member carries at most
+#     :data:`BATCH_MEMBER_MAX` bytes, the batch at most :data:`BATCH_MAX_BYTES`.
+#     The controller decodes and hashes every member itself; a member whose
+#     bytes are not its declared size and digest is 422 ``digest_mismatch``,
+#     a corrupt frame 400 ``bad_frame``, too many members or bytes 413. The
+#     batch is all or nothing: on any refusal no member is registered. Objects
+#     stay one per digest (the batch is only a transport), stored with one
+#     sync for the batch and registered in one transaction. Answer:
+#     ``{"objects": [{"digest", "byteSize"}...]}`` in member order.
 #
 # ``POST /bridge/v1/folders/{scope}/checkpoints``
 #     ``{"operationId", "leaseEpoch", "final": bool, "entries": [Entry...]}``
@@ -79,6 +96,20 @@ MANIFEST_PAGE_MAX: Final = 5000
 CHUNK_MAX: Final = 4 << 20
 """Largest uncompressed chunk in one upload frame."""
 
+BATCH_MAGIC: Final = b"FSB1"
+BATCH_HEADER: Final = struct.Struct(">4sI")
+"""(magic, member count) at the start of a batch upload."""
+
+MEMBER_HEADER: Final = struct.Struct(">Q32s")
+"""(raw byte size, SHA-256) before each member's frames."""
+
+BATCH_MEMBER_MAX: Final = 64 << 10
+"""Largest file sent in a batch; bigger files go up one per request."""
+
+BATCH_MAX_MEMBERS: Final = 1024
+BATCH_MAX_BYTES: Final = 16 << 20
+"""Raw bytes of all members of one batch."""
+
 MAX_CHECKPOINT_ENTRIES: Final = 100_000
 MAX_CHECKPOINT_BODY: Final = 64 << 20
 
@@ -92,9 +123,75 @@ def frame_header(compressed_len: int, raw_len: int, xxh64: int) -> bytes:
     return FRAME_HEADER.pack(compressed_len, raw_len, xxh64)
 
 
-def encode_frame(raw: bytes, compressor: zstandard.ZstdCompressor) -> bytes:
-    """One upload frame for ``raw`` (at most :data:`CHUNK_MAX` bytes)."""
+def encode_frame(raw: bytes, compressor: zstandard.ZstdCompressor | None) -> bytes:
+    """One upload frame for ``raw`` (at most :data:`CHUNK_MAX` bytes).
+
+    With ``compressor`` None the payload is a zstd frame of raw (stored)
+    blocks: valid zstd that costs a copy to write and to read, for data that
+    does not compress (:func:`compressible`).
+    """
     if not 0 < len(raw) <= CHUNK_MAX:
         raise ValueError(f"a frame carries 1-{CHUNK_MAX} bytes, got {len(raw)}")
-    compressed = compressor.compress(raw)
-    return frame_header(len(compressed), len(raw), xxhash.xxh64_intdigest(raw)) + compressed
+    payload = compressor.compress(raw) if compressor is not None else stored_zstd(raw)
+    return frame_header(len(payload), len(raw), xxhash.xxh64_intdigest(raw)) + payload
+
+
+_ZSTD_MAGIC = struct.pack("<I", 0xFD2FB528)
+_STORED_BLOCK = 128 << 10
+# Frame header descriptor: single segment (the window is the content size),
+# 8-byte content size field, no checksum, no dictionary.
+_SINGLE_SEGMENT_FCS8 = bytes([0b1110_0000])
+
+
+def stored_zstd(raw: bytes) -> bytes:
+    """``raw`` as one zstd frame of Raw_Blocks (RFC 8878 3.1.1), declaring its size."""
+    parts: list[bytes | memoryview] = [
+        _ZSTD_MAGIC,
+        _SINGLE_SEGMENT_FCS8,
+        struct.pack("<Q", len(raw)),
+    ]
+    view = memoryview(raw)
+    for start in range(0, len(raw), _STORED_BLOCK):
+        block = view[start : start + _STORED_BLOCK]
+        last = 1 if start + _STORED_BLOCK >= len(raw) else 0
+        parts.append((len(block) << 3 | last).to_bytes(3, "little"))  # block type 0: raw
+        parts.append(block)
+    return b"".join(parts)
+
+
+COMPRESSIBLE_SAMPLE: Final = 64 << 10
+COMPRESSIBLE_RATIO: Final = 0.9
+
+
+def compressible(first_block: bytes) -> bool:
+    """Whether a file is worth compressing, judged on its first block: a fast
+    zstd pass over a sample must save at least a tenth of it."""
+    sample = first_block[:COMPRESSIBLE_SAMPLE]
+    if len(sample) < 512:
+        return True  # too small to judge; compressing it costs next to nothing
+    sampler = getattr(_local, "sampler", None)
+    if sampler is None:
+        # A compression context is not thread-safe: one per thread.
+        sampler = _local.sampler = zstandard.ZstdCompressor(level=1)
+    return len(sampler.compress(sample)) < COMPRESSIBLE_RATIO * len(sample)
+
+
+_local = threading.local()
+
+
+def encode_member(raw: bytes, compressor: zstandard.ZstdCompressor | None) -> bytes:
+    """One batch member: its header and frames (:data:`END_FRAME` included)."""
+    out = [MEMBER_HEADER.pack(len(raw), hashlib.sha256(raw).digest())]
+    for start in range(0, len(raw), CHUNK_MAX):
+        out.append(encode_frame(raw[start : start + CHUNK_MAX], compressor))
+    out.append(END_FRAME)
+    return b"".join(out)
+
+
+def encode_batch(members: list[bytes]) -> bytes:
+    """A batch upload body; each member compressed unless it looks incompressible."""
+    compressor = zstandard.ZstdCompressor(level=3)
+    out = [BATCH_HEADER.pack(BATCH_MAGIC, len(members))]
+    for raw in members:
+        out.append(encode_member(raw, compressor if compressible(raw) else None))
+    return b"".join(out)

@@ -7,11 +7,12 @@ grows in commit order. That is
 what makes "last accepted write wins" well defined, and it also settles the
 parent-file/child-file race (one of the two sees the other's row).
 
-Objects: a file row may reference a digest only after the object's advisory
-lock (:func:`lock_object`) was taken and its ``objects`` row upserted in the
-same transaction. The GC sweeper holds the same lock while it checks for
-references and deletes an object, so the two never interleave, even when no
-row exists yet.
+Objects: a single write here may reference a digest only after the object's
+advisory lock (:func:`lock_object`) was taken and its ``objects`` row upserted
+in the same transaction. The GC sweeper holds the same lock while it checks
+for references and deletes an object, so the two never interleave, even when
+no row exists yet. (A checkpoint references pinned digests instead; see
+:mod:`controller.gc`.)
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ from common.errors import (
     RestoreCollision,
 )
 from common.paths import ancestors, parent_of
-from controller import quotas
 from controller.api.serialize import entry_json
 from controller.overwrite import Precondition, check_precondition, keep_replaced
 from controller.storage.base import object_key
-from controller.versions import VersionClock
+from controller.versions import FolderCounters
 
 Row = dict[str, Any]
 EnsureObject = Callable[[str], Awaitable[None]]
@@ -70,7 +70,7 @@ class Folder:
     company_id: str
     scope: str
     owner_id: str
-    clock: VersionClock = field(default_factory=VersionClock, compare=False, repr=False)
+    counters: FolderCounters = field(default_factory=FolderCounters, compare=False, repr=False)
 
 
 async def get_folder(
@@ -95,7 +95,7 @@ async def get_folder(
 async def lock_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
     """Serialize writes to the folder; only then may versions be drawn."""
     await conn.execute("SELECT pg_advisory_xact_lock(%s)", (folder.id,))
-    await folder.clock.load(conn, folder.id)
+    await folder.counters.load(conn, folder.id)
 
 
 async def live_row(conn: AsyncConnection[Any], folder: Folder, path: str) -> Row | None:
@@ -136,10 +136,6 @@ async def _store_receipt(
     )
 
 
-async def _touch_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
-    await conn.execute("UPDATE folders SET last_operation_at = now() WHERE id = %s", (folder.id,))
-
-
 @dataclass
 class Commit:
     """One write in progress: ``replay`` is a stored result for this operation
@@ -158,11 +154,11 @@ async def committing(
     fp: str,
     policy: WritePolicy,
     *,
-    grows: bool = False,
     touch: bool = True,
 ) -> AsyncIterator[Commit]:
     """Lock the folder, re-check authority, look up the receipt; on success
-    check the folder's size (``grows``), store the receipt and touch the folder.
+    check the folder's entry limit (only a write that adds entries can fail
+    it), store the counters and the receipt and touch the folder.
 
     Authority is checked again here, inside the transaction that commits, and
     not only when the request arrived: a token may be ended, its lease
@@ -177,40 +173,35 @@ async def committing(
     if commit.replay is not None:
         return
     assert commit.result is not None
-    if grows:
-        await quotas.check_folder_entries(conn, folder.id, policy.max_folder_entries)
-    await folder.clock.store(conn, folder.id)
+    folder.counters.check_entries(policy.max_folder_entries)
+    await folder.counters.store(conn, folder.id, touch=commit.touch)
     await _store_receipt(conn, folder, operation_id, fp, commit.result)
-    if commit.touch:
-        await _touch_folder(conn, folder)
+
+
+async def path_rows(conn: AsyncConnection[Any], folder: Folder, path: str) -> dict[str, Row]:
+    """The live rows at ``path`` and at each of its ancestors, in one query."""
+    cur = await conn.execute(
+        "SELECT * FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)",
+        (folder.id, [*ancestors(path), path]),
+    )
+    return {r["path"]: r for r in await cur.fetchall()}
 
 
 async def ensure_parents(
-    conn: AsyncConnection[Any], folder: Folder, path: str, *, replace: bool = False
+    conn: AsyncConnection[Any], folder: Folder, path: str, found: dict[str, Row] | None = None
 ) -> None:
-    """Create missing ancestor directories.
-
-    A file in the way is a 409 (ParentIsFile) for a person's request; for a
-    checkpoint (``replace``) the sandbox's later write wins and the file goes
-    to trash, where it stays recoverable.
-    """
+    """Create missing ancestor directories; a file in the way is a 409
+    (ParentIsFile). ``found``: :func:`path_rows` of ``path``, when the caller
+    has them already. (A checkpoint sends such a file to trash instead:
+    :mod:`controller.changeset`.)"""
     wanted = list(ancestors(path))
     if not wanted:
         return
-    cur = await conn.execute(
-        "SELECT * FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)",
-        (folder.id, wanted),
-    )
-    existing = {r["path"]: r for r in await cur.fetchall()}
+    existing = found if found is not None else await path_rows(conn, folder, path)
     for anc in wanted:
         row = existing.get(anc)
         if row is not None and row["kind"] != "directory":
-            if not replace:
-                raise ParentIsFile(details=[{"path": anc}])
-            await _trash_subtree(conn, folder, row)
-            row = None
-            # Everything below went to trash with it.
-            existing = {p: r for p, r in existing.items() if not p.startswith(anc + "/")}
+            raise ParentIsFile(details=[{"path": anc}])
         if row is None:
             await _insert_row(conn, folder, anc, "directory")
 
@@ -241,11 +232,12 @@ async def _insert_row(
             byte_size,
             executable,
             content_type,
-            folder.clock.take(),
+            folder.counters.take(),
         ),
     )
     row: Row | None = await cur.fetchone()
     assert row is not None
+    folder.counters.count(1)
     return row
 
 
@@ -289,12 +281,11 @@ async def journal_deletion(
 ) -> None:
     if not digests:
         return
-    async with conn.cursor() as cur:
-        await cur.executemany(
-            "INSERT INTO deletion_journal (company_id, digest, reason, not_before)"
-            " VALUES (%s, %s, %s, now() + %s)",
-            [(company_id, d, reason, delay) for d in sorted(set(digests))],
-        )
+    await conn.execute(
+        "INSERT INTO deletion_journal (company_id, digest, reason, not_before)"
+        " SELECT %s, d, %s, now() + %s FROM unnest(%s::text[]) AS d",
+        (company_id, reason, delay, sorted(set(digests))),
+    )
 
 
 async def write_file(
@@ -308,19 +299,14 @@ async def write_file(
     content_type: str | None,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
-    replace: bool = False,
 ) -> tuple[Row, bool]:
     """Write one file under the folder lock; returns (row, created).
-
-    A directory at ``path`` is a KindConflict, or (``replace``) goes to trash.
-    """
-    await ensure_parents(conn, folder, path, replace=replace)
-    existing = await live_row(conn, folder, path)
+    A directory at ``path`` is a KindConflict."""
+    found = await path_rows(conn, folder, path)
+    await ensure_parents(conn, folder, path, found)
+    existing = found.get(path)
     if existing is not None and existing["kind"] != "file":
-        if not replace:
-            raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
-        await _trash_subtree(conn, folder, existing)
-        existing = None
+        raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
     await register_object(conn, folder.company_id, digest, byte_size, ensure_object)
     if existing is None:
         row = await _insert_row(
@@ -338,7 +324,7 @@ async def write_file(
         "UPDATE files SET digest = %s, byte_size = %s, executable = %s, content_type = %s,"
         " version = %s, updated_at = now()"
         " WHERE id = %s RETURNING *",
-        (digest, byte_size, executable, content_type, folder.clock.take(), existing["id"]),
+        (digest, byte_size, executable, content_type, folder.counters.take(), existing["id"]),
     )
     updated: Row | None = await cur.fetchone()
     assert updated is not None
@@ -377,7 +363,7 @@ async def put_file(
         executable=executable,
         contentType=content_type,
     )
-    async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
+    async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
         existing = await live_row(conn, folder, path)
@@ -398,17 +384,13 @@ async def put_file(
     return commit.result
 
 
-async def make_directory(
-    conn: AsyncConnection[Any], folder: Folder, path: str, *, replace: bool = False
-) -> tuple[Row, bool]:
+async def make_directory(conn: AsyncConnection[Any], folder: Folder, path: str) -> tuple[Row, bool]:
     """Create a directory under the folder lock; returns (row, created)."""
-    await ensure_parents(conn, folder, path, replace=replace)
-    existing = await live_row(conn, folder, path)
+    found = await path_rows(conn, folder, path)
+    await ensure_parents(conn, folder, path, found)
+    existing = found.get(path)
     if existing is not None and existing["kind"] != "directory":
-        if not replace:
-            raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
-        await _trash_subtree(conn, folder, existing)
-        existing = None
+        raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
     if existing is not None:
         return existing, False
     return await _insert_row(conn, folder, path, "directory"), True
@@ -423,7 +405,7 @@ async def mkdir(
     policy: WritePolicy,
 ) -> dict[str, Any]:
     fp = fingerprint(action="mkdir", path=path, kind="directory")
-    async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
+    async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
         row, created = await make_directory(conn, folder, path)
@@ -445,10 +427,11 @@ async def _trash_subtree(conn: AsyncConnection[Any], folder: Folder, target: Row
         "  WHERE folder_id = %(fid)s AND deleted_at IS NULL AND " + _subtree_clause() + ") AS t"
         " WHERE f.id = t.id RETURNING f.*",
         {"tid": target["id"], "fid": folder.id, "root": target["path"],
-         "base": folder.clock.base()},
+         "base": folder.counters.base()},
     )  # fmt: skip
     rows = await cur.fetchall()
-    folder.clock.take(len(rows))
+    folder.counters.take(len(rows))
+    folder.counters.count(-len(rows))
     return sorted(rows, key=lambda r: r["path"])
 
 
@@ -506,7 +489,7 @@ async def restore(
     policy: WritePolicy,
 ) -> dict[str, Any]:
     fp = fingerprint(action="restore", fileId=file_id)
-    async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
+    async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
         commit.result = await _restore_batch(conn, folder, file_id)
@@ -537,10 +520,11 @@ async def _restore_batch(conn: AsyncConnection[Any], folder: Folder, file_id: st
         " FROM (SELECT id, row_number() OVER (ORDER BY path) AS n FROM files"
         "  WHERE id = ANY(%s)) AS t"
         " WHERE f.id = t.id RETURNING f.*",
-        (folder.clock.base(), [r["id"] for r in batch]),
+        (folder.counters.base(), [r["id"] for r in batch]),
     )
     rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
-    folder.clock.take(len(rows))
+    folder.counters.take(len(rows))
+    folder.counters.count(len(rows))
     return {"applied": True, "files": [entry_json(r) for r in rows]}
 
 
@@ -562,7 +546,7 @@ async def purge(
         await conn.execute("DELETE FROM files WHERE id = ANY(%s)", ([r["id"] for r in batch],))
         await conn.execute(
             "UPDATE folders SET purge_floor = %s WHERE id = %s",
-            (folder.clock.take(), folder.id),
+            (folder.counters.take(), folder.id),
         )
         digests = [r["digest"] for r in batch if r["digest"]]
         await journal_deletion(conn, folder.company_id, digests, "purged", gc_delay)

@@ -8,8 +8,10 @@ object by naming its hash.
 
 Apply order inside one transaction (``apply.committing``): lock the folder,
 re-check the run's lease (and its user's write right for the user folder),
-check the receipt, apply entries in order with last-writer-wins (a
-conflicting server entry of the other kind goes to trash), store the receipt,
+check the receipt, claim the referenced digests (one query), apply the
+entries in order with last-writer-wins as one change set
+(:mod:`controller.changeset`; a conflicting server entry of the other kind
+goes to trash), check the entry limit, store the counters and the receipt,
 advance the run's baseline, record the save on the run.
 """
 
@@ -28,8 +30,9 @@ from common.paths import validate_path
 from controller import apply
 from controller.api.serialize import iso
 from controller.auth import RunBinding, confirm_member_writes, locked_lease
+from controller.changeset import Entry, apply_changes
 from controller.config import Quotas
-from controller.quotas import check_checkpoint_rows, mark_uploads_committed
+from controller.quotas import UNEXPIRED, check_checkpoint_rows
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _OP_FIELDS = {
@@ -37,14 +40,6 @@ _OP_FIELDS = {
     "mkdir": {"op", "path"},
     "delete": {"op", "path"},
 }
-
-
-@dataclass(frozen=True)
-class Entry:
-    op: str
-    path: str
-    digest: str | None = None
-    executable: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,27 +139,35 @@ async def check_lease(conn: AsyncConnection[Any], run: RunBinding, epoch: int) -
         raise StaleLease("Run has ended; its lease is retired")
 
 
-async def content_sizes(
-    conn: AsyncConnection[Any],
-    folder: apply.Folder,
-    run: RunBinding,
-    digests: set[str],
-    upload_ttl: float,
+CLAIM_SQL = (
+    "WITH claimed AS (UPDATE run_uploads SET committed_at = now()"
+    "  WHERE run_id = %(rid)s AND digest = ANY(%(d)s) AND committed_at IS NULL AND "
+    + UNEXPIRED
+    + "  RETURNING digest, byte_size)"
+    " SELECT digest, byte_size FROM claimed"
+    " UNION SELECT digest, byte_size FROM run_uploads"
+    "  WHERE run_id = %(rid)s AND digest = ANY(%(d)s) AND committed_at IS NOT NULL"
+    " UNION SELECT digest, byte_size FROM files WHERE folder_id = %(fid)s AND digest = ANY(%(d)s)"
+)
+
+
+async def claim_contents(
+    conn: AsyncConnection[Any], folder: apply.Folder, run_id: str, digests: set[str]
 ) -> dict[str, int]:
     """Sizes of the digests this checkpoint may reference; UnknownContent otherwise.
 
-    An upload no checkpoint committed within ``upload_ttl`` seconds has expired:
-    it no longer counts against the run's quota, so it may not be used either.
+    One query checks every pin: a digest is usable when this folder's files
+    (live or trash) reference it, or this run uploaded it and the upload is
+    committed or not yet expired. Uncommitted uploads are marked committed
+    here, which row-locks them: the sweeper locks a digest's upload rows
+    before it decides, so it either waits for this transaction (and then sees
+    its files) or decides first, and then this claim re-reads the row at a
+    later clock and finds it expired too. An expired upload no longer counts
+    against the run's quota, so it may not be used either.
     """
     if not digests:
         return {}
-    cur = await conn.execute(
-        "SELECT digest, byte_size FROM files WHERE folder_id = %(fid)s AND digest = ANY(%(d)s)"
-        " UNION SELECT digest, byte_size FROM run_uploads"
-        "  WHERE run_id = %(rid)s AND digest = ANY(%(d)s) AND (committed_at IS NOT NULL"
-        "   OR created_at > now() - make_interval(secs => %(ttl)s))",
-        {"fid": folder.id, "rid": run.run_id, "d": list(digests), "ttl": upload_ttl},
-    )
+    cur = await conn.execute(CLAIM_SQL, {"fid": folder.id, "rid": run_id, "d": sorted(digests)})
     sizes = {r["digest"]: int(r["byte_size"]) for r in await cur.fetchall()}
     missing = sorted(digests - set(sizes))
     if missing:
@@ -178,7 +181,6 @@ async def apply_checkpoint(
     run: RunBinding,
     cp: Checkpoint,
     *,
-    ensure_object: apply.EnsureObject,
     gc_delay: timedelta,
     quotas: Quotas,
 ) -> dict[str, Any]:
@@ -189,16 +191,11 @@ async def apply_checkpoint(
             await confirm_member_writes(c, run.company_id, run.user_id)
 
     policy = apply.WritePolicy(confirm, quotas.max_folder_entries)
-    grows = any(e.op != "delete" for e in cp.entries)
     fp = cp.fingerprint()
-    async with apply.committing(
-        conn, folder, cp.operation_id, fp, policy, grows=grows, touch=False
-    ) as commit:
+    async with apply.committing(conn, folder, cp.operation_id, fp, policy, touch=False) as commit:
         if commit.replay is not None:
             return {**commit.replay, "replayed": True}
-        commit.result = await _apply_entries(
-            conn, folder, run, cp, ensure_object, gc_delay, quotas.pending_upload_ttl
-        )
+        commit.result = await _apply_entries(conn, folder, run, cp, gc_delay)
     await conn.execute(
         "INSERT INTO sync_baselines (run_id, folder_id, version) VALUES (%s, %s, %s)"
         " ON CONFLICT (run_id, folder_id)"
@@ -219,43 +216,23 @@ async def _apply_entries(
     folder: apply.Folder,
     run: RunBinding,
     cp: Checkpoint,
-    ensure_object: apply.EnsureObject,
     gc_delay: timedelta,
-    upload_ttl: float,
 ) -> dict[str, Any]:
     digests = {e.digest for e in cp.entries if e.digest}
-    sizes = await content_sizes(conn, folder, run, digests, upload_ttl)
-    for e in cp.entries:
-        if e.op == "put":
-            assert e.digest is not None
-            await apply.write_file(
-                conn,
-                folder,
-                path=e.path,
-                digest=e.digest,
-                byte_size=sizes[e.digest],
-                executable=e.executable,
-                content_type=None,
-                ensure_object=ensure_object,
-                gc_delay=gc_delay,
-                replace=True,
-            )
-        elif e.op == "mkdir":
-            await apply.make_directory(conn, folder, e.path, replace=True)
-        else:
-            await apply.trash_path(conn, folder, e.path)
-    await mark_uploads_committed(conn, run.run_id, digests)
-    cur = await conn.execute(
-        "SELECT coalesce(max(version), 0) AS v, now() AS t FROM files WHERE folder_id = %s",
-        (folder.id,),
-    )
-    hw = await cur.fetchone()
-    assert hw is not None
+    sizes = await claim_contents(conn, folder, run.run_id, digests)
+    outcome = await apply_changes(conn, folder, cp.entries, sizes, gc_delay)
+    folder.counters.count(outcome.entries_delta)
+    # The folder's counter (under its lock): every change of the folder,
+    # this checkpoint's included, has a version at or below it, as the
+    # manifest's highWater.
+    cur = await conn.execute("SELECT now() AS t")
+    row = await cur.fetchone()
+    assert row is not None
     return {
         "operationId": cp.operation_id,
         "applied": True,
         "entries": len(cp.entries),
         "byteSize": sum(sizes[e.digest] for e in cp.entries if e.op == "put" and e.digest),
-        "highWater": int(hw["v"]),
-        "savedAt": iso(hw["t"]),
+        "highWater": folder.counters.base(),
+        "savedAt": iso(row["t"]),
     }

@@ -4,7 +4,10 @@ Contract: the body is a sequence of frames, each ``FRAME_HEADER`` (compressed
 length, raw length, xxh64 of the raw bytes) followed by exactly one zstd frame,
 ended by :data:`common.bridge.END_FRAME` with nothing after it. Every refusal
 raises :class:`common.errors.BadFrame`; nothing else escapes for any input
-(``tests/fuzz/fuzz_upload.py`` holds the reader to that).
+(``tests/fuzz/fuzz_upload.py`` holds the reader to that). A batch upload
+(:class:`BatchSplitter`) adds member headers around the same frames; it
+refuses with BadFrame, PayloadTooLarge (413: too many members or bytes) or, for frames that do not
+add up to a member's declared size, DigestMismatch (422).
 
 Two halves, so that the event loop only ever does cheap work:
 
@@ -29,8 +32,17 @@ from dataclasses import dataclass
 import xxhash
 import zstandard
 
-from common.bridge import CHUNK_MAX, FRAME_HEADER
-from common.errors import BadFrame
+from common.bridge import (
+    BATCH_HEADER,
+    BATCH_MAGIC,
+    BATCH_MAX_BYTES,
+    BATCH_MAX_MEMBERS,
+    BATCH_MEMBER_MAX,
+    CHUNK_MAX,
+    FRAME_HEADER,
+    MEMBER_HEADER,
+)
+from common.errors import BadFrame, DigestMismatch, PayloadTooLarge
 
 MAX_COMPRESSED_FRAME = CHUNK_MAX + 1024
 """Largest compressed payload of one frame (zstd stores incompressible data raw)."""
@@ -126,3 +138,105 @@ def decode_frame(frame: Frame) -> bytes:
     if len(raw) != frame.raw_len or xxhash.xxh64_intdigest(raw) != frame.checksum:
         raise BadFrame("frame checksum or length mismatch")
     return raw
+
+
+# --- batch uploads -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    """The start of one batch member: its declared size and SHA-256."""
+
+    raw_len: int
+    sha256: bytes
+
+
+@dataclass(frozen=True)
+class MemberEnd:
+    """A member's end frame."""
+
+
+class BatchSplitter:
+    """Cut a batch upload body (:mod:`common.bridge`) into member starts, frames
+    and member ends; checks every bound before buffering more than one frame."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._count: int | None = None
+        self._seen = 0
+        self._member: Member | None = None
+        self._member_bytes = 0
+        self._total = 0
+        self.done = False
+
+    def feed(self, data: bytes) -> list[Member | Frame | MemberEnd]:
+        if self.done:
+            if data:
+                raise BadFrame("data after the last member")
+            return []
+        self._buf += data
+        out: list[Member | Frame | MemberEnd] = []
+        while not self.done and self._step(out):
+            pass
+        return out
+
+    def _step(self, out: list[Member | Frame | MemberEnd]) -> bool:
+        """Take one item off the buffer; False when more bytes are needed."""
+        if self._count is None:
+            if len(self._buf) < BATCH_HEADER.size:
+                return False
+            magic, count = BATCH_HEADER.unpack_from(self._buf)
+            if magic != BATCH_MAGIC:
+                raise BadFrame("not a batch upload")
+            if not 0 < count <= BATCH_MAX_MEMBERS:
+                raise PayloadTooLarge(f"a batch carries 1-{BATCH_MAX_MEMBERS} members")
+            self._count = count
+            del self._buf[: BATCH_HEADER.size]
+            return True
+        if self._member is None:
+            if self._seen == self._count:
+                if self._buf:
+                    raise BadFrame("data after the last member")
+                self.done = True
+                return False
+            if len(self._buf) < MEMBER_HEADER.size:
+                return False
+            raw_len, sha = MEMBER_HEADER.unpack_from(self._buf)
+            if raw_len > BATCH_MEMBER_MAX:
+                raise PayloadTooLarge(f"a batch member carries at most {BATCH_MEMBER_MAX} bytes")
+            self._total += raw_len
+            if self._total > BATCH_MAX_BYTES:
+                raise PayloadTooLarge(f"a batch carries at most {BATCH_MAX_BYTES} bytes")
+            del self._buf[: MEMBER_HEADER.size]
+            self._member = Member(raw_len, sha)
+            self._member_bytes = 0
+            out.append(self._member)
+            return True
+        header = FRAME_HEADER.size
+        if len(self._buf) < header:
+            return False
+        clen, rlen, checksum = FRAME_HEADER.unpack_from(self._buf)
+        if clen == 0 and rlen == 0:
+            if checksum != 0:
+                raise BadFrame("the end frame must be all zeros")
+            if self._member_bytes != self._member.raw_len:
+                raise DigestMismatch("a batch member's frames do not add up to its declared size")
+            del self._buf[:header]
+            self._member = None
+            self._seen += 1
+            out.append(MemberEnd())
+            return True
+        if not 0 < rlen <= CHUNK_MAX or not 0 < clen <= MAX_COMPRESSED_FRAME:
+            raise BadFrame("frame larger than allowed")
+        if self._member_bytes + rlen > self._member.raw_len:
+            raise DigestMismatch("a batch member's frames exceed its declared size")
+        if len(self._buf) < header + clen:
+            return False
+        self._member_bytes += rlen
+        out.append(Frame(rlen, checksum, bytes(self._buf[header : header + clen])))
+        del self._buf[: header + clen]
+        return True
+
+    def finish(self) -> None:
+        if not self.done:
+            raise BadFrame("body ended before the last member")

@@ -1,12 +1,24 @@
 """Object garbage collection driven by the deletion journal.
 
 A journal entry becomes due at ``not_before``. The sweeper then takes the
-object's advisory lock (``apply.lock_object``) and deletes the bytes only if
-no live file, trash entry or run upload of the company still references the
-digest; deleting the blob happens while the lock is held, and every writer
-takes the same lock before it may reference the digest, whether or not the
-``objects`` row exists. A writer that finds the bytes gone re-uploads them
-(see ``apply.register_object``).
+object's advisory lock (``apply.lock_object``), locks the digest's run-upload
+rows, and deletes the bytes only if no live file or trash entry of the
+company references the digest and no upload pins it. A run upload pins its
+object while its run is active and the upload is either committed or not yet
+expired (:data:`PINNED`).
+
+Two kinds of writer reference a digest, and each is ordered against the
+sweeper:
+
+- a single write (REST PUT, a bridge upload's registration) takes the same
+  object lock and upserts the ``objects`` row before it references the
+  digest, and re-uploads the bytes when they are gone
+  (``apply.register_object``);
+- a checkpoint references only pinned digests and claims them in one query
+  (``checkpoint.claim_contents``), holding the run's row lock, so no HEAD
+  per file is needed: the sweeper either waits on the claimed upload rows
+  and then sees the checkpoint's files, or decides first, and then the claim
+  sees the upload expired as well.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from controller.apply import lock_object
+from controller.quotas import UNEXPIRED
 from controller.storage.base import StorageProvider, object_key
 
 log = logging.getLogger(__name__)
@@ -42,17 +55,19 @@ class SweepReport:
         }
 
 
-REFERENCED_SQL = """
-SELECT
-    EXISTS (
-        SELECT 1 FROM files f JOIN folders d ON d.id = f.folder_id
-        WHERE d.company_id = %(company)s AND f.digest = %(digest)s
-    ) AS by_files,
-    EXISTS (
-        SELECT 1 FROM run_uploads u JOIN runs r ON r.id = u.run_id
-        WHERE u.company_id = %(company)s AND u.digest = %(digest)s AND r.active
-    ) AS by_running_upload
-"""
+PINNED = "r.active AND (u.committed_at IS NOT NULL OR u." + UNEXPIRED + ")"
+"""A run upload ``u`` of run ``r`` keeps its object."""
+
+LOCK_UPLOADS_SQL = (
+    "SELECT 1 FROM run_uploads WHERE company_id = %(company)s AND digest = %(digest)s FOR SHARE"
+)
+
+REFERENCED_SQL = (
+    "SELECT EXISTS (SELECT 1 FROM files f JOIN folders d ON d.id = f.folder_id"
+    "  WHERE d.company_id = %(company)s AND f.digest = %(digest)s) AS by_files,"
+    " EXISTS (SELECT 1 FROM run_uploads u JOIN runs r ON r.id = u.run_id"
+    "  WHERE u.company_id = %(company)s AND u.digest = %(digest)s AND " + PINNED + ") AS pinned"
+)
 
 
 async def sweep_once(
@@ -96,12 +111,16 @@ async def _collect(
     company, digest = str(entry["company_id"]), entry["digest"]
     async with pool.connection() as conn, conn.transaction():
         await lock_object(conn, company, digest)
-        cur = await conn.execute(REFERENCED_SQL, {"company": company, "digest": digest})
+        key = {"company": company, "digest": digest}
+        # Waits for a checkpoint that claimed one of these uploads; the next
+        # statement's snapshot then shows its files.
+        await conn.execute(LOCK_UPLOADS_SQL, key)
+        cur = await conn.execute(REFERENCED_SQL, key)
         row = await cur.fetchone()
         assert row is not None
-        if row["by_running_upload"] and not row["by_files"]:
+        if row["pinned"] and not row["by_files"]:
             # A running run may still commit a checkpoint that references
-            # its upload: decide again on a later sweep, after the run ends.
+            # its upload: decide again on a later sweep, after the pin ends.
             return "pending"
         if row["by_files"]:
             outcome = "referenced"

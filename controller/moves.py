@@ -57,7 +57,7 @@ async def repath_rows(
     ``restore`` also takes the rows out of the trash.
     """
     moves = sorted(moves, key=lambda m: m[1])
-    first = folder.clock.take(len(moves))
+    first = folder.counters.take(len(moves))
     revive = ", deleted_at = NULL, trash_root = NULL, updated_at = now()" if restore else ""
     cur = await conn.execute(
         "UPDATE files f SET path = t.np, parent = t.npar, version = t.v" + revive + ""
@@ -75,7 +75,7 @@ async def repath_rows(
 
 async def bury_paths(conn: AsyncConnection[Any], folder: Folder, rows: list[Row]) -> None:
     """Record that ``rows`` left their paths (each gets a version of its own)."""
-    first = folder.clock.take(len(rows))
+    first = folder.counters.take(len(rows))
     async with conn.cursor() as cur:
         await cur.executemany(
             "INSERT INTO path_tombstones (folder_id, path, parent, kind, digest, version)"
@@ -116,7 +116,7 @@ async def move(
 ) -> dict[str, Any]:
     """A person's rename or move; the same Idempotency-Key replays the first answer."""
     fp = fingerprint(action="move", path=path, to=to)
-    async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
+    async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return {**commit.replay, "applied": False}
         commit.result = await move_subtree(conn, folder, path, to)
@@ -139,7 +139,7 @@ async def restore_as(
     new paths is occupied too.
     """
     fp = fingerprint(action="restore", fileId=file_id, to=to)
-    async with committing(conn, folder, operation_id, fp, policy, grows=True) as commit:
+    async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return {**commit.replay, "applied": False}
         batch = await trash_batch(conn, folder, file_id)
@@ -148,5 +148,6 @@ async def restore_as(
         await check_restore_paths_free(conn, folder, [p for _, p in moves])
         await ensure_parents(conn, folder, to)
         rows = await repath_rows(conn, folder, moves, restore=True)
+        folder.counters.count(len(rows))
         commit.result = {"applied": True, "files": [entry_json(r) for r in rows]}
     return commit.result

@@ -15,28 +15,11 @@ from psycopg import AsyncConnection
 
 from common.errors import (
     CheckpointRowLimit,
-    FolderEntryLimit,
     StorageQuotaExceeded,
     UploadQuotaExceeded,
 )
 from common.paths import ancestors
 from controller.config import Quotas
-
-
-async def check_folder_entries(conn: AsyncConnection[Any], folder_id: int, limit: int) -> None:
-    """After a write that may add rows, under the folder lock: at most ``limit``
-    live entries. Counting stops at ``limit + 1`` rows, so the cost is bounded."""
-    cur = await conn.execute(
-        "SELECT count(*) AS n FROM (SELECT 1 FROM files"
-        " WHERE folder_id = %s AND deleted_at IS NULL LIMIT %s) AS live",
-        (folder_id, limit + 1),
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    if int(row["n"]) > limit:
-        raise FolderEntryLimit(
-            f"A folder holds at most {limit} entries", details=[{"limit": limit}]
-        )
 
 
 def checkpoint_row_bound(paths: Iterable[str]) -> int:
@@ -61,19 +44,24 @@ def check_checkpoint_rows(paths: Iterable[str], limit: int) -> None:
         )
 
 
-PENDING_UPLOADS_SQL = """
-SELECT coalesce(sum(u.byte_size), 0) AS pending FROM run_uploads u
-WHERE u.run_id = %(run)s AND u.committed_at IS NULL
-  AND u.created_at > now() - make_interval(secs => %(ttl)s)
-"""
+UNEXPIRED = "expires_at > clock_timestamp()"
+"""An uncommitted run upload still pins its object, counts against the run's
+quota and may be committed (``expires_at`` is set when it is recorded). The
+clock, not the transaction's start, so a commit that waited for the sweeper
+sees the same expiry the sweeper saw or a later one."""
+
+PENDING_UPLOADS_SQL = (
+    "SELECT coalesce(sum(byte_size), 0) AS pending FROM run_uploads"
+    " WHERE run_id = %(run)s AND committed_at IS NULL AND " + UNEXPIRED
+)
 
 
 async def check_pending_uploads(
-    conn: AsyncConnection[Any], run_id: str, size: int, *, limit: int, ttl: float
+    conn: AsyncConnection[Any], run_id: str, size: int, *, limit: int
 ) -> None:
     """A run may keep at most ``limit`` uploaded bytes that no checkpoint has
-    committed yet; older uploads expire after ``ttl`` seconds and stop counting."""
-    cur = await conn.execute(PENDING_UPLOADS_SQL, {"run": run_id, "ttl": ttl})
+    committed yet; an upload stops counting when it expires."""
+    cur = await conn.execute(PENDING_UPLOADS_SQL, {"run": run_id})
     row = await cur.fetchone()
     pending = int(row["pending"]) if row else 0
     if pending + size > limit:
@@ -84,36 +72,42 @@ async def check_pending_uploads(
 
 
 async def check_company_storage(
-    conn: AsyncConnection[Any], company_id: str, digest: str, size: int, *, limit: int
+    conn: AsyncConnection[Any], company_id: str, sizes: dict[str, int], *, limit: int
 ) -> None:
-    """The optional per-company storage quota (``limit`` 0 = off). Bytes the
-    company already stores under ``digest`` cost nothing again."""
-    if limit <= 0:
+    """The optional per-company storage quota (``limit`` 0 = off) for new
+    objects of ``sizes`` (digest -> bytes), in one query. Bytes the company
+    already stores under a digest cost nothing again."""
+    if limit <= 0 or not sizes:
         return
     cur = await conn.execute(
         "SELECT coalesce(sum(byte_size), 0) AS used,"
-        " bool_or(digest = %s) AS present FROM objects WHERE company_id = %s",
-        (digest, company_id),
+        " coalesce(array_agg(digest) FILTER (WHERE digest = ANY(%s)), '{}') AS present"
+        " FROM objects WHERE company_id = %s",
+        (sorted(sizes), company_id),
     )
     row = await cur.fetchone()
     assert row is not None
-    if row["present"]:
-        return
-    if int(row["used"]) + size > limit:
+    present = set(row["present"])
+    new = sum(size for digest, size in sizes.items() if digest not in present)
+    if new and int(row["used"]) + new > limit:
         raise StorageQuotaExceeded(details=[{"limit": limit, "used": int(row["used"])}])
 
 
-async def mark_uploads_committed(
-    conn: AsyncConnection[Any], run_id: str, digests: Iterable[str]
+async def check_uploads(
+    conn: AsyncConnection[Any],
+    company_id: str,
+    run_id: str | None,
+    sizes: dict[str, int],
+    quotas: Quotas,
 ) -> None:
-    """A checkpoint referenced these uploads: they no longer count as pending."""
-    wanted = sorted(set(digests))
-    if wanted:
-        await conn.execute(
-            "UPDATE run_uploads SET committed_at = now()"
-            " WHERE run_id = %s AND digest = ANY(%s) AND committed_at IS NULL",
-            (run_id, wanted),
+    """Before uploaded bytes are stored (``sizes``: digest -> bytes, any
+    number of objects, two queries): the company's storage quota and, for a
+    run's bridge upload, its allowance of uncommitted bytes."""
+    if run_id is not None:
+        await check_pending_uploads(
+            conn, run_id, sum(sizes.values()), limit=quotas.max_pending_upload_bytes
         )
+    await check_company_storage(conn, company_id, sizes, limit=quotas.company_storage_bytes)
 
 
 async def check_upload(
@@ -124,14 +118,5 @@ async def check_upload(
     size: int,
     quotas: Quotas,
 ) -> None:
-    """Before an upload's bytes are stored: the company's storage quota and,
-    for a run's bridge upload, its allowance of uncommitted bytes."""
-    if run_id is not None:
-        await check_pending_uploads(
-            conn,
-            run_id,
-            size,
-            limit=quotas.max_pending_upload_bytes,
-            ttl=quotas.pending_upload_ttl,
-        )
-    await check_company_storage(conn, company_id, digest, size, limit=quotas.company_storage_bytes)
+    """:func:`check_uploads` for one object."""
+    await check_uploads(conn, company_id, run_id, {digest: size}, quotas)

@@ -3,6 +3,7 @@ state, refresh requests and the objects they uploaded."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -12,6 +13,7 @@ from psycopg import AsyncConnection
 from common.errors import RunNotActive, RunNotFound
 from controller import apply, folders
 from controller.apply import EnsureObject, Folder, Row
+from controller.storage.base import object_key
 
 MAX_ERROR_CHARS = 2000
 
@@ -84,6 +86,51 @@ async def mark_saving(conn: AsyncConnection[Any], run_id: str) -> None:
     )
 
 
+async def record_uploads(
+    conn: AsyncConnection[Any],
+    run_id: str,
+    company_id: str,
+    sizes: dict[str, int],
+    ensure_objects: Callable[[list[str]], Awaitable[None]],
+    gc_delay: timedelta,
+    ttl: float,
+) -> None:
+    """Register objects a run uploaded, with a few multi-row statements: the
+    objects' locks in digest order (the order every writer takes them), their
+    rows, the bytes re-checked (``ensure_objects`` with every key, as
+    ``EnsureObject`` for one), the run's uploads and the GC journal.
+
+    Each upload row pins its object for ``ttl`` seconds or, once a checkpoint
+    commits it, while the run is running (the pin rule is in
+    :mod:`controller.gc`); after that the object is collected unless a file
+    references it."""
+    digests = sorted(sizes)
+    sizes_list = [sizes[d] for d in digests]
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(%s, hashtext(%s || ':' || d)) FROM"
+        ' (SELECT d FROM unnest(%s::text[]) AS d ORDER BY d COLLATE "C") AS ordered',
+        (apply.OBJECT_LOCK_CLASS, company_id, digests),
+    )
+    await conn.execute(
+        "INSERT INTO objects (company_id, digest, byte_size)"
+        " SELECT %s, d, s FROM unnest(%s::text[], %s::bigint[]) AS u(d, s)"
+        " ON CONFLICT (company_id, digest) DO UPDATE SET byte_size = EXCLUDED.byte_size",
+        (company_id, digests, sizes_list),
+    )
+    await ensure_objects([object_key(company_id, d) for d in digests])
+    await conn.execute(
+        "INSERT INTO run_uploads (run_id, company_id, digest, byte_size, expires_at)"
+        " SELECT %s, %s, d, s, now() + make_interval(secs => %s)"
+        " FROM unnest(%s::text[], %s::bigint[]) AS u(d, s)"
+        " ON CONFLICT (run_id, digest) DO UPDATE"
+        # Uploading an expired upload again makes it usable again.
+        " SET created_at = now(), expires_at = EXCLUDED.expires_at"
+        " WHERE run_uploads.committed_at IS NULL",
+        (run_id, company_id, ttl, digests, sizes_list),
+    )
+    await apply.journal_deletion(conn, company_id, digests, "bridge upload", gc_delay)
+
+
 async def record_upload(
     conn: AsyncConnection[Any],
     run_id: str,
@@ -92,15 +139,12 @@ async def record_upload(
     byte_size: int,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
+    ttl: float,
 ) -> None:
-    """Register an object a run uploaded. It is collected later unless a
-    checkpoint references it (GC keeps it while the run is running)."""
-    await apply.register_object(conn, company_id, digest, byte_size, ensure_object)
-    await conn.execute(
-        "INSERT INTO run_uploads (run_id, company_id, digest, byte_size)"
-        " VALUES (%s, %s, %s, %s) ON CONFLICT (run_id, digest) DO UPDATE"
-        # Uploading an expired upload again makes it usable again.
-        " SET created_at = now() WHERE run_uploads.committed_at IS NULL",
-        (run_id, company_id, digest, byte_size),
-    )
-    await apply.journal_deletion(conn, company_id, [digest], "bridge upload", gc_delay)
+    """:func:`record_uploads` for one object."""
+
+    async def ensure(keys: list[str]) -> None:
+        for key in keys:
+            await ensure_object(key)
+
+    await record_uploads(conn, run_id, company_id, {digest: byte_size}, ensure, gc_delay, ttl)

@@ -1,14 +1,18 @@
-"""Per-folder versions: each folder counts its own writes.
+"""Per-folder counters: each folder counts its own writes and its live entries.
 
 A version orders the writes of one folder (``since=``, ``highWater``, manifest
 paging) and nothing else. It is drawn from a counter on the folder row, not
 from one global sequence, so the numbers a tenant sees say nothing about how
 much other tenants write.
 
-The counter is read once, right after the folder's advisory lock is taken, and
-advanced in memory by every write of the transaction; ``store`` writes it back
-before commit. Updating the folder row once per transaction rather than once
-per row keeps a 100,000-entry checkpoint from piling up row versions.
+The folder row also counts its live entries (``live_entries``), so the entry
+limit is checked without counting rows.
+
+Both counters are read once, right after the folder's advisory lock is taken,
+and advanced in memory by every write of the transaction; ``store`` writes
+them back before commit. Updating the folder row once per transaction rather
+than once per row keeps a 100,000-entry checkpoint from piling up row
+versions.
 """
 
 from __future__ import annotations
@@ -17,19 +21,28 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
+from common.errors import FolderEntryLimit
 
-class VersionClock:
-    """The folder's counter inside one write transaction (under the folder lock)."""
+
+class FolderCounters:
+    """The folder's counters inside one write transaction (under the folder lock)."""
 
     def __init__(self) -> None:
         self.current: int | None = None
         self.stored: int | None = None
+        self.entries = 0
+        """Live entries when the counters were loaded."""
+        self.entries_delta = 0
+        """Live entries this transaction added (negative: removed)."""
 
     async def load(self, conn: AsyncConnection[Any], folder_id: int) -> None:
-        cur = await conn.execute("SELECT version_counter FROM folders WHERE id = %s", (folder_id,))
+        cur = await conn.execute(
+            "SELECT version_counter, live_entries FROM folders WHERE id = %s", (folder_id,)
+        )
         row = await cur.fetchone()
         assert row is not None
         self.current = self.stored = int(row["version_counter"])
+        self.entries, self.entries_delta = int(row["live_entries"]), 0
 
     def base(self) -> int:
         """The last version handed out; the next write gets ``base() + 1``."""
@@ -43,16 +56,41 @@ class VersionClock:
         self.current = self.base() + count
         return first
 
-    async def store(self, conn: AsyncConnection[Any], folder_id: int) -> None:
-        if self.current is not None and self.current != self.stored:
+    def count(self, delta: int) -> None:
+        """Record ``delta`` live entries added (or removed, when negative)."""
+        self.entries_delta += delta
+
+    def check_entries(self, limit: int) -> None:
+        """A write that adds entries may not take the folder past ``limit``;
+        one that removes or keeps them is allowed even in an over-limit folder."""
+        after = self.entries + self.entries_delta
+        if self.entries_delta > 0 and after > limit:
+            raise FolderEntryLimit(
+                f"A folder holds at most {limit} entries", details=[{"limit": limit}]
+            )
+
+    async def store(self, conn: AsyncConnection[Any], folder_id: int, *, touch: bool) -> None:
+        """Write the counters back, with the folder's last operation time
+        (``touch``) in the same statement."""
+        if (
+            (self.current is not None and self.current != self.stored)
+            or self.entries_delta
+            or touch
+        ):
             await conn.execute(
-                "UPDATE folders SET version_counter = %s WHERE id = %s", (self.current, folder_id)
+                "UPDATE folders SET version_counter = %s, live_entries = live_entries + %s,"
+                " last_operation_at = CASE WHEN %s THEN now() ELSE last_operation_at END"
+                " WHERE id = %s",
+                (self.current, self.entries_delta, touch, folder_id),
             )
             self.stored = self.current
+            self.entries += self.entries_delta
+            self.entries_delta = 0
 
 
 async def folder_high_water(conn: AsyncConnection[Any], folder_id: int | None) -> int:
-    """Every committed change of the folder has a version at or below this."""
+    """Every committed change of the folder has a version at or below this
+    (read outside the folder lock: listings and "changes since" polls)."""
     if folder_id is None:
         return 0
     cur = await conn.execute("SELECT version_counter FROM folders WHERE id = %s", (folder_id,))

@@ -36,7 +36,7 @@ from typing import Any, BinaryIO, ClassVar, TypeVar
 import httpx
 import trio
 
-from common.bridge import MANIFEST_PAGE_MAX, PREFIX
+from common.bridge import MANIFEST_PAGE_MAX, PREFIX, encode_batch
 from common.limits import SCOPES
 from common.types import Digest, FileVersion
 from fsagent.errors import (
@@ -164,6 +164,11 @@ class BridgeClient(ABC):
 
         ``frames`` is called again for each attempt, so a retry re-reads the file.
         """
+
+    @abstractmethod
+    async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
+        """Upload several small objects in one request (all or nothing); return
+        the controller's (digest, size) per member, in order."""
 
     @abstractmethod
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -406,6 +411,24 @@ class HttpBridgeClient(BridgeClient):
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
+    async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
+        url = f"{PREFIX}/folders/{scope}/uploads/batch"
+        what = f"PUT {scope} batch of {len(members)}"
+        # Compressing a batch is CPU work: off the trio thread (the FUSE loop).
+        body = await trio.to_thread.run_sync(encode_batch, members)
+
+        async def once() -> list[tuple[str, int]]:
+            try:
+                resp = await self._http.put(
+                    url, content=body, timeout=httpx.Timeout(300.0, connect=10.0)
+                )
+            except httpx.TransportError as exc:
+                raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+            self._check(resp, what)
+            return [(str(o["digest"]), int(o["byteSize"])) for o in resp.json()["objects"]]
+
+        return await with_retries(what, once, deadline=self.retry_deadline)
+
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = await self._send_json(
             f"{PREFIX}/folders/{scope}/checkpoints", f"POST {scope} checkpoint", body
@@ -487,6 +510,9 @@ class DirectoryBridgeClient(BridgeClient):
         return ControllerRefused(f"{self.root} is a read-only source", 405, "read_only_source")
 
     async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
+        raise self._read_only()
+
+    async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
         raise self._read_only()
 
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:

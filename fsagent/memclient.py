@@ -210,6 +210,40 @@ class MemoryBridgeClient(BridgeClient):
         self._fault("upload_object", after=True)
         return digest, len(data)
 
+    async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
+        # The wire format and the controller's reader: member digests verified,
+        # all or nothing, as on the controller.
+        from common.bridge import encode_batch
+        from common.errors import WorkFolderError
+        from controller.frames import BatchSplitter, Frame, Member, decode_frame
+
+        self._call("upload_batch")
+        self.folder(scope)
+        splitter = BatchSplitter()
+        got: list[tuple[str, bytes]] = []
+        current: tuple[Member, bytearray] | None = None
+        try:
+            for item in splitter.feed(encode_batch(members)):
+                if isinstance(item, Member):
+                    current = (item, bytearray())
+                elif isinstance(item, Frame):
+                    assert current is not None
+                    current[1].extend(decode_frame(item))
+                else:
+                    assert current is not None
+                    digest = hashlib.sha256(current[1]).hexdigest()
+                    if digest != current[0].sha256.hex():
+                        raise ControllerRefused("batch: digest mismatch", 422, "digest_mismatch")
+                    got.append((digest, bytes(current[1])))
+            splitter.finish()
+        except WorkFolderError as exc:
+            raise ControllerRefused(f"batch: {exc.text}", exc.status, exc.code) from None
+        for digest, data in got:
+            self.objects[digest] = data
+            self.uploaded.add(digest)
+        self._fault("upload_batch", after=True)
+        return [(digest, len(data)) for digest, data in got]
+
     def _check_body(self, scope: str, body: dict[str, Any]) -> None:
         if body.get("leaseEpoch") != self.run.lease_epoch or not self.run.active:
             raise ControllerRefused("checkpoint: stale lease", 409, "stale_lease")

@@ -40,7 +40,15 @@ from typing import Any
 import trio
 import zstandard
 
-from common.bridge import CHUNK_MAX, END_FRAME, encode_frame
+from common.bridge import (
+    BATCH_MAX_BYTES,
+    BATCH_MAX_MEMBERS,
+    BATCH_MEMBER_MAX,
+    CHUNK_MAX,
+    END_FRAME,
+    compressible,
+    encode_frame,
+)
 from common.errors import StaleLease
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
@@ -50,7 +58,31 @@ from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
 log = logging.getLogger(__name__)
 
 UPLOAD_CONCURRENCY = 8
-"""Uploads in flight at once; memory stays bounded at about one frame each."""
+"""Uploads in flight at once (a batch counts as one); memory stays bounded at
+about one frame per single upload and one batch body per batch."""
+
+BATCH_TARGET_MEMBERS = 256
+BATCH_TARGET_BYTES = 4 << 20
+"""A batch closes at this many files or bytes (within the contract's bounds):
+several smaller batches keep both ends busy where one large one would not."""
+
+
+def batches(changes: list[Change]) -> list[list[Change]]:
+    """Small uploads grouped into batches, by listed size."""
+    members = min(BATCH_TARGET_MEMBERS, BATCH_MAX_MEMBERS)
+    budget = min(BATCH_TARGET_BYTES, BATCH_MAX_BYTES - BATCH_MEMBER_MAX)
+    out: list[list[Change]] = []
+    current: list[Change] = []
+    size = 0
+    for change in changes:
+        if current and (len(current) >= members or size + change.size > budget):
+            out.append(current)
+            current, size = [], 0
+        current.append(change)
+        size += change.size
+    if current:
+        out.append(current)
+    return out
 
 
 @dataclass(frozen=True)
@@ -212,9 +244,12 @@ class Shipper:
 
     async def _upload_all(self, changes: list[Change]) -> dict[str, Digest]:
         """Upload several files at once: each answer waits for a durable store on
-        the controller, so one at a time would leave the link idle."""
+        the controller, so one at a time would leave the link idle. Small files
+        go up many per request (:meth:`_upload_batch`), the others one each."""
         results: dict[str, Digest] = {}
         limiter = trio.CapacityLimiter(UPLOAD_CONCURRENCY)
+        small = [c for c in changes if c.size <= BATCH_MEMBER_MAX]
+        large = [c for c in changes if c.size > BATCH_MEMBER_MAX]
 
         async def one(change: Change) -> None:
             async with limiter:
@@ -222,9 +257,18 @@ class Shipper:
             if digest is not None:
                 results[change.path] = digest
 
+        async def batch(group: list[Change]) -> None:
+            async with limiter:
+                results.update(await self._upload_batch(group))
+
         try:
             async with trio.open_nursery() as nursery:
-                for change in changes:
+                for group in batches(small):
+                    if len(group) == 1:
+                        nursery.start_soon(one, group[0])  # a batch of one is an upload
+                    else:
+                        nursery.start_soon(batch, group)
+                for change in large:
                     nursery.start_soon(one, change)
         except BaseExceptionGroup as group:
             # One failed upload fails the checkpoint; report it like a single one.
@@ -235,6 +279,62 @@ class Shipper:
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             raise first from group
+        return results
+
+    async def _upload_batch(self, group: list[Change]) -> dict[str, Digest]:
+        """One request for many small files, with the same torn-read rule as
+        :meth:`_upload`: a file written to since it was listed is left out."""
+        ready: list[tuple[Change, bytes | None]] = []
+        for change in group:
+            assert change.inode is not None
+            try:
+                if self.store.get(change.inode).generation != change.generation:
+                    continue
+            except KeyError:
+                continue  # unlinked since the listing: the next listing says delete
+            ready.append((change, self.store.inline_data(change.inode)))
+
+        def read_all() -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for change, inline in ready:
+                if inline is not None:
+                    out.append(inline)
+                    continue
+                assert change.inode is not None
+                try:
+                    with self.store.upper.open_read(change.inode) as fh:
+                        out.append(fh.read(BATCH_MEMBER_MAX + 1))
+                except FileNotFoundError:
+                    out.append(None)
+            return out
+
+        datas = await trio.to_thread.run_sync(read_all)
+        sent: list[tuple[Change, bytes]] = []
+        grown: list[Change] = []
+        for (change, _), data in zip(ready, datas, strict=True):
+            if data is None:
+                continue
+            if len(data) > BATCH_MEMBER_MAX:
+                grown.append(change)  # grew past the batch bound since the listing
+            else:
+                sent.append((change, data))
+        results: dict[str, Digest] = {}
+        if sent:
+            answers = await self.client.upload_batch(self.scope, [d for _, d in sent])
+            for (change, data), (digest, size) in zip(sent, answers, strict=True):
+                assert change.inode is not None
+                try:
+                    after = self.store.get(change.inode).generation
+                except KeyError:
+                    continue
+                if after != change.generation or size != len(data):
+                    log.info("%s changed while it was uploaded; it stays dirty", change.path)
+                    continue
+                results[change.path] = Digest(digest)
+        for change in grown:
+            single = await self._upload(change)
+            if single is not None:
+                results[change.path] = single
         return results
 
     async def _upload(self, change: Change) -> Digest | None:
@@ -256,10 +356,13 @@ class Shipper:
         async def frames() -> AsyncIterator[bytes]:
             nonlocal sent
             sent = 0  # called again for each attempt: count this attempt's bytes only
+            # Decided on the first block: incompressible data goes up stored.
+            use: zstandard.ZstdCompressor | None = compressor
             if inline is not None:
                 sent = len(inline)
                 if inline:
-                    yield encode_frame(inline, compressor)  # at most INLINE_MAX < CHUNK_MAX
+                    use = compressor if compressible(inline) else None
+                    yield encode_frame(inline, use)  # at most INLINE_MAX < CHUNK_MAX
                 yield END_FRAME
                 return
             fh = await trio.to_thread.run_sync(self.store.upper.open_read, ino)
@@ -268,8 +371,12 @@ class Shipper:
                     raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
                     if not raw:
                         break
+                    if sent == 0:  # the compressibility check is CPU work too: a thread
+                        frame, use = await trio.to_thread.run_sync(encode_first, raw, compressor)
+                    else:
+                        frame = await trio.to_thread.run_sync(encode_frame, raw, use)
                     sent += len(raw)
-                    yield await trio.to_thread.run_sync(encode_frame, raw, compressor)
+                    yield frame
             finally:
                 fh.close()
             yield END_FRAME
@@ -286,6 +393,15 @@ class Shipper:
             log.info("%s changed while it was uploaded; it stays dirty", change.path)
             return None
         return Digest(digest)
+
+
+def encode_first(
+    raw: bytes, compressor: zstandard.ZstdCompressor
+) -> tuple[bytes, zstandard.ZstdCompressor | None]:
+    """The first frame of a file and the compressor for the rest of it: none
+    when the first block does not compress (then every frame goes up stored)."""
+    use = compressor if compressible(raw) else None
+    return encode_frame(raw, use), use
 
 
 async def checkpoint_loop(shipper: Shipper, interval: float, *, max_backoff: float = 300.0) -> None:

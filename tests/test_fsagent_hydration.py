@@ -180,9 +180,12 @@ def test_hydrates_100k_entries_from_controller_in_seconds(
             " WHERE f.path = 'template.txt' AND f.folder_id = %s",
             (row[0],),
         )
-        # Versions count per folder: the folder's counter covers the new rows.
+        # Versions count per folder: the folder's counter covers the new rows,
+        # and its entry count includes them.
         conn.execute(
-            "UPDATE folders SET version_counter = version_counter + 99999 WHERE id = %s", (row[0],)
+            "UPDATE folders SET version_counter = version_counter + 99999,"
+            " live_entries = live_entries + 99999 WHERE id = %s",
+            (row[0],),
         )
     token_file = mounts.base / "token"
     token_file.write_text(str(run["token"]))

@@ -7,10 +7,12 @@ import concurrent.futures
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from common.bridge import encode_batch
 from tests.support.bridge import start_run
 from tests.support.controller import (
     ControllerProcess,
@@ -239,3 +241,105 @@ def test_statement_timeout_bounds_a_lock_wait(pg_cluster: PgCluster) -> None:
             assert folder_rows(t, t.my_folder) == 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_over_limit_folder_can_still_delete_and_overwrite(qt: Tenant) -> None:
+    """A folder past the limit (say the limit was lowered) shrinks and changes
+    freely; only a write that adds entries is refused, and a refused
+    checkpoint publishes nothing: no rows, no receipt, no claimed upload."""
+    run = start_run(qt)
+    assert run.task is not None
+    folder = qt.folder("task", run.task)
+    up = run.upload("task", b"content")
+    digest = up.json()["digest"]
+    entries = [{"op": "put", "path": f"f{i}", "digest": digest, "executable": False}
+               for i in range(MAX_ENTRIES)]  # fmt: skip
+    assert run.commit("task", entries).status_code == 200
+    with qt.controller.db() as db:
+        row = db.execute(
+            "SELECT id FROM folders WHERE company_id = %s AND scope = 'task'", (qt.company_id,)
+        ).fetchone()
+        assert row is not None
+        fid = row[0]
+        # Three more entries than the limit, as a folder that grew before it was lowered.
+        db.execute(
+            "INSERT INTO files (id, folder_id, path, parent, kind, digest, byte_size, version)"
+            " SELECT gen_random_uuid(), %s, 'extra' || i, '', 'file', %s, 7, 100 + i"
+            " FROM generate_series(1, 3) AS i",
+            (fid, digest),
+        )
+        db.execute(
+            "UPDATE folders SET live_entries = live_entries + 3, version_counter = 103"
+            " WHERE id = %s",
+            (fid,),
+        )
+
+    def counted() -> tuple[int, int]:
+        with qt.controller.db() as db:
+            r = db.execute(
+                "SELECT live_entries, (SELECT count(*) FROM files"
+                "  WHERE folder_id = %s AND deleted_at IS NULL) FROM folders WHERE id = %s",
+                (fid, fid),
+            ).fetchone()
+        assert r is not None
+        return int(r[0]), int(r[1])
+
+    assert counted() == (MAX_ENTRIES + 3, MAX_ENTRIES + 3)
+    with qt.client() as c:
+        r = c.put(f"{folder}/content?path=f0", content=b"new", headers=OCTET)
+        assert r.status_code == 200, r.text
+        r = c.post(f"{folder}/operations", json={"action": "delete", "path": "extra1"})
+        assert r.status_code == 200, r.text
+        restored = c.post(
+            f"{folder}/operations", json={"action": "restore", "fileId": r.json()["files"][0]["id"]}
+        )
+        assert restored.status_code == 413 and restored.json()["code"] == "folder_entry_limit"
+        r = c.put(f"{folder}/content?path=new", content=b"x", headers=OCTET)
+        assert r.status_code == 413 and r.json()["code"] == "folder_entry_limit"
+    assert counted() == (MAX_ENTRIES + 2, MAX_ENTRIES + 2)
+    # A checkpoint that removes more than it adds is accepted ...
+    shrink = [
+        {"op": "delete", "path": "extra2"},
+        {"op": "delete", "path": "extra3"},
+        {"op": "put", "path": "f1", "digest": digest, "executable": True},
+        {"op": "put", "path": "g", "digest": digest, "executable": False},
+    ]
+    assert run.commit("task", shrink).status_code == 200
+    assert counted() == (MAX_ENTRIES + 1, MAX_ENTRIES + 1)
+    # ... one that grows the folder is refused after its rows were written.
+    fresh = run.upload("task", b"fresh bytes")
+    assert fresh.status_code == 200
+    grow = [{"op": "put", "path": "h", "digest": fresh.json()["digest"], "executable": False}]
+    op = str(uuid.uuid4())
+    r = run.commit("task", grow, operationId=op)
+    assert r.status_code == 413 and r.json()["code"] == "folder_entry_limit"
+    assert counted() == (MAX_ENTRIES + 1, MAX_ENTRIES + 1)
+    assert qt.file_rows("h", live=False) == 0
+    with qt.controller.db() as db:
+        assert db.execute(
+            "SELECT count(*) FROM receipts WHERE folder_id = %s AND operation_id = %s", (fid, op)
+        ).fetchone() == (0,)
+        assert db.execute(
+            "SELECT committed_at IS NULL FROM run_uploads WHERE run_id = %s AND digest = %s",
+            (run.run_id, fresh.json()["digest"]),
+        ).fetchone() == (True,)
+
+
+def test_company_storage_quota_counts_a_whole_batch(qt: Tenant) -> None:
+    """Each member fits the company's quota on its own; together they do not,
+    and the batch is refused as a whole (its bytes are never registered)."""
+    with qt.client() as c:
+        r = c.put(f"{qt.my_folder}/content?path=base", content=os.urandom(12_000), headers=OCTET)
+        assert r.status_code == 201, r.text
+    members = [os.urandom(4500) for _ in range(2)]
+    run = start_run(qt)
+    with run.client() as c:
+        r = c.put("/folders/task/uploads/batch", content=encode_batch(members))
+        assert r.status_code == 413 and r.json()["code"] == "storage_quota_exceeded", r.text
+        with qt.controller.db() as db:
+            row = db.execute(
+                "SELECT count(*) FROM objects WHERE company_id = %s", (qt.company_id,)
+            ).fetchone()
+            assert row == (1,)
+        r = c.put("/folders/task/uploads/batch", content=encode_batch(members[:1]))
+        assert r.status_code == 200, r.text

@@ -48,14 +48,6 @@ from tests.support.storage import (
 # -- fixtures and helpers ---------------------------------------------------
 
 
-@pytest.fixture(params=["local_disk", "s3"])
-def provider(request: pytest.FixtureRequest) -> StorageProvider:
-    # Resolved lazily so a run of only the local tests never starts a server.
-    fixture = "local_provider" if request.param == "local_disk" else "s3_provider"
-    result: StorageProvider = request.getfixturevalue(fixture)
-    return result
-
-
 def server_of(request: pytest.FixtureRequest, provider: StorageProvider) -> S3Server | None:
     if isinstance(provider, S3Provider):
         server: S3Server = request.getfixturevalue("s3_server")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 from typing import Any
@@ -54,7 +55,7 @@ from controller.api.objects import (
     spool_append,
 )
 from controller.api.params import BIGINT_MAX, query_int
-from controller.api.serialize import manifest_entry
+from controller.api.uploads import receive_batch
 from controller.auth import (
     RunBinding,
     confirm_run_writes,
@@ -63,7 +64,7 @@ from controller.auth import (
 )
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
 from controller.frames import Frame, FrameSplitter, decode_frame
-from controller.storage.base import ObjectMissing, object_key
+from controller.storage.base import object_key
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -127,14 +128,13 @@ async def get_manifest(request: Request) -> Response:
         run = await bound_run(request, conn)
         folder = await bound_folder(request, conn, run)
         page = await folders.manifest_page(conn, folder, since=since, limit=limit)
-    next_since = int(page.rows[-1]["version"]) if page.more else None
-    return JSONResponse(
-        {
-            "entries": [manifest_entry(r) for r in page.rows],
-            "nextSince": next_since,
-            "highWater": page.high_water,
-        }
+    next_since = page.last_version if page.more else None
+    # The entries arrive as JSON text from the database (folders.manifest_page).
+    body = (
+        f'{{"entries":{page.entries_json},"nextSince":{json.dumps(next_since)},'
+        f'"highWater":{page.high_water}}}'
     )
+    return Response(body, media_type="application/json")
 
 
 @json_errors
@@ -238,7 +238,14 @@ async def upload(request: Request) -> Response:
         async def register(conn: AsyncConnection[Any]) -> None:
             await confirm_run_writes(conn, run, request.path_params["scope"])
             await runs.record_upload(
-                conn, run.run_id, run.company_id, digest, size, ensure, st.settings.gc_delay
+                conn,
+                run.run_id,
+                run.company_id,
+                digest,
+                size,
+                ensure,
+                st.settings.gc_delay,
+                st.settings.quotas.pending_upload_ttl,
             )
 
         try:
@@ -257,6 +264,20 @@ async def upload(request: Request) -> Response:
 
 
 @json_errors
+async def upload_batch(request: Request) -> Response:
+    """Many small objects in one framed body (:mod:`controller.api.uploads`)."""
+    async with connection(request) as conn:
+        run = await bound_run(request, conn)
+        await writable_folder(request, conn, run)
+        await runs.mark_saving(conn, run.run_id)
+    try:
+        objects = await receive_batch(request, run)
+    except ClientDisconnect:
+        return Response(status_code=400)
+    return JSONResponse({"objects": objects})
+
+
+@json_errors
 async def commit_checkpoint(request: Request) -> Response:
     st = state(request)
     async with connection(request) as conn:
@@ -265,20 +286,11 @@ async def commit_checkpoint(request: Request) -> Response:
     # Up to MAX_CHECKPOINT_ENTRIES entries: too much work for the event loop.
     cp = await asyncio.to_thread(parse_checkpoint, body, st.settings.quotas.max_checkpoint_rows)
 
-    async def ensure(k: str) -> None:
-        if not await asyncio.to_thread(st.storage.exists, k):
-            raise ObjectMissing(f"uploaded object {k} is gone; upload it again")
-
     async def commit(conn: AsyncConnection[Any]) -> dict[str, Any]:
         folder = await writable_folder(request, conn, run)
+        # No object check per file: every digest is pinned (checkpoint.claim_contents).
         return await apply_checkpoint(
-            conn,
-            folder,
-            run,
-            cp,
-            ensure_object=ensure,
-            gc_delay=st.settings.gc_delay,
-            quotas=st.settings.quotas,
+            conn, folder, run, cp, gc_delay=st.settings.gc_delay, quotas=st.settings.quotas
         )
 
     try:
@@ -317,5 +329,6 @@ routes += [
     Route(PREFIX + "/run/report", report, methods=["POST"]),
     Route(PREFIX + "/run/refresh-applied", refresh_applied, methods=["POST"]),
     Route(PREFIX + "/folders/{scope}/uploads", upload, methods=["PUT"]),
+    Route(PREFIX + "/folders/{scope}/uploads/batch", upload_batch, methods=["PUT"]),
     Route(PREFIX + "/folders/{scope}/checkpoints", commit_checkpoint, methods=["POST"]),
 ]

@@ -122,8 +122,10 @@ async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Pat
 
 
 async def put_object(request: Request, key: str, spool: Path, size: int, digest: str) -> bool:
+    """Store a spool file this process wrote and hashed; the provider may take
+    it over rather than copy it (``StorageProvider.adopt_file``)."""
     try:
-        return await asyncio.to_thread(state(request).storage.put_file, key, spool, size, digest)
+        return await asyncio.to_thread(state(request).storage.adopt_file, key, spool, size, digest)
     except StorageUnavailable:
         raise
     except OSError as exc:
@@ -143,10 +145,14 @@ def reupload_if_missing(request: Request, spool: Path, size: int, digest: str) -
 
 async def journal_orphan(request: Request, company_id: str, digest: str) -> None:
     """A stored object whose commit failed is queued for GC (which keeps it if referenced)."""
+    await journal_orphans(request, company_id, [digest])
+
+
+async def journal_orphans(request: Request, company_id: str, digests: list[str]) -> None:
     try:
         async with connection(request) as conn:
             await apply.journal_deletion(
-                conn, company_id, [digest], "orphaned upload", state(request).settings.gc_delay
+                conn, company_id, digests, "orphaned upload", state(request).settings.gc_delay
             )
     except Exception:
-        log.exception("could not journal orphaned object %s", digest)
+        log.exception("could not journal %d orphaned objects", len(digests))

@@ -128,6 +128,23 @@ def _bridge_paths() -> dict[str, Any]:
                 },
             ),
         },
+        folder + "/uploads/batch": {
+            "parameters": [_SCOPE_P],
+            "put": _op(
+                "Upload many small objects in one framed body; one digest per member",
+                "200",
+                "413",
+                "422",
+                requestBody={
+                    "required": True,
+                    "content": {
+                        "application/octet-stream": {
+                            "schema": {"type": "string", "format": "binary"}
+                        }
+                    },
+                },
+            ),
+        },
         folder + "/checkpoints": {
             "parameters": [_SCOPE_P],
             "post": _op(

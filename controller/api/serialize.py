@@ -54,18 +54,6 @@ def run_json(row: Row, *, folder_saved_at: datetime | None = None) -> dict[str, 
     }
 
 
-def manifest_entry(row: Row) -> dict[str, Any]:
-    return {
-        "path": row["path"],
-        "kind": row["kind"],
-        "digest": row["digest"],
-        "byteSize": int(row["byte_size"]),
-        "executable": bool(row["executable"]),
-        "version": int(row["version"]),
-        "deleted": row["deleted_at"] is not None,
-    }
-
-
 def session_json(session: Session) -> dict[str, Any]:
     return {
         "userId": session.user_id,

@@ -14,9 +14,13 @@ plain file I/O; one calling convention keeps the providers interchangeable.
 from __future__ import annotations
 
 import abc
+import contextlib
+import os
 import re
+import tempfile
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import WorkFolderError
@@ -132,6 +136,22 @@ def open_stream(chunks: Generator[bytes, None, None]) -> Iterator[bytes]:
     return chunks
 
 
+@dataclass(frozen=True)
+class Span:
+    """One object whose bytes are ``size`` bytes at ``offset`` of a source file."""
+
+    key: str
+    offset: int
+    size: int
+    sha256_hex: str
+
+
+def copy_span(src: Path, span: Span, dest: Path) -> None:
+    with src.open("rb") as source, dest.open("wb") as out:
+        source.seek(span.offset)
+        out.write(source.read(span.size))
+
+
 class StorageProvider(abc.ABC):
     """Durable, immutable object storage addressed by ``object_key`` keys."""
 
@@ -150,6 +170,29 @@ class StorageProvider(abc.ABC):
         ``sha256_hex`` (nothing is stored), ValueError for a malformed key, and
         StorageUnavailable when the backend fails.
         """
+
+    def adopt_file(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
+        """``put_file`` for a spool file the caller wrote and hashed itself and
+        removes afterwards: a provider may take the file over instead of
+        copying and hashing it again. The caller must not write to ``src``
+        any more. Same answer and guarantees as ``put_file``."""
+        return self.put_file(key, src, size, sha256_hex)
+
+    def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
+        """Store several objects whose bytes are ranges of ``src``, as ``put_file``
+        would each (one answer per span, in order). All are durable when this
+        returns; a provider may make them durable together, with one sync."""
+        created: list[bool] = []
+        fd, name = tempfile.mkstemp(dir=src.parent, prefix="span-")
+        os.close(fd)
+        try:
+            for span in spans:
+                copy_span(src, span, Path(name))
+                created.append(self.put_file(span.key, Path(name), span.size, span.sha256_hex))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+        return created
 
     @abc.abstractmethod
     def read_chunks(

@@ -21,6 +21,8 @@ and absolute paths; this is the second line of defence.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -36,6 +38,7 @@ from .base import (
     DEFAULT_CHUNK_SIZE,
     ObjectMissing,
     SourceMismatch,
+    Span,
     StorageProvider,
     check_put_arguments,
     check_range,
@@ -76,12 +79,15 @@ class LocalDiskProvider(StorageProvider):
     # -- path resolution -------------------------------------------------
 
     @contextlib.contextmanager
-    def _directory(self, parts: Sequence[str], *, create: bool) -> Iterator[int]:
+    def _directory(
+        self, parts: Sequence[str], *, create: bool, sync_new: bool = True
+    ) -> Iterator[int]:
         """A descriptor for ``root/parts...``, reached without following any symlink.
 
         With ``create`` missing directories are made, and each new entry is made
-        durable by syncing its parent, so a synced object file is never left
-        in a directory that a crash could forget.
+        durable by syncing its parent (unless ``sync_new`` is False: the caller
+        syncs the whole filesystem before it reports success), so a synced
+        object file is never left in a directory that a crash could forget.
         """
         fd = os.open(self.root, _DIR_FLAGS)
         try:
@@ -96,7 +102,8 @@ class LocalDiskProvider(StorageProvider):
                     except FileExistsError:
                         pass  # a concurrent put made it first; either way it exists
                     else:
-                        os.fsync(fd)
+                        if sync_new:
+                            os.fsync(fd)
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = child
@@ -130,6 +137,76 @@ class LocalDiskProvider(StorageProvider):
                             os.unlink(tmp_name, dir_fd=tmp_fd)
         except OSError as exc:
             raise self._unavailable("store", key, exc) from exc
+
+    def adopt_file(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
+        """Link the caller's synced spool file into place: no copy, no second hash.
+
+        One fsync of the data and one of the directory, as for a copied put;
+        a spool on another filesystem is copied (``put_file``).
+        """
+        check_put_arguments(key, size, sha256_hex)
+        dirs, name = self._split(key)
+        try:
+            fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                    raise SourceMismatch(f"{src} is not a {size}-byte regular file")
+                with self._directory(dirs, create=True) as dir_fd:
+                    if _lexists(name, dir_fd):
+                        return False
+                    if os.fstat(dir_fd).st_dev != st.st_dev:
+                        return self.put_file(key, src, size, sha256_hex)
+                    os.fsync(fd)
+                    return _link_into_place(str(src), None, name, dir_fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._unavailable("store", key, exc) from exc
+
+    def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
+        """Write every new object as an anonymous file in its own directory
+        (``O_TMPFILE``), link each into place, then make them all durable with
+        one ``syncfs`` of the object filesystem. If that sync fails the
+        objects this call linked are removed again."""
+        for span in spans:
+            check_put_arguments(span.key, span.size, span.sha256_hex)
+        created: list[bool] = []
+        linked: list[tuple[int, str]] = []
+        with contextlib.ExitStack() as dirs_open:
+            dir_fds: dict[tuple[str, ...], int] = {}
+            try:
+                tmp_fd = dirs_open.enter_context(self._directory([_TMP_DIR], create=True))
+                with open(src, "rb") as source:
+                    for span in spans:
+                        source.seek(span.offset)
+                        data = source.read(span.size)
+                        if (
+                            len(data) != span.size
+                            or hashlib.sha256(data).hexdigest() != span.sha256_hex
+                        ):
+                            raise SourceMismatch(f"{src} at {span.offset} is not {span.sha256_hex}")
+                        dirs, name = self._split(span.key)
+                        dir_fd = dir_fds.get(tuple(dirs))
+                        if dir_fd is None:
+                            dir_fd = dirs_open.enter_context(
+                                self._directory(dirs, create=True, sync_new=False)
+                            )
+                            dir_fds[tuple(dirs)] = dir_fd
+                        made = not _lexists(name, dir_fd) and _link_new(data, tmp_fd, name, dir_fd)
+                        created.append(made)
+                        if made:
+                            linked.append((dir_fd, name))
+                if linked:
+                    _syncfs(tmp_fd)
+            except BaseException as exc:
+                for dir_fd, name in linked:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=dir_fd)
+                if isinstance(exc, OSError):
+                    raise self._unavailable("store", spans[0].key, exc) from exc
+                raise
+        return created
 
     def read_chunks(
         self, key: str, start: int = 0, end: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -317,7 +394,59 @@ def _write_synced_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> st
     return tmp_name
 
 
-def _link_into_place(tmp_name: str, tmp_fd: int, name: str, dir_fd: int) -> bool:
+def _link_new(data: bytes, tmp_fd: int, name: str, dir_fd: int) -> bool:
+    """Write ``data`` to a new file and link it into place as ``name``, unsynced
+    (the caller syncs the filesystem once for many). The file is anonymous
+    (``O_TMPFILE`` in the target directory) where the filesystem supports it,
+    else a named temp file in the temp directory."""
+    try:
+        fd = os.open(".", os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+        return _link_named(data, tmp_fd, name, dir_fd)
+    with open(fd, "wb", closefd=True) as out:
+        out.write(data)
+        out.flush()
+        try:
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+        except FileExistsError:
+            return False
+    return True
+
+
+def _link_named(data: bytes, tmp_fd: int, name: str, dir_fd: int) -> bool:
+    tmp_name = f"put-{secrets.token_hex(16)}"
+    fd = os.open(
+        tmp_name,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=tmp_fd,
+    )
+    try:
+        with open(fd, "wb", closefd=True) as out:
+            out.write(data)
+        try:
+            os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name, dir_fd=tmp_fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _syncfs(fd: int) -> None:
+    """Flush the whole filesystem holding ``fd``: one sync for many new files."""
+    if _libc.syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _link_into_place(tmp_name: str, tmp_fd: int | None, name: str, dir_fd: int) -> bool:
     try:
         os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except FileExistsError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -106,6 +107,7 @@ class S3Provider(StorageProvider):
         max_attempts: int = 5,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        part_concurrency: int = 4,
     ) -> None:
         if not bucket:
             raise ValueError("an S3 bucket name is required")
@@ -116,12 +118,16 @@ class S3Provider(StorageProvider):
         self.bucket = bucket
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
+        self.part_concurrency = max(1, part_concurrency)
+        """Parts of one object in flight at once (memory: that many parts)."""
         self._create_bucket = create_bucket
         self._conditional_writes = True
         options: dict[str, Any] = {
             "retries": {"mode": "standard", "max_attempts": max_attempts},
             "connect_timeout": connect_timeout,
             "read_timeout": read_timeout,
+            # Several uploads at once, each with its parts in parallel.
+            "max_pool_connections": 8 * self.part_concurrency,
         }
         if endpoint_url is not None:
             # S3-compatible servers reliably support path-style addressing;
@@ -191,25 +197,7 @@ class S3Provider(StorageProvider):
         upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
         completed = False
         try:
-            parts: list[CompletedPartTypeDef] = []
-            digest = hashlib.sha256()
-            sent = 0
-            with src.open("rb") as source:
-                while sent <= size:
-                    data = source.read(part_size)
-                    if not data:
-                        break
-                    sent += len(data)
-                    digest.update(data)
-                    number = len(parts) + 1
-                    etag = self._upload_part(key, upload_id, number, data)
-                    parts.append({"ETag": etag, "PartNumber": number})
-            # The bytes sent are the bytes hashed, so this check covers exactly
-            # what would become visible on completion.
-            if sent != size:
-                raise SourceMismatch(f"{src} is not {size} bytes long (read {sent})")
-            if digest.hexdigest() != sha256_hex:
-                raise SourceMismatch(f"{src} does not hash to {sha256_hex}")
+            parts = self._send_parts(key, upload_id, src, size, sha256_hex, part_size)
             while True:
                 request: CompleteMultipartUploadRequestTypeDef = {
                     "Bucket": self.bucket,
@@ -231,6 +219,48 @@ class S3Provider(StorageProvider):
         finally:
             if not completed:
                 self._abort_upload(key, upload_id)
+
+    def _send_parts(
+        self, key: str, upload_id: str, src: Path, size: int, sha256_hex: str, part_size: int
+    ) -> list[CompletedPartTypeDef]:
+        """Read the parts in order (hashing them), upload up to ``part_concurrency``
+        at once: memory stays at that many parts."""
+        digest = hashlib.sha256()
+        sent = 0
+        numbers: list[int] = []
+        pending: list[Future[str]] = []
+        etags: list[str] = []
+        with (
+            src.open("rb") as source,
+            ThreadPoolExecutor(self.part_concurrency, thread_name_prefix="s3-part") as pool,
+        ):
+            try:
+                while sent <= size:
+                    data = source.read(part_size)
+                    if not data:
+                        break
+                    sent += len(data)
+                    digest.update(data)
+                    numbers.append(len(numbers) + 1)
+                    for f in pending:
+                        if f.done():
+                            f.result()  # a failed part stops the upload before the next
+                    if len(pending) >= self.part_concurrency:
+                        etags.append(pending.pop(0).result())
+                    pending.append(
+                        pool.submit(self._upload_part, key, upload_id, numbers[-1], data)
+                    )
+                etags += [f.result() for f in pending]
+            finally:
+                for f in pending:
+                    f.cancel()
+        # The bytes sent are the bytes hashed, so this check covers exactly
+        # what would become visible on completion.
+        if sent != size:
+            raise SourceMismatch(f"{src} is not {size} bytes long (read {sent})")
+        if digest.hexdigest() != sha256_hex:
+            raise SourceMismatch(f"{src} does not hash to {sha256_hex}")
+        return [{"ETag": e, "PartNumber": n} for n, e in zip(numbers, etags, strict=True)]
 
     def _upload_part(self, key: str, upload_id: str, number: int, data: bytes) -> str:
         response = self._client.upload_part(

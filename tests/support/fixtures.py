@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.storage import LocalDiskProvider, S3Provider
+from controller.storage import LocalDiskProvider, S3Provider, StorageProvider
 from tests.support.controller import (
     ControllerProcess,
     PgCluster,
@@ -93,3 +93,12 @@ def s3_provider(s3_server: S3Server, s3_bucket: str) -> S3Provider:
 @pytest.fixture
 def local_provider(tmp_path: Path) -> LocalDiskProvider:
     return LocalDiskProvider(tmp_path / "store")
+
+
+@pytest.fixture(params=["local_disk", "s3"])
+def provider(request: pytest.FixtureRequest) -> StorageProvider:
+    """Each storage provider in turn: a test using it runs once per provider."""
+    # Resolved lazily so a run of only the local tests never starts a server.
+    fixture = "local_provider" if request.param == "local_disk" else "s3_provider"
+    result: StorageProvider = request.getfixturevalue(fixture)
+    return result
