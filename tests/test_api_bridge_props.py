@@ -143,7 +143,7 @@ def test_only_allowlisted_headers_and_the_run_identity_are_forwarded(
 
 
 def test_the_generated_routes_are_the_applications(routes: list[Route]) -> None:
-    assert {r.path for r in routes} - set(TEMPLATES) == {"/openapi.json", "/healthz"}
+    assert {r.path for r in routes} - set(TEMPLATES) == {"/openapi.json", "/healthz", "/readyz"}
 
 
 @dataclass
