@@ -2,15 +2,20 @@
 # Install fsagent into a virtualenv under /opt/fsagent and its systemd template unit.
 #
 #   packaging/install-fsagent.sh --user AGENT_USER --home AGENT_HOME \
-#       --controller URL --token-file FILE [--allow-other] [--source DIR] [--no-systemd]
+#       --controller URL --token-file FILE [--allow-other] [--source DIR] [--package SPEC]
+#       [--no-systemd]
 #
 # Run as root inside the sandbox image build.  Installs the Debian packages
 # fsagent needs (fuse3, python3-venv), the package from --source (default: this
 # checkout) into /opt/fsagent/venv, the unit into /etc/systemd/system and its
 # configuration into /etc/fsagent/fsagent.env.  Nothing is started.
+# --package is what pip installs when it is not the --source tree, e.g. a
+# wheel built beforehand (with PIP_NO_INDEX and PIP_FIND_LINKS for an offline
+# install from a wheelhouse).
 set -euo pipefail
 
 src="$(cd "$(dirname "$0")/.." && pwd)"
+package=""
 user="" home="" controller="" token_file="" args="" systemd=1
 while (($#)); do
     case "$1" in
@@ -20,6 +25,7 @@ while (($#)); do
         --token-file) token_file="$2"; shift 2 ;;
         --allow-other) args="--allow-other"; shift ;;
         --source) src="$2"; shift 2 ;;
+        --package) package="$2"; shift 2 ;;
         --no-systemd) systemd=0; shift ;;
         *) echo "install-fsagent.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -48,7 +54,7 @@ fi
 install -d -m 0755 /opt/fsagent
 [[ -x /opt/fsagent/venv/bin/python ]] || python3 -m venv /opt/fsagent/venv
 /opt/fsagent/venv/bin/pip install -q --upgrade pip
-/opt/fsagent/venv/bin/pip install -q "$src"
+/opt/fsagent/venv/bin/pip install -q "${package:-$src}"
 /opt/fsagent/venv/bin/fsagent --help >/dev/null
 
 if [[ -n "$args" ]] && ! grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null; then
@@ -73,6 +79,7 @@ if ((systemd)); then
     group="$(id -gn "$user")"
     printf '[Service]\nUser=%s\nGroup=%s\n' "$user" "$group" \
         >/etc/systemd/system/fsagent@.service.d/user.conf
+    chmod 0644 /etc/systemd/system/fsagent@.service.d/user.conf
     if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
         systemctl daemon-reload
     fi
