@@ -2,20 +2,15 @@
 # Install fsagent into a virtualenv under /opt/fsagent and its systemd template unit.
 #
 #   packaging/install-fsagent.sh --user AGENT_USER --home AGENT_HOME \
-#       --controller URL --token-file FILE [--allow-other] [--source DIR] [--package SPEC]
-#       [--no-systemd]
+#       --controller URL --token-file FILE [--allow-other] [--source DIR] [--no-systemd]
 #
 # Run as root inside the sandbox image build.  Installs the Debian packages
 # fsagent needs (fuse3, python3-venv), the package from --source (default: this
 # checkout) into /opt/fsagent/venv, the unit into /etc/systemd/system and its
 # configuration into /etc/fsagent/fsagent.env.  Nothing is started.
-# --package is what pip installs when it is not the --source tree, e.g. a
-# wheel built beforehand (with PIP_NO_INDEX and PIP_FIND_LINKS for an offline
-# install from a wheelhouse).
 set -euo pipefail
 
 src="$(cd "$(dirname "$0")/.." && pwd)"
-package=""
 user="" home="" controller="" token_file="" args="" systemd=1
 while (($#)); do
     case "$1" in
@@ -54,6 +49,8 @@ fi
 install -d -m 0755 /opt/fsagent
 [[ -x /opt/fsagent/venv/bin/python ]] || python3 -m venv /opt/fsagent/venv
 /opt/fsagent/venv/bin/pip install -q --upgrade pip
+# --package SPEC installs SPEC (e.g. a wheel built beforehand; with PIP_NO_INDEX
+# and PIP_FIND_LINKS, offline from a wheelhouse) instead of the --source tree.
 /opt/fsagent/venv/bin/pip install -q "${package:-$src}"
 /opt/fsagent/venv/bin/fsagent --help >/dev/null
 
@@ -72,6 +69,7 @@ FSAGENT_TOKEN_FILE=$token_file
 FSAGENT_ARGS=$args
 ENV
 chmod 0644 /etc/fsagent/fsagent.env
+umask 022  # the units and drop-ins below are world-readable, as systemd expects
 
 if ((systemd)); then
     install -m 0644 "$src/packaging/systemd/fsagent@.service" /etc/systemd/system/fsagent@.service
@@ -79,7 +77,6 @@ if ((systemd)); then
     group="$(id -gn "$user")"
     printf '[Service]\nUser=%s\nGroup=%s\n' "$user" "$group" \
         >/etc/systemd/system/fsagent@.service.d/user.conf
-    chmod 0644 /etc/systemd/system/fsagent@.service.d/user.conf
     if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
         systemctl daemon-reload
     fi
