@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Install the Debian packages this project needs, only those that are missing.
 #   packaging/install-deps.sh           runtime: FUSE, PostgreSQL server binaries, build tools
-#   packaging/install-deps.sh --test    also Chromium for the browser tests, debootstrap and
-#                                       systemd-nspawn for the sandbox image boot test
+#   packaging/install-deps.sh --test    also Chromium for the browser tests
 set -euo pipefail
 
 pkgs=(fuse3 libfuse3-dev pkg-config gcc make python3 python3-dev python3-venv
       postgresql tar ca-certificates)
 if [[ "${1:-}" == "--test" ]]; then
-    pkgs+=(chromium chromium-driver fonts-dejavu-core debootstrap systemd-container)
+    pkgs+=(chromium chromium-driver fonts-dejavu-core)
+fi
+
+# --test also needs debootstrap and systemd-nspawn: the sandbox image boot test.
+if [[ " $* " == *" --test "* ]]; then
+    pkgs+=(debootstrap systemd-container)
 fi
 
 missing=()
