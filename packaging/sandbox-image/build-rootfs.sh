@@ -112,8 +112,10 @@ id -u "$user" >/dev/null 2>&1 || useradd --create-home --home-dir "$home" \
     --controller "$controller" --token-file "$token_file" \
     --source /var/tmp/fsagent-src --package "$package"
 install -d -o "$user" -g "$(id -gn "$user")" -m 0700 "$home/.local" "$home/.local/state"
-systemctl enable fsagent@task.service fsagent@agent.service \
-    fsagent@user.service fsagent@project.service
+units=(fsagent@task.service fsagent@agent.service fsagent@user.service fsagent@project.service)
+# The local API endpoint, where this version of fsagent ships it.
+[[ ! -f /etc/systemd/system/fsagent-bridge.service ]] || units+=(fsagent-bridge.service)
+systemctl enable "${units[@]}"
 ' build-rootfs "$user" "$home" "$controller" "$token_file" "$package"
 )
 
@@ -125,14 +127,22 @@ PAPERCLIP_USER_DIR=$home/user
 PAPERCLIP_PROJECT_DIR=$home/project
 ENV
 chmod 0644 "$rootfs/etc/fsagent/agent.env"
-cat >"$rootfs/etc/profile.d/fsagent.sh" <<'SH'
-# The work folders fsagent@*.service mounts (a scope the run does not bind is
-# an empty read-only directory).
-if [ -r /etc/fsagent/agent.env ]; then
-    set -a
-    . /etc/fsagent/agent.env
-    set +a
-fi
+cat >"$rootfs/etc/profile.d/fsagent.sh" <<SH
+# The agent's work-folder variables in a login shell: the env file
+# fsagent-bridge.service writes from the run's bindings where it runs, else
+# the fixed one for the four folders fsagent@*.service mounts (a scope the run
+# does not bind is an empty read-only directory). Values are taken literally.
+for fsagent_env in $home/.local/state/fsagent/env /etc/fsagent/agent.env; do
+    if [ -r "\$fsagent_env" ]; then
+        while IFS= read -r fsagent_line; do
+            case "\$fsagent_line" in
+                [A-Za-z_]*=*) export "\$fsagent_line" ;;
+            esac
+        done <"\$fsagent_env"
+        break
+    fi
+done
+unset fsagent_env fsagent_line
 SH
 chmod 0644 "$rootfs/etc/profile.d/fsagent.sh"
 
