@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -97,13 +98,16 @@ def _debootstrap(tmp: Path) -> None:
 
 
 def _dependency_wheels(tmp: Path) -> None:
+    """Wheels of the dependencies and of the build backend; the project itself is
+    built from source inside the image (building it here would leave build/ in
+    the checkout, whose stale files end up in the next wheel)."""
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    wanted = [*meta["build-system"]["requires"], *meta["project"]["dependencies"]]
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(tmp), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(tmp), *wanted],
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    for own in tmp.glob("fsagent_workfolders-*.whl"):
-        own.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -115,26 +119,18 @@ def base_rootfs() -> Path:
 @pytest.fixture(scope="module")
 def dependency_wheels() -> Path:
     """Wheels of fsagent's dependencies built with the host's pip index."""
-    key = _digest(REPO / "pyproject.toml", extra=sys.version)
+    key = _digest(REPO / "pyproject.toml", extra=f"{sys.version} with build backend")
     return _cached(f"wheels-{key}", _dependency_wheels)
 
 
 @pytest.fixture
 def image(base_rootfs: Path, dependency_wheels: Path, controller: ControllerProcess) -> Path:
     """A fresh copy of the base rootfs made into a sandbox image by build-rootfs.sh."""
-    work = private_tmpdir("fsa-boot-")
-    wheels = work / "wheels"
-    shutil.copytree(dependency_wheels, wheels)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(wheels),
-         str(REPO)],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    rootfs = work / "rootfs"
+    rootfs = private_tmpdir("fsa-boot-") / "rootfs"
     subprocess.run(["cp", "-a", "--reflink=auto", str(base_rootfs), str(rootfs)], check=True)
     subprocess.run(
         [str(IMAGE / "build-rootfs.sh"), str(rootfs), "--controller", controller.url,
-         "--user", AGENT, "--wheelhouse", str(wheels)],
+         "--user", AGENT, "--wheelhouse", str(dependency_wheels)],
         check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     return rootfs

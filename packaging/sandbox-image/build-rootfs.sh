@@ -20,7 +20,8 @@
 # /etc/fsagent/run-token); whoever starts the sandbox puts the token there,
 # owned by the agent user, mode 0400. --token-from FILE copies it in now.
 # --wheelhouse DIR installs offline from wheels built on the host
-# (`pip wheel --wheel-dir DIR .`); without it pip in the image needs an index.
+# (`pip wheel --wheel-dir DIR .`, or the dependencies with setuptools and wheel
+# to build this source tree in the image); without it pip in the image needs an index.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -75,8 +76,11 @@ pip_env=()
 if [[ -n "$wheelhouse" ]]; then
     binds+=(--bind-ro="$wheelhouse:/run/fsagent-wheels")
     pip_env+=(--setenv=PIP_NO_INDEX=1 --setenv=PIP_FIND_LINKS=/run/fsagent-wheels)
-    wheel="$(cd "$wheelhouse" && ls fsagent_workfolders-*.whl 2>/dev/null | tail -n 1)"
-    [[ -z "$wheel" ]] || package="/run/fsagent-wheels/$wheel"
+    # A wheel of fsagent itself in there is installed; else the source tree is
+    # built (the wheelhouse then needs the build backend: setuptools, wheel).
+    for w in "$wheelhouse"/fsagent_workfolders-*.whl; do
+        [[ ! -f "$w" ]] || package="/run/fsagent-wheels/${w##*/}"
+    done
 fi
 
 # Where PID 1 is not systemd, nspawn --keep-unit makes payload/ and supervisor/
