@@ -342,6 +342,13 @@ def test_failed_save_shows_in_systemctl_status(image: Path, tenant: Tenant) -> N
         )
         assert box.poweroff() == 0, box.output()
     assert _controller_file(tenant, run, "lost.txt") is None
-    # The state dir kept the change for a later run of the same binding.
-    state = image / f"{HOME.lstrip('/')}/.local/state/fsagent/task"
-    assert state.is_dir()
+    # The state dir kept the change: the next run of the same folders ships it.
+    again = tenant.controller.admin(
+        "start-run", tenant.company_id, "--agent", run.agent, "--task", run.task,
+        "--project", run.project, "--user", tenant.user_id,
+    )  # fmt: skip
+    _install_token(image, again["token"])
+    with booted(image) as box:
+        box.wait_for_mounts()
+        assert box.poweroff() == 0, box.output()
+    assert _controller_file(tenant, run, "lost.txt") == b"unsaved\n"
