@@ -117,8 +117,13 @@ def base_rootfs() -> Path:
 
 
 @pytest.fixture(scope="module")
-def dependency_wheels() -> Path:
-    """Wheels of fsagent's dependencies built with the host's pip index."""
+def dependency_wheels(base_rootfs: Path) -> Path:
+    """Wheels of fsagent's dependencies built with the host's pip index (and so
+    for the host's Python, which must be the image's)."""
+    image_python = os.readlink(base_rootfs / "usr/bin/python3")
+    host_python = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if image_python != host_python:
+        pytest.skip(f"the image has {image_python}, wheels built here would be for {host_python}")
     key = _digest(REPO / "pyproject.toml", extra=f"{sys.version} with build backend")
     return _cached(f"wheels-{key}", _dependency_wheels)
 
