@@ -16,6 +16,11 @@ for opt in "$@"; do
     esac
 done
 
+# --test also needs debootstrap and systemd-nspawn: the sandbox image boot test.
+if [[ " $* " == *" --test "* ]]; then
+    pkgs+=(debootstrap systemd-container)
+fi
+
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

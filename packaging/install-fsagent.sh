@@ -24,6 +24,7 @@ while (($#)); do
         --bridge-port) bridge_port="$2"; shift 2 ;;
         --allow-other) args="--allow-other"; shift ;;
         --source) src="$2"; shift 2 ;;
+        --package) package="$2"; shift 2 ;;
         --no-systemd) systemd=0; shift ;;
         *) echo "install-fsagent.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -56,7 +57,9 @@ fi
 install -d -m 0755 /opt/fsagent
 [[ -x /opt/fsagent/venv/bin/python ]] || python3 -m venv /opt/fsagent/venv
 /opt/fsagent/venv/bin/pip install -q --upgrade pip
-/opt/fsagent/venv/bin/pip install -q "$src"
+# --package SPEC installs SPEC (e.g. a wheel built beforehand; with PIP_NO_INDEX
+# and PIP_FIND_LINKS, offline from a wheelhouse) instead of the --source tree.
+/opt/fsagent/venv/bin/pip install -q "${package:-$src}"
 /opt/fsagent/venv/bin/fsagent --help >/dev/null
 
 if [[ -n "$args" ]] && ! grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null; then
@@ -75,6 +78,7 @@ FSAGENT_ARGS=$args
 FSAGENT_BRIDGE_PORT=$bridge_port
 ENV
 chmod 0644 /etc/fsagent/fsagent.env
+umask 022  # the units and drop-ins below are world-readable, as systemd expects
 
 if ((systemd)); then
     group="$(id -gn "$user")"

@@ -1,0 +1,359 @@
+"""The sandbox image boots under systemd: packaging/sandbox-image/ turns a
+minimal Debian rootfs into an image whose fsagent@ units mount the four work
+folders as the agent user at boot and save them at shutdown.
+
+The base rootfs (``debootstrap --variant=minbase``) is cached under
+:data:`CACHE`, keyed by a hash of its recipe; every test run installs fsagent
+into a fresh copy of it and boots that with ``systemd-nspawn --boot`` on the
+host network, so the container reaches the test's controller on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.bridge import Run, start_run
+from tests.support.constants import REPO, SCOPES
+from tests.support.controller import ControllerProcess, Tenant
+from tests.support.tmp import private_tmpdir
+
+IMAGE = REPO / "packaging" / "sandbox-image"
+CACHE = Path("/var/cache/fsagent-workfolders-boot-rootfs")
+"""Owned by this test: base rootfs and dependency wheels, one dir per recipe hash."""
+AGENT = "agent"
+HOME = f"/home/{AGENT}"
+BOOT_TIMEOUT = 120.0
+
+
+def _missing() -> str | None:
+    for tool in ("debootstrap", "systemd-nspawn", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (packaging/install-deps.sh --test)"
+    if os.geteuid() != 0:
+        return "booting a container needs root"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    return None
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.fuse,
+    pytest.mark.skipif(_missing() is not None, reason=str(_missing())),
+]
+
+
+def _digest(*paths: Path, extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
+    for p in paths:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _cache_lock() -> Iterator[None]:
+    CACHE.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _cached(name: str, build: Callable[[Path], None]) -> Path:
+    """``CACHE/name``, built by ``build(tmp_dir)`` when missing; older keys of
+    the same kind are removed."""
+    kind = name.split("-", 1)[0]
+    target = CACHE / name
+    with _cache_lock():
+        if not target.exists():
+            tmp = CACHE / f".{name}.{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                build(tmp)
+                os.rename(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        for old in CACHE.glob(f"{kind}-*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _debootstrap(tmp: Path) -> None:
+    subprocess.run([str(IMAGE / "debootstrap-base.sh"), str(tmp)], check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def _dependency_wheels(tmp: Path) -> None:
+    """Wheels of the dependencies and of the build backend; the project itself is
+    built from source inside the image (building it here would leave build/ in
+    the checkout, whose stale files end up in the next wheel)."""
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    wanted = [*meta["build-system"]["requires"], *meta["project"]["dependencies"]]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(tmp), *wanted],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture(scope="module")
+def base_rootfs() -> Path:
+    """The minimal Debian rootfs, built once per recipe (about 70 s cold)."""
+    return _cached(f"rootfs-{_digest(IMAGE / 'debootstrap-base.sh')}", _debootstrap)
+
+
+@pytest.fixture(scope="module")
+def dependency_wheels(base_rootfs: Path) -> Path:
+    """Wheels of fsagent's dependencies built with the host's pip index (and so
+    for the host's Python, which must be the image's)."""
+    image_python = os.readlink(base_rootfs / "usr/bin/python3")
+    host_python = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if image_python != host_python:
+        pytest.skip(f"the image has {image_python}, wheels built here would be for {host_python}")
+    key = _digest(REPO / "pyproject.toml", extra=f"{sys.version} with build backend")
+    return _cached(f"wheels-{key}", _dependency_wheels)
+
+
+@pytest.fixture
+def image(base_rootfs: Path, dependency_wheels: Path, controller: ControllerProcess) -> Path:
+    """A fresh copy of the base rootfs made into a sandbox image by build-rootfs.sh."""
+    rootfs = private_tmpdir("fsa-boot-") / "rootfs"
+    subprocess.run(["cp", "-a", "--reflink=auto", str(base_rootfs), str(rootfs)], check=True)
+    subprocess.run(
+        [str(IMAGE / "build-rootfs.sh"), str(rootfs), "--controller", controller.url,
+         "--user", AGENT, "--wheelhouse", str(dependency_wheels)],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return rootfs
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
+
+
+def _private_cgroups(name: str) -> list[Path]:
+    """A fresh cgroup below this process's, in each hierarchy, where PID 1 is not
+    systemd: there nspawn --keep-unit makes payload/ and supervisor/ cgroups
+    below its caller's and leaves them behind (build-rootfs.sh does the same)."""
+    if Path("/run/systemd/system").exists():
+        return []
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        num, ctl, rel = line.split(":", 2)
+        if ctl == "name=systemd":
+            own["systemd"] = rel
+        elif num == "0":
+            own["unified"] = rel
+    dirs = []
+    for hierarchy, rel in own.items():
+        root = Path("/sys/fs/cgroup", hierarchy)
+        if (root / "cgroup.procs").exists():
+            d = root / rel.strip("/") / name
+            d.mkdir()
+            dirs.append(d)
+    return dirs
+
+
+def _remove_cgroups(dirs: list[Path]) -> None:
+    for d in dirs:
+        for sub in sorted((p for p in d.rglob("*") if p.is_dir()), reverse=True):
+            sub.rmdir()
+        d.rmdir()
+
+
+class Container:
+    """One ``systemd-nspawn --boot`` of an image; commands enter it with nsenter."""
+
+    def __init__(self, rootfs: Path, log: Path) -> None:
+        self.rootfs = rootfs
+        self.log = log
+        self.cgroups = _private_cgroups(f"fsa-boot-{os.getpid()}-{time.monotonic_ns()}")
+        join = 'for d in $FSA_CGROUPS; do echo $$ >"$d/cgroup.procs"; done; exec "$@"'
+        with open(log, "ab") as fh:
+            self.proc = subprocess.Popen(
+                ["sh", "-c", join, "sh", "systemd-nspawn", "--boot", "--register=no", "--keep-unit", "--quiet",
+                 "--console=read-only", "--bind=/dev/fuse", f"--directory={rootfs}",
+                 "--machine=fsa-boot"],
+                stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                env={**os.environ, "FSA_CGROUPS": " ".join(map(str, self.cgroups))},
+            )  # fmt: skip
+        self.leader = self._find_leader()
+
+    def _find_leader(self) -> int:
+        """The container's PID 1 as the host sees it: nspawn's child running systemd."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"nspawn exited {self.proc.returncode}: {self.output()}")
+            for child in _children(self.proc.pid):
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{child}/comm").read_text().strip() == "systemd":
+                        return child
+            time.sleep(0.05)
+        raise AssertionError(f"no systemd in the container: {self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def run(self, *argv: str, user: str | None = None, check: bool = True) -> str:
+        """``argv`` inside the container, as root or (``user``) in that user's login shell."""
+        cmd = ["nsenter", "-t", str(self.leader), "-m", "-u", "-i", "-n", "-p", "--"]
+        if user is not None:
+            cmd += ["runuser", "-l", user, "-c", " ".join(argv)]
+        else:
+            cmd += list(argv)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{argv} exited {proc.returncode}: {proc.stdout}{proc.stderr}")
+        return proc.stdout + proc.stderr
+
+    def fuse_mounts(self) -> dict[str, str]:
+        """Mount point -> mount options of the container's FUSE mounts."""
+        found = {}
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{self.leader}/mountinfo").read_text().splitlines():
+                head, _, tail = line.partition(" - ")
+                if tail.startswith("fuse"):
+                    found[head.split()[4]] = tail.split()[-1]
+        return found
+
+    def wait_for_mounts(self) -> dict[str, str]:
+        want = {f"{HOME}/{s}" for s in SCOPES}
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        while time.monotonic() < deadline:
+            mounts = self.fuse_mounts()
+            if want <= mounts.keys():
+                return mounts
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        status = self.run("systemctl", "status", "--no-pager", "fsagent@*", check=False)
+        raise AssertionError(f"mounted: {sorted(self.fuse_mounts())}\n{status}\n{self.output()}")
+
+    def poweroff(self, timeout: float = 240.0) -> int:
+        """A clean shutdown (SIGRTMIN+4 to systemd); nspawn's exit code."""
+        if self.proc.poll() is None:
+            os.kill(self.leader, signal.SIGRTMIN + 4)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"no clean stop within {timeout}s: {self.output()}") from None
+
+    def kill(self) -> None:
+        """Kill PID 1 (and so the whole container), then nspawn."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.leader, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def booted(rootfs: Path) -> Iterator[Container]:
+    box = Container(rootfs, rootfs.parent / f"console-{time.monotonic_ns()}.log")
+    try:
+        yield box
+    finally:
+        if box.proc.poll() is None:
+            with contextlib.suppress(AssertionError):
+                box.poweroff(timeout=60)
+        if box.proc.poll() is None:
+            box.kill()
+        _remove_cgroups(box.cgroups)
+
+
+def _controller_file(tenant: Tenant, run: Run, path: str) -> bytes | None:
+    with tenant.client() as http:
+        r = http.get(tenant.folder("task", run.task) + "/content", params={"path": path})
+    if r.status_code == 404:
+        return None
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def _install_token(rootfs: Path, token: str) -> None:
+    uid, gid = _ids(rootfs, AGENT)
+    path = rootfs / "etc/fsagent/run-token"
+    path.write_text(token + "\n")
+    os.chown(path, uid, gid)
+    path.chmod(0o400)
+
+
+def _ids(rootfs: Path, user: str) -> tuple[int, int]:
+    for line in (rootfs / "etc/passwd").read_text().splitlines():
+        fields = line.split(":")
+        if fields[0] == user:
+            return int(fields[2]), int(fields[3])
+    raise AssertionError(f"no user {user} in the image")
+
+
+def test_boot_mounts_as_agent_and_shutdown_saves(image: Path, tenant: Tenant) -> None:
+    run = start_run(tenant)
+    _install_token(image, run.token)
+    uid, _ = _ids(image, AGENT)
+    payload = os.urandom(1 << 16)
+    with booted(image) as box:
+        mounts = box.wait_for_mounts()
+        for scope in SCOPES:
+            opts = mounts[f"{HOME}/{scope}"]
+            assert f"user_id={uid}" in opts, (scope, opts)
+        env = box.run("env", user=AGENT)
+        assert f"PAPERCLIP_TASK_DIR={HOME}/task" in env
+        assert f"AGENT_HOME={HOME}/agent" in env
+        # Written by the agent through its mount.
+        (image / "var/tmp/payload").write_bytes(payload)
+        box.run("cp", "/var/tmp/payload", '"$PAPERCLIP_TASK_DIR/notes.bin"', user=AGENT)
+        assert box.run("stat", "-c", "%U", f"{HOME}/task/notes.bin", user=AGENT).strip() == AGENT
+        assert box.poweroff() == 0, box.output()
+    assert _controller_file(tenant, run, "notes.bin") == payload
+
+
+def test_failed_save_shows_in_systemctl_status(image: Path, tenant: Tenant) -> None:
+    run = start_run(tenant)
+    _install_token(image, run.token)
+    with booted(image) as box:
+        box.wait_for_mounts()
+        box.run("sh", "-c", f"'echo unsaved > {HOME}/task/lost.txt'", user=AGENT)
+        # The run ends before the agent's change is saved: the controller refuses it.
+        tenant.controller.admin("end-run", run.run_id)
+        box.run("systemctl", "stop", "fsagent@task.service", check=False)
+        status = box.run("systemctl", "status", "--no-pager", "fsagent@task.service",
+                         check=False)  # fmt: skip
+        assert re.search(r"Active: failed .*", status), status
+        assert "status=4" in status, status
+        assert box.run("systemctl", "is-failed", "fsagent@task.service", check=False).strip() == (
+            "failed"
+        )
+        assert box.poweroff() == 0, box.output()
+    assert _controller_file(tenant, run, "lost.txt") is None
+    # The state dir kept the change: the next run of the same folders ships it.
+    again = tenant.controller.admin(
+        "start-run", tenant.company_id, "--agent", run.agent, "--task", run.task,
+        "--project", run.project, "--user", tenant.user_id,
+    )  # fmt: skip
+    _install_token(image, again["token"])
+    with booted(image) as box:
+        box.wait_for_mounts()
+        assert box.poweroff() == 0, box.output()
+    assert _controller_file(tenant, run, "lost.txt") == b"unsaved\n"
