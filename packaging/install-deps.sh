@@ -8,22 +8,27 @@ set -euo pipefail
 
 pkgs=(fuse3 libfuse3-dev pkg-config gcc make python3 python3-dev python3-venv
       postgresql tar ca-certificates)
+# Packages wanted only for the commands they provide: a machine that already
+# has the command from elsewhere (Node.js from NodeSource ships npm inside its
+# nodejs package, which conflicts with Debian's npm) keeps it.
+cmds=()
 for opt in "$@"; do
     case "$opt" in
-        --test) pkgs+=(chromium chromium-driver fonts-dejavu-core nodejs npm) ;;
+        # Chromium for the browser tests, npm for axe-core, debootstrap and
+        # systemd-nspawn for the sandbox image boot test.
+        --test) pkgs+=(chromium chromium-driver fonts-dejavu-core debootstrap systemd-container)
+                cmds+=(nodejs:node npm:npm) ;;
         --bench) pkgs+=(bindfs rclone) ;;
         *) echo "usage: $0 [--test] [--bench]" >&2; exit 2 ;;
     esac
 done
 
-# --test also needs debootstrap and systemd-nspawn: the sandbox image boot test.
-if [[ " $* " == *" --test "* ]]; then
-    pkgs+=(debootstrap systemd-container)
-fi
-
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+for pc in "${cmds[@]}"; do
+    command -v "${pc#*:}" >/dev/null || missing+=("${pc%%:*}")
 done
 if ((${#missing[@]})); then
     if [[ $(id -u) -ne 0 ]]; then
