@@ -313,6 +313,8 @@ def cmd_admin(args: argparse.Namespace) -> int:
             out = admin.list_tokens(url, args.company, args.user)
         elif a == "revoke-token":
             out = admin.revoke_token(url, args.token_id)
+        elif a == "create-operator-token":
+            out = admin.create_operator_token(url, args.company, args.name)
         elif a == "audit":
             out = admin.audit(url, args.run, args.after, args.limit)
             text = audit_lines
@@ -426,10 +428,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default="/home/agent", help="the sandbox's $HOME, for the env paths")
     p = admin_cmd("end-run", "end a run; its token stops working at once")
     p.add_argument("run")
-    p = admin_cmd("list-tokens", "list API tokens by id (the tokens themselves are not stored)")
-    p.add_argument("--company", help="only tokens of this company's members")
+    p = admin_cmd(
+        "create-operator-token",
+        "issue a token for machines (an orchestrator) that opens one company's admin routes",
+    )
+    p.add_argument("company")
+    p.add_argument("--name", required=True, help="what the token is for, shown by list-tokens")
+    p = admin_cmd(
+        "list-tokens",
+        "list API and operator tokens by id (the tokens themselves are not stored)",
+    )
+    p.add_argument(
+        "--company", help="only tokens of this company's members and its operator tokens"
+    )
     p.add_argument("--user", help="only this user's tokens")
-    p = admin_cmd("revoke-token", "revoke an API token by id; it answers 401 at once")
+    p = admin_cmd("revoke-token", "revoke an API or operator token by id; it answers 401 at once")
     p.add_argument("token_id")
     p = admin_cmd("end-sessions", "end every Files page session of a user")
     p.add_argument("user")
