@@ -2,9 +2,10 @@
 id, never shown again), operator tokens for machines, Files page sessions.
 
 An **operator token** belongs to one company and opens only that company's
-admin routes (``/api/companies/{companyId}/…`` members, agents, projects,
-tasks, runs and audit): never a work folder, the API bridge, the Files page
-or another company. Like an API token it is shown once; only its SHA-256 is
+orchestrator routes (``/api/companies/{companyId}/…``: reading members;
+agents, projects, tasks, runs and their audit trails): never a membership
+change, a token, a work folder, the API bridge, the Files page or another
+company. Like an API token it is shown once; only its SHA-256 is
 stored, with a public id to list and revoke it by.
 """
 

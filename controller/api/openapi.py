@@ -289,6 +289,7 @@ def _admin_paths() -> dict[str, Any]:
                 _json_body(
                     {"email": {"type": "string", "maxLength": 320}, "role": _ROLE}, "email", "role"
                 ),
+                _PEOPLE_ONLY,
             ),
         },
         company + "/members/{userId}": {
@@ -296,7 +297,7 @@ def _admin_paths() -> dict[str, Any]:
             "put": _admin_op(
                 "Add an existing user with a role, or change a member's role"
                 " (the owner role: owners only, 403 owner_required; 409 last_owner)",
-                _OPERATOR_OK,
+                _PEOPLE_ONLY,
                 "200",
                 "403",
                 "409",
@@ -304,7 +305,7 @@ def _admin_paths() -> dict[str, Any]:
             ),
             "delete": _admin_op(
                 "Remove a member; their access ends at the next request",
-                _OPERATOR_OK,
+                _PEOPLE_ONLY,
                 "200",
                 "403",
                 "409",

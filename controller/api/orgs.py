@@ -3,9 +3,14 @@ operator tokens, under ``/api/companies/{companyId}/…``.
 
 Each route is one call of the domain function ``controller admin`` calls
 (:mod:`controller.orgs`, :mod:`controller.tokens`). Owners and admins of the
-company may use them, and so may the company's operator tokens (except the
-operator-token routes: a token never mints or revokes tokens); anyone else
-gets 404 ``company_not_found``. Only an owner gives or takes the owner role.
+company may use them; anyone else gets 404 ``company_not_found``. Only an
+owner gives or takes the owner role.
+
+The company's operator tokens may read the members and manage agents,
+projects and tasks (``company_route``), but not change who belongs to the
+company or mint tokens (plain ``json_errors`` routes, where ``authenticate``
+refuses them with 401): a machine's credential must never turn itself into a
+person's API token or role, nor mint or keep operator tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from controller.auth import CompanyActor
 Conn = AsyncConnection[Any]
 
 
-# --- members -----------------------------------------------------------------------
+# --- members (changes: people only) -------------------------------------------------
 
 
 @company_route
@@ -53,7 +58,7 @@ async def list_members(request: Request) -> Response:
     return JSONResponse({"members": await company_read(request, work)})
 
 
-@company_route
+@json_errors
 async def create_member(request: Request) -> Response:
     """A new user with a first API token (shown once), made a member."""
     path_company(request)
@@ -67,7 +72,7 @@ async def create_member(request: Request) -> Response:
     return JSONResponse(await company_write(request, work), status_code=201)
 
 
-@company_route
+@json_errors
 async def put_member(request: Request) -> Response:
     """Add an existing user with a role, or change a member's role."""
     user_id = validate_uuid(request.path_params["userId"], "userId")
@@ -81,7 +86,7 @@ async def put_member(request: Request) -> Response:
     return JSONResponse(await company_write(request, work))
 
 
-@company_route
+@json_errors
 async def delete_member(request: Request) -> Response:
     user_id = validate_uuid(request.path_params["userId"], "userId")
 
