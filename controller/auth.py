@@ -335,8 +335,6 @@ def write_policy(
 
 # --- the company admin API ------------------------------------------------------
 
-ADMIN_ROLES = ("owner", "admin")
-
 
 @dataclass(frozen=True)
 class CompanyActor:

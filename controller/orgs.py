@@ -212,13 +212,11 @@ async def _locked_role(
     )
     row = await cur.fetchone()
     current = None if row is None else str(row["role"])
-    if actor is not None and current is not None and current != new:
+    if actor is not None and current != new:
         if "owner" in (current, new) and not actor.is_owner:
             raise OwnerRequired()
         if current == "owner" and owners == {user}:
             raise LastOwner()
-    elif actor is not None and new == "owner" and not actor.is_owner:
-        raise OwnerRequired()
     return current
 
 

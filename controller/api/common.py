@@ -145,6 +145,10 @@ def json_errors(endpoint: Endpoint) -> Endpoint:
     return wrapper
 
 
+OPERATOR_ROUTE = "controller.operator_route"
+"""Scope key set by :func:`company_route`: this route takes operator tokens."""
+
+
 def company_route(endpoint: Endpoint) -> Endpoint:
     """A company admin route (``/api/companies/{companyId}/…`` members, agents,
     projects, tasks, runs): JSON errors, and operator tokens accepted (the
@@ -200,10 +204,6 @@ def is_write(request: Request) -> bool:
 def on_bridge(request: Request) -> bool:
     path: str = request.scope.get("path", "")
     return path.startswith(BRIDGE_PREFIX + "/")
-
-
-OPERATOR_ROUTE = "controller.operator_route"
-"""Scope key set by :func:`company_route`: this route takes operator tokens."""
 
 
 async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
