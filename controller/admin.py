@@ -17,6 +17,7 @@ Adding a command: write the domain function as
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -53,11 +54,27 @@ def in_transaction(url: str, work: Callable[[psycopg.AsyncConnection[Any]], Awai
             return await work(conn)
 
     try:
-        return asyncio.run(run())
+        return _run_to_completion(run)
     except WorkFolderError as exc:
         if exc.status >= 500:
             raise
         raise AdminError(refusal_text(exc)) from None
+
+
+def _run_to_completion(main: Callable[[], Awaitable[T]]) -> T:
+    """``main()`` on an event loop of its own; on a thread of its own when the
+    caller's thread already runs a loop (a program embedding these commands,
+    or a test driving a browser), where ``asyncio.run`` refuses to start."""
+
+    async def as_coroutine() -> T:
+        return await main()
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(as_coroutine())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, as_coroutine()).result()
 
 
 def _iso(value: Any) -> str | None:
