@@ -279,35 +279,37 @@ def test_two_replicas_share_postgresql_and_s3(cluster: Cluster, mounts: MountFac
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(len(writers) + len(rest) + 1) as pool:
         reader = pool.submit(read_versions, cluster, watched, log, stop)
+        try:
 
-        def mount_work(w: MountWriter) -> None:
-            for n in range(2):
-                w.batch(n)
-                reply = w.save()
+            def mount_work(w: MountWriter) -> None:
+                for n in range(2):
+                    w.batch(n)
+                    reply = w.save()
+                    assert reply["ok"] is True, reply
+
+            all_done([*(pool.submit(mount_work, w) for w in writers),
+                      *(pool.submit(r.run) for r in rest)])  # fmt: skip
+            served_before_kill = list(cluster.lb.served)
+
+            # Phase 2: the replica holding the next checkpoint commit is killed with
+            # SIGKILL mid-request; every mount saves anyway, through the other one.
+            def kill(index: int) -> None:
+                proc = cluster.replicas[index].proc
+                assert proc is not None
+                proc.kill()
+
+            for w in writers:
+                w.batch(2)
+            cluster.lb.kill_during("POST", r"/bridge/v1/folders/\w+/checkpoints$", kill)
+            late = RestWriter(cluster, cluster.folder("project", project), 9, 4)
+            saves = [pool.submit(w.save) for w in writers]
+            late_done = pool.submit(late.run)
+            for s in saves:
+                reply = s.result()
                 assert reply["ok"] is True, reply
-
-        all_done([*(pool.submit(mount_work, w) for w in writers),
-                  *(pool.submit(r.run) for r in rest)])  # fmt: skip
-        served_before_kill = list(cluster.lb.served)
-
-        # Phase 2: the replica holding the next checkpoint commit is killed with
-        # SIGKILL mid-request; every mount saves anyway, through the other one.
-        def kill(index: int) -> None:
-            proc = cluster.replicas[index].proc
-            assert proc is not None
-            proc.kill()
-
-        for w in writers:
-            w.batch(2)
-        cluster.lb.kill_during("POST", r"/bridge/v1/folders/\w+/checkpoints$", kill)
-        late = RestWriter(cluster, cluster.folder("project", project), 9, 4)
-        saves = [pool.submit(w.save) for w in writers]
-        late_done = pool.submit(late.run)
-        for s in saves:
-            reply = s.result()
-            assert reply["ok"] is True, reply
-        late_done.result()
-        stop.set()
+            late_done.result()
+        finally:
+            stop.set()  # the reader ends whatever happened, so the pool can close
         reader.result()
     elapsed = time.monotonic() - started
     rest.append(late)
