@@ -45,15 +45,26 @@ export class SyncPanel {
 
   build(ids) {
     this.filesUpdated = h("span", { class: "files-updated-value" });
-    this.agentUpdated = h("span", { class: "agent-updated-value" });
+    // Filled from /sync, which the page asks for once the listing is there.
+    this.agentUpdated = h("span", { class: "agent-updated-value muted", text: "loading…" });
     this.runList = h("ul", { class: "runs" });
     this.error = h("p", { class: "error", role: "alert" });
     return h(
       "section",
       { class: "card sync", "aria-labelledby": ids.sync },
       h("h2", { id: ids.sync, text: "Sync" }),
-      h("p", { class: "files-updated" }, "Direct changes: ", this.filesUpdated),
-      h("p", { class: "agent-updated" }, "Agent saves: ", this.agentUpdated),
+      h(
+        "p",
+        { class: "files-updated" },
+        h("span", { class: "sync-label", text: "Direct changes: " }),
+        this.filesUpdated,
+      ),
+      h(
+        "p",
+        { class: "agent-updated" },
+        h("span", { class: "sync-label", text: "Agent saves: " }),
+        this.agentUpdated,
+      ),
       h("p", {
         class: "help",
         text: "Direct changes are uploads, new folders, renames, moves, deletes, restores and purges made here or through the API. Agent saves are the checkpoints runs saved into this folder; each run is listed below.",
@@ -90,6 +101,7 @@ export class SyncPanel {
 
   /** The newest save of this folder by any run, with the run's agent. */
   showAgentUpdated(runs) {
+    this.agentUpdated.classList.remove("muted");
     const saved = runs.filter((r) => r.folderSavedAt);
     if (!saved.length) {
       this.agentUpdated.replaceChildren(timeElement(null, "none yet"));
