@@ -393,3 +393,16 @@ def test_an_agent_save_appears_in_an_open_listing_without_a_reload(
     expect(ended.locator(".state")).to_have_text("Ended — not saved")
     expect(ended.locator(".run-reason")).to_have_text("The run ended before it saved anything.")
     views.snap("sync-ended-not-saved")
+
+    # The first run saved the task folder, never the user folder: there it
+    # does not read "Saved", running or ended.
+    page.goto(tenant.controller.url + folder_url(tenant, "user", tenant.user_id))
+    expect(item.locator(".state")).to_have_text("Running — not saved here yet")
+    expect(item.locator(".run-saved")).to_have_text("Last save of this folder: not yet")
+    expect(page.locator(".agent-updated")).to_have_text("Agent saves: none yet")
+    tenant.controller.admin("end-run", run.run_id)
+    page.reload()
+    expect(item.locator(".state")).to_have_text("Ended — not saved")
+    expect(item.locator(".run-reason")).to_have_text(
+        "The run saved its other folders, never this one."
+    )

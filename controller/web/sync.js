@@ -18,17 +18,24 @@ const RUN_STATE_LABEL = {
 const PENDING_REFRESH =
   "Refresh requested: waiting for the agent. It takes this folder's new files at its next safe point, and the request clears once it has.";
 
-/** {key, text, reason}: the run's state in words, with why an ended run saved nothing. */
+/**
+ * {key, text, reason}: the run's state in words, for this folder. A run that
+ * saved other folders but never this one does not read "Saved" here, and an
+ * ended run that never saved this folder says why.
+ */
 function runState(run) {
-  if (run.active) return { key: run.state, text: RUN_STATE_LABEL[run.state] || run.state };
+  const savedHere = Boolean(run.folderSavedAt);
+  if (run.active) {
+    if (run.state === "saved" && !savedHere) return { key: "starting", text: "Running — not saved here yet" };
+    return { key: run.state, text: RUN_STATE_LABEL[run.state] || run.state };
+  }
   if (run.state === "failed") return { key: "failed", text: "Ended — save failed" };
   if (run.state === "saving") return { key: "failed", text: "Ended while saving" };
-  if (!run.lastSavedAt) {
-    return {
-      key: "failed",
-      text: "Ended — not saved",
-      reason: run.error || "The run ended before it saved anything.",
-    };
+  if (!savedHere) {
+    const reason = run.lastSavedAt
+      ? "The run saved its other folders, never this one."
+      : "The run ended before it saved anything.";
+    return { key: "failed", text: "Ended — not saved", reason: run.error || reason };
   }
   return { key: "saved", text: "Ended — saved" };
 }
