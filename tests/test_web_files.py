@@ -298,6 +298,12 @@ def test_keyboard_arrows_enter_f2_delete_and_focus(page: Page, tenant: Tenant) -
     )
     expect(page.get_by_role("link", name="Open k2.txt")).to_be_focused()
 
+    # The file changes through the API while its row has focus: the live
+    # update rebuilds the row, and focus stays on it.
+    put_file(tenant, folder, "k2.txt", b"file 2, changed")
+    expect(listing_row(page, "k2.txt").locator(".col-size")).to_have_text("15 bytes", timeout=8000)
+    expect(page.get_by_role("link", name="Open k2.txt")).to_be_focused()
+
     # Enter on a folder opens it, and focus lands on the main heading again.
     page.keyboard.press("Home")
     page.keyboard.press("Enter")
