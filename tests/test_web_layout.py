@@ -226,6 +226,7 @@ def _page_top(page: Page, path: str) -> float:
     return top
 
 
+@pytest.mark.keep_views
 @pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
 def test_selection_uploads_and_messages_never_move_the_rows(
     page: Page, tenant: Tenant, views: ViewRecorder, viewport: dict[str, int]
