@@ -271,6 +271,18 @@ def test_selection_uploads_and_messages_never_move_the_rows(
     assert_reflows(page, "upload panel and status")
     views.snap(f"{width}-upload-and-status")
     assert "z-last.txt" in {e["path"] for e in api_entries(tenant, folder)}
+    # Scrolled to the end, everything on the page is clear of the open uploads
+    # panel: nothing is out of reach behind it.
+    content_bottom, panel_top = page.evaluate(
+        "() => { window.scrollTo(0, document.scrollingElement.scrollHeight);"
+        " return [document.querySelector('.layout').getBoundingClientRect().bottom,"
+        " document.querySelector('.uploads-box').getBoundingClientRect().top]; }"
+    )
+    assert content_bottom <= panel_top, (content_bottom, panel_top)
+    actions = listing_row(page, "z-last.txt").get_by_role("button", name="Actions for z-last.txt")
+    actions.tap() if width < 600 else actions.click()
+    expect(page.get_by_role("menu")).to_be_visible()
+    page.keyboard.press("Escape")
     # A message goes away by itself, so it never stays over a row.
     page.clock.fast_forward(11_000)
     expect(status).to_have_count(0)
