@@ -445,7 +445,7 @@ def _resolve_problem(
     assert link.target is not None
     where = link.path.split("/")[:-1]
     pending = list(reversed(link.target.split("/")))
-    hops = 0
+    hops = 1  # the link itself, as the kernel counts
     while pending:
         budget[0] -= 1
         if budget[0] < 0:

@@ -14,6 +14,7 @@ import httpx
 from common.bridge import (
     BATCH_HEADER,
     BATCH_MAGIC,
+    BATCH_MEMBER_MAX,
     FRAME_HEADER,
     MEMBER_HEADER,
     PREFIX,
@@ -141,12 +142,18 @@ class RepoRun:
             return c.put(f"/repos/{ws}/uploads", content=framed(data))
 
     def upload_all(self, ws: str, blobs: list[bytes]) -> None:
-        """Every blob, in batches (one request per 1,000)."""
+        """Every blob: small ones in batches (one request per 1,000), the
+        others one per request."""
+        small = [b for b in blobs if len(b) <= BATCH_MEMBER_MAX]
         with self.client() as c:
-            for start in range(0, len(blobs), 1000):
-                part = blobs[start : start + 1000]
+            for start in range(0, len(small), 1000):
+                part = small[start : start + 1000]
                 r = c.put(f"/repos/{ws}/uploads/batch", content=encode_batch(part))
                 assert r.status_code == 200, r.text
+            for blob in blobs:
+                if len(blob) > BATCH_MEMBER_MAX:
+                    r = c.put(f"/repos/{ws}/uploads", content=framed(blob))
+                    assert r.status_code == 200 and r.json()["digest"] == sha(blob), r.text
 
     def missing(self, ws: str, digests: list[str]) -> httpx.Response:
         with self.client() as c:
