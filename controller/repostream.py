@@ -72,12 +72,19 @@ def tar_body(
 ) -> Iterator[bytes]:
     """A POSIX (pax) tar of the checkpoint under ``name/``: directories 0755,
     files 0644 or 0755 (their exec bit), symlinks with their targets; every
-    entry dated ``mtime``. Readable by ``tarfile`` and GNU tar."""
+    entry dated ``mtime`` (whole seconds). Readable by ``tarfile`` and GNU tar."""
     written = 0
+    seconds = int(mtime)  # a fraction would cost a pax header per entry
 
     def entry(path: str, kind: bytes, mode: int, size: int = 0, target: str = "") -> bytes:
         info = tarfile.TarInfo(path)
-        info.type, info.mode, info.size, info.mtime, info.linkname = kind, mode, size, mtime, target
+        info.type, info.mode, info.size, info.mtime, info.linkname = (
+            kind,
+            mode,
+            size,
+            seconds,
+            target,
+        )
         return _header(info)
 
     head = entry(name, tarfile.DIRTYPE, 0o755)
