@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
@@ -44,7 +45,14 @@ def in_transaction(url: str, work: Callable[[psycopg.AsyncConnection[Any]], Awai
             return await work(conn)
 
     try:
-        return asyncio.run(run())
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(run())
+        # Called from inside an event loop (a program embedding the CLI, such
+        # as a test driving a browser): a loop of its own, on a thread.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, run()).result()
     except ValidationError as exc:
         raise AdminError("; ".join(d.get("message", str(d)) for d in exc.details or [])) from None
     except NotFound as exc:
