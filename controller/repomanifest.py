@@ -206,13 +206,11 @@ class Plan:
     manifest: Manifest
     old_digests: frozenset[str]
     """File digests of the current checkpoint (which this binding references)."""
+    new_digests: frozenset[str]
+    """File digests of the planned checkpoint."""
     entries: int
     files: int
     byte_size: int
-
-    @property
-    def new_digests(self) -> frozenset[str]:
-        return frozenset(self.manifest.sizes)
 
 
 def plan_checkpoint(req: CheckpointRequest, current_id: str | None, current: Manifest) -> Plan:
@@ -252,7 +250,15 @@ def plan_checkpoint(req: CheckpointRequest, current_id: str | None, current: Man
         if member.kind == "file":
             files += 1
             byte_size += member.byte_size
-    return Plan(current_id, manifest, frozenset(current.sizes), len(members), files, byte_size)
+    return Plan(
+        current_id,
+        manifest,
+        frozenset(current.sizes),
+        frozenset(manifest.sizes),
+        len(members),
+        files,
+        byte_size,
+    )
 
 
 def member_with(manifest: Manifest, digest: str) -> str:
