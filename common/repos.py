@@ -261,7 +261,12 @@ def is_dotgit_name(segment: str) -> bool:
     case (case-insensitive filesystems), HFS+-ignorable code points, NTFS's
     trailing dots and spaces, alternate streams (``.git::$INDEX_ALLOCATION``)
     and 8.3 short name (``git~1``)."""
-    name = "".join(ch for ch in segment if ch not in _HFS_IGNORABLE).lower()
+    if segment.isascii():  # the common case: no HFS+-ignorable code point
+        name = segment.lower()
+    else:
+        name = "".join(ch for ch in segment if ch not in _HFS_IGNORABLE).lower()
+    if "git" not in name:
+        return False
     name = name.split(":", 1)[0].rstrip(". ")
     return name in (GIT_DIR, "git~1")
 
