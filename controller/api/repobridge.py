@@ -46,7 +46,6 @@ from controller.api.objects import (
     open_spool,
     put_object,
     reupload_if_missing,
-    spool_append,
 )
 from controller.api.serialize import repo_binding_json
 from controller.api.uploads import Confirm, receive_batch, receive_upload
@@ -138,9 +137,17 @@ async def upload_batch(request: Request) -> Response:
     return JSONResponse({"objects": objects})
 
 
+def _encode(plan: repomanifest.Plan) -> tuple[bytes, str]:
+    """The manifest object's bytes and their SHA-256 (CPU work: in a thread)."""
+    data = repomanifest.encode(plan.manifest)
+    return data, hashlib.sha256(data).hexdigest()
+
+
 def _write_spool(fd: int, data: bytes) -> None:
     try:
-        spool_append(fd, hashlib.sha256(), data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -168,8 +175,7 @@ async def _commit_once(
             repomanifest.load, st.storage, bound.company_id, bound.manifest_digest
         )
     plan = await asyncio.to_thread(repomanifest.plan_checkpoint, req, bound.current_id, current)
-    data = await asyncio.to_thread(repomanifest.encode, plan.manifest)
-    digest = hashlib.sha256(data).hexdigest()
+    data, digest = await asyncio.to_thread(_encode, plan)
     fd, spool = await open_spool(st.settings.spool_dir, "manifest-")
     created = False
     try:
