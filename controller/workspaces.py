@@ -79,9 +79,10 @@ def check_name(name: str) -> str:
 
 
 async def _project_company(conn: AsyncConnection[Any], project_id: str) -> str:
-    # FOR UPDATE: primary takeovers of one project are serialized.
+    # Primary takeovers of one project are serialized (and rows referring to
+    # the project, which take FOR KEY SHARE, are not held up).
     cur = await conn.execute(
-        "SELECT company_id FROM projects WHERE id = %s FOR UPDATE", (project_id,)
+        "SELECT company_id FROM projects WHERE id = %s FOR NO KEY UPDATE", (project_id,)
     )
     row = await cur.fetchone()
     if row is None:
@@ -207,7 +208,7 @@ async def bind_task(conn: AsyncConnection[Any], company_id: str, task_id: str) -
     # The task row lock serializes two bindings of one task (two runs
     # starting at once), so each sees the other's names.
     cur = await conn.execute(
-        "SELECT project_id FROM tasks WHERE id = %s AND company_id = %s FOR UPDATE",
+        "SELECT project_id FROM tasks WHERE id = %s AND company_id = %s FOR NO KEY UPDATE",
         (task_id, company_id),
     )
     task = await cur.fetchone()

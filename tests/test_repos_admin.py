@@ -4,8 +4,12 @@ names that stay once given. Real controller and PostgreSQL."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
+from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.repos import add_workspace, repo_run, restart, small_repo
 
@@ -211,3 +215,32 @@ def test_set_task_branch_shows_on_the_primary_only(tenant: Tenant) -> None:
         ("app", "agent/fix-123"),
         ("lib", None),
     ]
+
+
+def test_runs_starting_at_once_bind_each_workspace_once(tenant: Tenant) -> None:
+    """Four `start-run` processes of one task at once, three workspaces whose
+    URLs suggest one name: each gets exactly one binding and a name of its own."""
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, "p")["id"]
+    for host in ("one", "two", "three"):
+        add_workspace(tenant, project, f"https://{host}.example/app.git")
+    task = ctl.admin("create-task", tenant.company_id, project, "t")["id"]
+    agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
+    command = [
+        sys.executable, "-m", "controller.cli", "admin", "start-run", tenant.company_id,
+        "--agent", agent, "--task", task, "--json", "--database-url", ctl.db_url,
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(4)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err for _, err in outputs]
+    seen = [
+        [(r["workspace_id"], r["name"]) for r in json.loads(out)["repos"]] for out, _ in outputs
+    ]
+    assert all(s == seen[0] for s in seen)
+    assert len({name.lower() for _, name in seen[0]}) == 3
+    with ctl.db() as db:
+        row = db.execute("SELECT count(*) FROM task_repos WHERE task_id = %s", (task,)).fetchone()
+    assert row is not None and row[0] == 3
