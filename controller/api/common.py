@@ -31,6 +31,7 @@ from controller.api.params import declared_length
 from controller.auth import (
     RUN_TOKEN_PREFIX,
     Principal,
+    RunBinding,
     principal_for_bridge,
     principal_from_bearer,
     principal_from_session,
@@ -157,6 +158,15 @@ async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principa
     if principal.run is not None:
         note_run(principal.run.run_id)
     return principal
+
+
+async def bound_run(request: Request, conn: AsyncConnection[Any]) -> RunBinding:
+    """The run whose token authenticates a bridge request (401 for any other
+    credential)."""
+    principal = await authenticate(request, conn)
+    if principal.kind != "run" or principal.run is None:
+        raise Unauthenticated("The bridge needs a run token")
+    return principal.run
 
 
 async def authenticate_first(request: Request) -> None:

@@ -8,12 +8,14 @@
 //   trash.js      the trash view (batches, restore, restore as, purge)
 //   sync.js       the sync panel (last change, agent runs, refresh requests)
 //   live.js       polls the folder's changes and refreshes what is on screen
+//   repos.js      a task folder's repositories (last save, state, tar download)
 
 import { ApiError, FolderApi } from "./api.js";
 import { clear, h, uid } from "./dom.js";
 import { Listing } from "./listing.js";
 import { LiveUpdates } from "./live.js";
 import { Preview } from "./preview.js";
+import { RepoPanel } from "./repos.js";
 import { SyncPanel } from "./sync.js";
 import { Trash } from "./trash.js";
 import { Uploads } from "./uploads.js";
@@ -50,6 +52,7 @@ export class FolderPage {
     this.preview = null;
     this.trash = null;
     this.sync = null;
+    this.repos = null;
     this.live = null;
     this.onKey = (event) => {
       // Escape closes the preview unless a dialog or menu has it.
@@ -74,6 +77,7 @@ export class FolderPage {
     clearTimeout(this.statusTimer);
     document.removeEventListener("keydown", this.onKey);
     this.sync?.stop();
+    this.repos?.stop();
     this.live?.stop();
     this.preview?.revokeUrl();
     this.uploads?.abortAll();
@@ -137,6 +141,7 @@ export class FolderPage {
 
   refreshSync() {
     this.sync?.refresh();
+    this.repos?.refresh();
   }
 
   /**
@@ -204,6 +209,7 @@ export class FolderPage {
     this.resolveNames();
     this.refreshSync();
     this.sync.startPolling();
+    this.repos?.startPolling();
     this.live = new LiveUpdates(this);
     this.live.start();
   }
@@ -267,6 +273,7 @@ export class FolderPage {
       filter: uid("filter"),
       folderName: uid("folder-name"),
       upload: uid("upload-input"),
+      repos: uid("repos-heading"),
     };
 
     this.titleEl = h("h1", { id: ids.title, tabindex: "-1" });
@@ -287,6 +294,7 @@ export class FolderPage {
     this.trash = new Trash(this, ids);
     this.sync = new SyncPanel(this, ids);
     this.preview = new Preview(this, ids);
+    this.repos = this.route.scope === "task" ? new RepoPanel(this, ids.repos) : null;
 
     clear(this.root).append(
       h("div", { class: "folder-head" }, this.titleEl, this.subtitleEl),
@@ -302,7 +310,7 @@ export class FolderPage {
           this.listing.section,
           this.trash.section,
         ),
-        h("div", { class: "secondary-col" }, this.sync.section),
+        h("div", { class: "secondary-col" }, this.sync.section, this.repos?.section || null),
       ),
       this.uploads.box,
     );
