@@ -1,6 +1,8 @@
 """``controller admin ...``: the operator's commands, each one call of a domain
 function (:mod:`controller.orgs`, :mod:`controller.runs`,
-:mod:`controller.tokens`, :mod:`controller.bridgeaudit`) in one transaction.
+:mod:`controller.tokens`, :mod:`controller.workspaces`,
+:mod:`controller.bridgeaudit`) in one transaction (``start-run``: two, see
+:func:`controller.runs.start_bound_run`).
 
 The admin REST API (``controller/api/orgs.py``, ``controller/api/runs.py``)
 calls the same functions, so the two cannot drift. What stays here is the
@@ -25,7 +27,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from common.errors import AppError, ValidationError, WorkFolderError
-from controller import bridgeaudit, orgs, runs, tokens
+from controller import bridgeaudit, orgs, runs, tokens, workspaces
 from controller.apply import Row
 from controller.orgs import ROLES as ROLES
 
@@ -44,21 +46,32 @@ def refusal_text(exc: WorkFolderError) -> str:
     return exc.text
 
 
-def in_transaction(url: str, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
-    """``work(conn)`` in one transaction on a connection of its own; a domain
-    refusal (a 4xx error over HTTP) becomes an :class:`AdminError`."""
+def transactions(url: str) -> runs.Transact:
+    """Each ``work(conn)`` in one transaction on a connection of its own."""
 
-    async def run() -> T:
+    async def transact(work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
         conn = await psycopg.AsyncConnection.connect(url, row_factory=dict_row)
         async with conn, conn.transaction():
             return await work(conn)
 
+    return transact
+
+
+def run_command(main: Callable[[], Awaitable[T]]) -> T:
+    """``main()`` to completion; a domain refusal (a 4xx error over HTTP)
+    becomes an :class:`AdminError`."""
     try:
-        return _run_to_completion(run)
+        return _run_to_completion(main)
     except WorkFolderError as exc:
         if exc.status >= 500:
             raise
         raise AdminError(refusal_text(exc)) from None
+
+
+def in_transaction(url: str, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
+    """``work(conn)`` in one transaction on a connection of its own; a domain
+    refusal (a 4xx error over HTTP) becomes an :class:`AdminError`."""
+    return run_command(lambda: transactions(url)(work))
 
 
 def _run_to_completion(main: Callable[[], Awaitable[T]]) -> T:
@@ -147,11 +160,11 @@ def start_run(
     sandbox: str | None,
     home: str,
 ) -> dict[str, Any]:
-    """Bind a run and take a new lease for its sandbox (fencing older leases)."""
-    run = in_transaction(
-        url,
-        lambda c: runs.start_run(
-            c,
+    """Bind the task's repositories, then a run and a new lease for its sandbox
+    (fencing older leases)."""
+    run = run_command(
+        lambda: runs.start_bound_run(
+            transactions(url),
             company,
             agent=agent,
             task=task,
@@ -159,7 +172,7 @@ def start_run(
             user=user,
             sandbox=sandbox,
             home=home,
-        ),
+        )
     )
     return {
         "run_id": run.run_id,
@@ -168,6 +181,10 @@ def start_run(
         "sandbox": run.sandbox,
         "bindings": run.bindings,
         "env": run.env,
+        "repos": [
+            {"workspace_id": b.workspace_id, "name": b.name, "primary": b.primary}
+            for b in run.repos
+        ],
     }
 
 
@@ -239,3 +256,41 @@ def audit(url: str, run: str, after: int, limit: int) -> dict[str, Any]:
         return await bridgeaudit.list_for_run(conn, run, after, limit)
 
     return {"run_id": run, "entries": in_transaction(url, work)}
+
+
+# --- repositories (controller/workspaces.py) ---------------------------------------
+
+
+def add_workspace(
+    url: str,
+    project: str,
+    *,
+    repo_url: str,
+    name: str | None,
+    ref: str | None,
+    primary: bool,
+    setup_command: str | None,
+) -> dict[str, Any]:
+    project = _uuid(project, "project")
+    return in_transaction(
+        url,
+        lambda c: workspaces.add_workspace(
+            c,
+            project,
+            repo_url=repo_url,
+            name=name,
+            ref=ref,
+            primary=primary,
+            setup_command=setup_command,
+        ),
+    )
+
+
+def remove_workspace(url: str, workspace: str) -> dict[str, Any]:
+    workspace = _uuid(workspace, "workspace")
+    return in_transaction(url, lambda c: workspaces.remove_workspace(c, workspace))
+
+
+def set_task_branch(url: str, task: str, branch: str) -> dict[str, Any]:
+    task = _uuid(task, "task")
+    return in_transaction(url, lambda c: workspaces.set_task_branch(c, task, branch))

@@ -9,16 +9,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from psycopg import AsyncConnection
 
 from common.errors import MemberNotFound, RunNotActive, RunNotFound, ValidationError
-from controller import apply, folders
+from controller import apply, folders, workspaces
 from controller.apply import EnsureObject, Folder, Row
 from controller.auth import RUN_TOKEN_PREFIX, new_token, token_hash
 from controller.orgs import check_uuid, require_agent, require_project, task_project
 from controller.storage.base import object_key
+
+T = TypeVar("T")
 
 MAX_ERROR_CHARS = 2000
 
@@ -176,6 +178,57 @@ class StartedRun:
     """``task``, ``agent``, ``user`` and ``project`` ids (None when unbound)."""
     env: dict[str, str]
     """The agent's environment variables naming its folders under ``home``."""
+    repos: list[workspaces.Binding]
+    """The task's repositories (its project's workspaces), oldest first."""
+
+
+class Transact(Protocol):
+    """Runs ``work(conn)`` in a transaction of its own and returns its result
+    (the command line: a connection of its own; the API: the caller's
+    authority checked again in each transaction)."""
+
+    def __call__(self, work: Callable[[AsyncConnection[Any]], Awaitable[T]], /) -> Awaitable[T]: ...
+
+
+async def start_bound_run(
+    transact: Transact,
+    company: str,
+    *,
+    agent: str,
+    task: str | None = None,
+    project: str | None = None,
+    user: str | None = None,
+    sandbox: str | None = None,
+    home: str = DEFAULT_HOME,
+) -> StartedRun:
+    """``start-run`` and ``POST …/runs``: the task's repositories are bound in
+    a transaction of their own (a binding is the task's, whether or not this
+    run then starts, and no task or binding row stays locked while the start
+    waits for an older run's save), then :func:`start_run` in another."""
+    # Bad input is refused before anything is bound.
+    company, agent = check_uuid(company, "company"), check_uuid(agent, "agent")
+    task = check_uuid(task, "task") if task else None
+    project = check_uuid(project, "project") if project else None
+    user = check_uuid(user, "user") if user else None
+    if sandbox is not None:
+        check_sandbox_key(sandbox)
+    repos: list[workspaces.Binding] = []
+    if task is not None:
+        task_id = task
+
+        async def bind(conn: AsyncConnection[Any]) -> list[workspaces.Binding]:
+            await task_project(conn, company, task_id)  # TaskNotFound, as the start says
+            return await workspaces.bind_task(conn, company, task_id)
+
+        repos = await transact(bind)
+
+    async def start(conn: AsyncConnection[Any]) -> StartedRun:
+        return await start_run(
+            conn, company, agent=agent, task=task, project=project, user=user,
+            sandbox=sandbox, home=home, repos=repos,
+        )  # fmt: skip
+
+    return await transact(start)
 
 
 def run_env(home: str, bindings: dict[str, str | None]) -> dict[str, str]:
@@ -218,8 +271,11 @@ async def start_run(
     user: str | None = None,
     sandbox: str | None = None,
     home: str = DEFAULT_HOME,
+    repos: list[workspaces.Binding] | None = None,
 ) -> StartedRun:
-    """Bind a run to its folders and take a new lease for its sandbox.
+    """Bind a run to its folders and take a new lease for its sandbox, in the
+    caller's transaction (``repos``: the task's repository bindings, made by
+    :func:`start_bound_run`).
 
     The new lease epoch is one above every earlier run of the same sandbox,
     and those runs end in the same transaction: their tokens answer 401 from
@@ -278,7 +334,9 @@ async def start_run(
         (run_id, company, agent, task, project, user, sandbox_key, epoch, token_hash(token)),
     )
     bindings = {"task": task, "agent": agent, "user": user, "project": project}
-    return StartedRun(run_id, token, epoch, sandbox_key, bindings, run_env(home, bindings))
+    repos = list(repos or [])
+    env = run_env(home, bindings) | workspaces.run_env(repos, PurePosixPath(home))
+    return StartedRun(run_id, token, epoch, sandbox_key, bindings, env, repos)
 
 
 async def _end_runs(

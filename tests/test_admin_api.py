@@ -550,7 +550,16 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
         assert api_run["bindings"] == {
             "task": a_task_id, "agent": a_agent, "user": api_t.user_id, "project": a_project,
         }  # fmt: skip
-        assert set(cli_run) == {"run_id", "token", "lease_epoch", "sandbox", "bindings", "env"}
+        assert set(cli_run) == {
+            "run_id",
+            "token",
+            "lease_epoch",
+            "sandbox",
+            "bindings",
+            "env",
+            "repos",
+        }
+        assert cli_run["repos"] == api_run["repos"] == []
 
         cli_end = ctl.admin("end-run", cli_run["run_id"])
         api_end = api.post(f"{base}/runs/{api_run['runId']}/end").json()

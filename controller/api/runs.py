@@ -10,7 +10,8 @@ company's operator tokens may use them; anyone else gets 404
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from psycopg import AsyncConnection
 from starlette.requests import Request
@@ -39,6 +40,7 @@ from controller.api.serialize import run_record_json, started_run_json
 from controller.auth import CompanyActor
 
 Conn = AsyncConnection[Any]
+T = TypeVar("T")
 
 RUN_PAGE_MAX = 1000
 RUN_PAGE_DEFAULT = 200
@@ -68,10 +70,11 @@ def _home(value: str | None) -> str:
 
 @company_route
 async def start_run(request: Request) -> Response:
-    """Bind a run and take a new lease for its sandbox: the run token (shown
-    once), the lease epoch and the agent's ``env``. Older runs of the same
-    sandbox end (their tokens answer 401; their saves in flight are refused)."""
-    path_company(request)
+    """Bind the task's repositories, then a run and a new lease for its
+    sandbox: the run token (shown once), the lease epoch, the agent's ``env``
+    and the repositories. Older runs of the same sandbox end (their tokens
+    answer 401; their saves in flight are refused)."""
+    company_id = path_company(request)
     fields = string_fields(
         await read_json(request),
         required=("agentId",),
@@ -86,19 +89,23 @@ async def start_run(request: Request) -> Response:
         runs.check_sandbox_key(sandbox)
     home = _home(fields["home"])
 
-    async def work(conn: Conn, actor: CompanyActor) -> runs.StartedRun:
-        return await runs.start_run(
-            conn,
-            actor.company_id,
-            agent=agent,
-            task=task,
-            project=project,
-            user=user,
-            sandbox=sandbox,
-            home=home,
-        )
+    async def transact(work: Callable[[Conn], Awaitable[T]]) -> T:
+        # The caller's authority is checked again in each transaction.
+        async def as_actor(conn: Conn, actor: CompanyActor) -> T:
+            return await work(conn)
 
-    started = await company_write(request, work)
+        return await company_write(request, as_actor)
+
+    started = await runs.start_bound_run(
+        transact,
+        company_id,
+        agent=agent,
+        task=task,
+        project=project,
+        user=user,
+        sandbox=sandbox,
+        home=home,
+    )
     return JSONResponse(started_run_json(started), status_code=201)
 
 
