@@ -500,6 +500,11 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
                     " ORDER BY 1, 2",
                     (company,),
                 ).fetchall(),
+                "repos": db.execute(
+                    "SELECT b.name, w.is_primary FROM task_repos b"
+                    " JOIN workspaces w ON w.id = b.workspace_id WHERE b.company_id = %s",
+                    (company,),
+                ).fetchall(),
                 "runs": db.execute(
                     "SELECT a.name, t.title, p.name, r.user_id IS NOT NULL, r.sandbox_key,"
                     " r.lease_epoch, r.active, r.state, r.error"
@@ -532,6 +537,12 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
             "createdAt": None,
         }
 
+        # A primary repository of each project: the start binds it and names it in env.
+        c_ws = ctl.admin("add-workspace", c_project, "--repo-url",
+                         "https://git.example/app.git", "--primary")["workspace_id"]  # fmt: skip
+        a_ws = ctl.admin("add-workspace", a_project, "--repo-url",
+                         "https://git.example/app.git", "--primary")["workspace_id"]  # fmt: skip
+
         cli_run = ctl.admin(
             "start-run", cli_t.company_id, "--agent", c_agent, "--task", c_task,
             "--user", cli_t.user_id, "--sandbox", "box", "--home", "/home/a",
@@ -550,16 +561,11 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
         assert api_run["bindings"] == {
             "task": a_task_id, "agent": a_agent, "user": api_t.user_id, "project": a_project,
         }  # fmt: skip
-        assert set(cli_run) == {
-            "run_id",
-            "token",
-            "lease_epoch",
-            "sandbox",
-            "bindings",
-            "env",
-            "repos",
-        }
-        assert cli_run["repos"] == api_run["repos"] == []
+        assert set(cli_run) == {"run_id", "token", "lease_epoch", "sandbox", "bindings", "env",
+                                "repos"}  # fmt: skip
+        assert cli_run["repos"] == [{"workspace_id": c_ws, "name": "app", "primary": True}]
+        assert api_run["repos"] == [{"workspaceId": a_ws, "name": "app", "primary": True}]
+        assert cli_run["env"]["PAPERCLIP_PRIMARY_REPO"] == "/home/a/repos/app"
 
         cli_end = ctl.admin("end-run", cli_run["run_id"])
         api_end = api.post(f"{base}/runs/{api_run['runId']}/end").json()
