@@ -124,6 +124,11 @@ class TaskNotFound(NotFound):
     message = "Task not found"
 
 
+class WorkspaceNotFound(NotFound):
+    code = "workspace_not_found"
+    message = "Workspace not found"
+
+
 class TokenNotFound(NotFound):
     code = "token_not_found"
     message = "Token not found"

@@ -56,6 +56,11 @@ class World:
         user_id, _ = self.tenant.new_member(role)
         return user_id
 
+    def fresh_workspace(self) -> str:
+        out = self.ctl.admin("add-workspace", self.project, "--repo-url",
+                             f"https://git.example/{uuid.uuid4().hex[:8]}.git")  # fmt: skip
+        return str(out["workspace_id"])
+
     def fresh_run(self) -> str:
         out = self.ctl.admin("start-run", self.tenant.company_id, "--agent", self.agent)
         return str(out["run_id"])
@@ -73,7 +78,11 @@ class World:
                 "   WHERE company_id = %(c)s),"
                 " (SELECT array_agg((id, revoked_at IS NULL)::text ORDER BY id)"
                 "   FROM operator_tokens WHERE company_id = %(c)s),"
-                " (SELECT count(*) FROM users)",
+                " (SELECT count(*) FROM users),"
+                " (SELECT array_agg((id, removed_at IS NULL, is_primary)::text ORDER BY id)"
+                "   FROM workspaces WHERE company_id = %(c)s),"
+                " (SELECT array_agg((id, branch)::text ORDER BY id) FROM tasks"
+                "   WHERE company_id = %(c)s)",
                 {"c": self.tenant.company_id},
             ).fetchone()
         assert row is not None
@@ -134,6 +143,27 @@ CASES: dict[str, tuple[Case, int]] = {
     "create task": (
         lambda w: ("POST", w.base + "/tasks", {"projectId": w.project, "title": "t"}),
         201,
+    ),
+    "list workspaces": (lambda w: ("GET", f"{w.base}/projects/{w.project}/workspaces", None), 200),
+    "add workspace": (
+        lambda w: (
+            "POST",
+            f"{w.base}/projects/{w.project}/workspaces",
+            {"repoUrl": f"https://git.example/{uuid.uuid4().hex[:8]}.git"},
+        ),
+        201,
+    ),
+    "remove workspace": (
+        lambda w: ("DELETE", f"{w.base}/workspaces/{w.fresh_workspace()}", None),
+        200,
+    ),
+    "set task branch": (
+        lambda w: (
+            "PUT",
+            f"{w.base}/tasks/{w.task}/branch",
+            {"branch": f"topic-{uuid.uuid4().hex[:8]}"},
+        ),
+        200,
     ),
     "list runs": (lambda w: ("GET", w.base + "/runs", None), 200),
     "start run": (
@@ -438,6 +468,11 @@ def test_bad_input_is_a_400_that_names_the_field_and_changes_nothing(world: Worl
         ("POST", b + "/members", {"email": _email(), "role": "god"}, "role", "invalid_role"),
         ("PUT", f"{b}/members/{world.tenant.user_id}", {}, "role", "required"),
         ("POST", b + "/runs", {"taskId": world.task}, "agentId", "required"),
+        ("POST", f"{b}/projects/{world.project}/workspaces", {"repoUrl": "-u/x"}, "repoUrl",
+         "invalid"),
+        ("POST", f"{b}/projects/{world.project}/workspaces",
+         {"repoUrl": "https://h/r.git", "primary": "yes"}, "primary", "invalid_type"),
+        ("PUT", f"{b}/tasks/{world.task}/branch", {"branch": "a..b"}, "branch", "invalid"),
         ("POST", b + "/runs", {"agentId": world.agent, "home": "rel"}, "home", "invalid_home"),
         ("POST", b + "/runs", {"agentId": world.agent, "sandbox": ""}, "sandbox",
          "invalid_sandbox"),
@@ -460,6 +495,9 @@ def test_bad_input_is_a_400_that_names_the_field_and_changes_nothing(world: Worl
             ("PUT", f"{b}/members/{uuid.uuid4()}", {"role": "member"}, "user_not_found"),
             ("DELETE", f"{b}/members/{uuid.uuid4()}", None, "member_not_found"),
             ("POST", f"{b}/runs/{uuid.uuid4()}/end", None, "run_not_found"),
+            ("DELETE", f"{b}/workspaces/{uuid.uuid4()}", None, "workspace_not_found"),
+            ("PUT", f"{b}/tasks/{uuid.uuid4()}/branch", {"branch": "main"}, "task_not_found"),
+            ("GET", f"{b}/projects/{uuid.uuid4()}/workspaces", None, "project_not_found"),
         ):  # fmt: skip
             r = c.request(method, path, json=body)
             assert r.status_code == 404 and r.json()["code"] == code, r.text
@@ -500,6 +538,14 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
                     " ORDER BY 1, 2",
                     (company,),
                 ).fetchall(),
+                "workspaces": db.execute(
+                    "SELECT repo_url, name, is_primary, removed_at IS NULL FROM workspaces"
+                    " WHERE company_id = %s ORDER BY repo_url",
+                    (company,),
+                ).fetchall(),
+                "branches": db.execute(
+                    "SELECT branch FROM tasks WHERE company_id = %s", (company,)
+                ).fetchall(),
                 "repos": db.execute(
                     "SELECT b.name, w.is_primary FROM task_repos b"
                     " JOIN workspaces w ON w.id = b.workspace_id WHERE b.company_id = %s",
@@ -537,11 +583,28 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
             "createdAt": None,
         }
 
-        # A primary repository of each project: the start binds it and names it in env.
+        # Workspaces of each project (one added through each side) and a primary:
+        # the start binds them and names the primary in env.
+        c_added = ctl.admin("add-workspace", c_project, "--repo-url",
+                            "https://git.example/lib.git", "--name", "lib")  # fmt: skip
+        a_added = api.post(f"{base}/projects/{a_project}/workspaces",
+                           json={"repoUrl": "https://git.example/lib.git", "name": "lib"})  # fmt: skip
+        assert a_added.status_code == 201, a_added.text
         c_ws = ctl.admin("add-workspace", c_project, "--repo-url",
                          "https://git.example/app.git", "--primary")["workspace_id"]  # fmt: skip
         a_ws = ctl.admin("add-workspace", a_project, "--repo-url",
                          "https://git.example/app.git", "--primary")["workspace_id"]  # fmt: skip
+        assert {k: v for k, v in c_added.items() if not k.endswith("_id")} == {
+            "repo_url": a_added.json()["repoUrl"],
+            "name": a_added.json()["name"],
+            "ref": a_added.json()["ref"],
+            "primary": a_added.json()["primary"],
+            "setup_command": a_added.json()["setupCommand"],
+            "replaced_primary": a_added.json()["replacedPrimary"],
+        }
+        ctl.admin("set-task-branch", c_task, "feature/x")
+        branch = api.put(f"{base}/tasks/{a_task_id}/branch", json={"branch": "feature/x"})
+        assert branch.json() == {"taskId": a_task_id, "branch": "feature/x"}
 
         cli_run = ctl.admin(
             "start-run", cli_t.company_id, "--agent", c_agent, "--task", c_task,
@@ -563,8 +626,14 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
         }  # fmt: skip
         assert set(cli_run) == {"run_id", "token", "lease_epoch", "sandbox", "bindings", "env",
                                 "repos"}  # fmt: skip
-        assert cli_run["repos"] == [{"workspace_id": c_ws, "name": "app", "primary": True}]
-        assert api_run["repos"] == [{"workspaceId": a_ws, "name": "app", "primary": True}]
+        assert cli_run["repos"] == [
+            {"workspace_id": c_added["workspace_id"], "name": "lib", "primary": False},
+            {"workspace_id": c_ws, "name": "app", "primary": True},
+        ]
+        assert api_run["repos"] == [
+            {"workspaceId": a_added.json()["workspaceId"], "name": "lib", "primary": False},
+            {"workspaceId": a_ws, "name": "app", "primary": True},
+        ]
         assert cli_run["env"]["PAPERCLIP_PRIMARY_REPO"] == "/home/a/repos/app"
 
         cli_end = ctl.admin("end-run", cli_run["run_id"])
@@ -575,6 +644,16 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
             "state": api_end["state"],
             "error": api_end["error"],
         }
+        c_removed = ctl.admin("remove-workspace", c_added["workspace_id"])
+        a_removed = api.delete(f"{base}/workspaces/{a_added.json()['workspaceId']}").json()
+        assert (
+            (c_removed["bindings_kept"], c_removed["was_primary"])
+            == (
+                a_removed["bindingsKept"],
+                a_removed["wasPrimary"],
+            )
+            == (1, False)
+        )
         c_gone = ctl.admin("create-user", _email())["user_id"]
         ctl.admin("add-member", cli_t.company_id, c_gone, "--role", "viewer")
         out = ctl.admin("remove-member", cli_t.company_id, c_gone)

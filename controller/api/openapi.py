@@ -482,6 +482,41 @@ def _admin_paths() -> dict[str, Any]:
                 "End a run; its token answers 401 from the next request", _OPERATOR_OK, "200"
             ),
         },
+        company + "/projects/{projectId}/workspaces": {
+            "parameters": [company_p, id_p("projectId")],
+            "get": listing("The project's repository workspaces, removed ones too"),
+            "post": creation(
+                "Add a repository workspace (add-workspace); primary takes over",
+                _json_body(
+                    {
+                        "repoUrl": {"type": "string", "minLength": 1, "maxLength": 2048},
+                        "name": {"type": ["string", "null"]},
+                        "ref": {"type": ["string", "null"]},
+                        "primary": {"type": "boolean"},
+                        "setupCommand": {"type": ["string", "null"], "maxLength": 8192},
+                    },
+                    "repoUrl",
+                ),
+            ),
+        },
+        company + "/workspaces/{workspaceId}": {
+            "parameters": [company_p, id_p("workspaceId")],
+            "delete": _admin_op(
+                "Remove a workspace (remove-workspace): bound to no new task; bindings and"
+                " saved checkpoints stay",
+                _OPERATOR_OK,
+                "200",
+            ),
+        },
+        company + "/tasks/{taskId}/branch": {
+            "parameters": [company_p, id_p("taskId")],
+            "put": _admin_op(
+                "The branch the task's primary checkout is cloned onto (set-task-branch)",
+                _OPERATOR_OK,
+                "200",
+                requestBody=_json_body({"branch": {"type": "string", "minLength": 1}}, "branch"),
+            ),
+        },
         company + "/operator-tokens": {
             "parameters": [company_p],
             "get": _admin_op(

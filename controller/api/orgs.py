@@ -1,16 +1,18 @@
-"""The company admin API: members and roles, agents, projects, tasks and
-operator tokens, under ``/api/companies/{companyId}/…``.
+"""The company admin API: members and roles, agents, projects, tasks, the
+projects' repository workspaces and the tasks' branches, and operator
+tokens, under ``/api/companies/{companyId}/…``.
 
 Each route is one call of the domain function ``controller admin`` calls
-(:mod:`controller.orgs`, :mod:`controller.tokens`). Owners and admins of the
-company may use them; anyone else gets 404 ``company_not_found``. Only an
-owner gives or takes the owner role.
+(:mod:`controller.orgs`, :mod:`controller.workspaces`, :mod:`controller.tokens`).
+Owners and admins of the company may use them; anyone else gets 404
+``company_not_found``. Only an owner gives or takes the owner role.
 
 The company's operator tokens may read the members and manage agents,
-projects and tasks (``company_route``), but not change who belongs to the
-company or mint tokens (plain ``json_errors`` routes, where ``authenticate``
-refuses them with 401): a machine's credential must never turn itself into a
-person's API token or role, nor mint or keep operator tokens.
+projects, tasks and workspaces (``company_route``), but not change who
+belongs to the company or mint tokens (plain ``json_errors`` routes, where
+``authenticate`` refuses them with 401): a machine's credential must never
+turn itself into a person's API token or role, nor mint or keep operator
+tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from starlette.routing import Route
 
 from common.errors import ValidationError
 from common.paths import validate_uuid
-from controller import orgs, tokens
+from controller import orgs, tokens, workspaces
 from controller.api.common import (
     company_read,
     company_route,
@@ -35,12 +37,15 @@ from controller.api.common import (
 )
 from controller.api.params import strict_query, string_fields
 from controller.api.serialize import (
+    added_workspace_json,
     member_json,
     named_json,
     new_member_json,
     new_operator_token_json,
     operator_token_json,
+    removed_workspace_json,
     task_json,
+    workspace_json,
 )
 from controller.auth import CompanyActor
 
@@ -164,6 +169,72 @@ async def create_task(request: Request) -> Response:
     return JSONResponse(await company_write(request, work), status_code=201)
 
 
+# --- repositories: workspaces and the task's branch (controller/workspaces.py) ----------
+
+
+@company_route
+async def list_workspaces(request: Request) -> Response:
+    project = validate_uuid(request.path_params["projectId"], "projectId")
+
+    async def work(conn: Conn, actor: CompanyActor) -> list[dict[str, Any]]:
+        rows = await workspaces.list_workspaces(conn, actor.company_id, project)
+        return [workspace_json(r) for r in rows]
+
+    return JSONResponse({"workspaces": await company_read(request, work)})
+
+
+@company_route
+async def add_workspace(request: Request) -> Response:
+    """``add-workspace``: with ``primary`` the project's primary workspace
+    changes (``replacedPrimary`` names the one that no longer is)."""
+    project = validate_uuid(request.path_params["projectId"], "projectId")
+    path_company(request)
+    body = await read_json(request)
+    primary = body.pop("primary", False)
+    if not isinstance(primary, bool):
+        raise ValidationError.single("primary", "invalid_type", "primary must be true or false")
+    fields = string_fields(body, required=("repoUrl",), optional=("name", "ref", "setupCommand"))
+
+    async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
+        await orgs.require_project(conn, actor.company_id, project)
+        added = await workspaces.add_workspace(
+            conn,
+            project,
+            repo_url=str(fields["repoUrl"]),
+            name=fields["name"],
+            ref=fields["ref"],
+            primary=primary,
+            setup_command=fields["setupCommand"],
+        )
+        return added_workspace_json(added)
+
+    return JSONResponse(await company_write(request, work), status_code=201)
+
+
+@company_route
+async def remove_workspace(request: Request) -> Response:
+    workspace = validate_uuid(request.path_params["workspaceId"], "workspaceId")
+
+    async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
+        removed = await workspaces.remove_workspace(conn, workspace, company_id=actor.company_id)
+        return removed_workspace_json(removed)
+
+    return JSONResponse(await company_write(request, work))
+
+
+@company_route
+async def set_task_branch(request: Request) -> Response:
+    task = validate_uuid(request.path_params["taskId"], "taskId")
+    path_company(request)
+    branch = str(string_fields(await read_json(request), required=("branch",))["branch"])
+
+    async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
+        await workspaces.set_task_branch(conn, task, branch, company_id=actor.company_id)
+        return {"taskId": task, "branch": branch}
+
+    return JSONResponse(await company_write(request, work))
+
+
 # --- operator tokens (people only: an operator token is refused with 401) ------------
 
 
@@ -212,6 +283,10 @@ routes = [
     Route(COMPANY + "/projects", create_project, methods=["POST"]),
     Route(COMPANY + "/tasks", list_tasks, methods=["GET"]),
     Route(COMPANY + "/tasks", create_task, methods=["POST"]),
+    Route(COMPANY + "/projects/{projectId}/workspaces", list_workspaces, methods=["GET"]),
+    Route(COMPANY + "/projects/{projectId}/workspaces", add_workspace, methods=["POST"]),
+    Route(COMPANY + "/workspaces/{workspaceId}", remove_workspace, methods=["DELETE"]),
+    Route(COMPANY + "/tasks/{taskId}/branch", set_task_branch, methods=["PUT"]),
     Route(COMPANY + "/operator-tokens", list_operator_tokens, methods=["GET"]),
     Route(COMPANY + "/operator-tokens", create_operator_token, methods=["POST"]),
     Route(COMPANY + "/operator-tokens/{tokenId}", revoke_operator_token, methods=["DELETE"]),

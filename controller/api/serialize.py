@@ -235,3 +235,42 @@ def new_operator_token_json(made: NewOperatorToken) -> dict[str, Any]:
         "createdAt": iso(made.created_at),
         "revokedAt": None,
     }
+
+
+def workspace_json(row: Row) -> dict[str, Any]:
+    """A project's workspace as the admin API lists it."""
+    return {
+        "workspaceId": str(row["id"]),
+        "repoUrl": row["repo_url"],
+        "name": row["name"],
+        "ref": row["ref"],
+        "primary": bool(row["is_primary"]),
+        "setupCommand": row["setup_command"],
+        "createdAt": iso(row["created_at"]),
+        "removedAt": iso(row["removed_at"]),
+    }
+
+
+def added_workspace_json(added: dict[str, Any]) -> dict[str, Any]:
+    """``workspaces.add_workspace``'s answer (the command's shape) for the API."""
+    return {
+        "workspaceId": added["workspace_id"],
+        "projectId": added["project_id"],
+        "repoUrl": added["repo_url"],
+        "name": added["name"],
+        "ref": added["ref"],
+        "primary": added["primary"],
+        "setupCommand": added["setup_command"],
+        "replacedPrimary": added["replaced_primary"],
+    }
+
+
+def removed_workspace_json(removed: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "workspaceId": removed["workspace_id"],
+        "projectId": removed["project_id"],
+        "removed": True,
+        "removedAt": removed["removed_at"].replace("+00:00", "Z"),
+        "wasPrimary": removed["was_primary"],
+        "bindingsKept": removed["bindings_kept"],
+    }
