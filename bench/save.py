@@ -14,7 +14,10 @@ the same helpers as ``bench.checkpoint`` and ``tests/support``. Rows:
   ``--changed-rounds`` saves), and ``mount``: a fresh fsagent mounting that
   100,000-entry collection through the controller;
 * ``rest1`` / ``rest8``: REST ``PUT /content`` of 4 KiB with 1 and 8 clients
-  on one folder.
+  on one folder;
+* ``probe`` (issue 14): p99 of open + read + close of a cached 4 KiB file,
+  idle and while ``fsagent flush`` saves 3,000 new 4 KiB files and a
+  ``probe_mib`` MiB file; the daemon's CPU time during that flush beside it.
 
 ``--baseline REV`` checks REV out into a temporary ``git worktree`` and runs
 the very same measurement there (this file, with the working directory and
@@ -61,6 +64,7 @@ FULL = {
     "collection": 99_900,
     "changed_rounds": 5,
     "rest_files": 800,
+    "probe_mib": 300,
 }
 QUICK = {
     "small_files": 200,
@@ -70,8 +74,9 @@ QUICK = {
     "collection": 2000,
     "changed_rounds": 2,
     "rest_files": 80,
+    "probe_mib": 8,
 }
-ROWS = ("small", "mixed", "large", "ten", "changed", "rest")
+ROWS = ("small", "mixed", "large", "ten", "changed", "rest", "probe")
 S3_ROWS = ("large", "ten")
 
 # (key, label, unit, target, higher is better)
@@ -84,6 +89,7 @@ TABLE = [
     ("rest1_ps", "REST 4 KiB PUT, 1 client, one folder", "files/s", None, True),
     ("rest8_ps", "REST 4 KiB PUT, 8 clients, one folder", "files/s", 500, True),
     ("mount_s", "mount of a {collection_entries:,}-entry collection", "s", 3, False),
+    ("probe_ratio", "open+read+close p99 during a checkpoint, × idle p99", "x", 2, False),
 ]
 
 
@@ -158,6 +164,8 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
             out["mount_s"] = r["mount_s"]
         if "rest" in rows:
             out.update(scenario_rest(ctl, sizes["rest_files"]))
+        if "probe" in rows:
+            out.update(scenario_probe(work, ctl, sizes["small_files"], sizes["probe_mib"], mount))
     return out
 
 
@@ -265,6 +273,76 @@ def scenario_rest(ctl: Any, files: int) -> dict[str, float]:
     return out
 
 
+PROBE_SAMPLES = 3000
+
+
+def scenario_probe(work: Path, ctl: Any, files: int, mib: int, mount: Any) -> dict[str, float]:
+    """p99 of open + read + close of 100 cached 4 KiB files, idle, then while a
+    separate ``fsagent flush`` saves ``files`` new 4 KiB files and a ``mib`` MiB file."""
+    run = ctl.new_run("probe")
+    m = mount(work, ctl, run, "probe")
+    try:
+        hot = [m.mountpoint / f"hot{i:03d}" for i in range(100)]
+        for p in hot:
+            p.write_bytes(os.urandom(4096))
+        m.fsagent("flush", "task")  # the probe's own files are saved first
+        for d in range(50):
+            (m.mountpoint / f"d{d:02d}").mkdir()
+        for i in range(files):
+            (m.mountpoint / f"d{i % 50:02d}/f{i:05d}").write_bytes(os.urandom(4096))
+        with open(m.mountpoint / "big.bin", "wb") as fh:
+            for _ in range(mib):
+                fh.write(os.urandom(MIB))
+
+        def sample() -> float:
+            t = time.perf_counter()
+            with open(hot[int(t * 1e6) % len(hot)], "rb", buffering=0) as fh:
+                fh.read(8192)
+            return time.perf_counter() - t
+
+        for p in hot:
+            p.read_bytes()
+        idle = [sample() for _ in range(PROBE_SAMPLES)]
+        argv = [sys.executable, "-m", "fsagent.cli", "flush", "task",
+                "--state-dir", str(m.state_dir), "--json"]  # fmt: skip
+        assert m.proc is not None
+        cpu = cpu_seconds(m.proc.pid)
+        started = time.perf_counter()
+        flush = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        busy: list[float] = []
+        while flush.poll() is None:
+            busy.append(sample())
+            time.sleep(0.0002)
+        took = time.perf_counter() - started
+        cpu = cpu_seconds(m.proc.pid) - cpu
+        reply = json.loads(flush.communicate()[0] or b"{}")
+        if not reply.get("ok") or reply["result"]["entries"] < files + 1:
+            raise RuntimeError(f"flush during the probe failed: {reply}")
+    finally:
+        m.stop(timeout=300)
+    idle_p99, busy_p99 = p99(idle), p99(busy)
+    return {
+        "probe_idle_p99_ms": idle_p99 * 1000,
+        "probe_busy_p99_ms": busy_p99 * 1000,
+        "probe_busy_p50_ms": statistics.median(busy) * 1000,
+        "probe_ratio": busy_p99 / idle_p99,
+        "probe_flush_s": took,
+        "probe_cpu_s": cpu,
+        "probe_samples": len(busy),
+    }
+
+
+def p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # --- the driver ---------------------------------------------------------------
 
 
@@ -299,7 +377,9 @@ def fmt(value: float | None, unit: str) -> str:
     if unit == "s":
         return f"{value:.2f} s"
     if unit == "ms":
-        return f"{value:.0f} ms"
+        return f"{value:.0f} ms" if value >= 10 else f"{value:.2f} ms"
+    if unit == "x":
+        return f"{value:.1f}x"
     return f"{value:,.0f} {unit}"
 
 
@@ -360,6 +440,11 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         ("ten_requests_per_file", "S3 requests per {ten_mib} MiB file", "requests"),
         ("large_rss_mib", "daemon peak RSS, large file", "MiB"),
         ("ten_rss_mib", "daemon peak RSS, ten files", "MiB"),
+        ("probe_idle_p99_ms", "probe: open+read+close p99 idle", "ms"),
+        ("probe_busy_p99_ms", "probe: p99 during the checkpoint", "ms"),
+        ("probe_busy_p50_ms", "probe: p50 during the checkpoint", "ms"),
+        ("probe_flush_s", "probe: the checkpoint ({small_files:,} files + {probe_mib} MiB)", "s"),
+        ("probe_cpu_s", "probe: daemon CPU during the checkpoint", "s"),
     ]
     for key, label, unit in extras:
         values = [median_of(sides[n], key) for n in names]
