@@ -135,6 +135,8 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
             n = sizes["small_files"]
             r = scenario_files(work, ctl, "small", [4096] * n, 50, helpers)
             out["small_fps"] = n / r["save_s"]
+            if r.get("daemon_s") is not None:
+                out["small_daemon_fps"] = n / r["daemon_s"]
             out["small_upload_s"] = r["upload_s"]
             out["small_commit_s"] = r["save_s"] - r["upload_s"]
         if "mixed" in rows:
@@ -161,6 +163,9 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
         if "changed" in rows:
             r = scenario_changed(work, ctl, sizes["collection"], sizes["changed_rounds"], 2000, 500)
             out["changed_ms"] = r["save_s"] * 1000
+            out["changed_noop_ms"] = r["noop_s"] * 1000
+            if r.get("daemon_s") is not None:
+                out["changed_daemon_ms"] = r["daemon_s"] * 1000
             out["mount_s"] = r["mount_s"]
         if "rest" in rows:
             out.update(scenario_rest(ctl, sizes["rest_files"]))
@@ -214,6 +219,7 @@ def scenario_files(
         started = time.time()
         seconds, result = helpers["timed_flush"](m)
         assert result["entries"] >= len(sizes), result
+        daemon = result.get("seconds")  # the save's own time in the daemon
     finally:
         m.stop(timeout=300)
     got = {
@@ -226,7 +232,7 @@ def scenario_files(
             (run["run_id"],),
         ).fetchone()
     uploads = float(row[0]) - started if row and row[0] is not None else float("nan")
-    return {"workload_s": workload, "save_s": seconds, "upload_s": uploads}
+    return {"workload_s": workload, "save_s": seconds, "upload_s": uploads, "daemon_s": daemon}
 
 
 def scenario_ten(
@@ -417,7 +423,9 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         + (f"; baseline: {args.baseline} ({args.baseline_sha})" if args.baseline else "")
         + ". Each round runs both trees in turn (alternating which goes first); medians of "
         f"{args.rounds} round(s). Saves are `fsagent flush` wall time, from after the last "
-        "close() to the controller's receipt.\n",
+        'close() to the controller\'s receipt; "in the daemon" rows are the same save '
+        "without the flush process (its start, the control socket), from the daemon's "
+        "reply.\n",
         "| measurement | target | " + " | ".join(names) + " | met |",
         "| --- | ---: | " + " | ".join("---:" for _ in names) + " | :---: |",
     ]
@@ -431,6 +439,9 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
             f"| {label.format(**labels)} | {goal} | {cells} | {met(values[0], target, higher)} |"
         )
     extras = [
+        ("small_daemon_fps", "small files: the save in the daemon (no flush process)", "files/s"),
+        ("changed_daemon_ms", "10 changes: the save in the daemon (no flush process)", "ms"),
+        ("changed_noop_ms", "a flush with nothing to save (process start, control socket)", "ms"),
         ("small_upload_s", "small files: flush start to the last upload registered", "s"),
         ("small_commit_s", "small files: from there to the receipt (the commit)", "s"),
         ("mixed_upload_s", "mixed files: flush start to the last upload registered", "s"),

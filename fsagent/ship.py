@@ -40,7 +40,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import trio
@@ -98,6 +98,9 @@ class SaveResult:
     entries: int
     skipped_torn: int
     receipt: dict[str, Any] | None
+    seconds: float = 0.0
+    """From the request to the receipt in the daemon, a wait for the checkpoint
+    in flight included: what a save costs without the asking process's start."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -105,6 +108,7 @@ class SaveResult:
             "entries": self.entries,
             "skippedTorn": self.skipped_torn,
             "receipt": self.receipt,
+            "seconds": round(self.seconds, 4),
         }
 
 
@@ -243,6 +247,7 @@ class Shipper:
 
     async def ship_checkpoint(self, *, final: bool = False) -> SaveResult:
         """Save everything changed since the baseline; raises SaveFailed."""
+        asked = trio.current_time()
         async with self._lock:
             if self.fenced is not None:
                 message = f"not saved, a newer run holds the lease: {self.fenced}"
@@ -257,7 +262,7 @@ class Shipper:
                         "entries": result.entries,
                         "bytes": result.receipt.get("byteSize"),
                     }
-                return result
+                return replace(result, seconds=trio.current_time() - asked)
             except (FsagentError, OSError) as exc:
                 message = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
