@@ -37,6 +37,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -306,25 +307,31 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+Cadence = Callable[[trio.Nursery], None]
+"""Starts a mount's checkpoint cadence once it serves (given the mount's nursery)."""
+
+
 async def _open_shipper(
     store: Store,
     client: BridgeClient,
     opts: MountOptions,
     lease_epoch: int,
     threads: contextlib.AsyncExitStack,
-) -> tuple[Checkpoints, bool]:
-    """The mount's checkpoints, and whether their cadence must run on this loop.
+) -> tuple[Checkpoints, Cadence]:
+    """The mount's checkpoints and how to start their cadence.
 
     A client that can serve another thread gets a ship thread with its own
-    copy of the client (and the cadence there); another one ships here.
+    copy of the client, and the cadence runs there; another one ships here.
     """
+    interval = opts.checkpoint_interval
     ship_client = client.fork()
     if ship_client is None:
-        return Shipper(store, client, opts.scope, lease_epoch), True
-    thread = ShipThread(
-        store, ship_client, opts.scope, lease_epoch, interval=opts.checkpoint_interval
+        shipper = Shipper(store, client, opts.scope, lease_epoch)
+        return shipper, lambda nursery: nursery.start_soon(checkpoint_loop, shipper, interval)
+    thread = await threads.enter_async_context(
+        ShipThread(store, ship_client, opts.scope, lease_epoch)
     )
-    return await threads.enter_async_context(thread), False
+    return thread, lambda _nursery: thread.start_cadence(interval)
 
 
 async def _serve_store(
@@ -338,7 +345,7 @@ async def _serve_store(
     """:func:`serve` once the state dir is open."""
     owner = binding.owner_id
     shipper: Checkpoints | None = None
-    cadence_here = False
+    cadence: Cadence | None = None
     stop = StopState()
     if owner is not None:
         store.bind(binding)
@@ -346,7 +353,7 @@ async def _serve_store(
         if freed or fixed:
             log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)
         if client.writable:
-            shipper, cadence_here = await _open_shipper(store, client, opts, lease_epoch, threads)
+            shipper, cadence = await _open_shipper(store, client, opts, lease_epoch, threads)
         if not store.baseline().hydrated:
             entries, seconds = await hydrate_manifest(store, client, opts.scope)
             log.info("hydrated %d entries in %.2fs", entries, seconds)
@@ -385,9 +392,8 @@ async def _serve_store(
             nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
             if owner is not None:
                 nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
-            if shipper is not None:
-                if cadence_here:
-                    nursery.start_soon(checkpoint_loop, shipper, opts.checkpoint_interval)
+            if shipper is not None and cadence is not None:
+                cadence(nursery)
                 nursery.start_soon(
                     serve_control,
                     opts.state_dir / "control.sock",

@@ -139,26 +139,17 @@ class ThreadState(ShipState):
 class ShipThread:
     """A shipper on its own thread and trio loop, driven from the mount's loop.
 
-    ``async with ShipThread(...) as shipper`` starts the thread (and, with an
-    ``interval``, the checkpoint cadence there) and stops it on exit;
-    :meth:`ship_checkpoint` has the :class:`~fsagent.ship.Shipper` contract.
+    ``async with ShipThread(...) as shipper`` starts the thread and stops it
+    on exit; :meth:`ship_checkpoint` has the :class:`~fsagent.ship.Shipper`
+    contract and :meth:`start_cadence` starts the checkpoint cadence there.
     ``client`` is used only on the ship thread (a :meth:`BridgeClient.fork`).
     """
 
-    def __init__(
-        self,
-        store: Store,
-        client: BridgeClient,
-        scope: str,
-        lease_epoch: int,
-        *,
-        interval: float | None = None,
-    ) -> None:
+    def __init__(self, store: Store, client: BridgeClient, scope: str, lease_epoch: int) -> None:
         self.store = store
         self.client = client
         self.scope = scope
         self.lease_epoch = lease_epoch
-        self.interval = interval
         self._shipper: Shipper | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
@@ -217,6 +208,13 @@ class ShipThread:
         shipper = self._shipper
         assert shipper is not None, "the ship thread has not started"
         return await self._run_there(functools.partial(shipper.ship_checkpoint, final=final))
+
+    def start_cadence(self, interval: float) -> None:
+        """A checkpoint every ``interval`` seconds on the ship thread, from now on."""
+        token, nursery, shipper = self._token, self._nursery, self._shipper
+        if token is None or nursery is None or shipper is None:
+            raise SaveFailed("the checkpoint thread is not running")
+        token.run_sync_soon(lambda: nursery.start_soon(checkpoint_loop, shipper, interval))
 
     async def _run_there(self, afn: Callable[[], Awaitable[T]]) -> T:
         """Run ``afn`` as a task of the ship loop; its result or error here."""
@@ -282,8 +280,6 @@ class ShipThread:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                if self.interval is not None:
-                    nursery.start_soon(checkpoint_loop, self._shipper, self.interval)
                 tell(None)
                 await trio.sleep_forever()
         finally:

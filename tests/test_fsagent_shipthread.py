@@ -29,6 +29,7 @@ class ThreadNoting(MemoryBridgeClient):
         self.store: Store | None = None
         self.mount: trio.lowlevel.TrioToken | None = None
         self.rewrite: tuple[str, bytes] | None = None
+        self.committed = threading.Event()
 
     async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
         self.threads.add(threading.get_ident())
@@ -42,7 +43,9 @@ class ThreadNoting(MemoryBridgeClient):
 
     async def commit_checkpoint(self, scope: str, body: dict[str, object]) -> dict[str, object]:
         self.threads.add(threading.get_ident())
-        return await super().commit_checkpoint(scope, body)
+        receipt = await super().commit_checkpoint(scope, body)
+        self.committed.set()
+        return receipt
 
 
 @pytest.mark.trio
@@ -122,5 +125,22 @@ async def test_after_the_thread_stops_a_save_fails_instead_of_hanging(tmp_path: 
         with trio.fail_after(10), pytest.raises(SaveFailed, match="checkpoint thread"):
             await thread.ship_checkpoint()
         assert [c.path for c in store.changes_since_baseline()] == ["a.txt"]
+    finally:
+        store.close()
+
+
+@pytest.mark.trio
+async def test_the_cadence_runs_on_the_thread_once_started(tmp_path: Path) -> None:
+    mem = ThreadNoting()
+    store = await hydrated(tmp_path, mem)
+    try:
+        write_small(store, "a.txt", b"on the cadence")
+        async with ShipThread(store, mem, SCOPE, 1) as shipper:
+            await trio.sleep(0.3)
+            assert "upload_object" not in mem.calls  # nothing ships before it starts
+            shipper.start_cadence(0.05)
+            assert await trio.to_thread.run_sync(mem.committed.wait, 30)
+        assert mem.files(SCOPE) == {"a.txt": b"on the cadence"}
+        assert threading.get_ident() not in mem.threads
     finally:
         store.close()
