@@ -313,6 +313,7 @@ def scenario_probe(work: Path, ctl: Any, files: int, mib: int, mount: Any) -> di
                 "--state-dir", str(m.state_dir), "--json"]  # fmt: skip
         assert m.proc is not None
         cpu = cpu_seconds(m.proc.pid)
+        fuse_cpu = cpu_seconds(m.proc.pid, thread=m.proc.pid)
         started = time.perf_counter()
         flush = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         busy: list[float] = []
@@ -321,6 +322,7 @@ def scenario_probe(work: Path, ctl: Any, files: int, mib: int, mount: Any) -> di
             time.sleep(0.0002)
         took = time.perf_counter() - started
         cpu = cpu_seconds(m.proc.pid) - cpu
+        fuse_cpu = cpu_seconds(m.proc.pid, thread=m.proc.pid) - fuse_cpu
         reply = json.loads(flush.communicate()[0] or b"{}")
         if not reply.get("ok") or reply["result"]["entries"] < files + 1:
             raise RuntimeError(f"flush during the probe failed: {reply}")
@@ -334,6 +336,7 @@ def scenario_probe(work: Path, ctl: Any, files: int, mib: int, mount: Any) -> di
         "probe_ratio": busy_p99 / idle_p99,
         "probe_flush_s": took,
         "probe_cpu_s": cpu,
+        "probe_fuse_cpu_s": fuse_cpu,
         "probe_samples": len(busy),
     }
 
@@ -343,9 +346,11 @@ def p99(samples: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, *, thread: int | None = None) -> float:
+    """User + system CPU time so far of a process (all its threads), or of one
+    of its threads (the main one, ``thread=pid``, serves FUSE)."""
+    where = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    fields = Path(where).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -456,6 +461,7 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         ("probe_busy_p50_ms", "probe: p50 during the checkpoint", "ms"),
         ("probe_flush_s", "probe: the checkpoint ({small_files:,} files + {probe_mib} MiB)", "s"),
         ("probe_cpu_s", "probe: daemon CPU during the checkpoint", "s"),
+        ("probe_fuse_cpu_s", "probe: CPU of the daemon's FUSE thread meanwhile", "s"),
     ]
     for key, label, unit in extras:
         values = [median_of(sides[n], key) for n in names]
