@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -55,6 +56,11 @@ from fsagent.store import Change, Store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+GIL_SWITCH_SECONDS = 0.0005
+"""How long a thread may keep the GIL while another waits for it (CPython's
+default is 5 ms). A FUSE request arriving while the ship thread runs Python
+waits for the GIL: with the default, up to 5 ms per request."""
 
 ACK_PART = 128
 """Changes acknowledged per call on the mount's loop: about a millisecond of
@@ -168,6 +174,7 @@ class ShipThread:
 
     async def __aenter__(self) -> Self:
         mount = trio.lowlevel.current_trio_token()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))
         ready = trio.Event()
         started: list[BaseException | None] = []
 
