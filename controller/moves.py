@@ -111,7 +111,7 @@ async def move(
     *,
     path: str,
     to: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
 ) -> dict[str, Any]:
     """A person's rename or move; the same Idempotency-Key replays the first answer."""
@@ -129,7 +129,7 @@ async def restore_as(
     *,
     file_id: str,
     to: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
 ) -> dict[str, Any]:
     """Restore a trash batch under another path: its top entry becomes ``to``.
