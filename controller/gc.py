@@ -2,15 +2,17 @@
 
 A journal entry becomes due at ``not_before``. The sweeper then takes the
 object's advisory lock (``apply.lock_object``), locks the digest's run-upload
-rows, and deletes the bytes only if no live file or trash entry of the
-company references the digest and no upload pins it. A run upload pins its
+rows, and deletes the bytes only if no live file, trash entry or task
+attachment (an original upload, ``controller.attachments``) of the company
+references the digest and no upload pins it. A run upload pins its
 object while its run is active and the upload is either committed or not yet
 expired (:data:`PINNED`).
 
 Two kinds of writer reference a digest, and each is ordered against the
 sweeper:
 
-- a single write (REST PUT, a bridge upload's registration) takes the same
+- a single write (REST PUT, a bridge upload's registration, a task
+  attachment and its working copy) takes the same
   object lock and upserts the ``objects`` row before it references the
   digest, and re-uploads the bytes when they are gone
   (``apply.register_object``);
@@ -63,8 +65,11 @@ LOCK_UPLOADS_SQL = (
 )
 
 REFERENCED_SQL = (
+    # A task attachment's original references its object like a file does.
     "SELECT EXISTS (SELECT 1 FROM files f JOIN folders d ON d.id = f.folder_id"
-    "  WHERE d.company_id = %(company)s AND f.digest = %(digest)s) AS by_files,"
+    "  WHERE d.company_id = %(company)s AND f.digest = %(digest)s)"
+    " OR EXISTS (SELECT 1 FROM task_attachments a"
+    "  WHERE a.company_id = %(company)s AND a.digest = %(digest)s) AS by_files,"
     " EXISTS (SELECT 1 FROM run_uploads u JOIN runs r ON r.id = u.run_id"
     "  WHERE u.company_id = %(company)s AND u.digest = %(digest)s AND " + PINNED + ") AS pinned"
 )
