@@ -304,3 +304,31 @@ def refusal_warning(exc: AgentFilesLimitExceeded) -> dict[str, Any]:
         **detail,
         "message": f"None of this save's agent-folder changes were saved: {exc.text}",
     }
+
+
+async def describe_agent(
+    conn: AsyncConnection[Any], company_id: str, agent_id: str, limits: AgentLimits
+) -> dict[str, Any] | None:
+    """The agent's name, entry, limits and usage (for the Instructions editor)."""
+    cur = await conn.execute(
+        "SELECT id, name, entry_path FROM agents WHERE company_id = %s AND id::text = %s",
+        (company_id, agent_id),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    folder = await apply.get_folder(conn, company_id, "agent", agent_id, create=False)
+    usage = await folder_usage(conn, folder, limits)
+    return {
+        "id": str(row["id"]),
+        "name": row["name"],
+        "entryPath": row["entry_path"],
+        "limits": {
+            "entries": limits.max_entries,
+            "fileBytes": limits.max_file_bytes,
+            "totalBytes": limits.max_total_bytes,
+            "entryBytes": ENTRY_MAX_BYTES,
+        },
+        "usage": usage.to_json(),
+        "warnings": limit_warnings(usage, limits),
+    }

@@ -22,6 +22,8 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controller.api.serialize import iso
+from controller.auth import Principal, membership_role
+from controller.grants import ALL_AGENTS_ROLES, may_configure_agent
 
 MAX_ERROR_CHARS = 2000
 RECEIPTS_PAGE_MAX = 1000
@@ -143,3 +145,21 @@ async def receipt_counts(conn: AsyncConnection[Any], run_id: str) -> dict[str, i
     counts = {"saved": 0, "refused": 0, "failed": 0}
     counts.update({r["outcome"]: int(r["n"]) for r in await cur.fetchall()})
     return counts
+
+
+async def may_read_run(
+    conn: AsyncConnection[Any], principal: Principal, company_id: str, run: dict[str, Any]
+) -> bool:
+    """A run's history is for the company's owners and admins, the run's
+    responsible user and the members who may configure its agent; runs read
+    no run history."""
+    if principal.kind != "user" or principal.user_id is None:
+        return False
+    role = await membership_role(conn, company_id, principal.user_id)
+    if role is None:
+        return False
+    if role in ALL_AGENTS_ROLES or str(run["user_id"]) == principal.user_id:
+        return True
+    return await may_configure_agent(
+        conn, company_id, principal.user_id, str(run["agent_id"]), role
+    )

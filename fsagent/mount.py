@@ -69,11 +69,24 @@ class MountOptions:
 
 @dataclass
 class StopState:
-    """How the daemon ended: ``saved`` is False when the final checkpoint failed."""
+    """How the daemon ended: ``saved`` is False when the final checkpoint failed.
+
+    ``attempts``: final saves tried before giving up on failures that are not
+    refusals (the agent folder contract's three; one otherwise, whose own
+    retries run until ``--retry-deadline``). ``report_scope``: with the
+    contract, the folder whose given-up final save gets an explicit failure
+    receipt on the controller.
+    """
 
     saved: bool = True
     error: str | None = None
     final_done: bool = False
+    attempts: int = 1
+    report_scope: str | None = None
+
+
+AGENT_FINAL_ATTEMPTS = 3
+"""Final saves of the agent folder tried at the stop boundary (spec/agent-files.md)."""
 
 
 READAHEAD_KIB = 1024
@@ -165,12 +178,42 @@ async def _final_save(shipper: Shipper | None, stop: StopState) -> None:
     if shipper is None or stop.final_done:
         return
     stop.final_done = True
-    try:
-        result = await shipper.ship_checkpoint(final=True)
+    refused = False
+    for attempt in range(1, stop.attempts + 1):
+        try:
+            result = await shipper.ship_checkpoint(final=True)
+        except SaveFailed as exc:
+            stop.saved, stop.error, refused = False, str(exc), exc.refused
+            if exc.refused or attempt == stop.attempts:
+                break
+            print(
+                f"fsagent: final save attempt {attempt} failed, trying again: {exc}",
+                file=sys.stderr,
+            )
+            await trio.sleep(min(30.0, 2.0**attempt))
+            continue
+        stop.saved, stop.error = True, None
         print(f"fsagent: final save: {result.entries} change(s) saved", file=sys.stderr)
-    except SaveFailed as exc:
-        stop.saved, stop.error = False, str(exc)
-        print(f"fsagent: final save FAILED, state kept: {exc}", file=sys.stderr)
+        return
+    if stop.report_scope is None:
+        print(f"fsagent: final save FAILED, state kept: {stop.error}", file=sys.stderr)
+        return
+    print(f"fsagent: final save FAILED: {stop.error}", file=sys.stderr)
+    if refused:
+        return  # the controller's refusal is its receipt already
+    pending = shipper.store.pending_checkpoint() or {}
+    with trio.move_on_after(30):
+        try:
+            # The explicit failure receipt; a refusal has its receipt already.
+            await shipper.client.report_state(
+                "failed",
+                f"final save given up after {attempt} attempt(s): {stop.error}",
+                scope=stop.report_scope,
+                operation_id=pending.get("operationId"),
+                final=True,
+            )
+        except FsagentError as report_exc:
+            log.warning("could not report the failed final save: %s", report_exc)
 
 
 async def _stop_on_signal(mountpoint: Path, shipper: Shipper | None, stop: StopState) -> None:
@@ -281,6 +324,16 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     scratch: Path | None = None
     shipper: Shipper | None = None
     stop = StopState()
+    stopped = False
+    # The agent folder contract (the controller names the entry): its
+    # instruction entry is protected, and this run's local copy lives only
+    # until the stop boundary.
+    contract = opts.scope == "agent" and owner is not None and run.agent_entry is not None
+    if contract:
+        stop.attempts, stop.report_scope = AGENT_FINAL_ATTEMPTS, opts.scope
+        for warning in run.warnings:
+            if warning.get("scope") == "agent":
+                print(f"fsagent: warning: {warning.get('message')}", file=sys.stderr)
     if owner is None:
         if (opts.state_dir / MARKER).exists():
             # A run without this scope may not pick up another binding's state.
@@ -309,7 +362,13 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             elif shipper is not None:
                 await warm_start(store, client, shipper, opts.scope)
         fetcher = ContentFetcher(store, client, opts.scope)
-        fs = WorkFolderFS(store, fetcher, readonly=owner is None, spin_ns=opts.spin_us * 1000)
+        fs = WorkFolderFS(
+            store,
+            fetcher,
+            readonly=owner is None,
+            spin_ns=opts.spin_us * 1000,
+            protected=run.agent_entry if contract else None,
+        )
         try:
             pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
         except RuntimeError as exc:
@@ -358,10 +417,31 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
                 daemon_file.unlink(missing_ok=True)
         # Unmounted from outside (fusermount3 -u): the run is stopping; save.
         await _final_save(shipper, stop)
-        if shipper is not None and stop.saved:
+        if shipper is not None and stop.saved and not contract:
             await refresh_after_stop(store, shipper.client, opts.scope)
+        stopped = shipper is not None and stop.final_done
     finally:
         store.close()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    if contract and stopped:
+        discard_local_copy(opts.state_dir)
+        print(
+            "fsagent: agent folder's local copy discarded"
+            f"{'' if stop.saved else ' (not saved: the next run gets the last saved folder)'}",
+            file=sys.stderr,
+        )
     return stop
+
+
+def discard_local_copy(state_dir: Path) -> None:
+    """Remove everything in the agent folder's state dir at the stop boundary:
+    the journal, the upper layer and the content cache. The next run of the
+    agent hydrates the folder as last saved: no retained archive, no partial
+    save. (A daemon killed before its stop boundary discards nothing, and its
+    next start ships what it kept, as for every collection.)"""
+    for child in state_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink(missing_ok=True)

@@ -150,7 +150,7 @@ class Shipper:
             if self.fenced is not None:
                 message = f"not saved, a newer run holds the lease: {self.fenced}"
                 self.store.record_save_error(message)
-                raise SaveFailed(message)
+                raise SaveFailed(message, refused=True)
             try:
                 started = trio.current_time()
                 result = await self._ship(final=final)
@@ -171,7 +171,7 @@ class Shipper:
                         await self.client.report_state("failed", message)
                     except FsagentError as report_exc:
                         log.warning("could not report the failed save: %s", report_exc)
-                raise SaveFailed(message) from exc
+                raise SaveFailed(message, refused=isinstance(exc, ControllerRefused)) from exc
 
     async def _ship(self, *, final: bool) -> SaveResult:
         pending = self.store.pending_checkpoint()
@@ -229,9 +229,15 @@ class Shipper:
 
     async def _commit(self, record: dict[str, Any]) -> dict[str, Any]:
         receipt = await self.client.commit_checkpoint(self.scope, record["body"])
+        # Entries the folder refused one by one (the agent's instruction entry)
+        # were not saved: they stay in the journal, unsaved, for the next checkpoint.
+        refused = {str(r.get("path")) for r in receipt.get("refusedEntries") or []}
+        for r in receipt.get("refusedEntries") or []:
+            log.warning("%s was not saved: %s %s", r.get("path"), r.get("code"), r.get("message"))
         shipped = [
             (change_from_json(raw[:-1]), raw[-1], FileVersion(int(receipt["highWater"])))
             for raw in record["shipped"]
+            if raw[0] not in refused
         ]
         self.store.finish_checkpoint(shipped, receipt)
         log.info(

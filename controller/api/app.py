@@ -16,7 +16,17 @@ from starlette.routing import BaseRoute, Route
 
 from common.errors import WorkFolderError
 from controller import gc
-from controller.api import apibridge, audit, health, openapi, web, workfolders
+from controller.api import (
+    agents,
+    apibridge,
+    attachments,
+    audit,
+    health,
+    openapi,
+    runs,
+    web,
+    workfolders,
+)
 from controller.api.common import AppState, error_response
 from controller.api.limits import RequestLimits
 from controller.config import Settings
@@ -61,6 +71,9 @@ def app_routes() -> list[BaseRoute]:
         *bridge.routes,
         *apibridge.routes,
         *audit.routes,
+        *runs.routes,
+        *agents.routes,
+        *attachments.routes,
         *web.routes,
     ]
 
