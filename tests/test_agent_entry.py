@@ -108,7 +108,12 @@ def test_a_checkpoint_is_refused_only_for_the_entry_and_says_so(tenant: Tenant) 
         "agent",
         [
             {"op": "delete", "path": "AGENTS.md"},
-            {"op": "put", "path": "notes.md", "digest": notes.json()["digest"], "executable": False},
+            {
+                "op": "put",
+                "path": "notes.md",
+                "digest": notes.json()["digest"],
+                "executable": False,
+            },
         ],
     )
     assert r.status_code == 200, r.text

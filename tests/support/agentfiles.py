@@ -57,9 +57,7 @@ def start_agent_run(
     if task:
         args += ["--task", task]
     out = tenant.controller.admin(*args)
-    return AgentRun(
-        tenant, out["run_id"], out["token"], out["lease_epoch"], agent, task, user
-    )
+    return AgentRun(tenant, out["run_id"], out["token"], out["lease_epoch"], agent, task, user)
 
 
 def mount_agent(
