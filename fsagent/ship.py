@@ -49,7 +49,7 @@ from common.bridge import (
     compressible,
     encode_frame,
 )
-from common.errors import StaleLease
+from common.errors import AgentFilesLimitExceeded, StaleLease
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
@@ -166,22 +166,39 @@ class Shipper:
                 if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
                     self.fenced = message
                 self.store.record_save_error(message)
-                with trio.move_on_after(10):
-                    try:
-                        await self.client.report_state("failed", message)
-                    except FsagentError as report_exc:
-                        log.warning("could not report the failed save: %s", report_exc)
+                over_limit = isinstance(exc, ControllerRefused) and exc.means(
+                    AgentFilesLimitExceeded
+                )
+                if over_limit:
+                    # The controller checks storage limits only for an operation
+                    # it has no receipt of: this body was not applied and never
+                    # will be. The next checkpoint lists the changes afresh (the
+                    # agent may have cleaned up) under a new operation id.
+                    self.store.set_pending_checkpoint(None)
+                # A storage limit is a warning of the run, which the controller
+                # keeps with the refusal; it does not make the run a failed one.
+                if not over_limit:
+                    with trio.move_on_after(10):
+                        try:
+                            await self.client.report_state("failed", message)
+                        except FsagentError as report_exc:
+                            log.warning("could not report the failed save: %s", report_exc)
                 raise SaveFailed(message, refused=isinstance(exc, ControllerRefused)) from exc
 
     async def _ship(self, *, final: bool) -> SaveResult:
         pending = self.store.pending_checkpoint()
+        replayed: SaveResult | None = None
         if pending is not None and pending.get("state") == "committing":
             # The answer to this body may have been lost: replay it verbatim.
-            await self._commit(pending)
+            receipt = await self._commit(pending)
+            if pending["body"].get("final"):
+                # It was a final save already: no second, empty one after it.
+                count = len(pending["body"]["entries"])
+                replayed = SaveResult(pending["operationId"], count, 0, receipt)
             pending = None
         changes = self.store.changes_since_baseline()
-        if not changes and not final:
-            return SaveResult(None, 0, 0, None)
+        if not changes and (not final or replayed is not None):
+            return replayed or SaveResult(None, 0, 0, None)
         op_id = pending["operationId"] if pending else f"cp-{uuid.uuid4()}"
         self.store.set_pending_checkpoint({"operationId": op_id, "state": "uploading"})
         uploaded = await self._upload_all([c for c in changes if c.action == "upload"])

@@ -248,6 +248,8 @@ async def record_refusal(
             )
             if isinstance(exc, _FAILS_THE_RUN):
                 await runs.set_state(conn, run.run_id, "failed", f"{exc.code}: {exc.text}")
+            elif isinstance(exc, AgentFilesLimitExceeded):
+                await runs.settle_saving(conn, run.run_id)
     except WorkFolderError as record_exc:
         log.warning("could not record the receipt of a refused save: %s", record_exc)
 

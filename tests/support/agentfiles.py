@@ -4,6 +4,9 @@ run's receipts and warnings as people read them."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.mount import FsagentMount, MountFactory
 
@@ -136,3 +140,15 @@ def folder_counters(tenant: Tenant, scope: str, owner: str) -> tuple[int, int, i
         ).fetchone()
     assert row is not None
     return int(row[0]), int(row[1]), int(row[2])
+
+
+def flush_reply(m: FsagentMount) -> tuple[int, dict[str, Any]]:
+    """``fsagent flush SCOPE --json`` against the mount: exit code and reply
+    (a failed save exits 4 and still prints its reply)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "flush", m.scope,
+         "--state-dir", str(m.state_dir), "--json"],
+        capture_output=True, check=False, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    reply: dict[str, Any] = json.loads(out.stdout)
+    return out.returncode, reply
