@@ -321,6 +321,58 @@ def set_agent_entry(url: str, agent: str, path: str) -> dict[str, Any]:
     return run_transaction(url, lambda c: agentfiles.set_entry(c, agent, path))
 
 
+def import_agent_files(url: str, settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
+    """``controller.agentimport``: scan, store the bytes, then one transaction."""
+    from common.limits import MAX_ENTRIES
+    from controller import agentimport, apply
+    from controller.config import AgentLimits
+
+    agent = admin._uuid(args.agent, "agent")
+    source = Path(args.dir).resolve()
+    limits = AgentLimits()
+    try:
+        company, plan = run_transaction(
+            url, lambda c: agentimport.plan_import(c, agent, source, limits)
+        )
+        if args.dry_run:
+            return plan.summary(agent, source, dry_run=True)
+        storage = make_storage(settings)
+        stored, created = asyncio.run(agentimport.store_objects(storage, company, plan))
+        try:
+            return run_transaction(
+                url,
+                lambda c: agentimport.write_import(
+                    c, storage, company, agent, source, plan, stored, limits, MAX_ENTRIES,
+                    settings.gc_delay,
+                ),
+            )  # fmt: skip
+        except BaseException:
+            # Bytes stored for an import that did not commit: GC keeps what is referenced.
+            if created:
+                run_transaction(
+                    url,
+                    lambda c: apply.journal_deletion(
+                        c, company, created, "orphaned import", settings.gc_delay
+                    ),
+                )
+            raise
+    except agentimport.ImportRefused as exc:
+        raise admin.AdminError(str(exc)) from None
+
+
+def import_lines(data: dict[str, Any]) -> str:
+    """``admin import-agent-files`` without ``--json``: the summary, then a line per path."""
+    verb = "would import" if data["dry_run"] else "imported"
+    lines = [
+        f"{verb} {len(data['imported'])} file(s), {data['bytes']} bytes, and"
+        f" {len(data['directories'])} folder(s) from {data['source']};"
+        f" excluded {len(data['excluded'])}, refused {len(data['refused'])}"
+    ]
+    lines += [f"  excluded  {e['path']}  ({e['reason']})" for e in data["excluded"]]
+    lines += [f"  refused   {r['path']}  ({r['reason']})" for r in data["refused"]]
+    return "\n".join(lines)
+
+
 def change_grant(url: str, action: str, args: argparse.Namespace) -> dict[str, Any]:
     from controller import grants
 
@@ -368,6 +420,9 @@ def cmd_admin(args: argparse.Namespace) -> int:
             out = set_agent_entry(url, args.agent, args.path)
         elif a in ("grant", "revoke"):
             out = change_grant(url, a, args)
+        elif a == "import-agent-files":
+            out = import_agent_files(url, settings, args)
+            text = import_lines
         elif a == "end-run":
             out = admin.end_run(url, args.run)
         elif a == "list-tokens":
@@ -499,6 +554,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user")
     p.add_argument("--sandbox", help="sandbox identity (a new lease epoch fences older runs)")
     p.add_argument("--home", default="/home/agent", help="the sandbox's $HOME, for the env paths")
+    p = admin_cmd(
+        "import-agent-files",
+        "import an existing workspace directory into the agent's folder, once",
+    )
+    p.add_argument("agent")
+    p.add_argument("dir", help="the workspace directory on this host")
+    p.add_argument("--dry-run", action="store_true", help="only report what would happen")
+    p.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
+    p.add_argument("--s3-endpoint")
+    p.add_argument("--s3-bucket")
+    p.add_argument("--s3-region")
     p = admin_cmd("end-run", "end a run; its token stops working at once")
     p.add_argument("run")
     p = admin_cmd("list-tokens", "list API tokens by id (the tokens themselves are not stored)")
