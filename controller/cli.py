@@ -336,8 +336,10 @@ def import_agent_files(url: str, settings: Settings, args: argparse.Namespace) -
         )
         if args.dry_run:
             return plan.summary(agent, source, dry_run=True)
+        from controller.db import run_coroutine
+
         storage = make_storage(settings)
-        stored, created = asyncio.run(agentimport.store_objects(storage, company, plan))
+        stored, created = run_coroutine(lambda: agentimport.store_objects(storage, company, plan))
         try:
             return run_transaction(
                 url,

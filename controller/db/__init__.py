@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -149,6 +150,18 @@ async def ping(conn: AsyncConnection[Any]) -> None:
     await conn.execute("SELECT 1")
 
 
+def run_coroutine(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``make()`` to completion from synchronous code. A caller whose thread
+    already runs an event loop (a host embedding the CLI, a test driving a
+    browser) gets it run on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
 def run_transaction(url: str, work: Callable[[AsyncConnection[Any]], Awaitable[T]]) -> T:
     """``work(conn)`` in one transaction on a connection of its own, from
     synchronous code (the CLI): the async domain functions the API also calls."""
@@ -161,4 +174,4 @@ def run_transaction(url: str, work: Callable[[AsyncConnection[Any]], Awaitable[T
         finally:
             await conn.close()
 
-    return asyncio.run(main())
+    return run_coroutine(main)
