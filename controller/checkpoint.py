@@ -7,12 +7,15 @@ this very run. Without that last rule a sandbox could claim another tenant's
 object by naming its hash.
 
 Apply order inside one transaction (``apply.committing``): lock the folder,
-re-check the run's lease (and its user's write right for the user folder),
-check the receipt, claim the referenced digests (one query), apply the
-entries in order with last-writer-wins as one change set
+re-check the run's lease (and its user's write right for the user folder, its
+user's configure permission for the agent folder), check the receipt, claim
+the referenced digests (one query), leave out the entries the folder refuses
+one by one (the agent's instruction entry: :mod:`controller.agentfiles`),
+apply the rest in order with last-writer-wins as one change set
 (:mod:`controller.changeset`; a conflicting server entry of the other kind
-goes to trash), check the entry limit, store the counters and the receipt,
-advance the run's baseline, record the save on the run.
+goes to trash), check the agent folder's storage limits and the entry limit,
+store the counters and the receipt, advance the run's baseline, record the
+save on the run and its save receipt (:mod:`controller.receipts`).
 """
 
 from __future__ import annotations

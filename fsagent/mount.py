@@ -20,6 +20,16 @@ checkpoint, then end the FUSE loop and unmount.  ``fusermount3 -u`` ends the
 loop directly; the final checkpoint then ships after the unmount.  The daemon
 exits non-zero when the final save failed, and the state dir keeps every
 change for the next start.
+
+The agent folder, when the controller names the agent's instruction entry
+(``RunInfo.agent_entry``: the agent folder contract, spec/agent-files.md),
+differs in three ways: the entry cannot be unlinked or renamed away
+(``fs.py``); the final save is tried up to three times when it fails on the
+way, then an explicit failure receipt is reported; and at the stop boundary
+the state dir is emptied whatever the outcome (:func:`discard_local_copy`):
+the run's local copy never outlives the run, so the next run hydrates the
+folder as last saved. A daemon killed before its stop boundary discards
+nothing; its next start ships what it kept, like every collection.
 """
 
 from __future__ import annotations
