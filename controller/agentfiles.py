@@ -262,14 +262,19 @@ async def folder_usage(
     )
     row = await cur.fetchone()
     assert row is not None
-    cur = await conn.execute(
-        "SELECT path, byte_size FROM files WHERE folder_id = %s AND deleted_at IS NULL"
-        " AND kind = 'file' AND byte_size >= %s ORDER BY byte_size DESC, path LIMIT 1",
-        (folder.id, limits.max_file_bytes),
-    )
-    big = await cur.fetchone()
-    largest = None if big is None else (int(big["byte_size"]), str(big["path"]))
-    return Usage(int(row["live_entries"]), int(row["live_bytes"]), largest)
+    total = int(row["live_bytes"])
+    largest = None
+    # No file can reach the per-file limit while all of them together do not:
+    # the common case skips the scan of the folder's rows.
+    if total >= limits.max_file_bytes:
+        cur = await conn.execute(
+            "SELECT path, byte_size FROM files WHERE folder_id = %s AND deleted_at IS NULL"
+            " AND kind = 'file' AND byte_size >= %s ORDER BY byte_size DESC, path LIMIT 1",
+            (folder.id, limits.max_file_bytes),
+        )
+        big = await cur.fetchone()
+        largest = None if big is None else (int(big["byte_size"]), str(big["path"]))
+    return Usage(int(row["live_entries"]), total, largest)
 
 
 def limit_warnings(usage: Usage, limits: AgentLimits) -> list[dict[str, Any]]:
