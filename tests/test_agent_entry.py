@@ -181,3 +181,32 @@ def test_the_mount_protects_the_entry_and_keeps_a_refused_entry_unsaved(
     assert agent_files(tenant, agent)["guide/AGENTS.md"] == b"# Guide, fixed\n"
     # The stop boundary discarded the run's local copy of the agent folder.
     assert list(m.state_dir.iterdir()) == []
+
+
+def test_a_stale_editor_save_is_412_and_changes_nothing(tenant: Tenant) -> None:
+    """The editor's save condition: If-Match of the digest it read."""
+    agent = new_agent(tenant)
+    folder = tenant.folder("agent", agent)
+    with tenant.client() as c:
+        read = c.get(folder + "/content", params={"path": "AGENTS.md"})
+        etag = read.headers["etag"]
+        assert etag == f'"{EMPTY}"'
+        # Someone else saves first (another tab, or an agent run's save).
+        assert put(c, tenant, "agent", agent, "AGENTS.md", b"# theirs\n").status_code == 200
+        before = folder_counters(tenant, "agent", agent)
+        r = put(c, tenant, "agent", agent, "AGENTS.md", b"# mine\n", **{"If-Match": etag})
+        assert r.status_code == 412 and r.json()["code"] == "precondition_failed", r.text
+        theirs = hashlib.sha256(b"# theirs\n").hexdigest()
+        assert r.json()["details"] == [{"path": "AGENTS.md", "exists": True, "digest": theirs}]
+        r = put(c, tenant, "agent", agent, "NEW.md", b"x", **{"If-Match": "*"})
+        assert r.status_code == 412 and r.json()["details"][0]["exists"] is False
+        r = put(c, tenant, "agent", agent, "AGENTS.md", b"x", **{"If-None-Match": "*"})
+        assert r.status_code == 412
+        assert folder_counters(tenant, "agent", agent) == before
+        trash = c.get(folder + "/", params={"trash": "true"}).json()["entries"]
+        # Only the replaced empty entry of the first save; nothing of the refused ones.
+        assert [(e["path"], e["byteSize"]) for e in trash] == [("AGENTS.md", 0)]
+        # With the digest it now sees, the overwrite goes through.
+        r = put(c, tenant, "agent", agent, "AGENTS.md", b"# mine\n", **{"If-Match": f'"{theirs}"'})
+        assert r.status_code == 200, r.text
+    assert agent_files(tenant, agent) == {"AGENTS.md": b"# mine\n"}
