@@ -364,7 +364,9 @@ async def commit_checkpoint(request: Request) -> Response:
         run = await bound_run(request, conn)
     scope = validate_scope(request.path_params["scope"])
     body = await read_json(request, MAX_CHECKPOINT_BODY)
-    op_id = body.get("operationId")
+    # The receipt of a refused body names its operation id only when it is one.
+    raw_id = body.get("operationId")
+    op_id = raw_id if isinstance(raw_id, str) and 1 <= len(raw_id) <= 256 else None
     final = body.get("final") is True
     cp: Checkpoint | None = None
     screen = entry_screen(request, run) if scope == "agent" else None
@@ -388,9 +390,7 @@ async def commit_checkpoint(request: Request) -> Response:
         cp = await asyncio.to_thread(parse_checkpoint, body, st.settings.quotas.max_checkpoint_rows)
         result = await write_transaction(request, commit)
     except WorkFolderError as exc:
-        await record_refusal(
-            request, run, scope, op_id if isinstance(op_id, str) else None, final, exc
-        )
+        await record_refusal(request, run, scope, op_id, final, exc)
         raise
     return JSONResponse(result)
 
