@@ -162,7 +162,9 @@ function resultItem(companyId, item) {
     },
     (err) => {
       if (!(err instanceof ApiError)) throw err;
-      status.textContent = "status unavailable";
+      // An agent's folder needs its configure permission: the directory lists
+      // the agent anyway, so saying so reveals nothing the page did not show.
+      status.textContent = err.code === "not_found" ? "no access" : "status unavailable";
     },
   );
   return li;
