@@ -15,6 +15,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -125,9 +126,25 @@ def wait_for_receipts(tenant: Tenant, run_id: str, n: int) -> list[dict[str, Any
     return got
 
 
+def write_past(root: Path, limit: str) -> dict[str, Any]:
+    """The agent's writes that take the folder past ``limit`` (besides editing
+    keep.md and adding notes/new.md); the refusal's expected details."""
+    if limit == "fileBytes":
+        (root / "big.bin").write_bytes(os.urandom(FILE_MAX * 3))
+        return {"limit": "fileBytes", "max": FILE_MAX, "value": FILE_MAX * 3, "path": "big.bin"}
+    if limit == "totalBytes":
+        for i in range(6):  # each under the per-file limit, together over the total
+            (root / f"part{i}.bin").write_bytes(b"p" * 999)
+        return {"limit": "totalBytes", "max": TOTAL_MAX, "value": 17 + 3 + 6 * 999}
+    for i in range(7):  # 2 saved entries, notes/ and notes/new.md, and these: 11
+        (root / f"e{i}.txt").write_bytes(b"e")
+    return {"limit": "entries", "max": ENTRIES_MAX, "value": ENTRIES_MAX + 1}
+
+
 @pytest.mark.fuse
+@pytest.mark.parametrize("limit", ["fileBytes", "totalBytes", "entries"])
 def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
-    mounts: MountFactory, st: Tenant
+    mounts: MountFactory, st: Tenant, limit: str
 ) -> None:
     agent = new_agent(st)
     with st.client() as c:
@@ -137,10 +154,10 @@ def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
     m = mount_agent(mounts, run)
     root = m.mountpoint
     # The agent writes past the limit while it runs: nothing stops it.
-    (root / "big.bin").write_bytes(os.urandom(FILE_MAX * 3))
     (root / "keep.md").write_bytes(b"edited by the run")
     (root / "notes").mkdir()
     (root / "notes" / "new.md").write_bytes(b"new")
+    expected = write_past(root, limit)
     assert m.signal(signal.SIGTERM) == EXIT_SAVE_FAILED, m.stderr()
     assert "discarded" in m.stderr()
 
@@ -148,14 +165,13 @@ def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
     receipt = run_receipts(st, run.run_id)[-1]
     assert receipt["outcome"] == "refused" and receipt["final"] is True, receipt
     assert receipt["code"] == "AGENT_FILES_LIMIT_EXCEEDED"
-    assert receipt["details"] == [
-        {"limit": "fileBytes", "max": FILE_MAX, "value": FILE_MAX * 3, "path": "big.bin"}
-    ]
+    assert receipt["details"] == [expected]
     # A warning of the run, which does not fail it.
     detail = run_detail(st, run.run_id).json()
     assert detail["state"] != "failed", detail
     [warning] = detail["warnings"]
-    assert warning["code"] == "AGENT_FILES_LIMIT_EXCEEDED" and warning["path"] == "big.bin"
+    assert warning["code"] == "AGENT_FILES_LIMIT_EXCEEDED" and warning["limit"] == limit
+    assert warning.get("path") == expected.get("path")
     with st.client() as c:
         sync = c.get(st.folder("agent", agent) + "/sync").json()
     mine = next(r for r in sync["runs"] if r["runId"] == run.run_id)
