@@ -121,8 +121,11 @@ async def ensure_entry(conn: AsyncConnection[Any], company_id: str, agent_id: st
     return created
 
 
-async def set_entry(conn: AsyncConnection[Any], agent_id: str, path: str) -> dict[str, Any]:
-    """Make ``path`` the agent's entry, creating it empty when nothing is there.
+async def set_entry(
+    conn: AsyncConnection[Any], agent_id: str, path: str, company_id: str | None = None
+) -> dict[str, Any]:
+    """Make ``path`` the agent's entry, creating it empty when nothing is there
+    (``company_id``: the agent must be that company's, as a route asks).
 
     A directory there, or an existing file over 1 MiB, is refused; an existing
     file's encoding is checked at its next save (this runs without storage).
@@ -130,7 +133,7 @@ async def set_entry(conn: AsyncConnection[Any], agent_id: str, path: str) -> dic
     path = validate_path(path)
     cur = await conn.execute("SELECT company_id FROM agents WHERE id::text = %s", (agent_id,))
     row = await cur.fetchone()
-    if row is None:
+    if row is None or (company_id is not None and str(row["company_id"]) != company_id):
         raise NotFound(f"no such agent: {agent_id}")
     company_id = str(row["company_id"])
     folder = await apply.get_folder(conn, company_id, "agent", agent_id, create=True)
