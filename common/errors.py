@@ -327,3 +327,30 @@ class EntryTooLarge(WorkFolderError):
 class AttachmentNotFound(NotFound):
     code = "attachment_not_found"
     message = "Attachment not found"
+
+
+# --- the API bridge (controller/api/apibridge.py) ----------------------------
+
+
+class BridgeRouteDenied(WorkFolderError):
+    """A method and route outside the API bridge's allowlist (a boundary control)."""
+
+    code = "bridge_route_denied"
+    status = 403
+    message = "This route is not open to sandbox code through the API bridge"
+
+
+class BridgeTimeout(WorkFolderError):
+    """A bridged call's answer did not start in time (a resource limit)."""
+
+    code = "bridge_timeout"
+    status = 504
+    message = "The bridged request took longer than the controller allows"
+
+
+class BridgeResponseTooLarge(WorkFolderError):
+    """A bridged call's answer is over the response limit (a resource limit)."""
+
+    code = "bridge_response_too_large"
+    status = 502
+    message = "The answer is larger than the API bridge forwards"

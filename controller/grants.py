@@ -43,6 +43,26 @@ async def may_configure_agent(
     return await cur.fetchone() is not None
 
 
+async def configurable_agents(
+    conn: AsyncConnection[Any], company_id: str, user_id: str
+) -> set[str] | None:
+    """The ids of the agents the member may configure; None for all of them
+    (an owner or admin)."""
+    cur = await conn.execute(
+        "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s",
+        (company_id, user_id),
+    )
+    row = await cur.fetchone()
+    if row is not None and row["role"] in ALL_AGENTS_ROLES:
+        return None
+    cur = await conn.execute(
+        "SELECT agent_id FROM agent_grants WHERE company_id = %s AND user_id = %s"
+        " AND permission = %s",
+        (company_id, user_id, CONFIGURE),
+    )
+    return {str(r["agent_id"]) for r in await cur.fetchall()}
+
+
 async def confirm_configure(
     conn: AsyncConnection[Any], company_id: str, user_id: str, agent_id: str, role: str | None
 ) -> None:

@@ -187,7 +187,9 @@ async def _authenticate(request: Request, conn: AsyncConnection[Any]) -> Princip
             raise Unauthenticated(f"Run tokens are accepted only under {BRIDGE_PREFIX}/")
         return await principal_from_bearer(conn, token)
     secret = request.cookies.get(SESSION_COOKIE)
-    if secret:
+    # The bridge is the sandbox's surface: a person's session cookie that
+    # reached it (smuggled by sandbox code) is no credential there.
+    if secret and not on_bridge(request):
         principal = await principal_from_session(conn, secret)
         # SameSite=Strict keeps the cookie off cross-site requests; the header
         # (which a cross-site form cannot set) is the second lock.

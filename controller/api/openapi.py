@@ -580,7 +580,8 @@ def document() -> dict[str, Any]:
             "/api/companies/{companyId}/directory": {
                 "parameters": [_FOLDER_PARAMS[0]],
                 "get": {
-                    "summary": "Agents, projects, tasks and members of a company",
+                    "summary": "Agents, projects, tasks and members of a company (for people:"
+                    " whether each folder has files and an active run)",
                     "responses": {"200": _resp("Directory"), **_ERRORS},
                 },
             },

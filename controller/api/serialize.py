@@ -78,13 +78,17 @@ def session_json(session: Session) -> dict[str, Any]:
 
 def directory_json(d: Directory, *, members_private: bool = False) -> dict[str, Any]:
     """The company directory; ``members_private`` (a run asking) leaves out emails and roles."""
+
+    def owner(r: Row, **fields: Any) -> dict[str, Any]:
+        out = {"id": str(r["id"]), **fields}
+        if d.activity:
+            out.update(hasFiles=r["has_files"], activeRun=r["active_run"])
+        return out
+
     return {
-        "agents": [{"id": str(r["id"]), "name": r["name"]} for r in d.agents],
-        "projects": [{"id": str(r["id"]), "name": r["name"]} for r in d.projects],
-        "tasks": [
-            {"id": str(r["id"]), "title": r["title"], "projectId": str(r["project_id"])}
-            for r in d.tasks
-        ],
+        "agents": [owner(r, name=r["name"]) for r in d.agents],
+        "projects": [owner(r, name=r["name"]) for r in d.projects],
+        "tasks": [owner(r, title=r["title"], projectId=str(r["project_id"])) for r in d.tasks],
         "members": [
             {"userId": str(r["id"])}
             if members_private

@@ -28,6 +28,7 @@ export const SCOPES = ["task", "agent", "user", "project"];
 const NOT_FOUND_TEXT = "This folder doesn't exist or you don't have access";
 
 const SCOPE_LABEL = { task: "Task", agent: "Agent", project: "Project", user: "User" };
+const STATUS_MS = 10000;
 
 export class FolderPage {
   constructor(root, route, { session, navigate, directoryFor, validScope }) {
@@ -41,6 +42,7 @@ export class FolderPage {
     this.company = session.companies.find((c) => c.id === route.companyId) || null;
     this.readOnly = !this.company || this.company.role === "viewer";
     this.destroyed = false;
+    this.statusTimer = null;
     this.dir = route.dir;
     this.view = route.view;
     this.ownerName = null;
@@ -73,6 +75,7 @@ export class FolderPage {
 
   destroy() {
     this.destroyed = true;
+    clearTimeout(this.statusTimer);
     document.removeEventListener("keydown", this.onKey);
     this.sync?.stop();
     this.live?.stop();
@@ -141,8 +144,15 @@ export class FolderPage {
     return err.code === "not_found" ? NOT_FOUND_TEXT : err.message;
   }
 
+  /**
+   * A status message over the bottom edge; it clears itself after STATUS_MS,
+   * so it never stays over a row a finger needs (the change it reports is on
+   * the page anyway).
+   */
   announce(text) {
+    clearTimeout(this.statusTimer);
     this.status.textContent = text;
+    if (text) this.statusTimer = setTimeout(() => (this.status.textContent = ""), STATUS_MS);
   }
 
   refreshSync() {
