@@ -44,6 +44,14 @@ def probe(tenant: Tenant, token: str, agent: str) -> dict[str, int]:
         }
 
 
+def directory_files(tenant: Tenant, token: str, agent: str) -> bool | None:
+    """The directory's ``hasFiles`` of ``agent`` for the holder of ``token``."""
+    with tenant.client(token) as c:
+        agents = c.get(f"/api/companies/{tenant.company_id}/directory").json()["agents"]
+    found: bool | None = next(a for a in agents if a["id"] == agent)["hasFiles"]
+    return found
+
+
 HIDDEN = dict.fromkeys(("list", "read", "sync", "changes", "agent", "write", "mkdir"), 404)
 
 
@@ -60,6 +68,9 @@ def test_people_need_the_configure_permission_and_it_applies_at_once(tenant: Ten
         assert r.json() == {"error": "Work folder not found", "code": "not_found"}
     assert probe(tenant, admin_token, agent)["write"] == 201
     assert probe(tenant, tenant.token, agent)["list"] == 200
+    # The company directory names the agent, and says nothing of its files.
+    assert directory_files(tenant, member_token, agent) is None
+    assert directory_files(tenant, tenant.token, agent) is True
 
     out = grant(tenant, member, agent)
     assert out == {
@@ -70,6 +81,8 @@ def test_people_need_the_configure_permission_and_it_applies_at_once(tenant: Ten
     assert allowed == {**dict.fromkeys(HIDDEN, 200), "write": 200}, allowed  # probe.txt replaced
     # The grant is for that agent only: its peer stays hidden.
     assert probe(tenant, member_token, peer) == HIDDEN
+    assert directory_files(tenant, member_token, agent) is True
+    assert directory_files(tenant, member_token, peer) is None
     # A viewer with the grant reads and cannot write.
     grant(tenant, viewer, agent)
     seen = probe(tenant, viewer_token, agent)
