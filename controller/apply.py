@@ -157,7 +157,7 @@ class Commit:
 async def committing(
     conn: AsyncConnection[Any],
     folder: Folder,
-    operation_id: str,
+    operation_id: str | None,
     fp: str,
     policy: WritePolicy,
     *,
@@ -173,10 +173,14 @@ async def committing(
     superseded or its member removed or made a viewer while a body was still
     arriving, and revocation must be final for anything committed after it.
     It is checked before the receipt so a replay cannot outlive revocation.
+
+    A write without an operation id (a request without ``Idempotency-Key``)
+    cannot be replayed, so it neither looks up nor stores a receipt.
     """
     await lock_folder(conn, folder)
     await policy.confirm(conn)
-    commit = Commit(await _stored_result(conn, folder, operation_id, fp), touch=touch)
+    replay = None if operation_id is None else await _stored_result(conn, folder, operation_id, fp)
+    commit = Commit(replay, touch=touch)
     yield commit
     if commit.replay is not None:
         return
@@ -188,7 +192,8 @@ async def committing(
         )
     folder.counters.check_entries(policy.max_folder_entries)
     await folder.counters.store(conn, folder.id, touch=commit.touch)
-    await _store_receipt(conn, folder, operation_id, fp, commit.result)
+    if operation_id is not None:
+        await _store_receipt(conn, folder, operation_id, fp, commit.result)
 
 
 async def path_rows(conn: AsyncConnection[Any], folder: Folder, path: str) -> dict[str, Row]:
@@ -321,10 +326,13 @@ async def write_file(
     content_type: str | None,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
+    found: dict[str, Row] | None = None,
 ) -> tuple[Row, bool]:
     """Write one file under the folder lock; returns (row, created).
-    A directory at ``path`` is a KindConflict."""
-    found = await path_rows(conn, folder, path)
+    A directory at ``path`` is a KindConflict. ``found``: :func:`path_rows`
+    of ``path``, when the caller has them already."""
+    if found is None:
+        found = await path_rows(conn, folder, path)
     await ensure_parents(conn, folder, path, found)
     existing = found.get(path)
     if existing is not None and existing["kind"] != "file":
@@ -368,7 +376,7 @@ async def put_file(
     byte_size: int,
     executable: bool,
     content_type: str | None,
-    operation_id: str,
+    operation_id: str | None,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
     policy: WritePolicy,
@@ -392,7 +400,10 @@ async def put_file(
     async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
-        existing = await live_row(conn, folder, path)
+        # The path and its parents in one query; the trash copy that
+        # keep_replaced adds is not live, so these rows stay what write_file needs.
+        found = await path_rows(conn, folder, path)
+        existing = found.get(path)
         check_precondition(existing, path, precondition)
         if guard is not None:
             await guard(conn)
@@ -407,6 +418,7 @@ async def put_file(
             content_type=content_type,
             ensure_object=ensure_object,
             gc_delay=gc_delay,
+            found=found,
         )
         commit.result = {"applied": True, "created": created, "file": entry_json(row)}
     return commit.result
@@ -429,7 +441,7 @@ async def mkdir(
     folder: Folder,
     *,
     path: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
 ) -> dict[str, Any]:
     fp = fingerprint(action="mkdir", path=path, kind="directory")
@@ -476,7 +488,7 @@ async def delete_path(
     folder: Folder,
     *,
     path: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
     guard: Authority | None = None,
 ) -> dict[str, Any]:
@@ -517,7 +529,7 @@ async def restore(
     folder: Folder,
     *,
     file_id: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
 ) -> dict[str, Any]:
     fp = fingerprint(action="restore", fileId=file_id)
@@ -573,7 +585,7 @@ async def purge(
     folder: Folder,
     *,
     file_id: str,
-    operation_id: str,
+    operation_id: str | None,
     gc_delay: timedelta,
     policy: WritePolicy,
 ) -> dict[str, Any]:

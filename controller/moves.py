@@ -113,7 +113,7 @@ async def move(
     *,
     path: str,
     to: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
     guard: Authority | None = None,
 ) -> dict[str, Any]:
@@ -135,7 +135,7 @@ async def restore_as(
     *,
     file_id: str,
     to: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
 ) -> dict[str, Any]:
     """Restore a trash batch under another path: its top entry becomes ``to``.

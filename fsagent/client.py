@@ -208,6 +208,13 @@ class BridgeClient(ABC):
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most clients hold nothing
         """Release connections."""
 
+    def fork(self) -> BridgeClient | None:
+        """A client with the same settings and connections of its own, for the
+        event loop of another thread (:mod:`fsagent.shipthread`); None when this
+        client cannot serve another thread, and checkpoints then stay on the
+        mount's loop."""
+        return None
+
 
 def _flush_and_sync(fh: BinaryIO) -> None:
     fh.flush()
@@ -312,6 +319,7 @@ class HttpBridgeClient(BridgeClient):
         transport: httpx.AsyncBaseTransport | None = None,
         tls: TransportOptions | None = None,
     ) -> None:
+        self._settings = (base_url, token, transport, tls)
         tls = tls or TransportOptions()
         self._http = httpx.AsyncClient(
             verify=ssl_context(tls),
@@ -324,6 +332,12 @@ class HttpBridgeClient(BridgeClient):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def fork(self) -> HttpBridgeClient:
+        base_url, token, transport, tls = self._settings
+        return HttpBridgeClient(
+            base_url, token, retry_deadline=self.retry_deadline, transport=transport, tls=tls
+        )
 
     @staticmethod
     def _check(resp: httpx.Response, what: str) -> None:

@@ -19,6 +19,10 @@ from typing import ClassVar
 
 from common.errors import AppError, WorkFolderError
 
+EXIT_SAVE_FAILED = 4
+"""Exit code of a failed save (the final one, or ``fsagent flush``): the state
+dir keeps every change."""
+
 
 class FsagentError(AppError):
     """A failure the CLI reports as one line and a documented exit code."""

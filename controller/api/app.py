@@ -23,7 +23,9 @@ from controller.api import (
     audit,
     health,
     openapi,
+    repobridge,
     runs,
+    taskrepos,
     web,
     workfolders,
 )
@@ -69,6 +71,8 @@ def app_routes() -> list[BaseRoute]:
         *health.routes,
         *workfolders.routes,
         *bridge.routes,
+        *repobridge.routes,
+        *taskrepos.routes,
         *apibridge.routes,
         *audit.routes,
         *runs.routes,

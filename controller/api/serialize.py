@@ -96,3 +96,43 @@ def directory_json(d: Directory, *, members_private: bool = False) -> dict[str, 
             for r in d.members
         ],
     }
+
+
+def repo_binding_json(row: Row) -> dict[str, Any]:
+    """A bound repository as ``GET /bridge/v1/repos`` lists it (common/repos.py)."""
+    current = None
+    if row["checkpoint_id"] is not None:
+        current = {
+            "checkpointId": str(row["checkpoint_id"]),
+            "entries": int(row["entries"]),
+            "byteSize": int(row["byte_size"]),
+            "savedAt": iso(row["created_at"]),
+        }
+    return {
+        "workspaceId": str(row["workspace_id"]),
+        "name": row["name"],
+        "repoUrl": row["repo_url"],
+        "ref": row["ref"],
+        "primary": bool(row["is_primary"]),
+        "branch": row["branch"] if row["is_primary"] else None,
+        "setupCommand": row["setup_command"],
+        "current": current,
+    }
+
+
+def task_repo_json(row: Row) -> dict[str, Any]:
+    """A bound repository as people see it (``GET .../tasks/{taskId}/repos``)."""
+    saved = row["checkpoint_id"] is not None
+    return {
+        "workspaceId": str(row["workspace_id"]),
+        "name": row["name"],
+        "repoUrl": row["repo_url"],
+        "state": row["state"],
+        "lastSavedAt": iso(row["last_saved_at"]),
+        "byteSize": int(row["byte_size"]) if saved else 0,
+        "fileCount": int(row["files"]) if saved else 0,
+        "entries": int(row["entries"]) if saved else 0,
+        "error": row["error"],
+        "checkpointId": str(row["checkpoint_id"]) if saved else None,
+        "removed": bool(row["removed"]),
+    }

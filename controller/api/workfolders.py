@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 from typing import Any
 from urllib.parse import quote
 
@@ -82,10 +81,12 @@ def query_path(request: Request) -> str:
     return validate_path(values[0])
 
 
-def idempotency_key(request: Request) -> str:
+def idempotency_key(request: Request) -> str | None:
+    """The request's operation id; None without ``Idempotency-Key`` (the write
+    then keeps no receipt: nobody could replay it)."""
     key = request.headers.get("idempotency-key")
     if key is None:
-        return "auto-" + secrets.token_hex(16)
+        return None
     if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not _PRINTABLE.match(key):
         raise ValidationError.single(
             "Idempotency-Key",
@@ -284,8 +285,9 @@ async def put_content(request: Request) -> Response:
             async def guard(conn: AsyncConnection[Any]) -> None:
                 await agentfiles.guard_entry_write(conn, company_id, owner_id, path, problem)
 
-        async with connection(request) as conn:
-            await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
+        if quotas.upload_checks_apply(None, st.settings.quotas):
+            async with connection(request) as conn:
+                await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
         created_blob = await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
         result = await write_transaction(

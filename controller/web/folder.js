@@ -9,6 +9,7 @@
 //   trash.js      the trash view (batches, restore, restore as, purge)
 //   sync.js       the sync panel (last change, agent runs, refresh requests)
 //   live.js       polls the folder's changes and refreshes what is on screen
+//   repos.js      a task folder's repositories (last save, state, tar download)
 
 import { ApiError, FolderApi, agentInfo } from "./api.js";
 import { clear, h, uid } from "./dom.js";
@@ -16,6 +17,7 @@ import { Editor } from "./editor.js";
 import { Listing } from "./listing.js";
 import { LiveUpdates } from "./live.js";
 import { Preview } from "./preview.js";
+import { RepoPanel } from "./repos.js";
 import { SyncPanel } from "./sync.js";
 import { Trash } from "./trash.js";
 import { Uploads } from "./uploads.js";
@@ -54,6 +56,7 @@ export class FolderPage {
     this.entryPath = null; // an agent folder's instruction entry, once known
     this.trash = null;
     this.sync = null;
+    this.repos = null;
     this.live = null;
     this.onKey = (event) => {
       // Escape closes the preview unless a dialog or menu has it.
@@ -78,6 +81,7 @@ export class FolderPage {
     clearTimeout(this.statusTimer);
     document.removeEventListener("keydown", this.onKey);
     this.sync?.stop();
+    this.repos?.stop();
     this.live?.stop();
     this.preview?.revokeUrl();
     this.editor?.destroy();
@@ -157,6 +161,7 @@ export class FolderPage {
 
   refreshSync() {
     this.sync?.refresh();
+    this.repos?.refresh();
   }
 
   /**
@@ -225,6 +230,7 @@ export class FolderPage {
     this.resolveNames();
     this.refreshSync();
     this.sync.startPolling();
+    this.repos?.startPolling();
     this.live = new LiveUpdates(this);
     this.live.start();
   }
@@ -315,6 +321,7 @@ export class FolderPage {
       filter: uid("filter"),
       folderName: uid("folder-name"),
       upload: uid("upload-input"),
+      repos: uid("repos-heading"),
     };
 
     this.titleEl = h("h1", { id: ids.title, tabindex: "-1" });
@@ -337,6 +344,7 @@ export class FolderPage {
     this.sync = new SyncPanel(this, ids);
     this.preview = new Preview(this, ids);
     this.editor = new Editor(this, ids);
+    this.repos = this.route.scope === "task" ? new RepoPanel(this, ids.repos) : null;
 
     clear(this.root).append(
       h("div", { class: "folder-head" }, this.titleEl, this.subtitleEl, this.headActions),
@@ -353,7 +361,7 @@ export class FolderPage {
           this.listing.section,
           this.trash.section,
         ),
-        h("div", { class: "secondary-col" }, this.sync.section),
+        h("div", { class: "secondary-col" }, this.sync.section, this.repos?.section || null),
       ),
       this.uploads.box,
     );
