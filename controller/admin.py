@@ -143,7 +143,11 @@ def create_owner(
         assert table == "projects"
         return await orgs.create_project(conn, company, name)
 
-    return {"id": str(in_transaction(url, work)["id"])}
+    row = in_transaction(url, work)
+    out = {"id": str(row["id"])}
+    if table == "agents":
+        out["entry_path"] = row["entry_path"]
+    return out
 
 
 # --- runs ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from common.errors import (
     UserNotFound,
     ValidationError,
 )
+from common.limits import DEFAULT_AGENT_ENTRY
 from controller.apply import Row
 from controller.auth import USER_TOKEN_PREFIX, CompanyActor, new_token, token_hash
 
@@ -300,7 +301,13 @@ async def get_member(conn: AsyncConnection[Any], company: str, user: str) -> Row
 
 
 async def create_agent(conn: AsyncConnection[Any], company: str, name: str) -> Row:
-    return await _create_named(conn, "agents", company, name)
+    """An agent; its folder starts with an empty instruction entry
+    (``agentfiles.DEFAULT_AGENT_ENTRY``, spec/agent-files.md)."""
+    from controller import agentfiles  # agentfiles reaches apply: keep orgs light to import
+
+    row = await _create_named(conn, "agents", company, name)
+    await agentfiles.ensure_entry(conn, str(company), str(row["id"]))
+    return {**row, "entry_path": DEFAULT_AGENT_ENTRY}
 
 
 async def create_project(conn: AsyncConnection[Any], company: str, name: str) -> Row:

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 from psycopg import AsyncConnection
 
 from common.errors import MemberNotFound, RunNotActive, RunNotFound, ValidationError
-from controller import apply, folders, workspaces
+from controller import apply, folders, runprep, workspaces
 from controller.apply import EnsureObject, Folder, Row
 from controller.auth import RUN_TOKEN_PREFIX, new_token, token_hash
 from controller.orgs import check_uuid, require_agent, require_project, task_project
@@ -91,6 +91,16 @@ async def set_state(conn: AsyncConnection[Any], run_id: str, state: str, error: 
     await conn.execute(
         "UPDATE runs SET state = %s, error = %s WHERE id = %s",
         (state, error[:MAX_ERROR_CHARS] if error else None, run_id),
+    )
+
+
+async def settle_saving(conn: AsyncConnection[Any], run_id: str) -> None:
+    """A save that was refused without failing the run (a storage limit, which
+    is a warning): the run's state goes back to what it was before the save."""
+    await conn.execute(
+        "UPDATE runs SET state = CASE WHEN last_saved_at IS NULL THEN 'starting' ELSE 'saved' END"
+        " WHERE id = %s AND state = 'saving'",
+        (run_id,),
     )
 
 
@@ -228,7 +238,16 @@ async def start_bound_run(
             sandbox=sandbox, home=home, repos=repos,
         )  # fmt: skip
 
-    return await transact(start)
+    started = await transact(start)
+    # Then the run is prepared (the agent's entry exists, the task's
+    # attachments have their working copies), before any sandbox uses it. A
+    # run that cannot be prepared is ended again: no sandbox starts half bound.
+    try:
+        await transact(lambda conn: runprep.prepare_run(conn, started.run_id))
+    except Exception:
+        await transact(lambda conn: end_run(conn, started.run_id))
+        raise
+    return started
 
 
 def run_env(home: str, bindings: dict[str, str | None]) -> dict[str, str]:

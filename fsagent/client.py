@@ -64,10 +64,18 @@ class RunInfo:
     lease_epoch: int
     active: bool
     bindings: dict[str, str | None]
+    agent_entry: str | None = None
+    """The agent's instruction entry. A controller that names it holds the agent
+    folder contract (spec/agent-files.md): the entry cannot be unlinked or
+    renamed away, and the local copy of the agent folder is discarded at stop."""
+    warnings: tuple[dict[str, Any], ...] = ()
+    """The run's current warnings (e.g. an agent folder at a storage limit)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunInfo:
         bindings = {scope: data["bindings"].get(scope) for scope in SCOPES}
+        entry = data.get("agentEntry")
+        warnings = data.get("warnings") or []
         return cls(
             str(data["runId"]),
             str(data["companyId"]),
@@ -75,6 +83,8 @@ class RunInfo:
             int(data["leaseEpoch"]),
             bool(data["active"]),
             bindings,
+            None if entry is None else str(entry),
+            tuple(w for w in warnings if isinstance(w, dict)),
         )
 
 
@@ -178,8 +188,18 @@ class BridgeClient(ABC):
         """
 
     @abstractmethod
-    async def report_state(self, state: str, error: str | None = None) -> None:
-        """Tell the controller that a save started or failed (shown on /sync)."""
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
+        """Tell the controller that a save started or failed (shown on /sync).
+        With ``scope``, fsagent gave up on that folder's save: the controller
+        records an explicit failure receipt for it (operation id, final)."""
 
     @abstractmethod
     async def refresh_applied(self) -> None:
@@ -456,10 +476,19 @@ class HttpBridgeClient(BridgeClient):
     async def refresh_applied(self) -> None:
         await self._send_json(PREFIX + "/run/refresh-applied", "refresh applied", {})
 
-    async def report_state(self, state: str, error: str | None = None) -> None:
-        await self._send_json(
-            PREFIX + "/run/report", f"report {state}", {"state": state, "error": error}
-        )
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
+        body: dict[str, Any] = {"state": state, "error": error}
+        if scope is not None:
+            body.update(scope=scope, operationId=operation_id, final=final)
+        await self._send_json(PREFIX + "/run/report", f"report {state}", body)
 
 
 # --- local directory ---------------------------------------------------------
@@ -532,7 +561,15 @@ class DirectoryBridgeClient(BridgeClient):
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
         raise self._read_only()
 
-    async def report_state(self, state: str, error: str | None = None) -> None:
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
         raise self._read_only()
 
     async def refresh_applied(self) -> None:

@@ -80,9 +80,17 @@ class ObjectUnavailable(ControllerError):
 
 
 class SaveFailed(FsagentError):
-    """A checkpoint could not be saved; the state dir keeps every change."""
+    """A checkpoint could not be saved; the state dir keeps every change.
+
+    ``refused``: the controller refused it (trying again cannot help), rather
+    than it failing on the way (network, 5xx, an I/O error here).
+    """
 
     exit_code = 4
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class MountFailed(FsagentError):

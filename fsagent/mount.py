@@ -22,6 +22,16 @@ checkpoint, then end the FUSE loop and unmount.  ``fusermount3 -u`` ends the
 loop directly; the final checkpoint then ships after the unmount.  The daemon
 exits non-zero when the final save failed, and the state dir keeps every
 change for the next start.
+
+The agent folder, when the controller names the agent's instruction entry
+(``RunInfo.agent_entry``: the agent folder contract, spec/agent-files.md),
+differs in three ways: the entry cannot be unlinked or renamed away
+(``fs.py``); the final save is tried up to three times when it fails on the
+way, then an explicit failure receipt is reported; and at the stop boundary
+the state dir is emptied whatever the outcome (:func:`discard_local_copy`):
+the run's local copy never outlives the run, so the next run hydrates the
+folder as last saved. A daemon killed before its stop boundary discards
+nothing; its next start ships what it kept, like every collection.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,11 +84,26 @@ class MountOptions:
 
 @dataclass
 class StopState:
-    """How the daemon ended: ``saved`` is False when the final checkpoint failed."""
+    """How the daemon ended: ``saved`` is False when the final checkpoint failed.
+
+    ``attempts``: final saves tried before giving up on failures that are not
+    refusals (the agent folder contract's three; one otherwise, whose own
+    retries run until ``--retry-deadline``). ``report_scope``: with the
+    contract, the folder whose given-up final save gets an explicit failure
+    receipt on the controller.
+    """
 
     saved: bool = True
     error: str | None = None
     final_done: bool = False
+    attempts: int = 1
+    report_scope: str | None = None
+    report_failed: Callable[[str], Awaitable[None]] | None = None
+    """Records the explicit failure receipt of a given-up final save."""
+
+
+AGENT_FINAL_ATTEMPTS = 3
+"""Final saves of the agent folder tried at the stop boundary (spec/agent-files.md)."""
 
 
 READAHEAD_KIB = 1024
@@ -170,12 +195,39 @@ async def _final_save(shipper: Checkpoints | None, stop: StopState) -> None:
     if shipper is None or stop.final_done:
         return
     stop.final_done = True
-    try:
-        result = await shipper.ship_checkpoint(final=True)
+    refused = False
+    for attempt in range(1, stop.attempts + 1):
+        try:
+            result = await shipper.ship_checkpoint(final=True)
+        except SaveFailed as exc:
+            stop.saved, stop.error, refused = False, str(exc), exc.refused
+            if exc.refused or attempt == stop.attempts:
+                break
+            print(
+                f"fsagent: final save attempt {attempt} failed, trying again: {exc}",
+                file=sys.stderr,
+            )
+            await trio.sleep(min(30.0, 2.0**attempt))
+            continue
+        stop.saved, stop.error = True, None
         print(f"fsagent: final save: {result.entries} change(s) saved", file=sys.stderr)
-    except SaveFailed as exc:
-        stop.saved, stop.error = False, str(exc)
-        print(f"fsagent: final save FAILED, state kept: {exc}", file=sys.stderr)
+        return
+    if stop.report_scope is None:
+        print(f"fsagent: final save FAILED, state kept: {stop.error}", file=sys.stderr)
+        return
+    print(f"fsagent: final save FAILED: {stop.error}", file=sys.stderr)
+    if refused:
+        return  # the controller's refusal is its receipt already
+    if stop.report_failed is None:
+        return
+    with trio.move_on_after(30):
+        try:
+            # The explicit failure receipt; a refusal has its receipt already.
+            await stop.report_failed(
+                f"final save given up after {attempt} attempt(s): {stop.error}"
+            )
+        except FsagentError as report_exc:
+            log.warning("could not report the failed final save: %s", report_exc)
 
 
 async def _stop_on_signal(mountpoint: Path, shipper: Checkpoints | None, stop: StopState) -> None:
@@ -284,6 +336,16 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     owner = run.bindings.get(opts.scope)
     binding = Binding(run.company_id, opts.scope, owner, dict(run.bindings))
     scratch: Path | None = None
+    # The agent folder contract (the controller names the entry): its
+    # instruction entry is protected, and this run's local copy lives only
+    # until the stop boundary.
+    contract = opts.scope == "agent" and owner is not None and run.agent_entry is not None
+    stop = StopState()
+    if contract:
+        stop.attempts, stop.report_scope = AGENT_FINAL_ATTEMPTS, opts.scope
+        for warning in run.warnings:
+            if warning.get("scope") == "agent":
+                print(f"fsagent: warning: {warning.get('message')}", file=sys.stderr)
     if owner is None:
         if (opts.state_dir / MARKER).exists():
             # A run without this scope may not pick up another binding's state.
@@ -300,11 +362,28 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     try:
         # The ship thread (if any) stops before the store closes.
         async with contextlib.AsyncExitStack() as threads:
-            return await _serve_store(client, opts, store, binding, run.lease_epoch, threads)
+            await _serve_store(
+                client,
+                opts,
+                store,
+                binding,
+                run.lease_epoch,
+                threads,
+                stop,
+                protected=run.agent_entry if contract else None,
+            )
     finally:
         store.close()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    if contract and stop.final_done:
+        discard_local_copy(opts.state_dir)
+        print(
+            "fsagent: agent folder's local copy discarded"
+            f"{'' if stop.saved else ' (not saved: the next run gets the last saved folder)'}",
+            file=sys.stderr,
+        )
+    return stop
 
 
 Cadence = Callable[[trio.Nursery], None]
@@ -341,12 +420,28 @@ async def _serve_store(
     binding: Binding,
     lease_epoch: int,
     threads: contextlib.AsyncExitStack,
-) -> StopState:
-    """:func:`serve` once the state dir is open."""
+    stop: StopState,
+    *,
+    protected: str | None,
+) -> None:
+    """:func:`serve` once the state dir is open; ``protected`` is the agent
+    folder's instruction entry under its contract (None otherwise)."""
     owner = binding.owner_id
     shipper: Checkpoints | None = None
     cadence: Cadence | None = None
-    stop = StopState()
+    if protected is not None:
+
+        async def report_failed(message: str) -> None:
+            pending = store.pending_checkpoint() or {}
+            await client.report_state(
+                "failed",
+                message,
+                scope=opts.scope,
+                operation_id=pending.get("operationId"),
+                final=True,
+            )
+
+        stop.report_failed = report_failed
     if owner is not None:
         store.bind(binding)
         freed, fixed = store.recover()
@@ -361,7 +456,13 @@ async def _serve_store(
         elif shipper is not None:
             await warm_start(store, client, shipper, opts.scope)
     fetcher = ContentFetcher(store, client, opts.scope)
-    fs = WorkFolderFS(store, fetcher, readonly=owner is None, spin_ns=opts.spin_us * 1000)
+    fs = WorkFolderFS(
+        store,
+        fetcher,
+        readonly=owner is None,
+        spin_ns=opts.spin_us * 1000,
+        protected=protected,
+    )
     try:
         pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
     except RuntimeError as exc:
@@ -409,6 +510,18 @@ async def _serve_store(
             daemon_file.unlink(missing_ok=True)
     # Unmounted from outside (fusermount3 -u): the run is stopping; save.
     await _final_save(shipper, stop)
-    if shipper is not None and stop.saved:
+    if shipper is not None and stop.saved and protected is None:
         await refresh_after_stop(store, client, opts.scope)
-    return stop
+
+
+def discard_local_copy(state_dir: Path) -> None:
+    """Remove everything in the agent folder's state dir at the stop boundary:
+    the journal, the upper layer and the content cache. The next run of the
+    agent hydrates the folder as last saved: no retained archive, no partial
+    save. (A daemon killed before its stop boundary discards nothing, and its
+    next start ships what it kept, as for every collection.)"""
+    for child in state_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink(missing_ok=True)

@@ -55,7 +55,7 @@ from common.bridge import (
     compressible,
     encode_frame,
 )
-from common.errors import StaleLease
+from common.errors import AgentFilesLimitExceeded, StaleLease
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
 from fsagent.content import UpperFiles
@@ -158,7 +158,7 @@ class ShipState:
     async def changes(self) -> list[Change]:
         return self.store.changes_since_baseline()
 
-    async def set_pending(self, record: dict[str, Any]) -> None:
+    async def set_pending(self, record: dict[str, Any] | None) -> None:
         """Durable before it returns (operation ids before bytes)."""
         self.store.set_pending_checkpoint(record)
 
@@ -252,7 +252,7 @@ class Shipper:
             if self.fenced is not None:
                 message = f"not saved, a newer run holds the lease: {self.fenced}"
                 await self.state.record_error(message)
-                raise SaveFailed(message)
+                raise SaveFailed(message, refused=True)
             try:
                 started = trio.current_time()
                 result = await self._ship(final=final)
@@ -268,22 +268,39 @@ class Shipper:
                 if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
                     self.fenced = message
                 await self.state.record_error(message)
-                with trio.move_on_after(10):
-                    try:
-                        await self.client.report_state("failed", message)
-                    except FsagentError as report_exc:
-                        log.warning("could not report the failed save: %s", report_exc)
-                raise SaveFailed(message) from exc
+                over_limit = isinstance(exc, ControllerRefused) and exc.means(
+                    AgentFilesLimitExceeded
+                )
+                if over_limit:
+                    # The controller checks storage limits only for an operation
+                    # it has no receipt of: this body was not applied and never
+                    # will be. The next checkpoint lists the changes afresh (the
+                    # agent may have cleaned up) under a new operation id.
+                    await self.state.set_pending(None)
+                # A storage limit is a warning of the run, which the controller
+                # keeps with the refusal; it does not make the run a failed one.
+                if not over_limit:
+                    with trio.move_on_after(10):
+                        try:
+                            await self.client.report_state("failed", message)
+                        except FsagentError as report_exc:
+                            log.warning("could not report the failed save: %s", report_exc)
+                raise SaveFailed(message, refused=isinstance(exc, ControllerRefused)) from exc
 
     async def _ship(self, *, final: bool) -> SaveResult:
         pending = await self.state.pending()
+        replayed: SaveResult | None = None
         if pending is not None and pending.get("state") == "committing":
             # The answer to this body may have been lost: replay it verbatim.
-            await self._commit(pending)
+            receipt = await self._commit(pending)
+            if pending["body"].get("final"):
+                # It was a final save already: no second, empty one after it.
+                count = len(pending["body"]["entries"])
+                replayed = SaveResult(pending["operationId"], count, 0, receipt)
             pending = None
         changes = await self.state.changes()
-        if not changes and not final:
-            return SaveResult(None, 0, 0, None)
+        if not changes and (not final or replayed is not None):
+            return replayed or SaveResult(None, 0, 0, None)
         op_id = pending["operationId"] if pending else f"cp-{uuid.uuid4()}"
         await self.state.set_pending({"operationId": op_id, "state": "uploading"})
         uploaded = await self._upload_all([c for c in changes if c.action == "upload"])
@@ -331,9 +348,15 @@ class Shipper:
 
     async def _commit(self, record: dict[str, Any]) -> dict[str, Any]:
         receipt = await self.client.commit_checkpoint(self.scope, record["body"])
+        # Entries the folder refused one by one (the agent's instruction entry)
+        # were not saved: they stay in the journal, unsaved, for the next checkpoint.
+        refused = {str(r.get("path")) for r in receipt.get("refusedEntries") or []}
+        for r in receipt.get("refusedEntries") or []:
+            log.warning("%s was not saved: %s %s", r.get("path"), r.get("code"), r.get("message"))
         shipped = [
             (change_from_json(raw[:-1]), raw[-1], FileVersion(int(receipt["highWater"])))
             for raw in record["shipped"]
+            if raw[0] not in refused
         ]
         await self.state.finish(shipped, receipt)
         log.info(

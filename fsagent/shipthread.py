@@ -112,7 +112,7 @@ class ThreadState(ShipState):
     async def changes(self) -> list[Change]:
         return self.store.changes_since_baseline(committed=True)
 
-    async def set_pending(self, record: dict[str, Any]) -> None:
+    async def set_pending(self, record: dict[str, Any] | None) -> None:
         self.store.set_pending_checkpoint(record)
 
     async def contents(self, changes: list[Change]) -> list[tuple[Change, bytes | None]]:

@@ -20,7 +20,9 @@ from starlette.routing import Route
 
 from common.bridge import PREFIX
 from controller.api import (
+    agents,
     apibridge,
+    attachments,
     audit,
     bridge,
     orgs,
@@ -60,6 +62,8 @@ ROUTES = [
     *audit.routes,
     *orgs.routes,
     *runs.routes,
+    *agents.routes,
+    *attachments.routes,
     *repobridge.routes,
     *taskrepos.routes,
     *web.routes,

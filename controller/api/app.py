@@ -17,7 +17,9 @@ from starlette.routing import BaseRoute, Route
 from common.errors import WorkFolderError
 from controller import gc
 from controller.api import (
+    agents,
     apibridge,
+    attachments,
     audit,
     health,
     openapi,
@@ -76,6 +78,8 @@ def app_routes() -> list[BaseRoute]:
         *audit.routes,
         *orgs.routes,
         *runs.routes,
+        *agents.routes,
+        *attachments.routes,
         *web.routes,
     ]
 

@@ -1,11 +1,14 @@
-"""The orchestrator's API: start, end, read and list a company's runs, under
-``/api/companies/{companyId}/runs``.
+"""Runs under ``/api/companies/{companyId}/runs``: the orchestrator's start,
+end, read and list, and a run's state, warnings and save receipts.
 
-Each route is one call of the domain function ``controller admin start-run``
-and ``end-run`` call (:mod:`controller.runs`). Owners, admins and the
-company's operator tokens may use them; anyone else gets 404
-``company_not_found``. A run token is never accepted here (401, as on every
-``/api/`` route), also not through the API bridge's allowlist (404).
+Start, end and list are one call of the domain functions that ``controller
+admin start-run`` and ``end-run`` call (:mod:`controller.runs`). Owners,
+admins and the company's operator tokens may use them; anyone else gets 404
+``company_not_found``. A run's details and receipts are also readable by its
+responsible user and by members who may configure its agent
+(``controller.receipts.may_read_run``); anyone else sees no such run (404
+``run_not_found``). A run token is never accepted here (401, as on every
+``/api/`` route), also not through the API bridge's allowlist.
 """
 
 from __future__ import annotations
@@ -18,17 +21,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from common.errors import ValidationError
+from common.errors import CompanyNotFound, RunNotFound, ValidationError
 from common.paths import validate_uuid
-from controller import runs
+from controller import receipts, runs
 from controller.api.common import (
+    authenticate,
     company_read,
     company_route,
     company_write,
+    connection,
     path_company,
     read_json,
 )
 from controller.api.params import (
+    BIGINT_MAX,
     decode_run_cursor,
     encode_cursor,
     query_bool,
@@ -36,8 +42,8 @@ from controller.api.params import (
     strict_query,
     string_fields,
 )
-from controller.api.serialize import run_record_json, started_run_json
-from controller.auth import CompanyActor
+from controller.api.serialize import run_record_json, run_warnings, started_run_json
+from controller.auth import CompanyActor, authorize_company
 
 Conn = AsyncConnection[Any]
 T = TypeVar("T")
@@ -121,14 +127,64 @@ async def end_run(request: Request) -> Response:
     return JSONResponse(await company_write(request, work))
 
 
+async def _readable_run(request: Request, conn: Conn) -> dict[str, Any]:
+    """The run's row for its details, or RunNotFound: the company's owners,
+    admins and operator tokens read every run; the run's responsible user and
+    members who may configure its agent read that run."""
+    company_id = path_company(request)
+    run_id = validate_uuid(request.path_params["runId"], "runId")
+    principal = await authenticate(request, conn)
+    row = await receipts.run_row(conn, company_id, run_id)
+    if row is None:
+        raise RunNotFound()
+    try:
+        await authorize_company(conn, principal, company_id, write=False)
+    except CompanyNotFound:
+        if not await receipts.may_read_run(conn, principal, company_id, row):
+            raise RunNotFound() from None
+    return row
+
+
 @company_route
 async def get_run(request: Request) -> Response:
-    run_id = validate_uuid(request.path_params["runId"], "runId")
+    """A run as the orchestrator sees it, with its warnings and the number of
+    its save receipts by outcome."""
+    async with connection(request) as conn:
+        row = await _readable_run(request, conn)
+        record = await runs.get_run(conn, str(row["id"]), company=str(row["company_id"]))
+        counts = await receipts.receipt_counts(conn, str(row["id"]))
+    return JSONResponse(
+        {
+            **run_record_json(record),
+            "companyId": str(row["company_id"]),
+            "agentId": str(row["agent_id"]),
+            "taskId": None if row["task_id"] is None else str(row["task_id"]),
+            "projectId": None if row["project_id"] is None else str(row["project_id"]),
+            "userId": None if row["user_id"] is None else str(row["user_id"]),
+            "warnings": run_warnings(row),
+            "receipts": counts,
+        }
+    )
 
-    async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
-        return run_record_json(await runs.get_run(conn, run_id, company=actor.company_id))
 
-    return JSONResponse(await company_read(request, work))
+@company_route
+async def get_receipts(request: Request) -> Response:
+    """A run's save receipts, oldest first: later successes never erase earlier
+    failures."""
+    after = query_int(request, "after", 0, minimum=0, maximum=BIGINT_MAX, code="invalid_integer")
+    limit = query_int(
+        request,
+        "limit",
+        receipts.RECEIPTS_PAGE_MAX,
+        minimum=1,
+        maximum=receipts.RECEIPTS_PAGE_MAX,
+        code="invalid_limit",
+    )
+    async with connection(request) as conn:
+        row = await _readable_run(request, conn)
+        page = await receipts.list_for_run(conn, str(row["id"]), after, limit)
+    more = len(page) == limit
+    return JSONResponse({"receipts": page, "nextAfter": page[-1]["id"] if more else None})
 
 
 def _one(request: Request, name: str) -> str | None:
@@ -178,4 +234,5 @@ routes = [
     Route(RUNS, start_run, methods=["POST"]),
     Route(RUNS + "/{runId}", get_run, methods=["GET"]),
     Route(RUNS + "/{runId}/end", end_run, methods=["POST"]),
+    Route(RUNS + "/{runId}/receipts", get_receipts, methods=["GET"]),
 ]

@@ -20,13 +20,14 @@ from common.errors import (
 )
 from common.limits import (
     DEFAULT_PAGE_LIMIT,
+    ENTRY_MAX_BYTES,
     MAX_CONTENT_TYPE_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE_LIMIT,
     MAX_PREVIEW_BYTES,
 )
 from common.paths import validate_owner_id, validate_path, validate_scope, validate_uuid
-from controller import apply, folders, moves, quotas, runs
+from controller import agentfiles, apply, folders, moves, quotas, runs
 from controller.api.common import (
     authenticate,
     connection,
@@ -39,6 +40,7 @@ from controller.api.objects import (
     journal_orphan,
     object_response,
     put_object,
+    read_spool_prefix,
     reupload_if_missing,
     spool_body,
 )
@@ -259,7 +261,8 @@ async def put_content(request: Request) -> Response:
         request, lambda c: open_folder(request, c, write=True)
     )
     assert folder is not None
-    policy = write_policy(principal, address[0], address[1], st.settings.quotas.max_folder_entries)
+    company_id, scope, owner_id = address
+    policy = write_policy(principal, company_id, scope, owner_id, st.settings.quotas)
     try:
         spool, size, digest = await spool_body(
             request, st.settings.spool_dir, st.settings.max_file_bytes
@@ -269,7 +272,19 @@ async def put_content(request: Request) -> Response:
         return Response(status_code=400)
     key = object_key(address[0], digest)
     created_blob = False
+    guard = None
     try:
+        if scope == "agent":
+            # Whether these bytes could be the agent's instruction entry; the
+            # entry's path is read at commit, under the folder lock.
+            small = size <= ENTRY_MAX_BYTES
+            problem = agentfiles.text_problem(
+                await read_spool_prefix(spool, size) if small else None, size
+            )
+
+            async def guard(conn: AsyncConnection[Any]) -> None:
+                await agentfiles.guard_entry_write(conn, company_id, owner_id, path, problem)
+
         if quotas.upload_checks_apply(None, st.settings.quotas):
             async with connection(request) as conn:
                 await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
@@ -290,6 +305,7 @@ async def put_content(request: Request) -> Response:
                 gc_delay=st.settings.gc_delay,
                 policy=policy,
                 precondition=precondition,
+                guard=guard,
             ),
         )
     except BaseException:
@@ -339,18 +355,32 @@ async def post_operations(request: Request) -> Response:
         )
 
     async def operate(conn: AsyncConnection[Any]) -> dict[str, Any]:
-        principal, folder, (company_id, scope, _) = await open_folder(request, conn, write=True)
+        principal, folder, (company_id, scope, owner_id) = await open_folder(
+            request, conn, write=True
+        )
         assert folder is not None
         if action == "purge":
             authorize_purge(principal)
-        policy = write_policy(principal, company_id, scope, st.settings.quotas.max_folder_entries)
+        policy = write_policy(principal, company_id, scope, owner_id, st.settings.quotas)
+        guard = None
+        if scope == "agent" and action in ("delete", "move"):
+            path = validate_path(body["path"])
+
+            async def guard(c: AsyncConnection[Any]) -> None:
+                await agentfiles.guard_entry_removal(c, company_id, owner_id, path)
+
         if action == "mkdir":
             return await apply.mkdir(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
             )
         elif action == "delete":
             return await apply.delete_path(
-                conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
+                conn,
+                folder,
+                path=validate_path(body["path"]),
+                operation_id=op_id,
+                policy=policy,
+                guard=guard,
             )
         elif action == "move":
             return await moves.move(
@@ -360,6 +390,7 @@ async def post_operations(request: Request) -> Response:
                 to=body_path(body, "to"),
                 operation_id=op_id,
                 policy=policy,
+                guard=guard,
             )
         else:
             file_id = body["fileId"]
