@@ -206,7 +206,8 @@ def expected(case: str, caller: str, ok: int) -> tuple[int, str | None]:
     if caller == "other company's operator" and case in PEOPLE_ONLY:
         return 401, "unauthenticated"
     # Members, viewers, strangers, another company's operator: like absence.
-    return 404, "run_not_found" if case == "audit" else "company_not_found"
+    # A run's own routes answer as for a run that does not exist.
+    return 404, "run_not_found" if case in ("audit", "get run") else "company_not_found"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
