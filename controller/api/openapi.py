@@ -610,8 +610,12 @@ def _agent_files_paths() -> dict[str, Any]:
             "parameters": [company, _uuid_p("taskId")],
             "get": _op("The task's attachments (originals)", "200"),
             "post": _op(
-                "Store an original upload (raw body) as a task attachment",
+                "Store an original upload (raw body) as a task attachment; a retry under"
+                " the same Idempotency-Key adds nothing (200, applied false), the key with"
+                " another request is 409 idempotency_conflict",
+                "200",
                 "201",
+                "409",
                 "413",
                 parameters=[
                     {
@@ -619,6 +623,11 @@ def _agent_files_paths() -> dict[str, Any]:
                         "in": "query",
                         "required": True,
                         "schema": {"type": "string", "minLength": 1, "maxLength": 218},
+                    },
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 256},
                     },
                     {
                         "name": "X-File-Content-Type",
