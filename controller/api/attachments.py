@@ -167,7 +167,7 @@ async def get_attachment(request: Request) -> Response:
     }
     key = object_key(company_id, row["digest"])
     media_type = row["content_type"] or "application/octet-stream"
-    return object_response(request, key, int(row["byte_size"]), headers, media_type)
+    return await object_response(request, key, int(row["byte_size"]), headers, media_type)
 
 
 BASE = "/api/companies/{companyId}/tasks/{taskId}/attachments"

@@ -208,7 +208,7 @@ async def get_content(request: Request) -> Response:
         raise PayloadTooLarge(f"Previews are limited to {MAX_PREVIEW_BYTES} bytes")
     key = object_key(address[0], row["digest"])
     media_type = row["content_type"] or "application/octet-stream"
-    return object_response(request, key, size, content_headers(row), media_type)
+    return await object_response(request, key, size, content_headers(row), media_type)
 
 
 # --- PUT /content ----------------------------------------------------------
