@@ -2,10 +2,11 @@
 four collections (one daemon process each) under one home, write the agent's
 environment file, and supervise them all.
 
-The env file is ``KEY=VALUE`` lines (no quoting): ``AGENT_HOME``,
+The env file (:mod:`fsagent.envfile`: ``KEY="value"`` lines that systemd,
+sh and ``fsagent launch`` read alike) holds ``AGENT_HOME``,
 ``PAPERCLIP_{TASK,AGENT,USER,PROJECT}_DIR`` for the bound collections, and
 ``PAPERCLIP_API_URL`` / ``PAPERCLIP_API_SOCKET`` for the local endpoint.
-``fsagent launch`` reads it; it never holds the run token.
+It never holds the run token.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import trio
 from common.limits import SCOPES
 from fsagent.client import RunInfo
 from fsagent.daemon import client_from_args
+from fsagent.envfile import format_env, write_env_file
 from fsagent.errors import MountFailed
 from fsagent.store import default_state_root
 from fsagent.tls import forwarded_argv, options_from
@@ -57,30 +59,6 @@ def fetch_run(args: argparse.Namespace) -> RunInfo:
             await client.aclose()
 
     return trio.run(get_run)
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """The variables of an env file (``KEY=VALUE`` lines; blank and ``#`` lines skipped)."""
-    env: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#") and "=" in line:
-            key, value = line.split("=", 1)
-            env[key.strip()] = value
-    return env
-
-
-def write_env_file(path: Path, env: dict[str, str]) -> None:
-    """Replace the env file atomically (a reader sees the old or the new one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
-    os.replace(tmp, path)
-
-
-def update_env_file(path: Path, updates: dict[str, str]) -> None:
-    """Set ``updates`` in the env file, keeping its other variables."""
-    env = read_env_file(path) if path.exists() else {}
-    write_env_file(path, {**env, **updates})
 
 
 def start_bridge(
@@ -116,6 +94,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     home = Path(args.home).absolute()
     state_root = Path(args.state_root) if args.state_root else default_state_root()
     run = fetch_run(args)
+    format_env(env_for(home, run))  # a home no env file can name is refused before mounting
     stop = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
