@@ -87,3 +87,12 @@ class MountFailed(FsagentError):
 
 class DoctorFailed(FsagentError):
     exit_code = 6
+
+
+class MemberChanged(FsagentError):
+    """A scanned file is no longer what the scan read (it changed before its
+    upload): the checkpoint must scan again."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
