@@ -35,20 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from common.bridge import MANIFEST_PAGE_MAX, encode_batch
-from common.errors import InvalidPath, ResyncRequired
-from common.limits import MAX_FILE_BYTES, SCOPES
-from common.paths import validate_path
+from common.errors import ResyncRequired
+from common.limits import SCOPES
 from common.repos import (
     FETCH_BATCH_MAX,
     GIT_DIR,
-    GIT_INCLUDED_TOP,
-    GIT_INCLUDED_TREES,
-    GIT_REFUSED,
-    KINDS,
     MAX_REPO_ENTRIES,
     MISSING_MAX,
-    is_git_admin,
-    symlink_problem,
 )
 from common.types import Digest, FileVersion
 from fsagent.client import (
@@ -72,6 +65,7 @@ from fsagent.errors import (
     ControllerUnavailable,
     ObjectUnavailable,
 )
+from fsagent.repocapture import portable_pairs, wire_member_problem
 
 
 @dataclass
@@ -112,58 +106,6 @@ class MemoryRepo:
     def members(self, checkpoint_id: str | None = None) -> dict[str, dict[str, Any]]:
         key = checkpoint_id or self.current
         return {} if key is None else self.checkpoints[key][0]
-
-
-_PORTABLE_EXACT = frozenset({"core.repositoryformatversion", "extensions.objectformat"})
-
-
-def portable_pairs(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The configuration a checkpoint keeps: format keys and branch tracking."""
-    out = []
-    for key, value in pairs:
-        low = key.lower()
-        branch = low.startswith("branch.") and low.rsplit(".", 1)[-1] in ("remote", "merge")
-        if low in _PORTABLE_EXACT or branch:
-            out.append((key, value))
-    return out
-
-
-def repo_member_problem(member: Any) -> tuple[str, str] | None:
-    """(path, rule) when a checkpoint member is refused, as the controller refuses it."""
-    if not isinstance(member, dict):
-        return "?", "member_not_an_object"
-    path = member.get("path")
-    try:
-        validate_path(path)
-    except InvalidPath as exc:
-        return str(path), f"invalid_path:{exc.reason}"
-    assert isinstance(path, str)
-    kind = member.get("kind")
-    if kind not in KINDS:
-        return path, "kind_not_allowed"
-    top = path.split("/", 1)[0]
-    if is_git_admin(path) and top != GIT_DIR:
-        return path, "git_dir_case_alias"
-    if top == GIT_DIR and path != GIT_DIR:
-        inner = path[len(GIT_DIR) + 1 :]
-        if any(inner == r or inner.startswith(r + "/") for r in GIT_REFUSED):
-            return path, "git_admin_refused"
-        if inner not in GIT_INCLUDED_TOP and inner.split("/", 1)[0] not in GIT_INCLUDED_TREES:
-            return path, "git_path_not_carried"
-    if path == GIT_DIR and kind != "dir":
-        return path, "git_dir_not_a_directory"
-    if kind == "symlink":
-        why = symlink_problem(path, str(member.get("target") or ""))
-        if why is not None:
-            return path, why
-    if kind == "file":
-        digest = member.get("digest")
-        size = member.get("byteSize")
-        if not isinstance(digest, str) or len(digest) != 64:
-            return path, "digest_invalid"
-        if not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
-            return path, "file_too_large"
-    return None
 
 
 def new_run(lease_epoch: int = 1, bindings: dict[str, str | None] | None = None) -> RunInfo:
@@ -549,7 +491,7 @@ class MemoryBridgeClient(BridgeClient):
         for path in removed:
             members.pop(path, None)
         for member in body.get("members", []):
-            problem = repo_member_problem(member)
+            problem = wire_member_problem(member)
             if problem is not None:
                 raise self._refuse_member(*problem)
             members[member["path"]] = member
@@ -567,7 +509,9 @@ class MemoryBridgeClient(BridgeClient):
                 if len(self.objects[member["digest"]]) != member["byteSize"]:
                     raise self._refuse_member(path, "size_mismatch")
         checkpoint_id = str(uuid.uuid4())
-        config = portable_pairs([(str(k), str(v)) for k, v in body.get("config", [])])
+        config = portable_pairs(  # what the controller keeps of config
+            [(str(k), str(v)) for k, v in body.get("config", [])]
+        )
         repo.checkpoints[checkpoint_id] = (dict(sorted(members.items())), config)
         repo.current = checkpoint_id
         receipt = {

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, NoReturn, TypeVar
 
 import trio
 import zstandard
@@ -299,14 +299,7 @@ class Shipper:
                 for change in large:
                     nursery.start_soon(one, change)
         except BaseExceptionGroup as group:
-            # One failed upload fails the checkpoint; report it like a single one.
-            matched, _ = group.split((FsagentError, OSError))
-            if matched is None:
-                raise
-            first: BaseException = matched
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from group
+            raise_first_failure(group)
         return results
 
     async def _upload_batch(self, group: list[Change]) -> dict[str, Digest]:
@@ -416,6 +409,19 @@ class Shipper:
             log.info("%s changed while it was uploaded; it stays dirty", change.path)
             return None
         return Digest(digest)
+
+
+def raise_first_failure(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """One failed upload fails the checkpoint: raise the first fsagent or OS
+    error of a nursery's group like a single failure (anything else, the
+    group as it is)."""
+    matched, _ = group.split((FsagentError, OSError))
+    if matched is None:
+        raise group
+    first: BaseException = matched
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    raise first from group
 
 
 def encode_first(
