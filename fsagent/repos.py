@@ -42,9 +42,9 @@ from typing import Any, Final
 import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
-from fsagent.client import BridgeClient, RepoBinding, RunInfo
+from fsagent.client import BridgeClient, RepoList, RunInfo
 from fsagent.daemon import client_from_args
-from fsagent.errors import FsagentError, RepoPrepareFailed, RepoSaveFailed
+from fsagent.errors import ControllerRefused, FsagentError, RepoPrepareFailed, RepoSaveFailed
 from fsagent.repoprepare import (
     BINDING_RECORD,
     PrepareResult,
@@ -103,6 +103,18 @@ async def save_lock(state_root: Path, wait: float = SAVE_LOCK_WAIT) -> AsyncIter
             os.close(fd)  # releases the flock
 
 
+async def bound_repos(client: BridgeClient) -> RepoList:
+    """The task's repositories; none from a controller that has no repository
+    routes (404), so a sandbox still starts against it."""
+    try:
+        return await client.list_repos()
+    except ControllerRefused as exc:
+        if exc.status != 404:
+            raise
+        log.info("the controller lists no repositories (%s)", exc)
+        return RepoList("repos", [])
+
+
 # --- prepare ------------------------------------------------------------------
 
 
@@ -112,10 +124,10 @@ async def prepare_all(
     *,
     retry_setup: bool = False,
     setup_timeout: float | None = None,
-) -> tuple[RunInfo, list[RepoBinding], list[PrepareResult]]:
+) -> tuple[RunInfo, RepoList, list[PrepareResult]]:
     """Prepare every bound workspace, one after another."""
     run = await client.get_run()
-    listing = await client.list_repos()
+    listing = await bound_repos(client)
     root = repos_root(home, listing.repos_dir)
     results = []
     for binding in listing.repos:
@@ -125,7 +137,7 @@ async def prepare_all(
         if not result.ok:
             log.warning("repository %s: %s: %s", binding.name, result.mode, result.message)
         results.append(result)
-    return run, listing.repos, results
+    return run, listing, results
 
 
 def describe_prepare(result: PrepareResult) -> str:
