@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from fsagent.client import HttpBridgeClient
+from tests.support.bridge import Run
+from tests.support.controller import Tenant
 
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "Test Author",
@@ -132,3 +137,64 @@ def assert_restored(checkout: Path, state: LocalState, origin_url: str) -> None:
             "?? results/",
         ]
     ), status
+
+
+@dataclass
+class RepoTask:
+    """A project with workspaces on a real controller, and one task of it."""
+
+    tenant: Tenant
+    project: str
+    task: str
+    agent: str
+
+    def add_workspace(
+        self,
+        repo_url: str,
+        *,
+        name: str | None = None,
+        ref: str | None = None,
+        primary: bool = False,
+        setup: str | None = None,
+    ) -> str:
+        """``controller admin add-workspace``; the workspace id (bound at the next run start)."""
+        args = ["add-workspace", self.project, "--repo-url", repo_url]
+        if name:
+            args += ["--name", name]
+        if ref:
+            args += ["--ref", ref]
+        if primary:
+            args.append("--primary")
+        if setup:
+            args += ["--setup", setup]
+        return str(self.tenant.controller.admin(*args)["workspace_id"])
+
+    def set_branch(self, branch: str) -> None:
+        self.tenant.controller.admin("set-task-branch", self.task, branch)
+
+    def start_run(self, sandbox: str | None = None) -> Run:
+        """``controller admin start-run`` for the task (binds its workspaces)."""
+        args = ["start-run", self.tenant.company_id, "--agent", self.agent, "--task", self.task]
+        if sandbox:
+            args += ["--sandbox", sandbox]
+        out = self.tenant.controller.admin(*args)
+        return Run(
+            self.tenant,
+            out["run_id"],
+            out["token"],
+            out["lease_epoch"],
+            self.agent,
+            self.task,
+            self.project,
+        )
+
+    def client(self, run: Run) -> HttpBridgeClient:
+        return HttpBridgeClient(self.tenant.controller.url, run.token, retry_deadline=30)
+
+
+def new_repo_task(tenant: Tenant) -> RepoTask:
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, f"p-{uuid.uuid4().hex[:6]}")["id"]
+    task = ctl.admin("create-task", tenant.company_id, project, "t")["id"]
+    agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
+    return RepoTask(tenant, project, task, agent)
