@@ -28,7 +28,7 @@ from fsagent.repos import RepoSavers, prepare_all
 from fsagent.reposave import RepoSaver
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
-from tests.support.repos import (
+from tests.support.gitrepos import (
     RepoTask,
     assert_restored,
     git,

@@ -21,7 +21,7 @@ import trio
 
 from fsagent.memclient import MemoryBridgeClient
 from fsagent.repos import RepoSavers, prepare_all, repo_status
-from tests.support.repos import assert_restored, git, make_local_state, make_origin
+from tests.support.gitrepos import assert_restored, git, make_local_state, make_origin
 from tests.support.smallfs import assert_full, fill, small_tmpfs
 
 

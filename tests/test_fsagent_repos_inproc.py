@@ -32,7 +32,7 @@ from fsagent.memclient import MemoryBridgeClient
 from fsagent.repoprepare import BINDING_RECORD, SETUP_RECORD, prepare_repo
 from fsagent.repos import RepoSavers, prepare_all, repo_status
 from fsagent.reposave import RepoSaver
-from tests.support.repos import assert_restored, git, make_local_state, make_origin
+from tests.support.gitrepos import assert_restored, git, make_local_state, make_origin
 
 SETUP = 'echo ran >> "$SETUP_COUNT"; mkdir -p node_modules/dep && echo x > node_modules/dep/x.js'
 
