@@ -244,8 +244,10 @@ def _parse_config_z(out: bytes) -> list[tuple[str, str]]:
 
 
 def portable_pairs(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Keep only portable keys (see :func:`portable_config_pairs`)."""
-    out = []
+    """Keep only portable keys (see :func:`portable_config_pairs`), sorted by
+    key, the last value of a key winning (as the controller keeps them, so a
+    checkpoint's config compares equal to the one it saved)."""
+    kept: dict[str, str] = {}
     for key, value in pairs:
         low = key.lower()
         section, _, rest = low.partition(".")
@@ -254,10 +256,10 @@ def portable_pairs(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
             # A remote given as a URL (possibly with a credential in it) stays here.
             if field == "remote" and not _REMOTE_NAME.fullmatch(value):
                 continue
-            out.append((key, value))
+            kept[key] = value
         elif low in PORTABLE_CONFIG_KEYS:
-            out.append((key, value))
-    return out
+            kept[low] = value
+    return sorted(kept.items())
 
 
 def wire_member_problem(member: Any) -> tuple[str, str] | None:

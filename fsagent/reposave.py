@@ -468,7 +468,7 @@ class RepoSaver:
     def _saved(self, outcome: RepoSaveOutcome) -> None:
         problems = [{"path": p.path, "reason": p.reason} for p in outcome.problems]
         self.status.update(
-            state="saved" if outcome.committed else "unchanged",
+            state="saved",  # committed now, or nothing changed since the last save
             lastAttempt=now_iso(),
             lastError=None,
             problems=problems[:PROBLEMS_SHOWN],

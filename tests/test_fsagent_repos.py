@@ -24,7 +24,7 @@ import trio
 from fsagent.client import HttpBridgeClient
 from fsagent.errors import GitLockHeld, RepoSaveFailed
 from fsagent.repoprepare import SETUP_RECORD
-from fsagent.repos import RepoSavers, prepare_all
+from fsagent.repos import RepoSavers, prepare_all, repo_status
 from fsagent.reposave import RepoSaver
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
@@ -250,7 +250,7 @@ async def test_another_tasks_checkout_at_the_path_is_refused(
 
 
 @pytest.mark.trio
-async def test_a_superseded_run_is_fenced_off(
+async def test_a_superseded_run_cannot_move_the_pointer(
     tmp_path: Path, origin: Path, repo_task: RepoTask, caplog: pytest.LogCaptureFixture
 ) -> None:
     repo_task.add_workspace(str(origin))
@@ -260,17 +260,20 @@ async def test_a_superseded_run_is_fenced_off(
     try:
         await prepare_all(old_client, home)
         saver = await save_now(old_client, home, state)
-        repo_task.start_run(sandbox="same-sandbox")  # a newer lease on this sandbox
+        newer = repo_task.start_run(sandbox="same-sandbox")  # a newer lease on this sandbox
         (home / "repos" / "app" / "late.txt").write_text("too late\n")
-        with caplog.at_level(logging.WARNING), pytest.raises(RepoSaveFailed, match="stale"):
-            await saver.checkpoint()
-        assert saver.fenced is not None
-        with caplog.at_level(logging.WARNING), pytest.raises(RepoSaveFailed, match="newer run"):
+        with caplog.at_level(logging.WARNING), pytest.raises(RepoSaveFailed):
             await saver.checkpoint()
     finally:
         await old_client.aclose()
     (row,) = people_repos(repo_task.tenant, repo_task.task)
     assert row["checkpointId"] == saver.status["lastSave"]["checkpointId"]
+    new_client = repo_task.client(newer)
+    try:
+        manifest = await new_client.repo_manifest(saver.workspace_id)
+    finally:
+        await new_client.aclose()
+    assert "late.txt" not in {m["path"] for m in manifest.members}
 
 
 def fsagent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -326,24 +329,23 @@ def test_the_repos_commands(
 
     os.unlink(home / "repos" / "second" / ".git" / "HEAD.lock")
     # watch: a save on the cadence, then the final save at SIGTERM.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fsagent.cli", "repos", "watch", *where, *ctl, "--interval", "1"],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    with open(base / "watch.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsagent.cli", "repos", "watch", *where, *ctl,
+             "--interval", "1"],
+            cwd=REPO, stdout=log, stderr=log,
+        )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while True:
-            rows = {r["name"]: r for r in json.loads(fsagent("repos", "status", *where,
-                                                             "--json").stdout)["repos"]}  # fmt: skip
+            rows = {r["name"]: r for r in repo_status(home, state)}
             if rows["second"]["state"] == "saved":
                 break
             assert proc.poll() is None and time.monotonic() < deadline, rows
             time.sleep(0.2)
         (home / "repos" / "app" / "final.txt").write_text("saved at stop\n")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
+        assert proc.wait(timeout=120) == 0, (base / "watch.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
