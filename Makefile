@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_DIR ?= .demo
 DEMO_LISTEN ?= 127.0.0.1:8750
 
-.PHONY: deps deps-test demo test lint bench bench-fs bench-checkpoint clean
+.PHONY: deps deps-test demo test lint bench bench-fs bench-checkpoint bench-repos clean
 
 $(VENV)/.installed: pyproject.toml
 	packaging/install-deps.sh
@@ -39,6 +39,10 @@ bench-fs: deps
 
 bench-checkpoint: deps
 	$(PY) -m bench.checkpoint
+
+# Repository checkpoints and restores against the naive way (bench/repos.py).
+bench-repos: deps
+	$(PY) -m bench.repos
 
 # Coverage-guided fuzzing of the upload frame reader and the checkpoint parser
 # (tests/fuzz/fuzz_upload.py); `make test` runs the same target for 5 s.
