@@ -193,6 +193,40 @@ def link_problem(path: str, target: str) -> str | None:
     return symlink_problem(path, target)
 
 
+class MemberNames:
+    """:func:`member_path_problem` remembered per path: the same names come
+    back at every scan, and checking a name costs more than an lstat."""
+
+    LIMIT: Final = 400_000
+
+    def __init__(self) -> None:
+        self._seen: dict[str, str | None] = {}
+
+    def __call__(self, path: str) -> str | None:
+        try:
+            return self._seen[path]
+        except KeyError:
+            if len(self._seen) >= self.LIMIT:
+                self._seen.clear()  # paths come and go; start over rather than grow
+            problem = self._seen[path] = member_path_problem(path)
+            return problem
+
+
+_OBJECT_NAME: Final = re.compile(r"[0-9a-f]{2}/[0-9a-f]{38}(?:[0-9a-f]{24})?")
+_PACK_NAME: Final = re.compile(r"pack/pack-[0-9a-f]{40}(?:[0-9a-f]{24})?\.(?:pack|idx|rev|bitmap)")
+_OBJECTS: Final = f"{GIT_DIR}/objects/"
+
+
+def git_immutable(path: str) -> bool:
+    """Whether ``path`` is a Git object or pack file, whose name is its content's
+    hash: Git never rewrites one in place (:func:`fsagent.scan.scan_tree`'s
+    ``immutable``)."""
+    if not path.startswith(_OBJECTS):
+        return False
+    rest = path[len(_OBJECTS) :]
+    return bool(_OBJECT_NAME.fullmatch(rest) or _PACK_NAME.fullmatch(rest))
+
+
 MAX_MEMBER_BYTES: Final = MAX_FILE_BYTES
 
 

@@ -63,12 +63,13 @@ from fsagent.errors import (
 )
 from fsagent.repocapture import (
     MAX_MEMBER_BYTES,
+    MemberNames,
     check_layout,
     checkpoint_members,
     git_dir_members,
+    git_immutable,
     held_locks,
     link_problem,
-    member_path_problem,
     portable_config_pairs,
     worktree_paths,
 )
@@ -80,6 +81,7 @@ from fsagent.scan import (
     ReadHook,
     ScanResult,
     ScanStats,
+    StatKey,
     open_member,
     scan_tree,
 )
@@ -107,6 +109,15 @@ def wire_key(member: dict[str, Any]) -> WireKey:
     return (kind, None, 0, False, None)
 
 
+def member_key(member: Member) -> WireKey:
+    """:func:`wire_key` of a scanned member, without building its wire form."""
+    if member.kind == "file":
+        return ("file", member.digest, member.size, member.executable, None)
+    if member.kind == "symlink":
+        return ("symlink", None, 0, False, member.target)
+    return (member.kind, None, 0, False, None)
+
+
 @dataclass
 class _Base:
     checkpoint_id: str
@@ -128,6 +139,9 @@ class RepoSaveOutcome:
     full: bool = False
     attempts: int = 1
     seconds: float = 0.0
+    upload_seconds: float = 0.0
+    """Asking which contents are missing, and uploading them."""
+    commit_seconds: float = 0.0
     scan: ScanStats = field(default_factory=ScanStats)
     problems: list[Problem] = field(default_factory=list)
 
@@ -143,6 +157,8 @@ class RepoSaveOutcome:
             "full": self.full,
             "attempts": self.attempts,
             "seconds": round(self.seconds, 3),
+            "uploadSeconds": round(self.upload_seconds, 3),
+            "commitSeconds": round(self.commit_seconds, 3),
             "scan": self.scan.to_json(),
             "problems": len(self.problems),
         }
@@ -219,6 +235,9 @@ class RepoSaver:
         self._known_current = binding.current.checkpoint_id if binding.current else None
         self._lock = trio.Lock()
         self._listing_problems: list[Problem] = []
+        self._names = MemberNames()
+        self._last_paths: list[str] | None = None
+        self._config: tuple[StatKey | None, list[tuple[str, str]]] | None = None
         self.fenced: str | None = None
         self.status: dict[str, Any] = (read_json(self.status_file) if state_dir else None) or {}
         self.status.update(
@@ -277,7 +296,7 @@ class RepoSaver:
                 raise CheckoutUnsupported(
                     f"{self.binding.name}: {len(members)} members, at most {MAX_REPO_ENTRIES}"
                 )
-            config = await trio.to_thread.run_sync(portable_config_pairs, self.checkout)
+            config = await trio.to_thread.run_sync(self._portable_config)
             try:
                 outcome = await self._ship(members, config)
             except MemberChanged as exc:
@@ -309,16 +328,30 @@ class RepoSaver:
             paths, self._listing_problems = worktree_paths(self.checkout)
             return paths + git_dir_members(self.checkout)
 
-        return scan_tree(
+        result = scan_tree(
             self.checkout,
             lister,
             self.cache,
-            path_rule=member_path_problem,
+            path_rule=self._names,
             link_rule=link_problem,
             max_file_bytes=MAX_MEMBER_BYTES,
             threads=self.threads,
             after_read=self.after_read,
+            guess=self._last_paths,
+            immutable=git_immutable,
         )
+        self._last_paths = result.paths
+        return result
+
+    def _portable_config(self) -> list[tuple[str, str]]:
+        """The carried configuration, read again only when ``.git/config`` changed."""
+        try:
+            key: StatKey | None = StatKey.of(os.lstat(self.checkout / ".git" / "config"))
+        except OSError:
+            key = None
+        if self._config is None or self._config[0] != key or key is None:
+            self._config = (key, portable_config_pairs(self.checkout))
+        return self._config[1]
 
     async def _load_base(self) -> _Base | None:
         if self._base is None and self._known_current is not None:
@@ -341,14 +374,16 @@ class RepoSaver:
         refused: str | None = None
         for _ in range(2):
             if base is not None:
-                changed = [m for m in members if base.members.get(m.path) != wire_key(m.to_json())]
+                changed = [m for m in members if base.members.get(m.path) != member_key(m)]
                 present = {m.path for m in members}
                 removed = sorted(p for p in base.members if p not in present)
                 if not changed and not removed and config == base.config:
                     return RepoSaveOutcome(base.checkpoint_id, False, len(members))
             else:
                 changed, removed = list(members), []
+            upload_started = time.monotonic()
             uploaded, uploaded_bytes = await self._upload_missing(changed)
+            upload_seconds = time.monotonic() - upload_started
             body: dict[str, Any] = {
                 "leaseEpoch": self.run.lease_epoch,
                 "base": base.checkpoint_id if base else None,
@@ -360,6 +395,7 @@ class RepoSaver:
                 "operationId": operation_id(self.run.run_id, self.workspace_id, body, refused),
                 **body,
             }
+            commit_started = time.monotonic()
             try:
                 receipt = await self.client.commit_repo_checkpoint(self.workspace_id, body)
             except ControllerRefused as exc:
@@ -369,9 +405,7 @@ class RepoSaver:
                 refused, base, self._base = base.checkpoint_id, None, None
                 continue
             checkpoint_id = str(receipt["checkpointId"])
-            self._base = _Base(
-                checkpoint_id, {m.path: wire_key(m.to_json()) for m in members}, config
-            )
+            self._base = _Base(checkpoint_id, {m.path: member_key(m) for m in members}, config)
             self._known_current = checkpoint_id
             return RepoSaveOutcome(
                 checkpoint_id,
@@ -382,6 +416,8 @@ class RepoSaver:
                 uploaded=uploaded,
                 uploaded_bytes=uploaded_bytes,
                 full=body["base"] is None,
+                upload_seconds=upload_seconds,
+                commit_seconds=time.monotonic() - commit_started,
             )
         raise RepoSaveFailed(f"{self.binding.name}: the base kept moving; not saved")
 

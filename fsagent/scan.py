@@ -168,6 +168,8 @@ class ScanResult:
     unstable: list[str]
     """Paths that changed while the scan looked at them; empty when stable."""
     stats: ScanStats = field(default_factory=ScanStats)
+    paths: list[str] = field(default_factory=list)
+    """What the last listing named: the ``guess`` for the next scan."""
 
     @property
     def stable(self) -> bool:
@@ -232,6 +234,11 @@ class MetadataCache:
         if hit is None or hit[0] != key:
             return None
         return hit[1].hex()
+
+    def key_of(self, path: str) -> StatKey | None:
+        """The key ``path`` was cached under, if any."""
+        hit = self._entries.get(path)
+        return None if hit is None else StatKey(*hit[0])
 
     def put(self, path: str, key: StatKey, digest: str) -> None:
         entry = (tuple(key), bytes.fromhex(digest))
@@ -317,7 +324,7 @@ def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], bytes]]:
 # --- reading one file -------------------------------------------------------------
 
 
-def hash_stable(full: str, before: os.stat_result, hook: ReadHook | None = None) -> str | None:
+def hash_stable(full: str, before: StatKey, hook: ReadHook | None = None) -> str | None:
     """The SHA-256 of the file at ``full`` if it is the file ``before`` described
     and did not change while read; None when it changed (or vanished)."""
     try:
@@ -328,7 +335,11 @@ def hash_stable(full: str, before: os.stat_result, hook: ReadHook | None = None)
         raise
     try:
         opened = os.fstat(fd)
-        if not stat.S_ISREG(opened.st_mode) or _identity(opened) != _identity(before):
+        if (
+            not stat.S_ISREG(opened.st_mode)
+            or opened.st_dev != before.dev
+            or opened.st_ino != before.ino
+        ):
             return None
         sha = hashlib.sha256()
         while chunk := os.read(fd, READ_CHUNK):
@@ -342,13 +353,9 @@ def hash_stable(full: str, before: os.stat_result, hook: ReadHook | None = None)
         again = os.lstat(full)
     except OSError:
         return None
-    if StatKey.of(after) != StatKey.of(before) or StatKey.of(again) != StatKey.of(before):
+    if StatKey.of(after) != before or StatKey.of(again) != before:
         return None
     return sha.hexdigest()
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
 
 
 # --- listing ------------------------------------------------------------------------
@@ -390,24 +397,62 @@ def _parents(paths: Iterable[str]) -> set[str]:
 
 @dataclass
 class _Listing:
-    stats: dict[str, os.stat_result]
+    paths: list[str]
+    """What the lister named, sorted, without duplicates."""
+    stats: dict[str, StatKey]
     """lstat of every listed path that exists (and whose parents are directories)."""
     hidden: dict[str, str]
     """Listed paths below something that is not a directory: path → the blocking parent."""
     fingerprint: dict[str, tuple[int, ...]]
 
 
-def _fingerprint_of(st: os.stat_result) -> tuple[int, ...]:
-    if stat.S_ISDIR(st.st_mode):
+def _fingerprint_of(key: StatKey) -> tuple[int, ...]:
+    if stat.S_ISDIR(key.mode):
         # A directory's own times change with its entries; its entries are in
         # the listing themselves, so only what it is counts.
-        return (st.st_mode, st.st_dev, st.st_ino)
-    return (st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return (key.mode, key.dev, key.ino)
+    return key
 
 
-def _list(root: Path, paths: Iterable[str]) -> _Listing:
+Trusted = Callable[[str], StatKey | None]
+"""The key to use instead of an lstat for a path, or None to lstat it."""
+
+
+def _lstat_all(
+    base: str, paths: Iterable[str], trusted: Trusted | None
+) -> dict[str, StatKey | None]:
+    out: dict[str, StatKey | None] = {}
+    for path in paths:
+        key = trusted(path) if trusted is not None else None
+        if key is None:
+            try:
+                key = StatKey.of(os.lstat(f"{base}/{path}"))
+            except (FileNotFoundError, NotADirectoryError):
+                key = None
+        out[path] = key
+    return out
+
+
+def _list(
+    root: Path,
+    list_paths: Callable[[], Iterable[str]],
+    guess: list[str] | None,
+    trusted: Trusted | None,
+) -> _Listing:
+    """List, then lstat what was listed. With a ``guess`` (the paths the
+    listing most likely names), the guessed paths are lstat'ed while the
+    lister runs in a thread (it is usually a subprocess), and only the
+    surprises are lstat'ed after it."""
     base = os.fspath(root)
-    wanted = sorted(set(paths))
+    early: dict[str, StatKey | None] = {}
+    if guess:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="scan-list") as pool:
+            listing = pool.submit(lambda: list(list_paths()))
+            early = _lstat_all(base, guess, trusted)
+            listed = listing.result()
+    else:
+        listed = list(list_paths())
+    wanted = sorted(set(listed))
     parents = sorted(_parents(wanted))
     blocked: dict[str, str] = {}
     fingerprint: dict[str, tuple[int, ...]] = {}
@@ -421,23 +466,23 @@ def _list(root: Path, paths: Iterable[str]) -> _Listing:
         except FileNotFoundError:
             blocked[d] = d
             continue
-        fingerprint["/" + d] = _fingerprint_of(st)  # "/" keeps parents apart from members
+        fingerprint["/" + d] = (st.st_mode, st.st_dev, st.st_ino)  # "/": parents apart
         if not stat.S_ISDIR(st.st_mode):
             blocked[d] = d
-    stats: dict[str, os.stat_result] = {}
+    late = _lstat_all(base, (p for p in wanted if p not in early), trusted)
+    stats: dict[str, StatKey] = {}
     hidden: dict[str, str] = {}
     for path in wanted:
         head = path.rpartition("/")[0]
         if head and head in blocked:
             hidden[path] = blocked[head]
             continue
-        try:
-            st = os.lstat(f"{base}/{path}")
-        except FileNotFoundError:
+        key = early[path] if path in early else late[path]
+        if key is None:
             continue
-        stats[path] = st
-        fingerprint[path] = _fingerprint_of(st)
-    return _Listing(stats, hidden, fingerprint)
+        stats[path] = key
+        fingerprint[path] = _fingerprint_of(key)
+    return _Listing(wanted, stats, hidden, fingerprint)
 
 
 # --- the scan ------------------------------------------------------------------------
@@ -454,41 +499,57 @@ def scan_tree(
     threads: int = HASH_THREADS,
     after_read: ReadHook | None = None,
     racy_margin_ns: int = RACY_MARGIN_NS,
+    guess: list[str] | None = None,
+    immutable: Callable[[str], bool] | None = None,
 ) -> ScanResult:
     """Scan the paths ``list_paths()`` names under ``root`` (see the module doc).
 
     A listed path that does not exist is simply absent. ``list_paths`` is
     called twice, before and after reading: what it lists may change with
     the tree (new files). Blocking I/O: run it in a worker thread.
+
+    ``guess``: the paths the listing probably names (the last scan's
+    :attr:`ScanResult.paths`); they are lstat'ed while the first listing
+    runs, as the before-listing's paths are while the second one runs.
+    ``immutable``: paths whose names fix their contents (Git's objects and
+    packs are named by their hash). Such a path known to the cache is
+    trusted by name: no lstat, no read; its presence in the listing is what
+    the fingerprints compare.
     """
     started = time.monotonic()
     not_after_ns = time.time_ns() - racy_margin_ns
     base = os.fspath(root)
-    before = _list(root, list_paths())
+    trusted: Trusted | None = None
+    if immutable is not None and cache is not None:
+        known = cache
+
+        def trusted(path: str) -> StatKey | None:
+            return known.key_of(path) if immutable(path) else None
+
+    before = _list(root, list_paths, guess, trusted)
     stats = ScanStats(listed=len(before.stats) + len(before.hidden))
     problems = [Problem(p, f"below_non_directory:{d}") for p, d in before.hidden.items()]
     members: list[Member] = []
-    to_hash: list[tuple[str, os.stat_result]] = []
+    to_hash: list[tuple[str, StatKey]] = []
     unstable: list[str] = []
-    for path, st in before.stats.items():
+    for path, key in before.stats.items():
         if path_rule is not None:
             why = path_rule(path)
             if why is not None:
                 problems.append(Problem(path, why))
                 continue
-        mode = st.st_mode
+        mode = key.mode
         if stat.S_ISREG(mode):
-            if max_file_bytes is not None and st.st_size > max_file_bytes:
+            if max_file_bytes is not None and key.size > max_file_bytes:
                 problems.append(Problem(path, "file_too_large"))
                 continue
-            key = StatKey.of(st)
             digest = cache.get(path, key) if cache is not None else None
             if digest is None:
-                to_hash.append((path, st))
+                to_hash.append((path, key))
                 continue
             stats.cache_hits += 1
             members.append(
-                Member(path, "file", digest, st.st_size, bool(mode & stat.S_IXUSR), key=key)
+                Member(path, "file", digest, key.size, bool(mode & stat.S_IXUSR), key=key)
             )
         elif stat.S_ISLNK(mode):
             try:
@@ -506,8 +567,8 @@ def scan_tree(
         else:
             problems.append(Problem(path, "special_file"))  # socket, FIFO, device
 
-    def hash_group(group: list[tuple[str, os.stat_result]]) -> list[tuple[str, str | None]]:
-        return [(p, hash_stable(f"{base}/{p}", st, after_read)) for p, st in group]
+    def hash_group(group: list[tuple[str, StatKey]]) -> list[tuple[str, str | None]]:
+        return [(p, hash_stable(f"{base}/{p}", key, after_read)) for p, key in group]
 
     groups = [to_hash[i : i + WORK_GROUP] for i in range(0, len(to_hash), WORK_GROUP)]
     if len(groups) > 1 and threads > 1:
@@ -515,20 +576,19 @@ def scan_tree(
             hashed = [r for rs in pool.map(hash_group, groups) for r in rs]
     else:
         hashed = [r for g in groups for r in hash_group(g)]
-    for (path, st), (_, digest) in zip(to_hash, hashed, strict=True):
+    for (path, key), (_, digest) in zip(to_hash, hashed, strict=True):
         if digest is None:
             unstable.append(path)
             continue
         stats.hashed += 1
-        stats.hashed_bytes += st.st_size
-        key = StatKey.of(st)
+        stats.hashed_bytes += key.size
         if cache is not None and max(key.mtime_ns, key.ctime_ns) < not_after_ns:
             cache.put(path, key, digest)
         members.append(
-            Member(path, "file", digest, st.st_size, bool(st.st_mode & stat.S_IXUSR), key=key)
+            Member(path, "file", digest, key.size, bool(key.mode & stat.S_IXUSR), key=key)
         )
 
-    after = _list(root, list_paths())
+    after = _list(root, list_paths, before.paths, trusted)
     if after.fingerprint != before.fingerprint:
         changed = {
             p.lstrip("/")
@@ -541,7 +601,7 @@ def scan_tree(
     members.sort(key=lambda m: m.path)
     problems.sort(key=lambda p: p.path)
     stats.seconds = time.monotonic() - started
-    return ScanResult(members, problems, sorted(unstable), stats)
+    return ScanResult(members, problems, sorted(unstable), stats, after.paths)
 
 
 def open_member(root: Path, member: Member) -> int:

@@ -491,3 +491,25 @@ async def test_savers_cover_prepared_checkouts_only(
     assert [s.binding.name for s in await savers.refresh()] == ["app"]
     assert await savers.save_all() == 0
     assert mem.repo(later).current is None
+
+
+def test_only_git_object_and_pack_names_count_as_immutable() -> None:
+    from fsagent.repocapture import git_immutable
+
+    obj = "ab" + "c" * 38
+    pack = "pack-" + "0" * 40
+    assert git_immutable(f".git/objects/{obj[:2]}/{obj[2:]}")
+    assert git_immutable(f".git/objects/pack/{pack}.pack")
+    assert git_immutable(f".git/objects/pack/{pack}.idx")
+    for mutable in (
+        ".git/index",
+        ".git/HEAD",
+        ".git/refs/heads/main",
+        ".git/objects/info/commit-graph",
+        ".git/objects/pack/multi-pack-index",
+        f".git/objects/pack/{pack}.keep",
+        f".git/objects/{obj[:2]}/tmp_obj_x",
+        f"src/.git/objects/{obj[:2]}/{obj[2:]}",
+        f".git/objects/{obj[:2]}/{obj[2:].upper()}",
+    ):
+        assert not git_immutable(mutable), mutable

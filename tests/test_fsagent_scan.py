@@ -172,7 +172,7 @@ def test_a_file_replaced_by_rename_during_the_scan_is_unstable(tmp_path: Path) -
 
 def test_hash_stable_never_blocks_on_a_fifo_swapped_in(tmp_path: Path) -> None:
     path = write(tmp_path, "a.txt", b"data")
-    before = os.lstat(path)
+    before = StatKey.of(os.lstat(path))
     path.unlink()
     os.mkfifo(path)  # nobody writes it: a blocking open would hang
     started = time.monotonic()
@@ -183,7 +183,7 @@ def test_hash_stable_never_blocks_on_a_fifo_swapped_in(tmp_path: Path) -> None:
 def test_hash_stable_refuses_a_link_swapped_in(tmp_path: Path) -> None:
     path = write(tmp_path, "a.txt", b"data")
     write(tmp_path, "other.txt", b"other")
-    before = os.lstat(path)
+    before = StatKey.of(os.lstat(path))
     path.unlink()
     path.symlink_to("other.txt")
     assert hash_stable(str(path), before) is None
@@ -290,3 +290,48 @@ def test_cache_degrades_to_memory_on_a_full_disk_and_recovers(tmp_path: Path) ->
         free_fill(state)
         assert cache.save() is True and cache.degraded is None
         assert len(MetadataCache.load(file)) == 10
+
+
+def test_immutable_names_are_trusted_from_the_cache_without_a_read(tmp_path: Path) -> None:
+    write(tmp_path, "obj/aa", b"object one")
+    write(tmp_path, "obj/bb", b"object two")
+    write(tmp_path, "work.txt", b"work")
+    cache = MetadataCache()
+
+    def is_object(path: str) -> bool:
+        return path.startswith("obj/")
+
+    def run() -> ScanResult:
+        return scan_tree(
+            tmp_path, lambda: lister(tmp_path), cache, racy_margin_ns=0, immutable=is_object
+        )
+
+    first = run()
+    assert first.stats.hashed == 3
+    time.sleep(0.02)
+    # Rewriting an object in place breaks Git's own rule; it shows that an
+    # object known by name is neither lstat'ed nor read again.
+    write(tmp_path, "obj/aa", b"OBJECT ONE")
+    write(tmp_path, "work.txt", b"WORK")
+    second = run()
+    digests = {m.path: m.digest for m in second.members}
+    assert digests["obj/aa"] == sha(b"object one") and digests["work.txt"] == sha(b"WORK")
+    assert second.stats.hashed == 1
+    (tmp_path / "obj" / "bb").unlink()  # a removal is still seen: the listing names paths
+    write(tmp_path, "obj/cc", b"object three")  # and a new object is read once
+    third = run()
+    assert {m.path for m in third.members if m.kind == "file"} == {"obj/aa", "obj/cc", "work.txt"}
+    assert third.stats.hashed == 1
+
+
+def test_a_guess_of_the_listing_changes_nothing_but_the_order_of_work(tmp_path: Path) -> None:
+    for i in range(30):
+        write(tmp_path, f"d{i % 4}/f{i}", bytes([i]) * 10)
+    plain = scan_tree(tmp_path, lambda: lister(tmp_path))
+    (tmp_path / "d1" / "f1").unlink()
+    write(tmp_path, "d9/new", b"new")
+    guessed = scan_tree(tmp_path, lambda: lister(tmp_path), guess=plain.paths)
+    expected = scan_tree(tmp_path, lambda: lister(tmp_path))
+    assert guessed.stable and guessed.paths == expected.paths
+    assert [m.to_json() for m in guessed.members] == [m.to_json() for m in expected.members]
+    assert "d1/f1" in plain.paths and "d1/f1" not in guessed.paths
