@@ -358,43 +358,112 @@ class BadBatch(ObjectUnavailable):
 _MAX_COMPRESSED_FRAME = CHUNK_MAX + 1024
 
 
+WRITE_BATCH_BYTES = 4 << 20
+"""Compressed bytes handed to one worker-thread call of a batch fetch: one
+thread round trip per file would cost more than writing a small file."""
+
+
+class _BatchWriter:
+    """The worker-thread half of :func:`read_batch`: decodes and checks frames,
+    writes members to their files, verifies each member's size and SHA-256.
+    Runs one list of steps per call, in order; at most one file is open."""
+
+    def __init__(self, dest_for: DestFor) -> None:
+        self.dest_for = dest_for
+        self.dctx = zstandard.ZstdDecompressor()
+        self.results: list[tuple[str, int]] = []
+        self._fh: BinaryIO | None = None
+        self._sha = hashlib.sha256()
+        self._written = 0
+        self._member: tuple[int, int, bytes] = (0, 0, b"")
+
+    def run(self, steps: list[tuple[Any, ...]]) -> None:
+        for step in steps:
+            if step[0] == "frame":
+                _, payload, raw_len, checksum = step
+                raw = _decode_frame(self.dctx, payload, raw_len, checksum)
+                self._sha.update(raw)
+                self._written += raw_len
+                assert self._fh is not None
+                self._fh.write(raw)
+            elif step[0] == "start":
+                _, index, size, declared = step
+                self._member = (index, size, declared)
+                self._sha = hashlib.sha256()
+                self._written = 0
+                self._fh = open(self.dest_for(index), "wb")  # noqa: SIM115 - closed at "end"
+            else:
+                assert self._fh is not None
+                self._fh.close()
+                self._fh = None
+                index, size, declared = self._member
+                if self._written != size or self._sha.digest() != declared:
+                    raise BadBatch(
+                        f"batch member {index} does not match its declared size and SHA-256"
+                    )
+                self.results.append((self._sha.hexdigest(), self._written))
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
 async def read_batch(
     chunks: AsyncIterator[bytes], count: int, dest_for: DestFor
 ) -> list[tuple[str, int]]:
     """Write the members of a batch body (:func:`common.bridge.encode_batch`)
-    to ``dest_for(i)``, one frame in memory at a time; (sha256, size) of what
-    was written per member. Every frame's xxh64 and every member's declared
-    size and SHA-256 are checked; the caller still compares each digest with
-    the one it asked for (a member may be a different object than requested).
+    to ``dest_for(i)``; (sha256, size) of what was written per member. Every
+    frame's xxh64 and every member's declared size and SHA-256 are checked;
+    the caller still compares each digest with the one it asked for (a
+    member may be a different object than requested).
+
+    The stream is cut into steps here (cheap), and a worker thread decodes
+    and writes about :data:`WRITE_BATCH_BYTES` of them per call: memory
+    stays bounded whatever the objects' sizes.
     """
     buf = bytearray()
+    pos = 0
     source = chunks.__aiter__()
+    writer = _BatchWriter(dest_for)
+    steps: list[tuple[Any, ...]] = []
+    pending = 0
 
     async def need(n: int) -> None:
-        while len(buf) < n:
+        nonlocal buf, pos
+        while len(buf) - pos < n:
+            if pos > (1 << 20):
+                del buf[:pos]  # drop what was parsed, now and then, not per frame
+                pos = 0
             try:
                 buf.extend(await source.__anext__())
             except StopAsyncIteration:
-                raise BadBatch(f"batch answer ended early ({len(buf)} of {n} bytes)") from None
+                raise BadBatch(
+                    f"batch answer ended early ({len(buf) - pos} of {n} bytes)"
+                ) from None
 
     def take(n: int) -> bytes:
-        out = bytes(buf[:n])
-        del buf[:n]
+        nonlocal pos
+        out = bytes(buf[pos : pos + n])
+        pos += n
         return out
 
-    await need(BATCH_HEADER.size)
-    magic, members = BATCH_HEADER.unpack(take(BATCH_HEADER.size))
-    if magic != BATCH_MAGIC or members != count:
-        raise BadBatch(f"batch answer holds {members} members, {count} were asked for")
-    dctx = zstandard.ZstdDecompressor()
-    results: list[tuple[str, int]] = []
-    for i in range(count):
-        await need(MEMBER_HEADER.size)
-        size, declared = MEMBER_HEADER.unpack(take(MEMBER_HEADER.size))
-        sha = hashlib.sha256()
-        written = 0
-        fh: BinaryIO = await trio.to_thread.run_sync(_open_for_write, dest_for(i))
-        try:
+    async def flush() -> None:
+        nonlocal steps, pending
+        if steps:
+            work, steps, pending = steps, [], 0
+            await trio.to_thread.run_sync(writer.run, work)
+
+    try:
+        await need(BATCH_HEADER.size)
+        magic, members = BATCH_HEADER.unpack(take(BATCH_HEADER.size))
+        if magic != BATCH_MAGIC or members != count:
+            raise BadBatch(f"batch answer holds {members} members, {count} were asked for")
+        for i in range(count):
+            await need(MEMBER_HEADER.size)
+            size, declared = MEMBER_HEADER.unpack(take(MEMBER_HEADER.size))
+            steps.append(("start", i, size, declared))
+            written = 0
             while True:
                 await need(FRAME_HEADER.size)
                 clen, rlen, checksum = FRAME_HEADER.unpack(take(FRAME_HEADER.size))
@@ -402,28 +471,29 @@ async def read_batch(
                     break
                 if not 0 < rlen <= CHUNK_MAX or not 0 < clen <= _MAX_COMPRESSED_FRAME:
                     raise BadBatch("batch frame out of bounds")
-                if written + rlen > size:
+                written += rlen
+                if written > size:
                     raise BadBatch("batch member longer than declared")
                 await need(clen)
-                payload = take(clen)
-                raw = await trio.to_thread.run_sync(_decode_frame, dctx, payload, rlen, checksum)
-                sha.update(raw)
-                written += rlen
-                await trio.to_thread.run_sync(fh.write, raw)
-            await trio.to_thread.run_sync(fh.flush)
-        finally:
-            fh.close()
-        if written != size or sha.digest() != declared:
-            raise BadBatch(f"batch member {i} does not match its declared size and SHA-256")
-        results.append((sha.hexdigest(), written))
-    async for extra in source:
-        if extra:
+                steps.append(("frame", take(clen), rlen, checksum))
+                pending += clen
+                if pending >= WRITE_BATCH_BYTES:
+                    await flush()
+            steps.append(("end",))
+            if len(steps) >= 4096:
+                await flush()
+        await flush()
+        if len(buf) > pos:
             raise BadBatch("data after the last batch member")
-    return results
-
-
-def _open_for_write(path: Path) -> BinaryIO:
-    return open(path, "wb")
+        async for extra in source:
+            if extra:
+                raise BadBatch("data after the last batch member")
+    finally:
+        writer.close()
+        aclose = getattr(source, "aclose", None)  # an async generator: close it now
+        if aclose is not None:
+            await aclose()
+    return writer.results
 
 
 def _decode_frame(

@@ -76,6 +76,7 @@ SETUP_RECORD: Final = f"{RECORD_DIR}/setup.json"
 SETUP_LOG: Final = f"{RECORD_DIR}/setup.log"
 FETCH_CONCURRENCY: Final = 4
 """Batch fetches in flight during a restore."""
+FETCH_BATCH_BYTES: Final = 32 << 20
 
 
 @dataclass
@@ -347,7 +348,6 @@ async def _fetch_files(
     for member in members:
         if member["kind"] == "file":
             paths_by_digest[str(member["digest"])].append(member)
-    digests = sorted(paths_by_digest)
     limiter = trio.CapacityLimiter(FETCH_CONCURRENCY)
 
     async def fetch(chunk: list[str]) -> None:
@@ -365,10 +365,29 @@ async def _fetch_files(
 
     try:
         async with trio.open_nursery() as nursery:
-            for i in range(0, len(digests), FETCH_BATCH_MAX):
-                nursery.start_soon(fetch, digests[i : i + FETCH_BATCH_MAX])
+            for chunk in fetch_batches(paths_by_digest):
+                nursery.start_soon(fetch, chunk)
     except BaseExceptionGroup as group:
         raise_first_failure(group)
+
+
+def fetch_batches(paths_by_digest: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    """Digests grouped for batch fetches: at most :data:`FETCH_BATCH_MAX` objects
+    and :data:`FETCH_BATCH_BYTES` per batch (a larger object goes alone), so
+    several batches stream at once and large objects come a few at a time."""
+    out: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for digest in sorted(paths_by_digest):
+        nbytes = int(paths_by_digest[digest][0]["byteSize"])
+        if current and (len(current) >= FETCH_BATCH_MAX or size + nbytes > FETCH_BATCH_BYTES):
+            out.append(current)
+            current, size = [], 0
+        current.append(digest)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
 
 
 def _place_copies(root: Path, groups: list[list[dict[str, Any]]]) -> None:

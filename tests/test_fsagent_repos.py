@@ -362,3 +362,52 @@ def test_the_repos_commands(
             await client.aclose()
 
     assert "final.txt" in trio.run(final_members)
+
+
+@pytest.mark.fuse
+def test_up_prepares_the_checkout_saves_it_and_names_it_in_the_env_file(
+    origin: Path, repo_task: RepoTask
+) -> None:
+    repo_task.add_workspace(str(origin), primary=True)
+    run = repo_task.start_run()
+    base = private_tmpdir("fsa-upr-")
+    (base / "token").write_text(run.token)
+    home, state, env_file = base / "home", base / "state", base / "env"
+    with open(base / "up.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fsagent.cli", "up", "--home", str(home), "--controller",
+             repo_task.tenant.controller.url, "--token-file", str(base / "token"),
+             "--state-root", str(state), "--env-file", str(env_file)],
+            cwd=REPO, stdout=log, stderr=log,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not env_file.exists():
+            assert proc.poll() is None, (base / "up.log").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        env = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+        assert env["PAPERCLIP_REPOS_DIR"] == str(home / "repos")
+        assert env["PAPERCLIP_PRIMARY_REPO"] == str(home / "repos" / "app")
+        checkout = home / "repos" / "app"
+        assert git(checkout, "rev-parse", "HEAD") == git(origin, "rev-parse", "main")
+        (checkout / "agent-notes.md").write_text("written while the agent ran\n")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=180) == 0, (base / "up.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for scope in ("task", "agent", "user", "project"):
+            subprocess.run(["fusermount3", "-u", "-z", str(home / scope)], capture_output=True,
+                           check=False)  # fmt: skip
+    client = repo_task.client(run)
+
+    async def saved_paths() -> set[str]:
+        try:
+            (repo,) = (await client.list_repos()).repos
+            return {m["path"] for m in (await client.repo_manifest(repo.workspace_id)).members}
+        finally:
+            await client.aclose()
+
+    assert "agent-notes.md" in trio.run(saved_paths)  # the final save at stop

@@ -513,3 +513,51 @@ def test_only_git_object_and_pack_names_count_as_immutable() -> None:
         f".git/objects/{obj[:2]}/{obj[2:].upper()}",
     ):
         assert not git_immutable(mutable), mutable
+
+
+def test_restore_fetches_large_objects_a_few_at_a_time() -> None:
+    from common.repos import FETCH_BATCH_MAX
+    from fsagent.repoprepare import FETCH_BATCH_BYTES, fetch_batches
+
+    def member(size: int) -> list[dict[str, Any]]:
+        return [{"byteSize": size}]
+
+    small = {f"{i:064x}": member(100) for i in range(FETCH_BATCH_MAX + 5)}
+    groups = fetch_batches(small)
+    assert [len(g) for g in groups] == [FETCH_BATCH_MAX, 5]
+    big = {f"{i:064x}": member(FETCH_BATCH_BYTES // 3 + 1) for i in range(5)}
+    huge = {"f" * 64: member(FETCH_BATCH_BYTES * 4)}
+    groups = fetch_batches({**big, **huge})
+    assert [len(g) for g in groups] == [2, 2, 1, 1]
+    assert groups[-1] == ["f" * 64]
+    assert sorted(d for g in groups for d in g) == sorted({**big, **huge})
+
+
+@pytest.mark.trio
+async def test_read_batch_writes_and_verifies_members_of_any_size(tmp_path: Path) -> None:
+    import hashlib
+
+    from common.bridge import encode_batch
+    from fsagent.client import BadBatch, read_batch
+
+    datas = [b"", b"small", os.urandom(9 << 20), b"x" * 70_000]  # the big one spans 3 frames
+    body = encode_batch(datas)
+
+    async def chunks(data: bytes, size: int = 100_000) -> Any:
+        for i in range(0, len(data), size):
+            yield data[i : i + size]
+
+    got = await read_batch(chunks(body), len(datas), lambda i: tmp_path / f"m{i}")
+    assert got == [(hashlib.sha256(d).hexdigest(), len(d)) for d in datas]
+    assert [(tmp_path / f"m{i}").read_bytes() for i in range(len(datas))] == datas
+
+    with pytest.raises(BadBatch, match="ended early"):
+        await read_batch(chunks(body[:-10]), len(datas), lambda i: tmp_path / f"t{i}")
+    with pytest.raises(BadBatch, match="members"):
+        await read_batch(chunks(body), 3, lambda i: tmp_path / f"c{i}")
+    forged = bytearray(body)
+    forged[-20] ^= 0xFF  # inside the last member's frame
+    with pytest.raises(BadBatch):
+        await read_batch(chunks(bytes(forged)), len(datas), lambda i: tmp_path / f"f{i}")
+    with pytest.raises(BadBatch, match="after the last"):
+        await read_batch(chunks(body + b"junk"), len(datas), lambda i: tmp_path / f"j{i}")
