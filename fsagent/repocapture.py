@@ -152,21 +152,21 @@ def git_dir_members(checkout: Path) -> list[str]:
 
 def worktree_paths(checkout: Path) -> tuple[list[str], list[Problem]]:
     """Tracked and non-ignored untracked paths; nested repositories reported."""
-    listed = git(
-        checkout, "ls-files", "-z", "--cached", "--others", "--exclude-standard"
-    ).stdout.split(b"\0")
+    out = git(checkout, "ls-files", "-z", "--cached", "--others", "--exclude-standard").stdout
+    # One decode of the whole answer (as os.fsdecode would, name by name).
+    listed = out.decode("utf-8", "surrogateescape").split("\0")
     paths: list[str] = []
     problems: list[Problem] = []
     seen: set[str] = set()
-    for raw in listed:
-        if not raw:
-            continue
-        path = os.fsdecode(raw)
-        if path.endswith("/"):  # an untracked directory holding its own repository
+    git_prefix = GIT_DIR + "/"
+    for path in listed:
+        if not path or path in seen:
+            continue  # the end, or listed twice (the stages of an unmerged path)
+        if path[-1] == "/":  # an untracked directory holding its own repository
             problems.append(Problem(path.rstrip("/"), "nested_repository"))
             continue
-        if path.split("/", 1)[0] == GIT_DIR or path in seen:
-            continue  # listed twice (unmerged stages), or Git's own: taken from .git
+        if path.startswith(git_prefix):
+            continue  # Git's own: taken from .git
         seen.add(path)
         paths.append(path)
     return paths, problems
@@ -214,16 +214,16 @@ class MemberNames:
 
 _OBJECT_NAME: Final = re.compile(r"[0-9a-f]{2}/[0-9a-f]{38}(?:[0-9a-f]{24})?")
 _PACK_NAME: Final = re.compile(r"pack/pack-[0-9a-f]{40}(?:[0-9a-f]{24})?\.(?:pack|idx|rev|bitmap)")
-_OBJECTS: Final = f"{GIT_DIR}/objects/"
+GIT_OBJECTS: Final = f"{GIT_DIR}/objects/"
 
 
 def git_immutable(path: str) -> bool:
     """Whether ``path`` is a Git object or pack file, whose name is its content's
     hash: Git never rewrites one in place (:func:`fsagent.scan.scan_tree`'s
     ``immutable``)."""
-    if not path.startswith(_OBJECTS):
+    if not path.startswith(GIT_OBJECTS):
         return False
-    rest = path[len(_OBJECTS) :]
+    rest = path[len(GIT_OBJECTS) :]
     return bool(_OBJECT_NAME.fullmatch(rest) or _PACK_NAME.fullmatch(rest))
 
 

@@ -62,6 +62,7 @@ from fsagent.errors import (
     TreeUnstable,
 )
 from fsagent.repocapture import (
+    GIT_OBJECTS,
     MAX_MEMBER_BYTES,
     MemberNames,
     check_layout,
@@ -339,6 +340,7 @@ class RepoSaver:
             after_read=self.after_read,
             guess=self._last_paths,
             immutable=git_immutable,
+            immutable_prefix=GIT_OBJECTS,
         )
         self._last_paths = result.paths
         return result

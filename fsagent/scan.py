@@ -417,19 +417,29 @@ def _fingerprint_of(key: StatKey) -> tuple[int, ...]:
 Trusted = Callable[[str], StatKey | None]
 """The key to use instead of an lstat for a path, or None to lstat it."""
 
+_new_tuple = tuple.__new__
+
 
 def _lstat_all(
-    base: str, paths: Iterable[str], trusted: Trusted | None
+    base: str, paths: Iterable[str], trusted: Trusted | None, trusted_prefix: str
 ) -> dict[str, StatKey | None]:
+    """lstat each path (the hot loop of a scan: kept to the bare calls)."""
     out: dict[str, StatKey | None] = {}
+    lstat = os.lstat
     for path in paths:
-        key = trusted(path) if trusted is not None else None
-        if key is None:
-            try:
-                key = StatKey.of(os.lstat(f"{base}/{path}"))
-            except (FileNotFoundError, NotADirectoryError):
-                key = None
-        out[path] = key
+        if trusted is not None and path.startswith(trusted_prefix):
+            key = trusted(path)
+            if key is not None:
+                out[path] = key
+                continue
+        try:
+            st = lstat(f"{base}/{path}")
+        except (FileNotFoundError, NotADirectoryError):
+            out[path] = None
+            continue
+        out[path] = _new_tuple(
+            StatKey, (st.st_dev, st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns)
+        )
     return out
 
 
@@ -438,6 +448,7 @@ def _list(
     list_paths: Callable[[], Iterable[str]],
     guess: list[str] | None,
     trusted: Trusted | None,
+    trusted_prefix: str = "",
 ) -> _Listing:
     """List, then lstat what was listed. With a ``guess`` (the paths the
     listing most likely names), the guessed paths are lstat'ed while the
@@ -448,7 +459,7 @@ def _list(
     if guess:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="scan-list") as pool:
             listing = pool.submit(lambda: list(list_paths()))
-            early = _lstat_all(base, guess, trusted)
+            early = _lstat_all(base, guess, trusted, trusted_prefix)
             listed = listing.result()
     else:
         listed = list(list_paths())
@@ -469,19 +480,22 @@ def _list(
         fingerprint["/" + d] = (st.st_mode, st.st_dev, st.st_ino)  # "/": parents apart
         if not stat.S_ISDIR(st.st_mode):
             blocked[d] = d
-    late = _lstat_all(base, (p for p in wanted if p not in early), trusted)
+    late = _lstat_all(base, [p for p in wanted if p not in early], trusted, trusted_prefix)
+    late.update(early)
     stats: dict[str, StatKey] = {}
     hidden: dict[str, str] = {}
+    is_dir = stat.S_ISDIR
     for path in wanted:
-        head = path.rpartition("/")[0]
-        if head and head in blocked:
-            hidden[path] = blocked[head]
-            continue
-        key = early[path] if path in early else late[path]
+        if blocked:
+            head = path.rpartition("/")[0]
+            if head and head in blocked:
+                hidden[path] = blocked[head]
+                continue
+        key = late[path]
         if key is None:
             continue
         stats[path] = key
-        fingerprint[path] = _fingerprint_of(key)
+        fingerprint[path] = (key[3], key[0], key[1]) if is_dir(key[3]) else key
     return _Listing(wanted, stats, hidden, fingerprint)
 
 
@@ -501,6 +515,7 @@ def scan_tree(
     racy_margin_ns: int = RACY_MARGIN_NS,
     guess: list[str] | None = None,
     immutable: Callable[[str], bool] | None = None,
+    immutable_prefix: str = "",
 ) -> ScanResult:
     """Scan the paths ``list_paths()`` names under ``root`` (see the module doc).
 
@@ -514,7 +529,8 @@ def scan_tree(
     ``immutable``: paths whose names fix their contents (Git's objects and
     packs are named by their hash). Such a path known to the cache is
     trusted by name: no lstat, no read; its presence in the listing is what
-    the fingerprints compare.
+    the fingerprints compare. ``immutable`` is asked only about paths that
+    start with ``immutable_prefix``.
     """
     started = time.monotonic()
     not_after_ns = time.time_ns() - racy_margin_ns
@@ -526,7 +542,7 @@ def scan_tree(
         def trusted(path: str) -> StatKey | None:
             return known.key_of(path) if immutable(path) else None
 
-    before = _list(root, list_paths, guess, trusted)
+    before = _list(root, list_paths, guess, trusted, immutable_prefix)
     stats = ScanStats(listed=len(before.stats) + len(before.hidden))
     problems = [Problem(p, f"below_non_directory:{d}") for p, d in before.hidden.items()]
     members: list[Member] = []
@@ -588,7 +604,7 @@ def scan_tree(
             Member(path, "file", digest, key.size, bool(key.mode & stat.S_IXUSR), key=key)
         )
 
-    after = _list(root, list_paths, before.paths, trusted)
+    after = _list(root, list_paths, before.paths, trusted, immutable_prefix)
     if after.fingerprint != before.fingerprint:
         changed = {
             p.lstrip("/")
