@@ -119,6 +119,7 @@ class Figures:
     first_s: float = 0.0
     first_uploaded: int = 0
     first_uploaded_bytes: int = 0
+    first_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)
     changed_s: list[float] = field(default_factory=list)
     changed_cold_s: list[float] = field(default_factory=list)
     restore_s: list[float] = field(default_factory=list)
@@ -225,6 +226,7 @@ async def measure(
         saver = RepoSaver(client, run, binding, checkout, state)
         figures.first_s, outcome = await timed_async(saver.checkpoint)
         figures.members = outcome.entries
+        figures.first_parts = (outcome.scan.seconds, outcome.upload_seconds, outcome.commit_seconds)
         figures.first_uploaded, figures.first_uploaded_bytes = (
             outcome.uploaded,
             outcome.uploaded_bytes,
@@ -308,6 +310,10 @@ def table(results: list[Figures]) -> str:
                 f"{f.first_s:.2f} s ({f.first_uploaded:,} objects, "
                 f"{f.first_uploaded_bytes / mib:.0f} MiB)"
             ),
+        ),
+        row(
+            "... of which scan / missing + upload / commit",
+            lambda f: " / ".join(f"{x:.1f}" for x in f.first_parts) + " s",
         ),
         row(
             "**10 changed files**, saver running (median)",
