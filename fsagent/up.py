@@ -36,6 +36,9 @@ from fsagent.errors import MountFailed
 from fsagent.store import default_state_root
 from fsagent.tls import forwarded_argv, options_from
 
+REPO_STOP_SECONDS = 600
+"""How long ``up`` waits at stop for the repository saver's final save."""
+
 ENV_NAMES = {
     "task": "PAPERCLIP_TASK_DIR",
     "agent": "PAPERCLIP_AGENT_DIR",
@@ -262,7 +265,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     codes = {}
     for scope, child in children.items():
         try:
-            codes[scope] = child.wait(timeout=120)
+            # A repository's final save uploads what changed since the last
+            # one, which can be much more than a collection's.
+            codes[scope] = child.wait(timeout=REPO_STOP_SECONDS if scope == "repos" else 120)
         except subprocess.TimeoutExpired:
             child.kill()
             codes[scope] = child.wait()
