@@ -239,6 +239,11 @@ async def watch(
             nursery.start_soon(on_signal)
             if ready is not None:
                 ready.set()
+            print(
+                f"fsagent repos: saving the checkouts under {repos_root(home)} every "
+                f"{interval:g}s and at stop",
+                flush=True,
+            )
             while not stop.is_set():
                 with trio.move_on_after(interval):
                     await stop.wait()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -411,3 +413,75 @@ def test_up_prepares_the_checkout_saves_it_and_names_it_in_the_env_file(
             await client.aclose()
 
     assert "agent-notes.md" in trio.run(saved_paths)  # the final save at stop
+
+
+def unit_command(unit: str, key: str) -> list[str]:
+    """A systemd unit's command line (``key=``), continuation lines joined,
+    without the ``-`` (ignore failure) prefix."""
+    text = unit.split(f"\n{key}=", 1)[1]
+    lines = [text.split("\n", 1)[0]]
+    rest = text.split("\n", 1)[1]
+    while lines[-1].endswith("\\"):
+        line, rest = rest.split("\n", 1)
+        lines.append(line)
+    return shlex.split(" ".join(line.rstrip("\\") for line in lines).lstrip("-"))
+
+
+def test_the_systemd_unit_prepares_watches_and_saves_at_stop(
+    tmp_path: Path, origin: Path, repo_task: RepoTask
+) -> None:
+    unit = (REPO / "packaging" / "systemd" / "fsagent-repos.service").read_text()
+    verify_dir = tmp_path / "units"
+    verify_dir.mkdir()
+    local = unit.replace("/opt/fsagent/venv/bin/fsagent", str(REPO / ".venv" / "bin" / "fsagent"))
+    (verify_dir / "fsagent-repos.service").write_text(local)
+    verified = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(verify_dir / "fsagent-repos.service")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert verified.returncode == 0, verified.stderr
+
+    repo_task.add_workspace(str(origin), primary=True)
+    run = repo_task.start_run()
+    base = private_tmpdir("fsa-ru-")
+    (base / "token").write_text(run.token)
+    config = {"FSAGENT_HOME": str(base / "home"), "FSAGENT_TOKEN_FILE": str(base / "token"),
+              "FSAGENT_CONTROLLER": repo_task.tenant.controller.url}  # fmt: skip
+
+    def argv(key: str) -> list[str]:
+        words = unit_command(unit, key)
+        assert words[0] == "/opt/fsagent/venv/bin/fsagent" and words[1] == "repos"
+        return [re.sub(r"\$\{(\w+)\}", lambda m: config[m.group(1)], w) for w in words[1:]]
+
+    prepare = fsagent(*argv("ExecStartPre"))
+    assert prepare.returncode == 0, prepare.stderr
+    checkout = base / "home" / "repos" / "app"
+    assert (checkout / ".git" / "fsagent" / "binding.json").exists()
+    (checkout / "from-the-unit.txt").write_text("saved at stop\n")
+    with open(base / "watch.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "fsagent.cli", *argv("ExecStart")],
+                                cwd=REPO, stdout=log, stderr=log)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60  # started: the cadence is 180 s, so only the stop saves
+        while b"fsagent repos: saving" not in (base / "watch.log").read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                base / "watch.log"
+            ).read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (base / "watch.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (row,) = people_repos(repo_task.tenant, repo_task.task)
+    assert row["state"] == "saved"
+    client = repo_task.client(run)
+
+    async def saved_paths() -> set[str]:
+        try:
+            return {m["path"] for m in (await client.repo_manifest(row["workspaceId"])).members}
+        finally:
+            await client.aclose()
+
+    assert "from-the-unit.txt" in trio.run(saved_paths)
