@@ -37,12 +37,7 @@ from typing import Any
 from common.bridge import MANIFEST_PAGE_MAX, encode_batch
 from common.errors import ResyncRequired
 from common.limits import SCOPES
-from common.repos import (
-    FETCH_BATCH_MAX,
-    GIT_DIR,
-    MAX_REPO_ENTRIES,
-    MISSING_MAX,
-)
+from common.repos import FETCH_BATCH_MAX, MISSING_MAX, checkout_name, member_problem
 from common.types import Digest, FileVersion
 from fsagent.client import (
     CHUNK,
@@ -65,7 +60,7 @@ from fsagent.errors import (
     ControllerUnavailable,
     ObjectUnavailable,
 )
-from fsagent.repocapture import portable_pairs, wire_member_problem
+from fsagent.repocapture import checkpoint_problem, portable_pairs
 
 
 @dataclass
@@ -196,8 +191,6 @@ class MemoryBridgeClient(BridgeClient):
     ) -> str:
         """Bind a workspace to the task (as ``add-workspace`` and a run start
         would); returns its workspace id."""
-        from common.repos import checkout_name
-
         workspace_id = str(uuid.uuid4())
         binding = RepoBinding(
             workspace_id,
@@ -456,7 +449,7 @@ class MemoryBridgeClient(BridgeClient):
         self._fault("upload_repo_batch", after=True)
         return got
 
-    def _refuse_member(self, path: str, rule: str) -> ControllerRefused:
+    def _refuse_member(self, path: str | None, rule: str) -> ControllerRefused:
         return ControllerRefused(
             f"repository checkpoint: {path}: {rule}", 422, "unsafe_repo_member"
         )
@@ -489,16 +482,17 @@ class MemoryBridgeClient(BridgeClient):
             raise ControllerRefused("a full checkpoint removes nothing", 400, "validation_error")
         members = dict(repo.members(base))
         for path in removed:
-            members.pop(path, None)
+            if path not in members:
+                raise ControllerRefused(f"{path} is not in the base", 400, "validation_error")
+            del members[path]
         for member in body.get("members", []):
-            problem = wire_member_problem(member)
-            if problem is not None:
-                raise self._refuse_member(*problem)
+            rule = member_problem(member)
+            if rule is not None:
+                raise self._refuse_member(str(member.get("path")), rule)
             members[member["path"]] = member
-        if len(members) > MAX_REPO_ENTRIES:
-            raise ControllerRefused("too many members", 422, "unsafe_repo_member")
-        if members and members.get(GIT_DIR, {}).get("kind") != "dir":
-            raise self._refuse_member(GIT_DIR, "git_dir_missing")
+        problem = checkpoint_problem(list(members.values()))
+        if problem is not None:
+            raise self._refuse_member(str(problem[0]), problem[1])
         known = self._task_references()
         for path, member in members.items():
             if member["kind"] == "file":

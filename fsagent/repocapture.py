@@ -43,10 +43,12 @@ from common.repos import (
     GIT_DIR,
     GIT_INCLUDED_TOP,
     GIT_INCLUDED_TREES,
-    GIT_REFUSED,
-    KINDS,
-    is_git_admin,
+    RepoMember,
+    member_problem,
+    parse_member,
+    portable_config,
     symlink_problem,
+    tree_problem,
 )
 from fsagent.errors import CheckoutUnsupported
 from fsagent.scan import Member, Problem, ScanResult
@@ -55,12 +57,6 @@ LOCK_SUFFIX: Final = ".lock"
 GIT_TEMPORARY_PREFIXES: Final = ("tmp_", "incoming-")
 """Objects Git is still writing (``tmp_obj_*``, ``tmp_pack_*``, ``tmp_idx_*``)
 and push quarantine directories: not part of the repository yet."""
-
-PORTABLE_CONFIG_KEYS: Final = frozenset({"core.repositoryformatversion", "extensions.objectformat"})
-"""Configuration worth carrying to a restored checkout, besides branch tracking.
-Everything else (remotes and their URLs, credentials, hooks paths, includes,
-filters and other commands) stays in the sandbox."""
-_REMOTE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def git_env() -> dict[str, str]:
@@ -179,14 +175,16 @@ def list_members(checkout: Path) -> list[str]:
 
 
 def member_path_problem(path: str) -> str | None:
-    """The name rules of a checkpoint member (the controller applies the same)."""
-    try:
-        validate_path(path)
-    except InvalidPath as exc:
-        return f"invalid_path:{exc.reason}"
-    if is_git_admin(path) and path.split("/", 1)[0] != GIT_DIR:
-        return "git_dir_case_alias"
-    return None
+    """The name rules of a checkpoint member (:func:`common.repos.member_problem`,
+    the controller's own). Outside ``.git`` a name's rules do not depend on
+    its kind; inside, the listing only names what a checkpoint carries."""
+    if path.startswith(GIT_DIR + "/") or path == GIT_DIR:
+        try:
+            validate_path(path)
+        except InvalidPath:
+            return "path_invalid"
+        return None
+    return member_problem({"path": path, "kind": "dir"})
 
 
 def link_problem(path: str, target: str) -> str | None:
@@ -245,13 +243,18 @@ def checkpoint_members(
             problems.append(Problem(member.path, "nested_repository"))
             continue
         members.append(member)
+    refused = link_tree_problems(members)
+    if refused:
+        gone = {p.path for p in refused}
+        members = [m for m in members if m.path not in gone]
+        problems += refused
     problems.sort(key=lambda p: p.path)
     return members, problems
 
 
 def portable_config_pairs(checkout: Path) -> list[tuple[str, str]]:
-    """The checkout's portable configuration, parsed as data without includes:
-    :data:`PORTABLE_CONFIG_KEYS` and ``branch.<name>.remote`` / ``.merge``."""
+    """The checkout's portable configuration, parsed as data without includes
+    (:func:`portable_pairs`)."""
     proc = git(
         checkout,
         "config",
@@ -278,59 +281,49 @@ def _parse_config_z(out: bytes) -> list[tuple[str, str]]:
 
 
 def portable_pairs(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Keep only portable keys (see :func:`portable_config_pairs`), sorted by
-    key, the last value of a key winning (as the controller keeps them, so a
-    checkpoint's config compares equal to the one it saved)."""
-    kept: dict[str, str] = {}
-    for key, value in pairs:
-        low = key.lower()
-        section, _, rest = low.partition(".")
-        field = rest.rsplit(".", 1)[-1]
-        if section == "branch" and field in ("remote", "merge"):
-            # A remote given as a URL (possibly with a credential in it) stays here.
-            if field == "remote" and not _REMOTE_NAME.fullmatch(value):
-                continue
-            kept[key] = value
-        elif low in PORTABLE_CONFIG_KEYS:
-            kept[low] = value
-    return sorted(kept.items())
+    """Keep only portable keys (:func:`common.repos.portable_config`, the
+    controller's own filter): sorted by key, the last value of a key winning,
+    so a checkpoint's config compares equal to the one it saved."""
+    return portable_config(pairs)
 
 
-def wire_member_problem(member: Any) -> tuple[str, str] | None:
-    """(path, rule) when a checkpoint member in wire form is refused: the
-    controller's rules (:mod:`common.repos`), applied again by a restore
-    before it writes anything."""
-    if not isinstance(member, dict):
-        return "?", "member_not_an_object"
-    path = member.get("path")
-    try:
-        validate_path(path)
-    except InvalidPath as exc:
-        return str(path), f"invalid_path:{exc.reason}"
-    assert isinstance(path, str)
-    kind = member.get("kind")
-    if kind not in KINDS:
-        return path, "kind_not_allowed"
-    top = path.split("/", 1)[0]
-    if is_git_admin(path) and top != GIT_DIR:
-        return path, "git_dir_case_alias"
-    if top == GIT_DIR and path != GIT_DIR:
-        inner = path[len(GIT_DIR) + 1 :]
-        if any(inner == r or inner.startswith(r + "/") for r in GIT_REFUSED):
-            return path, "git_admin_refused"
-        if inner not in GIT_INCLUDED_TOP and inner.split("/", 1)[0] not in GIT_INCLUDED_TREES:
-            return path, "git_path_not_carried"
-    if path == GIT_DIR and kind != "dir":
-        return path, "git_dir_not_a_directory"
-    if kind == "symlink":
-        why = symlink_problem(path, str(member.get("target") or ""))
-        if why is not None:
-            return path, why
-    if kind == "file":
-        digest = member.get("digest")
-        size = member.get("byteSize")
-        if not isinstance(digest, str) or len(digest) != 64:
-            return path, "digest_invalid"
-        if not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
-            return path, "file_too_large"
-    return None
+def checkpoint_problem(members: list[dict[str, Any]]) -> tuple[str | None, str] | None:
+    """(path, rule) when a complete checkpoint in wire form breaks one of
+    :mod:`common.repos`'s rules (each member, then the whole tree), as the
+    controller checks it; a restore checks again before it writes anything."""
+    parsed: dict[str, RepoMember] = {}
+    for member in members:
+        rule = member_problem(member)
+        if rule is not None:
+            path = member.get("path") if isinstance(member, dict) else None
+            return (path if isinstance(path, str) else None), rule
+        repo_member = parse_member(member)
+        if repo_member.path in parsed:
+            return repo_member.path, "duplicate_member"
+        parsed[repo_member.path] = repo_member
+    return tree_problem(parsed)
+
+
+def link_tree_problems(members: list[Member]) -> list[Problem]:
+    """The symbolic links the controller would refuse once resolved through
+    the checkout's other links (:func:`common.repos.tree_problem`), e.g.
+    ``s/b -> ..`` with ``s/c -> b/../../x``: each one dropped is a problem.
+    Only the links take part (a path through a file cannot resolve), so this
+    costs nothing in a checkout without links."""
+    links = {
+        m.path: RepoMember(m.path, "symlink", target=m.target)
+        for m in members
+        if m.kind == "symlink"
+    }
+    if not links:
+        return []
+    head = RepoMember(f"{GIT_DIR}/HEAD", "file", "0" * 64, 0, False)
+    problems: list[Problem] = []
+    while links:
+        found = tree_problem({**links, head.path: head})
+        if found is None or found[0] is None or found[0] not in links:
+            break
+        path, rule = found[0], found[1]
+        problems.append(Problem(path, rule))
+        del links[path]
+    return problems

@@ -53,9 +53,7 @@ from typing import Any, Final
 
 import trio
 
-from common.errors import InvalidPath
-from common.paths import check_segment
-from common.repos import FETCH_BATCH_MAX, GIT_DIR
+from common.repos import FETCH_BATCH_MAX, GIT_DIR, checkout_name_problem
 from fsagent.client import BridgeClient, RepoBinding, RunInfo
 from fsagent.errors import (
     FsagentError,
@@ -63,7 +61,7 @@ from fsagent.errors import (
     RepoBindingMismatch,
     RepoPrepareFailed,
 )
-from fsagent.repocapture import git, git_env, wire_member_problem
+from fsagent.repocapture import checkpoint_problem, git, git_env
 from fsagent.reposave import now_iso, read_json
 from fsagent.ship import raise_first_failure
 
@@ -132,12 +130,9 @@ def record_matches(record: dict[str, Any] | None, run: RunInfo, binding: RepoBin
 
 def checkout_path(repos_root: Path, binding: RepoBinding) -> Path:
     """``repos_root/<name>``; a name that is not one plain path segment is refused."""
-    try:
-        check_segment(binding.name)
-    except InvalidPath as exc:
-        raise RepoPrepareFailed(f"checkout name {binding.name!r} refused: {exc.text}") from None
-    if binding.name.startswith("."):
-        raise RepoPrepareFailed(f"checkout name {binding.name!r} refused: hidden name")
+    problem = checkout_name_problem(binding.name)
+    if problem is not None:
+        raise RepoPrepareFailed(f"checkout name {binding.name!r} refused: {problem}")
     return repos_root / binding.name
 
 
@@ -293,15 +288,10 @@ async def restore_checkout(
     with one rename; returns the checkpoint id."""
     manifest = await client.repo_manifest(binding.workspace_id, "current")
     members = manifest.members
-    for member in members:
-        problem = wire_member_problem(member)
-        if problem is not None:
-            raise RepoPrepareFailed(f"checkpoint member {problem[0]} refused: {problem[1]}")
-    paths = [str(m["path"]) for m in members]
-    if len(set(paths)) != len(paths):
-        raise RepoPrepareFailed("checkpoint lists a path twice")
-    if not any(m["path"] == GIT_DIR and m["kind"] == "dir" for m in members):
-        raise RepoPrepareFailed("checkpoint has no .git directory")
+    problem = await trio.to_thread.run_sync(checkpoint_problem, members)
+    if problem is not None:
+        where = "the checkpoint" if problem[0] is None else f"checkpoint member {problem[0]}"
+        raise RepoPrepareFailed(f"{where} refused: {problem[1]}")
     tmp = await trio.to_thread.run_sync(_temporary_beside, target, "restore")
     try:
         await trio.to_thread.run_sync(_make_directories, tmp, members)

@@ -49,7 +49,7 @@ import trio
 import zstandard
 
 from common.bridge import BATCH_MEMBER_MAX
-from common.errors import StaleLease
+from common.errors import BaseMismatch, StaleLease
 from common.repos import MAX_REPO_ENTRIES
 from fsagent.client import BridgeClient, RepoBinding, RunInfo
 from fsagent.errors import (
@@ -93,8 +93,6 @@ log = logging.getLogger(__name__)
 SCAN_RETRIES: Final = 3
 """Scans after the first when the tree changed during one."""
 RETRY_PAUSES: Final = (0.2, 0.5, 1.0)
-BASE_MISMATCH: Final = "base_mismatch"
-"""The controller's code when ``base`` is no longer the current checkpoint."""
 PROBLEMS_SHOWN: Final = 50
 
 WireKey = tuple[str, str | None, int, bool, str | None]
@@ -401,7 +399,7 @@ class RepoSaver:
             try:
                 receipt = await self.client.commit_repo_checkpoint(self.workspace_id, body)
             except ControllerRefused as exc:
-                if exc.code != BASE_MISMATCH or base is None:
+                if not exc.means(BaseMismatch) or base is None:
                     raise
                 log.info("%s: the base moved on; sending the whole checkpoint", self.binding.name)
                 refused, base, self._base = base.checkpoint_id, None, None

@@ -386,6 +386,11 @@ async def test_unsafe_and_unsupported_members(
     (checkout / "outside").symlink_to("../../elsewhere")
     (checkout / "into-git").symlink_to(".git/config")
     (checkout / "absolute").symlink_to("/etc/passwd")
+    (checkout / "s").mkdir()
+    (checkout / "t").mkdir()
+    (checkout / "t" / "f.txt").write_text("t's file")
+    (checkout / "s" / "b").symlink_to("../t")  # inside: t
+    (checkout / "s" / "c").symlink_to("b/../../x")  # lexically x, but through b: outside
     git(checkout, "init", "-q", "nested")
     (checkout / "nested" / "f.txt").write_text("nested repo's file")
     (checkout / "docs" / "guide.md").unlink()
@@ -398,10 +403,14 @@ async def test_unsafe_and_unsupported_members(
         "into-git": "symlink_into_git_dir",
         "absolute": "symlink_absolute",
         "nested": "nested_repository",
+        "s/c": "symlink_escapes_checkout",
         "docs/guide.md": "special_file",
     }
     files = mem.repo_files(only_binding(mem).workspace_id)
     assert not any(p.startswith("nested/") for p in files)
+    saved = mem.repo(only_binding(mem).workspace_id).members()
+    assert saved["s/b"] == {"path": "s/b", "kind": "symlink", "target": "../t"}
+    assert "s/c" not in saved
 
     # A checkout whose .git is a file (a linked worktree) cannot be saved at all.
     worktree = box.repos / "app-wt"
