@@ -38,7 +38,8 @@ from tests.support.gitrepos import (
     make_origin,
     new_repo_task,
 )
-from tests.support.tmp import private_tmpdir
+from tests.support.procs import free_port
+from tests.support.tmp import private_tmpdir, world_searchable_tmpdir
 
 SETUP = 'echo ran >> "$SETUP_COUNT"'
 
@@ -485,3 +486,74 @@ def test_the_systemd_unit_prepares_watches_and_saves_at_stop(
             await client.aclose()
 
     assert "from-the-unit.txt" in trio.run(saved_paths)
+
+
+class Demo:
+    """``make demo`` (controller.demo) started and stopped like a person would."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.home = base / "home"
+        self.port = free_port()
+        self.runs = 0
+
+    def start(self) -> None:
+        self.runs += 1
+        self.log = self.base / f"demo-{self.runs}.out"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "controller.demo", "--data-dir", str(self.base / "data"),
+                 "--home", str(self.home), "--listen", f"127.0.0.1:{self.port}",
+                 "--checkpoint-interval", "600"],
+                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while "Press Ctrl-C" not in self.log.read_text(errors="replace"):
+            assert self.proc.poll() is None, self.log.read_text(errors="replace")
+            assert time.monotonic() < deadline, self.log.read_text(errors="replace")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for scope in ("task", "agent", "user", "project"):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.home / scope)],
+                           capture_output=True, check=False)  # fmt: skip
+        assert self.proc.returncode == 0, self.log.read_text(errors="replace")
+
+
+@pytest.mark.fuse
+def test_the_demo_keeps_a_commit_across_restarts_and_restores_a_deleted_home() -> None:
+    demo = Demo(world_searchable_tmpdir("fsa-demo-"))
+    checkout = demo.home / "repos" / "demo-app"
+    demo.start()
+    try:
+        assert f"Repository:  {checkout}" in demo.log.read_text()
+        (checkout / "notes.md").write_text("a person's change\n")
+        git(checkout, "add", "notes.md")
+        git(checkout, "commit", "-q", "-m", "a person's commit")
+        commit = git(checkout, "rev-parse", "HEAD").strip()
+    finally:
+        demo.stop()
+    demo.start()
+    try:
+        assert "repository demo-app: warm" in demo.log.read_text()
+        assert git(checkout, "rev-parse", "HEAD").strip() == commit
+    finally:
+        demo.stop()
+    shutil.rmtree(demo.home)
+    demo.start()
+    try:
+        assert "repository demo-app: restore" in demo.log.read_text()
+        assert git(checkout, "rev-parse", "HEAD").strip() == commit
+        assert git(checkout, "status", "--porcelain") == ""
+        assert git(checkout, "remote", "get-url", "origin").strip() == str(
+            demo.base / "data" / "demo-app.git"
+        )
+    finally:
+        demo.stop()
