@@ -117,6 +117,11 @@ class CheckoutUnsupported(RepoSaveFailed):
     worktree or submodule, alternates, too many members)."""
 
 
+class GitCommandFailed(RepoSaveFailed):
+    """A Git command fsagent runs to read a checkout failed (a damaged index,
+    a directory that is no repository): its message is Git's."""
+
+
 class RepoBindingMismatch(StateError):
     """The directory at a checkout's path belongs to another task or
     workspace, or to nobody fsagent knows: it is never overwritten."""

@@ -50,7 +50,7 @@ from common.repos import (
     symlink_problem,
     tree_problem,
 )
-from fsagent.errors import CheckoutUnsupported
+from fsagent.errors import CheckoutUnsupported, GitCommandFailed
 from fsagent.scan import Member, Problem, ScanResult
 
 LOCK_SUFFIX: Final = ".lock"
@@ -69,13 +69,18 @@ def git_env() -> dict[str, str]:
 
 def git(checkout: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
     """Run ``git -C checkout args`` and capture its output. ``safe.directory``
-    names the checkout, since fsagent may run as another user than its owner."""
-    return subprocess.run(
+    names the checkout, since fsagent may run as another user than its owner.
+    With ``check``, a failure raises :class:`GitCommandFailed` with Git's message."""
+    proc = subprocess.run(
         ["git", "-c", f"safe.directory={checkout}", "-C", str(checkout), *args],
         capture_output=True,
         env=git_env(),
-        check=check,
+        check=False,
     )
+    if check and proc.returncode != 0:
+        message = proc.stderr.decode(errors="replace").strip() or f"exit {proc.returncode}"
+        raise GitCommandFailed(f"{checkout}: git {args[0]}: {message}")
+    return proc
 
 
 def check_layout(checkout: Path) -> None:

@@ -212,6 +212,10 @@ class RepoSavers:
             except RepoSaveFailed as exc:
                 log.info("repository %s: %s", saver.binding.name, exc)
                 failed += 1
+            except Exception:
+                # A bug must not stop the other checkouts' saves, nor the next ones.
+                log.exception("repository %s: checkpoint failed unexpectedly", saver.binding.name)
+                failed += 1
         return failed
 
 

@@ -570,3 +570,23 @@ async def test_read_batch_writes_and_verifies_members_of_any_size(tmp_path: Path
         await read_batch(chunks(bytes(forged)), len(datas), lambda i: tmp_path / f"f{i}")
     with pytest.raises(BadBatch, match="after the last"):
         await read_batch(chunks(body + b"junk"), len(datas), lambda i: tmp_path / f"j{i}")
+
+
+@pytest.mark.trio
+async def test_a_git_failure_is_a_visible_failed_save(
+    tmp_path: Path, mem: MemoryBridgeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fsagent.errors import GitCommandFailed
+
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    (box.repos / "app" / ".git" / "index").write_bytes(b"DIRC not really an index")
+    savers = RepoSavers(mem, mem.run, box.home, box.state)
+    with caplog.at_level(logging.WARNING):
+        assert await savers.save_all() == 1  # counted, not raised: the watch goes on
+        (saver,) = savers.savers.values()
+        with pytest.raises(GitCommandFailed, match="git ls-files"):
+            await saver.checkpoint()
+    (row,) = repo_status(box.home, box.state)
+    assert row["state"] == "failed" and "index" in row["lastError"]["message"]
+    assert mem.repo(only_binding(mem).workspace_id).current is None
