@@ -83,8 +83,8 @@ from fsagent.scan import (
     ScanResult,
     ScanStats,
     StatKey,
+    TreeScan,
     open_member,
-    scan_tree,
 )
 from fsagent.ship import UPLOAD_CONCURRENCY, batches, file_frames, raise_first_failure
 
@@ -122,6 +122,21 @@ class _Base:
     checkpoint_id: str
     members: dict[str, WireKey]
     config: list[tuple[str, str]]
+
+
+@dataclass
+class _Plan:
+    """A checkpoint ready to commit: the delta against ``base`` and its uploads."""
+
+    base: _Base | None
+    changed: list[Member]
+    removed: list[str]
+    refused: str | None
+    """The base last refused with ``base_mismatch`` (part of the operation id)."""
+    unchanged: bool = False
+    uploaded: int = 0
+    uploaded_bytes: int = 0
+    upload_seconds: float = 0.0
 
 
 @dataclass
@@ -278,11 +293,30 @@ class RepoSaver:
             if attempt:
                 await trio.sleep(RETRY_PAUSES[min(attempt, len(RETRY_PAUSES)) - 1])
             await self._wait_for_locks(lock_wait)
-            result = await trio.to_thread.run_sync(self._scan)
+            scan = self._new_scan()
+            first = await trio.to_thread.run_sync(scan.read)
+            result = first
+            plan: _Plan | None = None
+            if first.stable:
+                members, problems = checkpoint_members(first, self._listing_problems)
+                if len(members) > MAX_REPO_ENTRIES:
+                    raise CheckoutUnsupported(
+                        f"{self.binding.name}: {len(members)} members, at most {MAX_REPO_ENTRIES}"
+                    )
+                config = await trio.to_thread.run_sync(self._portable_config)
+                try:
+                    # Contents travel while the tree is checked again: an upload
+                    # commits nothing, so only the commit waits for the check.
+                    plan, result = await self._plan_while_verifying(scan, members, config)
+                except MemberChanged as exc:
+                    unstable = [exc.path]
+                    log.info("%s: %s; scanning again", self.binding.name, exc)
+                    continue
+            self._last_paths = result.paths
             locks = await trio.to_thread.run_sync(held_locks, self.checkout)
             if locks:
                 raise GitLockHeld(f"{self.binding.name}: Git is busy ({', '.join(locks)})")
-            if not result.stable:
+            if not result.stable or plan is None:
                 unstable = result.unstable
                 log.info(
                     "%s changed during the scan (%s); scanning again",
@@ -290,14 +324,8 @@ class RepoSaver:
                     ", ".join(unstable[:5]),
                 )
                 continue
-            members, problems = checkpoint_members(result, self._listing_problems)
-            if len(members) > MAX_REPO_ENTRIES:
-                raise CheckoutUnsupported(
-                    f"{self.binding.name}: {len(members)} members, at most {MAX_REPO_ENTRIES}"
-                )
-            config = await trio.to_thread.run_sync(self._portable_config)
             try:
-                outcome = await self._ship(members, config)
+                outcome = await self._commit(plan, members, config)
             except MemberChanged as exc:
                 unstable = [exc.path]
                 log.info("%s: %s; scanning again", self.binding.name, exc)
@@ -312,6 +340,22 @@ class RepoSaver:
             f"{1 + SCAN_RETRIES} scans ({shown}); not saved"
         )
 
+    async def _plan_while_verifying(
+        self, scan: TreeScan, members: list[Member], config: list[tuple[str, str]]
+    ) -> tuple[_Plan, ScanResult]:
+        verified: list[ScanResult] = []
+
+        async def verify() -> None:
+            verified.append(await trio.to_thread.run_sync(scan.verify))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(verify)
+                plan = await self._plan(members, config, await self._load_base(), None)
+        except BaseExceptionGroup as group:
+            raise_first_failure(group)
+        return plan, verified[0]
+
     async def _wait_for_locks(self, lock_wait: float) -> None:
         deadline = time.monotonic() + lock_wait
         while True:
@@ -322,12 +366,12 @@ class RepoSaver:
                 raise GitLockHeld(f"{self.binding.name}: Git is busy ({', '.join(locks)})")
             await trio.sleep(0.25)
 
-    def _scan(self) -> ScanResult:
+    def _new_scan(self) -> TreeScan:
         def lister() -> list[str]:
             paths, self._listing_problems = worktree_paths(self.checkout)
             return paths + git_dir_members(self.checkout)
 
-        result = scan_tree(
+        return TreeScan(
             self.checkout,
             lister,
             self.cache,
@@ -340,8 +384,6 @@ class RepoSaver:
             immutable=git_immutable,
             immutable_prefix=GIT_OBJECTS,
         )
-        self._last_paths = result.paths
-        return result
 
     def _portable_config(self) -> list[tuple[str, str]]:
         """The carried configuration, read again only when ``.git/config`` changed."""
@@ -369,40 +411,63 @@ class RepoSaver:
             )
         return self._base
 
-    async def _ship(self, members: list[Member], config: list[tuple[str, str]]) -> RepoSaveOutcome:
-        base = await self._load_base()
-        refused: str | None = None
+    async def _plan(
+        self,
+        members: list[Member],
+        config: list[tuple[str, str]],
+        base: _Base | None,
+        refused: str | None,
+    ) -> _Plan:
+        """The delta against ``base`` (everything without one), its contents
+        the controller lacks uploaded."""
+        if base is not None:
+            changed = [m for m in members if base.members.get(m.path) != member_key(m)]
+            present = {m.path for m in members}
+            removed = sorted(p for p in base.members if p not in present)
+            if not changed and not removed and config == base.config:
+                return _Plan(base, [], [], refused, unchanged=True)
+        else:
+            changed, removed = list(members), []
+        started = time.monotonic()
+        uploaded, uploaded_bytes = await self._upload_missing(changed)
+        return _Plan(
+            base,
+            changed,
+            removed,
+            refused,
+            uploaded=uploaded,
+            uploaded_bytes=uploaded_bytes,
+            upload_seconds=time.monotonic() - started,
+        )
+
+    async def _commit(
+        self, plan: _Plan, members: list[Member], config: list[tuple[str, str]]
+    ) -> RepoSaveOutcome:
+        """Commit a plan; after a ``base_mismatch``, plan and commit the whole checkpoint."""
         for _ in range(2):
-            if base is not None:
-                changed = [m for m in members if base.members.get(m.path) != member_key(m)]
-                present = {m.path for m in members}
-                removed = sorted(p for p in base.members if p not in present)
-                if not changed and not removed and config == base.config:
-                    return RepoSaveOutcome(base.checkpoint_id, False, len(members))
-            else:
-                changed, removed = list(members), []
-            upload_started = time.monotonic()
-            uploaded, uploaded_bytes = await self._upload_missing(changed)
-            upload_seconds = time.monotonic() - upload_started
+            if plan.unchanged:
+                assert plan.base is not None
+                return RepoSaveOutcome(plan.base.checkpoint_id, False, len(members))
             body: dict[str, Any] = {
                 "leaseEpoch": self.run.lease_epoch,
-                "base": base.checkpoint_id if base else None,
-                "members": [m.to_json() for m in changed],
-                "removed": removed,
+                "base": plan.base.checkpoint_id if plan.base else None,
+                "members": [m.to_json() for m in plan.changed],
+                "removed": plan.removed,
                 "config": [[k, v] for k, v in config],
             }
             body = {
-                "operationId": operation_id(self.run.run_id, self.workspace_id, body, refused),
+                "operationId": operation_id(self.run.run_id, self.workspace_id, body, plan.refused),
                 **body,
             }
             commit_started = time.monotonic()
             try:
                 receipt = await self.client.commit_repo_checkpoint(self.workspace_id, body)
             except ControllerRefused as exc:
-                if not exc.means(BaseMismatch) or base is None:
+                if not exc.means(BaseMismatch) or plan.base is None:
                     raise
                 log.info("%s: the base moved on; sending the whole checkpoint", self.binding.name)
-                refused, base, self._base = base.checkpoint_id, None, None
+                self._base = None
+                plan = await self._plan(members, config, None, plan.base.checkpoint_id)
                 continue
             checkpoint_id = str(receipt["checkpointId"])
             self._base = _Base(checkpoint_id, {m.path: member_key(m) for m in members}, config)
@@ -411,12 +476,12 @@ class RepoSaver:
                 checkpoint_id,
                 True,
                 len(members),
-                changed=len(changed),
-                removed=len(removed),
-                uploaded=uploaded,
-                uploaded_bytes=uploaded_bytes,
+                changed=len(plan.changed),
+                removed=len(plan.removed),
+                uploaded=plan.uploaded,
+                uploaded_bytes=plan.uploaded_bytes,
                 full=body["base"] is None,
-                upload_seconds=upload_seconds,
+                upload_seconds=plan.upload_seconds,
                 commit_seconds=time.monotonic() - commit_started,
             )
         raise RepoSaveFailed(f"{self.binding.name}: the base kept moving; not saved")

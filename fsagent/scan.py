@@ -203,7 +203,7 @@ class MetadataCache:
 
     def __init__(self, file: Path | None = None) -> None:
         self.file = file
-        self._entries: dict[str, tuple[tuple[int, ...], bytes]] = {}
+        self._entries: dict[str, tuple[tuple[int, ...], str]] = {}
         self._dirty = False
         self.degraded: str | None = None
         """Why the last save failed (the cache then lives in memory only); None when saved."""
@@ -233,7 +233,7 @@ class MetadataCache:
         hit = self._entries.get(path)
         if hit is None or hit[0] != key:
             return None
-        return hit[1].hex()
+        return hit[1]
 
     def key_of(self, path: str) -> StatKey | None:
         """The key ``path`` was cached under, if any."""
@@ -241,7 +241,7 @@ class MetadataCache:
         return None if hit is None else StatKey(*hit[0])
 
     def put(self, path: str, key: StatKey, digest: str) -> None:
-        entry = (tuple(key), bytes.fromhex(digest))
+        entry = (tuple(key), digest)
         if self._entries.get(path) != entry:
             self._entries[path] = entry
             self._dirty = True
@@ -287,20 +287,20 @@ class MetadataCache:
         return True
 
 
-def _encode_cache(entries: dict[str, tuple[tuple[int, ...], bytes]]) -> bytes:
+def _encode_cache(entries: dict[str, tuple[tuple[int, ...], str]]) -> bytes:
     out = [_CACHE_MAGIC]
     pack = _CACHE_RECORD.pack
     for path, (key, digest) in entries.items():
         raw = path.encode("utf-8", "surrogateescape")
-        out.append(pack(*key, digest, len(raw)))
+        out.append(pack(*key, bytes.fromhex(digest), len(raw)))
         out.append(raw)
     return b"".join(out)
 
 
-def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], bytes]]:
+def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
     if not data.startswith(_CACHE_MAGIC):
         raise ValueError("not a metadata cache file")
-    entries: dict[str, tuple[tuple[int, ...], bytes]] = {}
+    entries: dict[str, tuple[tuple[int, ...], str]] = {}
     pos = len(_CACHE_MAGIC)
     end = len(data)
     size = _CACHE_RECORD.size
@@ -315,7 +315,7 @@ def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], bytes]]:
             raise ValueError("truncated path")
         entries[data[pos : pos + plen].decode("utf-8", "surrogateescape")] = (
             record[:6],
-            record[6],
+            record[6].hex(),
         )
         pos += plen
     return entries
@@ -404,6 +404,8 @@ class _Listing:
     hidden: dict[str, str]
     """Listed paths below something that is not a directory: path → the blocking parent."""
     fingerprint: dict[str, tuple[int, ...]]
+    parents: list[str]
+    """Every directory above a listed path, sorted (a parent before its children)."""
 
 
 def _fingerprint_of(key: StatKey) -> tuple[int, ...]:
@@ -449,6 +451,7 @@ def _list(
     guess: list[str] | None,
     trusted: Trusted | None,
     trusted_prefix: str = "",
+    previous: _Listing | None = None,
 ) -> _Listing:
     """List, then lstat what was listed. With a ``guess`` (the paths the
     listing most likely names), the guessed paths are lstat'ed while the
@@ -464,7 +467,10 @@ def _list(
     else:
         listed = list(list_paths())
     wanted = sorted(set(listed))
-    parents = sorted(_parents(wanted))
+    if previous is not None and previous.paths == wanted:
+        parents = previous.parents  # the same listing: the same directories above it
+    else:
+        parents = sorted(_parents(wanted))
     blocked: dict[str, str] = {}
     fingerprint: dict[str, tuple[int, ...]] = {}
     for d in parents:  # sorted: a parent before its children
@@ -484,7 +490,6 @@ def _list(
     late.update(early)
     stats: dict[str, StatKey] = {}
     hidden: dict[str, str] = {}
-    is_dir = stat.S_ISDIR
     for path in wanted:
         if blocked:
             head = path.rpartition("/")[0]
@@ -495,8 +500,15 @@ def _list(
         if key is None:
             continue
         stats[path] = key
-        fingerprint[path] = (key[3], key[0], key[1]) if is_dir(key[3]) else key
-    return _Listing(wanted, stats, hidden, fingerprint)
+        # A directory: what it is, not its times (see _fingerprint_of).
+        fingerprint[path] = (key[3], key[0], key[1]) if key[3] & _IFMT == _IFDIR else key
+    return _Listing(wanted, stats, hidden, fingerprint, parents)
+
+
+_IFMT = stat.S_IFMT(0o177777)
+_IFDIR = stat.S_IFDIR
+_IFREG = stat.S_IFREG
+_IFLNK = stat.S_IFLNK
 
 
 # --- the scan ------------------------------------------------------------------------
@@ -506,22 +518,26 @@ def scan_tree(
     root: Path,
     list_paths: Callable[[], Iterable[str]],
     cache: MetadataCache | None = None,
-    *,
-    path_rule: PathRule | None = None,
-    link_rule: LinkRule | None = None,
-    max_file_bytes: int | None = None,
-    threads: int = HASH_THREADS,
-    after_read: ReadHook | None = None,
-    racy_margin_ns: int = RACY_MARGIN_NS,
-    guess: list[str] | None = None,
-    immutable: Callable[[str], bool] | None = None,
-    immutable_prefix: str = "",
+    **options: Any,
 ) -> ScanResult:
-    """Scan the paths ``list_paths()`` names under ``root`` (see the module doc).
+    """Scan the paths ``list_paths()`` names under ``root`` (see the module
+    doc and :class:`TreeScan` for the options): read, then verify."""
+    scan = TreeScan(root, list_paths, cache, **options)
+    scan.read()
+    return scan.verify()
+
+
+class TreeScan:
+    """One scan in two steps (blocking I/O: run each in a worker thread).
+
+    :meth:`read` lists and lstats the tree and reads what the cache does not
+    know; :meth:`verify` lists and lstats it again and compares. Between the
+    two the caller may start uploading what was read (contents only); nothing
+    may be committed before :meth:`verify` says the result is stable.
 
     A listed path that does not exist is simply absent. ``list_paths`` is
     called twice, before and after reading: what it lists may change with
-    the tree (new files). Blocking I/O: run it in a worker thread.
+    the tree (new files).
 
     ``guess``: the paths the listing probably names (the last scan's
     :attr:`ScanResult.paths`); they are lstat'ed while the first listing
@@ -532,92 +548,148 @@ def scan_tree(
     the fingerprints compare. ``immutable`` is asked only about paths that
     start with ``immutable_prefix``.
     """
-    started = time.monotonic()
-    not_after_ns = time.time_ns() - racy_margin_ns
-    base = os.fspath(root)
-    trusted: Trusted | None = None
-    if immutable is not None and cache is not None:
-        known = cache
 
-        def trusted(path: str) -> StatKey | None:
-            return known.key_of(path) if immutable(path) else None
+    def __init__(
+        self,
+        root: Path,
+        list_paths: Callable[[], Iterable[str]],
+        cache: MetadataCache | None = None,
+        *,
+        path_rule: PathRule | None = None,
+        link_rule: LinkRule | None = None,
+        max_file_bytes: int | None = None,
+        threads: int = HASH_THREADS,
+        after_read: ReadHook | None = None,
+        racy_margin_ns: int = RACY_MARGIN_NS,
+        guess: list[str] | None = None,
+        immutable: Callable[[str], bool] | None = None,
+        immutable_prefix: str = "",
+    ) -> None:
+        self.root = root
+        self.list_paths = list_paths
+        self.cache = cache
+        self.path_rule = path_rule
+        self.link_rule = link_rule
+        self.max_file_bytes = max_file_bytes
+        self.threads = threads
+        self.after_read = after_read
+        self.racy_margin_ns = racy_margin_ns
+        self.guess = guess
+        self.immutable_prefix = immutable_prefix
+        self.trusted: Trusted | None = None
+        if immutable is not None and cache is not None:
+            known = cache
 
-    before = _list(root, list_paths, guess, trusted, immutable_prefix)
-    stats = ScanStats(listed=len(before.stats) + len(before.hidden))
-    problems = [Problem(p, f"below_non_directory:{d}") for p, d in before.hidden.items()]
-    members: list[Member] = []
-    to_hash: list[tuple[str, StatKey]] = []
-    unstable: list[str] = []
-    for path, key in before.stats.items():
-        if path_rule is not None:
-            why = path_rule(path)
-            if why is not None:
-                problems.append(Problem(path, why))
-                continue
-        mode = key.mode
-        if stat.S_ISREG(mode):
-            if max_file_bytes is not None and key.size > max_file_bytes:
-                problems.append(Problem(path, "file_too_large"))
-                continue
-            digest = cache.get(path, key) if cache is not None else None
-            if digest is None:
-                to_hash.append((path, key))
-                continue
-            stats.cache_hits += 1
-            members.append(
-                Member(path, "file", digest, key.size, bool(mode & stat.S_IXUSR), key=key)
-            )
-        elif stat.S_ISLNK(mode):
-            try:
-                target = os.readlink(f"{base}/{path}")
-            except OSError:
-                unstable.append(path)  # replaced since the lstat
-                continue
-            why = link_rule(path, target) if link_rule is not None else None
-            if why is not None:
-                problems.append(Problem(path, why))
-                continue
-            members.append(Member(path, "symlink", target=target))
-        elif stat.S_ISDIR(mode):
-            members.append(Member(path, "dir"))
-        else:
-            problems.append(Problem(path, "special_file"))  # socket, FIFO, device
+            def trusted(path: str) -> StatKey | None:
+                return known.key_of(path) if immutable(path) else None
 
-    def hash_group(group: list[tuple[str, StatKey]]) -> list[tuple[str, str | None]]:
-        return [(p, hash_stable(f"{base}/{p}", key, after_read)) for p, key in group]
+            self.trusted = trusted
+        self._before: _Listing | None = None
+        self._read: ScanResult | None = None
+        self._started = 0.0
 
-    groups = [to_hash[i : i + WORK_GROUP] for i in range(0, len(to_hash), WORK_GROUP)]
-    if len(groups) > 1 and threads > 1:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="scan") as pool:
-            hashed = [r for rs in pool.map(hash_group, groups) for r in rs]
-    else:
-        hashed = [r for g in groups for r in hash_group(g)]
-    for (path, key), (_, digest) in zip(to_hash, hashed, strict=True):
-        if digest is None:
-            unstable.append(path)
-            continue
-        stats.hashed += 1
-        stats.hashed_bytes += key.size
-        if cache is not None and max(key.mtime_ns, key.ctime_ns) < not_after_ns:
-            cache.put(path, key, digest)
-        members.append(
-            Member(path, "file", digest, key.size, bool(key.mode & stat.S_IXUSR), key=key)
+    def read(self) -> ScanResult:
+        """List, lstat and read: the members as they were read, with the
+        paths found changed so far in ``unstable`` (more may follow)."""
+        self._started = time.monotonic()
+        not_after_ns = time.time_ns() - self.racy_margin_ns
+        base = os.fspath(self.root)
+        cache, path_rule, link_rule = self.cache, self.path_rule, self.link_rule
+        max_file_bytes = self.max_file_bytes
+        before = self._before = _list(
+            self.root, self.list_paths, self.guess, self.trusted, self.immutable_prefix
         )
+        stats = ScanStats(listed=len(before.stats) + len(before.hidden))
+        problems = [Problem(p, f"below_non_directory:{d}") for p, d in before.hidden.items()]
+        members: list[Member] = []
+        to_hash: list[tuple[str, StatKey]] = []
+        unstable: list[str] = []
+        cache_get = cache.get if cache is not None else None
+        for path, key in before.stats.items():
+            if path_rule is not None:
+                why = path_rule(path)
+                if why is not None:
+                    problems.append(Problem(path, why))
+                    continue
+            mode = key[3]
+            kind = mode & _IFMT
+            if kind == _IFREG:
+                size = key[2]
+                if max_file_bytes is not None and size > max_file_bytes:
+                    problems.append(Problem(path, "file_too_large"))
+                    continue
+                digest = cache_get(path, key) if cache_get is not None else None
+                if digest is None:
+                    to_hash.append((path, key))
+                    continue
+                stats.cache_hits += 1
+                members.append(
+                    Member(path, "file", digest, size, bool(mode & stat.S_IXUSR), key=key)
+                )
+            elif kind == _IFLNK:
+                try:
+                    target = os.readlink(f"{base}/{path}")
+                except OSError:
+                    unstable.append(path)  # replaced since the lstat
+                    continue
+                why = link_rule(path, target) if link_rule is not None else None
+                if why is not None:
+                    problems.append(Problem(path, why))
+                    continue
+                members.append(Member(path, "symlink", target=target))
+            elif kind == _IFDIR:
+                members.append(Member(path, "dir"))
+            else:
+                problems.append(Problem(path, "special_file"))  # socket, FIFO, device
 
-    after = _list(root, list_paths, before.paths, trusted, immutable_prefix)
-    if after.fingerprint != before.fingerprint:
-        changed = {
-            p.lstrip("/")
-            for p in before.fingerprint.keys() | after.fingerprint.keys()
-            if before.fingerprint.get(p) != after.fingerprint.get(p)
-        }
-        unstable.extend(sorted(changed - set(unstable)))
-    if cache is not None and not unstable:
-        cache.retain({m.path for m in members if m.kind == "file"})
-    members.sort(key=lambda m: m.path)
-    problems.sort(key=lambda p: p.path)
-    stats.seconds = time.monotonic() - started
-    return ScanResult(members, problems, sorted(unstable), stats, after.paths)
+        after_read = self.after_read
+
+        def hash_group(group: list[tuple[str, StatKey]]) -> list[tuple[str, str | None]]:
+            return [(p, hash_stable(f"{base}/{p}", key, after_read)) for p, key in group]
+
+        groups = [to_hash[i : i + WORK_GROUP] for i in range(0, len(to_hash), WORK_GROUP)]
+        if len(groups) > 1 and self.threads > 1:
+            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="scan") as pool:
+                hashed = [r for rs in pool.map(hash_group, groups) for r in rs]
+        else:
+            hashed = [r for g in groups for r in hash_group(g)]
+        for (path, key), (_, digest) in zip(to_hash, hashed, strict=True):
+            if digest is None:
+                unstable.append(path)
+                continue
+            stats.hashed += 1
+            stats.hashed_bytes += key.size
+            if cache is not None and max(key.mtime_ns, key.ctime_ns) < not_after_ns:
+                cache.put(path, key, digest)
+            members.append(
+                Member(path, "file", digest, key.size, bool(key.mode & stat.S_IXUSR), key=key)
+            )
+        members.sort(key=lambda m: m.path)
+        problems.sort(key=lambda p: p.path)
+        stats.seconds = time.monotonic() - self._started
+        self._read = ScanResult(members, problems, sorted(unstable), stats, before.paths)
+        return self._read
+
+    def verify(self) -> ScanResult:
+        """List and lstat again: the final result, unstable when anything
+        changed since :meth:`read` began."""
+        assert self._before is not None and self._read is not None, "read() first"
+        before, first = self._before, self._read
+        after = _list(
+            self.root, self.list_paths, before.paths, self.trusted, self.immutable_prefix, before
+        )
+        unstable = list(first.unstable)
+        if after.fingerprint != before.fingerprint:
+            changed = {
+                p.lstrip("/")
+                for p in before.fingerprint.keys() | after.fingerprint.keys()
+                if before.fingerprint.get(p) != after.fingerprint.get(p)
+            }
+            unstable.extend(changed - set(unstable))
+        if self.cache is not None and not unstable:
+            self.cache.retain({m.path for m in first.members if m.kind == "file"})
+        first.stats.seconds = time.monotonic() - self._started
+        return ScanResult(first.members, first.problems, sorted(unstable), first.stats, after.paths)
 
 
 def open_member(root: Path, member: Member) -> int:
