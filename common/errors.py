@@ -88,6 +88,60 @@ class RunNotFound(NotFound):
     message = "Run not found"
 
 
+# --- the company admin API (controller/orgs.py, controller/runs.py) ---------
+
+
+class CompanyNotFound(NotFound):
+    """No such company, or the caller may not administer it: owners, admins
+    and the company's operator tokens see it; everyone else sees nothing."""
+
+    code = "company_not_found"
+    message = "Company not found"
+
+
+class UserNotFound(NotFound):
+    code = "user_not_found"
+    message = "User not found"
+
+
+class MemberNotFound(NotFound):
+    code = "member_not_found"
+    message = "The user is not a member of this company"
+
+
+class AgentNotFound(NotFound):
+    code = "agent_not_found"
+    message = "Agent not found"
+
+
+class ProjectNotFound(NotFound):
+    code = "project_not_found"
+    message = "Project not found"
+
+
+class TaskNotFound(NotFound):
+    code = "task_not_found"
+    message = "Task not found"
+
+
+class WorkspaceNotFound(NotFound):
+    code = "workspace_not_found"
+    message = "Workspace not found"
+
+
+class TokenNotFound(NotFound):
+    code = "token_not_found"
+    message = "Token not found"
+
+
+class OwnerRequired(WorkFolderError):
+    """Only an owner gives, changes or takes away the owner role."""
+
+    code = "owner_required"
+    status = 403
+    message = "Only an owner may give, change or take away the owner role"
+
+
 class IsADirectory(WorkFolderError):
     code = "is_directory"
     status = 400
@@ -185,6 +239,16 @@ class MoveIntoItself(Conflict):
 class IdempotencyConflict(Conflict):
     code = "idempotency_conflict"
     message = "Idempotency key was already used for a different request"
+
+
+class EmailTaken(Conflict):
+    code = "email_taken"
+    message = "A user with this email already exists"
+
+
+class LastOwner(Conflict):
+    code = "last_owner"
+    message = "A company keeps at least one owner"
 
 
 class RunNotActive(Conflict):
@@ -311,6 +375,47 @@ class UploadQuotaExceeded(QuotaExceeded):
     code = "upload_quota_exceeded"
     status = 429
     message = "Too many uploaded bytes are not yet committed by a checkpoint"
+
+
+# --- the agent folder contract (controller/agentfiles.py) --------------------
+
+
+class AgentFilesLimitExceeded(WorkFolderError):
+    """A save would take an agent folder past one of its storage limits.
+
+    ``details``: ``[{"limit": "entries"|"fileBytes"|"totalBytes", "max", "value",
+    "path"?}]`` (``path`` for an oversized file). A sync-validation limit, not
+    a live quota: nothing of the refused save is written.
+    """
+
+    code = "agent_files_limit_exceeded"
+    status = 422
+    message = "The save would take the agent folder past a storage limit; nothing was saved"
+
+
+class EntryProtected(Conflict):
+    """The agent's instruction entry (or a directory holding it) may not be
+    deleted, moved away or replaced by a directory."""
+
+    code = "entry_protected"
+    message = "The agent's instruction entry cannot be deleted or moved"
+
+
+class EntryNotUtf8(WorkFolderError):
+    code = "entry_not_utf8"
+    status = 422
+    message = "The agent's instruction entry must be valid UTF-8"
+
+
+class EntryTooLarge(WorkFolderError):
+    code = "entry_too_large"
+    status = 422
+    message = "The agent's instruction entry is limited to 1 MiB"
+
+
+class AttachmentNotFound(NotFound):
+    code = "attachment_not_found"
+    message = "Attachment not found"
 
 
 # --- the API bridge (controller/api/apibridge.py) ----------------------------

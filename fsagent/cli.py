@@ -33,23 +33,53 @@ address is refused with exit 2 unless ``--insecure-http`` is given.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common import logs
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US, control, doctor, launch, localbridge, repos, tls
-from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount
-from fsagent.errors import FsagentError
-from fsagent.store import MARKER, Store, default_state_root
-from fsagent.up import cmd_up
+from fsagent import SPIN_US, control, tls
+from fsagent.errors import EXIT_SAVE_FAILED, FsagentError
+from fsagent.statedir import MARKER, default_state_root
+
+if TYPE_CHECKING:
+    from fsagent.store import Store
 
 log = logging.getLogger("fsagent")
+
+# Start-up cost: trio, httpx and the FUSE bindings take most of half a second
+# to import on a loaded sandbox, longer than a flush of a few files takes.
+# ``flush``, ``status`` and ``changes`` need none of them, so the commands
+# that do are imported only when they run (and their parsers only when
+# asked for: OWN_PARSERS).
+
+OWN_PARSERS = {"doctor": "fsagent.doctor", "bridge": "fsagent.localbridge",
+               "launch": "fsagent.launch", "repos": "fsagent.repos"}  # fmt: skip
+"""Commands whose arguments their own module defines (``add_parser``)."""
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from fsagent.daemon import cmd_mount as run
+
+    return run(args)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from fsagent.up import cmd_up as run
+
+    return run(args)
+
+
+def _open_store(state_dir: Path) -> Store:
+    from fsagent.store import Store
+
+    return Store.open(state_dir, readonly=True)
 
 
 # --- status / changes ----------------------------------------------------------
@@ -72,7 +102,7 @@ def _daemon(state_dir: Path) -> dict[str, Any] | None:
 
 
 def collection_status(state_dir: Path) -> dict[str, Any]:
-    store = Store.open(state_dir, readonly=True)
+    store = _open_store(state_dir)
     try:
         binding = store.binding()
         changes = store.changes_since_baseline()
@@ -136,7 +166,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_changes(args: argparse.Namespace) -> int:
-    store = Store.open(Path(args.state_dir), readonly=True)
+    store = _open_store(Path(args.state_dir))
     try:
         changes = store.changes_since_baseline()
     finally:
@@ -197,7 +227,9 @@ def _describe_flush(reply: dict[str, Any]) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (``command`` given) one whose subcommands defined in
+    other modules are left out unless ``command`` is one of them."""
     parser = argparse.ArgumentParser(
         prog="fsagent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -289,17 +321,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_changes)
 
-    doctor.add_parser(sub, controller_opts)
-    localbridge.add_parser(sub)
-    launch.add_parser(sub)
-    repos.add_parser(sub, controller_opts)
+    for name, module in OWN_PARSERS.items():
+        if command is None or command == name:
+            add = importlib.import_module(module).add_parser
+            if name in ("doctor", "repos"):
+                add(sub, controller_opts)
+            else:
+                add(sub)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names, when it is a known one (only ``-v`` may come first)."""
+    for arg in argv:
+        if arg in ("-v", "--verbose"):
+            continue
+        known = {"mount", "flush", "up", "status", "changes", *OWN_PARSERS}
+        return arg if arg in known else None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
-    args = build_parser().parse_args(argv)
+    args = build_parser(_command_of(argv)).parse_args(argv)
     args.argv = list(argv)
     logs.configure(
         getattr(args, "log_format", None), logging.INFO if args.verbose else logging.WARNING
