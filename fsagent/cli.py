@@ -14,6 +14,8 @@ Commands::
                    [--env-file F] -- COMMAND...
     fsagent doctor [--home DIR] [--require CMD]... [--env-file F]
                    [--controller URL --token-file F] [--json]
+    fsagent repos prepare|watch|checkpoint [NAME] --home DIR --controller URL --token-file F
+    fsagent repos status [--home DIR] [--json]
 
 ``--controller`` takes the controller's base URL, or ``dir:PATH`` to serve a
 run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
@@ -22,7 +24,8 @@ Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
 in use/bound elsewhere, 4 controller unreachable or refusing (including a
 failed save: the state dir keeps every change), 5 mount failed, 6 doctor
 found problems, 7 the sandbox does not meet the runtime contract (launch: a
-required CLI or the env file is missing). ``launch`` otherwise exits with
+required CLI or the env file is missing), 8 ``repos prepare`` could not clone
+or restore a checkout (or its setup failed). ``launch`` otherwise exits with
 COMMAND's own status. A plain ``http://`` controller URL that is not a loopback
 address is refused with exit 2 unless ``--insecure-http`` is given.
 """
@@ -40,7 +43,7 @@ from typing import Any
 
 from common import logs
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US, control, doctor, launch, localbridge, tls
+from fsagent import SPIN_US, control, doctor, launch, localbridge, repos, tls
 from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount
 from fsagent.errors import FsagentError
 from fsagent.store import MARKER, Store, default_state_root
@@ -289,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_parser(sub, controller_opts)
     localbridge.add_parser(sub)
     launch.add_parser(sub)
+    repos.add_parser(sub, controller_opts)
     return parser
 
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO, NoReturn, TypeVar
 
 import trio
 import zstandard
@@ -67,22 +67,50 @@ BATCH_TARGET_BYTES = 4 << 20
 several smaller batches keep both ends busy where one large one would not."""
 
 
-def batches(changes: list[Change]) -> list[list[Change]]:
-    """Small uploads grouped into batches, by listed size."""
+T = TypeVar("T")
+
+
+def batches(items: list[T], size_of: Callable[[T], int]) -> list[list[T]]:
+    """Small uploads grouped into batches, by listed size (also used for
+    repository checkpoints, :mod:`fsagent.reposave`)."""
     members = min(BATCH_TARGET_MEMBERS, BATCH_MAX_MEMBERS)
     budget = min(BATCH_TARGET_BYTES, BATCH_MAX_BYTES - BATCH_MEMBER_MAX)
-    out: list[list[Change]] = []
-    current: list[Change] = []
+    out: list[list[T]] = []
+    current: list[T] = []
     size = 0
-    for change in changes:
-        if current and (len(current) >= members or size + change.size > budget):
+    for item in items:
+        item_size = size_of(item)
+        if current and (len(current) >= members or size + item_size > budget):
             out.append(current)
             current, size = [], 0
-        current.append(change)
-        size += change.size
+        current.append(item)
+        size += item_size
     if current:
         out.append(current)
     return out
+
+
+async def file_frames(
+    fh: BinaryIO, compressor: zstandard.ZstdCompressor, tally: Callable[[int], None]
+) -> AsyncIterator[bytes]:
+    """The upload frames of an open file, read and compressed in worker
+    threads, then :data:`END_FRAME`; ``tally`` hears each chunk's raw size.
+    Whether to compress is decided on the first block: incompressible data
+    goes up as stored frames."""
+    use: zstandard.ZstdCompressor | None = compressor
+    first = True
+    while True:
+        raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
+        if not raw:
+            break
+        if first:  # the compressibility check is CPU work too: a thread
+            frame, use = await trio.to_thread.run_sync(encode_first, raw, compressor)
+            first = False
+        else:
+            frame = await trio.to_thread.run_sync(encode_frame, raw, use)
+        tally(len(raw))
+        yield frame
+    yield END_FRAME
 
 
 @dataclass(frozen=True)
@@ -263,7 +291,7 @@ class Shipper:
 
         try:
             async with trio.open_nursery() as nursery:
-                for group in batches(small):
+                for group in batches(small, lambda c: c.size):
                     if len(group) == 1:
                         nursery.start_soon(one, group[0])  # a batch of one is an upload
                     else:
@@ -271,14 +299,7 @@ class Shipper:
                 for change in large:
                     nursery.start_soon(one, change)
         except BaseExceptionGroup as group:
-            # One failed upload fails the checkpoint; report it like a single one.
-            matched, _ = group.split((FsagentError, OSError))
-            if matched is None:
-                raise
-            first: BaseException = matched
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from group
+            raise_first_failure(group)
         return results
 
     async def _upload_batch(self, group: list[Change]) -> dict[str, Digest]:
@@ -356,30 +377,25 @@ class Shipper:
         async def frames() -> AsyncIterator[bytes]:
             nonlocal sent
             sent = 0  # called again for each attempt: count this attempt's bytes only
-            # Decided on the first block: incompressible data goes up stored.
-            use: zstandard.ZstdCompressor | None = compressor
             if inline is not None:
                 sent = len(inline)
                 if inline:
+                    # Decided on the first block: incompressible data goes up stored.
                     use = compressor if compressible(inline) else None
                     yield encode_frame(inline, use)  # at most INLINE_MAX < CHUNK_MAX
                 yield END_FRAME
                 return
             fh = await trio.to_thread.run_sync(self.store.upper.open_read, ino)
+
+            def tally(n: int) -> None:
+                nonlocal sent
+                sent += n
+
             try:
-                while True:
-                    raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
-                    if not raw:
-                        break
-                    if sent == 0:  # the compressibility check is CPU work too: a thread
-                        frame, use = await trio.to_thread.run_sync(encode_first, raw, compressor)
-                    else:
-                        frame = await trio.to_thread.run_sync(encode_frame, raw, use)
-                    sent += len(raw)
+                async for frame in file_frames(fh, compressor, tally):
                     yield frame
             finally:
                 fh.close()
-            yield END_FRAME
 
         try:
             digest, size = await self.client.upload_object(self.scope, frames)
@@ -393,6 +409,19 @@ class Shipper:
             log.info("%s changed while it was uploaded; it stays dirty", change.path)
             return None
         return Digest(digest)
+
+
+def raise_first_failure(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """One failed upload fails the checkpoint: raise the first fsagent or OS
+    error of a nursery's group like a single failure (anything else, the
+    group as it is)."""
+    matched, _ = group.split((FsagentError, OSError))
+    if matched is None:
+        raise group
+    first: BaseException = matched
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    raise first from group
 
 
 def encode_first(

@@ -1,11 +1,18 @@
-"""``fsagent up``: start the local API endpoint (``fsagent bridge``), mount all
-four collections (one daemon process each) under one home, write the agent's
-environment file, and supervise them all.
+"""``fsagent up``: prepare the task's repository checkouts (``fsagent repos
+prepare``), start the local API endpoint (``fsagent bridge``), mount all four
+collections (one daemon process each) under one home, start the repository
+saver (``fsagent repos watch``), write the agent's environment file, and
+supervise them all.
 
 The env file is ``KEY=VALUE`` lines (no quoting): ``AGENT_HOME``,
-``PAPERCLIP_{TASK,AGENT,USER,PROJECT}_DIR`` for the bound collections, and
-``PAPERCLIP_API_URL`` / ``PAPERCLIP_API_SOCKET`` for the local endpoint.
-``fsagent launch`` reads it; it never holds the run token.
+``PAPERCLIP_{TASK,AGENT,USER,PROJECT}_DIR`` for the bound collections,
+``PAPERCLIP_REPOS_DIR`` and ``PAPERCLIP_PRIMARY_REPO`` when the task binds
+repositories, and ``PAPERCLIP_API_URL`` / ``PAPERCLIP_API_SOCKET`` for the
+local endpoint. ``fsagent launch`` reads it; it never holds the run token.
+
+A repository that cannot be prepared (a clone that fails, a directory of
+another binding in its place) is reported on stderr and in ``fsagent repos
+status``; the sandbox still starts, without that checkout.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from types import FrameType
 import trio
 
 from common.limits import SCOPES
-from fsagent.client import RunInfo
+from fsagent.client import RepoList, RunInfo
 from fsagent.daemon import client_from_args
 from fsagent.errors import MountFailed
 from fsagent.store import default_state_root
@@ -44,6 +51,70 @@ def env_for(home: Path, run: RunInfo) -> dict[str, str]:
         if run.bindings.get(scope) is not None:
             env[name] = str(home / scope)
     return env
+
+
+def repos_env(home: Path, listing: RepoList) -> dict[str, str]:
+    """``PAPERCLIP_REPOS_DIR`` and ``PAPERCLIP_PRIMARY_REPO`` (the primary
+    workspace's checkout) when the task binds repositories."""
+    if not listing.repos:
+        return {}
+    root = home / listing.repos_dir
+    env = {"PAPERCLIP_REPOS_DIR": str(root)}
+    primary = next((r for r in listing.repos if r.primary), None)
+    if primary is not None:
+        env["PAPERCLIP_PRIMARY_REPO"] = str(root / primary.name)
+    return env
+
+
+def fetch_repos_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
+    """:func:`repos_env` of the run's task (``GET /bridge/v1/repos``)."""
+    client = client_from_args(args)
+
+    async def listing() -> RepoList:
+        from fsagent.repos import bound_repos
+
+        try:
+            return await bound_repos(client)
+        finally:
+            await client.aclose()
+
+    return repos_env(home, trio.run(listing))
+
+
+def prepare_repos(args: argparse.Namespace, home: Path) -> RepoList:
+    """``fsagent repos prepare`` for ``up``: every bound checkout made ready
+    before the agent starts; problems are printed, never fatal."""
+    from fsagent.repos import describe_prepare, prepare_all
+
+    client = client_from_args(args)
+
+    async def prepare() -> RepoList:
+        try:
+            _, listing, results = await prepare_all(client, home)
+        finally:
+            await client.aclose()
+        for result in results:
+            line = f"fsagent up: repository {describe_prepare(result)}"
+            print(line, file=sys.stdout if result.ok else sys.stderr, flush=True)
+        return listing
+
+    return trio.run(prepare)
+
+
+def start_repo_saver(
+    args: argparse.Namespace, home: Path, state_root: Path
+) -> subprocess.Popen[bytes]:
+    """``fsagent repos watch`` beside the mounts: checkpoints on the collections'
+    cadence and a final save when ``up`` stops it."""
+    argv = [sys.executable, "-m", "fsagent.cli", "repos", "watch", "--home", str(home),
+            "--controller", args.controller, "--state-root", str(state_root),
+            "--interval", str(args.checkpoint_interval)]  # fmt: skip
+    if args.token_file:
+        argv += ["--token-file", args.token_file]
+    argv += forwarded_argv(options_from(args))
+    if args.log_format:
+        argv += ["--log-format", args.log_format]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
 
 
 def fetch_run(args: argparse.Namespace) -> RunInfo:
@@ -126,8 +197,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     children: dict[str, subprocess.Popen[bytes]] = {}
     api_env: dict[str, str] = {}
+    repo_env: dict[str, str] = {}
     if args.controller.startswith(("http://", "https://")):
-        # A local directory source has no API to serve: no endpoint then.
+        # A local directory source binds no repositories and has no API to serve.
+        listing = prepare_repos(args, home)
+        repo_env = repos_env(home, listing)
+        if listing.repos:
+            children["repos"] = start_repo_saver(args, home, state_root)
         children["bridge"], api_env = start_bridge(args, state_root)
     for scope in SCOPES:
         mp = home / scope
@@ -173,7 +249,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     if failed is None and not stop:
         env_file = Path(args.env_file) if args.env_file else state_root / "env"
-        write_env_file(env_file, {**env_for(home, run), **api_env})
+        write_env_file(env_file, {**env_for(home, run), **repo_env, **api_env})
         print(
             f"fsagent: mounted {', '.join(SCOPES)} under {home}; environment in {env_file}",
             flush=True,
