@@ -46,7 +46,8 @@ from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
 from fsagent import SPIN_US, control, doctor, launch, localbridge, repos, tls
 from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount
 from fsagent.errors import FsagentError
-from fsagent.store import MARKER, Store, default_state_root
+from fsagent.fuseprobe import MODES, default_mode
+from fsagent.store import MARKER, Change, Store, default_state_root
 from fsagent.up import cmd_up
 
 log = logging.getLogger("fsagent")
@@ -71,11 +72,43 @@ def _daemon(state_dir: Path) -> dict[str, Any] | None:
     return info
 
 
+def change_set(state_dir: Path) -> tuple[list[Change], dict[str, Any] | None]:
+    """A state dir's change set since the baseline, read-only, and what serves
+    it: ``{"mode", "reason", "path"}`` (None before a daemon of this version
+    served it). A plain-directory collection's change set comes from a scan
+    of its directory, whose refusals are under ``mode["scan"]``."""
+    store = Store.open(state_dir, readonly=True)
+    try:
+        mode = store.mode_record()
+        if mode is None or mode.get("mode") != "dir":
+            return store.changes_since_baseline(), mode
+    finally:
+        store.close()
+    from fsagent.dirfs import open_root
+    from fsagent.dirscan import report
+    from fsagent.dirstore import DirStore
+
+    dir_store = DirStore.open(state_dir, readonly=True)
+    try:
+        try:
+            root_fd = open_root(Path(mode["path"]))
+        except OSError as exc:
+            return [], {**mode, "scan": {"error": f"{mode['path']}: {exc.strerror}"}}
+        try:
+            dir_store.attach(root_fd)
+            scan = dir_store.rescan(record=False)
+            return dir_store.changes_since_baseline(), {**mode, "scan": report(scan)}
+        finally:
+            os.close(root_fd)
+    finally:
+        dir_store.close()
+
+
 def collection_status(state_dir: Path) -> dict[str, Any]:
+    changes, mode = change_set(state_dir)
     store = Store.open(state_dir, readonly=True)
     try:
         binding = store.binding()
-        changes = store.changes_since_baseline()
         baseline = store.baseline()
         saves = store.save_status()
         pending = store.pending_checkpoint()
@@ -83,21 +116,25 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
         store.close()
     daemon = _daemon(state_dir)
     files = [c for c in changes if c.action in ("upload", "reference")]
+    served = mode["mode"] if mode else "fuse"
+    scan = (mode or {}).pop("scan", None)
     return {
         "stateDir": str(state_dir),
         "scope": binding.scope if binding else None,
         "companyId": binding.company_id if binding else None,
         "ownerId": binding.owner_id if binding else None,
+        "mode": mode,
         "unsavedChanges": len(changes),
         "unsavedFiles": len(files),
         "unsavedBytes": sum(c.size or 0 for c in files if c.action == "upload"),
         "baseline": baseline.high_water,
-        "state": "mounted" if daemon else "stopped",
+        "state": ("mounted" if served == "fuse" else "serving") if daemon else "stopped",
         "mountpoint": daemon["mountpoint"] if daemon else None,
         "pid": daemon["pid"] if daemon else None,
         "lastSave": saves.get("lastSave"),
         "lastError": saves.get("lastError"),
         "pendingCheckpoint": pending.get("operationId") if pending else None,
+        "scan": scan,
         "live": _live_stats(state_dir) if daemon else None,
     }
 
@@ -127,6 +164,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{r['scope'] or '?'}: owner {r['ownerId'] or '-'}, {r['unsavedChanges']} unsaved "
             f"change(s), {r['state']}{where}"
         )
+        if r["mode"]:
+            print(f"  mode: {r['mode']['mode']} ({r['mode']['reason']})")
+        _print_scan(r["scan"])
         if r["lastSave"]:
             saved_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["lastSave"]["at"]))
             print(f"  last save: {saved_at} ({r['lastSave']['entries']} change(s))")
@@ -135,12 +175,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_scan(scan: dict[str, Any] | None, limit: int = 20) -> None:
+    """A plain-directory collection's refused paths, by name, and what waits."""
+    if not scan:
+        return
+    if "error" in scan:
+        print(f"  directory: {scan['error']}")
+        return
+    if scan["refusedCount"]:
+        print(f"  refused (never saved, never followed): {scan['refusedCount']} path(s)")
+        for item in scan["refused"][:limit]:
+            print(f"    {item['path']}: {item['reason']}")
+        if scan["refusedCount"] > limit:
+            print(f"    ... {scan['refusedCount'] - limit} more (fsagent status --json)")
+    if scan["retryingCount"]:
+        print(f"  changing while read, saved later: {', '.join(scan['retrying'][:limit])}")
+
+
 def cmd_changes(args: argparse.Namespace) -> int:
-    store = Store.open(Path(args.state_dir), readonly=True)
-    try:
-        changes = store.changes_since_baseline()
-    finally:
-        store.close()
+    changes, _ = change_set(Path(args.state_dir))
     if args.json:
         out = [
             {
@@ -219,6 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
             "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO"
         )
 
+    def mode_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--mode",
+            choices=MODES,
+            default=default_mode(),
+            help="fuse: a FUSE mount; dir: a plain directory checkpointed by scanning; "
+            "auto (default, or $FSAGENT_MODE): fuse when /dev/fuse opens and a test mount "
+            "works, else dir",
+        )
+        # Set by `fsagent up`, which decides once for all four collections.
+        p.add_argument("--mode-reason", help=argparse.SUPPRESS)
+
     m = sub.add_parser("mount", help="mount one collection")
     m.add_argument("scope", help="task, agent, user or project")
     m.add_argument("mountpoint")
@@ -251,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sleeping (adapts to the request rate; 0 = off); saves a vCPU wake-up per "
         "request on virtual machines",
     )
+    mode_option(m)
+    m.add_argument(
+        "--ready-file",
+        help="write {pid, mode, path} as JSON to this file once the collection is served "
+        "(dir mode; a FUSE mount is ready once mounted)",
+    )
     m.set_defaults(func=cmd_mount)
 
     f = sub.add_parser("flush", help="save now (or, with --final, save and unmount)")
@@ -277,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument(
         "--bridge-socket", help="local API endpoint socket (default STATE_ROOT/run/api.sock)"
     )
+    mode_option(u)
     u.set_defaults(func=cmd_up)
 
     s = sub.add_parser("status", help="bound owner, unsaved changes and state per collection")

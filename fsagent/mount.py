@@ -65,6 +65,8 @@ class MountOptions:
     prefetch: int = 4
     checkpoint_interval: float = CHECKPOINT_INTERVAL_SECONDS
     spin_us: int = SPIN_US
+    mode_reason: str = "--mode fuse"
+    """Why FUSE serves this collection (``fsagent status`` shows it; fsagent.fuseprobe)."""
 
 
 @dataclass
@@ -297,6 +299,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     try:
         if owner is not None:
             store.bind(binding)
+            store.claim_mode("fuse", opts.mode_reason, str(opts.mountpoint.absolute()))
             freed, fixed = store.recover()
             if freed or fixed:
                 log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)

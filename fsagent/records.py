@@ -26,7 +26,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, NewType
+from typing import Any, Final, Literal, NamedTuple, NewType
 
 from common.types import Digest, FileVersion
 from fsagent.errors import StateCorrupt
@@ -246,6 +246,42 @@ def upgrade_record(table: str, key: bytes, raw: bytes) -> bytes | None:
     else:
         raise ValueError(table)
     return None if new == bytes(raw) else new
+
+
+class LocalEntry(NamedTuple):
+    """What a scan of a plain-directory collection saw at one path (the
+    ``dirstat`` table, fsagent.dirstore): its kind, its ``lstat`` key and, for
+    a file, the digest of the contents read under that key.
+
+    A tuple, so 100,000 of them load and compare without objects of their
+    own. ``verified_ns`` is when the digest was known to match the key (a read
+    that began then, or the end of a hydration): the key is trusted for a
+    file changed at least a timestamp tick before it (fsagent.dirscan)."""
+
+    kind: Kind
+    dev: int
+    ino: int
+    size: int
+    mode: int
+    mtime_ns: int
+    ctime_ns: int
+    digest: Digest | None
+    verified_ns: int
+
+    def encode(self, path: str) -> bytes:
+        """The record, with the full path (its key may be a hash of it)."""
+        return _encode([_V, path, *self]).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> tuple[str, LocalEntry]:
+        rec = _load(raw, "dirstat")
+        try:
+            version, path, kind, dev, ino, size, mode, mt, ct, digest, verified = rec
+        except ValueError:
+            raise StateCorrupt(f"malformed dirstat record {rec[:2]!r}") from None
+        if version != _V:
+            raise StateCorrupt(f"dirstat record of unknown version: {version!r}")
+        return path, cls(kind, dev, ino, size, mode, mt, ct, digest, verified)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,9 +33,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, NoReturn, TypeVar
+from typing import Any, BinaryIO, NoReturn, Protocol, TypeVar
 
 import trio
 import zstandard
@@ -53,7 +53,7 @@ from common.errors import StaleLease
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
-from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
+from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +149,49 @@ def change_from_json(raw: list[Any]) -> Change:
     )
 
 
-class Shipper:
-    """Checkpoints for one collection; owned by the daemon that serves the mount."""
+class HasGeneration(Protocol):
+    @property
+    def generation(self) -> int: ...
 
-    def __init__(self, store: Store, client: BridgeClient, scope: str, lease_epoch: int) -> None:
+
+class ContentReader(Protocol):
+    def open_read(self, ino: int) -> BinaryIO: ...
+
+
+class ShipStore(Protocol):
+    """What the shipper reads and writes of a collection's state: a FUSE
+    mount's :class:`fsagent.store.Store` (the journal, inodes and ``upper/``)
+    or a plain directory's :class:`fsagent.dirstore.DirStore` (a scan; files
+    read from the directory). An upload's ``inode`` and ``generation`` are
+    whatever ``get`` and ``upper`` understand: the shipper only compares the
+    generation before and after reading."""
+
+    @property
+    def upper(self) -> ContentReader: ...
+
+    def pending_checkpoint(self) -> dict[str, Any] | None: ...
+
+    def set_pending_checkpoint(self, record: dict[str, Any] | None) -> None: ...
+
+    def changes_since_baseline(self) -> list[Change]: ...
+
+    def get(self, ino: int) -> HasGeneration: ...
+
+    def inline_data(self, ino: InodeNo) -> bytes | None: ...
+
+    def finish_checkpoint(
+        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
+    ) -> int: ...
+
+    def record_save_error(self, message: str) -> None: ...
+
+
+class Shipper:
+    """Checkpoints for one collection; owned by the daemon that serves it."""
+
+    def __init__(
+        self, store: ShipStore, client: BridgeClient, scope: str, lease_epoch: int
+    ) -> None:
         self.store = store
         self.client = client
         self.scope = scope
