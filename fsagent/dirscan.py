@@ -259,9 +259,11 @@ class _Walk:
 
         def hash_group(group: list[tuple[str, str, os.stat_result]]) -> list[str | None]:
             out: list[str | None] = []
-            for _, name, st in group:
+            for p, name, st in group:
+                # The hook hears the collection path, not the name in this directory.
+                told = None if hook is None else (lambda _, p=p: hook(p))
                 try:
-                    out.append(hash_stable(name, st, hook, dir_fd=fd))
+                    out.append(hash_stable(name, st, told, dir_fd=fd))
                 except PermissionError:
                     out.append("")  # cannot be read by fsagent: refused below
             return out
