@@ -229,19 +229,21 @@ async def _place_rows(
                         sum(r.byte_size for v in by_digest.values() for r in v))  # fmt: skip
     limiter = trio.CapacityLimiter(max(1, concurrency))
 
+    def place_group(source: Path, group: list[ManifestRow]) -> None:
+        # Every path showing this object, in one worker thread: copies, and
+        # the downloaded file itself renamed into the last place.
+        for i, row in enumerate(group):
+            last = i == len(group) - 1
+            st = place_file(root_fd, row.path, source, row.executable, keep_source=not last)
+            placed[row.path] = _local(st, row.digest)
+            progress.done += 1
+            progress.done_bytes += row.byte_size
+
     async def one(digest: Digest, group: list[ManifestRow]) -> None:
         async with limiter:
             source = await fetch_verified(client, scope, digest, store.objects)
             try:
-                for i, row in enumerate(group):
-                    last = i == len(group) - 1
-                    place = partial(place_file, keep_source=not last)
-                    st = await trio.to_thread.run_sync(
-                        place, root_fd, row.path, source, row.executable
-                    )
-                    placed[row.path] = _local(st, digest)
-                    progress.done += 1
-                    progress.done_bytes += row.byte_size
+                await trio.to_thread.run_sync(place_group, source, group)
             finally:
                 source.unlink(missing_ok=True)
 
@@ -464,8 +466,11 @@ def _control(shipper: DirShipper, stop: DirStop) -> tuple[FlushHandler, StatsHan
             stop.requested.set()
             return {"ok": stop.saved, "error": stop.error, "final": True,
                     "dir": shipper.last_report}  # fmt: skip
+        started = trio.current_time()
         result = await shipper.ship_checkpoint()
-        return {"ok": True, "result": {**result.to_json(), "dir": shipper.last_report}}
+        seconds = round(trio.current_time() - started, 4)  # scan and save, in the daemon
+        report = {**(shipper.last_report or {}), "saveSeconds": seconds}
+        return {"ok": True, "result": {**result.to_json(), "dir": report}}
 
     def live() -> dict[str, Any]:
         return {

@@ -65,9 +65,10 @@ def start_up(base: Path, name: str, controller: str, token: Path) -> subprocess.
         )  # fmt: skip
 
 
-def wait_ready(proc: subprocess.Popen[bytes], env_file: Path, log: Path) -> None:
+def wait_ready(proc: subprocess.Popen[bytes], ready: Path, log: Path) -> None:
+    """Until ``ready`` (the env file, or a ready file) exists; fails if ``proc`` died."""
     deadline = time.monotonic() + 180
-    while not env_file.exists():
+    while not ready.exists():
         assert proc.poll() is None, log.read_text()
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
@@ -119,16 +120,25 @@ def test_without_fuse_up_serves_plain_directories_that_save_and_restore(tenant: 
         "result.txt": b"agent's work",
     }
     assert server_files(tenant, "agent", run["agent"]) == {"memory.md": b"remember this"}
-    # A replacement sandbox (new home, no state) gets it all back.
-    again = start_up(base, "again", tenant.controller.url, token)
+    # A replacement sandbox (new home, no state) gets its task folder back:
+    # `fsagent mount` on its own decides the same way.
+    directory, ready = base / "again" / "task", base / "again" / "ready"
+    directory.mkdir(parents=True)
+    with open(base / "again.log", "wb") as log:
+        again = subprocess.Popen(
+            [*NO_FUSE, sys.executable, "-m", "fsagent.cli", "mount", "task", str(directory),
+             "--controller", tenant.controller.url, "--token-file", str(token), "--state-dir",
+             str(base / "again" / "state"), "--foreground", "--ready-file", str(ready)],
+            cwd=REPO, stdout=log, stderr=log,
+        )  # fmt: skip
     try:
-        wait_ready(again, base / "again" / "env", base / "again.log")
-        home = base / "again" / "home"
-        assert (home / "task" / "result.txt").read_bytes() == b"agent's work"
-        assert (home / "task" / "notes" / "plan.md").read_bytes() == b"the plan, revised"
-        assert (home / "agent" / "memory.md").read_bytes() == b"remember this"
+        wait_ready(again, ready, base / "again.log")
+        assert json.loads(ready.read_text())["mode"] == "dir"
+        assert (directory / "result.txt").read_bytes() == b"agent's work"
+        assert (directory / "notes" / "plan.md").read_bytes() == b"the plan, revised"
         again.send_signal(signal.SIGTERM)
         assert again.wait(timeout=180) == 0, (base / "again.log").read_text()
+        assert (base / "again.log").read_text().count("FUSE is not available") == 1
     finally:
         if again.poll() is None:
             again.kill()
