@@ -202,7 +202,7 @@ def test_refused_paths_are_named_by_flush_and_status_and_the_rest_is_saved(
     assert "final save: 0 change(s) saved; 8 path(s) refused" in m.stderr()
 
 
-def test_dir_mode_fills_only_an_empty_directory(mounts: MountFactory) -> None:
+def test_dir_mode_fills_only_an_empty_directory_and_needs_no_pyfuse3(mounts: MountFactory) -> None:
     src = mounts.source({"agent": {"a.txt": b"from the source"}})
     m = mounts.mount(src, start=False)
     m.mountpoint.mkdir()
@@ -212,6 +212,22 @@ def test_dir_mode_fills_only_an_empty_directory(mounts: MountFactory) -> None:
     assert "is not empty; dir mode fills an empty directory" in proc.stderr
     assert os.listdir(m.mountpoint) == ["mine.txt"]
     assert (m.mountpoint / "mine.txt").read_bytes() == b"already here"
+    # Emptied, it is filled, by a daemon that cannot load pyfuse3 (a sandbox
+    # without libfuse): dir mode never needs it.
+    (m.mountpoint / "mine.txt").unlink()
+    no_pyfuse3 = "import sys; sys.modules['pyfuse3'] = None; from fsagent.cli import main; "
+    argv = [sys.executable, "-c", no_pyfuse3 + "sys.exit(main(sys.argv[1:]))", *m.argv()[3:]]
+    with open(mounts.base / "no-pyfuse3.log", "wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=log)
+    try:
+        wait_ready(proc, m.ready_file, mounts.base / "no-pyfuse3.log")
+        assert (m.mountpoint / "a.txt").read_bytes() == b"from the source"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (mounts.base / "no-pyfuse3.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_mount_detaches_once_the_directory_is_ready(mounts: MountFactory) -> None:
