@@ -13,7 +13,8 @@ descriptors and uses no-follow opens".)
 
 Writes (hydration and the server's changes at a warm start) happen while no
 agent runs; a file is placed whole, by a rename, so a crash leaves the old
-file or the new one.
+file or the new one (copies are staged in fsagent's reserved ``.fsagent``
+directory at the root).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import secrets
 import shutil
 import stat
 from collections.abc import Iterator
@@ -33,11 +35,12 @@ from fsagent.scan import OPEN_FLAGS, StatKey
 
 DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 COPY_CHUNK: Final = 1 << 20
-TEMP_NAME: Final = RESERVED_SEGMENT
-"""The name a file is copied under before it is renamed into place (only when
-the state dir is on another filesystem). The reserved segment is a name no
-saved path can have, so a copy left by a crash is refused by the next scan
-(reported, never saved) and replaced by the next copy."""
+STAGING: Final = RESERVED_SEGMENT
+"""fsagent's own directory at the collection's root while it places files (the
+spec reserves this name for fsagent's runtime): a copy is written there under
+a name of its own, then renamed into place. No saved path can have this name,
+so what a crash leaves there is refused by the next scan (reported, never
+saved) and removed when placing starts again."""
 
 
 class NotInCollection(OSError):
@@ -125,16 +128,37 @@ def open_scanned(root_fd: int, path: str, key: StatKey) -> BinaryIO:
         raise
 
 
+@contextlib.contextmanager
+def staging(root_fd: int) -> Iterator[int]:
+    """fsagent's staging directory (:data:`STAGING`), new and empty for one
+    session of placing files; removed at the end."""
+    remove_path(root_fd, STAGING)  # a crash's leftover: never anything saved
+    os.mkdir(STAGING, 0o700, dir_fd=root_fd)
+    fd = os.open(STAGING, DIR_FLAGS, dir_fd=root_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+        remove_path(root_fd, STAGING)
+
+
 def place_file(
-    root_fd: int, path: str, source: Path, executable: bool, *, keep_source: bool
+    root_fd: int,
+    path: str,
+    source: Path,
+    executable: bool,
+    *,
+    keep_source: bool,
+    staging_fd: int,
 ) -> os.stat_result:
     """Put the contents of ``source`` (a verified file in the state dir) at
     ``path``, replacing a file or link there; returns the placed file's lstat.
 
-    The source is renamed into place when it is on the same filesystem and
-    need not be kept, else copied to :data:`TEMP_NAME` beside the target and
-    renamed. Missing parent directories are created. A directory at ``path``
-    is left to the caller (it may hold unsaved work).
+    The source is renamed into place when it need not be kept and is on the
+    collection's filesystem; otherwise it is copied into the staging
+    directory (:func:`staging`) under a name of its own and that copy is
+    renamed into place. Missing parent directories are created. A directory
+    at ``path`` is left to the caller (it may hold unsaved work).
     """
     mode = 0o755 if executable else 0o644
     with parent_of(root_fd, path, create=True) as (dfd, name):
@@ -146,11 +170,10 @@ def place_file(
             except OSError as exc:
                 if exc.errno != errno.EXDEV:
                     raise
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(TEMP_NAME, dir_fd=dfd)  # a copy a crash left behind
+        tmp = secrets.token_hex(8)
         out = os.open(
-            TEMP_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            mode, dir_fd=dfd,
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+            dir_fd=staging_fd,
         )  # fmt: skip
         try:
             with open(source, "rb") as src:
@@ -162,10 +185,10 @@ def place_file(
         except BaseException:
             os.close(out)
             with contextlib.suppress(OSError):
-                os.unlink(TEMP_NAME, dir_fd=dfd)
+                os.unlink(tmp, dir_fd=staging_fd)
             raise
         os.close(out)
-        os.rename(TEMP_NAME, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.rename(tmp, name, src_dir_fd=staging_fd, dst_dir_fd=dfd)
         if not keep_source:
             source.unlink(missing_ok=True)
         return os.stat(name, dir_fd=dfd, follow_symlinks=False)

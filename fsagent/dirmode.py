@@ -61,6 +61,7 @@ from fsagent.dirfs import (
     open_root,
     place_file,
     remove_path,
+    staging,
     syncfs,
 )
 from fsagent.dirscan import TICK_NS, DirScan, report
@@ -229,31 +230,34 @@ async def _place_rows(
                         sum(r.byte_size for v in by_digest.values() for r in v))  # fmt: skip
     limiter = trio.CapacityLimiter(max(1, concurrency))
 
-    def place_group(source: Path, group: list[ManifestRow]) -> None:
+    def place_group(source: Path, group: list[ManifestRow], staged: int) -> None:
         # Every path showing this object, in one worker thread: copies, and
         # the downloaded file itself renamed into the last place.
         for i, row in enumerate(group):
             last = i == len(group) - 1
-            st = place_file(root_fd, row.path, source, row.executable, keep_source=not last)
+            st = place_file(
+                root_fd, row.path, source, row.executable, keep_source=not last, staging_fd=staged
+            )
             placed[row.path] = _local(st, row.digest)
             progress.done += 1
             progress.done_bytes += row.byte_size
 
-    async def one(digest: Digest, group: list[ManifestRow]) -> None:
+    async def one(digest: Digest, group: list[ManifestRow], staged: int) -> None:
         async with limiter:
             source = await fetch_verified(client, scope, digest, store.objects)
             try:
-                await trio.to_thread.run_sync(place_group, source, group)
+                await trio.to_thread.run_sync(place_group, source, group, staged)
             finally:
                 source.unlink(missing_ok=True)
 
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(progress.show)
-            async with trio.open_nursery() as fetches:
-                for digest, group in by_digest.items():
-                    fetches.start_soon(one, digest, group)
-            nursery.cancel_scope.cancel()
+        with staging(root_fd) as staged:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(progress.show)
+                async with trio.open_nursery() as fetches:
+                    for digest, group in by_digest.items():
+                        fetches.start_soon(one, digest, group, staged)
+                nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         raise_first_failure(group)  # one failed download fails the hydration, as itself
     progress.finish()
@@ -347,6 +351,9 @@ async def take_incoming(store: DirStore, client: BridgeClient, scope: str) -> in
     def base_of(path: str) -> BaseEntry | None:
         return saved[path] if path in saved else store.saved().get(path)
 
+    staged = contextlib.ExitStack()  # the staging directory, made at the first copy
+    staging_fd: int | None = None
+
     def forget_below(path: str) -> None:
         prefix = path + "/"
         for p in [*store.saved(), *saved]:
@@ -356,47 +363,53 @@ async def take_incoming(store: DirStore, client: BridgeClient, scope: str) -> in
             if p.startswith(prefix):
                 seen[p] = None
 
-    for path, row in incoming:
-        if path in dirty or any(a in dirty for a in ancestors(path)):
-            continue
-        base = base_of(path)
-        if (
-            row is not None
-            and base is not None
-            and (
-                (base.kind, base.digest, base.executable) == (row.kind, row.digest, row.executable)
-            )
-        ):
-            saved[path] = row.base_entry()  # our own save coming back: note its version
-            continue
-        if path in dirty_dirs and (row is None or row.kind != "directory"):
-            continue  # it would remove a directory with local changes below
-        if row is None:
-            if base is None and path not in scan.entries:
+    with staged:
+        for path, row in incoming:
+            if path in dirty or any(a in dirty for a in ancestors(path)):
                 continue
-            await trio.to_thread.run_sync(remove_path, root_fd, path)
-            saved[path], seen[path] = None, None
-            forget_below(path)
-        elif row.kind == "directory":
-            current = scan.entries.get(path)
-            if current is not None and current.kind != "directory":
+            base = base_of(path)
+            if (
+                row is not None
+                and base is not None
+                and (
+                    (base.kind, base.digest, base.executable)
+                    == (row.kind, row.digest, row.executable)
+                )
+            ):
+                saved[path] = row.base_entry()  # our own save coming back: note its version
+                continue
+            if path in dirty_dirs and (row is None or row.kind != "directory"):
+                continue  # it would remove a directory with local changes below
+            if row is None:
+                if base is None and path not in scan.entries:
+                    continue
                 await trio.to_thread.run_sync(remove_path, root_fd, path)
-            st = await trio.to_thread.run_sync(make_directory, root_fd, path)
-            saved[path], seen[path] = row.base_entry(), _local(st, None)
-        else:
-            assert row.digest is not None
-            source = await fetch_verified(client, scope, row.digest, store.objects)
-            try:
+                saved[path], seen[path] = None, None
+                forget_below(path)
+            elif row.kind == "directory":
                 current = scan.entries.get(path)
-                if current is not None and current.kind == "directory":
+                if current is not None and current.kind != "directory":
                     await trio.to_thread.run_sync(remove_path, root_fd, path)
-                    forget_below(path)
-                place = partial(place_file, keep_source=False)
-                st = await trio.to_thread.run_sync(place, root_fd, row.path, source, row.executable)
-            finally:
-                source.unlink(missing_ok=True)
-            saved[path], seen[path] = row.base_entry(), _local(st, row.digest)
-        applied += 1
+                st = await trio.to_thread.run_sync(make_directory, root_fd, path)
+                saved[path], seen[path] = row.base_entry(), _local(st, None)
+            else:
+                assert row.digest is not None
+                source = await fetch_verified(client, scope, row.digest, store.objects)
+                try:
+                    current = scan.entries.get(path)
+                    if current is not None and current.kind == "directory":
+                        await trio.to_thread.run_sync(remove_path, root_fd, path)
+                        forget_below(path)
+                    if staging_fd is None:
+                        staging_fd = staged.enter_context(staging(root_fd))
+                    place = partial(place_file, keep_source=False, staging_fd=staging_fd)
+                    st = await trio.to_thread.run_sync(
+                        place, root_fd, row.path, source, row.executable
+                    )
+                finally:
+                    source.unlink(missing_ok=True)
+                saved[path], seen[path] = row.base_entry(), _local(st, row.digest)
+            applied += 1
     if applied:
         await trio.to_thread.run_sync(syncfs, root_fd)
     placed = await _settled({p: e for p, e in seen.items() if e is not None})

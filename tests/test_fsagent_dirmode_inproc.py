@@ -112,8 +112,8 @@ async def test_hydration_places_every_file_and_the_first_scan_reads_none(
 @pytest.mark.trio
 async def test_hydration_downloads_with_bounded_concurrency(tmp_path: Path) -> None:
     mem = MemoryBridgeClient()
-    for i in range(24):
-        mem.put_file(SCOPE, f"f{i:02}", f"object {i}".encode())
+    for i in range(24):  # 6 objects, each at 4 paths: copies in one directory at once
+        mem.put_file(SCOPE, f"f{i:02}", f"object {i % 6}".encode())
     inner = mem.fetch_object
     running = peak = 0
 
@@ -132,7 +132,9 @@ async def test_hydration_downloads_with_bounded_concurrency(tmp_path: Path) -> N
     try:
         await hydrate_directory(s.store, mem, SCOPE, s.fd, 3)
         assert peak == 3
-        assert sorted(os.listdir(s.root)) == [f"f{i:02}" for i in range(24)]
+        assert sorted(os.listdir(s.root)) == [f"f{i:02}" for i in range(24)]  # no staging left
+        assert all((s.root / f"f{i:02}").read_bytes() == f"object {i % 6}".encode()
+                   for i in range(24))  # fmt: skip
     finally:
         s.close()
 
