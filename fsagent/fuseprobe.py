@@ -111,7 +111,10 @@ def decide(requested: str, state_dir: Path | None, reason: str | None = None) ->
             f"FUSE is not available here ({found.reason}), and the state dir {state_dir} "
             "holds a FUSE collection whose unsaved changes only a FUSE mount can serve"
         )
-    return found
+    return found if recorded is None else Decision("fuse", f"{found.reason}; {FUSE_STATE}")
+
+
+FUSE_STATE: Final = "the state dir holds a FUSE collection"
 
 
 def test_mount(where: Path) -> int:

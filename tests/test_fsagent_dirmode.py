@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from common.limits import MAX_FILE_BYTES
+from fsagent.store import Store
 from tests.support.controller import Tenant
 from tests.support.mount import REPO, MountFactory, mount_factory
 from tests.support.tmp import private_tmpdir
@@ -245,3 +246,24 @@ def test_mount_detaches_once_the_directory_is_ready(mounts: MountFactory) -> Non
     while (m.state_dir / "daemon.json").exists():
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+@pytest.mark.fuse
+def test_auto_never_serves_a_fuse_collection_as_a_directory(mounts: MountFactory) -> None:
+    src = mounts.source({"agent": {"a.txt": b"saved"}})
+    state = mounts.base / "fuse-state"
+    store = Store.open(state)
+    store.hydrate([], 1)  # a FUSE collection that may hold unsaved changes
+    store.claim_mode("fuse", "a test mount works", "/elsewhere")
+    store.close()
+    directory = mounts.base / "agent"
+    directory.mkdir()
+    res = subprocess.run(
+        [*NO_FUSE, sys.executable, "-m", "fsagent.cli", "mount", "agent", str(directory),
+         "--controller", f"dir:{src}", "--state-dir", str(state), "--foreground"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 5, res.stderr
+    assert "FUSE is not available here" in res.stderr
+    assert "holds a FUSE collection" in res.stderr
+    assert os.listdir(directory) == []
