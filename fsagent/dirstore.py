@@ -44,6 +44,7 @@ from fsagent.dirscan import DirScan, report, scan_directory
 from fsagent.errors import StateCorrupt
 from fsagent.journal import Change, Journal
 from fsagent.records import (
+    MAX_KEY_BYTES,
     BaseEntry,
     Baseline,
     InodeNo,
@@ -128,22 +129,22 @@ class DirStore(Journal):
         """Read ``dirstat`` and ``base`` into memory (once per daemon)."""
         seen: dict[str, LocalEntry] = {}
         saved: dict[str, BaseEntry] = {}
+        decode_local, decode_base = LocalEntry.decode, BaseEntry.decode_current
         with self._env.begin() as txn:
             if self._dirstat is not None:
-                for _, raw in txn.cursor(db=self._dirstat):
-                    path, entry = LocalEntry.decode(bytes(raw))
+                for raw in txn.cursor(db=self._dirstat).iternext(keys=False):
+                    path, entry = decode_local(raw)
                     seen[path] = entry
-            long_paths = {path_key(p): p for p in seen if path_key(p)[:1] == b"\x00"}
+            long_paths = {path_key(p): p for p in seen if len(p) > MAX_KEY_BYTES // 4}
             for key, raw in txn.cursor(db=self._base):
-                key = bytes(key)
                 if key[:1] == b"\x00":
-                    found = long_paths.get(key)
+                    found = long_paths.get(bytes(key))
                     if found is None:
                         raise StateCorrupt(f"{self.root}: a saved long path has no dirstat record")
                     path = found
                 else:
-                    path = key.decode("utf-8")
-                saved[path] = BaseEntry.decode(bytes(raw))
+                    path = bytes(key).decode("utf-8")
+                saved[path] = decode_base(raw)
         self._seen, self._saved, self._loaded = seen, saved, True
 
     def saved(self) -> Mapping[str, BaseEntry]:
@@ -218,17 +219,20 @@ class DirStore(Journal):
         files: list[tuple[str, LocalEntry, BaseEntry | None]] = []
         out: list[Change] = []
         new_dirs: list[tuple[str, BaseEntry | None]] = []
+        get = saved.get
+        # Once per entry of the collection at every checkpoint: kept to a few
+        # comparisons for the common case, an entry as saved.
         for path, cur in scan.entries.items():
-            base = saved.get(path)
-            if cur.kind == "directory":
+            base = get(path)
+            if cur[0] == "directory":
                 if base is None or base.kind != "directory":
                     new_dirs.append((path, base))
                 continue
-            exe = bool(cur.mode & stat.S_IXUSR)
-            if base is None or (base.kind, base.digest, base.executable) != (
-                "file",
-                cur.digest,
-                exe,
+            if (
+                base is None
+                or base.digest != cur[7]
+                or base.executable != bool(cur[4] & stat.S_IXUSR)
+                or base.kind != "file"
             ):
                 files.append((path, cur, base))
         if new_dirs:
