@@ -363,6 +363,7 @@ async def take_incoming(store: DirStore, client: BridgeClient, scope: str) -> in
             if p.startswith(prefix):
                 seen[p] = None
 
+    failed: list[str] = []
     with staged:
         for path, row in incoming:
             if path in dirty or any(a in dirty for a in ancestors(path)):
@@ -380,36 +381,45 @@ async def take_incoming(store: DirStore, client: BridgeClient, scope: str) -> in
                 continue
             if path in dirty_dirs and (row is None or row.kind != "directory"):
                 continue  # it would remove a directory with local changes below
-            if row is None:
-                if base is None and path not in scan.entries:
-                    continue
-                await trio.to_thread.run_sync(remove_path, root_fd, path)
-                saved[path], seen[path] = None, None
-                forget_below(path)
-            elif row.kind == "directory":
-                current = scan.entries.get(path)
-                if current is not None and current.kind != "directory":
+            try:
+                if row is None:
+                    if base is None and path not in scan.entries:
+                        continue
                     await trio.to_thread.run_sync(remove_path, root_fd, path)
-                st = await trio.to_thread.run_sync(make_directory, root_fd, path)
-                saved[path], seen[path] = row.base_entry(), _local(st, None)
-            else:
-                assert row.digest is not None
-                source = await fetch_verified(client, scope, row.digest, store.objects)
-                try:
+                    saved[path], seen[path] = None, None
+                    forget_below(path)
+                elif row.kind == "directory":
                     current = scan.entries.get(path)
-                    if current is not None and current.kind == "directory":
+                    if current is not None and current.kind != "directory":
                         await trio.to_thread.run_sync(remove_path, root_fd, path)
-                        forget_below(path)
-                    if staging_fd is None:
-                        staging_fd = staged.enter_context(staging(root_fd))
-                    place = partial(place_file, keep_source=False, staging_fd=staging_fd)
-                    st = await trio.to_thread.run_sync(
-                        place, root_fd, row.path, source, row.executable
-                    )
-                finally:
-                    source.unlink(missing_ok=True)
-                saved[path], seen[path] = row.base_entry(), _local(st, row.digest)
+                    st = await trio.to_thread.run_sync(make_directory, root_fd, path)
+                    saved[path], seen[path] = row.base_entry(), _local(st, None)
+                else:
+                    assert row.digest is not None
+                    source = await fetch_verified(client, scope, row.digest, store.objects)
+                    try:
+                        current = scan.entries.get(path)
+                        if current is not None and current.kind == "directory":
+                            await trio.to_thread.run_sync(remove_path, root_fd, path)
+                            forget_below(path)
+                        if staging_fd is None:
+                            staging_fd = staged.enter_context(staging(root_fd))
+                        place = partial(place_file, keep_source=False, staging_fd=staging_fd)
+                        st = await trio.to_thread.run_sync(
+                            place, root_fd, row.path, source, row.executable
+                        )
+                    finally:
+                        source.unlink(missing_ok=True)
+                    saved[path], seen[path] = row.base_entry(), _local(st, row.digest)
+            except OSError as exc:  # a parent that is a file here, say
+                failed.append(path)
+                log.warning("server change at %s not applied: %s", path, exc)
+                continue
             applied += 1
+    if failed:
+        # The baseline keeps its mark: the next start asks for these changes
+        # again (what was applied now comes back as already saved).
+        high_water = since
     if applied:
         await trio.to_thread.run_sync(syncfs, root_fd)
     placed = await _settled({p: e for p, e in seen.items() if e is not None})

@@ -501,3 +501,28 @@ def test_a_file_changed_within_a_tick_is_read_after_it(tmp_path: Path) -> None:
     entry = scan.entries["fresh"]
     assert entry.verified_ns - max(entry.mtime_ns, entry.ctime_ns) >= TICK_NS
     assert entry.digest == sha(b"just written") and entry.digest != EMPTY_DIGEST
+
+
+@pytest.mark.trio
+async def test_a_server_change_that_cannot_be_placed_is_asked_for_again(
+    tmp_path: Path, mem: MemoryBridgeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = await served(tmp_path, mem)
+    try:
+        since = s.store.baseline().high_water
+        mem.put_file(SCOPE, "keep.txt/inner", b"below a file")  # no parent directory here
+        mem.put_file(SCOPE, "fine.txt", b"placed")
+        assert await take_incoming(s.store, mem, SCOPE) == 1
+        assert "server change at keep.txt/inner not applied" in caplog.text
+        assert (s.root / "fine.txt").read_bytes() == b"placed"
+        assert s.store.baseline().high_water == since  # the next start asks again
+        folder = mem.folder(SCOPE)
+        folder.entries["keep.txt/inner"] = replace(
+            folder.entries["keep.txt/inner"], deleted=True, version=folder.bump()
+        )
+        # Asked again: fine.txt comes back as already placed, the bad entry is gone.
+        assert await take_incoming(s.store, mem, SCOPE) == 0
+        assert s.store.baseline().high_water == folder.high_water
+        assert (s.root / "keep.txt").read_bytes() == b"kept" and s.changes() == {}
+    finally:
+        s.close()
