@@ -2,7 +2,7 @@
 
 Every value the store writes to LMDB is built and read here, nowhere else.
 A record is a compact JSON array whose first element is its record version
-(``_V``); decoders dispatch on it, so a later layout can be read beside an
+(``_V``; a dir-mode ``dirstat`` record is packed, see :class:`LocalEntry`); decoders dispatch on it, so a later layout can be read beside an
 older one.  The arrays written before records were versioned (state formats
 1 and 2) are version 0: they are still decoded, so a read-only open
 (``fsagent status``) of an older state dir works without upgrading it, and
