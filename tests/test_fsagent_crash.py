@@ -89,7 +89,9 @@ def test_kill9_loses_no_acknowledged_write(mode_mounts: MountFactory) -> None:
     """paths whose last operation was not acknowledged: the acceptable contents"""
     m = first
     total_acks = 0
-    for round_no in range(4):
+    # A plain directory outlives its daemon: fewer rounds show that its change set lists it all.
+    rounds = 4 if mounts.mode == "fuse" else 2
+    for round_no in range(rounds):
         out_path = mounts.base / f"writer{round_no}.log"
         with open(out_path, "wb") as out:
             writer = subprocess.Popen(
@@ -130,7 +132,9 @@ def test_kill9_loses_no_acknowledged_write(mode_mounts: MountFactory) -> None:
         for name in acked:
             assert changes[name]["action"] == "upload", name
             assert changes[name]["size"] == (mp / name).stat().st_size, name
-    print(f"kill -9: 4 rounds, {total_acks} acknowledged writes, {len(acked)} files verified")
+    print(
+        f"kill -9: {rounds} rounds, {total_acks} acknowledged writes, {len(acked)} files verified"
+    )
     assert m.signal(15) == 0
 
 
