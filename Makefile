@@ -20,6 +20,7 @@ deps-test: deps
 	packaging/install-deps.sh --test
 
 demo: deps
+	packaging/install-deps.sh --demo
 	$(PY) -m controller.demo --data-dir $(DEMO_DIR) --home demo-home --listen $(DEMO_LISTEN)
 
 test: deps-test

@@ -179,9 +179,21 @@ def compressible(first_block: bytes) -> bool:
 _local = threading.local()
 
 
+def batch_header(count: int) -> bytes:
+    """The start of a batch body of ``count`` members."""
+    return BATCH_HEADER.pack(BATCH_MAGIC, count)
+
+
+def member_header(size: int, sha256: bytes) -> bytes:
+    """A member's header; its frames and :data:`END_FRAME` follow. A sender
+    that streams a member (the controller's repository object fetch) writes
+    the header from the content address, then one frame per chunk."""
+    return MEMBER_HEADER.pack(size, sha256)
+
+
 def encode_member(raw: bytes, compressor: zstandard.ZstdCompressor | None) -> bytes:
     """One batch member: its header and frames (:data:`END_FRAME` included)."""
-    out = [MEMBER_HEADER.pack(len(raw), hashlib.sha256(raw).digest())]
+    out = [member_header(len(raw), hashlib.sha256(raw).digest())]
     for start in range(0, len(raw), CHUNK_MAX):
         out.append(encode_frame(raw[start : start + CHUNK_MAX], compressor))
     out.append(END_FRAME)
@@ -191,7 +203,7 @@ def encode_member(raw: bytes, compressor: zstandard.ZstdCompressor | None) -> by
 def encode_batch(members: list[bytes]) -> bytes:
     """A batch upload body; each member compressed unless it looks incompressible."""
     compressor = zstandard.ZstdCompressor(level=3)
-    out = [BATCH_HEADER.pack(BATCH_MAGIC, len(members))]
+    out = [batch_header(len(members))]
     for raw in members:
         out.append(encode_member(raw, compressor if compressible(raw) else None))
     return b"".join(out)

@@ -127,6 +127,24 @@ class UnknownContent(WorkFolderError):
     message = "Checkpoint references content that is not visible to this folder"
 
 
+class UnsafeRepoMember(WorkFolderError):
+    """A repository checkpoint member (or the whole checkpoint: ``path`` None)
+    broke one of :mod:`common.repos`'s rules; nothing was published."""
+
+    code = "unsafe_repo_member"
+    status = 422
+    message = "A repository checkpoint member is refused"
+
+    def __init__(self, path: str | None, rule: str) -> None:
+        where = "the checkpoint" if path is None else repr(path)
+        super().__init__(f"{where} is refused: {rule}", details=[{"path": path, "rule": rule}])
+        self.path = path
+        self.rule = rule
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "path": self.path, "rule": self.rule}
+
+
 class DigestMismatch(WorkFolderError):
     code = "digest_mismatch"
     status = 422
@@ -177,6 +195,13 @@ class RunNotActive(Conflict):
 class StaleLease(Conflict):
     code = "stale_lease"
     message = "Lease epoch is older than the current lease"
+
+
+class BaseMismatch(Conflict):
+    """A delta repository checkpoint named a base that is not the current one."""
+
+    code = "base_mismatch"
+    message = "The checkpoint's base is not the current checkpoint; send the whole checkpoint"
 
 
 class PreconditionFailed(WorkFolderError):
@@ -286,3 +311,30 @@ class UploadQuotaExceeded(QuotaExceeded):
     code = "upload_quota_exceeded"
     status = 429
     message = "Too many uploaded bytes are not yet committed by a checkpoint"
+
+
+# --- the API bridge (controller/api/apibridge.py) ----------------------------
+
+
+class BridgeRouteDenied(WorkFolderError):
+    """A method and route outside the API bridge's allowlist (a boundary control)."""
+
+    code = "bridge_route_denied"
+    status = 403
+    message = "This route is not open to sandbox code through the API bridge"
+
+
+class BridgeTimeout(WorkFolderError):
+    """A bridged call's answer did not start in time (a resource limit)."""
+
+    code = "bridge_timeout"
+    status = 504
+    message = "The bridged request took longer than the controller allows"
+
+
+class BridgeResponseTooLarge(WorkFolderError):
+    """A bridged call's answer is over the response limit (a resource limit)."""
+
+    code = "bridge_response_too_large"
+    status = 502
+    message = "The answer is larger than the API bridge forwards"

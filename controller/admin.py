@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import uuid
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable, Callable
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
 
-from common.errors import AppError, ValidationError
+from common.errors import AppError, NotFound, ValidationError
 from common.paths import validate_uuid
+from controller import workspaces
 from controller.auth import RUN_TOKEN_PREFIX, USER_TOKEN_PREFIX, new_token, token_hash
+
+T = TypeVar("T")
 
 ROLES = ("owner", "admin", "member", "viewer")
 
@@ -27,6 +33,30 @@ class AdminError(AppError):
 
 def _conn(url: str) -> psycopg.Connection[dict[str, Any]]:
     return psycopg.connect(url, row_factory=dict_row)
+
+
+def in_transaction(url: str, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
+    """Run an async domain function (``work(conn)``) in one transaction of its
+    own: how a command shares its logic with the REST API. A validation
+    refusal becomes the one-line AdminError."""
+
+    async def run() -> T:
+        async with await psycopg.AsyncConnection.connect(url, row_factory=dict_row) as conn:
+            return await work(conn)
+
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(run())
+        # Called from inside an event loop (a program embedding the CLI, such
+        # as a test driving a browser): a loop of its own, on a thread.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, run()).result()
+    except ValidationError as exc:
+        raise AdminError("; ".join(d.get("message", str(d)) for d in exc.details or [])) from None
+    except NotFound as exc:
+        raise AdminError(exc.text) from None
 
 
 def _require(
@@ -155,6 +185,12 @@ def start_run(
         raise AdminError("sandbox key must be 1-256 characters")
     run_id = str(uuid.uuid4())
     token = new_token(RUN_TOKEN_PREFIX)
+    # The task's repositories are bound first, in their own transaction: a
+    # binding is the task's, whether or not this run then starts.
+    bindings: list[workspaces.Binding] = []
+    if task:
+        bound_task = task
+        bindings = in_transaction(url, lambda c: workspaces.bind_task(c, company, bound_task))
     with _conn(url) as conn:
         _require(conn, "agents", agent, company)
         if task:
@@ -212,6 +248,7 @@ def start_run(
         env["PAPERCLIP_USER_DIR"] = str(home_dir / "user")
     if project:
         env["PAPERCLIP_PROJECT_DIR"] = str(home_dir / "project")
+    env.update(workspaces.run_env(bindings, PurePosixPath(home)))
     return {
         "run_id": run_id,
         "token": token,
@@ -219,6 +256,9 @@ def start_run(
         "sandbox": sandbox_key,
         "bindings": {"task": task, "agent": agent, "user": user, "project": project},
         "env": env,
+        "repos": [
+            {"workspace_id": b.workspace_id, "name": b.name, "primary": b.primary} for b in bindings
+        ],
     }
 
 
@@ -322,3 +362,37 @@ def audit(url: str, run: str, after: int, limit: int) -> dict[str, Any]:
         _require(conn, "runs", run)
         rows = conn.execute(LIST_SQL, (run, after, limit)).fetchall()
     return {"run_id": run, "entries": [row_json(r) for r in rows]}
+
+
+def add_workspace(
+    url: str,
+    project: str,
+    *,
+    repo_url: str,
+    name: str | None,
+    ref: str | None,
+    primary: bool,
+    setup_command: str | None,
+) -> dict[str, Any]:
+    return in_transaction(
+        url,
+        lambda c: workspaces.add_workspace(
+            c,
+            _uuid(project, "project"),
+            repo_url=repo_url,
+            name=name,
+            ref=ref,
+            primary=primary,
+            setup_command=setup_command,
+        ),
+    )
+
+
+def remove_workspace(url: str, workspace: str) -> dict[str, Any]:
+    return in_transaction(
+        url, lambda c: workspaces.remove_workspace(c, _uuid(workspace, "workspace"))
+    )
+
+
+def set_task_branch(url: str, task: str, branch: str) -> dict[str, Any]:
+    return in_transaction(url, lambda c: workspaces.set_task_branch(c, _uuid(task, "task"), branch))

@@ -277,6 +277,16 @@ def audit_lines(data: dict[str, Any]) -> str:
     return "\n".join(rows) if rows else f"no API bridge calls recorded for run {data['run_id']}"
 
 
+def workspace_line(data: dict[str, Any]) -> str:
+    """``admin add-workspace`` without ``--json``; a primary takeover is said."""
+    line = f"workspace {data['workspace_id']} added to project {data['project_id']}"
+    if data["primary"]:
+        line += "; it is the project's primary workspace"
+        if data["replaced_primary"]:
+            line += f" (workspace {data['replaced_primary']} no longer is)"
+    return line
+
+
 def cmd_admin(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     text: Callable[[dict[str, Any]], str] | None = None
@@ -318,6 +328,21 @@ def cmd_admin(args: argparse.Namespace) -> int:
             text = audit_lines
         elif a == "end-sessions":
             out = admin.end_sessions(url, args.user)
+        elif a == "add-workspace":
+            out = admin.add_workspace(
+                url,
+                args.project,
+                repo_url=args.repo_url,
+                name=args.name,
+                ref=args.ref,
+                primary=args.primary,
+                setup_command=args.setup,
+            )
+            text = workspace_line
+        elif a == "remove-workspace":
+            out = admin.remove_workspace(url, args.workspace)
+        elif a == "set-task-branch":
+            out = admin.set_task_branch(url, args.task, args.branch)
         else:  # pragma: no cover - argparse restricts choices
             raise admin.AdminError(f"unknown admin command {a}")
     emit(args, out, text)
@@ -437,6 +462,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True)
     p.add_argument("--after", type=int, default=0, help="only rows after this id")
     p.add_argument("--limit", type=int, default=1000, help="at most this many rows (1-1000)")
+    p = admin_cmd("add-workspace", "add a repository workspace to a project")
+    p.add_argument("project")
+    p.add_argument("--repo-url", required=True, help="what `git clone` is given")
+    p.add_argument("--name", help="checkout name under $HOME/repos (default: from the URL)")
+    p.add_argument("--ref", help="starting branch or tag of a new clone")
+    p.add_argument(
+        "--primary",
+        action="store_true",
+        help="the project's primary repository (takes over from the current one)",
+    )
+    p.add_argument("--setup", help="shell command run once in a new or restored checkout")
+    p = admin_cmd(
+        "remove-workspace", "bind a workspace to no new task (bindings and saves are kept)"
+    )
+    p.add_argument("workspace")
+    p = admin_cmd("set-task-branch", "the branch the task's primary checkout is cloned onto")
+    p.add_argument("task")
+    p.add_argument("branch")
     p = admin_cmd("backup", "pg_dump the database, then copy the local object directory")
     p.add_argument("--to", type=Path, required=True, help="new (or empty) directory")
     p.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")

@@ -15,6 +15,7 @@ from common.limits import (
     GiB,
     KiB,
 )
+from common.repos import REPO_UPLOAD_TTL_SECONDS
 
 
 @dataclass
@@ -124,6 +125,9 @@ class Quotas:
     """Per run: uploaded bytes no checkpoint has committed yet (429 beyond)."""
     pending_upload_ttl: float = 86400.0
     """Seconds an uncommitted upload counts, may be committed and is kept from GC."""
+    repo_upload_ttl: float = float(REPO_UPLOAD_TTL_SECONDS)
+    """The same for an upload to a repository route: a repository save that
+    takes longer than this is refused and must upload again."""
     company_storage_bytes: int = 0
     """Stored bytes per company; 0 turns the quota off (the default)."""
     statement_timeout: float = 30.0
@@ -150,6 +154,13 @@ _QUOTA_FLAGS: list[tuple[str, str, type, str, bool]] = [
         "pending_upload_ttl",
         float,
         "seconds an uncommitted upload lives",
+        False,
+    ),
+    (
+        "--repo-upload-ttl",
+        "repo_upload_ttl",
+        float,
+        "seconds an uncommitted repository upload lives",
         False,
     ),
     (

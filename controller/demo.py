@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -61,14 +62,15 @@ def sandbox_lines(env_file: Path, acc: dict[str, str], home: Path) -> list[str]:
     API through the local endpoint (which adds the run token)."""
     task = f"/api/companies/{acc['company_id']}/work-folders/task/{acc['task_id']}"
     url = f'"$PAPERCLIP_API_URL{task}/content?path=notes.md"'
+    env, where = shlex.quote(str(env_file)), shlex.quote(str(home))
     return [
         "",
         "Inside the sandbox (its env file, then the API through the local endpoint; no token):",
-        f"  set -a; . {env_file}; set +a",
+        f"  set -a; . {env}; set +a",
         "  curl -sS -X PUT -H 'Content-Type: application/octet-stream'"
         f" --data-binary 'written from the sandbox' {url}",
         f"  curl -sS {url}",
-        f"  .venv/bin/fsagent launch --home {home} --env-file {env_file} -- 'curl -sS {url}'",
+        f"  .venv/bin/fsagent launch --home {where} --env-file {env} -- 'curl -sS {url}'",
     ]
 
 
@@ -91,6 +93,7 @@ def main() -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     acc = ensure_demo_account(data_dir)
     base = f"http://{args.listen}"
+    task_state = shlex.quote(str(data_dir / "fsagent" / "task"))
 
     stopping = False
 
@@ -165,7 +168,7 @@ def main() -> int:
             lines = [
                 f"Sandbox:     {home}/{{task,agent,user,project}} (run {run['run_id']})",
                 f"             saved every {args.checkpoint_interval:.0f}s and at Ctrl-C;"
-                f" save now: .venv/bin/fsagent flush task --state-dir {data_dir}/fsagent/task",
+                f" save now: .venv/bin/fsagent flush task --state-dir {task_state}",
             ]
             lines += sandbox_lines(env_file, acc, home)
         folder = f"{base}/api/companies/{acc['company_id']}/work-folders/user/{acc['user_id']}"
@@ -179,7 +182,7 @@ Files page:  {base}/files/   (sign in with the API token above)
 
 Try:
   T={acc["token"]}
-  echo hello > {home}/task/hello.txt && .venv/bin/fsagent flush task --state-dir {data_dir}/fsagent/task
+  echo hello > {shlex.quote(str(home / "task" / "hello.txt"))} && .venv/bin/fsagent flush task --state-dir {task_state}
   curl -sS -H "Authorization: Bearer $T" '{task_folder}/'
   curl -sS -H "Authorization: Bearer $T" '{task_folder}/content?path=hello.txt'
   curl -sS -X PUT -H "Authorization: Bearer $T" -H 'Content-Type: application/octet-stream' \\

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_ROUTE = PREFIX + "/folders/{scope}/checkpoints"
 UPLOAD_ROUTES = {
     ("PUT", PREFIX + "/folders/{scope}/uploads"),
+    ("PUT", PREFIX + "/repos/{workspaceId}/uploads"),
     ("PUT", "/api/companies/{companyId}/work-folders/{scope}/{ownerId}/content"),
 }
 CAPTURED_ROUTES = {("POST", CHECKPOINT_ROUTE), *UPLOAD_ROUTES}

@@ -9,9 +9,7 @@ active member of the run's company.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import os
 import re
 from typing import Any
 
@@ -26,36 +24,26 @@ from common.bridge import (
     PREFIX,
 )
 from common.errors import (
-    DigestMismatch,
     MembershipRevoked,
     NotFound,
-    PayloadTooLarge,
     StaleLease,
-    Unauthenticated,
     UnknownContent,
     ValidationError,
     WriteNotAllowed,
 )
 from common.paths import validate_scope
-from controller import apply, folders, quotas, runs
+from controller import apply, folders, runs
 from controller.api.common import (
-    authenticate,
+    bound_run,
     connection,
     json_errors,
     read_json,
     state,
     write_transaction,
 )
-from controller.api.objects import (
-    journal_orphan,
-    object_response,
-    open_spool,
-    put_object,
-    reupload_if_missing,
-    spool_append,
-)
+from controller.api.objects import object_response
 from controller.api.params import BIGINT_MAX, query_int
-from controller.api.uploads import receive_batch
+from controller.api.uploads import Confirm, receive_batch, receive_upload
 from controller.auth import (
     RunBinding,
     confirm_run_writes,
@@ -63,17 +51,9 @@ from controller.auth import (
     run_may_write_user_folder,
 )
 from controller.checkpoint import apply_checkpoint, parse_checkpoint
-from controller.frames import Frame, FrameSplitter, decode_frame
 from controller.storage.base import object_key
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
-
-
-async def bound_run(request: Request, conn: AsyncConnection[Any]) -> RunBinding:
-    principal = await authenticate(request, conn)
-    if principal.kind != "run" or principal.run is None:
-        raise Unauthenticated("The bridge needs a run token")
-    return principal.run
 
 
 async def bound_folder(
@@ -191,9 +171,14 @@ async def record_run_failure(request: Request, run: RunBinding, error: str) -> N
         await runs.set_state(conn, run.run_id, "failed", error)
 
 
-def store_frame(frame: Frame, fd: int, hasher: Any) -> None:
-    """Decode, verify, hash and spool one frame: CPU and disk work, run in a thread."""
-    spool_append(fd, hasher, decode_frame(frame))
+def folder_upload_confirm(run: RunBinding, scope: str) -> Confirm:
+    """What registering a folder upload re-checks: the run's lease and, for the
+    user folder, its user's write right."""
+
+    async def confirm(conn: AsyncConnection[Any]) -> None:
+        await confirm_run_writes(conn, run, scope)
+
+    return confirm
 
 
 @json_errors
@@ -203,75 +188,25 @@ async def upload(request: Request) -> Response:
         run = await bound_run(request, conn)
         await writable_folder(request, conn, run)
         await runs.mark_saving(conn, run.run_id)
-    hint = request.headers.get("x-content-sha256")
-    hint_len = request.headers.get("x-content-length")
-    limit = st.settings.max_file_bytes
-    splitter = FrameSplitter()
-    size = 0
-    fd, spool = await open_spool(st.settings.spool_dir, "bridge-")
-    hasher = hashlib.sha256()
+    confirm = folder_upload_confirm(run, request.path_params["scope"])
     try:
-        try:
-            async for chunk in request.stream():
-                for frame in splitter.feed(chunk):
-                    # Checked on the declared length, before any decompression.
-                    size += frame.raw_len
-                    if size > limit:
-                        raise PayloadTooLarge(f"Files are limited to {limit} bytes")
-                    await asyncio.to_thread(store_frame, frame, fd, hasher)
-        finally:
-            os.close(fd)
-        splitter.finish()
-        digest = hasher.hexdigest()
-        if (hint is not None and hint != digest) or (
-            hint_len is not None and hint_len != str(size)
-        ):
-            raise DigestMismatch(details=[{"digest": digest, "byteSize": size}])
-        async with connection(request) as conn:
-            await quotas.check_upload(
-                conn, run.company_id, run.run_id, digest, size, st.settings.quotas
-            )
-        key = object_key(run.company_id, digest)
-        created_blob = await put_object(request, key, spool, size, digest)
-        ensure = reupload_if_missing(request, spool, size, digest)
-
-        async def register(conn: AsyncConnection[Any]) -> None:
-            await confirm_run_writes(conn, run, request.path_params["scope"])
-            await runs.record_upload(
-                conn,
-                run.run_id,
-                run.company_id,
-                digest,
-                size,
-                ensure,
-                st.settings.gc_delay,
-                st.settings.quotas.pending_upload_ttl,
-            )
-
-        try:
-            await write_transaction(request, register)
-        except BaseException:
-            if created_blob:
-                await journal_orphan(request, run.company_id, digest)
-            raise
+        answer = await receive_upload(request, run, confirm, st.settings.quotas.pending_upload_ttl)
     except ClientDisconnect:
         return Response(status_code=400)
-    finally:
-        # Unlinking one spool file is a single metadata update; a thread hop
-        # here would also be skipped on cancellation, leaking the file.
-        spool.unlink(missing_ok=True)
-    return JSONResponse({"digest": digest, "byteSize": size})
+    return JSONResponse(answer)
 
 
 @json_errors
 async def upload_batch(request: Request) -> Response:
     """Many small objects in one framed body (:mod:`controller.api.uploads`)."""
+    st = state(request)
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         await writable_folder(request, conn, run)
         await runs.mark_saving(conn, run.run_id)
+    confirm = folder_upload_confirm(run, request.path_params["scope"])
     try:
-        objects = await receive_batch(request, run)
+        objects = await receive_batch(request, run, confirm, st.settings.quotas.pending_upload_ttl)
     except ClientDisconnect:
         return Response(status_code=400)
     return JSONResponse({"objects": objects})

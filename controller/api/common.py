@@ -31,6 +31,7 @@ from controller.api.params import declared_length
 from controller.auth import (
     RUN_TOKEN_PREFIX,
     Principal,
+    RunBinding,
     principal_for_bridge,
     principal_from_bearer,
     principal_from_session,
@@ -159,6 +160,15 @@ async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principa
     return principal
 
 
+async def bound_run(request: Request, conn: AsyncConnection[Any]) -> RunBinding:
+    """The run whose token authenticates a bridge request (401 for any other
+    credential)."""
+    principal = await authenticate(request, conn)
+    if principal.kind != "run" or principal.run is None:
+        raise Unauthenticated("The bridge needs a run token")
+    return principal.run
+
+
 async def authenticate_first(request: Request) -> None:
     """Check the credentials in a short transaction of their own, before any body
     byte is read: an unauthenticated client gets its 401 at once and never
@@ -187,7 +197,9 @@ async def _authenticate(request: Request, conn: AsyncConnection[Any]) -> Princip
             raise Unauthenticated(f"Run tokens are accepted only under {BRIDGE_PREFIX}/")
         return await principal_from_bearer(conn, token)
     secret = request.cookies.get(SESSION_COOKIE)
-    if secret:
+    # The bridge is the sandbox's surface: a person's session cookie that
+    # reached it (smuggled by sandbox code) is no credential there.
+    if secret and not on_bridge(request):
         principal = await principal_from_session(conn, secret)
         # SameSite=Strict keeps the cookie off cross-site requests; the header
         # (which a cross-site form cannot set) is the second lock.

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,9 @@ SPOOL_WRITE_BYTES = 1 << 20
 # --- reads -----------------------------------------------------------------
 
 
-async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
-    storage = state(request).storage
-    chunks = storage.read_chunks(key, start, end)
+async def in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """A blocking iterator (storage reads, a stream built from them) advanced
+    one chunk at a time in a worker thread, and closed there."""
     try:
         while True:
             chunk = await asyncio.to_thread(next, chunks, None)
@@ -46,6 +46,13 @@ async def stream_object(request: Request, key: str, start: int, end: int) -> Asy
         close = getattr(chunks, "close", None)
         if close is not None:
             await asyncio.to_thread(close)
+
+
+async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
+    storage = state(request).storage
+    chunks = await asyncio.to_thread(storage.read_chunks, key, start, end)
+    async for chunk in in_thread(chunks):
+        yield chunk
 
 
 def object_response(

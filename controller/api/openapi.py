@@ -6,6 +6,7 @@ from typing import Any
 
 from common.bridge import MANIFEST_PAGE_MAX, PREFIX
 from common.limits import MAX_PAGE_LIMIT
+from common.repos import FETCH_BATCH_MAX, MISSING_MAX
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -156,6 +157,134 @@ def _bridge_paths() -> dict[str, Any]:
                 "422",
                 requestBody=_JSON_OBJECT_BODY,
             ),
+        },
+    }
+
+
+def _digests_body(limit: int) -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["digests"],
+                    "properties": {
+                        "digests": {
+                            "type": "array",
+                            "maxItems": limit,
+                            "items": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                        }
+                    },
+                }
+            }
+        },
+    }
+
+
+def _repo_paths() -> dict[str, Any]:
+    """The repository routes: fsagent's (run token) and people's (contract in
+    common/repos.py)."""
+    ws = {
+        "name": "workspaceId",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "format": "uuid"},
+    }
+    base = PREFIX + "/repos/{workspaceId}"
+    binary = {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+    company = {
+        "name": "companyId",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "format": "uuid"},
+    }
+    task = {**company, "name": "taskId"}
+    people = "/api/companies/{companyId}/tasks/{taskId}/repos"
+    return {
+        PREFIX + "/repos": {
+            "get": _op("The run's task's repositories and their current checkpoints", "200")
+        },
+        base + "/missing": {
+            "parameters": [ws],
+            "post": _op(
+                "Which digests the task cannot reference yet",
+                "200",
+                requestBody=_digests_body(MISSING_MAX),
+            ),
+        },
+        base + "/uploads": {
+            "parameters": [ws],
+            "put": _op(
+                "Upload framed zstd content for a repository checkpoint",
+                "200",
+                "413",
+                "422",
+                requestBody=binary,
+            ),
+        },
+        base + "/uploads/batch": {
+            "parameters": [ws],
+            "put": _op(
+                "Upload many small objects for a repository checkpoint",
+                "200",
+                "413",
+                "422",
+                requestBody=binary,
+            ),
+        },
+        base + "/checkpoints": {
+            "parameters": [ws],
+            "post": _op(
+                "Commit a repository checkpoint (whole, or a delta on the current one)",
+                "200",
+                "409",
+                "413",
+                "422",
+                requestBody=_JSON_OBJECT_BODY,
+            ),
+        },
+        base + "/checkpoints/{checkpointId}/manifest": {
+            "parameters": [
+                ws,
+                {
+                    "name": "checkpointId",
+                    "in": "path",
+                    "required": True,
+                    "description": "the current checkpoint's id, or `current`",
+                    "schema": {"type": "string"},
+                },
+            ],
+            "get": _op("The current checkpoint's complete member list and config", "200"),
+        },
+        base + "/objects/batch": {
+            "parameters": [ws],
+            "post": _op(
+                "Objects of the current checkpoint, as one batch body",
+                "200",
+                requestBody=_digests_body(FETCH_BATCH_MAX),
+            ),
+        },
+        base + "/report": {
+            "parameters": [ws],
+            "post": _op("Report the repository's save state", "200", requestBody=_JSON_OBJECT_BODY),
+        },
+        people: {
+            "parameters": [company, task],
+            "get": _op("The task's repositories: last save, size, files, state, error", "200"),
+        },
+        people + "/{workspaceId}/archive": {
+            "parameters": [company, task, ws],
+            "get": {
+                "summary": "The repository's current checkpoint as a streamed tar",
+                "responses": {
+                    "200": {"description": "A tar archive", "content": {"application/x-tar": {}}},
+                    **_ERRORS,
+                },
+            },
         },
     }
 
@@ -498,7 +627,8 @@ def document() -> dict[str, Any]:
             "/api/companies/{companyId}/directory": {
                 "parameters": [_FOLDER_PARAMS[0]],
                 "get": {
-                    "summary": "Agents, projects, tasks and members of a company",
+                    "summary": "Agents, projects, tasks and members of a company (for people:"
+                    " whether each folder has files and an active run)",
                     "responses": {"200": _resp("Directory"), **_ERRORS},
                 },
             },
@@ -549,6 +679,7 @@ def document() -> dict[str, Any]:
                 }
             },
             **_bridge_paths(),
+            **_repo_paths(),
             **_api_bridge_paths(),
             **_public_paths(),
         },

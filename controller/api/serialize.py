@@ -67,17 +67,61 @@ def session_json(session: Session) -> dict[str, Any]:
 
 def directory_json(d: Directory, *, members_private: bool = False) -> dict[str, Any]:
     """The company directory; ``members_private`` (a run asking) leaves out emails and roles."""
+
+    def owner(r: Row, **fields: Any) -> dict[str, Any]:
+        out = {"id": str(r["id"]), **fields}
+        if d.activity:
+            out.update(hasFiles=r["has_files"], activeRun=r["active_run"])
+        return out
+
     return {
-        "agents": [{"id": str(r["id"]), "name": r["name"]} for r in d.agents],
-        "projects": [{"id": str(r["id"]), "name": r["name"]} for r in d.projects],
-        "tasks": [
-            {"id": str(r["id"]), "title": r["title"], "projectId": str(r["project_id"])}
-            for r in d.tasks
-        ],
+        "agents": [owner(r, name=r["name"]) for r in d.agents],
+        "projects": [owner(r, name=r["name"]) for r in d.projects],
+        "tasks": [owner(r, title=r["title"], projectId=str(r["project_id"])) for r in d.tasks],
         "members": [
             {"userId": str(r["id"])}
             if members_private
             else {"userId": str(r["id"]), "email": r["email"], "role": r["role"]}
             for r in d.members
         ],
+    }
+
+
+def repo_binding_json(row: Row) -> dict[str, Any]:
+    """A bound repository as ``GET /bridge/v1/repos`` lists it (common/repos.py)."""
+    current = None
+    if row["checkpoint_id"] is not None:
+        current = {
+            "checkpointId": str(row["checkpoint_id"]),
+            "entries": int(row["entries"]),
+            "byteSize": int(row["byte_size"]),
+            "savedAt": iso(row["created_at"]),
+        }
+    return {
+        "workspaceId": str(row["workspace_id"]),
+        "name": row["name"],
+        "repoUrl": row["repo_url"],
+        "ref": row["ref"],
+        "primary": bool(row["is_primary"]),
+        "branch": row["branch"] if row["is_primary"] else None,
+        "setupCommand": row["setup_command"],
+        "current": current,
+    }
+
+
+def task_repo_json(row: Row) -> dict[str, Any]:
+    """A bound repository as people see it (``GET .../tasks/{taskId}/repos``)."""
+    saved = row["checkpoint_id"] is not None
+    return {
+        "workspaceId": str(row["workspace_id"]),
+        "name": row["name"],
+        "repoUrl": row["repo_url"],
+        "state": row["state"],
+        "lastSavedAt": iso(row["last_saved_at"]),
+        "byteSize": int(row["byte_size"]) if saved else 0,
+        "fileCount": int(row["files"]) if saved else 0,
+        "entries": int(row["entries"]) if saved else 0,
+        "error": row["error"],
+        "checkpointId": str(row["checkpoint_id"]) if saved else None,
+        "removed": bool(row["removed"]),
     }

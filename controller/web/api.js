@@ -241,3 +241,19 @@ export class FolderApi {
     return { promise, abort: () => xhr.abort() };
   }
 }
+
+// --- a task's repositories --------------------------------------------------
+
+function taskReposBase(companyId, taskId) {
+  return `/api/companies/${encodeURIComponent(companyId)}/tasks/${encodeURIComponent(taskId)}/repos`;
+}
+
+/** {repos: [...]}: each repository the task binds, with its last save. */
+export function taskRepos(companyId, taskId) {
+  return request("GET", taskReposBase(companyId, taskId));
+}
+
+/** The address of a repository's current checkpoint as a tar download. */
+export function repoArchiveUrl(companyId, taskId, workspaceId) {
+  return `${taskReposBase(companyId, taskId)}/${encodeURIComponent(workspaceId)}/archive`;
+}

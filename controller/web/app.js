@@ -27,9 +27,9 @@ const app = {
   directories: new Map(), // companyId -> Promise of /directory
 };
 
-/** The company directory, fetched once per company per page load. */
-export function directoryFor(companyId) {
-  if (!app.directories.has(companyId)) {
+/** The company directory, fetched once per company per page load (`fresh`: again). */
+export function directoryFor(companyId, { fresh = false } = {}) {
+  if (fresh || !app.directories.has(companyId)) {
     const pending = companyDirectory(companyId).catch((err) => {
       app.directories.delete(companyId);
       throw err;

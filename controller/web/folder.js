@@ -8,12 +8,14 @@
 //   trash.js      the trash view (batches, restore, restore as, purge)
 //   sync.js       the sync panel (last change, agent runs, refresh requests)
 //   live.js       polls the folder's changes and refreshes what is on screen
+//   repos.js      a task folder's repositories (last save, state, tar download)
 
 import { ApiError, FolderApi } from "./api.js";
 import { clear, h, uid } from "./dom.js";
 import { Listing } from "./listing.js";
 import { LiveUpdates } from "./live.js";
 import { Preview } from "./preview.js";
+import { RepoPanel } from "./repos.js";
 import { SyncPanel } from "./sync.js";
 import { Trash } from "./trash.js";
 import { Uploads } from "./uploads.js";
@@ -26,6 +28,7 @@ export const SCOPES = ["task", "agent", "user", "project"];
 const NOT_FOUND_TEXT = "This folder doesn't exist or you don't have access";
 
 const SCOPE_LABEL = { task: "Task", agent: "Agent", project: "Project", user: "User" };
+const STATUS_MS = 10000;
 
 export class FolderPage {
   constructor(root, route, { session, navigate, directoryFor, validScope }) {
@@ -39,6 +42,7 @@ export class FolderPage {
     this.company = session.companies.find((c) => c.id === route.companyId) || null;
     this.readOnly = !this.company || this.company.role === "viewer";
     this.destroyed = false;
+    this.statusTimer = null;
     this.dir = route.dir;
     this.view = route.view;
     this.ownerName = null;
@@ -48,6 +52,7 @@ export class FolderPage {
     this.preview = null;
     this.trash = null;
     this.sync = null;
+    this.repos = null;
     this.live = null;
     this.onKey = (event) => {
       // Escape closes the preview unless a dialog or menu has it.
@@ -69,8 +74,10 @@ export class FolderPage {
 
   destroy() {
     this.destroyed = true;
+    clearTimeout(this.statusTimer);
     document.removeEventListener("keydown", this.onKey);
     this.sync?.stop();
+    this.repos?.stop();
     this.live?.stop();
     this.preview?.revokeUrl();
     this.uploads?.abortAll();
@@ -121,12 +128,20 @@ export class FolderPage {
     return err.code === "not_found" ? NOT_FOUND_TEXT : err.message;
   }
 
+  /**
+   * A status message over the bottom edge; it clears itself after STATUS_MS,
+   * so it never stays over a row a finger needs (the change it reports is on
+   * the page anyway).
+   */
   announce(text) {
+    clearTimeout(this.statusTimer);
     this.status.textContent = text;
+    if (text) this.statusTimer = setTimeout(() => (this.status.textContent = ""), STATUS_MS);
   }
 
   refreshSync() {
     this.sync?.refresh();
+    this.repos?.refresh();
   }
 
   /**
@@ -194,6 +209,7 @@ export class FolderPage {
     this.resolveNames();
     this.refreshSync();
     this.sync.startPolling();
+    this.repos?.startPolling();
     this.live = new LiveUpdates(this);
     this.live.start();
   }
@@ -257,6 +273,7 @@ export class FolderPage {
       filter: uid("filter"),
       folderName: uid("folder-name"),
       upload: uid("upload-input"),
+      repos: uid("repos-heading"),
     };
 
     this.titleEl = h("h1", { id: ids.title, tabindex: "-1" });
@@ -277,6 +294,7 @@ export class FolderPage {
     this.trash = new Trash(this, ids);
     this.sync = new SyncPanel(this, ids);
     this.preview = new Preview(this, ids);
+    this.repos = this.route.scope === "task" ? new RepoPanel(this, ids.repos) : null;
 
     clear(this.root).append(
       h("div", { class: "folder-head" }, this.titleEl, this.subtitleEl),
@@ -292,7 +310,7 @@ export class FolderPage {
           this.listing.section,
           this.trash.section,
         ),
-        h("div", { class: "secondary-col" }, this.sync.section),
+        h("div", { class: "secondary-col" }, this.sync.section, this.repos?.section || null),
       ),
       this.uploads.box,
     );
