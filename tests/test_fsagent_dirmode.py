@@ -22,8 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from common.limits import MAX_FILE_BYTES
+from fsagent.client import open_client
+from fsagent.dirfs import open_root
+from fsagent.dirmode import DirShipper, hydrate_directory
+from fsagent.dirstore import DirStore
 from fsagent.store import Store
 from tests.support.controller import Tenant
 from tests.support.mount import REPO, MountFactory, mount_factory
@@ -267,3 +272,50 @@ def test_auto_never_serves_a_fuse_collection_as_a_directory(mounts: MountFactory
     assert "FUSE is not available here" in res.stderr
     assert "holds a FUSE collection" in res.stderr
     assert os.listdir(directory) == []
+
+
+def test_a_torn_write_is_never_saved_and_saves_whole_later(tenant: Tenant, tmp_path: Path) -> None:
+    """The shipper of a plain directory, in process against the real controller:
+    a file rewritten while it is read is left out (reported as retrying) while
+    the rest saves, and the next checkpoint saves it whole."""
+    run = start_run(tenant)
+    directory = tmp_path / "task"
+    directory.mkdir()
+    busy = directory / "busy.bin"
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        client = open_client(tenant.controller.url, run["token"])
+        fd = open_root(directory)
+        store = DirStore.open(tmp_path / "state")
+        try:
+            store.attach(fd)
+            await hydrate_directory(store, client, "task", fd, 2)
+            shipper = DirShipper(store, client, "task", run["lease_epoch"])
+            busy.write_bytes(b"A" * (3 << 20))
+            (directory / "calm.txt").write_bytes(b"calm")
+
+            def rewrite(path: str) -> None:
+                if path == "busy.bin":  # each read: the second half changes under the reader
+                    with open(busy, "r+b") as fh:
+                        fh.seek(3 << 19)
+                        fh.write(os.urandom(3 << 19))
+
+            store.after_read = rewrite
+            first = (await shipper.ship_checkpoint()).to_json()
+            first["dir"] = shipper.last_report
+            store.after_read = None
+            second = (await shipper.ship_checkpoint()).to_json()
+            second["dir"] = shipper.last_report
+            return first, second
+        finally:
+            store.close()
+            os.close(fd)
+            await client.aclose()
+
+    first, second = trio.run(scenario)
+    assert first["entries"] == 1 and first["dir"]["retrying"] == ["busy.bin"]
+    assert second["entries"] == 1 and second["dir"]["retrying"] == []
+    assert server_files(tenant, "task", run["task"]) == {
+        "calm.txt": b"calm",
+        "busy.bin": busy.read_bytes(),
+    }
