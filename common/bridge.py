@@ -8,7 +8,16 @@ taken from the run's binding, never from the client.
 ``GET /bridge/v1/run``
     ``{"runId", "companyId", "agentId", "leaseEpoch", "active", "refreshRequested",
     "bindings": {"task": ownerId|null, "agent": ownerId, "user": ownerId|null,
-    "project": ownerId|null}}``
+    "project": ownerId|null}, "agentEntry": path, "warnings": [Warning...]}``
+
+    ``agentEntry`` is the agent's instruction entry in its folder
+    (spec/agent-files.md): its presence says the agent folder contract
+    applies, so fsagent refuses ``unlink`` and ``rename`` away of that path
+    (``EPERM``), tries the agent folder's final save up to three times and
+    discards its local copy at stop. ``warnings`` are the run's current
+    warnings (``{"scope", "code", "message", "limit"?, "max"?, "value"?,
+    "path"?}``, e.g. ``AGENT_FILES_AT_LIMIT``); the first call of a run
+    records the agent folder's limit warnings for it.
 
 ``GET /bridge/v1/folders/{scope}/manifest?since=<version>&limit=<n>``
     Entries of the folder with ``version > since`` in ascending version order,
@@ -84,9 +93,22 @@ MANIFEST_PAGE_MAX: Final = 5000
 #     same receipt with ``"replayed": true``; the same id with another body is
 #     409 ``idempotency_conflict``; an old lease epoch is 409 ``stale_lease``;
 #     a user folder whose user left the company is 403 ``membership_revoked``.
+#     In the agent folder: a save over one of its storage limits is 422
+#     ``agent_files_limit_exceeded`` (``details: [{"limit", "max", "value",
+#     "path"?}]``; nothing applied, so the body may be dropped and the changes
+#     listed afresh); a run whose responsible user may not configure the agent
+#     gets 404; entries that break the instruction entry's rules (deleting it,
+#     a directory at or above it, content over 1 MiB or not UTF-8) are left
+#     out and the receipt lists them as ``"refusedEntries": [{"path", "code",
+#     "message"}]``: fsagent keeps those paths unsaved. Every commit the
+#     controller answers is also a save receipt of the run (controller.receipts).
 #
-# ``POST /bridge/v1/run/report``  ``{"state": "saving"|"failed", "error"?}``
+# ``POST /bridge/v1/run/report``
+#     ``{"state": "saving"|"failed", "error"?, "scope"?, "operationId"?, "final"?}``
 #     fsagent reports that a save started or that it gave up, so /sync shows it.
+#     With ``scope`` (state failed): fsagent gave up on that folder's save after
+#     its last attempt; the controller records an explicit ``failed`` receipt
+#     (code ``SAVE_FAILED``) with the operation id.
 #
 # ``POST /bridge/v1/run/refresh-applied``
 #     After a successful final save fsagent took the server's changes because

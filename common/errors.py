@@ -313,6 +313,47 @@ class UploadQuotaExceeded(QuotaExceeded):
     message = "Too many uploaded bytes are not yet committed by a checkpoint"
 
 
+# --- the agent folder contract (controller/agentfiles.py) --------------------
+
+
+class AgentFilesLimitExceeded(WorkFolderError):
+    """A save would take an agent folder past one of its storage limits.
+
+    ``details``: ``[{"limit": "entries"|"fileBytes"|"totalBytes", "max", "value",
+    "path"?}]`` (``path`` for an oversized file). A sync-validation limit, not
+    a live quota: nothing of the refused save is written.
+    """
+
+    code = "agent_files_limit_exceeded"
+    status = 422
+    message = "The save would take the agent folder past a storage limit; nothing was saved"
+
+
+class EntryProtected(Conflict):
+    """The agent's instruction entry (or a directory holding it) may not be
+    deleted, moved away or replaced by a directory."""
+
+    code = "entry_protected"
+    message = "The agent's instruction entry cannot be deleted or moved"
+
+
+class EntryNotUtf8(WorkFolderError):
+    code = "entry_not_utf8"
+    status = 422
+    message = "The agent's instruction entry must be valid UTF-8"
+
+
+class EntryTooLarge(WorkFolderError):
+    code = "entry_too_large"
+    status = 422
+    message = "The agent's instruction entry is limited to 1 MiB"
+
+
+class AttachmentNotFound(NotFound):
+    code = "attachment_not_found"
+    message = "Attachment not found"
+
+
 # --- the API bridge (controller/api/apibridge.py) ----------------------------
 
 

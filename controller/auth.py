@@ -23,6 +23,8 @@ from common.errors import (
     WriteNotAllowed,
 )
 from controller.apply import Authority, WritePolicy
+from controller.config import Quotas
+from controller.grants import confirm_configure, may_configure_agent
 
 USER_TOKEN_PREFIX = "fsa_u_"
 RUN_TOKEN_PREFIX = "fsa_r_"
@@ -206,6 +208,11 @@ async def authorize_folder(
             if owner_id != principal.user_id:
                 raise NotFound()
             return  # the membership just checked is the owner's own
+        # Nor an agent's folder: that takes the per-agent configure permission.
+        if scope == "agent" and not await may_configure_agent(
+            conn, company_id, principal.user_id, owner_id, role
+        ):
+            raise NotFound()
     else:
         run = principal.run
         assert run is not None
@@ -239,12 +246,32 @@ async def _locked_role(conn: AsyncConnection[Any], company_id: str, user_id: str
     return None if row is None else str(row["role"])
 
 
-async def confirm_member_writes(conn: AsyncConnection[Any], company_id: str, user_id: str) -> None:
+async def confirm_member_writes(conn: AsyncConnection[Any], company_id: str, user_id: str) -> str:
+    """The member's role, locked; refused when gone or a viewer."""
     role = await _locked_role(conn, company_id, user_id)
     if role is None:
         raise MembershipRevoked("The membership was removed; nothing was saved")
     if role == "viewer":
         raise WriteNotAllowed("The member is now a viewer; nothing was saved")
+    return role
+
+
+async def confirm_run_agent_writes(conn: AsyncConnection[Any], run: RunBinding) -> None:
+    """A run saving its agent's folder acts for its responsible user, if any,
+    who must hold the agent's configure permission now (locked, like the
+    membership): a 404, like every denial of a folder."""
+    if run.user_id is None:
+        return
+    role = await _locked_role(conn, run.company_id, run.user_id)
+    await confirm_configure(conn, run.company_id, run.user_id, run.agent_id, role)
+
+
+async def run_may_write_agent_folder(conn: AsyncConnection[Any], run: RunBinding) -> bool:
+    """:func:`confirm_run_agent_writes` without locks, before a body is read."""
+    if run.user_id is None:
+        return True
+    role = await membership_role(conn, run.company_id, run.user_id)
+    return await may_configure_agent(conn, run.company_id, run.user_id, run.agent_id, role)
 
 
 _LEASE_SQL = f"SELECT r.lease_epoch, r.active, {_NEWEST_EPOCH} FROM runs r WHERE r.id = %s "
@@ -272,35 +299,42 @@ async def confirm_run_lease(conn: AsyncConnection[Any], run: RunBinding) -> None
 
 
 async def confirm_write(
-    conn: AsyncConnection[Any], principal: Principal, company_id: str, scope: str
+    conn: AsyncConnection[Any], principal: Principal, company_id: str, scope: str, owner_id: str
 ) -> None:
     """Authority again, inside the transaction that commits a write (after the
     folder lock): the token's run still active on the newest lease, the
-    responsible membership still present and still allowed to write."""
+    responsible membership still present and still allowed to write, and for
+    an agent's folder the configure permission still held."""
     if principal.kind == "user":
         assert principal.user_id is not None
-        await confirm_member_writes(conn, company_id, principal.user_id)
+        role = await confirm_member_writes(conn, company_id, principal.user_id)
+        if scope == "agent":
+            await confirm_configure(conn, company_id, principal.user_id, owner_id, role)
         return
     assert principal.run is not None and principal.run.company_id == company_id
     await confirm_run_writes(conn, principal.run, scope)
 
 
 async def confirm_run_writes(conn: AsyncConnection[Any], run: RunBinding, scope: str) -> None:
-    """A run's part of :func:`confirm_write`: active, newest lease, and for the
-    user folder its user still a member with write rights."""
+    """A run's part of :func:`confirm_write`: active, newest lease, for the
+    user folder its user still a member with write rights, for its agent's
+    folder its user (if any) still allowed to configure the agent."""
     await confirm_run_lease(conn, run)
     if scope == "user":
         assert run.user_id is not None
         await confirm_member_writes(conn, run.company_id, run.user_id)
+    if scope == "agent":
+        await confirm_run_agent_writes(conn, run)
 
 
 def write_policy(
-    principal: Principal, company_id: str, scope: str, max_folder_entries: int
+    principal: Principal, company_id: str, scope: str, owner_id: str, quotas: Quotas
 ) -> WritePolicy:
     """What a person's (or a run's REST) write re-checks when it commits."""
 
     async def confirm(conn: AsyncConnection[Any]) -> None:
-        await confirm_write(conn, principal, company_id, scope)
+        await confirm_write(conn, principal, company_id, scope, owner_id)
 
     authority: Authority = confirm
-    return WritePolicy(authority, max_folder_entries)
+    agent = quotas.agent if scope == "agent" else None
+    return WritePolicy(authority, quotas.max_folder_entries, agent)

@@ -15,10 +15,10 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from common import logs
 from common.errors import WorkFolderError
@@ -35,6 +35,7 @@ from controller.config import (
 from controller.pgembed import EmbeddedPostgres, EmbeddedPostgresError
 
 log = logging.getLogger("controller")
+T = TypeVar("T")
 
 EXIT_ERROR = 1
 EXIT_UNAVAILABLE = 3
@@ -277,6 +278,115 @@ def audit_lines(data: dict[str, Any]) -> str:
     return "\n".join(rows) if rows else f"no API bridge calls recorded for run {data['run_id']}"
 
 
+def run_transaction(url: str, work: Callable[[Any], Awaitable[T]]) -> T:
+    """An async domain function (shared with the API) in one transaction."""
+    from controller import db
+
+    return db.run_transaction(url, work)
+
+
+def create_agent(url: str, company: str, name: str) -> dict[str, Any]:
+    """An agent whose folder starts with its empty instruction entry."""
+    from controller import agentfiles
+
+    company = admin._uuid(company, "company")
+    if not name.strip():
+        raise admin.AdminError("name must not be empty")
+
+    async def create(conn: Any) -> dict[str, Any]:
+        cur = await conn.execute("SELECT 1 FROM companies WHERE id = %s", (company,))
+        if await cur.fetchone() is None:
+            raise admin.AdminError(f"no such company: {company}")
+        return await agentfiles.create_agent(conn, company, name)
+
+    return run_transaction(url, create)
+
+
+def prepare_run(url: str, run_id: str) -> None:
+    """The run's preparation (``controller.runprep``); a run that cannot be
+    prepared is ended again, so no sandbox starts half bound."""
+    from controller import runprep
+
+    try:
+        run_transaction(url, lambda c: runprep.prepare_run(c, run_id))
+    except Exception as exc:
+        admin.end_run(url, run_id)
+        raise admin.AdminError(f"run {run_id} could not be prepared and was ended: {exc}") from exc
+
+
+def set_agent_entry(url: str, agent: str, path: str) -> dict[str, Any]:
+    from controller import agentfiles
+
+    agent = admin._uuid(agent, "agent")
+    return run_transaction(url, lambda c: agentfiles.set_entry(c, agent, path))
+
+
+def import_agent_files(url: str, settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
+    """``controller.agentimport``: scan, store the bytes, then one transaction."""
+    from common.limits import MAX_ENTRIES
+    from controller import agentimport, apply
+    from controller.config import AgentLimits
+
+    agent = admin._uuid(args.agent, "agent")
+    source = Path(args.dir).resolve()
+    limits = AgentLimits()
+    try:
+        company, plan = run_transaction(
+            url, lambda c: agentimport.plan_import(c, agent, source, limits)
+        )
+        if args.dry_run:
+            return plan.summary(agent, source, dry_run=True)
+        from controller.db import run_coroutine
+
+        storage = make_storage(settings)
+        stored, created = run_coroutine(lambda: agentimport.store_objects(storage, company, plan))
+        try:
+            return run_transaction(
+                url,
+                lambda c: agentimport.write_import(
+                    c, storage, company, agent, source, plan, stored, limits, MAX_ENTRIES,
+                    settings.gc_delay,
+                ),
+            )  # fmt: skip
+        except BaseException:
+            # Bytes stored for an import that did not commit: GC keeps what is referenced.
+            if created:
+                run_transaction(
+                    url,
+                    lambda c: apply.journal_deletion(
+                        c, company, created, "orphaned import", settings.gc_delay
+                    ),
+                )
+            raise
+    except agentimport.ImportRefused as exc:
+        raise admin.AdminError(str(exc)) from None
+
+
+def import_lines(data: dict[str, Any]) -> str:
+    """``admin import-agent-files`` without ``--json``: the summary, then a line per path."""
+    verb = "would import" if data["dry_run"] else "imported"
+    lines = [
+        f"{verb} {len(data['imported'])} file(s), {data['bytes']} bytes, and"
+        f" {len(data['directories'])} folder(s) from {data['source']};"
+        f" excluded {len(data['excluded'])}, refused {len(data['refused'])}"
+    ]
+    lines += [f"  excluded  {e['path']}  ({e['reason']})" for e in data["excluded"]]
+    lines += [f"  refused   {r['path']}  ({r['reason']})" for r in data["refused"]]
+    return "\n".join(lines)
+
+
+def change_grant(url: str, action: str, args: argparse.Namespace) -> dict[str, Any]:
+    from controller import grants
+
+    if not args.configure:
+        raise admin.AdminError(f"{action}: name the permission (--configure)")
+    company = admin._uuid(args.company, "company")
+    user = admin._uuid(args.user, "user")
+    agent = admin._uuid(args.agent, "agent")
+    change = grants.grant_configure if action == "grant" else grants.revoke_configure
+    return run_transaction(url, lambda c: change(c, company, user, agent))
+
+
 def workspace_line(data: dict[str, Any]) -> str:
     """``admin add-workspace`` without ``--json``; a primary takeover is said."""
     line = f"workspace {data['workspace_id']} added to project {data['project_id']}"
@@ -301,7 +411,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
         elif a == "remove-member":
             out = admin.remove_member(url, args.company, args.user)
         elif a == "create-agent":
-            out = admin.create_owner(url, "agents", args.company, args.name)
+            out = create_agent(url, args.company, args.name)
         elif a == "create-project":
             out = admin.create_owner(url, "projects", args.company, args.name)
         elif a == "create-task":
@@ -317,6 +427,14 @@ def cmd_admin(args: argparse.Namespace) -> int:
                 sandbox=args.sandbox,
                 home=args.home,
             )
+            prepare_run(url, out["run_id"])
+        elif a == "set-agent-entry":
+            out = set_agent_entry(url, args.agent, args.path)
+        elif a in ("grant", "revoke"):
+            out = change_grant(url, a, args)
+        elif a == "import-agent-files":
+            out = import_agent_files(url, settings, args)
+            text = import_lines
         elif a == "end-run":
             out = admin.end_run(url, args.run)
         elif a == "list-tokens":
@@ -431,9 +549,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = admin_cmd("remove-member", "remove a user from a company")
     p.add_argument("company")
     p.add_argument("user")
-    p = admin_cmd("create-agent", "create an agent")
+    p = admin_cmd("create-agent", "create an agent (its folder starts with an empty AGENTS.md)")
     p.add_argument("company")
     p.add_argument("name")
+    p = admin_cmd("set-agent-entry", "make PATH the agent's instruction entry (created if absent)")
+    p.add_argument("agent")
+    p.add_argument("path")
+    for name, help_ in (
+        ("grant", "let a member configure one agent (its folder)"),
+        ("revoke", "take a member's permission on one agent back"),
+    ):
+        p = admin_cmd(name, help_)
+        p.add_argument("company")
+        p.add_argument("user")
+        p.add_argument("--agent", required=True)
+        p.add_argument(
+            "--configure", action="store_true", help="the permission: configure the agent"
+        )
     p = admin_cmd("create-project", "create a project")
     p.add_argument("company")
     p.add_argument("name")
@@ -449,6 +581,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user")
     p.add_argument("--sandbox", help="sandbox identity (a new lease epoch fences older runs)")
     p.add_argument("--home", default="/home/agent", help="the sandbox's $HOME, for the env paths")
+    p = admin_cmd(
+        "import-agent-files",
+        "import an existing workspace directory into the agent's folder, once",
+    )
+    p.add_argument("agent")
+    p.add_argument("dir", help="the workspace directory on this host")
+    p.add_argument("--dry-run", action="store_true", help="only report what would happen")
+    p.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
+    p.add_argument("--s3-endpoint")
+    p.add_argument("--s3-bucket")
+    p.add_argument("--s3-region")
     p = admin_cmd("end-run", "end a run; its token stops working at once")
     p.add_argument("run")
     p = admin_cmd("list-tokens", "list API tokens by id (the tokens themselves are not stored)")
@@ -508,7 +651,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"controller: embedded PostgreSQL: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except WorkFolderError as exc:
-        print(f"controller: {exc.code}: {exc}", file=sys.stderr)
+        detail = exc.details[0] if exc.details and isinstance(exc.details[0], dict) else {}
+        reason = detail.get("message") or exc.text
+        print(f"controller: {exc.code}: {reason}", file=sys.stderr)
         return EXIT_UNAVAILABLE if exc.status >= 500 else EXIT_ERROR
     except psycopg.OperationalError as exc:
         # Unreachable, refused, timed out, shut down: a dependency, not a bug.

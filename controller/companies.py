@@ -9,6 +9,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controller.apply import Row
+from controller.grants import configurable_agents
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,19 @@ _OWNERS = {"agents": ("agent", "agent_id"), "projects": ("project", "project_id"
 
 
 async def directory(
-    conn: AsyncConnection[Any], company_id: str, *, activity: bool = False
+    conn: AsyncConnection[Any],
+    company_id: str,
+    *,
+    activity: bool = False,
+    viewer: str | None = None,
 ) -> Directory:
     """The directory; ``activity`` adds to each agent, project and task whether
     its folder has live entries (the folder row's counter: one index lookup
     each) and whether a run bound to it is active (one query for the company's
-    active runs), so a home page needs no request per folder."""
+    active runs), so a home page needs no request per folder. For ``viewer``
+    (a person), an agent whose folder that person may not open (no configure
+    permission: ``controller.grants``) says nothing about its files
+    (``has_files`` None)."""
 
     async def rows(sql: str) -> list[Row]:
         cur = await conn.execute(sql, (company_id,))
@@ -67,4 +75,9 @@ async def directory(
             busy = {r[column] for r in active if r[column] is not None}
             for row in getattr(found, table):
                 row["active_run"] = row["id"] in busy
+        if viewer is not None:
+            open_agents = await configurable_agents(conn, company_id, viewer)
+            for row in found.agents:
+                if open_agents is not None and str(row["id"]) not in open_agents:
+                    row["has_files"] = None
     return found

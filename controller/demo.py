@@ -2,7 +2,9 @@
 
 Starts `controller serve` (embedded PostgreSQL, local_disk), creates a demo
 company, user, project, task and agent once (kept in ``<data-dir>/demo.json``
-so the next `make demo` reuses them and the same token), starts a run for
+so the next `make demo` reuses them and the same token; the agent's folder
+starts with its instruction entry, ``AGENTS.md``, which the demo fills with a
+few lines the Files page's editor opens from "Instructions"), starts a run for
 them and mounts its four folders under ``demo-home/`` with `fsagent up`, which
 also serves the run's local API endpoint (``fsagent bridge``) and writes the
 sandbox's env file (``PAPERCLIP_API_URL``, ...). The printed ``curl`` lines
@@ -26,9 +28,16 @@ from typing import Any
 
 import httpx
 
-from controller import admin
-from controller.cli import database
+from controller import admin, agentfiles
+from controller.cli import create_agent, database, prepare_run, run_transaction
 from controller.config import Settings
+
+DEMO_INSTRUCTIONS = (
+    "# Demo agent\n\n"
+    "These are the demo agent's instructions (its AGENTS.md). Edit them on the Files\n"
+    "page: open the agent's folder and choose Instructions.\n"
+)
+EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
 def ensure_demo_account(data_dir: Path) -> dict[str, str]:
@@ -40,7 +49,7 @@ def ensure_demo_account(data_dir: Path) -> dict[str, str]:
         boot = admin.bootstrap(url, "Demo company", "demo@example.com")
         project = admin.create_owner(url, "projects", boot["company_id"], "Demo project")["id"]
         task = admin.create_owner(url, "tasks", boot["company_id"], "Demo task", project=project)
-        agent = admin.create_owner(url, "agents", boot["company_id"], "Demo agent")["id"]
+        agent = create_agent(url, boot["company_id"], "Demo agent")["id"]
     account = {**boot, "project_id": project, "task_id": task["id"], "agent_id": agent}
     saved.write_text(json.dumps(account, indent=2))
     os.chmod(saved, 0o600)
@@ -72,6 +81,26 @@ def sandbox_lines(env_file: Path, acc: dict[str, str], home: Path) -> list[str]:
         f"  curl -sS {url}",
         f"  .venv/bin/fsagent launch --home {where} --env-file {env} -- 'curl -sS {url}'",
     ]
+
+
+def write_instructions(base: str, acc: dict[str, str]) -> None:
+    """Fill the demo agent's empty AGENTS.md once; never over someone's edit
+    (If-Match: the empty file's digest)."""
+    folder = f"{base}/api/companies/{acc['company_id']}/work-folders/agent/{acc['agent_id']}"
+    resp = httpx.put(
+        f"{folder}/content",
+        params={"path": "AGENTS.md"},
+        content=DEMO_INSTRUCTIONS.encode(),
+        headers={
+            "Authorization": f"Bearer {acc['token']}",
+            "Content-Type": "application/octet-stream",
+            "X-File-Content-Type": "text/markdown",
+            "If-Match": f'"{EMPTY_DIGEST}"',
+        },
+        timeout=30,
+    )
+    if resp.status_code not in (200, 201, 412):
+        print(f"demo: could not write the agent's instructions: {resp.text}", file=sys.stderr)
 
 
 def healthy(base: str) -> bool:
@@ -121,6 +150,12 @@ def main() -> int:
     try:
         wait_until(lambda: healthy(base), "controller start", 120, controller)
         lines = []
+        with database(Settings(data_dir=data_dir)) as url:
+            # An agent of an older demo.json gets its (empty) entry here.
+            run_transaction(
+                url, lambda c: agentfiles.ensure_entry(c, acc["company_id"], acc["agent_id"])
+            )
+        write_instructions(base, acc)
         if not args.no_mount:
             with database(Settings(data_dir=data_dir)) as url:
                 run = admin.start_run(
@@ -133,6 +168,7 @@ def main() -> int:
                     sandbox="demo-sandbox",
                     home=str(home),
                 )
+                prepare_run(url, run["run_id"])
             run_id = run["run_id"]
             token_file = data_dir / "run-token"
             token_file.write_text(run["token"])
@@ -178,6 +214,7 @@ def main() -> int:
 Controller:  {base}   (data in {data_dir})
 API token:   {acc["token"]}
 Files page:  {base}/files/   (sign in with the API token above)
+Agent:       {base}/files/{acc["company_id"]}/agent/{acc["agent_id"]}   ("Instructions" edits its AGENTS.md)
 {chr(10).join(lines)}
 
 Try:

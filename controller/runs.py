@@ -80,6 +80,16 @@ async def set_state(conn: AsyncConnection[Any], run_id: str, state: str, error: 
     )
 
 
+async def settle_saving(conn: AsyncConnection[Any], run_id: str) -> None:
+    """A save that was refused without failing the run (a storage limit, which
+    is a warning): the run's state goes back to what it was before the save."""
+    await conn.execute(
+        "UPDATE runs SET state = CASE WHEN last_saved_at IS NULL THEN 'starting' ELSE 'saved' END"
+        " WHERE id = %s AND state = 'saving'",
+        (run_id,),
+    )
+
+
 async def mark_saving(conn: AsyncConnection[Any], run_id: str) -> None:
     await conn.execute(
         "UPDATE runs SET state = 'saving' WHERE id = %s AND state <> 'saving'", (run_id,)

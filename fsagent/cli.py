@@ -4,8 +4,9 @@ Commands::
 
     fsagent mount SCOPE MOUNTPOINT --controller URL --token-file F [--state-dir D]
                   [--foreground] [--allow-other] [--prefetch N] [--checkpoint-interval S]
-                  [--spin-us N]
+                  [--spin-us N] [--mode auto|fuse|dir] [--ready-file F]
     fsagent up --home DIR --controller URL --token-file F [--state-root D] [--env-file F]
+               [--mode auto|fuse|dir]
     fsagent flush [SCOPE] [--state-dir D] [--final] [--json]
     fsagent status [--state-dir D ...] [--json]
     fsagent changes --state-dir D [--json]
@@ -17,15 +18,20 @@ Commands::
     fsagent repos prepare|watch|checkpoint [NAME] --home DIR --controller URL --token-file F
     fsagent repos status [--home DIR] [--json]
 
+``--mode``: ``fuse`` mounts, ``dir`` serves a plain directory checkpointed by
+scanning (where FUSE is unavailable), ``auto`` (default) decides with a test
+mount (fsagent.fuseprobe).
+
 ``--controller`` takes the controller's base URL, or ``dir:PATH`` to serve a
 run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
 
 Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
-in use/bound elsewhere, 4 controller unreachable or refusing (including a
-failed save: the state dir keeps every change), 5 mount failed, 6 doctor
-found problems, 7 the sandbox does not meet the runtime contract (launch: a
-required CLI or the env file is missing), 8 ``repos prepare`` could not clone
-or restore a checkout (or its setup failed). ``launch`` otherwise exits with
+in use/bound elsewhere/served in the other mode, 4 controller unreachable or
+refusing (including a failed save: the state dir keeps every change), 5 mount
+failed (or a dir-mode directory cannot be used), 6 doctor found problems, 7
+the sandbox does not meet the runtime contract (launch: a required CLI or the
+env file is missing), 8 ``repos prepare`` could not clone or restore a
+checkout (or its setup failed). ``launch`` otherwise exits with
 COMMAND's own status. A plain ``http://`` controller URL that is not a loopback
 address is refused with exit 2 unless ``--insecure-http`` is given.
 """
@@ -33,24 +39,54 @@ address is refused with exit 2 unless ``--insecure-http`` is given.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common import logs
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US, control, doctor, launch, localbridge, repos, tls
-from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount
-from fsagent.errors import FsagentError
+from fsagent import SPIN_US, control, tls
+from fsagent.errors import EXIT_SAVE_FAILED, FsagentError
 from fsagent.fuseprobe import MODES, default_mode
-from fsagent.store import MARKER, Change, Store, default_state_root
-from fsagent.up import cmd_up
+from fsagent.statedir import MARKER, default_state_root
+
+if TYPE_CHECKING:
+    from fsagent.store import Change, Store
 
 log = logging.getLogger("fsagent")
+
+# Start-up cost: trio, httpx and the FUSE bindings take most of half a second
+# to import on a loaded sandbox, longer than a flush of a few files takes.
+# ``flush``, ``status`` and ``changes`` need none of them, so the commands
+# that do are imported only when they run (and their parsers only when
+# asked for: OWN_PARSERS).
+
+OWN_PARSERS = {"doctor": "fsagent.doctor", "bridge": "fsagent.localbridge",
+               "launch": "fsagent.launch", "repos": "fsagent.repos"}  # fmt: skip
+"""Commands whose arguments their own module defines (``add_parser``)."""
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from fsagent.daemon import cmd_mount as run
+
+    return run(args)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from fsagent.up import cmd_up as run
+
+    return run(args)
+
+
+def _open_store(state_dir: Path) -> Store:
+    from fsagent.store import Store
+
+    return Store.open(state_dir, readonly=True)
 
 
 # --- status / changes ----------------------------------------------------------
@@ -77,7 +113,7 @@ def change_set(state_dir: Path) -> tuple[list[Change], dict[str, Any] | None]:
     it: ``{"mode", "reason", "path"}`` (None before a daemon of this version
     served it). A plain-directory collection's change set comes from a scan
     of its directory, whose refusals are under ``mode["scan"]``."""
-    store = Store.open(state_dir, readonly=True)
+    store = _open_store(state_dir)
     try:
         mode = store.mode_record()
         if mode is None or mode.get("mode") != "dir":
@@ -106,7 +142,7 @@ def change_set(state_dir: Path) -> tuple[list[Change], dict[str, Any] | None]:
 
 def collection_status(state_dir: Path) -> dict[str, Any]:
     changes, mode = change_set(state_dir)
-    store = Store.open(state_dir, readonly=True)
+    store = _open_store(state_dir)
     try:
         binding = store.binding()
         baseline = store.baseline()
@@ -250,7 +286,9 @@ def _describe_flush(reply: dict[str, Any]) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (``command`` given) one whose subcommands defined in
+    other modules are left out unless ``command`` is one of them."""
     parser = argparse.ArgumentParser(
         prog="fsagent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -361,17 +399,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_changes)
 
-    doctor.add_parser(sub, controller_opts)
-    localbridge.add_parser(sub)
-    launch.add_parser(sub)
-    repos.add_parser(sub, controller_opts)
+    for name, module in OWN_PARSERS.items():
+        if command is None or command == name:
+            add = importlib.import_module(module).add_parser
+            if name in ("doctor", "repos"):
+                add(sub, controller_opts)
+            else:
+                add(sub)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names, when it is a known one (only ``-v`` may come first)."""
+    for arg in argv:
+        if arg in ("-v", "--verbose"):
+            continue
+        known = {"mount", "flush", "up", "status", "changes", *OWN_PARSERS}
+        return arg if arg in known else None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
-    args = build_parser().parse_args(argv)
+    args = build_parser(_command_of(argv)).parse_args(argv)
     args.argv = list(argv)
     logs.configure(
         getattr(args, "log_format", None), logging.INFO if args.verbose else logging.WARNING

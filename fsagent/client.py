@@ -76,10 +76,18 @@ class RunInfo:
     lease_epoch: int
     active: bool
     bindings: dict[str, str | None]
+    agent_entry: str | None = None
+    """The agent's instruction entry. A controller that names it holds the agent
+    folder contract (spec/agent-files.md): the entry cannot be unlinked or
+    renamed away, and the local copy of the agent folder is discarded at stop."""
+    warnings: tuple[dict[str, Any], ...] = ()
+    """The run's current warnings (e.g. an agent folder at a storage limit)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunInfo:
         bindings = {scope: data["bindings"].get(scope) for scope in SCOPES}
+        entry = data.get("agentEntry")
+        warnings = data.get("warnings") or []
         return cls(
             str(data["runId"]),
             str(data["companyId"]),
@@ -87,6 +95,8 @@ class RunInfo:
             int(data["leaseEpoch"]),
             bool(data["active"]),
             bindings,
+            None if entry is None else str(entry),
+            tuple(w for w in warnings if isinstance(w, dict)),
         )
 
 
@@ -273,8 +283,18 @@ class BridgeClient(ABC):
         """
 
     @abstractmethod
-    async def report_state(self, state: str, error: str | None = None) -> None:
-        """Tell the controller that a save started or failed (shown on /sync)."""
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
+        """Tell the controller that a save started or failed (shown on /sync).
+        With ``scope``, fsagent gave up on that folder's save: the controller
+        records an explicit failure receipt for it (operation id, final)."""
 
     @abstractmethod
     async def refresh_applied(self) -> None:
@@ -328,6 +348,13 @@ class BridgeClient(ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most clients hold nothing
         """Release connections."""
+
+    def fork(self) -> BridgeClient | None:
+        """A client with the same settings and connections of its own, for the
+        event loop of another thread (:mod:`fsagent.shipthread`); None when this
+        client cannot serve another thread, and checkpoints then stay on the
+        mount's loop."""
+        return None
 
 
 def _flush_and_sync(fh: BinaryIO) -> None:
@@ -520,6 +547,7 @@ class HttpBridgeClient(BridgeClient):
         transport: httpx.AsyncBaseTransport | None = None,
         tls: TransportOptions | None = None,
     ) -> None:
+        self._settings = (base_url, token, transport, tls)
         tls = tls or TransportOptions()
         self._http = httpx.AsyncClient(
             verify=ssl_context(tls),
@@ -532,6 +560,12 @@ class HttpBridgeClient(BridgeClient):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def fork(self) -> HttpBridgeClient:
+        base_url, token, transport, tls = self._settings
+        return HttpBridgeClient(
+            base_url, token, retry_deadline=self.retry_deadline, transport=transport, tls=tls
+        )
 
     @staticmethod
     def _check(resp: httpx.Response, what: str) -> None:
@@ -677,10 +711,19 @@ class HttpBridgeClient(BridgeClient):
     async def refresh_applied(self) -> None:
         await self._send_json(PREFIX + "/run/refresh-applied", "refresh applied", {})
 
-    async def report_state(self, state: str, error: str | None = None) -> None:
-        await self._send_json(
-            PREFIX + "/run/report", f"report {state}", {"state": state, "error": error}
-        )
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
+        body: dict[str, Any] = {"state": state, "error": error}
+        if scope is not None:
+            body.update(scope=scope, operationId=operation_id, final=final)
+        await self._send_json(PREFIX + "/run/report", f"report {state}", body)
 
     # --- repositories ---------------------------------------------------------
 
@@ -839,7 +882,15 @@ class DirectoryBridgeClient(BridgeClient):
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
         raise self._read_only()
 
-    async def report_state(self, state: str, error: str | None = None) -> None:
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
         raise self._read_only()
 
     async def refresh_applied(self) -> None:

@@ -22,15 +22,12 @@ import trio
 
 from common.limits import SCOPES
 from fsagent.client import BridgeClient, open_client
-from fsagent.errors import FsagentError, MountFailed
+from fsagent.errors import EXIT_SAVE_FAILED, FsagentError, MountFailed
 from fsagent.fuseprobe import Decision
 from fsagent.store import default_state_root
 from fsagent.tls import options_from
 
 log = logging.getLogger("fsagent")
-
-EXIT_SAVE_FAILED = 4
-"""Exit code when the final save failed: the state dir keeps every change."""
 
 
 def read_token(path: str | None) -> str | None:

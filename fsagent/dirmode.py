@@ -54,7 +54,7 @@ from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from common.paths import ancestors, validate_path
 from common.types import Digest
 from fsagent.client import BridgeClient, ManifestEntry
-from fsagent.control import FlushHandler, StatsHandler, serve_control
+from fsagent.controlserver import FlushHandler, StatsHandler, serve_control
 from fsagent.dirfs import (
     is_empty,
     make_directory,

@@ -203,8 +203,9 @@ class DirStore(Journal):
 
     # --- the change set -----------------------------------------------------------
 
-    def changes_since_baseline(self) -> list[Change]:
-        """The last scan against ``base``, parents before children.
+    def changes_since_baseline(self, *, committed: bool = False) -> list[Change]:
+        """The last scan against ``base``, parents before children (``committed``
+        changes nothing: a scan reads no in-memory state of a mount).
 
         Files whose contents or exec bit differ upload, unless their digest is
         the saved content of a path this change set deletes or replaces (a

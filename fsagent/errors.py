@@ -20,6 +20,10 @@ from typing import ClassVar
 
 from common.errors import AppError, WorkFolderError
 
+EXIT_SAVE_FAILED = 4
+"""Exit code of a failed save (the final one, or ``fsagent flush``): the state
+dir keeps every change."""
+
 
 class FsagentError(AppError):
     """A failure the CLI reports as one line and a documented exit code."""
@@ -82,9 +86,17 @@ class ObjectUnavailable(ControllerError):
 
 
 class SaveFailed(FsagentError):
-    """A checkpoint could not be saved; the state dir keeps every change."""
+    """A checkpoint could not be saved; the state dir keeps every change.
+
+    ``refused``: the controller refused it (trying again cannot help), rather
+    than it failing on the way (network, 5xx, an I/O error here).
+    """
 
     exit_code = 4
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class MountFailed(FsagentError):

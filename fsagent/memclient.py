@@ -36,7 +36,8 @@ from typing import Any
 
 from common.bridge import MANIFEST_PAGE_MAX, encode_batch
 from common.errors import ResyncRequired
-from common.limits import SCOPES
+from common.limits import ENTRY_MAX_BYTES, SCOPES
+from common.paths import is_within
 from common.repos import (
     FETCH_BATCH_MAX,
     GIT_DIR,
@@ -108,13 +109,20 @@ class MemoryRepo:
         return {} if key is None else self.checkpoints[key][0]
 
 
-def new_run(lease_epoch: int = 1, bindings: dict[str, str | None] | None = None) -> RunInfo:
-    """A run bound to fresh task and agent owners (or to ``bindings``)."""
+def new_run(
+    lease_epoch: int = 1,
+    bindings: dict[str, str | None] | None = None,
+    agent_entry: str | None = None,
+) -> RunInfo:
+    """A run bound to fresh task and agent owners (or to ``bindings``); with
+    ``agent_entry``, under the agent folder contract (as a controller's run)."""
     owners: dict[str, str | None] = {s: None for s in SCOPES}
     owners.update(task=str(uuid.uuid4()), agent=str(uuid.uuid4()))
     owners.update(bindings or {})
     agent = owners["agent"] or str(uuid.uuid4())
-    return RunInfo(str(uuid.uuid4()), str(uuid.uuid4()), agent, lease_epoch, True, owners)
+    return RunInfo(
+        str(uuid.uuid4()), str(uuid.uuid4()), agent, lease_epoch, True, owners, agent_entry
+    )
 
 
 class MemoryBridgeClient(BridgeClient):
@@ -130,6 +138,8 @@ class MemoryBridgeClient(BridgeClient):
         self.uploaded: set[str] = set()
         self.receipts: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
         self.reports: list[tuple[str, str | None]] = []
+        self.failure_receipts: list[tuple[str, str | None, bool, str | None]] = []
+        """(scope, operation id, final, error) of each save fsagent gave up on."""
         self.refresh = False
         self.calls: list[str] = []
         self._faults: dict[str, list[_Fault]] = {}
@@ -349,6 +359,30 @@ class MemoryBridgeClient(BridgeClient):
                     f"checkpoint: unknown content {entry.get('digest')}", 422, "unknown_content"
                 )
 
+    def _entry_problem(self, scope: str, entry: dict[str, Any]) -> str | None:
+        """The controller's rules for the agent's instruction entry
+        (``controller.agentfiles.screen_checkpoint``): the code refusing this
+        entry, or None."""
+        main = self.run.agent_entry
+        if scope != "agent" or main is None:
+            return None
+        path, op = entry["path"], entry["op"]
+        if op == "delete" and is_within(main, path):
+            return "ENTRY_PROTECTED"
+        if op == "mkdir" and is_within(path, main):
+            return "ENTRY_PROTECTED"
+        if op == "put" and path != main and (is_within(main, path) or is_within(path, main)):
+            return "ENTRY_PROTECTED"
+        if op == "put" and path == main:
+            data = self.objects[entry["digest"]]
+            if len(data) > ENTRY_MAX_BYTES:
+                return "ENTRY_TOO_LARGE"
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                return "ENTRY_NOT_UTF8"
+        return None
+
     def _apply(self, folder: MemoryFolder, entry: dict[str, Any]) -> None:
         path = entry["path"]
         if entry["op"] == "delete":
@@ -378,29 +412,46 @@ class MemoryBridgeClient(BridgeClient):
         fingerprint = json.dumps(body, sort_keys=True)
         key = (scope, str(body.get("operationId")))
         if key in self.receipts:
-            seen, receipt = self.receipts[key]
+            seen, stored = self.receipts[key]
             if seen != fingerprint:
                 raise ControllerRefused(
                     "checkpoint: operation id reused", 409, "idempotency_conflict"
                 )
-            return {**receipt, "replayed": True}
+            return {**stored, "replayed": True}
         self._check_body(scope, body)
+        refused = []
         for entry in body.get("entries", []):
+            problem = self._entry_problem(scope, entry)
+            if problem is not None:
+                refused.append({"path": entry["path"], "code": problem, "message": problem})
+                continue
             self._apply(folder, entry)
-        receipt = {
+        receipt: dict[str, Any] = {
             "operationId": body.get("operationId"),
             "applied": True,
             "entries": len(body.get("entries", [])),
             "highWater": folder.high_water,
             "savedAt": datetime.now(UTC).isoformat(),
         }
+        if refused:
+            receipt["refusedEntries"] = refused
         self.receipts[key] = (fingerprint, receipt)
         self._fault("commit_checkpoint", after=True)
         return dict(receipt)
 
-    async def report_state(self, state: str, error: str | None = None) -> None:
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
         self._call("report_state")
         self.reports.append((state, error))
+        if scope is not None:
+            self.failure_receipts.append((scope, operation_id, final, error))
 
     async def refresh_applied(self) -> None:
         self._call("refresh_applied")

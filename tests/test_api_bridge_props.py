@@ -19,7 +19,16 @@ from hypothesis import strategies as st
 from starlette.routing import Route
 
 from common.bridge import PREFIX
-from controller.api import apibridge, audit, bridge, web, workfolders
+from controller.api import (
+    agents,
+    apibridge,
+    attachments,
+    audit,
+    bridge,
+    runs,
+    web,
+    workfolders,
+)
 from controller.api.apibridge import (
     DEFAULT_ALLOW,
     FORWARDED_HEADERS,
@@ -43,7 +52,16 @@ def _all_routes(tmp: Path) -> list[Route]:
     return [r for r in app.routes if isinstance(r, Route)]
 
 
-ROUTES = [*workfolders.routes, *bridge.routes, *apibridge.routes, *audit.routes, *web.routes]
+ROUTES = [
+    *workfolders.routes,
+    *bridge.routes,
+    *apibridge.routes,
+    *audit.routes,
+    *runs.routes,
+    *agents.routes,
+    *attachments.routes,
+    *web.routes,
+]
 TEMPLATES = sorted({r.path for r in ROUTES})
 METHODS = {
     t: sorted({m for r in ROUTES if r.path == t for m in r.methods or ()}) for t in TEMPLATES

@@ -29,11 +29,20 @@ pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
 WRITER = r"""
 import hashlib, os, random, sys
-root, seed = sys.argv[1], int(sys.argv[2])
+root, seed, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 rng = random.Random(seed)
+# Every operation goes through a descriptor of the mounted directory, so once
+# the daemon is killed and the mount lazily detached, writes fail instead of
+# landing in the plain directory underneath. (In dir mode the plain directory
+# is the collection.)
+if mode == "fuse" and not os.path.ismount(root):
+    sys.exit("not a mount: " + root)
+top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
 mine = []
 def sha(b): return hashlib.sha256(b).hexdigest()
 def say(*words): print(*words, flush=True)
+def create(name): return os.fdopen(os.open(name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644, dir_fd=top), "wb")
+say("READY")
 i = 0
 try:
     while True:
@@ -43,14 +52,14 @@ try:
         if r < 0.5 or not mine:
             name = f"w{seed}-{i}"
             say("BEGIN", name, sha(data))
-            with open(os.path.join(root, name), "wb") as fh:
+            with create(name) as fh:
                 fh.write(data)
             say("ACK", name, sha(data))
             mine.append(name)
         elif r < 0.75:
             name = f"s{seed}-{i}"
             say("BEGIN", name, sha(data))
-            fd = os.open(os.path.join(root, name), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fd = os.open(name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644, dir_fd=top)
             os.write(fd, data)
             os.fsync(fd)
             say("ACK", name, sha(data))
@@ -58,11 +67,10 @@ try:
             mine.append(name)
         else:
             name = rng.choice(mine)
-            tmp = os.path.join(root, name + ".tmp")
             say("BEGIN", name, sha(data))
-            with open(tmp, "wb") as fh:
+            with create(name + ".tmp") as fh:
                 fh.write(data)
-            os.rename(tmp, os.path.join(root, name))
+            os.rename(name + ".tmp", name, src_dir_fd=top, dst_dir_fd=top)
             say("ACK", name, sha(data))
 except OSError as exc:
     say("STOP", exc.errno)
@@ -95,8 +103,17 @@ def test_kill9_loses_no_acknowledged_write(mode_mounts: MountFactory) -> None:
         out_path = mounts.base / f"writer{round_no}.log"
         with open(out_path, "wb") as out:
             writer = subprocess.Popen(
-                [sys.executable, "-c", WRITER, str(mp), str(round_no)], stdout=out, stderr=out
+                [sys.executable, "-c", WRITER, str(mp), str(round_no), m.mode],
+                stdout=out,
+                stderr=out,
             )
+            # The kill is timed from the writer's start, not from its launch:
+            # Python can take seconds to start on a loaded machine.
+            deadline = time.monotonic() + 60
+            while b"READY" not in out_path.read_bytes():
+                assert writer.poll() is None, out_path.read_text()
+                assert time.monotonic() < deadline, "the writer never started"
+                time.sleep(0.02)
             time.sleep(rng.uniform(0.3, 1.5))
             m.kill9()
             if m.mode == "dir":

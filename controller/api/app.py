@@ -17,11 +17,14 @@ from starlette.routing import BaseRoute, Route
 from common.errors import WorkFolderError
 from controller import gc
 from controller.api import (
+    agents,
     apibridge,
+    attachments,
     audit,
     health,
     openapi,
     repobridge,
+    runs,
     taskrepos,
     web,
     workfolders,
@@ -72,6 +75,9 @@ def app_routes() -> list[BaseRoute]:
         *taskrepos.routes,
         *apibridge.routes,
         *audit.routes,
+        *runs.routes,
+        *agents.routes,
+        *attachments.routes,
         *web.routes,
     ]
 

@@ -214,9 +214,9 @@ async def _authenticate(request: Request, conn: AsyncConnection[Any]) -> Princip
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects accepted in a JSON body."""
 
-# A JSON string, its escapes included; a run of openers or of closers.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NOT_BRACKETS_OR_QUOTES = bytes(b for b in range(256) if b not in b'[]{}"')
+# A run of openers or of closers.
 _RUN = re.compile(rb"[\[{]+|[\]}]+")
 _LEAF = re.compile(rb"\[\]|\{\}")
 _LEAF_PASSES = 2
@@ -226,12 +226,23 @@ def json_too_deep(raw: bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -> bo
     """True when ``raw`` nests arrays or objects deeper than ``max_depth``.
 
     Checked before parsing, so a deep body costs neither recursion nor the
-    memory of a parsed tree. Outside strings only the brackets matter. Each
-    pass deleting the empty ``[]`` and ``{}`` lowers the deepest nesting by
-    exactly one and clears the many small leaves of a typical body at C speed;
-    what is left is walked a run of openers or closers at a time.
+    memory of a parsed tree. Outside strings only the brackets matter. With
+    the escaped backslashes and then the escaped quotes taken out, every
+    quote left opens or closes a string (in valid JSON; anything else the
+    parser refuses), so a bracket is inside a string exactly when an odd
+    number of quotes precede it. Keeping only quotes and brackets, and then
+    dropping adjacent pairs of quotes (which changes no bracket's parity),
+    leaves quotes only around strings that hold brackets; the pieces between
+    those quotes alternate outside and inside. Each pass deleting the empty
+    ``[]`` and ``{}`` lowers the deepest nesting by exactly one and clears the
+    many small leaves of a typical body; what is left is walked a run of
+    openers or closers at a time. All but that walk are bytes methods: a
+    3,000-entry checkpoint body is checked in a fraction of its parse time
+    (a regular expression over its strings took longer than the parse).
     """
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    unescaped = bytes(raw).replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = unescaped.translate(None, _NOT_BRACKETS_OR_QUOTES).replace(b'""', b"")
+    brackets = b"".join(marks.split(b'"')[::2]).translate(None, _NOT_BRACKETS)
     limit = max_depth
     for _ in range(_LEAF_PASSES):
         brackets = _LEAF.sub(b"", brackets)

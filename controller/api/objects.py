@@ -48,6 +48,28 @@ async def in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
             await asyncio.to_thread(close)
 
 
+def _read_prefix(storage: Any, key: str, limit: int) -> bytes:
+    out = bytearray()
+    for chunk in storage.read_chunks(key, 0, limit):
+        out += chunk
+    return bytes(out)
+
+
+async def read_object_bytes(request: Request, key: str, limit: int) -> bytes:
+    """The first ``limit`` bytes of a stored object, in memory (small objects only)."""
+    return await asyncio.to_thread(_read_prefix, state(request).storage, key, limit)
+
+
+async def read_spool_prefix(spool: Path, limit: int) -> bytes:
+    """The first ``limit`` bytes of a spool file."""
+
+    def read() -> bytes:
+        with spool.open("rb") as fh:
+            return fh.read(limit)
+
+    return await asyncio.to_thread(read)
+
+
 async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
     storage = state(request).storage
     chunks = await asyncio.to_thread(storage.read_chunks, key, start, end)

@@ -339,6 +339,77 @@ def _api_bridge_paths() -> dict[str, Any]:
     }
 
 
+def _uuid_p(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "format": "uuid"},
+    }
+
+
+def _agent_files_paths() -> dict[str, Any]:
+    """Runs' history, agents' entries and task attachments (spec/agent-files.md)."""
+    company, run = _uuid_p("companyId"), _uuid_p("runId")
+    attachments = "/api/companies/{companyId}/tasks/{taskId}/attachments"
+    page = [
+        {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+    ]  # fmt: skip
+    return {
+        "/api/companies/{companyId}/runs/{runId}": {
+            "parameters": [company, run],
+            "get": _op(
+                "A run's state, current warnings and receipt counts (owners, admins, its"
+                " responsible user, members who may configure its agent)",
+                "200",
+            ),
+        },
+        "/api/companies/{companyId}/runs/{runId}/receipts": {
+            "parameters": [company, run],
+            "get": _op("The run's save receipts, oldest first", "200", parameters=page),
+        },
+        "/api/companies/{companyId}/agents/{agentId}": {
+            "parameters": [company, _uuid_p("agentId")],
+            "get": _op("An agent's instruction entry, storage limits, usage and warnings", "200"),
+        },
+        attachments: {
+            "parameters": [company, _uuid_p("taskId")],
+            "get": _op("The task's attachments (originals)", "200"),
+            "post": _op(
+                "Store an original upload (raw body) as a task attachment",
+                "201",
+                "413",
+                parameters=[
+                    {
+                        "name": "name",
+                        "in": "query",
+                        "required": True,
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 218},
+                    },
+                    {
+                        "name": "X-File-Content-Type",
+                        "in": "header",
+                        "schema": {"type": "string", "maxLength": 256},
+                    },
+                ],
+                requestBody={
+                    "required": True,
+                    "content": {
+                        "application/octet-stream": {
+                            "schema": {"type": "string", "format": "binary"}
+                        }
+                    },
+                },
+            ),
+        },
+        attachments + "/{attachmentId}": {
+            "parameters": [company, _uuid_p("taskId"), _uuid_p("attachmentId")],
+            "get": _op("Download an attachment's original; supports Range", "200", "206", "416"),
+        },
+    }
+
+
 def _public_paths() -> dict[str, Any]:
     page = {"200": {"description": "The Files page", "content": {"text/html": {}}}}
     return {
@@ -518,8 +589,17 @@ def document() -> dict[str, Any]:
                         "200": _resp("Replaced, or an idempotent replay (applied: false)"),
                         "201": _resp("Created"),
                         "409": _resp("Parent is a file, kind change, or key reused", _ERROR),
-                        "412": _resp("If-Match or If-None-Match does not hold", _ERROR),
+                        "412": _resp(
+                            "If-Match or If-None-Match does not hold (a stale editor save);"
+                            " nothing was written",
+                            _ERROR,
+                        ),
                         "413": _resp("Larger than 1 GiB", _ERROR),
+                        "422": _resp(
+                            "An agent folder's storage limit, or the agent's instruction"
+                            " entry over 1 MiB or not UTF-8; nothing was written",
+                            _ERROR,
+                        ),
                         **_ERRORS,
                     },
                 },
@@ -572,9 +652,11 @@ def document() -> dict[str, Any]:
                         "200": _resp("Applied (or idempotent replay)"),
                         "409": _resp(
                             "Conflict (kind, parent is file, restore collision, move target"
-                            " exists or lies under the source)",
+                            " exists or lies under the source, the agent's instruction"
+                            " entry deleted or moved)",
                             _ERROR,
                         ),
+                        "422": _resp("An agent folder's storage limit", _ERROR),
                         **_ERRORS,
                     },
                 },
@@ -681,6 +763,7 @@ def document() -> dict[str, Any]:
             **_bridge_paths(),
             **_repo_paths(),
             **_api_bridge_paths(),
+            **_agent_files_paths(),
             **_public_paths(),
         },
     }

@@ -37,8 +37,18 @@ def entry_json(row: Row) -> dict[str, Any]:
     }
 
 
+def run_warnings(row: Row) -> list[dict[str, Any]]:
+    """The run's current warnings (``controller.receipts``), folder by folder."""
+    stored: dict[str, list[dict[str, Any]]] = row.get("warnings") or {}
+    out: list[dict[str, Any]] = []
+    for scope in ("task", "agent", "user", "project"):
+        out.extend({"scope": scope, **w} for w in stored.get(scope, []))
+    return out
+
+
 def run_json(row: Row, *, folder_saved_at: datetime | None = None) -> dict[str, Any]:
-    """A run as /sync shows it; ``folderSavedAt`` is its last save of the folder asked about."""
+    """A run as /sync shows it; ``folderSavedAt`` is its last save of the folder asked
+    about, ``warnings`` its current warnings (never errors on the current files)."""
     return {
         "runId": str(row["id"]),
         "agentId": str(row["agent_id"]),
@@ -51,6 +61,7 @@ def run_json(row: Row, *, folder_saved_at: datetime | None = None) -> dict[str, 
         "startedAt": iso(row["started_at"]),
         "endedAt": iso(row["ended_at"]),
         "folderSavedAt": iso(folder_saved_at),
+        "warnings": run_warnings(row),
     }
 
 

@@ -88,7 +88,9 @@ async def company_directory(request: Request) -> Response:
         # Which folders have files and an active run is for people (the Files
         # page's home); a run sees names and ids only.
         person = principal.kind != "run"
-        found = await companies.directory(conn, company_id, activity=person)
+        found = await companies.directory(
+            conn, company_id, activity=person, viewer=principal.user_id if person else None
+        )
     return JSONResponse(directory_json(found, members_private=not person))
 
 

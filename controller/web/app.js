@@ -3,7 +3,8 @@
 // Routes (all under /files/):
 //   /files/                                  home: "My files" and a search per company
 //   /files/{companyId}/{scope}/{ownerId}     one work folder (?dir=a/b, ?view=trash,
-//                                            ?preview=a/b/c.txt, ?q=filter, ?page=N)
+//                                            ?preview=a/b/c.txt, ?edit=a/b/c.txt,
+//                                            ?q=filter, ?page=N)
 
 import {
   ApiError,
@@ -60,6 +61,7 @@ function parseRoute() {
       dir: params.get("dir") || "",
       view: params.get("view") === "trash" ? "trash" : "files",
       preview: params.get("preview") || null,
+      edit: params.get("edit") || null,
       q: params.get("q") || "",
       page: Math.max(1, Number.parseInt(params.get("page") || "1", 10) || 1),
     };

@@ -5,13 +5,15 @@
 //   newfolder.js  the files view's "New folder" form
 //   uploads.js    upload button, drag-and-drop, the upload queue
 //   preview.js    the preview view (?preview=path)
+//   editor.js     the editor view (?edit=path), and an agent's "Instructions"
 //   trash.js      the trash view (batches, restore, restore as, purge)
 //   sync.js       the sync panel (last change, agent runs, refresh requests)
 //   live.js       polls the folder's changes and refreshes what is on screen
 //   repos.js      a task folder's repositories (last save, state, tar download)
 
-import { ApiError, FolderApi } from "./api.js";
+import { ApiError, FolderApi, agentInfo } from "./api.js";
 import { clear, h, uid } from "./dom.js";
+import { Editor } from "./editor.js";
 import { Listing } from "./listing.js";
 import { LiveUpdates } from "./live.js";
 import { Preview } from "./preview.js";
@@ -50,6 +52,8 @@ export class FolderPage {
     this.listing = null;
     this.uploads = null;
     this.preview = null;
+    this.editor = null;
+    this.entryPath = null; // an agent folder's instruction entry, once known
     this.trash = null;
     this.sync = null;
     this.repos = null;
@@ -80,6 +84,7 @@ export class FolderPage {
     this.repos?.stop();
     this.live?.stop();
     this.preview?.revokeUrl();
+    this.editor?.destroy();
     this.uploads?.abortAll();
   }
 
@@ -98,6 +103,21 @@ export class FolderPage {
 
   openPreview(path) {
     this.navigate(this.previewUrl(path));
+  }
+
+  /** The address of a file's editor: its directory's URL plus ?edit=path. */
+  editUrl(path) {
+    const q = new URLSearchParams();
+    if (this.dir) q.set("dir", this.dir);
+    q.set("edit", path);
+    return `${location.pathname}?${q}`;
+  }
+
+  /** Back to the directory's address; focus returns to the file's row. */
+  closeEditor() {
+    const path = this.editor.path;
+    this.navigate(this.dirUrl(this.dir));
+    if (path) this.listing.focusPath(path);
   }
 
   /** Back to the directory's address; focus returns to the file's row. */
@@ -205,13 +225,37 @@ export class FolderPage {
     }
     this.sync.showFilesUpdated(first.lastOperationAt);
     this.applyView(true);
-    if (this.route.preview) this.applyPreview();
+    if (this.route.preview || this.route.edit) this.applyPreview();
+    if (this.route.scope === "agent") this.loadAgent();
     this.resolveNames();
     this.refreshSync();
     this.sync.startPolling();
     this.repos?.startPolling();
     this.live = new LiveUpdates(this);
     this.live.start();
+  }
+
+  /** An agent folder names its instruction entry: "Instructions" opens it in the editor. */
+  async loadAgent() {
+    let info;
+    try {
+      info = await agentInfo(this.route.companyId, this.route.ownerId);
+    } catch (err) {
+      if (!(err instanceof ApiError)) throw err;
+      return; // the folder's own listing already says what is wrong
+    }
+    if (this.destroyed) return;
+    this.entryPath = info.entryPath;
+    const link = h("a", {
+      class: "button-link instructions",
+      href: this.editUrl(info.entryPath),
+      "data-nav": true,
+      "aria-label": `Instructions: edit ${info.entryPath}`,
+      text: "Instructions",
+    });
+    // Dir changes rebuild the link's address (its ?dir= follows the listing).
+    link.addEventListener("click", () => link.setAttribute("href", this.editUrl(info.entryPath)));
+    this.headActions.replaceChildren(link);
   }
 
   renderNotFound() {
@@ -269,6 +313,10 @@ export class FolderPage {
       trash: uid("trash-heading"),
       sync: uid("sync-heading"),
       preview: uid("preview-heading"),
+      editor: uid("editor-heading"),
+      editorText: uid("editor-text"),
+      editorTheirs: uid("editor-theirs"),
+      editorConflict: uid("editor-conflict"),
       exec: uid("exec"),
       filter: uid("filter"),
       folderName: uid("folder-name"),
@@ -278,6 +326,7 @@ export class FolderPage {
 
     this.titleEl = h("h1", { id: ids.title, tabindex: "-1" });
     this.subtitleEl = h("p", { class: "muted subtitle" });
+    this.headActions = h("div", { class: "head-actions" });
     this.status = h("p", { class: "status", role: "status", "aria-live": "polite" });
 
     this.filesTab = h("a", { href: this.dirUrl(""), "data-nav": true }, "Files");
@@ -294,10 +343,11 @@ export class FolderPage {
     this.trash = new Trash(this, ids);
     this.sync = new SyncPanel(this, ids);
     this.preview = new Preview(this, ids);
+    this.editor = new Editor(this, ids);
     this.repos = this.route.scope === "task" ? new RepoPanel(this, ids.repos) : null;
 
     clear(this.root).append(
-      h("div", { class: "folder-head" }, this.titleEl, this.subtitleEl),
+      h("div", { class: "folder-head" }, this.titleEl, this.subtitleEl, this.headActions),
       tabs,
       this.status,
       h(
@@ -306,6 +356,7 @@ export class FolderPage {
         h(
           "div",
           { class: "primary" },
+          this.editor.section,
           this.preview.section,
           this.listing.section,
           this.trash.section,
@@ -347,13 +398,24 @@ export class FolderPage {
     this.view = route.view;
     this.announce("");
     const previewChanged = (route.preview || null) !== (this.preview.path || null);
+    const editChanged = (route.edit || null) !== (this.editor.path || null);
     this.applyView(dirChanged || viewChanged);
-    if (previewChanged || dirChanged || viewChanged) this.applyPreview();
+    if (previewChanged || editChanged || dirChanged || viewChanged) this.applyPreview();
   }
 
-  /** Open or close the preview to match the URL's ?preview=. */
+  /** Open or close the preview and the editor to match the URL's ?preview= and ?edit=. */
   applyPreview() {
-    const path = this.view === "files" ? this.route.preview : null;
+    const files = this.view === "files";
+    const edit = files ? this.route.edit : null;
+    const path = files && !edit ? this.route.preview : null;
+    if (edit) {
+      this.preview.close();
+      if (edit !== this.editor.path) {
+        this.editor.openPath(edit, { create: edit === this.entryPath });
+      }
+      return;
+    }
+    this.editor.close();
     if (!path) {
       this.preview.close();
       return;
@@ -378,6 +440,7 @@ export class FolderPage {
     }
     // Keyboard and screen reader users land on the main heading after every
     // navigation (the preview takes focus itself when it opens).
-    if (moveFocus && !(this.view === "files" && this.route.preview)) this.titleEl.focus();
+    const fileView = this.view === "files" && (this.route.preview || this.route.edit);
+    if (moveFocus && !fileView) this.titleEl.focus();
   }
 }

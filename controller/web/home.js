@@ -117,9 +117,10 @@ function resultItem(companyId, item) {
     h(
       "span",
       { class: "result-status" },
+      // null: an agent's folder the person may not open (no configure permission).
       h("span", {
         class: `badge ${item.hasFiles ? "badge-files" : ""}`,
-        text: item.hasFiles ? "Has files" : "No files yet",
+        text: item.hasFiles === null ? "No access" : item.hasFiles ? "Has files" : "No files yet",
       }),
       item.activeRun ? h("span", { class: "badge badge-active", text: "Agent running" }) : null,
     ),

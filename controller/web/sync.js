@@ -204,6 +204,15 @@ export class SyncPanel {
       run.error && !state.reason
         ? h("p", { class: "error run-error", text: `Error: ${run.error}` })
         : null,
+      // Warnings (a storage limit, a refused instruction entry) never block the
+      // run and are not errors on the files now in the folder.
+      run.warnings && run.warnings.length
+        ? h(
+            "ul",
+            { class: "run-warnings", "aria-label": `Warnings for ${agent}` },
+            run.warnings.map((w) => h("li", { text: `Warning: ${w.message}` })),
+          )
+        : null,
       h(
         "p",
         { class: "muted small-text" },
