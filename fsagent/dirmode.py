@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import stat
 import struct
@@ -101,12 +102,21 @@ class DirOptions:
 
 @dataclass
 class DirStop:
-    """How the daemon ended: ``saved`` is False when the final save failed."""
+    """How the daemon ended: ``saved`` is False when the final save failed.
+    ``attempts`` and ``report_scope`` as in FUSE mode (fsagent.mount.StopState):
+    the agent folder contract tries its final save three times, then reports
+    an explicit failure receipt."""
 
     saved: bool = True
     error: str | None = None
     final_done: bool = False
     requested: trio.Event = field(default_factory=trio.Event)
+    attempts: int = 1
+    report_scope: str | None = None
+
+
+AGENT_FINAL_ATTEMPTS = 3
+"""Final saves of the agent folder tried at the stop boundary (spec/agent-files.md)."""
 
 
 class DirShipper(Shipper):
@@ -463,20 +473,51 @@ async def refresh_after_stop(store: DirStore, client: BridgeClient, scope: str) 
 
 
 async def _final_save(shipper: DirShipper | None, stop: DirStop) -> None:
+    """The final save, as in FUSE mode: tried ``stop.attempts`` times while it
+    fails on the way (a refusal is final at once); under the agent folder
+    contract a given-up save gets an explicit failure receipt."""
     if shipper is None or stop.final_done:
         return
     stop.final_done = True
-    try:
-        result = await shipper.ship_checkpoint(final=True)
-        refused = (shipper.last_report or {}).get("refusedCount", 0)
+    refused = False
+    for attempt in range(1, stop.attempts + 1):
+        try:
+            result = await shipper.ship_checkpoint(final=True)
+        except SaveFailed as exc:
+            stop.saved, stop.error, refused = False, str(exc), exc.refused
+            if exc.refused or attempt == stop.attempts:
+                break
+            print(f"fsagent: final save attempt {attempt} failed, trying again: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            await trio.sleep(min(30.0, 2.0**attempt))
+            continue
+        stop.saved, stop.error = True, None
+        count = (shipper.last_report or {}).get("refusedCount", 0)
         print(
             f"fsagent: final save: {result.entries} change(s) saved"
-            + (f"; {refused} path(s) refused (fsagent status names them)" if refused else ""),
+            + (f"; {count} path(s) refused (fsagent status names them)" if count else ""),
             file=sys.stderr,
         )
-    except SaveFailed as exc:
-        stop.saved, stop.error = False, str(exc)
-        print(f"fsagent: final save FAILED, directory and state kept: {exc}", file=sys.stderr)
+        return
+    if stop.report_scope is None:
+        print(f"fsagent: final save FAILED, directory and state kept: {stop.error}",
+              file=sys.stderr)  # fmt: skip
+        return
+    print(f"fsagent: final save FAILED: {stop.error}", file=sys.stderr)
+    if refused:
+        return  # the controller's refusal is its receipt already
+    pending = shipper.dir_store.pending_checkpoint() or {}
+    with trio.move_on_after(30):
+        try:
+            await shipper.client.report_state(
+                "failed",
+                f"final save given up after {attempt} attempt(s): {stop.error}",
+                scope=stop.report_scope,
+                operation_id=pending.get("operationId"),
+                final=True,
+            )
+        except FsagentError as report_exc:
+            log.warning("could not report the failed final save: %s", report_exc)
 
 
 def _control(shipper: DirShipper, stop: DirStop) -> tuple[FlushHandler, StatsHandler]:
@@ -555,6 +596,16 @@ async def serve_dir(client: BridgeClient, opts: DirOptions) -> DirStop:
     directory = opts.directory.absolute()
     if state_dir == directory or directory in state_dir.parents:
         raise MountFailed(f"the state dir {state_dir} must not be inside {directory}")
+    # The agent folder contract (the controller names the entry): its
+    # instruction entry is never deleted by a save, and this run's local copy,
+    # the directory and its state, lives only until the stop boundary.
+    contract = opts.scope == "agent" and run.agent_entry is not None
+    stop = DirStop()
+    if contract:
+        stop.attempts, stop.report_scope = AGENT_FINAL_ATTEMPTS, opts.scope
+        for warning in run.warnings:
+            if warning.get("scope") == "agent":
+                print(f"fsagent: warning: {warning.get('message')}", file=sys.stderr)
     root_fd = _pin(directory)
     try:
         _clear_immutable(root_fd)
@@ -563,17 +614,47 @@ async def serve_dir(client: BridgeClient, opts: DirOptions) -> DirStop:
             store.bind(binding)
             store.claim_mode("dir", opts.reason, str(directory))
             store.attach(root_fd)
-            return await _serve_bound(client, opts, store, run.lease_epoch, root_fd)
+            store.protected = run.agent_entry if contract else None
+            await _serve_bound(client, opts, store, run.lease_epoch, root_fd, stop)
         finally:
             store.close()
+        if contract and stop.final_done:
+            await trio.to_thread.run_sync(discard_local_copy, root_fd, state_dir)
+            print(
+                "fsagent: agent folder's local copy discarded"
+                f"{'' if stop.saved else ' (not saved: the next run gets the last saved folder)'}",
+                file=sys.stderr,
+            )
     finally:
         os.close(root_fd)
+    return stop
+
+
+def discard_local_copy(root_fd: int, state_dir: Path) -> None:
+    """The agent folder contract at the stop boundary: everything in the
+    directory and in its state dir goes, saved or not; the next run fills the
+    directory with the folder as last saved (no retained copy, no partial
+    save). A daemon killed before its stop boundary discards nothing: its
+    next start ships what the directory holds, as for every collection."""
+    with os.scandir(root_fd) as it:
+        names = [e.name for e in it]
+    for name in names:
+        remove_path(root_fd, name)
+    for child in state_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink(missing_ok=True)
 
 
 async def _serve_bound(
-    client: BridgeClient, opts: DirOptions, store: DirStore, lease_epoch: int, root_fd: int
-) -> DirStop:
-    stop = DirStop()
+    client: BridgeClient,
+    opts: DirOptions,
+    store: DirStore,
+    lease_epoch: int,
+    root_fd: int,
+    stop: DirStop,
+) -> None:
     shipper = DirShipper(store, client, opts.scope, lease_epoch) if client.writable else None
     st = os.fstat(root_fd)
     known = store.directory_record()
@@ -626,13 +707,12 @@ async def _serve_bound(
             await stop.requested.wait()
             nursery.cancel_scope.cancel()
         await _final_save(shipper, stop)
-        if shipper is not None and stop.saved:
+        if shipper is not None and stop.saved and store.protected is None:
             await refresh_after_stop(store, shipper.client, opts.scope)
     finally:
         daemon_file.unlink(missing_ok=True)
         if opts.ready_file is not None:
             opts.ready_file.unlink(missing_ok=True)
-    return stop
 
 
 async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:

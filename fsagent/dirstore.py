@@ -94,6 +94,10 @@ class DirStore(Journal):
         self.last_scan: DirScan | None = None
         self.after_read: ReadHook | None = None
         """Called after each file is hashed (tests change files there)."""
+        self.protected: str | None = None
+        """The agent's instruction entry under the agent folder contract: a save
+        never deletes it, nor a directory holding it (the mount refuses the
+        unlink; here the scan reports it)."""
         self._directory_fd: int | None = None
         self._seen: dict[str, LocalEntry] = {}
         self._saved: dict[str, BaseEntry] = {}
@@ -168,6 +172,17 @@ class DirStore(Journal):
         scan = scan_directory(
             self.directory(), self._seen, saved=self._saved, after_read=self.after_read
         )
+        entry = self.protected
+        if entry is not None and entry in self._saved:
+            here = scan.entries.get(entry)
+            if (here is None or here.kind != "file") and not scan.withheld(entry):
+                scan.problems[entry] = (
+                    "entry_protected: the agent's instruction entry cannot be deleted or "
+                    "replaced by a directory; the saved one stays"
+                )
+                below = entry + "/"
+                for path in [p for p in scan.entries if p == entry or p.startswith(below)]:
+                    del scan.entries[path]  # a directory in its place is not saved either
         self.last_scan = scan
         if record and not self.readonly:
             self._record_scan(scan)
@@ -246,8 +261,11 @@ class DirStore(Journal):
                 if base is not None or path not in implied
             )
         if scan.stable:
+            holds_entry = set(ancestors(self.protected)) if self.protected else set()
             for path, base in saved.items():
                 if path not in scan.entries and not scan.withheld(path):
+                    if path in holds_entry:
+                        continue  # the entry's own problem is reported; it stays saved
                     out.append(Change(path, "delete", NO_SEQ, base))
         referable = {c.base.digest for c in out if c.base is not None and c.base.kind == "file"}
         referable.update(b.digest for _, _, b in files if b is not None and b.kind == "file")

@@ -125,7 +125,14 @@ def test_without_fuse_up_serves_plain_directories_that_save_and_restore(tenant: 
         "notes/plan.md": b"the plan, revised",
         "result.txt": b"agent's work",
     }
-    assert server_files(tenant, "agent", run["agent"]) == {"memory.md": b"remember this"}
+    assert server_files(tenant, "agent", run["agent"]) == {
+        "AGENTS.md": b"",  # the agent's instruction entry, made with the agent
+        "memory.md": b"remember this",
+    }
+    # The agent folder's local copy ends with the run (its contract); the others stay.
+    assert list((base / "first" / "home" / "agent").iterdir()) == []
+    assert list((base / "first" / "state" / "agent").iterdir()) == []
+    assert (base / "first" / "home" / "task" / "result.txt").read_bytes() == b"agent's work"
     # A replacement sandbox (new home, no state) gets its task folder back:
     # `fsagent mount` on its own decides the same way.
     directory, ready = base / "again" / "task", base / "again" / "ready"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from fsagent.dirmode import DirShipper, hydrate_directory, take_incoming, warm_s
 from fsagent.dirscan import TICK_NS, scan_directory
 from fsagent.dirstore import DirStore
 from fsagent.errors import ObjectUnavailable, StateModeMismatch
-from fsagent.memclient import MemoryBridgeClient
+from fsagent.memclient import MemoryBridgeClient, new_run
 from fsagent.records import EMPTY_DIGEST
 from fsagent.store import Store
 
@@ -526,3 +527,37 @@ async def test_a_server_change_that_cannot_be_placed_is_asked_for_again(
         assert (s.root / "keep.txt").read_bytes() == b"kept" and s.changes() == {}
     finally:
         s.close()
+
+
+@pytest.mark.trio
+async def test_the_agents_instruction_entry_is_never_deleted_by_a_save(tmp_path: Path) -> None:
+    mem = MemoryBridgeClient(new_run(agent_entry="AGENTS.md"))
+    mem.put_file("agent", "AGENTS.md", b"# how to work")
+    mem.put_file("agent", "notes/a.md", b"a")
+    root = tmp_path / "agent"
+    root.mkdir()
+    fd = open_root(root)
+    store = DirStore.open(tmp_path / "state")
+    try:
+        store.attach(fd)
+        store.protected = "AGENTS.md"
+        await hydrate_directory(store, mem, "agent", fd, 2)
+        shipper = DirShipper(store, mem, "agent", 1)
+        (root / "AGENTS.md").unlink()
+        (root / "notes" / "b.md").write_bytes(b"b")
+        result = await shipper.ship_checkpoint()
+        assert result.entries == 1 and mem.files("agent")["notes/b.md"] == b"b"
+        assert mem.files("agent")["AGENTS.md"] == b"# how to work"
+        [refused] = (shipper.last_report or {})["refused"]
+        assert refused["path"] == "AGENTS.md" and refused["reason"].startswith("entry_protected")
+        (root / "AGENTS.md").mkdir()  # a directory in its place is not saved either
+        (root / "AGENTS.md" / "x").write_bytes(b"x")
+        assert (await shipper.ship_checkpoint()).entries == 0
+        assert "AGENTS.md/x" not in mem.files("agent")
+        shutil.rmtree(root / "AGENTS.md")
+        (root / "AGENTS.md").write_bytes(b"# rewritten")  # a new content saves as ever
+        assert (await shipper.ship_checkpoint()).entries == 1
+        assert mem.files("agent")["AGENTS.md"] == b"# rewritten"
+    finally:
+        store.close()
+        os.close(fd)
