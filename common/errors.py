@@ -88,6 +88,60 @@ class RunNotFound(NotFound):
     message = "Run not found"
 
 
+# --- the company admin API (controller/orgs.py, controller/runs.py) ---------
+
+
+class CompanyNotFound(NotFound):
+    """No such company, or the caller may not administer it: owners, admins
+    and the company's operator tokens see it; everyone else sees nothing."""
+
+    code = "company_not_found"
+    message = "Company not found"
+
+
+class UserNotFound(NotFound):
+    code = "user_not_found"
+    message = "User not found"
+
+
+class MemberNotFound(NotFound):
+    code = "member_not_found"
+    message = "The user is not a member of this company"
+
+
+class AgentNotFound(NotFound):
+    code = "agent_not_found"
+    message = "Agent not found"
+
+
+class ProjectNotFound(NotFound):
+    code = "project_not_found"
+    message = "Project not found"
+
+
+class TaskNotFound(NotFound):
+    code = "task_not_found"
+    message = "Task not found"
+
+
+class WorkspaceNotFound(NotFound):
+    code = "workspace_not_found"
+    message = "Workspace not found"
+
+
+class TokenNotFound(NotFound):
+    code = "token_not_found"
+    message = "Token not found"
+
+
+class OwnerRequired(WorkFolderError):
+    """Only an owner gives, changes or takes away the owner role."""
+
+    code = "owner_required"
+    status = 403
+    message = "Only an owner may give, change or take away the owner role"
+
+
 class IsADirectory(WorkFolderError):
     code = "is_directory"
     status = 400
@@ -185,6 +239,16 @@ class MoveIntoItself(Conflict):
 class IdempotencyConflict(Conflict):
     code = "idempotency_conflict"
     message = "Idempotency key was already used for a different request"
+
+
+class EmailTaken(Conflict):
+    code = "email_taken"
+    message = "A user with this email already exists"
+
+
+class LastOwner(Conflict):
+    code = "last_owner"
+    message = "A company keeps at least one owner"
 
 
 class RunNotActive(Conflict):

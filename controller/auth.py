@@ -15,6 +15,7 @@ from typing import Any, Literal
 from psycopg import AsyncConnection
 
 from common.errors import (
+    CompanyNotFound,
     MembershipRevoked,
     NotFound,
     PurgeForbidden,
@@ -28,6 +29,7 @@ from controller.grants import confirm_configure, may_configure_agent
 
 USER_TOKEN_PREFIX = "fsa_u_"
 RUN_TOKEN_PREFIX = "fsa_r_"
+OPERATOR_TOKEN_PREFIX = "fsa_o_"
 SESSION_PREFIX = "fsa_s_"
 
 
@@ -66,12 +68,21 @@ class RunBinding:
 
 
 @dataclass(frozen=True)
+class OperatorGrant:
+    """An operator token: a machine's credential for one company's admin routes."""
+
+    token_id: str
+    company_id: str
+
+
+@dataclass(frozen=True)
 class Principal:
-    kind: Literal["user", "run"]
+    kind: Literal["user", "run", "operator"]
     user_id: str | None = None
     run: RunBinding | None = None
     via_session: bool = False
     csrf_token: str | None = None
+    operator: OperatorGrant | None = None
 
 
 def _run_from_row(row: dict[str, Any]) -> RunBinding:
@@ -99,6 +110,17 @@ async def principal_from_bearer(conn: AsyncConnection[Any], token: str) -> Princ
         if row is None or not row["active"]:
             raise Unauthenticated()
         return Principal(kind="run", run=_run_from_row(row))
+    if token.startswith(OPERATOR_TOKEN_PREFIX):
+        cur = await conn.execute(
+            "SELECT id, company_id FROM operator_tokens"
+            " WHERE token_hash = %s AND revoked_at IS NULL",
+            (digest,),
+        )
+        row = await cur.fetchone()
+        if row is None:
+            raise Unauthenticated()
+        grant = OperatorGrant(str(row["id"]), str(row["company_id"]))
+        return Principal(kind="operator", operator=grant)
     cur = await conn.execute(
         "SELECT user_id FROM api_tokens WHERE token_hash = %s AND revoked_at IS NULL", (digest,)
     )
@@ -213,7 +235,7 @@ async def authorize_folder(
             conn, company_id, principal.user_id, owner_id, role
         ):
             raise NotFound()
-    else:
+    elif principal.kind == "run":
         run = principal.run
         assert run is not None
         # A run's authority, for reads as for writes, is exactly its binding:
@@ -225,6 +247,9 @@ async def authorize_folder(
             raise NotFound()
         if scope == "user" and write and not await run_may_write_user_folder(conn, run):
             raise WriteNotAllowed("The run's user is a viewer; the run cannot write their folder")
+    else:
+        # An operator token administers a company; it reads and writes no files.
+        raise NotFound()
     if not await _owner_exists(conn, company_id, scope, owner_id):
         raise NotFound()
 
@@ -311,6 +336,8 @@ async def confirm_write(
         if scope == "agent":
             await confirm_configure(conn, company_id, principal.user_id, owner_id, role)
         return
+    if principal.kind != "run":
+        raise NotFound()
     assert principal.run is not None and principal.run.company_id == company_id
     await confirm_run_writes(conn, principal.run, scope)
 
@@ -338,3 +365,56 @@ def write_policy(
     authority: Authority = confirm
     agent = quotas.agent if scope == "agent" else None
     return WritePolicy(authority, quotas.max_folder_entries, agent)
+
+
+# --- the company admin API ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompanyActor:
+    """Who acts on a company through its admin routes: an owner or admin
+    (``user_id`` set), or one of the company's operator tokens."""
+
+    company_id: str
+    role: Literal["owner", "admin", "operator"]
+    user_id: str | None = None
+    token_id: str | None = None
+
+    @property
+    def is_owner(self) -> bool:
+        return self.role == "owner"
+
+
+async def authorize_company(
+    conn: AsyncConnection[Any], principal: Principal, company_id: str, *, write: bool
+) -> CompanyActor:
+    """The caller's authority over ``company_id``'s admin routes.
+
+    Owners and admins of the company, and operator tokens made for it, have
+    it. Everyone else (a member, a viewer, a stranger, another company's
+    operator token, a run) gets :class:`CompanyNotFound`, exactly what a
+    company that does not exist answers. For a write the membership or the
+    token row is locked ``FOR SHARE``: removing the member or revoking the
+    token waits for the write, which lands entirely before it.
+    """
+    lock = " FOR SHARE" if write else ""
+    if principal.kind == "operator":
+        grant = principal.operator
+        assert grant is not None
+        if grant.company_id == company_id:
+            cur = await conn.execute(
+                "SELECT 1 FROM operator_tokens WHERE id = %s AND revoked_at IS NULL" + lock,
+                (grant.token_id,),
+            )
+            if await cur.fetchone() is not None:
+                return CompanyActor(company_id, "operator", token_id=grant.token_id)
+    elif principal.kind == "user" and principal.user_id is not None:
+        cur = await conn.execute(
+            "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s" + lock,
+            (company_id, principal.user_id),
+        )
+        row = await cur.fetchone()
+        role = None if row is None else row["role"]
+        if role == "owner" or role == "admin":
+            return CompanyActor(company_id, role, user_id=principal.user_id)
+    raise CompanyNotFound()

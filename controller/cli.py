@@ -285,35 +285,6 @@ def run_transaction(url: str, work: Callable[[Any], Awaitable[T]]) -> T:
     return db.run_transaction(url, work)
 
 
-def create_agent(url: str, company: str, name: str) -> dict[str, Any]:
-    """An agent whose folder starts with its empty instruction entry."""
-    from controller import agentfiles
-
-    company = admin._uuid(company, "company")
-    if not name.strip():
-        raise admin.AdminError("name must not be empty")
-
-    async def create(conn: Any) -> dict[str, Any]:
-        cur = await conn.execute("SELECT 1 FROM companies WHERE id = %s", (company,))
-        if await cur.fetchone() is None:
-            raise admin.AdminError(f"no such company: {company}")
-        return await agentfiles.create_agent(conn, company, name)
-
-    return run_transaction(url, create)
-
-
-def prepare_run(url: str, run_id: str) -> None:
-    """The run's preparation (``controller.runprep``); a run that cannot be
-    prepared is ended again, so no sandbox starts half bound."""
-    from controller import runprep
-
-    try:
-        run_transaction(url, lambda c: runprep.prepare_run(c, run_id))
-    except Exception as exc:
-        admin.end_run(url, run_id)
-        raise admin.AdminError(f"run {run_id} could not be prepared and was ended: {exc}") from exc
-
-
 def set_agent_entry(url: str, agent: str, path: str) -> dict[str, Any]:
     from controller import agentfiles
 
@@ -411,7 +382,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
         elif a == "remove-member":
             out = admin.remove_member(url, args.company, args.user)
         elif a == "create-agent":
-            out = create_agent(url, args.company, args.name)
+            out = admin.create_owner(url, "agents", args.company, args.name)
         elif a == "create-project":
             out = admin.create_owner(url, "projects", args.company, args.name)
         elif a == "create-task":
@@ -427,7 +398,6 @@ def cmd_admin(args: argparse.Namespace) -> int:
                 sandbox=args.sandbox,
                 home=args.home,
             )
-            prepare_run(url, out["run_id"])
         elif a == "set-agent-entry":
             out = set_agent_entry(url, args.agent, args.path)
         elif a in ("grant", "revoke"):
@@ -441,6 +411,8 @@ def cmd_admin(args: argparse.Namespace) -> int:
             out = admin.list_tokens(url, args.company, args.user)
         elif a == "revoke-token":
             out = admin.revoke_token(url, args.token_id)
+        elif a == "create-operator-token":
+            out = admin.create_operator_token(url, args.company, args.name)
         elif a == "audit":
             out = admin.audit(url, args.run, args.after, args.limit)
             text = audit_lines
@@ -594,10 +566,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--s3-region")
     p = admin_cmd("end-run", "end a run; its token stops working at once")
     p.add_argument("run")
-    p = admin_cmd("list-tokens", "list API tokens by id (the tokens themselves are not stored)")
-    p.add_argument("--company", help="only tokens of this company's members")
+    p = admin_cmd(
+        "create-operator-token",
+        "issue a token for machines (an orchestrator) that opens one company's admin routes",
+    )
+    p.add_argument("company")
+    p.add_argument("--name", required=True, help="what the token is for, shown by list-tokens")
+    p = admin_cmd(
+        "list-tokens",
+        "list API and operator tokens by id (the tokens themselves are not stored)",
+    )
+    p.add_argument(
+        "--company", help="only tokens of this company's members and its operator tokens"
+    )
     p.add_argument("--user", help="only this user's tokens")
-    p = admin_cmd("revoke-token", "revoke an API token by id; it answers 401 at once")
+    p = admin_cmd("revoke-token", "revoke an API or operator token by id; it answers 401 at once")
     p.add_argument("token_id")
     p = admin_cmd("end-sessions", "end every Files page session of a user")
     p.add_argument("user")

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from controller import admin, agentfiles
-from controller.cli import create_agent, database, prepare_run, run_transaction
+from controller.cli import database, run_transaction
 from controller.config import Settings
 
 DEMO_INSTRUCTIONS = (
@@ -49,7 +49,7 @@ def ensure_demo_account(data_dir: Path) -> dict[str, str]:
         boot = admin.bootstrap(url, "Demo company", "demo@example.com")
         project = admin.create_owner(url, "projects", boot["company_id"], "Demo project")["id"]
         task = admin.create_owner(url, "tasks", boot["company_id"], "Demo task", project=project)
-        agent = create_agent(url, boot["company_id"], "Demo agent")["id"]
+        agent = admin.create_owner(url, "agents", boot["company_id"], "Demo agent")["id"]
     account = {**boot, "project_id": project, "task_id": task["id"], "agent_id": agent}
     saved.write_text(json.dumps(account, indent=2))
     os.chmod(saved, 0o600)
@@ -168,7 +168,6 @@ def main() -> int:
                     sandbox="demo-sandbox",
                     home=str(home),
                 )
-                prepare_run(url, run["run_id"])
             run_id = run["run_id"]
             token_file = data_dir / "run-token"
             token_file.write_text(run["token"])

@@ -1,8 +1,9 @@
 """Prometheus metrics of one controller process, served on ``--metrics-listen``.
 
-The metrics are not on the API listener: there is no operator credential to
-protect them with, so they get an address of their own that the operator keeps
-off the public network. :class:`Observe` (an ASGI middleware) records every
+The metrics are not on the API listener: they count every tenant's traffic,
+and the only machine credential, an operator token, belongs to one company.
+So they get an address of their own that the operator keeps off the public
+network. :class:`Observe` (an ASGI middleware) records every
 request by route template, method and status, the checkpoint and upload
 figures from the bridge answers, and sets the request context the logs use.
 Pool use and active runs are read when scraped.

@@ -24,7 +24,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from common.errors import NotFound, ValidationError
+from common.errors import ProjectNotFound, TaskNotFound, ValidationError, WorkspaceNotFound
 from common.paths import validate_uuid
 from common.repos import checkout_name, checkout_name_problem, ref_problem
 
@@ -86,7 +86,7 @@ async def _project_company(conn: AsyncConnection[Any], project_id: str) -> str:
     )
     row = await cur.fetchone()
     if row is None:
-        raise NotFound(f"no such project: {project_id}")
+        raise ProjectNotFound(f"no such project: {project_id}")
     return str(row["company_id"])
 
 
@@ -140,19 +140,23 @@ async def add_workspace(
     }
 
 
-async def remove_workspace(conn: AsyncConnection[Any], workspace_id: str) -> dict[str, Any]:
+async def remove_workspace(
+    conn: AsyncConnection[Any], workspace_id: str, *, company_id: str | None = None
+) -> dict[str, Any]:
     """Bind the workspace to no new task and list it to no sandbox. Bindings
     and their saved checkpoints stay (and stay protected from GC). Removing a
-    removed workspace changes nothing."""
+    removed workspace changes nothing. ``company_id`` limits this to that
+    company's workspaces (the admin API)."""
     workspace_id = validate_uuid(workspace_id, "workspace")
     cur = await conn.execute(
-        "UPDATE workspaces SET removed_at = coalesce(removed_at, now()) WHERE id = %s"
+        "UPDATE workspaces SET removed_at = coalesce(removed_at, now())"
+        " WHERE id = %s AND (%s::uuid IS NULL OR company_id = %s::uuid)"
         " RETURNING project_id, removed_at, is_primary",
-        (workspace_id,),
+        (workspace_id, company_id, company_id),
     )
     row = await cur.fetchone()
     if row is None:
-        raise NotFound(f"no such workspace: {workspace_id}")
+        raise WorkspaceNotFound(f"no such workspace: {workspace_id}")
     cur = await conn.execute(
         "SELECT count(*) AS n FROM task_repos WHERE workspace_id = %s", (workspace_id,)
     )
@@ -168,17 +172,40 @@ async def remove_workspace(conn: AsyncConnection[Any], workspace_id: str) -> dic
     }
 
 
-async def set_task_branch(conn: AsyncConnection[Any], task_id: str, branch: str) -> dict[str, Any]:
+async def set_task_branch(
+    conn: AsyncConnection[Any], task_id: str, branch: str, *, company_id: str | None = None
+) -> dict[str, Any]:
     """The branch the task's primary checkout is cloned onto (a sandbox that
-    already has the checkout keeps whatever branch it is on)."""
+    already has the checkout keeps whatever branch it is on). ``company_id``
+    limits this to that company's tasks (the admin API)."""
     task_id = validate_uuid(task_id, "task")
     check_ref(branch, "branch")
     cur = await conn.execute(
-        "UPDATE tasks SET branch = %s WHERE id = %s RETURNING id", (branch, task_id)
+        "UPDATE tasks SET branch = %s"
+        " WHERE id = %s AND (%s::uuid IS NULL OR company_id = %s::uuid) RETURNING id",
+        (branch, task_id, company_id, company_id),
     )
     if await cur.fetchone() is None:
-        raise NotFound(f"no such task: {task_id}")
+        raise TaskNotFound(f"no such task: {task_id}")
     return {"task_id": task_id, "branch": branch}
+
+
+async def list_workspaces(
+    conn: AsyncConnection[Any], company_id: str, project_id: str
+) -> list[dict[str, Any]]:
+    """The project's workspaces, removed ones too, oldest first; ProjectNotFound
+    unless the project is the company's."""
+    cur = await conn.execute(
+        "SELECT 1 FROM projects WHERE id = %s AND company_id = %s", (project_id, company_id)
+    )
+    if await cur.fetchone() is None:
+        raise ProjectNotFound(f"no such project: {project_id}")
+    cur = await conn.execute(
+        "SELECT id, repo_url, name, ref, is_primary, setup_command, created_at, removed_at"
+        " FROM workspaces WHERE project_id = %s ORDER BY created_at, id",
+        (project_id,),
+    )
+    return list(await cur.fetchall())
 
 
 @dataclass(frozen=True)
@@ -213,7 +240,7 @@ async def bind_task(conn: AsyncConnection[Any], company_id: str, task_id: str) -
     )
     task = await cur.fetchone()
     if task is None:
-        raise NotFound(f"no such task: {task_id}")
+        raise TaskNotFound(f"no such task: {task_id}")
     cur = await conn.execute("SELECT name FROM task_repos WHERE task_id = %s", (task_id,))
     taken = {str(r["name"]).lower() for r in await cur.fetchall()}
     cur = await conn.execute(

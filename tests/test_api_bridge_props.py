@@ -25,7 +25,10 @@ from controller.api import (
     attachments,
     audit,
     bridge,
+    orgs,
+    repobridge,
     runs,
+    taskrepos,
     web,
     workfolders,
 )
@@ -57,9 +60,12 @@ ROUTES = [
     *bridge.routes,
     *apibridge.routes,
     *audit.routes,
+    *orgs.routes,
     *runs.routes,
     *agents.routes,
     *attachments.routes,
+    *repobridge.routes,
+    *taskrepos.routes,
     *web.routes,
 ]
 TEMPLATES = sorted({r.path for r in ROUTES})

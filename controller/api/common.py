@@ -26,12 +26,15 @@ from common.errors import (
     WorkFolderError,
 )
 from common.logs import note_run
+from common.paths import validate_uuid
 from controller.api.limits import credential_key, is_authenticated, mark_authenticated
 from controller.api.params import declared_length
 from controller.auth import (
     RUN_TOKEN_PREFIX,
+    CompanyActor,
     Principal,
     RunBinding,
+    authorize_company,
     principal_for_bridge,
     principal_from_bearer,
     principal_from_session,
@@ -143,6 +146,58 @@ def json_errors(endpoint: Endpoint) -> Endpoint:
     return wrapper
 
 
+OPERATOR_ROUTE = "controller.operator_route"
+"""Scope key set by :func:`company_route`: this route takes operator tokens."""
+
+
+def company_route(endpoint: Endpoint) -> Endpoint:
+    """A company admin route (``/api/companies/{companyId}/…`` members, agents,
+    projects, tasks, runs): JSON errors, and operator tokens accepted (the
+    handler's :func:`company_read` / :func:`company_write` checks whose)."""
+    inner = json_errors(endpoint)
+
+    async def wrapper(request: Request) -> Response:
+        request.scope[OPERATOR_ROUTE] = True
+        return await inner(request)
+
+    wrapper.__name__ = endpoint.__name__
+    wrapper.__doc__ = endpoint.__doc__
+    return wrapper
+
+
+def path_company(request: Request) -> str:
+    return validate_uuid(request.path_params["companyId"], "companyId")
+
+
+async def company_read(
+    request: Request, work: Callable[[AsyncConnection[Any], CompanyActor], Awaitable[T]]
+) -> T:
+    """``work(conn, actor)`` in one transaction, for an owner or admin of the
+    path's company or one of its operator tokens (anyone else: 404
+    ``company_not_found``, like a company that does not exist)."""
+    company_id = path_company(request)
+    async with connection(request) as conn:
+        principal = await authenticate(request, conn)
+        actor = await authorize_company(conn, principal, company_id, write=False)
+        return await work(conn, actor)
+
+
+async def company_write(
+    request: Request, work: Callable[[AsyncConnection[Any], CompanyActor], Awaitable[T]]
+) -> T:
+    """:func:`company_read` for a change: the caller's membership or token is
+    checked (and locked) in the transaction that makes the change, which runs
+    again after a serialization failure or deadlock."""
+    company_id = path_company(request)
+
+    async def work_as_actor(conn: AsyncConnection[Any]) -> T:
+        principal = await authenticate(request, conn)
+        actor = await authorize_company(conn, principal, company_id, write=True)
+        return await work(conn, actor)
+
+    return await write_transaction(request, work_as_actor)
+
+
 def is_write(request: Request) -> bool:
     return request.method not in ("GET", "HEAD")
 
@@ -154,6 +209,11 @@ def on_bridge(request: Request) -> bool:
 
 async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:
     principal = await _authenticate(request, conn)
+    # Least privilege: an operator token opens a company's admin routes and
+    # nothing else (no folder, no directory, no sign-in), refused here once
+    # rather than in every handler that reads a principal.
+    if principal.kind == "operator" and not request.scope.get(OPERATOR_ROUTE):
+        raise Unauthenticated("Operator tokens are not accepted on this route")
     mark_authenticated(request)
     if principal.run is not None:
         note_run(principal.run.run_id)

@@ -324,7 +324,7 @@ def _api_bridge_paths() -> dict[str, Any]:
         "/api/companies/{companyId}/runs/{runId}/audit": {
             "parameters": [company_p, run_p],
             "get": _op(
-                "The run's API bridge audit trail, oldest first (owners and admins)",
+                "The run's API bridge audit trail, oldest first (owners, admins, operator tokens)",
                 "200",
                 parameters=[
                     {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
@@ -334,6 +334,212 @@ def _api_bridge_paths() -> dict[str, Any]:
                         "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
                     },
                 ],
+            ),
+        },
+    }
+
+
+def _json_body(properties: dict[str, Any], *required: str) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "required": list(required),
+        "properties": properties,
+        "additionalProperties": False,
+    }
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+_UUID = {"type": "string", "format": "uuid"}
+_NAME = {"type": "string", "minLength": 1, "maxLength": 256}
+_ROLE = {"type": "string", "enum": ["owner", "admin", "member", "viewer"]}
+_ADMIN_DENIALS = {
+    "404": _resp(
+        "No such company, or the caller is not its owner, admin or operator token"
+        " (company_not_found); or no such record",
+        _ERROR,
+    )
+}
+_OPERATOR_OK = (
+    "Owners and admins of the company, or one of its operator tokens"
+    " (`controller admin create-operator-token`)."
+)
+_PEOPLE_ONLY = "Owners and admins of the company only; an operator token is refused (401)."
+
+
+def _admin_op(summary: str, who: str, *codes: str, **extra: Any) -> dict[str, Any]:
+    op = _op(summary, *codes, description=who, **extra)
+    op["responses"].update(_ADMIN_DENIALS)
+    return op
+
+
+def _admin_paths() -> dict[str, Any]:
+    """The company admin and orchestrator API (controller/api/orgs.py, runs.py)."""
+    company = "/api/companies/{companyId}"
+    company_p = {"name": "companyId", "in": "path", "required": True, "schema": _UUID}
+
+    def id_p(name: str) -> dict[str, Any]:
+        return {"name": name, "in": "path", "required": True, "schema": _UUID}
+
+    def listing(summary: str, **extra: Any) -> dict[str, Any]:
+        return _admin_op(summary, _OPERATOR_OK, "200", **extra)
+
+    def creation(summary: str, body: dict[str, Any], who: str = _OPERATOR_OK) -> dict[str, Any]:
+        return _admin_op(summary, who, "201", "409", requestBody=body)
+
+    run_filters = [
+        {"name": "active", "in": "query", "schema": {"type": "boolean"}},
+        {"name": "agentId", "in": "query", "schema": _UUID},
+        {"name": "taskId", "in": "query", "schema": _UUID},
+        {"name": "sandbox", "in": "query", "schema": {"type": "string", "maxLength": 256}},
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+        },
+        {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+    ]
+    start_body = _json_body(
+        {
+            "agentId": _UUID,
+            "taskId": {**_UUID, "type": ["string", "null"]},
+            "projectId": {**_UUID, "type": ["string", "null"]},
+            "userId": {**_UUID, "type": ["string", "null"]},
+            "sandbox": {"type": ["string", "null"], "minLength": 1, "maxLength": 256},
+            "home": {"type": ["string", "null"], "maxLength": 1024},
+        },
+        "agentId",
+    )
+    return {
+        company + "/members": {
+            "parameters": [company_p],
+            "get": listing("Members with their email and role"),
+            "post": creation(
+                "Create a user with this email and a first API token (shown once), as a member",
+                _json_body(
+                    {"email": {"type": "string", "maxLength": 320}, "role": _ROLE}, "email", "role"
+                ),
+                _PEOPLE_ONLY,
+            ),
+        },
+        company + "/members/{userId}": {
+            "parameters": [company_p, id_p("userId")],
+            "put": _admin_op(
+                "Add an existing user with a role, or change a member's role"
+                " (the owner role: owners only, 403 owner_required; 409 last_owner)",
+                _PEOPLE_ONLY,
+                "200",
+                "403",
+                "409",
+                requestBody=_json_body({"role": _ROLE}, "role"),
+            ),
+            "delete": _admin_op(
+                "Remove a member; their access ends at the next request",
+                _PEOPLE_ONLY,
+                "200",
+                "403",
+                "409",
+            ),
+        },
+        company + "/agents": {
+            "parameters": [company_p],
+            "get": listing("The company's agents"),
+            "post": creation("Create an agent", _json_body({"name": _NAME}, "name")),
+        },
+        company + "/projects": {
+            "parameters": [company_p],
+            "get": listing("The company's projects"),
+            "post": creation("Create a project", _json_body({"name": _NAME}, "name")),
+        },
+        company + "/tasks": {
+            "parameters": [company_p],
+            "get": listing(
+                "The company's tasks",
+                parameters=[{"name": "projectId", "in": "query", "schema": _UUID}],
+            ),
+            "post": creation(
+                "Create a task in a project",
+                _json_body({"projectId": _UUID, "title": _NAME}, "projectId", "title"),
+            ),
+        },
+        company + "/runs": {
+            "parameters": [company_p],
+            "get": listing("The company's runs, newest first", parameters=run_filters),
+            "post": _admin_op(
+                "Start a run: its token (shown once), lease epoch and env; a run already"
+                " on the same sandbox ends (fenced)",
+                _OPERATOR_OK,
+                "201",
+                requestBody=start_body,
+            ),
+        },
+        company + "/runs/{runId}": {
+            "parameters": [company_p, id_p("runId")],
+            "get": _admin_op(
+                "A run (never its token) with its current warnings and receipt counts; also"
+                " for its responsible user and members who may configure its agent"
+                " (others: 404 run_not_found)",
+                _OPERATOR_OK,
+                "200",
+            ),
+        },
+        company + "/runs/{runId}/end": {
+            "parameters": [company_p, id_p("runId")],
+            "post": _admin_op(
+                "End a run; its token answers 401 from the next request", _OPERATOR_OK, "200"
+            ),
+        },
+        company + "/projects/{projectId}/workspaces": {
+            "parameters": [company_p, id_p("projectId")],
+            "get": listing("The project's repository workspaces, removed ones too"),
+            "post": creation(
+                "Add a repository workspace (add-workspace); primary takes over",
+                _json_body(
+                    {
+                        "repoUrl": {"type": "string", "minLength": 1, "maxLength": 2048},
+                        "name": {"type": ["string", "null"]},
+                        "ref": {"type": ["string", "null"]},
+                        "primary": {"type": "boolean"},
+                        "setupCommand": {"type": ["string", "null"], "maxLength": 8192},
+                    },
+                    "repoUrl",
+                ),
+            ),
+        },
+        company + "/workspaces/{workspaceId}": {
+            "parameters": [company_p, id_p("workspaceId")],
+            "delete": _admin_op(
+                "Remove a workspace (remove-workspace): bound to no new task; bindings and"
+                " saved checkpoints stay",
+                _OPERATOR_OK,
+                "200",
+            ),
+        },
+        company + "/tasks/{taskId}/branch": {
+            "parameters": [company_p, id_p("taskId")],
+            "put": _admin_op(
+                "The branch the task's primary checkout is cloned onto (set-task-branch)",
+                _OPERATOR_OK,
+                "200",
+                requestBody=_json_body({"branch": {"type": "string", "minLength": 1}}, "branch"),
+            ),
+        },
+        company + "/operator-tokens": {
+            "parameters": [company_p],
+            "get": _admin_op(
+                "The company's operator tokens (never the tokens)", _PEOPLE_ONLY, "200"
+            ),
+            "post": creation(
+                "Create an operator token for this company (shown once)",
+                _json_body({"name": _NAME}, "name"),
+                _PEOPLE_ONLY,
+            ),
+        },
+        company + "/operator-tokens/{tokenId}": {
+            "parameters": [company_p, id_p("tokenId")],
+            "delete": _admin_op(
+                "Revoke one of the company's operator tokens; it answers 401 at once",
+                _PEOPLE_ONLY,
+                "200",
             ),
         },
     }
@@ -357,14 +563,6 @@ def _agent_files_paths() -> dict[str, Any]:
         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
     ]  # fmt: skip
     return {
-        "/api/companies/{companyId}/runs/{runId}": {
-            "parameters": [company, run],
-            "get": _op(
-                "A run's state, current warnings and receipt counts (owners, admins, its"
-                " responsible user, members who may configure its agent)",
-                "200",
-            ),
-        },
         "/api/companies/{companyId}/runs/{runId}/receipts": {
             "parameters": [company, run],
             "get": _op("The run's save receipts, oldest first", "200", parameters=page),
@@ -763,6 +961,7 @@ def document() -> dict[str, Any]:
             **_bridge_paths(),
             **_repo_paths(),
             **_api_bridge_paths(),
+            **_admin_paths(),
             **_agent_files_paths(),
             **_public_paths(),
         },
