@@ -231,6 +231,10 @@ def main() -> int:
                     str(data_dir / "fsagent"),
                     "--checkpoint-interval",
                     str(args.checkpoint_interval),
+                    # The demo shows the FUSE mounts; a sandbox without FUSE
+                    # would use plain directories (fsagent up --mode auto).
+                    "--mode",
+                    "fuse",
                 ],
                 start_new_session=True,
             )

@@ -55,6 +55,11 @@ class StateBindingMismatch(StateError):
     """
 
 
+class StateModeMismatch(StateError):
+    """The state dir belongs to a collection served in the other mode (FUSE or
+    a plain directory): its unsaved changes cannot be served this way."""
+
+
 class ControllerError(FsagentError):
     exit_code = 4
 

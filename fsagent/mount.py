@@ -80,6 +80,8 @@ class MountOptions:
     prefetch: int = 4
     checkpoint_interval: float = CHECKPOINT_INTERVAL_SECONDS
     spin_us: int = SPIN_US
+    mode_reason: str = "--mode fuse"
+    """Why FUSE serves this collection (``fsagent status`` shows it; fsagent.fuseprobe)."""
 
 
 @dataclass
@@ -444,6 +446,7 @@ async def _serve_store(
         stop.report_failed = report_failed
     if owner is not None:
         store.bind(binding)
+        store.claim_mode("fuse", opts.mode_reason, str(opts.mountpoint.absolute()))
         freed, fixed = store.recover()
         if freed or fixed:
             log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)

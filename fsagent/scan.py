@@ -2,9 +2,10 @@
 content digests, read stably, at a cost that follows the changes.
 
 Two users: repository checkpoints (:mod:`fsagent.repocapture` lists a
-checkout's members with Git) and, later, plain-directory collections where
-FUSE is unavailable (a :func:`walk_tree` with a filter). Nothing here knows
-about Git.
+checkout's members with Git) and plain-directory collections where FUSE is
+unavailable (:mod:`fsagent.dirscan` walks the whole directory through pinned
+descriptors and reads changed files with :func:`hash_stable`). Nothing here
+knows about Git.
 
 One scan (:func:`scan_tree`):
 
@@ -324,11 +325,16 @@ def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
 # --- reading one file -------------------------------------------------------------
 
 
-def hash_stable(full: str, before: StatKey, hook: ReadHook | None = None) -> str | None:
+def hash_stable(
+    full: str, before: StatKey, hook: ReadHook | None = None, *, dir_fd: int | None = None
+) -> str | None:
     """The SHA-256 of the file at ``full`` if it is the file ``before`` described
-    and did not change while read; None when it changed (or vanished)."""
+    and did not change while read; None when it changed (or vanished).
+
+    With ``dir_fd``, ``full`` is a name in that (pinned) directory: no path
+    component above the file is resolved again."""
     try:
-        fd = os.open(full, OPEN_FLAGS)
+        fd = os.open(full, OPEN_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.ENOTDIR):
             return None  # removed, or replaced by a link / a special file
@@ -350,7 +356,7 @@ def hash_stable(full: str, before: StatKey, hook: ReadHook | None = None) -> str
     finally:
         os.close(fd)
     try:
-        again = os.lstat(full)
+        again = os.stat(full, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return None
     if StatKey.of(after) != before or StatKey.of(again) != before:

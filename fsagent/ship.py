@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, NoReturn, Protocol, TypeVar
 
@@ -58,9 +58,8 @@ from common.bridge import (
 from common.errors import AgentFilesLimitExceeded, StaleLease
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
-from fsagent.content import UpperFiles
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
-from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
+from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +163,43 @@ Shipped = list[tuple[Change, Digest | None, FileVersion]]
 """What a receipt acknowledges: each change, the digest saved for it, the version."""
 
 
+class HasGeneration(Protocol):
+    @property
+    def generation(self) -> int: ...
+
+
+class ContentReader(Protocol):
+    def open_read(self, ino: int) -> BinaryIO: ...
+
+
+class ShipStore(Protocol):
+    """What the shipper reads and writes of a collection's state: a FUSE
+    mount's :class:`fsagent.store.Store` (the journal, inodes and ``upper/``)
+    or a plain directory's :class:`fsagent.dirstore.DirStore` (a scan; files
+    read from the directory). An upload's ``inode`` and ``generation`` are
+    whatever ``get`` and ``upper`` understand: the shipper only compares the
+    generation before and after reading."""
+
+    @property
+    def upper(self) -> ContentReader: ...
+
+    def pending_checkpoint(self) -> dict[str, Any] | None: ...
+
+    def set_pending_checkpoint(self, record: dict[str, Any] | None) -> None: ...
+
+    def changes_since_baseline(self) -> list[Change]: ...
+
+    def get(self, ino: int) -> HasGeneration: ...
+
+    def inline_data(self, ino: InodeNo) -> bytes | None: ...
+
+    def finish_checkpoint(
+        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
+    ) -> int: ...
+
+    def record_save_error(self, message: str) -> None: ...
+
+
 class ShipState:
     """The shipper's view of the state dir, on the loop that serves the mount.
 
@@ -173,11 +209,11 @@ class ShipState:
     shipper on another thread.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: ShipStore) -> None:
         self.store = store
 
     @property
-    def upper(self) -> UpperFiles:
+    def upper(self) -> ContentReader:
         return self.store.upper
 
     async def pending(self) -> dict[str, Any] | None:
@@ -229,7 +265,7 @@ class Checkpoints(Protocol):
     def last_checkpoint(self) -> dict[str, Any] | None: ...
 
 
-def live_unchanged(store: Store, changes: list[Change]) -> list[bool]:
+def live_unchanged(store: ShipStore, changes: list[Change]) -> list[bool]:
     """Whether each upload's live inode is still at its listed write generation;
     on the mount's loop (it reads the in-memory inodes)."""
     out = []
@@ -247,7 +283,7 @@ class Shipper:
 
     def __init__(
         self,
-        store: Store,
+        store: ShipStore,
         client: BridgeClient,
         scope: str,
         lease_epoch: int,

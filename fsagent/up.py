@@ -1,6 +1,8 @@
 """``fsagent up``: prepare the task's repository checkouts (``fsagent repos
 prepare``), start the local API endpoint (``fsagent bridge``), mount all four
-collections (one daemon process each) under one home, start the repository
+collections (one daemon process each) under one home (as FUSE mounts, or as
+plain directories where FUSE is unavailable: ``--mode``, decided once here
+and said in one line), start the repository
 saver (``fsagent repos watch``), write the agent's environment file, and
 supervise them all.
 
@@ -31,8 +33,9 @@ import trio
 
 from common.limits import SCOPES
 from fsagent.client import RepoList, RunInfo
-from fsagent.daemon import client_from_args
+from fsagent.daemon import client_from_args, is_ready
 from fsagent.errors import MountFailed
+from fsagent.fuseprobe import decide
 from fsagent.store import default_state_root
 from fsagent.tls import forwarded_argv, options_from
 
@@ -185,11 +188,24 @@ def start_bridge(
     return proc, {k: str(info[k]) for k in ("PAPERCLIP_API_URL", "PAPERCLIP_API_SOCKET")}
 
 
+def served(mode: str, where: Path, ready: Path, child: subprocess.Popen[bytes]) -> bool:
+    """Whether a collection's daemon serves it: mounted (FUSE), or its ready
+    file written (dir mode)."""
+    if mode == "fuse":
+        return os.path.ismount(where)
+    return is_ready(ready, child.pid)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Mount all four collections (one process each) and supervise them."""
     home = Path(args.home).absolute()
     state_root = Path(args.state_root) if args.state_root else default_state_root()
     run = fetch_run(args)
+    decision = decide(args.mode, None, args.mode_reason)
+    if args.mode == "auto" and decision.mode == "dir":
+        print(f"fsagent up: FUSE is not available ({decision.reason}); the work folders are "
+              "plain directories (dir mode)", file=sys.stderr, flush=True)  # fmt: skip
+    ready_dir = state_root / "run"
     stop = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -230,6 +246,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             "--spin-us",
             str(args.spin_us),
         ]
+        argv += ["--mode", decision.mode, "--mode-reason", decision.reason]
+        if decision.mode == "dir":
+            ready = ready_dir / f"{scope}.ready"
+            ready.unlink(missing_ok=True)
+            argv += ["--ready-file", str(ready)]
         if args.token_file:
             argv += ["--token-file", args.token_file]
         if args.allow_other:
@@ -243,7 +264,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     failed: str | None = None
     while pending and not stop and failed is None:
         for scope in list(pending):
-            if os.path.ismount(home / scope):
+            if served(decision.mode, home / scope, ready_dir / f"{scope}.ready", children[scope]):
                 pending.discard(scope)
             elif children[scope].poll() is not None:
                 failed = f"{scope} exited with {children[scope].returncode}"
@@ -253,8 +274,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if failed is None and not stop:
         env_file = Path(args.env_file) if args.env_file else state_root / "env"
         write_env_file(env_file, {**env_for(home, run), **repo_env, **api_env})
+        verb = "mounted" if decision.mode == "fuse" else "ready (plain directories, dir mode):"
         print(
-            f"fsagent: mounted {', '.join(SCOPES)} under {home}; environment in {env_file}",
+            f"fsagent: {verb} {', '.join(SCOPES)} under {home}; environment in {env_file}",
             flush=True,
         )
         while not stop and all(c.poll() is None for c in children.values()):
