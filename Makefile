@@ -23,8 +23,11 @@ demo: deps
 	packaging/install-deps.sh --demo
 	$(PY) -m controller.demo --data-dir $(DEMO_DIR) --home demo-home --listen $(DEMO_LISTEN)
 
+# Two workers, each taking whole test files (module fixtures stay shared);
+# PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
 test: deps-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: deps
 	$(VENV)/bin/ruff check .
