@@ -4,12 +4,18 @@ Starts `controller serve` (embedded PostgreSQL, local_disk), creates a demo
 company, user, project, task and agent once (kept in ``<data-dir>/demo.json``
 so the next `make demo` reuses them and the same token; the agent's folder
 starts with its instruction entry, ``AGENTS.md``, which the demo fills with a
-few lines the Files page's editor opens from "Instructions"), starts a run for
-them and mounts its four folders under ``demo-home/`` with `fsagent up`, which
-also serves the run's local API endpoint (``fsagent bridge``) and writes the
-sandbox's env file (``PAPERCLIP_API_URL``, ...). The printed ``curl`` lines
-under "Inside the sandbox" use only that env file: no token of their own.
-Ctrl-C stops fsagent (final save) and then the controller.
+few lines the Files page's editor opens from "Instructions"), and a local bare
+Git repository (``<data-dir>/demo-app.git``, no network needed) bound to the
+project as its primary workspace. It starts a run for them and runs
+`fsagent up` on ``demo-home/``: the four folders are mounted, the task's
+checkout is prepared in ``demo-home/repos/demo-app`` (cloned the first time,
+kept as it is at the next start, restored from its last checkpoint when
+``demo-home`` was deleted) and saved every ``--checkpoint-interval`` seconds
+and at stop; `fsagent up` also serves the run's local API endpoint
+(``fsagent bridge``) and writes the sandbox's env file
+(``PAPERCLIP_API_URL``, ``PAPERCLIP_PRIMARY_REPO``, ...). The printed
+``curl`` lines under "Inside the sandbox" use only that env file: no token
+of their own. Ctrl-C stops fsagent (final saves) and then the controller.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +39,7 @@ from controller import admin, agentfiles
 from controller.cli import database
 from controller.config import Settings
 
+DEMO_REPO = "demo-app"
 DEMO_INSTRUCTIONS = (
     "# Demo agent\n\n"
     "These are the demo agent's instructions (its AGENTS.md). Edit them on the Files\n"
@@ -44,16 +52,50 @@ def ensure_demo_account(data_dir: Path) -> dict[str, str]:
     saved = data_dir / "demo.json"
     if saved.exists():
         account: dict[str, str] = json.loads(saved.read_text())
-        return account
-    with database(Settings(data_dir=data_dir)) as url:
-        boot = admin.bootstrap(url, "Demo company", "demo@example.com")
-        project = admin.create_owner(url, "projects", boot["company_id"], "Demo project")["id"]
-        task = admin.create_owner(url, "tasks", boot["company_id"], "Demo task", project=project)
-        agent = admin.create_owner(url, "agents", boot["company_id"], "Demo agent")["id"]
-    account = {**boot, "project_id": project, "task_id": task["id"], "agent_id": agent}
+    else:
+        with database(Settings(data_dir=data_dir)) as url:
+            boot = admin.bootstrap(url, "Demo company", "demo@example.com")
+            company = boot["company_id"]
+            project = admin.create_owner(url, "projects", company, "Demo project")["id"]
+            task = admin.create_owner(url, "tasks", company, "Demo task", project=project)
+            agent = admin.create_owner(url, "agents", company, "Demo agent")["id"]
+        account = {**boot, "project_id": project, "task_id": task["id"], "agent_id": agent}
+    if "workspace_id" not in account:  # also for a demo.json from before repositories
+        origin = ensure_demo_repo(data_dir)
+        with database(Settings(data_dir=data_dir)) as url:
+            workspace = admin.add_workspace(
+                url,
+                account["project_id"],
+                repo_url=str(origin),
+                name=DEMO_REPO,
+                ref=None,
+                primary=True,
+                setup_command=None,
+            )
+        account["workspace_id"] = workspace["workspace_id"]
     saved.write_text(json.dumps(account, indent=2))
     os.chmod(saved, 0o600)
     return account
+
+
+def ensure_demo_repo(data_dir: Path) -> Path:
+    """A local bare repository with one commit: the demo's origin (no network)."""
+    origin = data_dir / f"{DEMO_REPO}.git"
+    if origin.exists():
+        return origin
+    seed = data_dir / f"{DEMO_REPO}-seed"
+    seed.mkdir(parents=True, exist_ok=True)
+    (seed / "README.md").write_text("# Demo app\n\nCommit here; stop and start the demo again.\n")
+    identity = ["-c", "user.name=Demo", "-c", "user.email=demo@example.com"]
+    for args in (
+        ["init", "-q", "-b", "main"],
+        ["add", "README.md"],
+        [*identity, "commit", "-q", "-m", "Initial commit"],
+        ["clone", "-q", "--bare", str(seed), str(origin)],
+    ):
+        subprocess.run(["git", *args], cwd=seed, check=True, capture_output=True)
+    shutil.rmtree(seed)
+    return origin
 
 
 def wait_until(check: Any, what: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
@@ -189,6 +231,10 @@ def main() -> int:
                     str(data_dir / "fsagent"),
                     "--checkpoint-interval",
                     str(args.checkpoint_interval),
+                    # The demo shows the FUSE mounts; a sandbox without FUSE
+                    # would use plain directories (fsagent up --mode auto).
+                    "--mode",
+                    "fuse",
                 ],
                 start_new_session=True,
             )
@@ -196,10 +242,19 @@ def main() -> int:
             env_file.unlink(missing_ok=True)
             # up writes the env file once every collection is mounted.
             wait_until(env_file.exists, "mounting", 300, fsagent)
+            checkout = home / "repos" / DEMO_REPO
             lines = [
                 f"Sandbox:     {home}/{{task,agent,user,project}} (run {run['run_id']})",
                 f"             saved every {args.checkpoint_interval:.0f}s and at Ctrl-C;"
                 f" save now: .venv/bin/fsagent flush task --state-dir {task_state}",
+                f"Repository:  {checkout} (the task's clone of {data_dir}/{DEMO_REPO}.git)",
+                f"             saved every {args.checkpoint_interval:.0f}s and at Ctrl-C;"
+                " save now: .venv/bin/fsagent repos checkpoint"
+                f" --home {shlex.quote(str(home))}"
+                f" --state-root {shlex.quote(str(data_dir / 'fsagent'))} --controller {base}"
+                f" --token-file {shlex.quote(str(data_dir / 'run-token'))}",
+                f"             commit there, Ctrl-C, `make demo` again: the commit is there;"
+                f" then delete {home} and `make demo`: restored from its checkpoint",
             ]
             lines += sandbox_lines(env_file, acc, home)
         folder = f"{base}/api/companies/{acc['company_id']}/work-folders/user/{acc['user_id']}"

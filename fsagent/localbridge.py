@@ -332,7 +332,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     import uvicorn
 
     from fsagent.envfile import update_env_file
-    from fsagent.up import env_for, fetch_run
+    from fsagent.up import env_for, fetch_repos_env, fetch_run
 
     if not args.controller.startswith(("http://", "https://")):
         raise FsagentError("fsagent bridge needs an http(s) --controller URL")
@@ -367,7 +367,10 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     if args.env_file:
-        collections = env_for(Path(args.home).absolute(), fetch_run(args)) if args.home else {}
+        collections: dict[str, str] = {}
+        if args.home:
+            home = Path(args.home).absolute()
+            collections = {**env_for(home, fetch_run(args)), **fetch_repos_env(args, home)}
         update_env_file(Path(args.env_file), {**collections, **endpoint})
     if args.ready_file:
         ready = Path(args.ready_file)

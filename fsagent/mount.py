@@ -60,7 +60,12 @@ from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent import SPIN_US, stats
 from fsagent.client import BridgeClient
-from fsagent.controlserver import FlushHandler, StatsHandler, serve_control
+from fsagent.controlserver import (
+    FlushHandler,
+    StatsHandler,
+    open_control_socket,
+    serve_control,
+)
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
@@ -80,6 +85,8 @@ class MountOptions:
     prefetch: int = 4
     checkpoint_interval: float = CHECKPOINT_INTERVAL_SECONDS
     spin_us: int = SPIN_US
+    mode_reason: str = "--mode fuse"
+    """Why FUSE serves this collection (``fsagent status`` shows it; fsagent.fuseprobe)."""
 
 
 @dataclass
@@ -444,6 +451,7 @@ async def _serve_store(
         stop.report_failed = report_failed
     if owner is not None:
         store.bind(binding)
+        store.claim_mode("fuse", opts.mode_reason, str(opts.mountpoint.absolute()))
         freed, fixed = store.recover()
         if freed or fixed:
             log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)
@@ -463,9 +471,16 @@ async def _serve_store(
         spin_ns=opts.spin_us * 1000,
         protected=protected,
     )
+    # Listening before the mount appears: whoever sees the mount can ask it
+    # to save.
+    control_path = opts.state_dir / "control.sock"
+    control = open_control_socket(control_path) if shipper is not None else None
     try:
         pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
     except RuntimeError as exc:
+        if control is not None:
+            control.close()
+            control_path.unlink(missing_ok=True)
         raise MountFailed(
             f"could not mount {opts.mountpoint}: {exc} (is /dev/fuse available, "
             "fusermount3 installed, and the mountpoint an existing, unused directory?)"
@@ -493,11 +508,12 @@ async def _serve_store(
             nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
             if owner is not None:
                 nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
-            if shipper is not None and cadence is not None:
+            if shipper is not None and cadence is not None and control is not None:
                 cadence(nursery)
                 nursery.start_soon(
                     serve_control,
-                    opts.state_dir / "control.sock",
+                    control,
+                    control_path,
                     _control_handler(opts.mountpoint, shipper, stop),
                     _stats_handler(shipper),
                 )
@@ -505,6 +521,9 @@ async def _serve_store(
             nursery.cancel_scope.cancel()
     finally:
         pyfuse3.close(unmount=True)
+        if control is not None:
+            control.close()  # already closed if it served
+            control_path.unlink(missing_ok=True)
         fs.shutdown()
         if daemon_file is not None:
             daemon_file.unlink(missing_ok=True)

@@ -39,9 +39,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, BinaryIO, NoReturn, Protocol, TypeVar
 
 import trio
 import zstandard
@@ -58,9 +58,8 @@ from common.bridge import (
 from common.errors import AgentFilesLimitExceeded, StaleLease
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
-from fsagent.content import UpperFiles
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
-from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
+from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +73,50 @@ BATCH_TARGET_BYTES = 4 << 20
 several smaller batches keep both ends busy where one large one would not."""
 
 
-def batches(changes: list[Change]) -> list[list[Change]]:
-    """Small uploads grouped into batches, by listed size."""
+T = TypeVar("T")
+
+
+def batches(items: list[T], size_of: Callable[[T], int]) -> list[list[T]]:
+    """Small uploads grouped into batches, by listed size (also used for
+    repository checkpoints, :mod:`fsagent.reposave`)."""
     members = min(BATCH_TARGET_MEMBERS, BATCH_MAX_MEMBERS)
     budget = min(BATCH_TARGET_BYTES, BATCH_MAX_BYTES - BATCH_MEMBER_MAX)
-    out: list[list[Change]] = []
-    current: list[Change] = []
+    out: list[list[T]] = []
+    current: list[T] = []
     size = 0
-    for change in changes:
-        if current and (len(current) >= members or size + change.size > budget):
+    for item in items:
+        item_size = size_of(item)
+        if current and (len(current) >= members or size + item_size > budget):
             out.append(current)
             current, size = [], 0
-        current.append(change)
-        size += change.size
+        current.append(item)
+        size += item_size
     if current:
         out.append(current)
     return out
+
+
+async def file_frames(
+    fh: BinaryIO, compressor: zstandard.ZstdCompressor, tally: Callable[[int], None]
+) -> AsyncIterator[bytes]:
+    """The upload frames of an open file, read and compressed in worker
+    threads, then :data:`END_FRAME`; ``tally`` hears each chunk's raw size.
+    Whether to compress is decided on the first block: incompressible data
+    goes up as stored frames."""
+    use: zstandard.ZstdCompressor | None = compressor
+    first = True
+    while True:
+        raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
+        if not raw:
+            break
+        if first:  # the compressibility check is CPU work too: a thread
+            frame, use = await trio.to_thread.run_sync(encode_first, raw, compressor)
+            first = False
+        else:
+            frame = await trio.to_thread.run_sync(encode_frame, raw, use)
+        tally(len(raw))
+        yield frame
+    yield END_FRAME
 
 
 @dataclass(frozen=True)
@@ -136,6 +163,43 @@ Shipped = list[tuple[Change, Digest | None, FileVersion]]
 """What a receipt acknowledges: each change, the digest saved for it, the version."""
 
 
+class HasGeneration(Protocol):
+    @property
+    def generation(self) -> int: ...
+
+
+class ContentReader(Protocol):
+    def open_read(self, ino: int) -> BinaryIO: ...
+
+
+class ShipStore(Protocol):
+    """What the shipper reads and writes of a collection's state: a FUSE
+    mount's :class:`fsagent.store.Store` (the journal, inodes and ``upper/``)
+    or a plain directory's :class:`fsagent.dirstore.DirStore` (a scan; files
+    read from the directory). An upload's ``inode`` and ``generation`` are
+    whatever ``get`` and ``upper`` understand: the shipper only compares the
+    generation before and after reading."""
+
+    @property
+    def upper(self) -> ContentReader: ...
+
+    def pending_checkpoint(self) -> dict[str, Any] | None: ...
+
+    def set_pending_checkpoint(self, record: dict[str, Any] | None) -> None: ...
+
+    def changes_since_baseline(self) -> list[Change]: ...
+
+    def get(self, ino: int) -> HasGeneration: ...
+
+    def inline_data(self, ino: InodeNo) -> bytes | None: ...
+
+    def finish_checkpoint(
+        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
+    ) -> int: ...
+
+    def record_save_error(self, message: str) -> None: ...
+
+
 class ShipState:
     """The shipper's view of the state dir, on the loop that serves the mount.
 
@@ -145,11 +209,11 @@ class ShipState:
     shipper on another thread.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: ShipStore) -> None:
         self.store = store
 
     @property
-    def upper(self) -> UpperFiles:
+    def upper(self) -> ContentReader:
         return self.store.upper
 
     async def pending(self) -> dict[str, Any] | None:
@@ -201,7 +265,7 @@ class Checkpoints(Protocol):
     def last_checkpoint(self) -> dict[str, Any] | None: ...
 
 
-def live_unchanged(store: Store, changes: list[Change]) -> list[bool]:
+def live_unchanged(store: ShipStore, changes: list[Change]) -> list[bool]:
     """Whether each upload's live inode is still at its listed write generation;
     on the mount's loop (it reads the in-memory inodes)."""
     out = []
@@ -219,7 +283,7 @@ class Shipper:
 
     def __init__(
         self,
-        store: Store,
+        store: ShipStore,
         client: BridgeClient,
         scope: str,
         lease_epoch: int,
@@ -388,7 +452,7 @@ class Shipper:
 
         try:
             async with trio.open_nursery() as nursery:
-                for group in batches(small):
+                for group in batches(small, lambda c: c.size):
                     if len(group) == 1:
                         nursery.start_soon(one, group[0])  # a batch of one is an upload
                     else:
@@ -396,14 +460,7 @@ class Shipper:
                 for change in large:
                     nursery.start_soon(one, change)
         except BaseExceptionGroup as group:
-            # One failed upload fails the checkpoint; report it like a single one.
-            matched, _ = group.split((FsagentError, OSError))
-            if matched is None:
-                raise
-            first: BaseException = matched
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from group
+            raise_first_failure(group)
         return results
 
     async def _upload_batch(self, group: list[Change]) -> dict[str, Digest]:
@@ -467,30 +524,25 @@ class Shipper:
         async def frames() -> AsyncIterator[bytes]:
             nonlocal sent
             sent = 0  # called again for each attempt: count this attempt's bytes only
-            # Decided on the first block: incompressible data goes up stored.
-            use: zstandard.ZstdCompressor | None = compressor
             if inline is not None:
                 sent = len(inline)
                 if inline:
+                    # Decided on the first block: incompressible data goes up stored.
                     use = compressor if compressible(inline) else None
                     yield encode_frame(inline, use)  # at most INLINE_MAX < CHUNK_MAX
                 yield END_FRAME
                 return
             fh = await trio.to_thread.run_sync(upper.open_read, ino)
+
+            def tally(n: int) -> None:
+                nonlocal sent
+                sent += n
+
             try:
-                while True:
-                    raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
-                    if not raw:
-                        break
-                    if sent == 0:  # the compressibility check is CPU work too: a thread
-                        frame, use = await trio.to_thread.run_sync(encode_first, raw, compressor)
-                    else:
-                        frame = await trio.to_thread.run_sync(encode_frame, raw, use)
-                    sent += len(raw)
+                async for frame in file_frames(fh, compressor, tally):
                     yield frame
             finally:
                 fh.close()
-            yield END_FRAME
 
         try:
             digest, size = await self.client.upload_object(self.scope, frames)
@@ -500,6 +552,19 @@ class Shipper:
             log.info("%s changed while it was uploaded; it stays dirty", change.path)
             return None
         return Digest(digest)
+
+
+def raise_first_failure(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """One failed upload fails the checkpoint: raise the first fsagent or OS
+    error of a nursery's group like a single failure (anything else, the
+    group as it is)."""
+    matched, _ = group.split((FsagentError, OSError))
+    if matched is None:
+        raise group
+    first: BaseException = matched
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    raise first from group
 
 
 def encode_first(

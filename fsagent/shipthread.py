@@ -102,6 +102,9 @@ async def call_on(token: trio.lowlevel.TrioToken, fn: Callable[[], T]) -> T:
 class ThreadState(ShipState):
     """The shipper's view of the state dir from the ship thread (see the module)."""
 
+    store: Store
+    """A FUSE mount's store: only its committed records are read from this thread."""
+
     def __init__(self, store: Store, mount: trio.lowlevel.TrioToken) -> None:
         super().__init__(store)
         self.mount = mount

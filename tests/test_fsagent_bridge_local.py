@@ -477,8 +477,9 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
             f'OWNER_SETTING="kept as is"\nPAPERCLIP_API_URL="http://127.0.0.1:{port}"\n'
             f'AGENT_HOME="{q}/agent"\nPAPERCLIP_TASK_DIR="{q}/task"\n'
             f'PAPERCLIP_AGENT_DIR="{q}/agent"\nPAPERCLIP_PROJECT_DIR="{q}/project"\n'
+            f'PAPERCLIP_REPOS_DIR="{q}/repos"\nPAPERCLIP_PRIMARY_REPO="{q}/repos/app"\n'
             f'PAPERCLIP_API_SOCKET="{q}/.local/state/fsagent/run/api.sock"\n'
-        )  # the stand-in's run is bound to a task, its agent and a project
+        )  # the stand-in's run is bound to a task, its agent, a project and one repository
         deadline = time.monotonic() + 30
         while env_file.read_text() != expected:
             assert proc.poll() is None and time.monotonic() < deadline, env_file.read_text()
@@ -494,7 +495,8 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as client:
             assert client.get("http://bridge/api/companies").status_code == 200
         assert [(x.method, x.path) for x in upstream.seen] == [
-            ("GET", "/bridge/v1/run"), ("GET", "/bridge/v1/api/companies"),
+            ("GET", "/bridge/v1/run"), ("GET", "/bridge/v1/repos"),
+            ("GET", "/bridge/v1/api/companies"),
         ]  # fmt: skip
         assert all(x.headers["authorization"] == f"Bearer {TOKEN}" for x in upstream.seen)
     finally:

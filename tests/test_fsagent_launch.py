@@ -254,11 +254,12 @@ def test_doctor_healthy_sandbox_without_controller(sandbox: Sandbox) -> None:
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {
         "node": "ok", "fsa-cli": "ok", "sh": "ok", "tar": "ok", "fusermount3": "ok",
-        "/dev/fuse": "ok", "home": "ok", "cache": "ok", "tmp": "ok",
+        "/dev/fuse": "ok", "mode": "ok", "home": "ok", "cache": "ok", "tmp": "ok",
         "controller": "skip", "bridge": "skip",
     }  # fmt: skip
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["node"]["detail"] == str(sandbox.bin / "node")
+    assert checks["mode"]["detail"] == "fuse (/dev/fuse opens and a test mount works)"
     text = doctor(sandbox, "--require", "fsa-cli")
     assert text.returncode == 0
     lines = text.stdout.splitlines()
