@@ -107,7 +107,11 @@ class UpperFiles:
 
 @dataclass(slots=True)
 class OpenFile:
-    """Per-inode backing fd shared by all handles of that inode (-1 while inline)."""
+    """Per-inode backing fd shared by all handles of that inode (-1 while inline).
+
+    ``opens``: open handles (when the kernel sends OPEN); ``pins``: uses in
+    flight that may wait (a worker thread, a copy-up), during which the fd
+    must not be closed."""
 
     fd: int
     upper: bool
@@ -146,11 +150,17 @@ class Content:
         try:
             return await trio.to_thread.run_sync(fn, of.fd)
         finally:
-            of.pins -= 1
-            if not of.pins:
-                for fd in of.retired:
-                    os.close(fd)
-                of.retired.clear()
+            self.unpin(of)
+
+    @staticmethod
+    def unpin(of: OpenFile) -> None:
+        """End one use of ``of`` begun with ``of.pins += 1``; close the fds
+        retired meanwhile once nobody uses them."""
+        of.pins -= 1
+        if not of.pins:
+            for fd in of.retired:
+                os.close(fd)
+            of.retired.clear()
 
     async def make_upper(self, inode: Inode, *, copy: bool) -> None:
         """Give ``inode`` its own upper copy (copy-on-write), once.

@@ -48,7 +48,7 @@ from fsagent import SPIN_US, stats
 from fsagent.client import BridgeClient
 from fsagent.control import FlushHandler, StatsHandler, serve_control
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
-from fsagent.fs import WorkFolderFS
+from fsagent.fs import NO_OPEN_SUPPORT, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
 from fsagent.ship import Shipper, checkpoint_loop
 from fsagent.store import MARKER, Binding, ManifestRow, Store
@@ -309,7 +309,13 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             elif shipper is not None:
                 await warm_start(store, client, shipper, opts.scope)
         fetcher = ContentFetcher(store, client, opts.scope)
-        fs = WorkFolderFS(store, fetcher, readonly=owner is None, spin_ns=opts.spin_us * 1000)
+        fs = make_fs(
+            store,
+            fetcher,
+            readonly=owner is None,
+            spin_ns=opts.spin_us * 1000,
+            handles=not NO_OPEN_SUPPORT or os.environ.get("FSAGENT_FUSE_HANDLES") == "1",
+        )
         try:
             pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
         except RuntimeError as exc:
