@@ -72,6 +72,10 @@ MAX_BACKING: Final = 512
 """Backing files (upper copies, saved objects) kept open without an open handle;
 past this the oldest idle one is closed and reopened when next used."""
 
+REAP_DELAY: Final = 0.01
+"""Seconds from an orphan's last reference to its records being freed (with
+the others of that moment, in one commit)."""
+
 DIR_LISTINGS: Final = 256
 """Directory listings kept between READDIR requests of one listing."""
 
@@ -107,6 +111,8 @@ class WorkFolderFS(pyfuse3.Operations):
         self.content = Content(store, fetcher)
         self.files = self.content.files
         self.dirs: dict[int, list[tuple[bytes, InodeNo]]] = {}
+        self._unreferenced: set[InodeNo] = set()
+        self._reap = trio.Event()
 
     def init(self) -> None:
         """FUSE INIT is being answered (called on the trio thread)."""
@@ -551,6 +557,10 @@ class WorkFolderFS(pyfuse3.Operations):
         until the kernel forgets the inode."""
 
     def _maybe_free(self, ino: InodeNo) -> None:
+        """Nobody references ``ino`` any more: drop it from the cache, or free
+        it if it is an orphan.  Its upper file goes at once; its records are
+        freed with others by ``reap_orphans`` (an ``rm -rf`` then commits once
+        per batch of FORGETs, not once per file)."""
         if self._in_use(ino):
             return
         try:
@@ -558,9 +568,25 @@ class WorkFolderFS(pyfuse3.Operations):
         except KeyError:
             return
         if node.parent == 0 and ino != ROOT_INODE:
-            self.store.free_orphan(ino)
+            self.store.drop_orphan_copy(ino)
+            self._unreferenced.add(ino)
+            self._reap.set()
         else:
             self.store.evict(ino)
+
+    async def reap_orphans(self) -> None:
+        """Free the orphans nobody references, ``REAP_DELAY`` after the first of a
+        batch (runs for the life of the mount)."""
+        while True:
+            await self._reap.wait()
+            await trio.sleep(REAP_DELAY)
+            self._reap = trio.Event()
+            self.free_unreferenced()
+
+    def free_unreferenced(self) -> None:
+        batch, self._unreferenced = self._unreferenced, set()
+        if batch:
+            self.store.free_orphans(sorted(batch))
 
     # --- directories ---------------------------------------------------------------
 
@@ -633,8 +659,10 @@ class WorkFolderFS(pyfuse3.Operations):
                 log.exception("forget of inode %d failed", inode)
 
     def shutdown(self) -> None:
-        """After unmount: close every backing fd (every change is already committed)."""
+        """After unmount: close every backing fd and free the orphans left
+        (every change is already committed)."""
         self.content.close_all()
+        self.free_unreferenced()
 
 
 class HandlesFS(WorkFolderFS):

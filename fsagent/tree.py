@@ -184,6 +184,12 @@ class Tree(Journal):
         txn.put(b"next_ino", str(ino + 1).encode(), db=self._meta)
         return InodeNo(ino)
 
+    def _moved_paths(self, txn: Any, inode: Inode, path: str) -> list[str]:
+        """``path`` and, for a directory, every path below it."""
+        if inode.kind != "directory":
+            return [path]
+        return list(self._subtree_paths(txn, inode.ino, path))
+
     def _subtree_paths(self, txn: Any, ino: InodeNo, prefix: str) -> Iterator[str]:
         """``prefix`` and every path below directory ``ino`` (depth first)."""
         yield prefix
@@ -273,15 +279,28 @@ class Tree(Journal):
 
     def free_orphan(self, ino: InodeNo) -> None:
         """Release an unlinked inode nobody references any more (forget / recovery)."""
+        self.free_orphans([ino])
+
+    def free_orphans(self, inos: Iterable[InodeNo]) -> None:
+        """Release unlinked inodes nobody references any more, in one commit."""
         with self._env.begin(write=True) as txn:
-            if txn.get(ikey(ino), db=self._orphans) is None:
-                return
-            raw = txn.get(ikey(ino), db=self._inodes)
-            inode = self._cache.get(ino) or (Inode.decode(ino, raw) if raw else None)
-            if inode is None:
-                txn.delete(ikey(ino), db=self._orphans)
-                return
-            self._free(txn, inode)
+            for ino in inos:
+                if txn.get(ikey(ino), db=self._orphans) is None:
+                    continue
+                raw = txn.get(ikey(ino), db=self._inodes)
+                inode = self._cache.get(ino) or (Inode.decode(ino, raw) if raw else None)
+                if inode is None:
+                    txn.delete(ikey(ino), db=self._orphans)
+                    continue
+                self._free(txn, inode)
+
+    def drop_orphan_copy(self, ino: InodeNo) -> None:
+        """Remove the upper copy of an orphan nobody can reach any more now (the
+        disk space comes back at once); its records go with :meth:`free_orphans`.
+        A crash in between leaves an orphan that recovery frees."""
+        inode = self._cache.get(ino)
+        if inode is not None and inode.parent == 0 and inode.upper:
+            self.upper.remove(ino)
 
     def rename(
         self,
@@ -312,8 +331,9 @@ class Tree(Journal):
                 replaced = self._cache.get(tino) or Inode.decode(
                     tino, txn.get(ikey(tino), db=self._inodes)
                 )
+            touched: list[tuple[list[str], str]] = []
             if old_path is not None:
-                self._touch(txn, list(self._subtree_paths(txn, ino, old_path)), "rename-from")
+                touched.append((self._moved_paths(txn, moved, old_path), "rename-from"))
             txn.delete(ekey(old_parent, old_name), db=self._entries)
             txn.put(ekey(new_parent, new_name), ikey(ino), db=self._entries)
             moved.parent, moved.name, moved.ctime_ns = new_parent, new_name, t
@@ -322,7 +342,8 @@ class Tree(Journal):
                 self._detach(txn, replaced, keep=keep_replaced(replaced.ino), t=t)
             new_path = self._path_in(txn, ino)
             if new_path is not None:
-                self._touch(txn, list(self._subtree_paths(txn, ino, new_path)), "rename-to")
+                touched.append((self._moved_paths(txn, moved, new_path), "rename-to"))
+            self._touch_all(txn, touched)
             self._touch_parent_mtime(txn, old_parent, t)
             if new_parent != old_parent:
                 self._touch_parent_mtime(txn, new_parent, t)
