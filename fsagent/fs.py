@@ -127,7 +127,7 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(errno.ENOENT) from None
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        return entry_attributes(inode, self.readonly)
+        return entry_attributes(inode, self.readonly, self.store.nlink(inode))
 
     def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new lookup reference."""
@@ -292,8 +292,15 @@ class WorkFolderFS(pyfuse3.Operations):
         rdev: int,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
-        """Always EPERM: no device nodes, FIFOs or sockets (regular files use create)."""
-        raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
+        """A regular file, as ``create`` makes it (in "no open" mode the kernel
+        creates files this way: no CREATE, so no RELEASE at close either);
+        EPERM for device nodes, FIFOs and sockets."""
+        if not stat.S_ISREG(mode):
+            raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
+        inode = await self._create_node(parent_inode, name, "file", mode, ctx)
+        # Empty and inline (in the same commit): no file is created on disk.
+        self.files[inode.ino] = OpenFile(-1, upper=True, inline=True)
+        return self._ref(inode)
 
     @fuse_boundary
     async def readlink(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> bytes:
@@ -335,27 +342,6 @@ class WorkFolderFS(pyfuse3.Operations):
             # that could never be saved.
             raise fuse_err(errno.EDQUOT)
         return self.store.create(parent, name, kind, mode, ctx.uid, gid)
-
-    @fuse_boundary
-    async def create(
-        self,
-        parent_inode: pyfuse3.InodeT,
-        name: pyfuse3.FileNameT,
-        mode: pyfuse3.ModeT,
-        flags: pyfuse3.FlagT,
-        ctx: pyfuse3.RequestContext,
-    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        """Create and open a new empty file (its upper file starts empty).
-
-        EEXIST if the name is taken (the kernel has already applied O_EXCL
-        semantics through lookup; this closes the race).  Journals the path.
-        """
-        inode = await self._create_node(parent_inode, name, "file", mode, ctx)
-        # Empty and inline (in the same commit): no file is created on disk.
-        self.files[inode.ino] = OpenFile(-1, upper=True, inline=True)
-        return pyfuse3.FileInfo(fh=self._handle_for(inode.ino, flags), keep_cache=True), self._ref(
-            inode
-        )
 
     @fuse_boundary
     async def unlink(
@@ -445,10 +431,6 @@ class WorkFolderFS(pyfuse3.Operations):
         self.store.rename(old_parent, old, new_parent, new, keep_replaced=self._in_use)
 
     # --- files --------------------------------------------------------------------
-
-    def _handle_for(self, ino: InodeNo, flags: int) -> int:
-        """The file handle of a newly opened ``ino``: the inode itself."""
-        return ino
 
     async def _open_file(self, fh: int) -> tuple[InodeNo, OpenFile]:
         """The inode and backing of a file handle (attached on first use)."""
@@ -553,8 +535,8 @@ class WorkFolderFS(pyfuse3.Operations):
 
     @fuse_boundary
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
-        """A file made by ``create`` was closed: its backing stays attached
-        until the kernel forgets the inode."""
+        """Not sent without handles (no OPEN, no CREATE): a file's backing stays
+        attached until the kernel forgets the inode."""
 
     def _maybe_free(self, ino: InodeNo) -> None:
         """Nobody references ``ino`` any more: drop it from the cache, or free
@@ -683,6 +665,7 @@ class HandlesFS(WorkFolderFS):
         self._next_fh = 1
 
     def _handle_for(self, ino: InodeNo, flags: int) -> int:
+        """A new handle of ``ino``, whose backing is attached."""
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = Handle(ino, flags)
@@ -694,6 +677,29 @@ class HandlesFS(WorkFolderFS):
         if h is None:
             raise fuse_err(errno.EBADF)
         return h.ino, self.files[h.ino]
+
+    @fuse_boundary
+    async def create(
+        self,
+        parent_inode: pyfuse3.InodeT,
+        name: pyfuse3.FileNameT,
+        mode: pyfuse3.ModeT,
+        flags: pyfuse3.FlagT,
+        ctx: pyfuse3.RequestContext,
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        """Create and open a new empty file (its upper file starts empty).
+
+        EEXIST if the name is taken (the kernel has already applied O_EXCL
+        semantics through lookup; this closes the race).  Journals the path.
+        Only with handles: without, the kernel's fallback (MKNOD, then an open
+        it does not send) saves the RELEASE of every new file.
+        """
+        inode = await self._create_node(parent_inode, name, "file", mode, ctx)
+        # Empty and inline (in the same commit): no file is created on disk.
+        self.files[inode.ino] = OpenFile(-1, upper=True, inline=True)
+        return pyfuse3.FileInfo(fh=self._handle_for(inode.ino, flags), keep_cache=True), self._ref(
+            inode
+        )
 
     @fuse_boundary
     async def open(

@@ -25,6 +25,7 @@ change for the next start.
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ from fsagent import SPIN_US, stats
 from fsagent.client import BridgeClient
 from fsagent.control import FlushHandler, StatsHandler, serve_control
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
-from fsagent.fs import NO_OPEN_SUPPORT, WorkFolderFS, make_fs
+from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
 from fsagent.ship import Shipper, checkpoint_loop
 from fsagent.store import MARKER, Binding, ManifestRow, Store
@@ -121,6 +122,13 @@ def _set_readahead(mountpoint: Path) -> None:
             fh.write(str(READAHEAD_KIB))
     except OSError as exc:
         log.debug("readahead of %s stays at the default: %s", mountpoint, exc)
+
+
+def _pyfuse3_version() -> str:
+    try:
+        return importlib.metadata.version("pyfuse3")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _fuse_options(opts: MountOptions, readonly: bool) -> set[str]:
@@ -315,6 +323,11 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             readonly=owner is None,
             spin_ns=opts.spin_us * 1000,
             handles=not NO_OPEN_SUPPORT or os.environ.get("FSAGENT_FUSE_HANDLES") == "1",
+        )
+        log.info(
+            "FUSE: %s (pyfuse3 %s)",
+            "open/release handles" if isinstance(fs, HandlesFS) else '"no open" mode',
+            _pyfuse3_version(),
         )
         try:
             pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))

@@ -55,6 +55,7 @@ class Tree(Journal):
         super().__init__(root, env, lock_fd, readonly)
         self.upper = UpperFiles(root / "upper")
         self._cache: dict[InodeNo, Inode] = {}
+        self._subdirs: dict[InodeNo, int] = {}
 
     def _live_inode(self, txn: Any, ino: InodeNo) -> Inode | None:
         cached = self._cache.get(ino)
@@ -83,6 +84,32 @@ class Tree(Journal):
         (every change to it is already committed)."""
         if ino != ROOT_INODE:
             self._cache.pop(ino, None)
+
+    def nlink(self, inode: Inode) -> int:
+        """The link count: 1 for a file, 2 + its subdirectories for a directory
+        (its entry, its ``.`` and each subdirectory's ``..``), 0 once unlinked."""
+        if inode.parent == 0 and inode.ino != ROOT_INODE:
+            return 0
+        if inode.kind != "directory":
+            return 1
+        count = self._subdirs.get(inode.ino)
+        if count is None:
+            # Counted once, then kept exact by every change below (in memory
+            # only: nothing to store, upgrade or repair).
+            with self._env.begin() as txn:
+                count = sum(
+                    1
+                    for _, child in self._children_in(txn, inode.ino)
+                    if (node := self._live_inode(txn, child)) is not None
+                    and node.kind == "directory"
+                )
+            self._subdirs[inode.ino] = count
+        return 2 + count
+
+    def _count_subdir(self, parent: InodeNo, delta: int) -> None:
+        count = self._subdirs.get(parent)
+        if count is not None:
+            self._subdirs[parent] = count + delta
 
     def lookup(self, parent: InodeNo, name: str) -> InodeNo | None:
         with self._env.begin() as txn:
@@ -231,6 +258,9 @@ class Tree(Journal):
             assert path is not None
             self._touch(txn, [path], "mkdir" if kind == "directory" else "create")
             self._touch_parent_mtime(txn, parent, t)
+        if kind == "directory":
+            self._subdirs[ino] = 0
+            self._count_subdir(parent, 1)
         return inode
 
     def _touch_parent_mtime(self, txn: Any, parent: InodeNo, t: int) -> None:
@@ -259,6 +289,9 @@ class Tree(Journal):
             txn.delete(ekey(parent, name), db=self._entries)
             self._detach(txn, inode, keep=keep, t=t)
             self._touch_parent_mtime(txn, parent, t)
+        if inode.kind == "directory":
+            self._subdirs.pop(inode.ino, None)
+            self._count_subdir(parent, -1)
         return inode
 
     def _detach(self, txn: Any, inode: Inode, *, keep: bool, t: int) -> None:
@@ -347,6 +380,12 @@ class Tree(Journal):
             self._touch_parent_mtime(txn, old_parent, t)
             if new_parent != old_parent:
                 self._touch_parent_mtime(txn, new_parent, t)
+        if moved.kind == "directory":
+            self._count_subdir(old_parent, -1)
+            self._count_subdir(new_parent, 1)
+        if replaced is not None and replaced.kind == "directory":
+            self._subdirs.pop(replaced.ino, None)
+            self._count_subdir(new_parent, -1)
         return replaced
 
     def exchange(self, p1: InodeNo, n1: str, p2: InodeNo, n2: str) -> None:
@@ -375,6 +414,10 @@ class Tree(Journal):
                 path = self._path_in(txn, inode.ino)
                 if path is not None:
                     self._touch(txn, list(self._subtree_paths(txn, inode.ino, path)), "exchange")
+        for inode, left, joined in ((a, p1, p2), (b, p2, p1)):
+            if inode.kind == "directory":
+                self._count_subdir(left, -1)
+                self._count_subdir(joined, 1)
 
     def _resolve(self, txn: Any, path: str) -> Inode | None:
         ino = ROOT_INODE
@@ -398,6 +441,7 @@ class Tree(Journal):
         changes were shipped first and win. Returns the paths updated.
         """
         journal = {p for p, _, _ in self.journal()}
+        self._subdirs.clear()  # counted again on demand
         applied = 0
         for item in entries:
             if isinstance(item, tuple):
@@ -498,6 +542,7 @@ class Tree(Journal):
         of inodes created.
         """
         t = now_ns()
+        self._subdirs.clear()
         dirs: dict[str, InodeNo] = {"": ROOT_INODE}
         created = 0
         with self._env.begin(write=True) as txn:

@@ -203,6 +203,9 @@ def test_root_only_mount_checks_exec_itself_without_default_permissions(
     with open(locked, "ab") as fh:  # root passes mode checks, as on a native filesystem
         fh.write(b" write")
     assert locked.read_bytes() == b"root may write"
+    # With one user (no --allow-other), root's chown is stored and shows in stat.
+    os.chown(locked, OTHER, 100)
+    assert (locked.stat().st_uid, locked.stat().st_gid) == (OTHER, 100)
 
 
 def test_fsync_skips_the_store_sync_only_while_an_upper_file_records_are_durable(

@@ -117,6 +117,30 @@ def test_directory_rename_lists_every_moved_path(store: Store) -> None:
     }  # fmt: skip
 
 
+def test_directory_link_counts_follow_every_change_and_a_fresh_count(store: Store) -> None:
+    def links(*inos: InodeNo) -> tuple[int, ...]:
+        return tuple(store.nlink(store.get(i)) for i in inos)
+
+    docs, x, y = ino(store, "docs"), ino(store, "x"), ino(store, "x/y")
+    # Counted from the hydrated records: the root has docs and x (an ancestor
+    # the manifest did not list), x has y; a file has one link.
+    assert links(ROOT_INODE, docs, x, y) == (4, 2, 3, 2)
+    assert links(ino(store, "docs/a")) == (1,)
+    store.create(docs, "sub", "directory", 0o755)
+    store.rename(x, "y", docs, "y", keep_replaced=lambda _: False)
+    assert links(docs, x) == (4, 2)
+    store.create(x, "file", "file", 0o644)
+    store.exchange(docs, "sub", x, "file")  # a directory and a file swap parents
+    assert links(docs, x) == (3, 3)
+    gone = store.unlink(x, "file", keep=True)  # the directory, removed while in use
+    assert store.nlink(gone) == 0 and links(x) == (2,)
+    counted = links(ROOT_INODE, docs, x)
+    store.close()
+    fresh = Store.open(store.root)  # counted again from the records
+    assert tuple(fresh.nlink(fresh.get(i)) for i in (ROOT_INODE, docs, x)) == counted == (4, 3, 2)
+    fresh.close()
+
+
 def test_acknowledge_clears_only_what_did_not_change_meanwhile(store: Store) -> None:
     docs = ino(store, "docs")
     f = store.create(docs, "new", "file", 0o644)

@@ -210,6 +210,8 @@ class MountFactory:
     base: Path
     mounts: list[FsagentMount] = field(default_factory=list)
     counter: int = 0
+    env: dict[str, str] | None = None
+    """The daemons' environment (None: this process's); see tests/support/pyfuse3_patch.py."""
 
     def source(self, folders: dict[str, dict[str, bytes | None]] | None = None, **kw: Any) -> Path:
         self.counter += 1
@@ -238,6 +240,7 @@ class MountFactory:
             token_file,
             list(extra or []),
             log_dir=self.base / "logs",
+            env=self.env,
         )
         self.mounts.append(m)
         return m.start() if start else m
