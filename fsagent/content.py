@@ -119,6 +119,8 @@ class OpenFile:
     opens: int = 0
     pins: int = 0
     retired: list[int] = field(default_factory=list)
+    unsynced: int = 0
+    """Bytes written to ``fd`` since its last fsync."""
 
 
 class Content:
@@ -284,6 +286,7 @@ class Content:
             while written < len(buf):
                 written += os.pwrite(of.fd, view[written:], off + written)
         finally:
+            of.unsynced += written
             if written:
                 node.size = max(node.size, off + written)
                 node.mtime_ns = now_ns()
@@ -295,7 +298,9 @@ class Content:
         """Make the upper file's data and length durable (the caller syncs the
         store when the inode's records may not be durable yet)."""
         if of.upper and not of.inline:
+            unsynced = of.unsynced
             await self.pinned(of, os.fdatasync)
+            of.unsynced -= unsynced  # what was written meanwhile is still unsynced
 
     def close_all(self) -> None:
         """After unmount: close every backing fd (every change is already committed)."""

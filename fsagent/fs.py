@@ -72,9 +72,13 @@ MAX_BACKING: Final = 512
 """Backing files (upper copies, saved objects) kept open without an open handle;
 past this the oldest idle one is closed and reopened when next used."""
 
-REAP_DELAY: Final = 0.01
-"""Seconds from an orphan's last reference to its records being freed (with
-the others of that moment, in one commit)."""
+INLINE_FSYNC_BYTES: Final = 1 << 20
+"""Bytes written since the last sync up to which an fsync flushes on the FUSE
+thread instead of a worker thread (fsagent.fs, ``fsync``)."""
+
+WRITE_BEHIND_S: Final = 0.01
+"""Seconds from a time-only change, or an orphan's last reference, to its
+commit (with the others of that moment: one commit for a burst)."""
 
 DIR_LISTINGS: Final = 256
 """Directory listings kept between READDIR requests of one listing."""
@@ -112,7 +116,8 @@ class WorkFolderFS(pyfuse3.Operations):
         self.files = self.content.files
         self.dirs: dict[int, list[tuple[bytes, InodeNo]]] = {}
         self._unreferenced: set[InodeNo] = set()
-        self._reap = trio.Event()
+        self._times: set[InodeNo] = set()
+        self._behind = trio.Event()
 
     def init(self) -> None:
         """FUSE INIT is being answered (called on the trio thread)."""
@@ -232,14 +237,18 @@ class WorkFolderFS(pyfuse3.Operations):
         self._writable()
         node = self._inode(inode)
         f = fields
-        changes = f.update_size or f.update_mode or f.update_uid or f.update_gid
-        if not (changes or f.update_atime) and (
-            not f.update_mtime or attr.st_mtime_ns == node.mtime_ns
-        ):
-            # The kernel writing back its own ctime after a rename or unlink (it
-            # owns c/mtime with the writeback cache): nothing to save or journal.
-            # The cached inode shows the new ctime; losing it at a crash is harmless.
-            if fields.update_ctime:
+        if not (f.update_size or f.update_mode or f.update_uid or f.update_gid):
+            # Times only: the kernel writing back the c/mtime it owns with the
+            # writeback cache (at every close after a write, after each rename
+            # and unlink), or utimensat. Times are local metadata, never
+            # shipped: the cached inode shows them at once and they are
+            # committed in batches (write_behind).  A lone ctime is not even
+            # that: losing it at a crash is harmless.
+            if f.update_atime or (f.update_mtime and attr.st_mtime_ns != node.mtime_ns):
+                set_metadata(node, attr, fields)
+                self._times.add(node.ino)
+                self._behind.set()
+            if f.update_ctime:
                 node.ctime_ns = attr.st_ctime_ns
             return self._attrs(node)
         ops: list[str] = []
@@ -525,9 +534,17 @@ class WorkFolderFS(pyfuse3.Operations):
         ino, of = await self._open_file(fh)
         out_of_line = of.upper and not of.inline
         if out_of_line and self.store.is_durable(ino):
-            await self.content.fsync(of)
+            if of.unsynced <= INLINE_FSYNC_BYTES:
+                # A few pages (a SQLite commit): flushed on this thread, with
+                # the GIL released. A hop to a worker thread and back costs
+                # more than such a flush, and other requests wait only that long.
+                os.fdatasync(of.fd)
+                of.unsynced = 0
+            else:
+                await self.content.fsync(of)
             return
         epoch = self.store.durable_epoch()
+        self.flush_behind()
         await self.content.fsync(of)
         await trio.to_thread.run_sync(self.store.sync)
         if out_of_line:
@@ -541,7 +558,7 @@ class WorkFolderFS(pyfuse3.Operations):
     def _maybe_free(self, ino: InodeNo) -> None:
         """Nobody references ``ino`` any more: drop it from the cache, or free
         it if it is an orphan.  Its upper file goes at once; its records are
-        freed with others by ``reap_orphans`` (an ``rm -rf`` then commits once
+        freed with others by ``write_behind`` (an ``rm -rf`` then commits once
         per batch of FORGETs, not once per file)."""
         if self._in_use(ino):
             return
@@ -552,23 +569,28 @@ class WorkFolderFS(pyfuse3.Operations):
         if node.parent == 0 and ino != ROOT_INODE:
             self.store.drop_orphan_copy(ino)
             self._unreferenced.add(ino)
-            self._reap.set()
+            self._behind.set()
         else:
+            if ino in self._times:  # the cache is about to forget them
+                self.flush_behind()
             self.store.evict(ino)
 
-    async def reap_orphans(self) -> None:
-        """Free the orphans nobody references, ``REAP_DELAY`` after the first of a
-        batch (runs for the life of the mount)."""
+    async def write_behind(self) -> None:
+        """Commit what waits (times, orphans to free) ``WRITE_BEHIND_S`` after
+        the first of a batch, in one commit (runs for the life of the mount)."""
         while True:
-            await self._reap.wait()
-            await trio.sleep(REAP_DELAY)
-            self._reap = trio.Event()
-            self.free_unreferenced()
+            await self._behind.wait()
+            await trio.sleep(WRITE_BEHIND_S)
+            self._behind = trio.Event()
+            self.flush_behind()
 
-    def free_unreferenced(self) -> None:
-        batch, self._unreferenced = self._unreferenced, set()
-        if batch:
-            self.store.free_orphans(sorted(batch))
+    def flush_behind(self) -> None:
+        """Commit the times set since the last flush and free the orphans
+        nobody references, together."""
+        times, self._times = self._times, set()
+        orphans, self._unreferenced = self._unreferenced, set()
+        if times or orphans:
+            self.store.write_behind(sorted(times), sorted(orphans))
 
     # --- directories ---------------------------------------------------------------
 
@@ -615,6 +637,7 @@ class WorkFolderFS(pyfuse3.Operations):
     @fuse_boundary
     async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """Directory changes are already committed; make them power-loss durable."""
+        self.flush_behind()
         await trio.to_thread.run_sync(self.store.sync)
 
     @fuse_boundary
@@ -644,7 +667,7 @@ class WorkFolderFS(pyfuse3.Operations):
         """After unmount: close every backing fd and free the orphans left
         (every change is already committed)."""
         self.content.close_all()
-        self.free_unreferenced()
+        self.flush_behind()
 
 
 class HandlesFS(WorkFolderFS):

@@ -357,7 +357,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
                 nursery.start_soon(fs.spinner.run)
-                nursery.start_soon(fs.reap_orphans)
+                nursery.start_soon(fs.write_behind)
                 nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
                 if owner is not None:
                     nursery.start_soon(fetcher.prefetch_all, opts.prefetch)

@@ -310,26 +310,32 @@ class Tree(Journal):
         if inode.upper and not txn.delete(ikey(inode.ino), db=self._inline):
             self.upper.remove(inode.ino)
 
-    def free_orphan(self, ino: InodeNo) -> None:
-        """Release an unlinked inode nobody references any more (forget / recovery)."""
-        self.free_orphans([ino])
+    def _free_orphans_in(self, txn: Any, inos: Iterable[InodeNo]) -> None:
+        """Release unlinked inodes nobody references any more."""
+        for ino in inos:
+            if txn.get(ikey(ino), db=self._orphans) is None:
+                continue
+            raw = txn.get(ikey(ino), db=self._inodes)
+            inode = self._cache.get(ino) or (Inode.decode(ino, raw) if raw else None)
+            if inode is None:
+                txn.delete(ikey(ino), db=self._orphans)
+                continue
+            self._free(txn, inode)
 
-    def free_orphans(self, inos: Iterable[InodeNo]) -> None:
-        """Release unlinked inodes nobody references any more, in one commit."""
+    def write_behind(self, times: Iterable[InodeNo], orphans: Iterable[InodeNo]) -> None:
+        """One commit: the cached records of ``times`` (inodes whose times
+        changed; one freed meanwhile is not written back), and the orphans
+        nobody references freed."""
         with self._env.begin(write=True) as txn:
-            for ino in inos:
-                if txn.get(ikey(ino), db=self._orphans) is None:
-                    continue
-                raw = txn.get(ikey(ino), db=self._inodes)
-                inode = self._cache.get(ino) or (Inode.decode(ino, raw) if raw else None)
-                if inode is None:
-                    txn.delete(ikey(ino), db=self._orphans)
-                    continue
-                self._free(txn, inode)
+            for ino in times:
+                inode = self._cache.get(ino)
+                if inode is not None and txn.get(ikey(ino), db=self._inodes) is not None:
+                    txn.put(ikey(ino), inode.encode(), db=self._inodes)
+            self._free_orphans_in(txn, orphans)
 
     def drop_orphan_copy(self, ino: InodeNo) -> None:
         """Remove the upper copy of an orphan nobody can reach any more now (the
-        disk space comes back at once); its records go with :meth:`free_orphans`.
+        disk space comes back at once); its records go with :meth:`write_behind`.
         A crash in between leaves an orphan that recovery frees."""
         inode = self._cache.get(ino)
         if inode is not None and inode.parent == 0 and inode.upper:

@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import lmdb
@@ -116,6 +117,30 @@ def test_owner_full_mode_and_atime_are_kept_locally_and_survive_a_remount(
     assert stat.S_IMODE((again.mountpoint / "tool").stat().st_mode) == 0o6755
     assert stat.S_IMODE((again.mountpoint / "shared").stat().st_mode) == 0o3777
     assert (again.mountpoint / "saved.txt").read_bytes() == b"saved"
+
+
+@pytest.mark.fuse
+def test_times_are_committed_behind_and_by_fsync_before_a_crash(mounts: MountFactory) -> None:
+    """Time-only changes are committed in batches (within WRITE_BEHIND_S) and
+    by an fsync; after kill -9 they are there, and the bytes always are."""
+    src = mounts.source()
+    m = mounts.mount(src)
+    waited, synced = m.mountpoint / "waited", m.mountpoint / "synced"
+    for f in (waited, synced):
+        f.write_bytes(b"data of " + f.name.encode())
+    os.utime(synced, ns=(3_000_000_007, 4_000_000_009))
+    fd = os.open(synced, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    os.utime(waited, ns=(1_000_000_007, 2_000_000_009))
+    time.sleep(0.5)  # well past the write-behind delay
+    m.kill9()
+    again = mounts.mount(src, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    for f, times in ((waited, (1_000_000_007, 2_000_000_009)),
+                     (synced, (3_000_000_007, 4_000_000_009))):  # fmt: skip
+        st = (again.mountpoint / f.name).stat()
+        assert (st.st_atime_ns, st.st_mtime_ns) == times, f.name
+        assert (again.mountpoint / f.name).read_bytes() == b"data of " + f.name.encode()
 
 
 @pytest.mark.fuse

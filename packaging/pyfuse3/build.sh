@@ -8,7 +8,7 @@
 # SHA-256), the patch is applied to it and pip builds the wheel (Cython comes
 # in as a build dependency; gcc, pkg-config and libfuse3-dev are needed, see
 # packaging/install-deps.sh). The wheel's version carries a local label
-# (3.5.0+fsagent.1), so `pip show pyfuse3` tells the patched build apart. A
+# (3.5.0+fsagent.N), so `pip show pyfuse3` tells the patched build apart. A
 # wheel already in --wheel-dir (default build/pyfuse3-wheels) is reused.
 # --install installs it into PY's environment (default python3), replacing
 # whatever pyfuse3 is there. fsagent runs with a stock pyfuse3 too, only slower.
@@ -16,7 +16,7 @@ set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
 version=3.5.0
-label=fsagent.1
+label=fsagent.2
 sdist_sha256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 py=python3 wheel_dir="$here/../../build/pyfuse3-wheels" install=0
 while (($#)); do
