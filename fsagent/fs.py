@@ -586,11 +586,18 @@ class WorkFolderFS(pyfuse3.Operations):
 
     def flush_behind(self) -> None:
         """Commit the times set since the last flush and free the orphans
-        nobody references, together."""
+        nobody references, together.  A failed commit (the disk full) is
+        logged and keeps them for the next flush: it must not end the daemon."""
         times, self._times = self._times, set()
         orphans, self._unreferenced = self._unreferenced, set()
-        if times or orphans:
+        if not (times or orphans):
+            return
+        try:
             self.store.write_behind(sorted(times), sorted(orphans))
+        except Exception:
+            log.exception("committing times and freeing orphans failed; kept for later")
+            self._times |= times
+            self._unreferenced |= orphans
 
     # --- directories ---------------------------------------------------------------
 
