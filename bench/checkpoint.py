@@ -256,7 +256,7 @@ def scenario_changed(
     m = mount(work, ctl, run, f"c{size}")
     try:
         noop = [timed_flush(m)[0] for _ in range(rounds)]
-        saves, native = [], []
+        saves, native, daemon = [], [], []
         native_dir = work / f"native-c{size}"
         native_dir.mkdir()
         for r in range(rounds):
@@ -267,6 +267,8 @@ def scenario_changed(
             seconds, result = timed_flush(m)
             assert result["entries"] == 10, result
             saves.append(seconds)
+            if "seconds" in result:  # the save's own time in the daemon
+                daemon.append(float(result["seconds"]))
             native.append(
                 write_files([native_dir / f"n{r}-{k}" for k in range(10)], payloads, sync=True)
             )
@@ -285,6 +287,7 @@ def scenario_changed(
         "mount_s": m.mount_seconds,
         "noop_s": statistics.median(noop),
         "save_s": statistics.median(saves),
+        "daemon_s": statistics.median(daemon) if daemon else None,
         "saves": saves,
         "native_s": statistics.median(native),
         "rss_kib": rss,

@@ -14,7 +14,10 @@ the same helpers as ``bench.checkpoint`` and ``tests/support``. Rows:
   ``--changed-rounds`` saves), and ``mount``: a fresh fsagent mounting that
   100,000-entry collection through the controller;
 * ``rest1`` / ``rest8``: REST ``PUT /content`` of 4 KiB with 1 and 8 clients
-  on one folder.
+  on one folder;
+* ``probe`` (issue 14): p99 of open + read + close of a cached 4 KiB file,
+  idle and while ``fsagent flush`` saves 3,000 new 4 KiB files and a
+  ``probe_mib`` MiB file; the daemon's CPU time during that flush beside it.
 
 ``--baseline REV`` checks REV out into a temporary ``git worktree`` and runs
 the very same measurement there (this file, with the working directory and
@@ -61,6 +64,7 @@ FULL = {
     "collection": 99_900,
     "changed_rounds": 5,
     "rest_files": 800,
+    "probe_mib": 300,
 }
 QUICK = {
     "small_files": 200,
@@ -70,8 +74,9 @@ QUICK = {
     "collection": 2000,
     "changed_rounds": 2,
     "rest_files": 80,
+    "probe_mib": 8,
 }
-ROWS = ("small", "mixed", "large", "ten", "changed", "rest")
+ROWS = ("small", "mixed", "large", "ten", "changed", "rest", "probe")
 S3_ROWS = ("large", "ten")
 
 # (key, label, unit, target, higher is better)
@@ -84,6 +89,7 @@ TABLE = [
     ("rest1_ps", "REST 4 KiB PUT, 1 client, one folder", "files/s", None, True),
     ("rest8_ps", "REST 4 KiB PUT, 8 clients, one folder", "files/s", 500, True),
     ("mount_s", "mount of a {collection_entries:,}-entry collection", "s", 3, False),
+    ("probe_ratio", "open+read+close p99 during a checkpoint, × idle p99", "x", 2, False),
 ]
 
 
@@ -129,6 +135,8 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
             n = sizes["small_files"]
             r = scenario_files(work, ctl, "small", [4096] * n, 50, helpers)
             out["small_fps"] = n / r["save_s"]
+            if r.get("daemon_s") is not None:
+                out["small_daemon_fps"] = n / r["daemon_s"]
             out["small_upload_s"] = r["upload_s"]
             out["small_commit_s"] = r["save_s"] - r["upload_s"]
         if "mixed" in rows:
@@ -155,9 +163,14 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
         if "changed" in rows:
             r = scenario_changed(work, ctl, sizes["collection"], sizes["changed_rounds"], 2000, 500)
             out["changed_ms"] = r["save_s"] * 1000
+            out["changed_noop_ms"] = r["noop_s"] * 1000
+            if r.get("daemon_s") is not None:
+                out["changed_daemon_ms"] = r["daemon_s"] * 1000
             out["mount_s"] = r["mount_s"]
         if "rest" in rows:
             out.update(scenario_rest(ctl, sizes["rest_files"]))
+        if "probe" in rows:
+            out.update(scenario_probe(work, ctl, sizes["small_files"], sizes["probe_mib"], mount))
     return out
 
 
@@ -206,6 +219,7 @@ def scenario_files(
         started = time.time()
         seconds, result = helpers["timed_flush"](m)
         assert result["entries"] >= len(sizes), result
+        daemon = result.get("seconds")  # the save's own time in the daemon
     finally:
         m.stop(timeout=300)
     got = {
@@ -218,7 +232,7 @@ def scenario_files(
             (run["run_id"],),
         ).fetchone()
     uploads = float(row[0]) - started if row and row[0] is not None else float("nan")
-    return {"workload_s": workload, "save_s": seconds, "upload_s": uploads}
+    return {"workload_s": workload, "save_s": seconds, "upload_s": uploads, "daemon_s": daemon}
 
 
 def scenario_ten(
@@ -265,6 +279,81 @@ def scenario_rest(ctl: Any, files: int) -> dict[str, float]:
     return out
 
 
+PROBE_SAMPLES = 3000
+
+
+def scenario_probe(work: Path, ctl: Any, files: int, mib: int, mount: Any) -> dict[str, float]:
+    """p99 of open + read + close of 100 cached 4 KiB files, idle, then while a
+    separate ``fsagent flush`` saves ``files`` new 4 KiB files and a ``mib`` MiB file."""
+    run = ctl.new_run("probe")
+    m = mount(work, ctl, run, "probe")
+    try:
+        hot = [m.mountpoint / f"hot{i:03d}" for i in range(100)]
+        for p in hot:
+            p.write_bytes(os.urandom(4096))
+        m.fsagent("flush", "task")  # the probe's own files are saved first
+        for d in range(50):
+            (m.mountpoint / f"d{d:02d}").mkdir()
+        for i in range(files):
+            (m.mountpoint / f"d{i % 50:02d}/f{i:05d}").write_bytes(os.urandom(4096))
+        with open(m.mountpoint / "big.bin", "wb") as fh:
+            for _ in range(mib):
+                fh.write(os.urandom(MIB))
+
+        def sample() -> float:
+            t = time.perf_counter()
+            with open(hot[int(t * 1e6) % len(hot)], "rb", buffering=0) as fh:
+                fh.read(8192)
+            return time.perf_counter() - t
+
+        for p in hot:
+            p.read_bytes()
+        idle = [sample() for _ in range(PROBE_SAMPLES)]
+        argv = [sys.executable, "-m", "fsagent.cli", "flush", "task",
+                "--state-dir", str(m.state_dir), "--json"]  # fmt: skip
+        assert m.proc is not None
+        cpu = cpu_seconds(m.proc.pid)
+        fuse_cpu = cpu_seconds(m.proc.pid, thread=m.proc.pid)
+        started = time.perf_counter()
+        flush = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        busy: list[float] = []
+        while flush.poll() is None:
+            busy.append(sample())
+            time.sleep(0.0002)
+        took = time.perf_counter() - started
+        cpu = cpu_seconds(m.proc.pid) - cpu
+        fuse_cpu = cpu_seconds(m.proc.pid, thread=m.proc.pid) - fuse_cpu
+        reply = json.loads(flush.communicate()[0] or b"{}")
+        if not reply.get("ok") or reply["result"]["entries"] < files + 1:
+            raise RuntimeError(f"flush during the probe failed: {reply}")
+    finally:
+        m.stop(timeout=300)
+    idle_p99, busy_p99 = p99(idle), p99(busy)
+    return {
+        "probe_idle_p99_ms": idle_p99 * 1000,
+        "probe_busy_p99_ms": busy_p99 * 1000,
+        "probe_busy_p50_ms": statistics.median(busy) * 1000,
+        "probe_ratio": busy_p99 / idle_p99,
+        "probe_flush_s": took,
+        "probe_cpu_s": cpu,
+        "probe_fuse_cpu_s": fuse_cpu,
+        "probe_samples": len(busy),
+    }
+
+
+def p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def cpu_seconds(pid: int, *, thread: int | None = None) -> float:
+    """User + system CPU time so far of a process (all its threads), or of one
+    of its threads (the main one, ``thread=pid``, serves FUSE)."""
+    where = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    fields = Path(where).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # --- the driver ---------------------------------------------------------------
 
 
@@ -299,7 +388,9 @@ def fmt(value: float | None, unit: str) -> str:
     if unit == "s":
         return f"{value:.2f} s"
     if unit == "ms":
-        return f"{value:.0f} ms"
+        return f"{value:.0f} ms" if value >= 10 else f"{value:.2f} ms"
+    if unit == "x":
+        return f"{value:.1f}x"
     return f"{value:,.0f} {unit}"
 
 
@@ -337,7 +428,9 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         + (f"; baseline: {args.baseline} ({args.baseline_sha})" if args.baseline else "")
         + ". Each round runs both trees in turn (alternating which goes first); medians of "
         f"{args.rounds} round(s). Saves are `fsagent flush` wall time, from after the last "
-        "close() to the controller's receipt.\n",
+        'close() to the controller\'s receipt; "in the daemon" rows are the same save '
+        "without the flush process (its start, the control socket), from the daemon's "
+        "reply.\n",
         "| measurement | target | " + " | ".join(names) + " | met |",
         "| --- | ---: | " + " | ".join("---:" for _ in names) + " | :---: |",
     ]
@@ -351,6 +444,9 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
             f"| {label.format(**labels)} | {goal} | {cells} | {met(values[0], target, higher)} |"
         )
     extras = [
+        ("small_daemon_fps", "small files: the save in the daemon (no flush process)", "files/s"),
+        ("changed_daemon_ms", "10 changes: the save in the daemon (no flush process)", "ms"),
+        ("changed_noop_ms", "a flush with nothing to save (process start, control socket)", "ms"),
         ("small_upload_s", "small files: flush start to the last upload registered", "s"),
         ("small_commit_s", "small files: from there to the receipt (the commit)", "s"),
         ("mixed_upload_s", "mixed files: flush start to the last upload registered", "s"),
@@ -360,6 +456,12 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         ("ten_requests_per_file", "S3 requests per {ten_mib} MiB file", "requests"),
         ("large_rss_mib", "daemon peak RSS, large file", "MiB"),
         ("ten_rss_mib", "daemon peak RSS, ten files", "MiB"),
+        ("probe_idle_p99_ms", "probe: open+read+close p99 idle", "ms"),
+        ("probe_busy_p99_ms", "probe: p99 during the checkpoint", "ms"),
+        ("probe_busy_p50_ms", "probe: p50 during the checkpoint", "ms"),
+        ("probe_flush_s", "probe: the checkpoint ({small_files:,} files + {probe_mib} MiB)", "s"),
+        ("probe_cpu_s", "probe: daemon CPU during the checkpoint", "s"),
+        ("probe_fuse_cpu_s", "probe: CPU of the daemon's FUSE thread meanwhile", "s"),
     ]
     for key, label, unit in extras:
         values = [median_of(sides[n], key) for n in names]

@@ -8,7 +8,16 @@ taken from the run's binding, never from the client.
 ``GET /bridge/v1/run``
     ``{"runId", "companyId", "agentId", "leaseEpoch", "active", "refreshRequested",
     "bindings": {"task": ownerId|null, "agent": ownerId, "user": ownerId|null,
-    "project": ownerId|null}}``
+    "project": ownerId|null}, "agentEntry": path, "warnings": [Warning...]}``
+
+    ``agentEntry`` is the agent's instruction entry in its folder
+    (spec/agent-files.md): its presence says the agent folder contract
+    applies, so fsagent refuses ``unlink`` and ``rename`` away of that path
+    (``EPERM``), tries the agent folder's final save up to three times and
+    discards its local copy at stop. ``warnings`` are the run's current
+    warnings (``{"scope", "code", "message", "limit"?, "max"?, "value"?,
+    "path"?}``, e.g. ``AGENT_FILES_AT_LIMIT``); the first call of a run
+    records the agent folder's limit warnings for it.
 
 ``GET /bridge/v1/folders/{scope}/manifest?since=<version>&limit=<n>``
     Entries of the folder with ``version > since`` in ascending version order,
@@ -84,9 +93,22 @@ MANIFEST_PAGE_MAX: Final = 5000
 #     same receipt with ``"replayed": true``; the same id with another body is
 #     409 ``idempotency_conflict``; an old lease epoch is 409 ``stale_lease``;
 #     a user folder whose user left the company is 403 ``membership_revoked``.
+#     In the agent folder: a save over one of its storage limits is 422
+#     ``agent_files_limit_exceeded`` (``details: [{"limit", "max", "value",
+#     "path"?}]``; nothing applied, so the body may be dropped and the changes
+#     listed afresh); a run whose responsible user may not configure the agent
+#     gets 404; entries that break the instruction entry's rules (deleting it,
+#     a directory at or above it, content over 1 MiB or not UTF-8) are left
+#     out and the receipt lists them as ``"refusedEntries": [{"path", "code",
+#     "message"}]``: fsagent keeps those paths unsaved. Every commit the
+#     controller answers is also a save receipt of the run (controller.receipts).
 #
-# ``POST /bridge/v1/run/report``  ``{"state": "saving"|"failed", "error"?}``
+# ``POST /bridge/v1/run/report``
+#     ``{"state": "saving"|"failed", "error"?, "scope"?, "operationId"?, "final"?}``
 #     fsagent reports that a save started or that it gave up, so /sync shows it.
+#     With ``scope`` (state failed): fsagent gave up on that folder's save after
+#     its last attempt; the controller records an explicit ``failed`` receipt
+#     (code ``SAVE_FAILED``) with the operation id.
 #
 # ``POST /bridge/v1/run/refresh-applied``
 #     After a successful final save fsagent took the server's changes because
@@ -179,9 +201,21 @@ def compressible(first_block: bytes) -> bool:
 _local = threading.local()
 
 
+def batch_header(count: int) -> bytes:
+    """The start of a batch body of ``count`` members."""
+    return BATCH_HEADER.pack(BATCH_MAGIC, count)
+
+
+def member_header(size: int, sha256: bytes) -> bytes:
+    """A member's header; its frames and :data:`END_FRAME` follow. A sender
+    that streams a member (the controller's repository object fetch) writes
+    the header from the content address, then one frame per chunk."""
+    return MEMBER_HEADER.pack(size, sha256)
+
+
 def encode_member(raw: bytes, compressor: zstandard.ZstdCompressor | None) -> bytes:
     """One batch member: its header and frames (:data:`END_FRAME` included)."""
-    out = [MEMBER_HEADER.pack(len(raw), hashlib.sha256(raw).digest())]
+    out = [member_header(len(raw), hashlib.sha256(raw).digest())]
     for start in range(0, len(raw), CHUNK_MAX):
         out.append(encode_frame(raw[start : start + CHUNK_MAX], compressor))
     out.append(END_FRAME)
@@ -191,7 +225,7 @@ def encode_member(raw: bytes, compressor: zstandard.ZstdCompressor | None) -> by
 def encode_batch(members: list[bytes]) -> bytes:
     """A batch upload body; each member compressed unless it looks incompressible."""
     compressor = zstandard.ZstdCompressor(level=3)
-    out = [BATCH_HEADER.pack(BATCH_MAGIC, len(members))]
+    out = [batch_header(len(members))]
     for raw in members:
         out.append(encode_member(raw, compressor if compressible(raw) else None))
     return b"".join(out)

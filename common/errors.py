@@ -88,6 +88,60 @@ class RunNotFound(NotFound):
     message = "Run not found"
 
 
+# --- the company admin API (controller/orgs.py, controller/runs.py) ---------
+
+
+class CompanyNotFound(NotFound):
+    """No such company, or the caller may not administer it: owners, admins
+    and the company's operator tokens see it; everyone else sees nothing."""
+
+    code = "company_not_found"
+    message = "Company not found"
+
+
+class UserNotFound(NotFound):
+    code = "user_not_found"
+    message = "User not found"
+
+
+class MemberNotFound(NotFound):
+    code = "member_not_found"
+    message = "The user is not a member of this company"
+
+
+class AgentNotFound(NotFound):
+    code = "agent_not_found"
+    message = "Agent not found"
+
+
+class ProjectNotFound(NotFound):
+    code = "project_not_found"
+    message = "Project not found"
+
+
+class TaskNotFound(NotFound):
+    code = "task_not_found"
+    message = "Task not found"
+
+
+class WorkspaceNotFound(NotFound):
+    code = "workspace_not_found"
+    message = "Workspace not found"
+
+
+class TokenNotFound(NotFound):
+    code = "token_not_found"
+    message = "Token not found"
+
+
+class OwnerRequired(WorkFolderError):
+    """Only an owner gives, changes or takes away the owner role."""
+
+    code = "owner_required"
+    status = 403
+    message = "Only an owner may give, change or take away the owner role"
+
+
 class IsADirectory(WorkFolderError):
     code = "is_directory"
     status = 400
@@ -125,6 +179,24 @@ class UnknownContent(WorkFolderError):
     code = "unknown_content"
     status = 422
     message = "Checkpoint references content that is not visible to this folder"
+
+
+class UnsafeRepoMember(WorkFolderError):
+    """A repository checkpoint member (or the whole checkpoint: ``path`` None)
+    broke one of :mod:`common.repos`'s rules; nothing was published."""
+
+    code = "unsafe_repo_member"
+    status = 422
+    message = "A repository checkpoint member is refused"
+
+    def __init__(self, path: str | None, rule: str) -> None:
+        where = "the checkpoint" if path is None else repr(path)
+        super().__init__(f"{where} is refused: {rule}", details=[{"path": path, "rule": rule}])
+        self.path = path
+        self.rule = rule
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "path": self.path, "rule": self.rule}
 
 
 class DigestMismatch(WorkFolderError):
@@ -169,6 +241,16 @@ class IdempotencyConflict(Conflict):
     message = "Idempotency key was already used for a different request"
 
 
+class EmailTaken(Conflict):
+    code = "email_taken"
+    message = "A user with this email already exists"
+
+
+class LastOwner(Conflict):
+    code = "last_owner"
+    message = "A company keeps at least one owner"
+
+
 class RunNotActive(Conflict):
     code = "run_not_active"
     message = "Run is not running"
@@ -177,6 +259,13 @@ class RunNotActive(Conflict):
 class StaleLease(Conflict):
     code = "stale_lease"
     message = "Lease epoch is older than the current lease"
+
+
+class BaseMismatch(Conflict):
+    """A delta repository checkpoint named a base that is not the current one."""
+
+    code = "base_mismatch"
+    message = "The checkpoint's base is not the current checkpoint; send the whole checkpoint"
 
 
 class PreconditionFailed(WorkFolderError):
@@ -286,3 +375,71 @@ class UploadQuotaExceeded(QuotaExceeded):
     code = "upload_quota_exceeded"
     status = 429
     message = "Too many uploaded bytes are not yet committed by a checkpoint"
+
+
+# --- the agent folder contract (controller/agentfiles.py) --------------------
+
+
+class AgentFilesLimitExceeded(WorkFolderError):
+    """A save would take an agent folder past one of its storage limits.
+
+    ``details``: ``[{"limit": "entries"|"fileBytes"|"totalBytes", "max", "value",
+    "path"?}]`` (``path`` for an oversized file). A sync-validation limit, not
+    a live quota: nothing of the refused save is written.
+    """
+
+    code = "agent_files_limit_exceeded"
+    status = 422
+    message = "The save would take the agent folder past a storage limit; nothing was saved"
+
+
+class EntryProtected(Conflict):
+    """The agent's instruction entry (or a directory holding it) may not be
+    deleted, moved away or replaced by a directory."""
+
+    code = "entry_protected"
+    message = "The agent's instruction entry cannot be deleted or moved"
+
+
+class EntryNotUtf8(WorkFolderError):
+    code = "entry_not_utf8"
+    status = 422
+    message = "The agent's instruction entry must be valid UTF-8"
+
+
+class EntryTooLarge(WorkFolderError):
+    code = "entry_too_large"
+    status = 422
+    message = "The agent's instruction entry is limited to 1 MiB"
+
+
+class AttachmentNotFound(NotFound):
+    code = "attachment_not_found"
+    message = "Attachment not found"
+
+
+# --- the API bridge (controller/api/apibridge.py) ----------------------------
+
+
+class BridgeRouteDenied(WorkFolderError):
+    """A method and route outside the API bridge's allowlist (a boundary control)."""
+
+    code = "bridge_route_denied"
+    status = 403
+    message = "This route is not open to sandbox code through the API bridge"
+
+
+class BridgeTimeout(WorkFolderError):
+    """A bridged call's answer did not start in time (a resource limit)."""
+
+    code = "bridge_timeout"
+    status = 504
+    message = "The bridged request took longer than the controller allows"
+
+
+class BridgeResponseTooLarge(WorkFolderError):
+    """A bridged call's answer is over the response limit (a resource limit)."""
+
+    code = "bridge_response_too_large"
+    status = 502
+    message = "The answer is larger than the API bridge forwards"

@@ -33,3 +33,24 @@ RESERVED_SEGMENT: Final = ".fsagent"
 """Runtime segment reserved for fsagent's own use; never a user path segment."""
 
 SCOPES: Final = ("task", "agent", "user", "project")
+
+# --- the agent folder (spec/agent-files.md) -----------------------------------
+
+AGENT_MAX_ENTRIES: Final = 100_000
+"""Files and directories of one agent folder (a sync-validation limit)."""
+
+AGENT_MAX_FILE_BYTES: Final = 256 * MiB
+"""Largest file of an agent folder (a sync-validation limit, not a live quota:
+fsagent still lets the agent write up to :data:`MAX_FILE_BYTES`)."""
+
+AGENT_MAX_TOTAL_BYTES: Final = 2 * GiB
+"""Uncompressed bytes of one agent folder's live files."""
+
+DEFAULT_AGENT_ENTRY: Final = "AGENTS.md"
+"""The instruction entry of a new agent (``controller admin set-agent-entry`` changes it)."""
+
+ENTRY_MAX_BYTES: Final = 1 * MiB
+"""Largest instruction entry; it must also be valid UTF-8."""
+
+EDITOR_MAX_BYTES: Final = 1 * MiB
+"""Largest text file the Files page's editor opens (larger or binary: download)."""

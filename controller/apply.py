@@ -37,11 +37,16 @@ from common.errors import (
 )
 from common.paths import ancestors, parent_of
 from controller.api.serialize import entry_json
+from controller.config import AgentLimits
 from controller.overwrite import Precondition, check_precondition, keep_replaced
 from controller.storage.base import object_key
 from controller.versions import FolderCounters
 
 Row = dict[str, Any]
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+"""Empty content has no stored object: nothing reads storage for a 0-byte file
+(``api.objects.object_response`` answers it without a read; fsagent makes it
+locally), so a file of it can be created where no storage is at hand."""
 EnsureObject = Callable[[str], Awaitable[None]]
 """Called with the object key inside the transaction, after the objects row
 is locked: must make sure the bytes are in storage (re-upload if a sweep
@@ -57,6 +62,8 @@ class WritePolicy:
 
     confirm: Authority
     max_folder_entries: int
+    agent_limits: AgentLimits | None = None
+    """An agent folder's storage limits (None for the other scopes)."""
 
 
 def fingerprint(**fields: Any) -> str:
@@ -150,32 +157,43 @@ class Commit:
 async def committing(
     conn: AsyncConnection[Any],
     folder: Folder,
-    operation_id: str,
+    operation_id: str | None,
     fp: str,
     policy: WritePolicy,
     *,
     touch: bool = True,
 ) -> AsyncIterator[Commit]:
     """Lock the folder, re-check authority, look up the receipt; on success
-    check the folder's entry limit (only a write that adds entries can fail
-    it), store the counters and the receipt and touch the folder.
+    check an agent folder's storage limits and the folder's entry limit (only
+    a write that adds entries or bytes can fail them), store the counters and
+    the receipt and touch the folder.
 
     Authority is checked again here, inside the transaction that commits, and
     not only when the request arrived: a token may be ended, its lease
     superseded or its member removed or made a viewer while a body was still
     arriving, and revocation must be final for anything committed after it.
     It is checked before the receipt so a replay cannot outlive revocation.
+
+    A write without an operation id (a request without ``Idempotency-Key``)
+    cannot be replayed, so it neither looks up nor stores a receipt.
     """
     await lock_folder(conn, folder)
     await policy.confirm(conn)
-    commit = Commit(await _stored_result(conn, folder, operation_id, fp), touch=touch)
+    replay = None if operation_id is None else await _stored_result(conn, folder, operation_id, fp)
+    commit = Commit(replay, touch=touch)
     yield commit
     if commit.replay is not None:
         return
     assert commit.result is not None
+    if policy.agent_limits is not None:
+        limits = policy.agent_limits
+        folder.counters.check_agent_limits(
+            limits.max_entries, limits.max_file_bytes, limits.max_total_bytes
+        )
     folder.counters.check_entries(policy.max_folder_entries)
     await folder.counters.store(conn, folder.id, touch=commit.touch)
-    await _store_receipt(conn, folder, operation_id, fp, commit.result)
+    if operation_id is not None:
+        await _store_receipt(conn, folder, operation_id, fp, commit.result)
 
 
 async def path_rows(conn: AsyncConnection[Any], folder: Folder, path: str) -> dict[str, Row]:
@@ -237,8 +255,17 @@ async def _insert_row(
     )
     row: Row | None = await cur.fetchone()
     assert row is not None
-    folder.counters.count(1)
+    folder.counters.count(1, byte_size)
+    if kind == "file":
+        folder.counters.wrote(path, byte_size)
     return row
+
+
+async def create_empty_file(conn: AsyncConnection[Any], folder: Folder, path: str) -> Row:
+    """An empty file at a free ``path`` under the folder lock (missing parents
+    created); it references no stored object (:data:`EMPTY_DIGEST`)."""
+    await ensure_parents(conn, folder, path)
+    return await _insert_row(conn, folder, path, "file", digest=EMPTY_DIGEST)
 
 
 async def register_object(
@@ -299,10 +326,13 @@ async def write_file(
     content_type: str | None,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
+    found: dict[str, Row] | None = None,
 ) -> tuple[Row, bool]:
     """Write one file under the folder lock; returns (row, created).
-    A directory at ``path`` is a KindConflict."""
-    found = await path_rows(conn, folder, path)
+    A directory at ``path`` is a KindConflict. ``found``: :func:`path_rows`
+    of ``path``, when the caller has them already."""
+    if found is None:
+        found = await path_rows(conn, folder, path)
     await ensure_parents(conn, folder, path, found)
     existing = found.get(path)
     if existing is not None and existing["kind"] != "file":
@@ -328,6 +358,8 @@ async def write_file(
     )
     updated: Row | None = await cur.fetchone()
     assert updated is not None
+    folder.counters.count(0, byte_size - int(existing["byte_size"]))
+    folder.counters.wrote(path, byte_size)
     if existing["digest"] != digest:
         await journal_deletion(
             conn, folder.company_id, [existing["digest"]], "superseded", gc_delay
@@ -344,16 +376,18 @@ async def put_file(
     byte_size: int,
     executable: bool,
     content_type: str | None,
-    operation_id: str,
+    operation_id: str | None,
     ensure_object: EnsureObject,
     gc_delay: timedelta,
     policy: WritePolicy,
     precondition: Precondition | None = None,
+    guard: Authority | None = None,
 ) -> dict[str, Any]:
     """A person's upload (server-accepted last-write-wins). Caller owns the transaction.
 
-    ``precondition`` is checked under the folder lock; a replaced file's old
-    content goes to the trash (:mod:`controller.overwrite`).
+    ``precondition`` is checked under the folder lock, then ``guard`` (the
+    folder's own rules for this path, e.g. the agent's instruction entry); a
+    replaced file's old content goes to the trash (:mod:`controller.overwrite`).
     """
     fp = fingerprint(
         action="put",
@@ -366,8 +400,13 @@ async def put_file(
     async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
-        existing = await live_row(conn, folder, path)
+        # The path and its parents in one query; the trash copy that
+        # keep_replaced adds is not live, so these rows stay what write_file needs.
+        found = await path_rows(conn, folder, path)
+        existing = found.get(path)
         check_precondition(existing, path, precondition)
+        if guard is not None:
+            await guard(conn)
         await keep_replaced(conn, folder, existing, digest)
         row, created = await write_file(
             conn,
@@ -379,6 +418,7 @@ async def put_file(
             content_type=content_type,
             ensure_object=ensure_object,
             gc_delay=gc_delay,
+            found=found,
         )
         commit.result = {"applied": True, "created": created, "file": entry_json(row)}
     return commit.result
@@ -401,7 +441,7 @@ async def mkdir(
     folder: Folder,
     *,
     path: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
 ) -> dict[str, Any]:
     fp = fingerprint(action="mkdir", path=path, kind="directory")
@@ -431,7 +471,7 @@ async def _trash_subtree(conn: AsyncConnection[Any], folder: Folder, target: Row
     )  # fmt: skip
     rows = await cur.fetchall()
     folder.counters.take(len(rows))
-    folder.counters.count(-len(rows))
+    folder.counters.count(-len(rows), -sum(int(r["byte_size"]) for r in rows))
     return sorted(rows, key=lambda r: r["path"])
 
 
@@ -448,14 +488,18 @@ async def delete_path(
     folder: Folder,
     *,
     path: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
+    guard: Authority | None = None,
 ) -> dict[str, Any]:
-    """A person's delete: the subtree goes to trash; a missing path is 404."""
+    """A person's delete: the subtree goes to trash; a missing path is 404.
+    ``guard`` (the folder's own rules) runs under the folder lock first."""
     fp = fingerprint(action="delete", path=path)
     async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
+        if guard is not None:
+            await guard(conn)
         rows = await trash_path(conn, folder, path)
         if rows is None:
             raise FileNotFound(details=[{"path": path}])
@@ -485,7 +529,7 @@ async def restore(
     folder: Folder,
     *,
     file_id: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
 ) -> dict[str, Any]:
     fp = fingerprint(action="restore", fileId=file_id)
@@ -524,8 +568,16 @@ async def _restore_batch(conn: AsyncConnection[Any], folder: Folder, file_id: st
     )
     rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
     folder.counters.take(len(rows))
-    folder.counters.count(len(rows))
+    count_revived(folder, rows)
     return {"applied": True, "files": [entry_json(r) for r in rows]}
+
+
+def count_revived(folder: Folder, rows: list[Row]) -> None:
+    """Rows taken out of the trash count again, as entries, bytes and written files."""
+    folder.counters.count(len(rows), sum(int(r["byte_size"]) for r in rows))
+    for r in rows:
+        if r["kind"] == "file":
+            folder.counters.wrote(r["path"], int(r["byte_size"]))
 
 
 async def purge(
@@ -533,7 +585,7 @@ async def purge(
     folder: Folder,
     *,
     file_id: str,
-    operation_id: str,
+    operation_id: str | None,
     gc_delay: timedelta,
     policy: WritePolicy,
 ) -> dict[str, Any]:

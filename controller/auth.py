@@ -15,6 +15,7 @@ from typing import Any, Literal
 from psycopg import AsyncConnection
 
 from common.errors import (
+    CompanyNotFound,
     MembershipRevoked,
     NotFound,
     PurgeForbidden,
@@ -23,9 +24,12 @@ from common.errors import (
     WriteNotAllowed,
 )
 from controller.apply import Authority, WritePolicy
+from controller.config import Quotas
+from controller.grants import confirm_configure, may_configure_agent
 
 USER_TOKEN_PREFIX = "fsa_u_"
 RUN_TOKEN_PREFIX = "fsa_r_"
+OPERATOR_TOKEN_PREFIX = "fsa_o_"
 SESSION_PREFIX = "fsa_s_"
 
 
@@ -64,12 +68,21 @@ class RunBinding:
 
 
 @dataclass(frozen=True)
+class OperatorGrant:
+    """An operator token: a machine's credential for one company's admin routes."""
+
+    token_id: str
+    company_id: str
+
+
+@dataclass(frozen=True)
 class Principal:
-    kind: Literal["user", "run"]
+    kind: Literal["user", "run", "operator"]
     user_id: str | None = None
     run: RunBinding | None = None
     via_session: bool = False
     csrf_token: str | None = None
+    operator: OperatorGrant | None = None
 
 
 def _run_from_row(row: dict[str, Any]) -> RunBinding:
@@ -97,6 +110,17 @@ async def principal_from_bearer(conn: AsyncConnection[Any], token: str) -> Princ
         if row is None or not row["active"]:
             raise Unauthenticated()
         return Principal(kind="run", run=_run_from_row(row))
+    if token.startswith(OPERATOR_TOKEN_PREFIX):
+        cur = await conn.execute(
+            "SELECT id, company_id FROM operator_tokens"
+            " WHERE token_hash = %s AND revoked_at IS NULL",
+            (digest,),
+        )
+        row = await cur.fetchone()
+        if row is None:
+            raise Unauthenticated()
+        grant = OperatorGrant(str(row["id"]), str(row["company_id"]))
+        return Principal(kind="operator", operator=grant)
     cur = await conn.execute(
         "SELECT user_id FROM api_tokens WHERE token_hash = %s AND revoked_at IS NULL", (digest,)
     )
@@ -206,7 +230,12 @@ async def authorize_folder(
             if owner_id != principal.user_id:
                 raise NotFound()
             return  # the membership just checked is the owner's own
-    else:
+        # Nor an agent's folder: that takes the per-agent configure permission.
+        if scope == "agent" and not await may_configure_agent(
+            conn, company_id, principal.user_id, owner_id, role
+        ):
+            raise NotFound()
+    elif principal.kind == "run":
         run = principal.run
         assert run is not None
         # A run's authority, for reads as for writes, is exactly its binding:
@@ -218,6 +247,9 @@ async def authorize_folder(
             raise NotFound()
         if scope == "user" and write and not await run_may_write_user_folder(conn, run):
             raise WriteNotAllowed("The run's user is a viewer; the run cannot write their folder")
+    else:
+        # An operator token administers a company; it reads and writes no files.
+        raise NotFound()
     if not await _owner_exists(conn, company_id, scope, owner_id):
         raise NotFound()
 
@@ -239,12 +271,32 @@ async def _locked_role(conn: AsyncConnection[Any], company_id: str, user_id: str
     return None if row is None else str(row["role"])
 
 
-async def confirm_member_writes(conn: AsyncConnection[Any], company_id: str, user_id: str) -> None:
+async def confirm_member_writes(conn: AsyncConnection[Any], company_id: str, user_id: str) -> str:
+    """The member's role, locked; refused when gone or a viewer."""
     role = await _locked_role(conn, company_id, user_id)
     if role is None:
         raise MembershipRevoked("The membership was removed; nothing was saved")
     if role == "viewer":
         raise WriteNotAllowed("The member is now a viewer; nothing was saved")
+    return role
+
+
+async def confirm_run_agent_writes(conn: AsyncConnection[Any], run: RunBinding) -> None:
+    """A run saving its agent's folder acts for its responsible user, if any,
+    who must hold the agent's configure permission now (locked, like the
+    membership): a 404, like every denial of a folder."""
+    if run.user_id is None:
+        return
+    role = await _locked_role(conn, run.company_id, run.user_id)
+    await confirm_configure(conn, run.company_id, run.user_id, run.agent_id, role)
+
+
+async def run_may_write_agent_folder(conn: AsyncConnection[Any], run: RunBinding) -> bool:
+    """:func:`confirm_run_agent_writes` without locks, before a body is read."""
+    if run.user_id is None:
+        return True
+    role = await membership_role(conn, run.company_id, run.user_id)
+    return await may_configure_agent(conn, run.company_id, run.user_id, run.agent_id, role)
 
 
 _LEASE_SQL = f"SELECT r.lease_epoch, r.active, {_NEWEST_EPOCH} FROM runs r WHERE r.id = %s "
@@ -272,35 +324,97 @@ async def confirm_run_lease(conn: AsyncConnection[Any], run: RunBinding) -> None
 
 
 async def confirm_write(
-    conn: AsyncConnection[Any], principal: Principal, company_id: str, scope: str
+    conn: AsyncConnection[Any], principal: Principal, company_id: str, scope: str, owner_id: str
 ) -> None:
     """Authority again, inside the transaction that commits a write (after the
     folder lock): the token's run still active on the newest lease, the
-    responsible membership still present and still allowed to write."""
+    responsible membership still present and still allowed to write, and for
+    an agent's folder the configure permission still held."""
     if principal.kind == "user":
         assert principal.user_id is not None
-        await confirm_member_writes(conn, company_id, principal.user_id)
+        role = await confirm_member_writes(conn, company_id, principal.user_id)
+        if scope == "agent":
+            await confirm_configure(conn, company_id, principal.user_id, owner_id, role)
         return
+    if principal.kind != "run":
+        raise NotFound()
     assert principal.run is not None and principal.run.company_id == company_id
     await confirm_run_writes(conn, principal.run, scope)
 
 
 async def confirm_run_writes(conn: AsyncConnection[Any], run: RunBinding, scope: str) -> None:
-    """A run's part of :func:`confirm_write`: active, newest lease, and for the
-    user folder its user still a member with write rights."""
+    """A run's part of :func:`confirm_write`: active, newest lease, for the
+    user folder its user still a member with write rights, for its agent's
+    folder its user (if any) still allowed to configure the agent."""
     await confirm_run_lease(conn, run)
     if scope == "user":
         assert run.user_id is not None
         await confirm_member_writes(conn, run.company_id, run.user_id)
+    if scope == "agent":
+        await confirm_run_agent_writes(conn, run)
 
 
 def write_policy(
-    principal: Principal, company_id: str, scope: str, max_folder_entries: int
+    principal: Principal, company_id: str, scope: str, owner_id: str, quotas: Quotas
 ) -> WritePolicy:
     """What a person's (or a run's REST) write re-checks when it commits."""
 
     async def confirm(conn: AsyncConnection[Any]) -> None:
-        await confirm_write(conn, principal, company_id, scope)
+        await confirm_write(conn, principal, company_id, scope, owner_id)
 
     authority: Authority = confirm
-    return WritePolicy(authority, max_folder_entries)
+    agent = quotas.agent if scope == "agent" else None
+    return WritePolicy(authority, quotas.max_folder_entries, agent)
+
+
+# --- the company admin API ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompanyActor:
+    """Who acts on a company through its admin routes: an owner or admin
+    (``user_id`` set), or one of the company's operator tokens."""
+
+    company_id: str
+    role: Literal["owner", "admin", "operator"]
+    user_id: str | None = None
+    token_id: str | None = None
+
+    @property
+    def is_owner(self) -> bool:
+        return self.role == "owner"
+
+
+async def authorize_company(
+    conn: AsyncConnection[Any], principal: Principal, company_id: str, *, write: bool
+) -> CompanyActor:
+    """The caller's authority over ``company_id``'s admin routes.
+
+    Owners and admins of the company, and operator tokens made for it, have
+    it. Everyone else (a member, a viewer, a stranger, another company's
+    operator token, a run) gets :class:`CompanyNotFound`, exactly what a
+    company that does not exist answers. For a write the membership or the
+    token row is locked ``FOR SHARE``: removing the member or revoking the
+    token waits for the write, which lands entirely before it.
+    """
+    lock = " FOR SHARE" if write else ""
+    if principal.kind == "operator":
+        grant = principal.operator
+        assert grant is not None
+        if grant.company_id == company_id:
+            cur = await conn.execute(
+                "SELECT 1 FROM operator_tokens WHERE id = %s AND revoked_at IS NULL" + lock,
+                (grant.token_id,),
+            )
+            if await cur.fetchone() is not None:
+                return CompanyActor(company_id, "operator", token_id=grant.token_id)
+    elif principal.kind == "user" and principal.user_id is not None:
+        cur = await conn.execute(
+            "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s" + lock,
+            (company_id, principal.user_id),
+        )
+        row = await cur.fetchone()
+        role = None if row is None else row["role"]
+        if role == "owner" or role == "admin":
+            return CompanyActor(company_id, role, user_id=principal.user_id)
+    raise CompanyNotFound()

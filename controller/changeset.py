@@ -71,6 +71,10 @@ class Outcome:
     """Rows written (each with a new version)."""
     entries_delta: int
     """Live entries added (negative: removed)."""
+    bytes_delta: int = 0
+    """Live file bytes added (negative: removed)."""
+    largest_written: tuple[int, str] | None = None
+    """The largest file the change set wrote: (size, path)."""
 
 
 class Plan:
@@ -292,6 +296,19 @@ async def apply_changes(
         if n.stored is not None and n.stored["digest"] and n.stored["digest"] != n.digest
     ]
     await journal_deletion(conn, folder.company_id, superseded, "superseded", gc_delay)
-    trashed_stored = sum(1 for n in existing if n.trash_root is not None)
-    live_new = sum(1 for n in new if n.trash_root is None)
-    return Outcome(len(changed), live_new - trashed_stored)
+    trashed_stored = [n for n in existing if n.trash_root is not None]
+    live_new = [n for n in new if n.trash_root is None]
+    kept = [n for n in existing if n.trash_root is None]
+    nbytes = (
+        sum(n.byte_size for n in live_new)
+        - sum(int(n.stored["byte_size"]) for n in trashed_stored if n.stored is not None)
+        + sum(n.byte_size - int(n.stored["byte_size"]) for n in kept if n.stored is not None)
+    )
+    written = [(n.byte_size, n.path) for n in live_new if n.kind == "file"]
+    written += [(n.byte_size, n.path) for n in kept if n.rewritten]
+    return Outcome(
+        len(changed),
+        len(live_new) - len(trashed_stored),
+        nbytes,
+        max(written) if written else None,
+    )

@@ -7,17 +7,21 @@ this very run. Without that last rule a sandbox could claim another tenant's
 object by naming its hash.
 
 Apply order inside one transaction (``apply.committing``): lock the folder,
-re-check the run's lease (and its user's write right for the user folder),
-check the receipt, claim the referenced digests (one query), apply the
-entries in order with last-writer-wins as one change set
+re-check the run's lease (and its user's write right for the user folder, its
+user's configure permission for the agent folder), check the receipt, claim
+the referenced digests (one query), leave out the entries the folder refuses
+one by one (the agent's instruction entry: :mod:`controller.agentfiles`),
+apply the rest in order with last-writer-wins as one change set
 (:mod:`controller.changeset`; a conflicting server entry of the other kind
-goes to trash), check the entry limit, store the counters and the receipt,
-advance the run's baseline, record the save on the run.
+goes to trash), check the agent folder's storage limits and the entry limit,
+store the counters and the receipt, advance the run's baseline, record the
+save on the run and its save receipt (:mod:`controller.receipts`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,12 +31,24 @@ from psycopg import AsyncConnection
 from common.bridge import MAX_CHECKPOINT_ENTRIES
 from common.errors import StaleLease, UnknownContent, ValidationError
 from common.paths import validate_path
-from controller import apply
+from controller import agentfiles, apply, receipts
 from controller.api.serialize import iso
-from controller.auth import RunBinding, confirm_member_writes, locked_lease
+from controller.auth import (
+    RunBinding,
+    confirm_member_writes,
+    confirm_run_agent_writes,
+    locked_lease,
+)
 from controller.changeset import Entry, apply_changes
 from controller.config import Quotas
 from controller.quotas import UNEXPIRED, check_checkpoint_rows
+
+Screen = Callable[
+    [AsyncConnection[Any], Sequence[Entry], dict[str, int]],
+    Awaitable[tuple[list[Entry], list[dict[str, Any]]]],
+]
+"""Leaves out the entries a folder refuses one by one (the agent's instruction
+entry: :func:`controller.agentfiles.screen_checkpoint`) and lists them."""
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _OP_FIELDS = {
@@ -183,19 +199,27 @@ async def apply_checkpoint(
     *,
     gc_delay: timedelta,
     quotas: Quotas,
+    screen: Screen | None = None,
 ) -> dict[str, Any]:
+    """Apply ``cp`` and record its save receipt (not for a replay: the
+    operation already has one). An agent folder's storage limits are checked
+    at commit; its receipt carries the folder's limit warnings."""
+
     async def confirm(c: AsyncConnection[Any]) -> None:
         await check_lease(c, run, cp.lease_epoch)
         if folder.scope == "user":
             assert run.user_id is not None
             await confirm_member_writes(c, run.company_id, run.user_id)
+        if folder.scope == "agent":
+            await confirm_run_agent_writes(c, run)
 
-    policy = apply.WritePolicy(confirm, quotas.max_folder_entries)
+    agent_limits = quotas.agent if folder.scope == "agent" else None
+    policy = apply.WritePolicy(confirm, quotas.max_folder_entries, agent_limits)
     fp = cp.fingerprint()
     async with apply.committing(conn, folder, cp.operation_id, fp, policy, touch=False) as commit:
         if commit.replay is not None:
             return {**commit.replay, "replayed": True}
-        commit.result = await _apply_entries(conn, folder, run, cp, gc_delay)
+        commit.result = await _apply_entries(conn, folder, run, cp, gc_delay, screen)
     await conn.execute(
         "INSERT INTO sync_baselines (run_id, folder_id, version) VALUES (%s, %s, %s)"
         " ON CONFLICT (run_id, folder_id)"
@@ -208,6 +232,24 @@ async def apply_checkpoint(
         " WHERE id = %s",
         (cp.final, run.run_id),
     )
+    refused: list[dict[str, Any]] = commit.result.get("refusedEntries", [])
+    warnings = [{**r, "message": f"{r['path']} was not saved: {r['message']}"} for r in refused]
+    if agent_limits is not None:
+        usage = await agentfiles.folder_usage(conn, folder, agent_limits)
+        warnings += agentfiles.limit_warnings(usage, agent_limits)
+    await receipts.record(
+        conn,
+        run_id=run.run_id,
+        company_id=run.company_id,
+        scope=folder.scope,
+        owner_id=folder.owner_id,
+        operation_id=cp.operation_id,
+        outcome="saved",
+        warnings=warnings,
+        refused_entries=refused,
+        files_changed=len(cp.entries) - len(refused),
+        final=cp.final,
+    )
     return commit.result
 
 
@@ -217,22 +259,32 @@ async def _apply_entries(
     run: RunBinding,
     cp: Checkpoint,
     gc_delay: timedelta,
+    screen: Screen | None,
 ) -> dict[str, Any]:
     digests = {e.digest for e in cp.entries if e.digest}
     sizes = await claim_contents(conn, folder, run.run_id, digests)
-    outcome = await apply_changes(conn, folder, cp.entries, sizes, gc_delay)
-    folder.counters.count(outcome.entries_delta)
+    entries, refused = (
+        await screen(conn, cp.entries, sizes) if screen is not None else (cp.entries, [])
+    )
+    outcome = await apply_changes(conn, folder, entries, sizes, gc_delay)
+    folder.counters.count(outcome.entries_delta, outcome.bytes_delta)
+    if outcome.largest_written is not None:
+        folder.counters.wrote(outcome.largest_written[1], outcome.largest_written[0])
     # The folder's counter (under its lock): every change of the folder,
     # this checkpoint's included, has a version at or below it, as the
     # manifest's highWater.
     cur = await conn.execute("SELECT now() AS t")
     row = await cur.fetchone()
     assert row is not None
-    return {
+    result: dict[str, Any] = {
         "operationId": cp.operation_id,
         "applied": True,
         "entries": len(cp.entries),
-        "byteSize": sum(sizes[e.digest] for e in cp.entries if e.op == "put" and e.digest),
+        "byteSize": sum(sizes[e.digest] for e in entries if e.op == "put" and e.digest),
         "highWater": folder.counters.base(),
         "savedAt": iso(row["t"]),
     }
+    if refused:
+        # fsagent keeps these paths unsaved (dirty) rather than taking them as saved.
+        result["refusedEntries"] = refused
+    return result

@@ -15,10 +15,10 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from common import logs
 from common.errors import WorkFolderError
@@ -35,6 +35,7 @@ from controller.config import (
 from controller.pgembed import EmbeddedPostgres, EmbeddedPostgresError
 
 log = logging.getLogger("controller")
+T = TypeVar("T")
 
 EXIT_ERROR = 1
 EXIT_UNAVAILABLE = 3
@@ -277,6 +278,96 @@ def audit_lines(data: dict[str, Any]) -> str:
     return "\n".join(rows) if rows else f"no API bridge calls recorded for run {data['run_id']}"
 
 
+def run_transaction(url: str, work: Callable[[Any], Awaitable[T]]) -> T:
+    """An async domain function (shared with the API) in one transaction."""
+    from controller import db
+
+    return db.run_transaction(url, work)
+
+
+def set_agent_entry(url: str, agent: str, path: str) -> dict[str, Any]:
+    from controller import agentfiles
+
+    agent = admin._uuid(agent, "agent")
+    return run_transaction(url, lambda c: agentfiles.set_entry(c, agent, path))
+
+
+def import_agent_files(url: str, settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
+    """``controller.agentimport``: scan, store the bytes, then one transaction."""
+    from common.limits import MAX_ENTRIES
+    from controller import agentimport, apply
+    from controller.config import AgentLimits
+
+    agent = admin._uuid(args.agent, "agent")
+    source = Path(args.dir).resolve()
+    limits = AgentLimits()
+    try:
+        company, plan = run_transaction(
+            url, lambda c: agentimport.plan_import(c, agent, source, limits)
+        )
+        if args.dry_run:
+            return plan.summary(agent, source, dry_run=True)
+        from controller.db import run_coroutine
+
+        storage = make_storage(settings)
+        stored, created = run_coroutine(lambda: agentimport.store_objects(storage, company, plan))
+        try:
+            return run_transaction(
+                url,
+                lambda c: agentimport.write_import(
+                    c, storage, company, agent, source, plan, stored, limits, MAX_ENTRIES,
+                    settings.gc_delay,
+                ),
+            )  # fmt: skip
+        except BaseException:
+            # Bytes stored for an import that did not commit: GC keeps what is referenced.
+            if created:
+                run_transaction(
+                    url,
+                    lambda c: apply.journal_deletion(
+                        c, company, created, "orphaned import", settings.gc_delay
+                    ),
+                )
+            raise
+    except agentimport.ImportRefused as exc:
+        raise admin.AdminError(str(exc)) from None
+
+
+def import_lines(data: dict[str, Any]) -> str:
+    """``admin import-agent-files`` without ``--json``: the summary, then a line per path."""
+    verb = "would import" if data["dry_run"] else "imported"
+    lines = [
+        f"{verb} {len(data['imported'])} file(s), {data['bytes']} bytes, and"
+        f" {len(data['directories'])} folder(s) from {data['source']};"
+        f" excluded {len(data['excluded'])}, refused {len(data['refused'])}"
+    ]
+    lines += [f"  excluded  {e['path']}  ({e['reason']})" for e in data["excluded"]]
+    lines += [f"  refused   {r['path']}  ({r['reason']})" for r in data["refused"]]
+    return "\n".join(lines)
+
+
+def change_grant(url: str, action: str, args: argparse.Namespace) -> dict[str, Any]:
+    from controller import grants
+
+    if not args.configure:
+        raise admin.AdminError(f"{action}: name the permission (--configure)")
+    company = admin._uuid(args.company, "company")
+    user = admin._uuid(args.user, "user")
+    agent = admin._uuid(args.agent, "agent")
+    change = grants.grant_configure if action == "grant" else grants.revoke_configure
+    return run_transaction(url, lambda c: change(c, company, user, agent))
+
+
+def workspace_line(data: dict[str, Any]) -> str:
+    """``admin add-workspace`` without ``--json``; a primary takeover is said."""
+    line = f"workspace {data['workspace_id']} added to project {data['project_id']}"
+    if data["primary"]:
+        line += "; it is the project's primary workspace"
+        if data["replaced_primary"]:
+            line += f" (workspace {data['replaced_primary']} no longer is)"
+    return line
+
+
 def cmd_admin(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     text: Callable[[dict[str, Any]], str] | None = None
@@ -307,17 +398,41 @@ def cmd_admin(args: argparse.Namespace) -> int:
                 sandbox=args.sandbox,
                 home=args.home,
             )
+        elif a == "set-agent-entry":
+            out = set_agent_entry(url, args.agent, args.path)
+        elif a in ("grant", "revoke"):
+            out = change_grant(url, a, args)
+        elif a == "import-agent-files":
+            out = import_agent_files(url, settings, args)
+            text = import_lines
         elif a == "end-run":
             out = admin.end_run(url, args.run)
         elif a == "list-tokens":
             out = admin.list_tokens(url, args.company, args.user)
         elif a == "revoke-token":
             out = admin.revoke_token(url, args.token_id)
+        elif a == "create-operator-token":
+            out = admin.create_operator_token(url, args.company, args.name)
         elif a == "audit":
             out = admin.audit(url, args.run, args.after, args.limit)
             text = audit_lines
         elif a == "end-sessions":
             out = admin.end_sessions(url, args.user)
+        elif a == "add-workspace":
+            out = admin.add_workspace(
+                url,
+                args.project,
+                repo_url=args.repo_url,
+                name=args.name,
+                ref=args.ref,
+                primary=args.primary,
+                setup_command=args.setup,
+            )
+            text = workspace_line
+        elif a == "remove-workspace":
+            out = admin.remove_workspace(url, args.workspace)
+        elif a == "set-task-branch":
+            out = admin.set_task_branch(url, args.task, args.branch)
         else:  # pragma: no cover - argparse restricts choices
             raise admin.AdminError(f"unknown admin command {a}")
     emit(args, out, text)
@@ -406,9 +521,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = admin_cmd("remove-member", "remove a user from a company")
     p.add_argument("company")
     p.add_argument("user")
-    p = admin_cmd("create-agent", "create an agent")
+    p = admin_cmd("create-agent", "create an agent (its folder starts with an empty AGENTS.md)")
     p.add_argument("company")
     p.add_argument("name")
+    p = admin_cmd("set-agent-entry", "make PATH the agent's instruction entry (created if absent)")
+    p.add_argument("agent")
+    p.add_argument("path")
+    for name, help_ in (
+        ("grant", "let a member configure one agent (its folder)"),
+        ("revoke", "take a member's permission on one agent back"),
+    ):
+        p = admin_cmd(name, help_)
+        p.add_argument("company")
+        p.add_argument("user")
+        p.add_argument("--agent", required=True)
+        p.add_argument(
+            "--configure", action="store_true", help="the permission: configure the agent"
+        )
     p = admin_cmd("create-project", "create a project")
     p.add_argument("company")
     p.add_argument("name")
@@ -424,12 +553,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user")
     p.add_argument("--sandbox", help="sandbox identity (a new lease epoch fences older runs)")
     p.add_argument("--home", default="/home/agent", help="the sandbox's $HOME, for the env paths")
+    p = admin_cmd(
+        "import-agent-files",
+        "import an existing workspace directory into the agent's folder, once",
+    )
+    p.add_argument("agent")
+    p.add_argument("dir", help="the workspace directory on this host")
+    p.add_argument("--dry-run", action="store_true", help="only report what would happen")
+    p.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
+    p.add_argument("--s3-endpoint")
+    p.add_argument("--s3-bucket")
+    p.add_argument("--s3-region")
     p = admin_cmd("end-run", "end a run; its token stops working at once")
     p.add_argument("run")
-    p = admin_cmd("list-tokens", "list API tokens by id (the tokens themselves are not stored)")
-    p.add_argument("--company", help="only tokens of this company's members")
+    p = admin_cmd(
+        "create-operator-token",
+        "issue a token for machines (an orchestrator) that opens one company's admin routes",
+    )
+    p.add_argument("company")
+    p.add_argument("--name", required=True, help="what the token is for, shown by list-tokens")
+    p = admin_cmd(
+        "list-tokens",
+        "list API and operator tokens by id (the tokens themselves are not stored)",
+    )
+    p.add_argument(
+        "--company", help="only tokens of this company's members and its operator tokens"
+    )
     p.add_argument("--user", help="only this user's tokens")
-    p = admin_cmd("revoke-token", "revoke an API token by id; it answers 401 at once")
+    p = admin_cmd("revoke-token", "revoke an API or operator token by id; it answers 401 at once")
     p.add_argument("token_id")
     p = admin_cmd("end-sessions", "end every Files page session of a user")
     p.add_argument("user")
@@ -437,6 +588,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True)
     p.add_argument("--after", type=int, default=0, help="only rows after this id")
     p.add_argument("--limit", type=int, default=1000, help="at most this many rows (1-1000)")
+    p = admin_cmd("add-workspace", "add a repository workspace to a project")
+    p.add_argument("project")
+    p.add_argument("--repo-url", required=True, help="what `git clone` is given")
+    p.add_argument("--name", help="checkout name under $HOME/repos (default: from the URL)")
+    p.add_argument("--ref", help="starting branch or tag of a new clone")
+    p.add_argument(
+        "--primary",
+        action="store_true",
+        help="the project's primary repository (takes over from the current one)",
+    )
+    p.add_argument("--setup", help="shell command run once in a new or restored checkout")
+    p = admin_cmd(
+        "remove-workspace", "bind a workspace to no new task (bindings and saves are kept)"
+    )
+    p.add_argument("workspace")
+    p = admin_cmd("set-task-branch", "the branch the task's primary checkout is cloned onto")
+    p.add_argument("task")
+    p.add_argument("branch")
     p = admin_cmd("backup", "pg_dump the database, then copy the local object directory")
     p.add_argument("--to", type=Path, required=True, help="new (or empty) directory")
     p.add_argument("--storage", choices=["local_disk", "s3"], default="local_disk")
@@ -465,7 +634,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"controller: embedded PostgreSQL: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except WorkFolderError as exc:
-        print(f"controller: {exc.code}: {exc}", file=sys.stderr)
+        detail = exc.details[0] if exc.details and isinstance(exc.details[0], dict) else {}
+        reason = detail.get("message") or exc.text
+        print(f"controller: {exc.code}: {reason}", file=sys.stderr)
         return EXIT_UNAVAILABLE if exc.status >= 500 else EXIT_ERROR
     except psycopg.OperationalError as exc:
         # Unreachable, refused, timed out, shut down: a dependency, not a bug.

@@ -8,6 +8,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from common.limits import (
+    AGENT_MAX_ENTRIES,
+    AGENT_MAX_FILE_BYTES,
+    AGENT_MAX_TOTAL_BYTES,
     GC_DELAY_SECONDS,
     GC_SWEEP_INTERVAL_SECONDS,
     MAX_ENTRIES,
@@ -15,6 +18,7 @@ from common.limits import (
     GiB,
     KiB,
 )
+from common.repos import REPO_UPLOAD_TTL_SECONDS
 
 
 @dataclass
@@ -111,6 +115,16 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
     return limits
 
 
+@dataclass(frozen=True)
+class AgentLimits:
+    """An agent folder's storage limits (spec/agent-files.md): checked when a
+    save commits, never while the agent writes (``controller/agentfiles.py``)."""
+
+    max_entries: int = AGENT_MAX_ENTRIES
+    max_file_bytes: int = AGENT_MAX_FILE_BYTES
+    max_total_bytes: int = AGENT_MAX_TOTAL_BYTES
+
+
 @dataclass
 class Quotas:
     """What one tenant or run may cost the database and storage, enforced by the
@@ -124,6 +138,9 @@ class Quotas:
     """Per run: uploaded bytes no checkpoint has committed yet (429 beyond)."""
     pending_upload_ttl: float = 86400.0
     """Seconds an uncommitted upload counts, may be committed and is kept from GC."""
+    repo_upload_ttl: float = float(REPO_UPLOAD_TTL_SECONDS)
+    """The same for an upload to a repository route: a repository save that
+    takes longer than this is refused and must upload again."""
     company_storage_bytes: int = 0
     """Stored bytes per company; 0 turns the quota off (the default)."""
     statement_timeout: float = 30.0
@@ -132,6 +149,18 @@ class Quotas:
     """Database connections of one controller process."""
     pool_share: int = 4
     """Connections one token may hold at once; more requests wait on this share."""
+    agent_max_entries: int = AGENT_MAX_ENTRIES
+    """Files and folders of an agent folder; a save growing past it is 422."""
+    agent_max_file_bytes: int = AGENT_MAX_FILE_BYTES
+    """Largest file a save may write into an agent folder (422 beyond)."""
+    agent_max_total_bytes: int = AGENT_MAX_TOTAL_BYTES
+    """Live file bytes of an agent folder; a save growing past it is 422."""
+
+    @property
+    def agent(self) -> AgentLimits:
+        return AgentLimits(
+            self.agent_max_entries, self.agent_max_file_bytes, self.agent_max_total_bytes
+        )
 
 
 # flag, field, type, help, zero allowed.
@@ -153,6 +182,13 @@ _QUOTA_FLAGS: list[tuple[str, str, type, str, bool]] = [
         False,
     ),
     (
+        "--repo-upload-ttl",
+        "repo_upload_ttl",
+        float,
+        "seconds an uncommitted repository upload lives",
+        False,
+    ),
+    (
         "--company-storage-bytes",
         "company_storage_bytes",
         int,
@@ -162,6 +198,21 @@ _QUOTA_FLAGS: list[tuple[str, str, type, str, bool]] = [
     ("--statement-timeout", "statement_timeout", float, "seconds per SQL statement", False),
     ("--pool-size", "pool_size", int, "database connections", False),
     ("--pool-share", "pool_share", int, "database connections one token may hold", False),
+    ("--agent-max-entries", "agent_max_entries", int, "files and folders per agent folder", False),
+    (
+        "--agent-max-file-bytes",
+        "agent_max_file_bytes",
+        int,
+        "largest file a save may write into an agent folder",
+        False,
+    ),
+    (
+        "--agent-max-total-bytes",
+        "agent_max_total_bytes",
+        int,
+        "live file bytes per agent folder",
+        False,
+    ),
 ]
 
 

@@ -2,15 +2,20 @@
 
 A journal entry becomes due at ``not_before``. The sweeper then takes the
 object's advisory lock (``apply.lock_object``), locks the digest's run-upload
-rows, and deletes the bytes only if no live file or trash entry of the
-company references the digest and no upload pins it. A run upload pins its
+rows, and deletes the bytes only if no live file, trash entry or task
+attachment (an original upload, ``controller.attachments``) of the company
+references the digest, no current repository checkpoint of the company
+references it (``repo_refs``: its objects and its manifest, kept while the
+task's binding exists, also after its workspace is removed) and no upload
+pins it. A run upload pins its
 object while its run is active and the upload is either committed or not yet
 expired (:data:`PINNED`).
 
 Two kinds of writer reference a digest, and each is ordered against the
 sweeper:
 
-- a single write (REST PUT, a bridge upload's registration) takes the same
+- a single write (REST PUT, a bridge upload's registration, a task
+  attachment and its working copy) takes the same
   object lock and upserts the ``objects`` row before it references the
   digest, and re-uploads the bytes when they are gone
   (``apply.register_object``);
@@ -18,7 +23,10 @@ sweeper:
   (``checkpoint.claim_contents``), holding the run's row lock, so no HEAD
   per file is needed: the sweeper either waits on the claimed upload rows
   and then sees the checkpoint's files, or decides first, and then the claim
-  sees the upload expired as well.
+  sees the upload expired as well. A repository checkpoint claims the same
+  way (``repos.commit``), and the references it may also rely on, its task's
+  ``repo_refs``, change only under the task's repository lock, which it
+  holds; its manifest object is registered like a single write.
 """
 
 from __future__ import annotations
@@ -63,8 +71,14 @@ LOCK_UPLOADS_SQL = (
 )
 
 REFERENCED_SQL = (
+    # A task attachment's original and a current repository checkpoint
+    # reference an object as a file does.
     "SELECT EXISTS (SELECT 1 FROM files f JOIN folders d ON d.id = f.folder_id"
-    "  WHERE d.company_id = %(company)s AND f.digest = %(digest)s) AS by_files,"
+    "  WHERE d.company_id = %(company)s AND f.digest = %(digest)s)"
+    " OR EXISTS (SELECT 1 FROM task_attachments a"
+    "  WHERE a.company_id = %(company)s AND a.digest = %(digest)s)"
+    " OR EXISTS (SELECT 1 FROM repo_refs WHERE company_id = %(company)s"
+    "  AND digest = %(digest)s) AS referenced,"
     " EXISTS (SELECT 1 FROM run_uploads u JOIN runs r ON r.id = u.run_id"
     "  WHERE u.company_id = %(company)s AND u.digest = %(digest)s AND " + PINNED + ") AS pinned"
 )
@@ -118,11 +132,11 @@ async def _collect(
         cur = await conn.execute(REFERENCED_SQL, key)
         row = await cur.fetchone()
         assert row is not None
-        if row["pinned"] and not row["by_files"]:
+        if row["pinned"] and not row["referenced"]:
             # A running run may still commit a checkpoint that references
             # its upload: decide again on a later sweep, after the pin ends.
             return "pending"
-        if row["by_files"]:
+        if row["referenced"]:
             outcome = "referenced"
         else:
             await asyncio.to_thread(storage.delete, object_key(company, digest))

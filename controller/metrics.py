@@ -1,8 +1,9 @@
 """Prometheus metrics of one controller process, served on ``--metrics-listen``.
 
-The metrics are not on the API listener: there is no operator credential to
-protect them with, so they get an address of their own that the operator keeps
-off the public network. :class:`Observe` (an ASGI middleware) records every
+The metrics are not on the API listener: they count every tenant's traffic,
+and the only machine credential, an operator token, belongs to one company.
+So they get an address of their own that the operator keeps off the public
+network. :class:`Observe` (an ASGI middleware) records every
 request by route template, method and status, the checkpoint and upload
 figures from the bridge answers, and sets the request context the logs use.
 Pool use and active runs are read when scraped.
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_ROUTE = PREFIX + "/folders/{scope}/checkpoints"
 UPLOAD_ROUTES = {
     ("PUT", PREFIX + "/folders/{scope}/uploads"),
+    ("PUT", PREFIX + "/repos/{workspaceId}/uploads"),
     ("PUT", "/api/companies/{companyId}/work-folders/{scope}/{ownerId}/content"),
 }
 CAPTURED_ROUTES = {("POST", CHECKPOINT_ROUTE), *UPLOAD_ROUTES}

@@ -17,11 +17,13 @@ from common.errors import FileNotFound, MoveIntoItself, MoveTargetExists
 from common.paths import parent_of, validate_path
 from controller.api.serialize import entry_json
 from controller.apply import (
+    Authority,
     Folder,
     Row,
     WritePolicy,
     check_restore_paths_free,
     committing,
+    count_revived,
     ensure_parents,
     fingerprint,
     live_row,
@@ -111,14 +113,18 @@ async def move(
     *,
     path: str,
     to: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
+    guard: Authority | None = None,
 ) -> dict[str, Any]:
-    """A person's rename or move; the same Idempotency-Key replays the first answer."""
+    """A person's rename or move; the same Idempotency-Key replays the first
+    answer. ``guard`` (the folder's own rules) runs under the folder lock first."""
     fp = fingerprint(action="move", path=path, to=to)
     async with committing(conn, folder, operation_id, fp, policy) as commit:
         if commit.replay is not None:
             return {**commit.replay, "applied": False}
+        if guard is not None:
+            await guard(conn)
         commit.result = await move_subtree(conn, folder, path, to)
     return commit.result
 
@@ -129,7 +135,7 @@ async def restore_as(
     *,
     file_id: str,
     to: str,
-    operation_id: str,
+    operation_id: str | None,
     policy: WritePolicy,
 ) -> dict[str, Any]:
     """Restore a trash batch under another path: its top entry becomes ``to``.
@@ -148,6 +154,6 @@ async def restore_as(
         await check_restore_paths_free(conn, folder, [p for _, p in moves])
         await ensure_parents(conn, folder, to)
         rows = await repath_rows(conn, folder, moves, restore=True)
-        folder.counters.count(len(rows))
+        count_revived(folder, rows)
         commit.result = {"applied": True, "files": [entry_json(r) for r in rows]}
     return commit.result

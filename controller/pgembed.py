@@ -22,10 +22,12 @@ import glob
 import logging
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 from common.errors import AppError
 
@@ -93,7 +95,7 @@ class EmbeddedPostgres:
 
     @property
     def url(self) -> str:
-        return f"postgresql://{DB_USER}@/{DB_NAME}?host={self.sockdir}"
+        return f"postgresql://{DB_USER}@/{DB_NAME}?host={quote(str(self.sockdir), safe='/')}"
 
     def _cmd(self, *args: str) -> list[str]:
         if self._run_as is None:
@@ -208,7 +210,8 @@ class EmbeddedPostgres:
         if not self.running():
             self._clear_crashed_cluster()
             opts = (
-                f"-k {self.sockdir} -c listen_addresses='' -c fsync=on "
+                # pg_ctl runs postgres through a shell: a data dir may hold spaces.
+                f"-k {shlex.quote(str(self.sockdir))} -c listen_addresses='' -c fsync=on "
                 "-c max_connections=200 -c shared_buffers=128MB"
             )
             self._run(
@@ -229,7 +232,7 @@ class EmbeddedPostgres:
     def _ensure_database(self) -> None:
         import psycopg  # local: keeps `controller --help` fast
 
-        admin_url = f"postgresql://{DB_USER}@/postgres?host={self.sockdir}"
+        admin_url = f"postgresql://{DB_USER}@/postgres?host={quote(str(self.sockdir), safe='/')}"
         with psycopg.connect(admin_url, autocommit=True, connect_timeout=30) as conn:
             row = conn.execute(
                 "SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)

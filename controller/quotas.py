@@ -93,6 +93,12 @@ async def check_company_storage(
         raise StorageQuotaExceeded(details=[{"limit": limit, "used": int(row["used"])}])
 
 
+def upload_checks_apply(run_id: str | None, quotas: Quotas) -> bool:
+    """Whether :func:`check_uploads` has anything to check: a person's upload
+    with the storage quota off has not, and needs no transaction for it."""
+    return run_id is not None or quotas.company_storage_bytes > 0
+
+
 async def check_uploads(
     conn: AsyncConnection[Any],
     company_id: str,

@@ -1,21 +1,35 @@
-"""Runs as the controller records them: which runs use a folder, their save
-state, refresh requests and the objects they uploaded."""
+"""Runs as the controller records them: starting one (a new lease for its
+sandbox) and ending it, which runs use a folder, their save state, refresh
+requests and the objects they uploaded."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from pathlib import PurePosixPath
+from typing import Any, Protocol, TypeVar
 
 from psycopg import AsyncConnection
 
-from common.errors import RunNotActive, RunNotFound
-from controller import apply, folders
+from common.errors import MemberNotFound, RunNotActive, RunNotFound, ValidationError
+from controller import apply, folders, runprep, workspaces
 from controller.apply import EnsureObject, Folder, Row
+from controller.auth import RUN_TOKEN_PREFIX, new_token, token_hash
+from controller.orgs import check_uuid, require_agent, require_project, task_project
 from controller.storage.base import object_key
 
+T = TypeVar("T")
+
 MAX_ERROR_CHARS = 2000
+
+LEASE_LOCK_CLASS = 0x6C6561
+"""First key of the two-key advisory lock that serializes a sandbox's leases
+(``apply.OBJECT_LOCK_CLASS`` is another class; folders use one-key locks)."""
+
+MAX_SANDBOX_KEY_CHARS = 256
+DEFAULT_HOME = "/home/agent"
 
 _OWNER_COLUMN = {"task": "task_id", "agent": "agent_id", "project": "project_id", "user": "user_id"}
 
@@ -77,6 +91,16 @@ async def set_state(conn: AsyncConnection[Any], run_id: str, state: str, error: 
     await conn.execute(
         "UPDATE runs SET state = %s, error = %s WHERE id = %s",
         (state, error[:MAX_ERROR_CHARS] if error else None, run_id),
+    )
+
+
+async def settle_saving(conn: AsyncConnection[Any], run_id: str) -> None:
+    """A save that was refused without failing the run (a storage limit, which
+    is a warning): the run's state goes back to what it was before the save."""
+    await conn.execute(
+        "UPDATE runs SET state = CASE WHEN last_saved_at IS NULL THEN 'starting' ELSE 'saved' END"
+        " WHERE id = %s AND state = 'saving'",
+        (run_id,),
     )
 
 
@@ -148,3 +172,273 @@ async def record_upload(
             await ensure_object(key)
 
     await record_uploads(conn, run_id, company_id, {digest: byte_size}, ensure, gc_delay, ttl)
+
+
+# --- starting and ending runs ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartedRun:
+    run_id: str
+    token: str
+    """The run token, shown once: only its hash is stored."""
+    lease_epoch: int
+    sandbox: str
+    bindings: dict[str, str | None]
+    """``task``, ``agent``, ``user`` and ``project`` ids (None when unbound)."""
+    env: dict[str, str]
+    """The agent's environment variables naming its folders under ``home``."""
+    repos: list[workspaces.Binding]
+    """The task's repositories (its project's workspaces), oldest first."""
+
+
+class Transact(Protocol):
+    """Runs ``work(conn)`` in a transaction of its own and returns its result
+    (the command line: a connection of its own; the API: the caller's
+    authority checked again in each transaction)."""
+
+    def __call__(self, work: Callable[[AsyncConnection[Any]], Awaitable[T]], /) -> Awaitable[T]: ...
+
+
+async def start_bound_run(
+    transact: Transact,
+    company: str,
+    *,
+    agent: str,
+    task: str | None = None,
+    project: str | None = None,
+    user: str | None = None,
+    sandbox: str | None = None,
+    home: str = DEFAULT_HOME,
+) -> StartedRun:
+    """``start-run`` and ``POST …/runs``: the task's repositories are bound in
+    a transaction of their own (a binding is the task's, whether or not this
+    run then starts, and no task or binding row stays locked while the start
+    waits for an older run's save), then :func:`start_run` in another."""
+    # Bad input is refused before anything is bound.
+    company, agent = check_uuid(company, "company"), check_uuid(agent, "agent")
+    task = check_uuid(task, "task") if task else None
+    project = check_uuid(project, "project") if project else None
+    user = check_uuid(user, "user") if user else None
+    if sandbox is not None:
+        check_sandbox_key(sandbox)
+    repos: list[workspaces.Binding] = []
+    if task is not None:
+        task_id = task
+
+        async def bind(conn: AsyncConnection[Any]) -> list[workspaces.Binding]:
+            await task_project(conn, company, task_id)  # TaskNotFound, as the start says
+            return await workspaces.bind_task(conn, company, task_id)
+
+        repos = await transact(bind)
+
+    async def start(conn: AsyncConnection[Any]) -> StartedRun:
+        return await start_run(
+            conn, company, agent=agent, task=task, project=project, user=user,
+            sandbox=sandbox, home=home, repos=repos,
+        )  # fmt: skip
+
+    started = await transact(start)
+    # Then the run is prepared (the agent's entry exists, the task's
+    # attachments have their working copies), before any sandbox uses it. A
+    # run that cannot be prepared is ended again: no sandbox starts half bound.
+    try:
+        await transact(lambda conn: runprep.prepare_run(conn, started.run_id))
+    except Exception:
+        await transact(lambda conn: end_run(conn, started.run_id))
+        raise
+    return started
+
+
+def run_env(home: str, bindings: dict[str, str | None]) -> dict[str, str]:
+    """The folder variables of the agent's environment: each bound folder's
+    mount point under the sandbox's ``$HOME``."""
+    home_dir = PurePosixPath(home)
+    env = {
+        "AGENT_HOME": str(home_dir / "agent"),
+        "PAPERCLIP_AGENT_DIR": str(home_dir / "agent"),
+        "PAPERCLIP_REPOS_DIR": str(home_dir / "repos"),
+    }
+    if bindings["task"]:
+        env["PAPERCLIP_TASK_DIR"] = str(home_dir / "task")
+    if bindings["user"]:
+        env["PAPERCLIP_USER_DIR"] = str(home_dir / "user")
+    if bindings["project"]:
+        env["PAPERCLIP_PROJECT_DIR"] = str(home_dir / "project")
+    return env
+
+
+def check_sandbox_key(key: str) -> str:
+    if not 1 <= len(key) <= MAX_SANDBOX_KEY_CHARS:
+        raise ValidationError.single(
+            "sandbox", "invalid_sandbox", "sandbox key must be 1-256 characters"
+        )
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in key):
+        raise ValidationError.single(
+            "sandbox", "invalid_sandbox", "sandbox key must not contain control characters"
+        )
+    return key
+
+
+async def start_run(
+    conn: AsyncConnection[Any],
+    company: str,
+    *,
+    agent: str,
+    task: str | None = None,
+    project: str | None = None,
+    user: str | None = None,
+    sandbox: str | None = None,
+    home: str = DEFAULT_HOME,
+    repos: list[workspaces.Binding] | None = None,
+) -> StartedRun:
+    """Bind a run to its folders and take a new lease for its sandbox, in the
+    caller's transaction (``repos``: the task's repository bindings, made by
+    :func:`start_bound_run`).
+
+    The new lease epoch is one above every earlier run of the same sandbox,
+    and those runs end in the same transaction: their tokens answer 401 from
+    the next request, and a checkpoint of theirs still in flight is refused
+    at its commit (fencing). A task's project is bound with it.
+    """
+    company, agent = check_uuid(company, "company"), check_uuid(agent, "agent")
+    task = check_uuid(task, "task") if task else None
+    project = check_uuid(project, "project") if project else None
+    user = check_uuid(user, "user") if user else None
+    sandbox_key = check_sandbox_key(sandbox or f"sandbox-{uuid.uuid4()}")
+    run_id = str(uuid.uuid4())
+    token = new_token(RUN_TOKEN_PREFIX)
+    await require_agent(conn, company, agent)
+    if task:
+        task_in = await task_project(conn, company, task)
+        if project is None:
+            project = task_in
+        elif project != task_in:
+            raise ValidationError.single(
+                "projectId",
+                "task_project_mismatch",
+                f"task {task} belongs to project {task_in}, not {project}",
+            )
+    if project:
+        await require_project(conn, company, project)
+    if user:
+        cur = await conn.execute(
+            "SELECT 1 FROM memberships WHERE company_id = %s AND user_id = %s FOR SHARE",
+            (company, user),
+        )
+        if await cur.fetchone() is None:
+            raise MemberNotFound(f"user {user} is not a member of company {company}")
+    # Serialize lease changes per sandbox; the new epoch fences every older one.
+    # Two keys: never the same lock as a folder's one-key lock (its id).
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+        (LEASE_LOCK_CLASS, f"{company}:{sandbox_key}"),
+    )
+    cur = await conn.execute(
+        "SELECT coalesce(max(lease_epoch), 0) AS e FROM runs"
+        " WHERE company_id = %s AND sandbox_key = %s",
+        (company, sandbox_key),
+    )
+    row = await cur.fetchone()
+    epoch = int(row["e"] if row else 0) + 1
+    await _end_runs(
+        conn,
+        "company_id = %s AND sandbox_key = %s AND active",
+        (company, sandbox_key),
+        reason=f"superseded by run {run_id}",
+    )
+    await conn.execute(
+        "INSERT INTO runs (id, company_id, agent_id, task_id, project_id, user_id,"
+        " sandbox_key, lease_epoch, token_hash) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+        (run_id, company, agent, task, project, user, sandbox_key, epoch, token_hash(token)),
+    )
+    bindings = {"task": task, "agent": agent, "user": user, "project": project}
+    repos = list(repos or [])
+    env = run_env(home, bindings) | workspaces.run_env(repos, PurePosixPath(home))
+    return StartedRun(run_id, token, epoch, sandbox_key, bindings, env, repos)
+
+
+async def _end_runs(
+    conn: AsyncConnection[Any], where: str, params: tuple[Any, ...], *, reason: str
+) -> int:
+    # A run that ends while a save is in flight did not save: say so.
+    cur = await conn.execute(
+        "UPDATE runs SET active = false, ended_at = now(),"
+        " state = CASE WHEN state = 'saving' THEN 'failed' ELSE state END,"
+        " error = CASE WHEN state = 'saving' THEN %s ELSE error END"
+        f" WHERE {where}",
+        (f"run ended while a save was in progress ({reason})", *params),
+    )
+    return cur.rowcount
+
+
+async def end_run(conn: AsyncConnection[Any], run: str, *, company: str | None = None) -> Row:
+    """End a run (its token answers 401 from the next request; a write in
+    flight, which holds the run row, lands before this). Ending an ended run
+    changes nothing. ``company`` limits this to that company's runs."""
+    run = check_uuid(run, "run")
+    found = await get_run(conn, run, company=company)
+    if found["active"]:
+        await _end_runs(conn, "id = %s AND active", (run,), reason="ended by operator")
+        found = await get_run(conn, run, company=company)
+    return found
+
+
+async def get_run(conn: AsyncConnection[Any], run: str, *, company: str | None = None) -> Row:
+    """The run's record (never its token), with ``newest_epoch``: the newest
+    lease of its sandbox (a run below it was superseded)."""
+    run = check_uuid(run, "run")
+    cur = await conn.execute(
+        "SELECT r.*, (SELECT max(lease_epoch) FROM runs o WHERE o.company_id = r.company_id"
+        "  AND o.sandbox_key = r.sandbox_key) AS newest_epoch"
+        " FROM runs r WHERE r.id = %s AND (%s::uuid IS NULL OR r.company_id = %s::uuid)",
+        (run, company, company),
+    )
+    row: Row | None = await cur.fetchone()
+    if row is None:
+        raise RunNotFound(f"no such run: {run}")
+    return row
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    active: bool | None = None
+    agent: str | None = None
+    task: str | None = None
+    sandbox: str | None = None
+
+
+async def list_runs(
+    conn: AsyncConnection[Any],
+    company: str,
+    match: RunFilter,
+    *,
+    limit: int,
+    before: tuple[datetime, str] | None = None,
+) -> list[Row]:
+    """The company's runs, newest first (``started_at``, then id, both
+    descending), at most ``limit`` after the keyset ``before``."""
+    started, last_id = before if before is not None else (None, None)
+    cur = await conn.execute(
+        "SELECT r.*, (SELECT max(lease_epoch) FROM runs o WHERE o.company_id = r.company_id"
+        "  AND o.sandbox_key = r.sandbox_key) AS newest_epoch"
+        " FROM runs r WHERE r.company_id = %(company)s"
+        " AND (%(active)s::boolean IS NULL OR r.active = %(active)s::boolean)"
+        " AND (%(agent)s::uuid IS NULL OR r.agent_id = %(agent)s::uuid)"
+        " AND (%(task)s::uuid IS NULL OR r.task_id = %(task)s::uuid)"
+        " AND (%(sandbox)s::text IS NULL OR r.sandbox_key = %(sandbox)s::text)"
+        " AND (%(started)s::timestamptz IS NULL"
+        "      OR (r.started_at, r.id) < (%(started)s::timestamptz, %(last_id)s::uuid))"
+        " ORDER BY r.started_at DESC, r.id DESC LIMIT %(limit)s",
+        {
+            "company": company,
+            "active": match.active,
+            "agent": match.agent,
+            "task": match.task,
+            "sandbox": match.sandbox,
+            "started": started,
+            "last_id": last_id,
+            "limit": limit,
+        },
+    )
+    return list(await cur.fetchall())

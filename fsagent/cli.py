@@ -4,8 +4,9 @@ Commands::
 
     fsagent mount SCOPE MOUNTPOINT --controller URL --token-file F [--state-dir D]
                   [--foreground] [--allow-other] [--prefetch N] [--checkpoint-interval S]
-                  [--spin-us N]
+                  [--spin-us N] [--mode auto|fuse|dir] [--ready-file F]
     fsagent up --home DIR --controller URL --token-file F [--state-root D] [--env-file F]
+               [--mode auto|fuse|dir]
     fsagent flush [SCOPE] [--state-dir D] [--final] [--json]
     fsagent status [--state-dir D ...] [--json]
     fsagent changes --state-dir D [--json]
@@ -14,15 +15,23 @@ Commands::
                    [--env-file F] -- COMMAND...
     fsagent doctor [--home DIR] [--require CMD]... [--env-file F]
                    [--controller URL --token-file F] [--json]
+    fsagent repos prepare|watch|checkpoint [NAME] --home DIR --controller URL --token-file F
+    fsagent repos status [--home DIR] [--json]
+
+``--mode``: ``fuse`` mounts, ``dir`` serves a plain directory checkpointed by
+scanning (where FUSE is unavailable), ``auto`` (default) decides with a test
+mount (fsagent.fuseprobe).
 
 ``--controller`` takes the controller's base URL, or ``dir:PATH`` to serve a
 run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
 
 Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
-in use/bound elsewhere, 4 controller unreachable or refusing (including a
-failed save: the state dir keeps every change), 5 mount failed, 6 doctor
-found problems, 7 the sandbox does not meet the runtime contract (launch: a
-required CLI or the env file is missing). ``launch`` otherwise exits with
+in use/bound elsewhere/served in the other mode, 4 controller unreachable or
+refusing (including a failed save: the state dir keeps every change), 5 mount
+failed (or a dir-mode directory cannot be used), 6 doctor found problems, 7
+the sandbox does not meet the runtime contract (launch: a required CLI or the
+env file is missing), 8 ``repos prepare`` could not clone or restore a
+checkout (or its setup failed). ``launch`` otherwise exits with
 COMMAND's own status. A plain ``http://`` controller URL that is not a loopback
 address is refused with exit 2 unless ``--insecure-http`` is given.
 """
@@ -30,23 +39,54 @@ address is refused with exit 2 unless ``--insecure-http`` is given.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common import logs
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US, control, doctor, launch, localbridge, tls
-from fsagent.daemon import EXIT_SAVE_FAILED, cmd_mount
-from fsagent.errors import FsagentError
-from fsagent.store import MARKER, Store, default_state_root
-from fsagent.up import cmd_up
+from fsagent import SPIN_US, control, tls
+from fsagent.errors import EXIT_SAVE_FAILED, FsagentError
+from fsagent.fuseprobe import MODES, default_mode
+from fsagent.statedir import MARKER, default_state_root
+
+if TYPE_CHECKING:
+    from fsagent.store import Change, Store
 
 log = logging.getLogger("fsagent")
+
+# Start-up cost: trio, httpx and the FUSE bindings take most of half a second
+# to import on a loaded sandbox, longer than a flush of a few files takes.
+# ``flush``, ``status`` and ``changes`` need none of them, so the commands
+# that do are imported only when they run (and their parsers only when
+# asked for: OWN_PARSERS).
+
+OWN_PARSERS = {"doctor": "fsagent.doctor", "bridge": "fsagent.localbridge",
+               "launch": "fsagent.launch", "repos": "fsagent.repos"}  # fmt: skip
+"""Commands whose arguments their own module defines (``add_parser``)."""
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from fsagent.daemon import cmd_mount as run
+
+    return run(args)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from fsagent.up import cmd_up as run
+
+    return run(args)
+
+
+def _open_store(state_dir: Path) -> Store:
+    from fsagent.store import Store
+
+    return Store.open(state_dir, readonly=True)
 
 
 # --- status / changes ----------------------------------------------------------
@@ -68,11 +108,43 @@ def _daemon(state_dir: Path) -> dict[str, Any] | None:
     return info
 
 
+def change_set(state_dir: Path) -> tuple[list[Change], dict[str, Any] | None]:
+    """A state dir's change set since the baseline, read-only, and what serves
+    it: ``{"mode", "reason", "path"}`` (None before a daemon of this version
+    served it). A plain-directory collection's change set comes from a scan
+    of its directory, whose refusals are under ``mode["scan"]``."""
+    store = _open_store(state_dir)
+    try:
+        mode = store.mode_record()
+        if mode is None or mode.get("mode") != "dir":
+            return store.changes_since_baseline(), mode
+    finally:
+        store.close()
+    from fsagent.dirfs import open_root
+    from fsagent.dirscan import report
+    from fsagent.dirstore import DirStore
+
+    dir_store = DirStore.open(state_dir, readonly=True)
+    try:
+        try:
+            root_fd = open_root(Path(mode["path"]))
+        except OSError as exc:
+            return [], {**mode, "scan": {"error": f"{mode['path']}: {exc.strerror}"}}
+        try:
+            dir_store.attach(root_fd)
+            scan = dir_store.rescan(record=False)
+            return dir_store.changes_since_baseline(), {**mode, "scan": report(scan)}
+        finally:
+            os.close(root_fd)
+    finally:
+        dir_store.close()
+
+
 def collection_status(state_dir: Path) -> dict[str, Any]:
-    store = Store.open(state_dir, readonly=True)
+    changes, mode = change_set(state_dir)
+    store = _open_store(state_dir)
     try:
         binding = store.binding()
-        changes = store.changes_since_baseline()
         baseline = store.baseline()
         saves = store.save_status()
         pending = store.pending_checkpoint()
@@ -80,21 +152,25 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
         store.close()
     daemon = _daemon(state_dir)
     files = [c for c in changes if c.action in ("upload", "reference")]
+    served = mode["mode"] if mode else "fuse"
+    scan = (mode or {}).pop("scan", None)
     return {
         "stateDir": str(state_dir),
         "scope": binding.scope if binding else None,
         "companyId": binding.company_id if binding else None,
         "ownerId": binding.owner_id if binding else None,
+        "mode": mode,
         "unsavedChanges": len(changes),
         "unsavedFiles": len(files),
         "unsavedBytes": sum(c.size or 0 for c in files if c.action == "upload"),
         "baseline": baseline.high_water,
-        "state": "mounted" if daemon else "stopped",
+        "state": ("mounted" if served == "fuse" else "serving") if daemon else "stopped",
         "mountpoint": daemon["mountpoint"] if daemon else None,
         "pid": daemon["pid"] if daemon else None,
         "lastSave": saves.get("lastSave"),
         "lastError": saves.get("lastError"),
         "pendingCheckpoint": pending.get("operationId") if pending else None,
+        "scan": scan,
         "live": _live_stats(state_dir) if daemon else None,
     }
 
@@ -124,6 +200,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{r['scope'] or '?'}: owner {r['ownerId'] or '-'}, {r['unsavedChanges']} unsaved "
             f"change(s), {r['state']}{where}"
         )
+        if r["mode"]:
+            print(f"  mode: {r['mode']['mode']} ({r['mode']['reason']})")
+        _print_scan(r["scan"])
         if r["lastSave"]:
             saved_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["lastSave"]["at"]))
             print(f"  last save: {saved_at} ({r['lastSave']['entries']} change(s))")
@@ -132,12 +211,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_scan(scan: dict[str, Any] | None, limit: int = 20) -> None:
+    """A plain-directory collection's refused paths, by name, and what waits."""
+    if not scan:
+        return
+    if "error" in scan:
+        print(f"  directory: {scan['error']}")
+        return
+    if scan["refusedCount"]:
+        print(f"  refused (never saved, never followed): {scan['refusedCount']} path(s)")
+        for item in scan["refused"][:limit]:
+            print(f"    {item['path']}: {item['reason']}")
+        if scan["refusedCount"] > limit:
+            print(f"    ... {scan['refusedCount'] - limit} more (fsagent status --json)")
+    if scan["retryingCount"]:
+        print(f"  changing while read, saved later: {', '.join(scan['retrying'][:limit])}")
+
+
 def cmd_changes(args: argparse.Namespace) -> int:
-    store = Store.open(Path(args.state_dir), readonly=True)
-    try:
-        changes = store.changes_since_baseline()
-    finally:
-        store.close()
+    changes, _ = change_set(Path(args.state_dir))
     if args.json:
         out = [
             {
@@ -194,7 +286,9 @@ def _describe_flush(reply: dict[str, Any]) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (``command`` given) one whose subcommands defined in
+    other modules are left out unless ``command`` is one of them."""
     parser = argparse.ArgumentParser(
         prog="fsagent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -215,6 +309,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO"
         )
+
+    def mode_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--mode",
+            choices=MODES,
+            default=default_mode(),
+            help="fuse: a FUSE mount; dir: a plain directory checkpointed by scanning; "
+            "auto (default, or $FSAGENT_MODE): fuse when /dev/fuse opens and a test mount "
+            "works, else dir",
+        )
+        # Set by `fsagent up`, which decides once for all four collections.
+        p.add_argument("--mode-reason", help=argparse.SUPPRESS)
 
     m = sub.add_parser("mount", help="mount one collection")
     m.add_argument("scope", help="task, agent, user or project")
@@ -248,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sleeping (adapts to the request rate; 0 = off); saves a vCPU wake-up per "
         "request on virtual machines",
     )
+    mode_option(m)
+    m.add_argument(
+        "--ready-file",
+        help="write {pid, mode, path} as JSON to this file once the collection is served "
+        "(dir mode; a FUSE mount is ready once mounted)",
+    )
     m.set_defaults(func=cmd_mount)
 
     f = sub.add_parser("flush", help="save now (or, with --final, save and unmount)")
@@ -274,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument(
         "--bridge-socket", help="local API endpoint socket (default STATE_ROOT/run/api.sock)"
     )
+    mode_option(u)
     u.set_defaults(func=cmd_up)
 
     s = sub.add_parser("status", help="bound owner, unsaved changes and state per collection")
@@ -286,16 +399,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_changes)
 
-    doctor.add_parser(sub, controller_opts)
-    localbridge.add_parser(sub)
-    launch.add_parser(sub)
+    for name, module in OWN_PARSERS.items():
+        if command is None or command == name:
+            add = importlib.import_module(module).add_parser
+            if name in ("doctor", "repos"):
+                add(sub, controller_opts)
+            else:
+                add(sub)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names, when it is a known one (only ``-v`` may come first)."""
+    for arg in argv:
+        if arg in ("-v", "--verbose"):
+            continue
+        known = {"mount", "flush", "up", "status", "changes", *OWN_PARSERS}
+        return arg if arg in known else None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
-    args = build_parser().parse_args(argv)
+    args = build_parser(_command_of(argv)).parse_args(argv)
     args.argv = list(argv)
     logs.configure(
         getattr(args, "log_format", None), logging.INFO if args.verbose else logging.WARNING

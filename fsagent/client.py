@@ -35,9 +35,21 @@ from typing import Any, BinaryIO, ClassVar, TypeVar
 
 import httpx
 import trio
+import xxhash
+import zstandard
 
-from common.bridge import MANIFEST_PAGE_MAX, PREFIX, encode_batch
+from common.bridge import (
+    BATCH_HEADER,
+    BATCH_MAGIC,
+    CHUNK_MAX,
+    FRAME_HEADER,
+    MANIFEST_PAGE_MAX,
+    MEMBER_HEADER,
+    PREFIX,
+    encode_batch,
+)
 from common.limits import SCOPES
+from common.repos import FETCH_BATCH_MAX, MISSING_MAX
 from common.types import Digest, FileVersion
 from fsagent.errors import (
     ControllerRefused,
@@ -64,10 +76,18 @@ class RunInfo:
     lease_epoch: int
     active: bool
     bindings: dict[str, str | None]
+    agent_entry: str | None = None
+    """The agent's instruction entry. A controller that names it holds the agent
+    folder contract (spec/agent-files.md): the entry cannot be unlinked or
+    renamed away, and the local copy of the agent folder is discarded at stop."""
+    warnings: tuple[dict[str, Any], ...] = ()
+    """The run's current warnings (e.g. an agent folder at a storage limit)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunInfo:
         bindings = {scope: data["bindings"].get(scope) for scope in SCOPES}
+        entry = data.get("agentEntry")
+        warnings = data.get("warnings") or []
         return cls(
             str(data["runId"]),
             str(data["companyId"]),
@@ -75,6 +95,8 @@ class RunInfo:
             int(data["leaseEpoch"]),
             bool(data["active"]),
             bindings,
+            None if entry is None else str(entry),
+            tuple(w for w in warnings if isinstance(w, dict)),
         )
 
 
@@ -121,6 +143,89 @@ def manifest_pages(
         page = chosen[i : i + page_size]
         more = i + page_size < len(chosen)
         yield ManifestPage(page, int(page[-1].version) if more else None, high_water)
+
+
+@dataclass(frozen=True, slots=True)
+class RepoCurrent:
+    """A workspace's current checkpoint, as the controller lists it."""
+
+    checkpoint_id: str
+    entries: int
+    byte_size: int
+    saved_at: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RepoCurrent:
+        return cls(
+            str(data["checkpointId"]),
+            int(data.get("entries", 0)),
+            int(data.get("byteSize", 0)),
+            str(data.get("savedAt", "")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RepoBinding:
+    """One workspace bound to the run's task (:mod:`common.repos`)."""
+
+    workspace_id: str
+    name: str
+    repo_url: str
+    ref: str | None
+    primary: bool
+    branch: str | None
+    setup_command: str | None
+    current: RepoCurrent | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RepoBinding:
+        current = data.get("current")
+        return cls(
+            str(data["workspaceId"]),
+            str(data["name"]),
+            str(data["repoUrl"]),
+            None if data.get("ref") is None else str(data["ref"]),
+            bool(data.get("primary", False)),
+            None if data.get("branch") is None else str(data["branch"]),
+            None if data.get("setupCommand") is None else str(data["setupCommand"]),
+            None if current is None else RepoCurrent.from_json(current),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RepoList:
+    repos_dir: str
+    """The checkouts' directory, relative to the sandbox home (``repos``)."""
+    repos: list[RepoBinding]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RepoList:
+        return cls(
+            str(data.get("reposDir", "repos")),
+            [RepoBinding.from_json(r) for r in data.get("repos", [])],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RepoManifest:
+    """A complete repository checkpoint: members (wire form) sorted by path, and
+    the portable configuration it carries."""
+
+    checkpoint_id: str
+    members: list[dict[str, Any]]
+    config: list[tuple[str, str]]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RepoManifest:
+        return cls(
+            str(data["checkpointId"]),
+            list(data.get("members", [])),
+            [(str(k), str(v)) for k, v in data.get("config", [])],
+        )
+
+
+DestFor = Callable[[int], Path]
+"""Where the ``i``-th object of a batch fetch is written."""
 
 
 class BridgeClient(ABC):
@@ -178,15 +283,78 @@ class BridgeClient(ABC):
         """
 
     @abstractmethod
-    async def report_state(self, state: str, error: str | None = None) -> None:
-        """Tell the controller that a save started or failed (shown on /sync)."""
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
+        """Tell the controller that a save started or failed (shown on /sync).
+        With ``scope``, fsagent gave up on that folder's save: the controller
+        records an explicit failure receipt for it (operation id, final)."""
 
     @abstractmethod
     async def refresh_applied(self) -> None:
         """Clear the run's refresh request once its changes are taken."""
 
+    # --- repositories (common.repos) ---
+
+    @abstractmethod
+    async def list_repos(self) -> RepoList:
+        """The workspaces bound to the run's task, with their current checkpoints."""
+
+    @abstractmethod
+    async def repo_missing(self, workspace_id: str, digests: list[str]) -> set[str]:
+        """Those of ``digests`` the task cannot reference yet (they must be uploaded)."""
+
+    @abstractmethod
+    async def upload_repo_object(self, workspace_id: str, frames: Frames) -> tuple[str, int]:
+        """:meth:`upload_object` for a repository checkpoint of the task."""
+
+    @abstractmethod
+    async def upload_repo_batch(
+        self, workspace_id: str, members: list[bytes]
+    ) -> list[tuple[str, int]]:
+        """:meth:`upload_batch` for a repository checkpoint of the task."""
+
+    @abstractmethod
+    async def commit_repo_checkpoint(
+        self, workspace_id: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Commit a repository checkpoint (full or delta); return its receipt."""
+
+    @abstractmethod
+    async def repo_manifest(
+        self, workspace_id: str, checkpoint_id: str = "current"
+    ) -> RepoManifest:
+        """A complete checkpoint's members and carried configuration."""
+
+    @abstractmethod
+    async def fetch_repo_objects(
+        self, workspace_id: str, digests: list[str], dest_for: DestFor
+    ) -> list[tuple[str, int]]:
+        """Write each object (at most :data:`FETCH_BATCH_MAX`) to ``dest_for(i)``;
+        return (sha256 of what was written, size) per object, in order. The
+        caller compares them with the digests it asked for."""
+
+    @abstractmethod
+    async def report_repo_state(
+        self, workspace_id: str, state: str, error: str | None = None
+    ) -> None:
+        """Tell the controller that a repository save started or failed."""
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most clients hold nothing
         """Release connections."""
+
+    def fork(self) -> BridgeClient | None:
+        """A client with the same settings and connections of its own, for the
+        event loop of another thread (:mod:`fsagent.shipthread`); None when this
+        client cannot serve another thread, and checkpoints then stay on the
+        mount's loop."""
+        return None
 
 
 def _flush_and_sync(fh: BinaryIO) -> None:
@@ -208,6 +376,163 @@ async def copy_hashing(chunks: AsyncIterator[bytes], dest: Path) -> tuple[str, i
     finally:
         fh.close()
     return sha.hexdigest(), size
+
+
+class BadBatch(ObjectUnavailable):
+    """A batch answer that does not follow :func:`common.bridge.encode_batch`."""
+
+
+_MAX_COMPRESSED_FRAME = CHUNK_MAX + 1024
+
+
+WRITE_BATCH_BYTES = 4 << 20
+"""Compressed bytes handed to one worker-thread call of a batch fetch: one
+thread round trip per file would cost more than writing a small file."""
+
+
+class _BatchWriter:
+    """The worker-thread half of :func:`read_batch`: decodes and checks frames,
+    writes members to their files, verifies each member's size and SHA-256.
+    Runs one list of steps per call, in order; at most one file is open."""
+
+    def __init__(self, dest_for: DestFor) -> None:
+        self.dest_for = dest_for
+        self.dctx = zstandard.ZstdDecompressor()
+        self.results: list[tuple[str, int]] = []
+        self._fh: BinaryIO | None = None
+        self._sha = hashlib.sha256()
+        self._written = 0
+        self._member: tuple[int, int, bytes] = (0, 0, b"")
+
+    def run(self, steps: list[tuple[Any, ...]]) -> None:
+        for step in steps:
+            if step[0] == "frame":
+                _, payload, raw_len, checksum = step
+                raw = _decode_frame(self.dctx, payload, raw_len, checksum)
+                self._sha.update(raw)
+                self._written += raw_len
+                assert self._fh is not None
+                self._fh.write(raw)
+            elif step[0] == "start":
+                _, index, size, declared = step
+                self._member = (index, size, declared)
+                self._sha = hashlib.sha256()
+                self._written = 0
+                self._fh = open(self.dest_for(index), "wb")  # noqa: SIM115 - closed at "end"
+            else:
+                assert self._fh is not None
+                self._fh.close()
+                self._fh = None
+                index, size, declared = self._member
+                if self._written != size or self._sha.digest() != declared:
+                    raise BadBatch(
+                        f"batch member {index} does not match its declared size and SHA-256"
+                    )
+                self.results.append((self._sha.hexdigest(), self._written))
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+async def read_batch(
+    chunks: AsyncIterator[bytes], count: int, dest_for: DestFor
+) -> list[tuple[str, int]]:
+    """Write the members of a batch body (:func:`common.bridge.encode_batch`)
+    to ``dest_for(i)``; (sha256, size) of what was written per member. Every
+    frame's xxh64 and every member's declared size and SHA-256 are checked;
+    the caller still compares each digest with the one it asked for (a
+    member may be a different object than requested).
+
+    The stream is cut into steps here (cheap), and a worker thread decodes
+    and writes about :data:`WRITE_BATCH_BYTES` of them per call: memory
+    stays bounded whatever the objects' sizes.
+    """
+    buf = bytearray()
+    pos = 0
+    source = chunks.__aiter__()
+    writer = _BatchWriter(dest_for)
+    steps: list[tuple[Any, ...]] = []
+    pending = 0
+
+    async def need(n: int) -> None:
+        nonlocal buf, pos
+        while len(buf) - pos < n:
+            if pos > (1 << 20):
+                del buf[:pos]  # drop what was parsed, now and then, not per frame
+                pos = 0
+            try:
+                buf.extend(await source.__anext__())
+            except StopAsyncIteration:
+                raise BadBatch(
+                    f"batch answer ended early ({len(buf) - pos} of {n} bytes)"
+                ) from None
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        out = bytes(buf[pos : pos + n])
+        pos += n
+        return out
+
+    async def flush() -> None:
+        nonlocal steps, pending
+        if steps:
+            work, steps, pending = steps, [], 0
+            await trio.to_thread.run_sync(writer.run, work)
+
+    try:
+        await need(BATCH_HEADER.size)
+        magic, members = BATCH_HEADER.unpack(take(BATCH_HEADER.size))
+        if magic != BATCH_MAGIC or members != count:
+            raise BadBatch(f"batch answer holds {members} members, {count} were asked for")
+        for i in range(count):
+            await need(MEMBER_HEADER.size)
+            size, declared = MEMBER_HEADER.unpack(take(MEMBER_HEADER.size))
+            steps.append(("start", i, size, declared))
+            written = 0
+            while True:
+                await need(FRAME_HEADER.size)
+                clen, rlen, checksum = FRAME_HEADER.unpack(take(FRAME_HEADER.size))
+                if clen == 0 and rlen == 0:
+                    break
+                if not 0 < rlen <= CHUNK_MAX or not 0 < clen <= _MAX_COMPRESSED_FRAME:
+                    raise BadBatch("batch frame out of bounds")
+                written += rlen
+                if written > size:
+                    raise BadBatch("batch member longer than declared")
+                await need(clen)
+                steps.append(("frame", take(clen), rlen, checksum))
+                pending += clen
+                if pending >= WRITE_BATCH_BYTES:
+                    await flush()
+            steps.append(("end",))
+            if len(steps) >= 4096:
+                await flush()
+        await flush()
+        if len(buf) > pos:
+            raise BadBatch("data after the last batch member")
+        async for extra in source:
+            if extra:
+                raise BadBatch("data after the last batch member")
+    finally:
+        writer.close()
+        aclose = getattr(source, "aclose", None)  # an async generator: close it now
+        if aclose is not None:
+            await aclose()
+    return writer.results
+
+
+def _decode_frame(
+    dctx: zstandard.ZstdDecompressor, payload: bytes, raw_len: int, checksum: int
+) -> bytes:
+    try:
+        raw: bytes = dctx.decompress(payload, max_output_size=raw_len)
+    except zstandard.ZstdError as exc:
+        raise BadBatch(f"batch frame: zstd: {exc}") from None
+    if len(raw) != raw_len or xxhash.xxh64_intdigest(raw) != checksum:
+        raise BadBatch("batch frame checksum or length mismatch")
+    return raw
 
 
 # --- retries -----------------------------------------------------------------
@@ -292,6 +617,7 @@ class HttpBridgeClient(BridgeClient):
         transport: httpx.AsyncBaseTransport | None = None,
         tls: TransportOptions | None = None,
     ) -> None:
+        self._settings = (base_url, token, transport, tls)
         tls = tls or TransportOptions()
         self._http = httpx.AsyncClient(
             verify=ssl_context(tls),
@@ -304,6 +630,12 @@ class HttpBridgeClient(BridgeClient):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def fork(self) -> HttpBridgeClient:
+        base_url, token, transport, tls = self._settings
+        return HttpBridgeClient(
+            base_url, token, retry_deadline=self.retry_deadline, transport=transport, tls=tls
+        )
 
     @staticmethod
     def _check(resp: httpx.Response, what: str) -> None:
@@ -394,10 +726,7 @@ class HttpBridgeClient(BridgeClient):
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
-    async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
-        url = f"{PREFIX}/folders/{scope}/uploads"
-        what = f"PUT {scope} upload"
-
+    async def _put_frames(self, url: str, what: str, frames: Frames) -> tuple[str, int]:
         async def once() -> tuple[str, int]:
             try:
                 resp = await self._http.put(
@@ -411,9 +740,7 @@ class HttpBridgeClient(BridgeClient):
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
-    async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
-        url = f"{PREFIX}/folders/{scope}/uploads/batch"
-        what = f"PUT {scope} batch of {len(members)}"
+    async def _put_batch(self, url: str, what: str, members: list[bytes]) -> list[tuple[str, int]]:
         # Compressing a batch is CPU work: off the trio thread (the FUSE loop).
         body = await trio.to_thread.run_sync(encode_batch, members)
 
@@ -429,6 +756,18 @@ class HttpBridgeClient(BridgeClient):
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
+    async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
+        return await self._put_frames(
+            f"{PREFIX}/folders/{scope}/uploads", f"PUT {scope} upload", frames
+        )
+
+    async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
+        return await self._put_batch(
+            f"{PREFIX}/folders/{scope}/uploads/batch",
+            f"PUT {scope} batch of {len(members)}",
+            members,
+        )
+
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = await self._send_json(
             f"{PREFIX}/folders/{scope}/checkpoints", f"POST {scope} checkpoint", body
@@ -442,9 +781,104 @@ class HttpBridgeClient(BridgeClient):
     async def refresh_applied(self) -> None:
         await self._send_json(PREFIX + "/run/refresh-applied", "refresh applied", {})
 
-    async def report_state(self, state: str, error: str | None = None) -> None:
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
+        body: dict[str, Any] = {"state": state, "error": error}
+        if scope is not None:
+            body.update(scope=scope, operationId=operation_id, final=final)
+        await self._send_json(PREFIX + "/run/report", f"report {state}", body)
+
+    # --- repositories ---------------------------------------------------------
+
+    async def list_repos(self) -> RepoList:
+        return RepoList.from_json(await self._get_json(PREFIX + "/repos", "GET repos"))
+
+    async def repo_missing(self, workspace_id: str, digests: list[str]) -> set[str]:
+        missing: set[str] = set()
+        for i in range(0, len(digests), MISSING_MAX):
+            chunk = digests[i : i + MISSING_MAX]
+            body = await self._send_json(
+                f"{PREFIX}/repos/{workspace_id}/missing",
+                f"POST repo {workspace_id} missing ({len(chunk)})",
+                {"digests": chunk},
+            )
+            missing.update(str(d) for d in body["missing"])
+        return missing
+
+    async def upload_repo_object(self, workspace_id: str, frames: Frames) -> tuple[str, int]:
+        return await self._put_frames(
+            f"{PREFIX}/repos/{workspace_id}/uploads", f"PUT repo {workspace_id} upload", frames
+        )
+
+    async def upload_repo_batch(
+        self, workspace_id: str, members: list[bytes]
+    ) -> list[tuple[str, int]]:
+        return await self._put_batch(
+            f"{PREFIX}/repos/{workspace_id}/uploads/batch",
+            f"PUT repo {workspace_id} batch of {len(members)}",
+            members,
+        )
+
+    async def commit_repo_checkpoint(
+        self, workspace_id: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send_json(
+            f"{PREFIX}/repos/{workspace_id}/checkpoints",
+            f"POST repo {workspace_id} checkpoint",
+            body,
+        )
+        return result
+
+    async def repo_manifest(
+        self, workspace_id: str, checkpoint_id: str = "current"
+    ) -> RepoManifest:
+        return RepoManifest.from_json(
+            await self._get_json(
+                f"{PREFIX}/repos/{workspace_id}/checkpoints/{checkpoint_id}/manifest",
+                f"GET repo {workspace_id} manifest {checkpoint_id}",
+            )
+        )
+
+    async def fetch_repo_objects(
+        self, workspace_id: str, digests: list[str], dest_for: DestFor
+    ) -> list[tuple[str, int]]:
+        if len(digests) > FETCH_BATCH_MAX:
+            raise ValueError(f"at most {FETCH_BATCH_MAX} objects per batch fetch")
+        url = f"{PREFIX}/repos/{workspace_id}/objects/batch"
+        what = f"POST repo {workspace_id} objects ({len(digests)})"
+
+        async def once() -> list[tuple[str, int]]:
+            try:
+                async with self._http.stream(
+                    "POST",
+                    url,
+                    json={"digests": digests},
+                    timeout=httpx.Timeout(300.0, connect=10.0),
+                ) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                    self._check(resp, what)
+                    return await read_batch(resp.aiter_bytes(CHUNK), len(digests), dest_for)
+            except httpx.TransportError as exc:
+                raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+
+        return await with_retries(what, once, deadline=self.retry_deadline)
+
+    async def report_repo_state(
+        self, workspace_id: str, state: str, error: str | None = None
+    ) -> None:
+        body: dict[str, Any] = {"state": state}
+        if error is not None:
+            body["error"] = error
         await self._send_json(
-            PREFIX + "/run/report", f"report {state}", {"state": state, "error": error}
+            f"{PREFIX}/repos/{workspace_id}/report", f"report repo {workspace_id} {state}", body
         )
 
 
@@ -518,10 +952,52 @@ class DirectoryBridgeClient(BridgeClient):
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
         raise self._read_only()
 
-    async def report_state(self, state: str, error: str | None = None) -> None:
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
         raise self._read_only()
 
     async def refresh_applied(self) -> None:
+        raise self._read_only()
+
+    async def list_repos(self) -> RepoList:
+        return RepoList("repos", [])  # a local source binds no repositories
+
+    async def repo_missing(self, workspace_id: str, digests: list[str]) -> set[str]:
+        raise self._read_only()
+
+    async def upload_repo_object(self, workspace_id: str, frames: Frames) -> tuple[str, int]:
+        raise self._read_only()
+
+    async def upload_repo_batch(
+        self, workspace_id: str, members: list[bytes]
+    ) -> list[tuple[str, int]]:
+        raise self._read_only()
+
+    async def commit_repo_checkpoint(
+        self, workspace_id: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        raise self._read_only()
+
+    async def repo_manifest(
+        self, workspace_id: str, checkpoint_id: str = "current"
+    ) -> RepoManifest:
+        raise ControllerRefused(f"{self.root}: no repository {workspace_id}", 404, "not_found")
+
+    async def fetch_repo_objects(
+        self, workspace_id: str, digests: list[str], dest_for: DestFor
+    ) -> list[tuple[str, int]]:
+        raise ControllerRefused(f"{self.root}: no repository {workspace_id}", 404, "not_found")
+
+    async def report_repo_state(
+        self, workspace_id: str, state: str, error: str | None = None
+    ) -> None:
         raise self._read_only()
 
 

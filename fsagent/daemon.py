@@ -1,5 +1,6 @@
-"""``fsagent mount``: check the mountpoint, then serve in the foreground or
-start the foreground daemon detached and return once it has mounted.
+"""``fsagent mount``: check the mountpoint, decide the mode (FUSE, or a plain
+directory where FUSE is unavailable: fsagent.fuseprobe), then serve in the
+foreground or start the foreground daemon detached and return once it serves.
 
 Also the run-token and controller options every command shares
 (:func:`read_token`, :func:`client_from_args`).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import subprocess
@@ -20,14 +22,12 @@ import trio
 
 from common.limits import SCOPES
 from fsagent.client import BridgeClient, open_client
-from fsagent.errors import FsagentError, MountFailed
+from fsagent.errors import EXIT_SAVE_FAILED, FsagentError, MountFailed
+from fsagent.fuseprobe import Decision
 from fsagent.store import default_state_root
 from fsagent.tls import options_from
 
 log = logging.getLogger("fsagent")
-
-EXIT_SAVE_FAILED = 4
-"""Exit code when the final save failed: the state dir keeps every change."""
 
 
 def read_token(path: str | None) -> str | None:
@@ -68,7 +68,7 @@ def detach_dead_mount(mountpoint: Path) -> None:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from fsagent.mount import MountOptions, serve
+    from fsagent.fuseprobe import decide
 
     if args.scope not in SCOPES:
         raise FsagentError(f"scope must be one of {', '.join(SCOPES)}")
@@ -77,8 +77,16 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if not mountpoint.is_dir():
         raise MountFailed(f"mountpoint {mountpoint} is not an existing directory")
     state_dir = Path(args.state_dir) if args.state_dir else default_state_root() / args.scope
+    decision = decide(args.mode, state_dir, args.mode_reason)
+    if args.mode == "auto" and decision.mode == "dir" and not args.foreground:
+        print(f"fsagent: FUSE is not available ({decision.reason}); {args.scope} is a plain "
+              "directory (dir mode)", file=sys.stderr)  # fmt: skip
     if not args.foreground:
-        return _daemonize(args, mountpoint, state_dir)
+        return _daemonize(args, mountpoint, state_dir, decision)
+    if decision.mode == "dir":
+        return _serve_dir(args, mountpoint, state_dir, decision.reason)
+    from fsagent.mount import MountOptions, serve
+
     opts = MountOptions(
         args.scope,
         mountpoint,
@@ -87,6 +95,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         args.prefetch,
         args.checkpoint_interval,
         args.spin_us,
+        decision.reason,
     )
 
     async def main() -> bool:
@@ -100,25 +109,62 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0 if saved else EXIT_SAVE_FAILED
 
 
-def _daemonize(args: argparse.Namespace, mountpoint: Path, state_dir: Path) -> int:
-    """Start the foreground daemon detached and return once it has mounted."""
+def _serve_dir(args: argparse.Namespace, directory: Path, state_dir: Path, reason: str) -> int:
+    """The foreground daemon of a plain-directory collection (fsagent.dirmode)."""
+    from fsagent.dirmode import DirOptions, serve_dir
+
+    if args.mode == "auto":
+        print(f"fsagent: FUSE is not available ({reason}); {args.scope} is a plain "
+              "directory (dir mode)", file=sys.stderr)  # fmt: skip
+    opts = DirOptions(
+        args.scope,
+        directory,
+        state_dir,
+        reason,
+        args.prefetch,
+        args.checkpoint_interval,
+        Path(args.ready_file) if args.ready_file else None,
+    )
+
+    async def main() -> bool:
+        client = client_from_args(args)
+        try:
+            return (await serve_dir(client, opts)).saved
+        finally:
+            await client.aclose()
+
+    return 0 if trio.run(main) else EXIT_SAVE_FAILED
+
+
+def _daemonize(
+    args: argparse.Namespace, mountpoint: Path, state_dir: Path, decision: Decision
+) -> int:
+    """Start the foreground daemon detached (in the mode decided here) and
+    return once it serves the collection."""
     # The command line main() parsed, which is sys.argv only when run as a program.
     argv = [a for a in args.argv if a != "--foreground"]
     log_dir = state_dir.parent
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{args.scope}.log"
+    ready = Path(args.ready_file) if args.ready_file else log_dir / "run" / f"{args.scope}.ready"
+    ready.unlink(missing_ok=True)
+    extra = ["--mode", decision.mode, "--mode-reason", decision.reason]
+    if not args.ready_file:
+        extra += ["--ready-file", str(ready)]
     with open(log_path, "ab") as log_fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fsagent.cli", *argv, "--foreground"],
+            [sys.executable, "-m", "fsagent.cli", *argv, *extra, "--foreground"],
             stdin=subprocess.DEVNULL,
             stdout=log_fh,
             stderr=log_fh,
             start_new_session=True,
         )
     deadline = time.monotonic() + 300
+    where = "mounted at" if decision.mode == "fuse" else "ready at"
     while time.monotonic() < deadline:
-        if os.path.ismount(mountpoint):
-            print(f"fsagent: {args.scope} mounted at {mountpoint} (pid {proc.pid}, log {log_path})")
+        if os.path.ismount(mountpoint) or is_ready(ready, proc.pid):
+            print(f"fsagent: {args.scope} {where} {mountpoint} ({decision.mode} mode, "
+                  f"pid {proc.pid}, log {log_path})")  # fmt: skip
             return 0
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
@@ -126,4 +172,12 @@ def _daemonize(args: argparse.Namespace, mountpoint: Path, state_dir: Path) -> i
             return proc.returncode or 1
         time.sleep(0.05)
     proc.terminate()
-    raise MountFailed(f"{mountpoint} was not mounted within 300s (log {log_path})")
+    raise MountFailed(f"{mountpoint} was not served within 300s (log {log_path})")
+
+
+def is_ready(ready_file: Path, pid: int) -> bool:
+    """Whether the daemon ``pid`` wrote its ready file (``--ready-file``)."""
+    try:
+        return int(json.loads(ready_file.read_text())["pid"]) == pid
+    except (OSError, ValueError, KeyError, TypeError):
+        return False

@@ -2,7 +2,10 @@
 
 Checks, in order: ``node`` and each ``--require`` CLI (probed exactly as
 ``fsagent launch`` probes them, with ``sh -c 'command -v CMD'``), ``sh``,
-``tar``, ``fusermount3``, ``/dev/fuse``, a writable home, cache
+``tar``, ``fusermount3``, ``/dev/fuse`` (a ``skip`` instead of a failure
+where the collections are plain directories), the ``mode`` (what ``--mode``,
+default auto, resolves to here and why: a test FUSE mount; and the mode of
+each collection already served), a writable home, cache
 (``$XDG_CACHE_HOME`` or ``~/.cache``) and tmp, the controller (reachable, and
 the run token accepted; with ``--controller``), and the local API endpoint
 (``GET /healthz`` over ``PAPERCLIP_API_URL`` and over
@@ -28,10 +31,12 @@ from typing import Any
 import httpx
 import trio
 
+from common.limits import SCOPES
 from fsagent import tls
 from fsagent.client import open_client
 from fsagent.daemon import read_token
 from fsagent.errors import ControllerRefused, DoctorFailed, FsagentError
+from fsagent.fuseprobe import MODES, decide, default_mode, recorded_mode
 from fsagent.launch import ContractUnmet, parse_requirement, probe
 from fsagent.store import default_state_root
 
@@ -78,6 +83,31 @@ def check_fuse() -> Check:
     if not os.access("/dev/fuse", os.R_OK | os.W_OK):
         return fail("/dev/fuse", "not readable and writable by this user")
     return ok("/dev/fuse", "present")
+
+
+def check_mode(requested: str, state_root: Path) -> Check:
+    """The mode ``fsagent up`` would use here and why, and the mode of each
+    collection already served from ``state_root``."""
+    try:
+        decision = decide(requested, None)
+    except FsagentError as exc:
+        return fail("mode", str(exc))
+    in_use = []
+    for scope in SCOPES:
+        recorded = recorded_mode(state_root / scope)
+        if recorded is not None:
+            in_use.append(f"{scope}={recorded}")
+    detail = f"{decision.mode} ({decision.reason})"
+    if in_use:
+        detail += f"; in use: {', '.join(in_use)}"
+    return ok("mode", detail)
+
+
+def not_needed(check: Check) -> Check:
+    """A FUSE check that failed where collections are plain directories anyway."""
+    if check.status != "fail":
+        return check
+    return Check(check.name, "skip", f"{check.detail} (not needed: dir mode)")
 
 
 def check_controller(
@@ -141,8 +171,12 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     env = {**os.environ, "HOME": str(home)}
     checks = [check_cli("node", env, home)]
     checks += [check_cli(r.name, env, home) for r in args.require if r.name != "node"]
-    checks += [check_cli(tool, env, home) for tool in ("sh", "tar", "fusermount3")]
-    checks.append(check_fuse())
+    checks += [check_cli(tool, env, home) for tool in ("sh", "tar")]
+    mode = check_mode(args.mode, default_state_root())
+    fuse_checks = [check_cli("fusermount3", env, home), check_fuse()]
+    if mode.status == "ok" and mode.detail.startswith("dir"):
+        fuse_checks = [not_needed(c) for c in fuse_checks]
+    checks += [*fuse_checks, mode]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache")
     checks += [
         check_writable("home", home),
@@ -181,6 +215,13 @@ def add_parser(sub: Any, controller_opts: Any) -> None:
         help="a CLI the runs use (an =INSTALL_COMMAND part is ignored: doctor installs nothing)",
     )
     d.add_argument("--env-file", help="default ~/.local/state/fsagent/env")
+    d.add_argument(
+        "--mode",
+        choices=MODES,
+        default=default_mode(),
+        help="the mode the collections are served in (default auto, or $FSAGENT_MODE): "
+        "with dir, fusermount3 and /dev/fuse are not needed",
+    )
     d.add_argument("--json", action="store_true")
     controller_opts(d, required=False)
     d.set_defaults(func=cmd_doctor)

@@ -10,6 +10,7 @@ Exit codes (also listed by ``fsagent --help``):
 4   controller unreachable, or it refused the run token / folder
 5   the mount itself failed (no /dev/fuse, mountpoint busy, ...)
 6   ``fsagent doctor`` found something missing
+8   ``fsagent repos prepare``: a checkout could not be cloned or restored
 ==  =====================================================================
 """
 
@@ -18,6 +19,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from common.errors import AppError, WorkFolderError
+
+EXIT_SAVE_FAILED = 4
+"""Exit code of a failed save (the final one, or ``fsagent flush``): the state
+dir keeps every change."""
 
 
 class FsagentError(AppError):
@@ -50,6 +55,11 @@ class StateBindingMismatch(StateError):
     """
 
 
+class StateModeMismatch(StateError):
+    """The state dir belongs to a collection served in the other mode (FUSE or
+    a plain directory): its unsaved changes cannot be served this way."""
+
+
 class ControllerError(FsagentError):
     exit_code = 4
 
@@ -76,9 +86,17 @@ class ObjectUnavailable(ControllerError):
 
 
 class SaveFailed(FsagentError):
-    """A checkpoint could not be saved; the state dir keeps every change."""
+    """A checkpoint could not be saved; the state dir keeps every change.
+
+    ``refused``: the controller refused it (trying again cannot help), rather
+    than it failing on the way (network, 5xx, an I/O error here).
+    """
 
     exit_code = 4
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class MountFailed(FsagentError):
@@ -87,3 +105,46 @@ class MountFailed(FsagentError):
 
 class DoctorFailed(FsagentError):
     exit_code = 6
+
+
+class MemberChanged(FsagentError):
+    """A scanned file is no longer what the scan read (it changed before its
+    upload): the checkpoint must scan again."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
+
+
+class RepoSaveFailed(SaveFailed):
+    """A repository checkpoint was not saved; the checkout is left as it is."""
+
+
+class GitLockHeld(RepoSaveFailed):
+    """A Git lock file is present: Git is changing the repository, so a
+    checkpoint now could be torn. Refused; the next attempt tries again."""
+
+
+class TreeUnstable(RepoSaveFailed):
+    """The checkout kept changing while it was scanned, past the retries."""
+
+
+class CheckoutUnsupported(RepoSaveFailed):
+    """The checkout's layout cannot be saved (a ``.git`` file of a linked
+    worktree or submodule, alternates, too many members)."""
+
+
+class GitCommandFailed(RepoSaveFailed):
+    """A Git command fsagent runs to read a checkout failed (a damaged index,
+    a directory that is no repository): its message is Git's."""
+
+
+class RepoBindingMismatch(StateError):
+    """The directory at a checkout's path belongs to another task or
+    workspace, or to nobody fsagent knows: it is never overwritten."""
+
+
+class RepoPrepareFailed(FsagentError):
+    """A checkout could not be cloned or restored (nothing was published)."""
+
+    exit_code = 8

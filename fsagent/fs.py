@@ -26,7 +26,14 @@ segment ``.fsagent`` with EPERM; a name over 255 bytes or a path over 1024
 characters or deeper than 64 segments with ENAMETOOLONG.  Lookups of such names answer ENOENT: nothing
 with that name can exist.  Symlinks, hard links and special files: EPERM.
 Limits mirror the controller's, so a refusal shows at write time rather than
-at save time: EFBIG past 1 GiB per file, EDQUOT past 100,000 entries.
+at save time: EFBIG past 1 GiB per file, EDQUOT past 100,000 entries. An
+agent folder's storage limits (256 MiB per file, 2 GiB in all) are not
+mirrored: they are sync-validation limits, checked only when a save commits.
+
+The agent's instruction entry (``protected``, from the run) cannot be
+unlinked or renamed away, nor can a directory holding it: EPERM, as the
+controller refuses its deletion. Replacing its content (a write, or a
+rename of another file over it) is allowed.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import trio
 
 from common.errors import InvalidPath
 from common.limits import MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
-from common.paths import MAX_PATH_SEGMENTS, decode_fs_name
+from common.paths import MAX_PATH_SEGMENTS, decode_fs_name, is_within
 from common.types import Digest
 from fsagent.content import Content, OpenFile
 from fsagent.fuseglue import (
@@ -104,8 +111,11 @@ class WorkFolderFS(pyfuse3.Operations):
         *,
         readonly: bool = False,
         spin_ns: int = 0,
+        protected: str | None = None,
     ) -> None:
         super().__init__()
+        self.protected = protected
+        """The agent's instruction entry: no unlink, no rename away (EPERM)."""
         self.spinner = Spinner(spin_ns)
         self.initialized = trio.Event()
         self.store = store
@@ -164,6 +174,16 @@ class WorkFolderFS(pyfuse3.Operations):
         if inode.parent == 0:
             raise fuse_err(errno.ENOENT)
         return inode
+
+    def _holds_entry(self, parent: InodeNo, name: str) -> bool:
+        """Whether ``name`` in ``parent`` is the protected entry or a directory above it."""
+        if self.protected is None:
+            return False
+        ppath = self.store.path_of(parent)
+        if ppath is None:
+            return False
+        path = f"{ppath}/{name}" if ppath else name
+        return is_within(self.protected, path)
 
     def _in_use(self, ino: InodeNo) -> bool:
         """Whether the kernel may still send requests for ``ino``: it holds a
@@ -366,6 +386,8 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(errno.ENOENT)
         if self._inode(child).kind == "directory":
             raise fuse_err(errno.EISDIR)
+        if self._holds_entry(parent, text):
+            raise fuse_err(errno.EPERM)
         self.store.unlink(parent, text, keep=self._in_use(child))
 
     @fuse_boundary
@@ -416,6 +438,7 @@ class WorkFolderFS(pyfuse3.Operations):
         if src_node.kind == "directory" and self.store.is_ancestor(src, new_parent):
             raise fuse_err(errno.EINVAL)
         dst = self.store.lookup(new_parent, new)
+        self._check_entry_rename(old_parent, old, src_node, new_parent, new, dst, flags)
         if flags & pyfuse3.RENAME_EXCHANGE:
             if dst is None:
                 raise fuse_err(errno.ENOENT)
@@ -438,6 +461,31 @@ class WorkFolderFS(pyfuse3.Operations):
             if dst_node.kind == "directory" and self.store.has_children(dst):
                 raise fuse_err(errno.ENOTEMPTY)
         self.store.rename(old_parent, old, new_parent, new, keep_replaced=self._in_use)
+
+    def _check_entry_rename(
+        self,
+        old_parent: InodeNo,
+        old: str,
+        src_node: Inode,
+        new_parent: InodeNo,
+        new: str,
+        dst: InodeNo | None,
+        flags: int,
+    ) -> None:
+        """EPERM for a rename that takes the instruction entry away: moving it
+        or a directory above it. Exchanging the entry with another file keeps a
+        file at the entry's path, and so does renaming a file over it."""
+        if dst is not None and dst == self.store.lookup(old_parent, old):
+            return  # a rename onto itself changes nothing
+        src_holds = self._holds_entry(old_parent, old)
+        dst_holds = flags & pyfuse3.RENAME_EXCHANGE and self._holds_entry(new_parent, new)
+        if not (src_holds or dst_holds):
+            return
+        if flags & pyfuse3.RENAME_EXCHANGE and dst is not None:
+            both_files = src_node.kind == "file" and self._inode(dst).kind == "file"
+            if both_files:
+                return
+        raise fuse_err(errno.EPERM)
 
     # --- files --------------------------------------------------------------------
 
@@ -689,8 +737,9 @@ class HandlesFS(WorkFolderFS):
         *,
         readonly: bool = False,
         spin_ns: int = 0,
+        protected: str | None = None,
     ) -> None:
-        super().__init__(store, fetcher, readonly=readonly, spin_ns=spin_ns)
+        super().__init__(store, fetcher, readonly=readonly, spin_ns=spin_ns, protected=protected)
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
 
@@ -801,9 +850,10 @@ def make_fs(
     readonly: bool = False,
     spin_ns: int = 0,
     handles: bool = not NO_OPEN_SUPPORT,
+    protected: str | None = None,
 ) -> WorkFolderFS:
     """The operations for one mount: "no open" mode when pyfuse3 supports it,
     unless ``handles`` (``FSAGENT_FUSE_HANDLES=1`` in the daemon's environment:
-    tests run both modes with one pyfuse3)."""
+    tests run both modes with one pyfuse3). ``protected``: see WorkFolderFS."""
     cls = HandlesFS if handles else WorkFolderFS
-    return cls(store, fetcher, readonly=readonly, spin_ns=spin_ns)
+    return cls(store, fetcher, readonly=readonly, spin_ns=spin_ns, protected=protected)

@@ -68,8 +68,9 @@ _Pathed = TypeVar("_Pathed", JournalEntry, Change)
 class Journal(StateDir):
     """The journal and baseline tables; the tree supplies how a path resolves."""
 
-    def _resolve(self, txn: Any, path: str) -> Inode | None:
-        """The live inode at ``path`` (implemented by the tree)."""
+    def _resolve(self, txn: Any, path: str, *, committed: bool = False) -> Inode | None:
+        """The live inode at ``path`` (implemented by the tree); ``committed``
+        reads the record as last committed, never the in-memory cache."""
         raise NotImplementedError
 
     def _live_inode(self, txn: Any, ino: InodeNo) -> Inode | None:
@@ -111,12 +112,14 @@ class Journal(StateDir):
             raw = txn.get(path_key(path), db=self._base)
         return None if raw is None else BaseEntry.decode(raw)
 
-    def changes_since_baseline(self) -> list[Change]:
+    def changes_since_baseline(self, *, committed: bool = False) -> list[Change]:
         """The exact, coalesced change set since the baseline, parents before children.
 
         Sizes and generations come from the live (in-memory) inodes, so a file
         still open for writing shows its current state; the shipper must use
-        :meth:`acknowledge` to clear what it has shipped.
+        :meth:`acknowledge` to clear what it has shipped.  ``committed`` reads
+        only committed records (one LMDB snapshot, no in-memory state), which
+        is what a thread other than the mount's may do.
         """
         out: list[Change] = []
         with self._env.begin() as txn:
@@ -124,7 +127,8 @@ class Journal(StateDir):
                 entry = JournalEntry.decode(key, val)
                 braw = txn.get(key, db=self._base)
                 base = BaseEntry.decode(braw) if braw is not None else None
-                change = _compare(entry.path, entry.seq, base, self._resolve(txn, entry.path))
+                live = self._resolve(txn, entry.path, committed=committed)
+                change = _compare(entry.path, entry.seq, base, live)
                 if change is not None:
                     out.append(change)
         return _by_path(out)
@@ -178,12 +182,16 @@ class Journal(StateDir):
         return None if raw is None else dict(json.loads(raw))
 
     def set_pending_checkpoint(self, record: dict[str, Any] | None) -> None:
-        """Persist (or clear) the pending checkpoint, durable before any byte is sent."""
+        """Persist (or clear) the pending checkpoint, durable before any byte is sent.
+
+        Touches no in-memory state: safe from a thread other than the mount's
+        (LMDB serializes it with the mount's own commits)."""
+        raw = None if record is None else encode_json(record)  # outside the write lock
         with self._env.begin(write=True) as txn:
-            if record is None:
+            if raw is None:
                 txn.delete(b"pending_checkpoint", db=self._meta)
             else:
-                txn.put(b"pending_checkpoint", encode_json(record), db=self._meta)
+                txn.put(b"pending_checkpoint", raw, db=self._meta)
         # The whole point is surviving power loss between here and the request.
         self._env.sync(True)
 
@@ -195,9 +203,17 @@ class Journal(StateDir):
         The baseline's high-water mark stays where the last manifest put it:
         other writers' changes after it are fetched at the next warm start.
         A crash between the two steps leaves the pending record, whose replay
-        answers with the same receipt and acknowledges again (idempotent).
+        answers with the same receipt and acknowledges again (idempotent), so
+        the acknowledgement may also be split into several commits
+        (:meth:`acknowledge` per part, then :meth:`close_checkpoint`).
         """
         cleared = self.acknowledge(shipped, self.baseline().high_water)
+        self.close_checkpoint(receipt)
+        return cleared
+
+    def close_checkpoint(self, receipt: dict[str, Any]) -> None:
+        """After every part is acknowledged: record the save and clear the pending
+        record, durably. Touches no in-memory state (safe from another thread)."""
         status = self.save_status()
         status["lastSave"] = {
             "at": time.time(),
@@ -210,9 +226,9 @@ class Journal(StateDir):
             txn.delete(b"pending_checkpoint", db=self._meta)
             txn.put(b"save_status", encode_json(status), db=self._meta)
         self._env.sync(True)
-        return cleared
 
     def record_save_error(self, message: str) -> None:
+        """Touches no in-memory state (safe from another thread)."""
         status = self.save_status()
         status["lastError"] = {"at": time.time(), "message": message[:2000]}
         with self._env.begin(write=True) as txn:

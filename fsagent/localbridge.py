@@ -331,7 +331,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     """Serve the local endpoint until SIGTERM/SIGINT."""
     import uvicorn
 
-    from fsagent.up import env_for, fetch_run, update_env_file
+    from fsagent.up import env_for, fetch_repos_env, fetch_run, update_env_file
 
     if not args.controller.startswith(("http://", "https://")):
         raise FsagentError("fsagent bridge needs an http(s) --controller URL")
@@ -366,7 +366,10 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     if args.env_file:
-        collections = env_for(Path(args.home).absolute(), fetch_run(args)) if args.home else {}
+        collections: dict[str, str] = {}
+        if args.home:
+            home = Path(args.home).absolute()
+            collections = {**env_for(home, fetch_run(args)), **fetch_repos_env(args, home)}
         update_env_file(Path(args.env_file), {**collections, **endpoint})
     if args.ready_file:
         ready = Path(args.ready_file)

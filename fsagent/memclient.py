@@ -10,6 +10,13 @@ old lease epoch is 409 ``stale_lease``, and an operation id replayed with the
 same body returns the first receipt (``"replayed": true``) while another
 body is 409 ``idempotency_conflict``.
 
+Repositories (:mod:`common.repos`): workspaces are added with
+:meth:`MemoryBridgeClient.add_repo`; a repository checkpoint is validated
+like the controller validates it (paths, kinds, link confinement, the
+``.git`` shape and refused administrative paths, entry and size limits,
+referenceable digests, ``base_mismatch``, lease, replay), and objects are
+fetched in the batch format, read back by the client's own reader.
+
 Fault injection: :meth:`MemoryBridgeClient.fail_next` makes the next calls
 raise (before doing anything); :meth:`MemoryBridgeClient.lose_next` applies
 the next calls and then raises, as when the answer is lost on the way back.
@@ -27,25 +34,34 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common.bridge import MANIFEST_PAGE_MAX
+from common.bridge import MANIFEST_PAGE_MAX, encode_batch
 from common.errors import ResyncRequired
-from common.limits import SCOPES
+from common.limits import ENTRY_MAX_BYTES, SCOPES
+from common.paths import is_within
+from common.repos import FETCH_BATCH_MAX, MISSING_MAX, checkout_name, member_problem
 from common.types import Digest, FileVersion
 from fsagent.client import (
     CHUNK,
     BridgeClient,
+    DestFor,
     Frames,
     ManifestEntry,
     ManifestPage,
+    RepoBinding,
+    RepoCurrent,
+    RepoList,
+    RepoManifest,
     RunInfo,
     copy_hashing,
     manifest_pages,
+    read_batch,
 )
 from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
     ObjectUnavailable,
 )
+from fsagent.repocapture import checkpoint_problem, portable_pairs
 
 
 @dataclass
@@ -69,13 +85,39 @@ class MemoryFolder:
         return FileVersion(self.high_water)
 
 
-def new_run(lease_epoch: int = 1, bindings: dict[str, str | None] | None = None) -> RunInfo:
-    """A run bound to fresh task and agent owners (or to ``bindings``)."""
+@dataclass
+class MemoryRepo:
+    """One workspace bound to the task, and its repository checkpoints."""
+
+    binding: RepoBinding
+    checkpoints: dict[str, tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]] = field(
+        default_factory=dict
+    )
+    """checkpoint id → (members by path, config pairs)."""
+    current: str | None = None
+    saved: list[dict[str, Any]] = field(default_factory=list)
+    """Receipts of the checkpoints that advanced the pointer, in order."""
+    reports: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def members(self, checkpoint_id: str | None = None) -> dict[str, dict[str, Any]]:
+        key = checkpoint_id or self.current
+        return {} if key is None else self.checkpoints[key][0]
+
+
+def new_run(
+    lease_epoch: int = 1,
+    bindings: dict[str, str | None] | None = None,
+    agent_entry: str | None = None,
+) -> RunInfo:
+    """A run bound to fresh task and agent owners (or to ``bindings``); with
+    ``agent_entry``, under the agent folder contract (as a controller's run)."""
     owners: dict[str, str | None] = {s: None for s in SCOPES}
     owners.update(task=str(uuid.uuid4()), agent=str(uuid.uuid4()))
     owners.update(bindings or {})
     agent = owners["agent"] or str(uuid.uuid4())
-    return RunInfo(str(uuid.uuid4()), str(uuid.uuid4()), agent, lease_epoch, True, owners)
+    return RunInfo(
+        str(uuid.uuid4()), str(uuid.uuid4()), agent, lease_epoch, True, owners, agent_entry
+    )
 
 
 class MemoryBridgeClient(BridgeClient):
@@ -91,9 +133,14 @@ class MemoryBridgeClient(BridgeClient):
         self.uploaded: set[str] = set()
         self.receipts: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
         self.reports: list[tuple[str, str | None]] = []
+        self.failure_receipts: list[tuple[str, str | None, bool, str | None]] = []
+        """(scope, operation id, final, error) of each save fsagent gave up on."""
         self.refresh = False
         self.calls: list[str] = []
         self._faults: dict[str, list[_Fault]] = {}
+        self.repos: dict[str, MemoryRepo] = {}
+        self.repo_uploaded: set[str] = set()
+        """Digests this run uploaded for the task's repository checkpoints."""
 
     # --- fault injection ---
 
@@ -142,6 +189,48 @@ class MemoryBridgeClient(BridgeClient):
             if not e.deleted and e.kind == "file" and e.digest is not None
         }
 
+    def add_repo(
+        self,
+        repo_url: str,
+        name: str | None = None,
+        *,
+        ref: str | None = None,
+        primary: bool = False,
+        branch: str | None = None,
+        setup_command: str | None = None,
+    ) -> str:
+        """Bind a workspace to the task (as ``add-workspace`` and a run start
+        would); returns its workspace id."""
+        workspace_id = str(uuid.uuid4())
+        binding = RepoBinding(
+            workspace_id,
+            name or checkout_name(repo_url),
+            repo_url,
+            ref,
+            primary,
+            branch,
+            setup_command,
+            None,
+        )
+        self.repos[workspace_id] = MemoryRepo(binding)
+        return workspace_id
+
+    def repo(self, workspace_id: str) -> MemoryRepo:
+        try:
+            return self.repos[workspace_id]
+        except KeyError:
+            raise ControllerRefused(
+                f"workspace {workspace_id} is not bound", 404, "not_found"
+            ) from None
+
+    def repo_files(self, workspace_id: str) -> dict[str, bytes]:
+        """The current checkpoint's files and their bytes."""
+        return {
+            path: self.objects[m["digest"]]
+            for path, m in self.repo(workspace_id).members().items()
+            if m["kind"] == "file"
+        }
+
     # --- read side ---
 
     async def get_run(self) -> RunInfo:
@@ -182,13 +271,11 @@ class MemoryBridgeClient(BridgeClient):
 
     # --- write side ---
 
-    async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
-        # The controller's own reader, so a frame it refuses is refused here too.
+    async def _receive_frames(self, frames: Frames) -> tuple[str, int]:
+        """An upload body read by the controller's own reader: (digest, size)."""
         from common.errors import BadFrame
         from controller.frames import FrameSplitter, decode_frame
 
-        self._call("upload_object")
-        self.folder(scope)
         splitter = FrameSplitter()
         data = bytearray()
         try:
@@ -206,19 +293,14 @@ class MemoryBridgeClient(BridgeClient):
             raise ControllerRefused(f"upload: {exc.text}", 400, "bad_frame") from None
         digest = hashlib.sha256(data).hexdigest()
         self.objects[digest] = bytes(data)
-        self.uploaded.add(digest)
-        self._fault("upload_object", after=True)
         return digest, len(data)
 
-    async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
-        # The wire format and the controller's reader: member digests verified,
-        # all or nothing, as on the controller.
-        from common.bridge import encode_batch
+    def _receive_batch(self, members: list[bytes]) -> list[tuple[str, int]]:
+        """A batch body (the wire format, the controller's reader): member
+        digests verified, all or nothing, as on the controller."""
         from common.errors import WorkFolderError
         from controller.frames import BatchSplitter, Frame, Member, decode_frame
 
-        self._call("upload_batch")
-        self.folder(scope)
         splitter = BatchSplitter()
         got: list[tuple[str, bytes]] = []
         current: tuple[Member, bytearray] | None = None
@@ -240,9 +322,23 @@ class MemoryBridgeClient(BridgeClient):
             raise ControllerRefused(f"batch: {exc.text}", exc.status, exc.code) from None
         for digest, data in got:
             self.objects[digest] = data
-            self.uploaded.add(digest)
-        self._fault("upload_batch", after=True)
         return [(digest, len(data)) for digest, data in got]
+
+    async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
+        self._call("upload_object")
+        self.folder(scope)
+        digest, size = await self._receive_frames(frames)
+        self.uploaded.add(digest)
+        self._fault("upload_object", after=True)
+        return digest, size
+
+    async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
+        self._call("upload_batch")
+        self.folder(scope)
+        got = self._receive_batch(members)
+        self.uploaded.update(d for d, _ in got)
+        self._fault("upload_batch", after=True)
+        return got
 
     def _check_body(self, scope: str, body: dict[str, Any]) -> None:
         if body.get("leaseEpoch") != self.run.lease_epoch or not self.run.active:
@@ -255,6 +351,30 @@ class MemoryBridgeClient(BridgeClient):
                 raise ControllerRefused(
                     f"checkpoint: unknown content {entry.get('digest')}", 422, "unknown_content"
                 )
+
+    def _entry_problem(self, scope: str, entry: dict[str, Any]) -> str | None:
+        """The controller's rules for the agent's instruction entry
+        (``controller.agentfiles.screen_checkpoint``): the code refusing this
+        entry, or None."""
+        main = self.run.agent_entry
+        if scope != "agent" or main is None:
+            return None
+        path, op = entry["path"], entry["op"]
+        if op == "delete" and is_within(main, path):
+            return "ENTRY_PROTECTED"
+        if op == "mkdir" and is_within(path, main):
+            return "ENTRY_PROTECTED"
+        if op == "put" and path != main and (is_within(main, path) or is_within(path, main)):
+            return "ENTRY_PROTECTED"
+        if op == "put" and path == main:
+            data = self.objects[entry["digest"]]
+            if len(data) > ENTRY_MAX_BYTES:
+                return "ENTRY_TOO_LARGE"
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                return "ENTRY_NOT_UTF8"
+        return None
 
     def _apply(self, folder: MemoryFolder, entry: dict[str, Any]) -> None:
         path = entry["path"]
@@ -285,30 +405,204 @@ class MemoryBridgeClient(BridgeClient):
         fingerprint = json.dumps(body, sort_keys=True)
         key = (scope, str(body.get("operationId")))
         if key in self.receipts:
-            seen, receipt = self.receipts[key]
+            seen, stored = self.receipts[key]
             if seen != fingerprint:
                 raise ControllerRefused(
                     "checkpoint: operation id reused", 409, "idempotency_conflict"
                 )
-            return {**receipt, "replayed": True}
+            return {**stored, "replayed": True}
         self._check_body(scope, body)
+        refused = []
         for entry in body.get("entries", []):
+            problem = self._entry_problem(scope, entry)
+            if problem is not None:
+                refused.append({"path": entry["path"], "code": problem, "message": problem})
+                continue
             self._apply(folder, entry)
-        receipt = {
+        receipt: dict[str, Any] = {
             "operationId": body.get("operationId"),
             "applied": True,
             "entries": len(body.get("entries", [])),
             "highWater": folder.high_water,
             "savedAt": datetime.now(UTC).isoformat(),
         }
+        if refused:
+            receipt["refusedEntries"] = refused
         self.receipts[key] = (fingerprint, receipt)
         self._fault("commit_checkpoint", after=True)
         return dict(receipt)
 
-    async def report_state(self, state: str, error: str | None = None) -> None:
+    async def report_state(
+        self,
+        state: str,
+        error: str | None = None,
+        *,
+        scope: str | None = None,
+        operation_id: str | None = None,
+        final: bool = False,
+    ) -> None:
         self._call("report_state")
         self.reports.append((state, error))
+        if scope is not None:
+            self.failure_receipts.append((scope, operation_id, final, error))
 
     async def refresh_applied(self) -> None:
         self._call("refresh_applied")
         self.refresh = False
+
+    # --- repositories ---
+
+    def _task_references(self) -> set[str]:
+        return {
+            m["digest"]
+            for repo in self.repos.values()
+            for m in repo.members().values()
+            if m["kind"] == "file"
+        } | self.repo_uploaded
+
+    async def list_repos(self) -> RepoList:
+        self._call("list_repos")
+        out = []
+        for repo in self.repos.values():
+            current = None
+            if repo.current is not None:
+                receipt = repo.saved[-1]
+                current = RepoCurrent(
+                    repo.current, receipt["entries"], receipt["byteSize"], receipt["savedAt"]
+                )
+            out.append(replace(repo.binding, current=current))
+        return RepoList("repos", out)
+
+    async def repo_missing(self, workspace_id: str, digests: list[str]) -> set[str]:
+        self._call("repo_missing")
+        self.repo(workspace_id)
+        known = self._task_references()
+        missing: set[str] = set()
+        for i in range(0, len(digests), MISSING_MAX):
+            missing.update(d for d in digests[i : i + MISSING_MAX] if d not in known)
+        return missing
+
+    async def upload_repo_object(self, workspace_id: str, frames: Frames) -> tuple[str, int]:
+        self.repo(workspace_id)
+        self._call("upload_repo_object")
+        digest, size = await self._receive_frames(frames)
+        self.repo_uploaded.add(digest)
+        self._fault("upload_repo_object", after=True)
+        return digest, size
+
+    async def upload_repo_batch(
+        self, workspace_id: str, members: list[bytes]
+    ) -> list[tuple[str, int]]:
+        self.repo(workspace_id)
+        self._call("upload_repo_batch")
+        got = self._receive_batch(members)
+        self.repo_uploaded.update(d for d, _ in got)
+        self._fault("upload_repo_batch", after=True)
+        return got
+
+    def _refuse_member(self, path: str | None, rule: str) -> ControllerRefused:
+        return ControllerRefused(
+            f"repository checkpoint: {path}: {rule}", 422, "unsafe_repo_member"
+        )
+
+    async def commit_repo_checkpoint(
+        self, workspace_id: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        self._call("commit_repo_checkpoint")
+        repo = self.repo(workspace_id)
+        fingerprint = json.dumps(body, sort_keys=True)
+        key = (f"repo:{workspace_id}", str(body.get("operationId")))
+        if key in self.receipts:
+            seen, receipt = self.receipts[key]
+            if seen != fingerprint:
+                raise ControllerRefused(
+                    "checkpoint: operation id reused", 409, "idempotency_conflict"
+                )
+            return {**receipt, "replayed": True}
+        if body.get("leaseEpoch") != self.run.lease_epoch or not self.run.active:
+            raise ControllerRefused("repository checkpoint: stale lease", 409, "stale_lease")
+        base = body.get("base")
+        if base != repo.current:
+            raise ControllerRefused(
+                f"repository checkpoint: base {base} is not the current checkpoint",
+                409,
+                "base_mismatch",
+            )
+        removed = body.get("removed", [])
+        if base is None and removed:
+            raise ControllerRefused("a full checkpoint removes nothing", 400, "validation_error")
+        members = dict(repo.members(base))
+        for path in removed:
+            if path not in members:
+                raise ControllerRefused(f"{path} is not in the base", 400, "validation_error")
+            del members[path]
+        for member in body.get("members", []):
+            rule = member_problem(member)
+            if rule is not None:
+                raise self._refuse_member(str(member.get("path")), rule)
+            members[member["path"]] = member
+        problem = checkpoint_problem(list(members.values()))
+        if problem is not None:
+            raise self._refuse_member(str(problem[0]), problem[1])
+        known = self._task_references()
+        for path, member in members.items():
+            if member["kind"] == "file":
+                if member["digest"] not in known or member["digest"] not in self.objects:
+                    raise ControllerRefused(
+                        f"repository checkpoint: unknown content at {path}", 422, "unknown_content"
+                    )
+                if len(self.objects[member["digest"]]) != member["byteSize"]:
+                    raise self._refuse_member(path, "size_mismatch")
+        checkpoint_id = str(uuid.uuid4())
+        config = portable_pairs(  # what the controller keeps of config
+            [(str(k), str(v)) for k, v in body.get("config", [])]
+        )
+        repo.checkpoints[checkpoint_id] = (dict(sorted(members.items())), config)
+        repo.current = checkpoint_id
+        receipt = {
+            "operationId": body.get("operationId"),
+            "checkpointId": checkpoint_id,
+            "entries": len(members),
+            "byteSize": sum(m.get("byteSize", 0) for m in members.values()),
+            "savedAt": datetime.now(UTC).isoformat(),
+        }
+        repo.saved.append(receipt)
+        self.receipts[key] = (fingerprint, receipt)
+        self._fault("commit_repo_checkpoint", after=True)
+        return dict(receipt)
+
+    async def repo_manifest(
+        self, workspace_id: str, checkpoint_id: str = "current"
+    ) -> RepoManifest:
+        self._call("repo_manifest")
+        repo = self.repo(workspace_id)
+        key = repo.current if checkpoint_id == "current" else checkpoint_id
+        if key is None or key not in repo.checkpoints:
+            raise ControllerRefused(f"no checkpoint {checkpoint_id}", 404, "not_found")
+        members, config = repo.checkpoints[key]
+        return RepoManifest(key, [dict(m) for m in members.values()], list(config))
+
+    async def fetch_repo_objects(
+        self, workspace_id: str, digests: list[str], dest_for: DestFor
+    ) -> list[tuple[str, int]]:
+        self._call("fetch_repo_objects")
+        current = self.repo(workspace_id).members()
+        if not 0 < len(digests) <= FETCH_BATCH_MAX:
+            raise ControllerRefused("batch fetch size", 400, "validation_error")
+        referenced = {m["digest"] for m in current.values() if m["kind"] == "file"}
+        for digest in digests:
+            if digest not in referenced:
+                raise ControllerRefused(f"object {digest[:12]} not served", 404, "not_found")
+        body = encode_batch([self.objects[d] for d in digests])
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(0, len(body), CHUNK):
+                yield body[i : i + CHUNK]
+
+        return await read_batch(chunks(), len(digests), dest_for)
+
+    async def report_repo_state(
+        self, workspace_id: str, state: str, error: str | None = None
+    ) -> None:
+        self._call("report_repo_state")
+        self.repo(workspace_id).reports.append((state, error))

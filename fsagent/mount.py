@@ -12,7 +12,9 @@ to paths not changed locally, then mount.
 
 While mounted, a checkpoint ships every ``checkpoint_interval`` seconds (at
 most one in flight), and ``fsagent flush`` asks for one now through a unix
-socket in the state dir (``control.sock``).
+socket in the state dir (``control.sock``).  With a controller, checkpoints
+run on a thread of their own (fsagent.shipthread), from warm start to the
+final save, so that the FUSE loop only serves requests.
 
 Stop: SIGTERM/SIGINT flush the kernel's dirty pages (``syncfs`` from a worker
 thread while the loop keeps serving the resulting writes), ship the final
@@ -20,10 +22,21 @@ checkpoint, then end the FUSE loop and unmount.  ``fusermount3 -u`` ends the
 loop directly; the final checkpoint then ships after the unmount.  The daemon
 exits non-zero when the final save failed, and the state dir keeps every
 change for the next start.
+
+The agent folder, when the controller names the agent's instruction entry
+(``RunInfo.agent_entry``: the agent folder contract, spec/agent-files.md),
+differs in three ways: the entry cannot be unlinked or renamed away
+(``fs.py``); the final save is tried up to three times when it fails on the
+way, then an explicit failure receipt is reported; and at the stop boundary
+the state dir is emptied whatever the outcome (:func:`discard_local_copy`):
+the run's local copy never outlives the run, so the next run hydrates the
+folder as last saved. A daemon killed before its stop boundary discards
+nothing; its next start ships what it kept, like every collection.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.metadata
 import json
@@ -35,6 +48,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,11 +61,17 @@ from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent import SPIN_US, stats
 from fsagent.client import BridgeClient
-from fsagent.control import FlushHandler, StatsHandler, serve_control
+from fsagent.controlserver import (
+    FlushHandler,
+    StatsHandler,
+    open_control_socket,
+    serve_control,
+)
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
-from fsagent.ship import Shipper, checkpoint_loop
+from fsagent.ship import Checkpoints, Shipper, checkpoint_loop
+from fsagent.shipthread import ShipThread
 from fsagent.store import MARKER, Binding, ManifestRow, Store
 
 log = logging.getLogger(__name__)
@@ -66,15 +86,32 @@ class MountOptions:
     prefetch: int = 4
     checkpoint_interval: float = CHECKPOINT_INTERVAL_SECONDS
     spin_us: int = SPIN_US
+    mode_reason: str = "--mode fuse"
+    """Why FUSE serves this collection (``fsagent status`` shows it; fsagent.fuseprobe)."""
 
 
 @dataclass
 class StopState:
-    """How the daemon ended: ``saved`` is False when the final checkpoint failed."""
+    """How the daemon ended: ``saved`` is False when the final checkpoint failed.
+
+    ``attempts``: final saves tried before giving up on failures that are not
+    refusals (the agent folder contract's three; one otherwise, whose own
+    retries run until ``--retry-deadline``). ``report_scope``: with the
+    contract, the folder whose given-up final save gets an explicit failure
+    receipt on the controller.
+    """
 
     saved: bool = True
     error: str | None = None
     final_done: bool = False
+    attempts: int = 1
+    report_scope: str | None = None
+    report_failed: Callable[[str], Awaitable[None]] | None = None
+    """Records the explicit failure receipt of a given-up final save."""
+
+
+AGENT_FINAL_ATTEMPTS = 3
+"""Final saves of the agent folder tried at the stop boundary (spec/agent-files.md)."""
 
 
 READAHEAD_KIB = 1024
@@ -169,19 +206,46 @@ def syncfs(path: Path) -> None:
         os.close(fd)
 
 
-async def _final_save(shipper: Shipper | None, stop: StopState) -> None:
+async def _final_save(shipper: Checkpoints | None, stop: StopState) -> None:
     if shipper is None or stop.final_done:
         return
     stop.final_done = True
-    try:
-        result = await shipper.ship_checkpoint(final=True)
+    refused = False
+    for attempt in range(1, stop.attempts + 1):
+        try:
+            result = await shipper.ship_checkpoint(final=True)
+        except SaveFailed as exc:
+            stop.saved, stop.error, refused = False, str(exc), exc.refused
+            if exc.refused or attempt == stop.attempts:
+                break
+            print(
+                f"fsagent: final save attempt {attempt} failed, trying again: {exc}",
+                file=sys.stderr,
+            )
+            await trio.sleep(min(30.0, 2.0**attempt))
+            continue
+        stop.saved, stop.error = True, None
         print(f"fsagent: final save: {result.entries} change(s) saved", file=sys.stderr)
-    except SaveFailed as exc:
-        stop.saved, stop.error = False, str(exc)
-        print(f"fsagent: final save FAILED, state kept: {exc}", file=sys.stderr)
+        return
+    if stop.report_scope is None:
+        print(f"fsagent: final save FAILED, state kept: {stop.error}", file=sys.stderr)
+        return
+    print(f"fsagent: final save FAILED: {stop.error}", file=sys.stderr)
+    if refused:
+        return  # the controller's refusal is its receipt already
+    if stop.report_failed is None:
+        return
+    with trio.move_on_after(30):
+        try:
+            # The explicit failure receipt; a refusal has its receipt already.
+            await stop.report_failed(
+                f"final save given up after {attempt} attempt(s): {stop.error}"
+            )
+        except FsagentError as report_exc:
+            log.warning("could not report the failed final save: %s", report_exc)
 
 
-async def _stop_on_signal(mountpoint: Path, shipper: Shipper | None, stop: StopState) -> None:
+async def _stop_on_signal(mountpoint: Path, shipper: Checkpoints | None, stop: StopState) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("signal %d: flushing dirty pages, saving and unmounting", signum)
@@ -200,7 +264,7 @@ async def _flush_kernel(mountpoint: Path) -> None:
         log.warning("syncfs on %s failed: %s", mountpoint, exc)
 
 
-def _control_handler(mountpoint: Path, shipper: Shipper, stop: StopState) -> FlushHandler:
+def _control_handler(mountpoint: Path, shipper: Checkpoints, stop: StopState) -> FlushHandler:
     """What a valid ``fsagent flush`` request does (protocol: fsagent.control)."""
 
     async def flush(final: bool) -> dict[str, Any]:
@@ -215,7 +279,7 @@ def _control_handler(mountpoint: Path, shipper: Shipper, stop: StopState) -> Flu
     return flush
 
 
-def _stats_handler(shipper: Shipper) -> StatsHandler:
+def _stats_handler(shipper: Checkpoints) -> StatsHandler:
     """What a ``stats`` request answers: the live part of ``fsagent status --json``."""
 
     def live() -> dict[str, Any]:
@@ -228,7 +292,7 @@ def _stats_handler(shipper: Shipper) -> StatsHandler:
     return live
 
 
-async def warm_start(store: Store, client: BridgeClient, shipper: Shipper, scope: str) -> None:
+async def warm_start(store: Store, client: BridgeClient, shipper: Checkpoints, scope: str) -> None:
     """Ship what was never checkpointed, then take the server's newer changes."""
     try:
         result = await shipper.ship_checkpoint()
@@ -287,8 +351,16 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     owner = run.bindings.get(opts.scope)
     binding = Binding(run.company_id, opts.scope, owner, dict(run.bindings))
     scratch: Path | None = None
-    shipper: Shipper | None = None
+    # The agent folder contract (the controller names the entry): its
+    # instruction entry is protected, and this run's local copy lives only
+    # until the stop boundary.
+    contract = opts.scope == "agent" and owner is not None and run.agent_entry is not None
     stop = StopState()
+    if contract:
+        stop.attempts, stop.report_scope = AGENT_FINAL_ATTEMPTS, opts.scope
+        for warning in run.warnings:
+            if warning.get("scope") == "agent":
+                print(f"fsagent: warning: {warning.get('message')}", file=sys.stderr)
     if owner is None:
         if (opts.state_dir / MARKER).exists():
             # A run without this scope may not pick up another binding's state.
@@ -303,85 +375,187 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     else:
         store = Store.open(opts.state_dir)
     try:
-        if owner is not None:
-            store.bind(binding)
-            freed, fixed = store.recover()
-            if freed or fixed:
-                log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)
-            if client.writable:
-                shipper = Shipper(store, client, opts.scope, run.lease_epoch)
-            if not store.baseline().hydrated:
-                entries, seconds = await hydrate_manifest(store, client, opts.scope)
-                log.info("hydrated %d entries in %.2fs", entries, seconds)
-                print(f"fsagent: hydrated {entries} entries in {seconds:.2f}s", file=sys.stderr)
-            elif shipper is not None:
-                await warm_start(store, client, shipper, opts.scope)
-        fetcher = ContentFetcher(store, client, opts.scope)
-        fs = make_fs(
-            store,
-            fetcher,
-            readonly=owner is None,
-            spin_ns=opts.spin_us * 1000,
-            handles=not NO_OPEN_SUPPORT or os.environ.get("FSAGENT_FUSE_HANDLES") == "1",
-        )
-        log.info(
-            "FUSE: %s (pyfuse3 %s)",
-            "open/release handles" if isinstance(fs, HandlesFS) else '"no open" mode',
-            _pyfuse3_version(),
-        )
-        try:
-            pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
-        except RuntimeError as exc:
-            raise MountFailed(
-                f"could not mount {opts.mountpoint}: {exc} (is /dev/fuse available, "
-                "fusermount3 installed, and the mountpoint an existing, unused directory?)"
-            ) from exc
-        daemon_file = opts.state_dir / "daemon.json" if owner is not None else None
-        if daemon_file is not None:
-            daemon_file.write_text(
-                json.dumps(
-                    {
-                        "pid": os.getpid(),
-                        "mountpoint": str(opts.mountpoint.absolute()),
-                        "startedAt": time.time(),
-                    }
-                )
+        # The ship thread (if any) stops before the store closes.
+        async with contextlib.AsyncExitStack() as threads:
+            await _serve_store(
+                client,
+                opts,
+                store,
+                binding,
+                run.lease_epoch,
+                threads,
+                stop,
+                protected=run.agent_entry if contract else None,
             )
-        print(
-            f"fsagent: {opts.scope} mounted at {opts.mountpoint}"
-            f"{' (unbound, read-only)' if owner is None else ''}",
-            file=sys.stderr,
-        )
-        unmount = True
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
-                nursery.start_soon(fs.spinner.run)
-                nursery.start_soon(fs.write_behind)
-                nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
-                if owner is not None:
-                    nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
-                if shipper is not None:
-                    nursery.start_soon(checkpoint_loop, shipper, opts.checkpoint_interval)
-                    nursery.start_soon(
-                        serve_control,
-                        opts.state_dir / "control.sock",
-                        _control_handler(opts.mountpoint, shipper, stop),
-                        _stats_handler(shipper),
-                    )
-                await pyfuse3.main()
-                nursery.cancel_scope.cancel()
-        finally:
-            pyfuse3.close(unmount=unmount)
-            fs.shutdown()
-            if daemon_file is not None:
-                daemon_file.unlink(missing_ok=True)
-        # Unmounted from outside (fusermount3 -u): the run is stopping; save.
-        await _final_save(shipper, stop)
-        if shipper is not None and stop.saved:
-            await refresh_after_stop(store, shipper.client, opts.scope)
     finally:
         store.close()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    if contract and stop.final_done:
+        discard_local_copy(opts.state_dir)
+        print(
+            "fsagent: agent folder's local copy discarded"
+            f"{'' if stop.saved else ' (not saved: the next run gets the last saved folder)'}",
+            file=sys.stderr,
+        )
     return stop
+
+
+Cadence = Callable[[trio.Nursery], None]
+"""Starts a mount's checkpoint cadence once it serves (given the mount's nursery)."""
+
+
+async def _open_shipper(
+    store: Store,
+    client: BridgeClient,
+    opts: MountOptions,
+    lease_epoch: int,
+    threads: contextlib.AsyncExitStack,
+) -> tuple[Checkpoints, Cadence]:
+    """The mount's checkpoints and how to start their cadence.
+
+    A client that can serve another thread gets a ship thread with its own
+    copy of the client, and the cadence runs there; another one ships here.
+    """
+    interval = opts.checkpoint_interval
+    ship_client = client.fork()
+    if ship_client is None:
+        shipper = Shipper(store, client, opts.scope, lease_epoch)
+        return shipper, lambda nursery: nursery.start_soon(checkpoint_loop, shipper, interval)
+    thread = await threads.enter_async_context(
+        ShipThread(store, ship_client, opts.scope, lease_epoch)
+    )
+    return thread, lambda _nursery: thread.start_cadence(interval)
+
+
+async def _serve_store(
+    client: BridgeClient,
+    opts: MountOptions,
+    store: Store,
+    binding: Binding,
+    lease_epoch: int,
+    threads: contextlib.AsyncExitStack,
+    stop: StopState,
+    *,
+    protected: str | None,
+) -> None:
+    """:func:`serve` once the state dir is open; ``protected`` is the agent
+    folder's instruction entry under its contract (None otherwise)."""
+    owner = binding.owner_id
+    shipper: Checkpoints | None = None
+    cadence: Cadence | None = None
+    if protected is not None:
+
+        async def report_failed(message: str) -> None:
+            pending = store.pending_checkpoint() or {}
+            await client.report_state(
+                "failed",
+                message,
+                scope=opts.scope,
+                operation_id=pending.get("operationId"),
+                final=True,
+            )
+
+        stop.report_failed = report_failed
+    if owner is not None:
+        store.bind(binding)
+        store.claim_mode("fuse", opts.mode_reason, str(opts.mountpoint.absolute()))
+        freed, fixed = store.recover()
+        if freed or fixed:
+            log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)
+        if client.writable:
+            shipper, cadence = await _open_shipper(store, client, opts, lease_epoch, threads)
+        if not store.baseline().hydrated:
+            entries, seconds = await hydrate_manifest(store, client, opts.scope)
+            log.info("hydrated %d entries in %.2fs", entries, seconds)
+            print(f"fsagent: hydrated {entries} entries in {seconds:.2f}s", file=sys.stderr)
+        elif shipper is not None:
+            await warm_start(store, client, shipper, opts.scope)
+    fetcher = ContentFetcher(store, client, opts.scope)
+    fs = make_fs(
+        store,
+        fetcher,
+        readonly=owner is None,
+        spin_ns=opts.spin_us * 1000,
+        handles=not NO_OPEN_SUPPORT or os.environ.get("FSAGENT_FUSE_HANDLES") == "1",
+        protected=protected,
+    )
+    log.info(
+        "FUSE: %s (pyfuse3 %s)",
+        "open/release handles" if isinstance(fs, HandlesFS) else '"no open" mode',
+        _pyfuse3_version(),
+    )
+    # Listening before the mount appears: whoever sees the mount can ask it
+    # to save.
+    control_path = opts.state_dir / "control.sock"
+    control = open_control_socket(control_path) if shipper is not None else None
+    try:
+        pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
+    except RuntimeError as exc:
+        if control is not None:
+            control.close()
+            control_path.unlink(missing_ok=True)
+        raise MountFailed(
+            f"could not mount {opts.mountpoint}: {exc} (is /dev/fuse available, "
+            "fusermount3 installed, and the mountpoint an existing, unused directory?)"
+        ) from exc
+    daemon_file = opts.state_dir / "daemon.json" if owner is not None else None
+    if daemon_file is not None:
+        daemon_file.write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "mountpoint": str(opts.mountpoint.absolute()),
+                    "startedAt": time.time(),
+                }
+            )
+        )
+    print(
+        f"fsagent: {opts.scope} mounted at {opts.mountpoint}"
+        f"{' (unbound, read-only)' if owner is None else ''}",
+        file=sys.stderr,
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
+            nursery.start_soon(fs.spinner.run)
+            nursery.start_soon(fs.write_behind)
+            nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
+            if owner is not None:
+                nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
+            if shipper is not None and cadence is not None and control is not None:
+                cadence(nursery)
+                nursery.start_soon(
+                    serve_control,
+                    control,
+                    control_path,
+                    _control_handler(opts.mountpoint, shipper, stop),
+                    _stats_handler(shipper),
+                )
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+    finally:
+        pyfuse3.close(unmount=True)
+        if control is not None:
+            control.close()  # already closed if it served
+            control_path.unlink(missing_ok=True)
+        fs.shutdown()
+        if daemon_file is not None:
+            daemon_file.unlink(missing_ok=True)
+    # Unmounted from outside (fusermount3 -u): the run is stopping; save.
+    await _final_save(shipper, stop)
+    if shipper is not None and stop.saved and protected is None:
+        await refresh_after_stop(store, client, opts.scope)
+
+
+def discard_local_copy(state_dir: Path) -> None:
+    """Remove everything in the agent folder's state dir at the stop boundary:
+    the journal, the upper layer and the content cache. The next run of the
+    agent hydrates the folder as last saved: no retained archive, no partial
+    save. (A daemon killed before its stop boundary discards nothing, and its
+    next start ships what it kept, as for every collection.)"""
+    for child in state_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink(missing_ok=True)

@@ -2,7 +2,7 @@
 
 Every value the store writes to LMDB is built and read here, nowhere else.
 A record is a compact JSON array whose first element is its record version
-(``_V``); decoders dispatch on it, so a later layout can be read beside an
+(``_V``; a dir-mode ``dirstat`` record is packed, see :class:`LocalEntry`); decoders dispatch on it, so a later layout can be read beside an
 older one.  The arrays written before records were versioned (state formats
 1 and 2) are version 0: they are still decoded, so a read-only open
 (``fsagent status``) of an older state dir works without upgrading it, and
@@ -26,7 +26,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, NewType
+from typing import Any, Final, Literal, NamedTuple, NewType
 
 from common.types import Digest, FileVersion
 from fsagent.errors import StateCorrupt
@@ -198,6 +198,28 @@ class BaseEntry:
         ).encode()
 
     @classmethod
+    def decode_current(cls, raw: bytes) -> BaseEntry:
+        """:meth:`decode`, faster for a record this code wrote (a dir-mode
+        daemon reads 100,000 of them at start): the array is split on its
+        commas, since kind, digest, size, flag and version hold none; anything
+        else goes through :meth:`decode`."""
+        parts = bytes(raw).split(b",")
+        if len(parts) == 6 and parts[0] == b"[1" and parts[5][-1:] == b"]":
+            kind, digest, size, exe, version = parts[1:]
+            if kind in (b'"file"', b'"directory"') and exe in (b"true", b"false"):
+                try:
+                    return cls(
+                        "file" if kind == b'"file"' else "directory",
+                        None if digest == b"null" else Digest(digest[1:-1].decode("ascii")),
+                        int(size),
+                        exe == b"true",
+                        FileVersion(int(version[:-1])),
+                    )
+                except ValueError:
+                    pass
+        return cls.decode(raw)
+
+    @classmethod
     def decode(cls, raw: bytes) -> BaseEntry:
         rec = _load(raw, "baseline")
         fields = rec if _version(rec, str) == 0 else rec[1:]
@@ -246,6 +268,60 @@ def upgrade_record(table: str, key: bytes, raw: bytes) -> bytes | None:
     else:
         raise ValueError(table)
     return None if new == bytes(raw) else new
+
+
+class LocalEntry(NamedTuple):
+    """What a scan of a plain-directory collection saw at one path (the
+    ``dirstat`` table, fsagent.dirstore): its kind, its ``lstat`` key and, for
+    a file, the digest of the contents read under that key.
+
+    A tuple, so 100,000 of them load and compare without objects of their
+    own. ``verified_ns`` is when the digest was known to match the key (a read
+    that began then, or the end of a hydration): the key is trusted for a
+    file changed at least a timestamp tick before it (fsagent.dirscan).
+
+    The one record that is not JSON: 100,000 of them are read at every start
+    of a dir-mode daemon and by ``fsagent status``, and a packed record
+    decodes about five times faster. Its first byte is still its version."""
+
+    kind: Kind
+    dev: int
+    ino: int
+    size: int
+    mode: int
+    mtime_ns: int
+    ctime_ns: int
+    digest: Digest | None
+    verified_ns: int
+
+    def encode(self, path: str) -> bytes:
+        """The record, with the full path (its key may be a hash of it)."""
+        digest = bytes.fromhex(self.digest) if self.digest is not None else bytes(32)
+        kind = _LOCAL_KINDS.index(self.kind) | (0 if self.digest is not None else _NO_DIGEST)
+        return _LOCAL.pack(
+            _V, kind, self.dev, self.ino, self.size, self.mode, self.mtime_ns, self.ctime_ns,
+            digest, self.verified_ns,
+        ) + path.encode("utf-8")  # fmt: skip
+
+    @classmethod
+    def decode(cls, raw: bytes) -> tuple[str, LocalEntry]:
+        try:
+            version, kind, dev, ino, size, mode, mt, ct, digest, verified = _LOCAL.unpack_from(raw)
+            path = raw[_LOCAL.size :].decode("utf-8")
+            name: Kind = _LOCAL_KINDS[kind & ~_NO_DIGEST]
+        except (struct.error, UnicodeDecodeError, IndexError):
+            raise StateCorrupt(f"malformed dirstat record {bytes(raw[:16])!r}") from None
+        if version != _V:
+            raise StateCorrupt(f"dirstat record of unknown version: {version!r}")
+        hexdigest = None if kind & _NO_DIGEST else Digest(digest.hex())
+        return path, cls(name, dev, ino, size, mode, mt, ct, hexdigest, verified)
+
+
+_LOCAL: Final = struct.Struct(">BBQQQIqq32sq")
+"""version, kind (| _NO_DIGEST), dev, ino, size, mode, mtime_ns, ctime_ns,
+SHA-256, verified_ns; then the path (UTF-8)."""
+_LOCAL_KINDS: Final[tuple[Kind, Kind]] = ("file", "directory")
+_NO_DIGEST: Final = 0x80
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,12 @@ One checkpoint, start to finish (:meth:`Shipper.ship_checkpoint`):
    receipt fold what was saved into the baseline (:meth:`Store.acknowledge`)
    and clear the pending record in one LMDB transaction.
 
+Everything the shipper reads or writes in the state dir goes through a
+:class:`ShipState`: this one runs each step on the shipper's own loop, which
+is the mount's in tests and for sources without a network; a mount with a
+controller runs the shipper on a thread of its own (:mod:`fsagent.shipthread`),
+so that hashing, compression, HTTP and JSON never delay a FUSE request.
+
 At most one checkpoint is in flight (a trio lock). Transient failures
 (network, 5xx, 429) are retried with backoff and jitter up to a deadline;
 permanent refusals (403/404/409/422) stop at once and are recorded so
@@ -33,9 +39,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, BinaryIO, NoReturn, Protocol, TypeVar
 
 import trio
 import zstandard
@@ -49,11 +55,11 @@ from common.bridge import (
     compressible,
     encode_frame,
 )
-from common.errors import StaleLease
+from common.errors import AgentFilesLimitExceeded, StaleLease
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
-from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq, Store
+from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +73,50 @@ BATCH_TARGET_BYTES = 4 << 20
 several smaller batches keep both ends busy where one large one would not."""
 
 
-def batches(changes: list[Change]) -> list[list[Change]]:
-    """Small uploads grouped into batches, by listed size."""
+T = TypeVar("T")
+
+
+def batches(items: list[T], size_of: Callable[[T], int]) -> list[list[T]]:
+    """Small uploads grouped into batches, by listed size (also used for
+    repository checkpoints, :mod:`fsagent.reposave`)."""
     members = min(BATCH_TARGET_MEMBERS, BATCH_MAX_MEMBERS)
     budget = min(BATCH_TARGET_BYTES, BATCH_MAX_BYTES - BATCH_MEMBER_MAX)
-    out: list[list[Change]] = []
-    current: list[Change] = []
+    out: list[list[T]] = []
+    current: list[T] = []
     size = 0
-    for change in changes:
-        if current and (len(current) >= members or size + change.size > budget):
+    for item in items:
+        item_size = size_of(item)
+        if current and (len(current) >= members or size + item_size > budget):
             out.append(current)
             current, size = [], 0
-        current.append(change)
-        size += change.size
+        current.append(item)
+        size += item_size
     if current:
         out.append(current)
     return out
+
+
+async def file_frames(
+    fh: BinaryIO, compressor: zstandard.ZstdCompressor, tally: Callable[[int], None]
+) -> AsyncIterator[bytes]:
+    """The upload frames of an open file, read and compressed in worker
+    threads, then :data:`END_FRAME`; ``tally`` hears each chunk's raw size.
+    Whether to compress is decided on the first block: incompressible data
+    goes up as stored frames."""
+    use: zstandard.ZstdCompressor | None = compressor
+    first = True
+    while True:
+        raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
+        if not raw:
+            break
+        if first:  # the compressibility check is CPU work too: a thread
+            frame, use = await trio.to_thread.run_sync(encode_first, raw, compressor)
+            first = False
+        else:
+            frame = await trio.to_thread.run_sync(encode_frame, raw, use)
+        tally(len(raw))
+        yield frame
+    yield END_FRAME
 
 
 @dataclass(frozen=True)
@@ -91,6 +125,9 @@ class SaveResult:
     entries: int
     skipped_torn: int
     receipt: dict[str, Any] | None
+    seconds: float = 0.0
+    """From the request to the receipt in the daemon, a wait for the checkpoint
+    in flight included: what a save costs without the asking process's start."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -98,6 +135,7 @@ class SaveResult:
             "entries": self.entries,
             "skippedTorn": self.skipped_torn,
             "receipt": self.receipt,
+            "seconds": round(self.seconds, 4),
         }
 
 
@@ -121,11 +159,138 @@ def change_from_json(raw: list[Any]) -> Change:
     )
 
 
+Shipped = list[tuple[Change, Digest | None, FileVersion]]
+"""What a receipt acknowledges: each change, the digest saved for it, the version."""
+
+
+class HasGeneration(Protocol):
+    @property
+    def generation(self) -> int: ...
+
+
+class ContentReader(Protocol):
+    def open_read(self, ino: int) -> BinaryIO: ...
+
+
+class ShipStore(Protocol):
+    """What the shipper reads and writes of a collection's state: a FUSE
+    mount's :class:`fsagent.store.Store` (the journal, inodes and ``upper/``)
+    or a plain directory's :class:`fsagent.dirstore.DirStore` (a scan; files
+    read from the directory). An upload's ``inode`` and ``generation`` are
+    whatever ``get`` and ``upper`` understand: the shipper only compares the
+    generation before and after reading."""
+
+    @property
+    def upper(self) -> ContentReader: ...
+
+    def pending_checkpoint(self) -> dict[str, Any] | None: ...
+
+    def set_pending_checkpoint(self, record: dict[str, Any] | None) -> None: ...
+
+    def changes_since_baseline(self) -> list[Change]: ...
+
+    def get(self, ino: int) -> HasGeneration: ...
+
+    def inline_data(self, ino: InodeNo) -> bytes | None: ...
+
+    def finish_checkpoint(
+        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
+    ) -> int: ...
+
+    def record_save_error(self, message: str) -> None: ...
+
+
+class ShipState:
+    """The shipper's view of the state dir, on the loop that serves the mount.
+
+    Every step runs on the calling loop, as a FUSE handler would, so each is
+    atomic with respect to the handlers: the in-memory inodes are the truth.
+    :class:`fsagent.shipthread.ThreadState` keeps the same contract for a
+    shipper on another thread.
+    """
+
+    def __init__(self, store: ShipStore) -> None:
+        self.store = store
+
+    @property
+    def upper(self) -> ContentReader:
+        return self.store.upper
+
+    async def pending(self) -> dict[str, Any] | None:
+        return self.store.pending_checkpoint()
+
+    async def changes(self) -> list[Change]:
+        return self.store.changes_since_baseline()
+
+    async def set_pending(self, record: dict[str, Any] | None) -> None:
+        """Durable before it returns (operation ids before bytes)."""
+        self.store.set_pending_checkpoint(record)
+
+    async def contents(self, changes: list[Change]) -> list[tuple[Change, bytes | None]]:
+        """The uploads still at their listed write generation, each with its
+        inline contents read at that generation (None: the file is in ``upper/``)."""
+        out: list[tuple[Change, bytes | None]] = []
+        for change in changes:
+            assert change.inode is not None
+            try:
+                if self.store.get(change.inode).generation != change.generation:
+                    continue
+            except KeyError:
+                continue  # unlinked since the listing: the next listing says delete
+            out.append((change, self.store.inline_data(change.inode)))
+        return out
+
+    async def unchanged(self, changes: list[Change]) -> list[bool]:
+        """Whether each upload is still at its listed write generation (read
+        after its bytes were sent: anything written meanwhile is torn)."""
+        return live_unchanged(self.store, changes)
+
+    async def finish(self, shipped: Shipped, receipt: dict[str, Any]) -> None:
+        self.store.finish_checkpoint(shipped, receipt)
+
+    async def record_error(self, message: str) -> None:
+        self.store.record_save_error(message)
+
+
+class Checkpoints(Protocol):
+    """What the mount asks of its checkpoints: a :class:`Shipper` on the mount's
+    loop, or one on a thread of its own (:class:`fsagent.shipthread.ShipThread`)."""
+
+    async def ship_checkpoint(self, *, final: bool = False) -> SaveResult: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def last_checkpoint(self) -> dict[str, Any] | None: ...
+
+
+def live_unchanged(store: ShipStore, changes: list[Change]) -> list[bool]:
+    """Whether each upload's live inode is still at its listed write generation;
+    on the mount's loop (it reads the in-memory inodes)."""
+    out = []
+    for change in changes:
+        assert change.inode is not None
+        try:
+            out.append(store.get(change.inode).generation == change.generation)
+        except KeyError:
+            out.append(False)
+    return out
+
+
 class Shipper:
     """Checkpoints for one collection; owned by the daemon that serves the mount."""
 
-    def __init__(self, store: Store, client: BridgeClient, scope: str, lease_epoch: int) -> None:
-        self.store = store
+    def __init__(
+        self,
+        store: ShipStore,
+        client: BridgeClient,
+        scope: str,
+        lease_epoch: int,
+        *,
+        state: ShipState | None = None,
+    ) -> None:
+        self.state = ShipState(store) if state is None else state
         self.client = client
         self.scope = scope
         self.lease_epoch = lease_epoch
@@ -146,11 +311,12 @@ class Shipper:
 
     async def ship_checkpoint(self, *, final: bool = False) -> SaveResult:
         """Save everything changed since the baseline; raises SaveFailed."""
+        asked = trio.current_time()
         async with self._lock:
             if self.fenced is not None:
                 message = f"not saved, a newer run holds the lease: {self.fenced}"
-                self.store.record_save_error(message)
-                raise SaveFailed(message)
+                await self.state.record_error(message)
+                raise SaveFailed(message, refused=True)
             try:
                 started = trio.current_time()
                 result = await self._ship(final=final)
@@ -160,30 +326,47 @@ class Shipper:
                         "entries": result.entries,
                         "bytes": result.receipt.get("byteSize"),
                     }
-                return result
+                return replace(result, seconds=trio.current_time() - asked)
             except (FsagentError, OSError) as exc:
                 message = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
                     self.fenced = message
-                self.store.record_save_error(message)
-                with trio.move_on_after(10):
-                    try:
-                        await self.client.report_state("failed", message)
-                    except FsagentError as report_exc:
-                        log.warning("could not report the failed save: %s", report_exc)
-                raise SaveFailed(message) from exc
+                await self.state.record_error(message)
+                over_limit = isinstance(exc, ControllerRefused) and exc.means(
+                    AgentFilesLimitExceeded
+                )
+                if over_limit:
+                    # The controller checks storage limits only for an operation
+                    # it has no receipt of: this body was not applied and never
+                    # will be. The next checkpoint lists the changes afresh (the
+                    # agent may have cleaned up) under a new operation id.
+                    await self.state.set_pending(None)
+                # A storage limit is a warning of the run, which the controller
+                # keeps with the refusal; it does not make the run a failed one.
+                if not over_limit:
+                    with trio.move_on_after(10):
+                        try:
+                            await self.client.report_state("failed", message)
+                        except FsagentError as report_exc:
+                            log.warning("could not report the failed save: %s", report_exc)
+                raise SaveFailed(message, refused=isinstance(exc, ControllerRefused)) from exc
 
     async def _ship(self, *, final: bool) -> SaveResult:
-        pending = self.store.pending_checkpoint()
+        pending = await self.state.pending()
+        replayed: SaveResult | None = None
         if pending is not None and pending.get("state") == "committing":
             # The answer to this body may have been lost: replay it verbatim.
-            await self._commit(pending)
+            receipt = await self._commit(pending)
+            if pending["body"].get("final"):
+                # It was a final save already: no second, empty one after it.
+                count = len(pending["body"]["entries"])
+                replayed = SaveResult(pending["operationId"], count, 0, receipt)
             pending = None
-        changes = self.store.changes_since_baseline()
-        if not changes and not final:
-            return SaveResult(None, 0, 0, None)
+        changes = await self.state.changes()
+        if not changes and (not final or replayed is not None):
+            return replayed or SaveResult(None, 0, 0, None)
         op_id = pending["operationId"] if pending else f"cp-{uuid.uuid4()}"
-        self.store.set_pending_checkpoint({"operationId": op_id, "state": "uploading"})
+        await self.state.set_pending({"operationId": op_id, "state": "uploading"})
         uploaded = await self._upload_all([c for c in changes if c.action == "upload"])
         entries: list[dict[str, Any]] = []
         shipped: list[list[Any]] = []
@@ -223,17 +406,23 @@ class Shipper:
             "entries": entries,
         }
         record = {"operationId": op_id, "state": "committing", "body": body, "shipped": shipped}
-        self.store.set_pending_checkpoint(record)
+        await self.state.set_pending(record)
         receipt = await self._commit(record)
         return SaveResult(op_id, len(entries), torn, receipt)
 
     async def _commit(self, record: dict[str, Any]) -> dict[str, Any]:
         receipt = await self.client.commit_checkpoint(self.scope, record["body"])
+        # Entries the folder refused one by one (the agent's instruction entry)
+        # were not saved: they stay in the journal, unsaved, for the next checkpoint.
+        refused = {str(r.get("path")) for r in receipt.get("refusedEntries") or []}
+        for r in receipt.get("refusedEntries") or []:
+            log.warning("%s was not saved: %s %s", r.get("path"), r.get("code"), r.get("message"))
         shipped = [
             (change_from_json(raw[:-1]), raw[-1], FileVersion(int(receipt["highWater"])))
             for raw in record["shipped"]
+            if raw[0] not in refused
         ]
-        self.store.finish_checkpoint(shipped, receipt)
+        await self.state.finish(shipped, receipt)
         log.info(
             "checkpoint %s saved: %d entries (high water %s)",
             record["operationId"],
@@ -263,7 +452,7 @@ class Shipper:
 
         try:
             async with trio.open_nursery() as nursery:
-                for group in batches(small):
+                for group in batches(small, lambda c: c.size):
                     if len(group) == 1:
                         nursery.start_soon(one, group[0])  # a batch of one is an upload
                     else:
@@ -271,28 +460,14 @@ class Shipper:
                 for change in large:
                     nursery.start_soon(one, change)
         except BaseExceptionGroup as group:
-            # One failed upload fails the checkpoint; report it like a single one.
-            matched, _ = group.split((FsagentError, OSError))
-            if matched is None:
-                raise
-            first: BaseException = matched
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from group
+            raise_first_failure(group)
         return results
 
     async def _upload_batch(self, group: list[Change]) -> dict[str, Digest]:
         """One request for many small files, with the same torn-read rule as
         :meth:`_upload`: a file written to since it was listed is left out."""
-        ready: list[tuple[Change, bytes | None]] = []
-        for change in group:
-            assert change.inode is not None
-            try:
-                if self.store.get(change.inode).generation != change.generation:
-                    continue
-            except KeyError:
-                continue  # unlinked since the listing: the next listing says delete
-            ready.append((change, self.store.inline_data(change.inode)))
+        ready = await self.state.contents(group)
+        upper = self.state.upper
 
         def read_all() -> list[bytes | None]:
             out: list[bytes | None] = []
@@ -302,7 +477,7 @@ class Shipper:
                     continue
                 assert change.inode is not None
                 try:
-                    with self.store.upper.open_read(change.inode) as fh:
+                    with upper.open_read(change.inode) as fh:
                         out.append(fh.read(BATCH_MEMBER_MAX + 1))
                 except FileNotFoundError:
                     out.append(None)
@@ -321,13 +496,9 @@ class Shipper:
         results: dict[str, Digest] = {}
         if sent:
             answers = await self.client.upload_batch(self.scope, [d for _, d in sent])
-            for (change, data), (digest, size) in zip(sent, answers, strict=True):
-                assert change.inode is not None
-                try:
-                    after = self.store.get(change.inode).generation
-                except KeyError:
-                    continue
-                if after != change.generation or size != len(data):
+            still = await self.state.unchanged([change for change, _ in sent])
+            for (change, data), (digest, size), same in zip(sent, answers, still, strict=True):
+                if not same or size != len(data):
                     log.info("%s changed while it was uploaded; it stays dirty", change.path)
                     continue
                 results[change.path] = Digest(digest)
@@ -341,58 +512,59 @@ class Shipper:
         """Stream one upper copy; None when it changed while being read (stays dirty)."""
         assert change.inode is not None
         ino = change.inode
-        try:
-            before = self.store.get(change.inode).generation
-        except KeyError:
-            return None  # unlinked since the listing: the next listing says delete
-        if before != change.generation:
-            return None
-        # Read with the generation check above (no await in between): an
-        # inline copy is exactly the content of that generation.
-        inline = self.store.inline_data(change.inode)
+        ready = await self.state.contents([change])
+        if not ready:
+            return None  # written or unlinked since the listing: stays dirty
+        # Read at the listed generation: an inline copy is exactly its content.
+        inline = ready[0][1]
+        upper = self.state.upper
         compressor = zstandard.ZstdCompressor(level=3)
         sent = 0
 
         async def frames() -> AsyncIterator[bytes]:
             nonlocal sent
             sent = 0  # called again for each attempt: count this attempt's bytes only
-            # Decided on the first block: incompressible data goes up stored.
-            use: zstandard.ZstdCompressor | None = compressor
             if inline is not None:
                 sent = len(inline)
                 if inline:
+                    # Decided on the first block: incompressible data goes up stored.
                     use = compressor if compressible(inline) else None
                     yield encode_frame(inline, use)  # at most INLINE_MAX < CHUNK_MAX
                 yield END_FRAME
                 return
-            fh = await trio.to_thread.run_sync(self.store.upper.open_read, ino)
+            fh = await trio.to_thread.run_sync(upper.open_read, ino)
+
+            def tally(n: int) -> None:
+                nonlocal sent
+                sent += n
+
             try:
-                while True:
-                    raw = await trio.to_thread.run_sync(fh.read, CHUNK_MAX)
-                    if not raw:
-                        break
-                    if sent == 0:  # the compressibility check is CPU work too: a thread
-                        frame, use = await trio.to_thread.run_sync(encode_first, raw, compressor)
-                    else:
-                        frame = await trio.to_thread.run_sync(encode_frame, raw, use)
-                    sent += len(raw)
+                async for frame in file_frames(fh, compressor, tally):
                     yield frame
             finally:
                 fh.close()
-            yield END_FRAME
 
         try:
             digest, size = await self.client.upload_object(self.scope, frames)
         except FileNotFoundError:
             return None
-        try:
-            after = self.store.get(change.inode).generation
-        except KeyError:
-            return None
-        if after != change.generation or size != sent:
+        if not (await self.state.unchanged([change]))[0] or size != sent:
             log.info("%s changed while it was uploaded; it stays dirty", change.path)
             return None
         return Digest(digest)
+
+
+def raise_first_failure(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """One failed upload fails the checkpoint: raise the first fsagent or OS
+    error of a nursery's group like a single failure (anything else, the
+    group as it is)."""
+    matched, _ = group.split((FsagentError, OSError))
+    if matched is None:
+        raise group
+    first: BaseException = matched
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    raise first from group
 
 
 def encode_first(
@@ -404,7 +576,9 @@ def encode_first(
     return encode_frame(raw, use), use
 
 
-async def checkpoint_loop(shipper: Shipper, interval: float, *, max_backoff: float = 300.0) -> None:
+async def checkpoint_loop(
+    shipper: Checkpoints, interval: float, *, max_backoff: float = 300.0
+) -> None:
     """Ship every ``interval`` seconds; a failure is recorded and retried next time.
 
     Anything else that goes wrong (a bug) is logged with its traceback and

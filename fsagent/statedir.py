@@ -9,6 +9,11 @@ Layout of a state dir (default ``$HOME/.local/state/fsagent/<scope>``)::
     upper/<inode>        copy-on-write contents over INLINE_MAX (fsagent.content)
     daemon.json          pid + mountpoint of the running daemon (for status)
 
+A collection is served in one mode for the life of its state dir
+(:meth:`StateDir.claim_mode`): ``fuse`` (the tree and journal below) or
+``dir`` (a plain directory, fsagent.dirstore: ``base`` plus the ``dirstat``
+table of what the last scan saw).
+
 Durability: the environment is opened with ``sync=False``.  A commit still
 hands the pages to the kernel, so it survives ``kill -9`` of this process;
 only power loss can undo it, and :meth:`StateDir.sync` (called on fsync)
@@ -28,21 +33,38 @@ from typing import Any, Final, Self
 
 import lmdb
 
-from fsagent.errors import StateBindingMismatch, StateCorrupt, StateForeign, StateInUse
-from fsagent.records import Binding, Inode, InodeNo, encode_json, ikey, now_ns, upgrade_record
+from fsagent.errors import (
+    StateBindingMismatch,
+    StateCorrupt,
+    StateForeign,
+    StateInUse,
+    StateModeMismatch,
+)
+from fsagent.records import (
+    Baseline,
+    Binding,
+    Inode,
+    InodeNo,
+    encode_json,
+    ikey,
+    now_ns,
+    upgrade_record,
+)
 
 log = logging.getLogger(__name__)
 
 ROOT_INODE: Final = InodeNo(1)
-STATE_FORMAT: Final = 4
+STATE_FORMAT: Final = 5
 """2 added the ``inline`` table; 3 versioned every record and keys paths longer
 than LMDB's key limit by their hash (fsagent.records); 4 gives inodes an owner
 (uid, gid) and an atime (inode records of version 2; older ones are read as
-owned by the daemon's user, atime = mtime, which is what they reported).  An
+owned by the daemon's user, atime = mtime, which is what they reported); 5
+adds plain-directory collections (the ``dirstat`` table and the ``mode``
+record: format 4 code would serve such a dir as an empty FUSE tree).  An
 older dir is upgraded in place when opened for writing; older code refuses a
 newer dir (format 2 code would misread versioned records, format 3 code would
 refuse version-2 inode records)."""
-_UPGRADABLE: Final = frozenset({1, 2, 3})
+_UPGRADABLE: Final = frozenset({1, 2, 3, 4})
 MARKER: Final = "fsagent-state.json"
 _MAP_SIZE: Final = 16 << 30  # address space only; the file grows as needed
 # (100,000 inline files of 64 KiB alone are 6.1 GiB, plus copy-on-write pages)
@@ -50,7 +72,9 @@ HEADROOM: Final = 2 << 20
 ROOM_SLACK: Final = 64 << 20
 """Free space above the reserve below which every inline write reads it again."""
 ROOM_RECHECK_S: Final = 1.0
-_TABLES: Final = ("meta", "inodes", "entries", "base", "journal", "orphans", "inline")
+_TABLES: Final = (
+    "meta", "inodes", "entries", "base", "journal", "orphans", "inline", "dirstat",
+)  # fmt: skip
 _VERSIONED: Final = ("inodes", "base", "journal")
 """Tables whose values are versioned records (rewritten by the format-3 and -4 upgrades)."""
 
@@ -277,6 +301,35 @@ class StateDir:
                 f"{binding.describe()}. The state is kept; use another --state-dir "
                 "or save and remove it first"
             )
+
+    # --- mode -------------------------------------------------------------
+
+    def mode_record(self) -> dict[str, Any] | None:
+        """``{"mode": "fuse"|"dir", "reason", "path"}`` as last claimed; None
+        for a dir no daemon of format 5 has served yet (those were FUSE)."""
+        with self._env.begin() as txn:
+            raw = txn.get(b"mode", db=self._meta)
+        return None if raw is None else dict(json.loads(raw))
+
+    def claim_mode(self, mode: str, reason: str, path: str) -> None:
+        """Record that this state dir is served in ``mode`` (and why), or refuse
+        the other mode: a FUSE collection's unsaved changes live in this state
+        dir, a plain directory's in the directory, and neither mode can serve
+        the other's."""
+        current = self.mode_record()
+        with self._env.begin() as txn:
+            hydrated = Baseline.decode(txn.get(b"baseline", db=self._meta)).hydrated
+        was = current["mode"] if current else ("fuse" if hydrated else None)
+        if was is not None and was != mode:
+            raise StateModeMismatch(
+                f"state dir {self.root} holds a collection served in {was} mode; it cannot be "
+                f"served in {mode} mode ({reason}). The state is kept; use --mode {was}, "
+                "or another --state-dir"
+            )
+        record = {"mode": mode, "reason": reason, "path": path}
+        if current != record:
+            with self._env.begin(write=True) as txn:
+                txn.put(b"mode", encode_json(record), db=self._meta)
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more of inline contents leave the metadata reserve intact.

@@ -185,6 +185,27 @@ class Tree(Journal):
             raw = txn.get(ikey(ino), db=self._inline)
         return None if raw is None else bytes(raw)
 
+    def committed_contents(self, inos: list[InodeNo]) -> list[tuple[int, bytes | None] | None]:
+        """Each inode's write generation and inline contents (None: not inline) as
+        last committed, from one snapshot; None for an inode that is gone.
+
+        Reads no in-memory state, so a thread other than the mount's may call
+        it: a write commits its generation together with its inline bytes, so
+        the pair is consistent.
+        """
+        out: list[tuple[int, bytes | None] | None] = []
+        with self._env.begin() as txn:
+            for ino in inos:
+                raw = txn.get(ikey(ino), db=self._inodes)
+                if raw is None:
+                    out.append(None)
+                    continue
+                data = None if self._inline is None else txn.get(ikey(ino), db=self._inline)
+                out.append(
+                    (Inode.decode(ino, raw).generation, None if data is None else bytes(data))
+                )
+        return out
+
     def drop_inline(self, inode: Inode) -> None:
         """The file's contents are now complete in ``upper/<inode>``: forget the inline copy."""
         self.forget_durable()
@@ -425,14 +446,14 @@ class Tree(Journal):
                 self._count_subdir(left, -1)
                 self._count_subdir(joined, 1)
 
-    def _resolve(self, txn: Any, path: str) -> Inode | None:
+    def _resolve(self, txn: Any, path: str, *, committed: bool = False) -> Inode | None:
         ino = ROOT_INODE
         for name in path.split("/"):
             raw = txn.get(ekey(ino, name), db=self._entries)
             if raw is None:
                 return None
             ino = ino_of(raw)
-        cached = self._cache.get(ino)
+        cached = None if committed else self._cache.get(ino)
         if cached is not None:
             return cached
         raw = txn.get(ikey(ino), db=self._inodes)

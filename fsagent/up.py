@@ -1,11 +1,20 @@
-"""``fsagent up``: start the local API endpoint (``fsagent bridge``), mount all
-four collections (one daemon process each) under one home, write the agent's
-environment file, and supervise them all.
+"""``fsagent up``: prepare the task's repository checkouts (``fsagent repos
+prepare``), start the local API endpoint (``fsagent bridge``), mount all four
+collections (one daemon process each) under one home (as FUSE mounts, or as
+plain directories where FUSE is unavailable: ``--mode``, decided once here
+and said in one line), start the repository
+saver (``fsagent repos watch``), write the agent's environment file, and
+supervise them all.
 
 The env file is ``KEY=VALUE`` lines (no quoting): ``AGENT_HOME``,
-``PAPERCLIP_{TASK,AGENT,USER,PROJECT}_DIR`` for the bound collections, and
-``PAPERCLIP_API_URL`` / ``PAPERCLIP_API_SOCKET`` for the local endpoint.
-``fsagent launch`` reads it; it never holds the run token.
+``PAPERCLIP_{TASK,AGENT,USER,PROJECT}_DIR`` for the bound collections,
+``PAPERCLIP_REPOS_DIR`` and ``PAPERCLIP_PRIMARY_REPO`` when the task binds
+repositories, and ``PAPERCLIP_API_URL`` / ``PAPERCLIP_API_SOCKET`` for the
+local endpoint. ``fsagent launch`` reads it; it never holds the run token.
+
+A repository that cannot be prepared (a clone that fails, a directory of
+another binding in its place) is reported on stderr and in ``fsagent repos
+status``; the sandbox still starts, without that checkout.
 """
 
 from __future__ import annotations
@@ -23,11 +32,15 @@ from types import FrameType
 import trio
 
 from common.limits import SCOPES
-from fsagent.client import RunInfo
-from fsagent.daemon import client_from_args
+from fsagent.client import RepoList, RunInfo
+from fsagent.daemon import client_from_args, is_ready
 from fsagent.errors import MountFailed
+from fsagent.fuseprobe import decide
 from fsagent.store import default_state_root
 from fsagent.tls import forwarded_argv, options_from
+
+REPO_STOP_SECONDS = 600
+"""How long ``up`` waits at stop for the repository saver's final save."""
 
 ENV_NAMES = {
     "task": "PAPERCLIP_TASK_DIR",
@@ -44,6 +57,70 @@ def env_for(home: Path, run: RunInfo) -> dict[str, str]:
         if run.bindings.get(scope) is not None:
             env[name] = str(home / scope)
     return env
+
+
+def repos_env(home: Path, listing: RepoList) -> dict[str, str]:
+    """``PAPERCLIP_REPOS_DIR`` and ``PAPERCLIP_PRIMARY_REPO`` (the primary
+    workspace's checkout) when the task binds repositories."""
+    if not listing.repos:
+        return {}
+    root = home / listing.repos_dir
+    env = {"PAPERCLIP_REPOS_DIR": str(root)}
+    primary = next((r for r in listing.repos if r.primary), None)
+    if primary is not None:
+        env["PAPERCLIP_PRIMARY_REPO"] = str(root / primary.name)
+    return env
+
+
+def fetch_repos_env(args: argparse.Namespace, home: Path) -> dict[str, str]:
+    """:func:`repos_env` of the run's task (``GET /bridge/v1/repos``)."""
+    client = client_from_args(args)
+
+    async def listing() -> RepoList:
+        from fsagent.repos import bound_repos
+
+        try:
+            return await bound_repos(client)
+        finally:
+            await client.aclose()
+
+    return repos_env(home, trio.run(listing))
+
+
+def prepare_repos(args: argparse.Namespace, home: Path) -> RepoList:
+    """``fsagent repos prepare`` for ``up``: every bound checkout made ready
+    before the agent starts; problems are printed, never fatal."""
+    from fsagent.repos import describe_prepare, prepare_all
+
+    client = client_from_args(args)
+
+    async def prepare() -> RepoList:
+        try:
+            _, listing, results = await prepare_all(client, home)
+        finally:
+            await client.aclose()
+        for result in results:
+            line = f"fsagent up: repository {describe_prepare(result)}"
+            print(line, file=sys.stdout if result.ok else sys.stderr, flush=True)
+        return listing
+
+    return trio.run(prepare)
+
+
+def start_repo_saver(
+    args: argparse.Namespace, home: Path, state_root: Path
+) -> subprocess.Popen[bytes]:
+    """``fsagent repos watch`` beside the mounts: checkpoints on the collections'
+    cadence and a final save when ``up`` stops it."""
+    argv = [sys.executable, "-m", "fsagent.cli", "repos", "watch", "--home", str(home),
+            "--controller", args.controller, "--state-root", str(state_root),
+            "--interval", str(args.checkpoint_interval)]  # fmt: skip
+    if args.token_file:
+        argv += ["--token-file", args.token_file]
+    argv += forwarded_argv(options_from(args))
+    if args.log_format:
+        argv += ["--log-format", args.log_format]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
 
 
 def fetch_run(args: argparse.Namespace) -> RunInfo:
@@ -111,11 +188,24 @@ def start_bridge(
     return proc, {k: str(info[k]) for k in ("PAPERCLIP_API_URL", "PAPERCLIP_API_SOCKET")}
 
 
+def served(mode: str, where: Path, ready: Path, child: subprocess.Popen[bytes]) -> bool:
+    """Whether a collection's daemon serves it: mounted (FUSE), or its ready
+    file written (dir mode)."""
+    if mode == "fuse":
+        return os.path.ismount(where)
+    return is_ready(ready, child.pid)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Mount all four collections (one process each) and supervise them."""
     home = Path(args.home).absolute()
     state_root = Path(args.state_root) if args.state_root else default_state_root()
     run = fetch_run(args)
+    decision = decide(args.mode, None, args.mode_reason)
+    if args.mode == "auto" and decision.mode == "dir":
+        print(f"fsagent up: FUSE is not available ({decision.reason}); the work folders are "
+              "plain directories (dir mode)", file=sys.stderr, flush=True)  # fmt: skip
+    ready_dir = state_root / "run"
     stop = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -126,8 +216,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     children: dict[str, subprocess.Popen[bytes]] = {}
     api_env: dict[str, str] = {}
+    repo_env: dict[str, str] = {}
     if args.controller.startswith(("http://", "https://")):
-        # A local directory source has no API to serve: no endpoint then.
+        # A local directory source binds no repositories and has no API to serve.
+        listing = prepare_repos(args, home)
+        repo_env = repos_env(home, listing)
+        if listing.repos:
+            children["repos"] = start_repo_saver(args, home, state_root)
         children["bridge"], api_env = start_bridge(args, state_root)
     for scope in SCOPES:
         mp = home / scope
@@ -151,6 +246,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             "--spin-us",
             str(args.spin_us),
         ]
+        argv += ["--mode", decision.mode, "--mode-reason", decision.reason]
+        if decision.mode == "dir":
+            ready = ready_dir / f"{scope}.ready"
+            ready.unlink(missing_ok=True)
+            argv += ["--ready-file", str(ready)]
         if args.token_file:
             argv += ["--token-file", args.token_file]
         if args.allow_other:
@@ -164,7 +264,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     failed: str | None = None
     while pending and not stop and failed is None:
         for scope in list(pending):
-            if os.path.ismount(home / scope):
+            if served(decision.mode, home / scope, ready_dir / f"{scope}.ready", children[scope]):
                 pending.discard(scope)
             elif children[scope].poll() is not None:
                 failed = f"{scope} exited with {children[scope].returncode}"
@@ -173,9 +273,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     if failed is None and not stop:
         env_file = Path(args.env_file) if args.env_file else state_root / "env"
-        write_env_file(env_file, {**env_for(home, run), **api_env})
+        write_env_file(env_file, {**env_for(home, run), **repo_env, **api_env})
+        verb = "mounted" if decision.mode == "fuse" else "ready (plain directories, dir mode):"
         print(
-            f"fsagent: mounted {', '.join(SCOPES)} under {home}; environment in {env_file}",
+            f"fsagent: {verb} {', '.join(SCOPES)} under {home}; environment in {env_file}",
             flush=True,
         )
         while not stop and all(c.poll() is None for c in children.values()):
@@ -186,7 +287,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     codes = {}
     for scope, child in children.items():
         try:
-            codes[scope] = child.wait(timeout=120)
+            # A repository's final save uploads what changed since the last
+            # one, which can be much more than a collection's.
+            codes[scope] = child.wait(timeout=REPO_STOP_SECONDS if scope == "repos" else 120)
         except subprocess.TimeoutExpired:
             child.kill()
             codes[scope] = child.wait()

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install the Debian packages this project needs, only those that are missing.
 #   packaging/install-deps.sh           runtime: FUSE, PostgreSQL server binaries, build tools
+#   packaging/install-deps.sh --demo    also curl and Node.js, which the lines `make demo`
+#                                       prints use inside the demo sandbox
 #   packaging/install-deps.sh --test    also Chromium for the browser tests, npm for axe-core
 #   packaging/install-deps.sh --bench   also the FUSE peers bench.fsops compares with
 #                                       (bindfs, rclone)
@@ -18,8 +20,10 @@ for opt in "$@"; do
         # systemd-nspawn for the sandbox image boot test.
         --test) pkgs+=(chromium chromium-driver fonts-dejavu-core debootstrap systemd-container)
                 cmds+=(nodejs:node npm:npm) ;;
+        # The demo's curl lines, and node, which `fsagent launch` requires.
+        --demo) cmds+=(curl:curl nodejs:node) ;;
         --bench) pkgs+=(bindfs rclone) ;;
-        *) echo "usage: $0 [--test] [--bench]" >&2; exit 2 ;;
+        *) echo "usage: $0 [--demo] [--test] [--bench]" >&2; exit 2 ;;
     esac
 done
 

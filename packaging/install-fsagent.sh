@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install fsagent into a virtualenv under /opt/fsagent with its systemd units:
-# the fsagent@.service template (one mount per collection) and
-# fsagent-bridge.service (the local API endpoint).
+# the fsagent@.service template (one mount per collection),
+# fsagent-bridge.service (the local API endpoint) and fsagent-repos.service
+# (the task's repository checkouts: prepare at start, checkpoints, final save;
+# it needs git, which the image provides with the agent's own credentials).
 #
 #   packaging/install-fsagent.sh --user AGENT_USER --home AGENT_HOME \
 #       --controller URL --token-file FILE [--bridge-port N] [--allow-other] \
@@ -97,7 +99,7 @@ umask 022  # the units and drop-ins below are world-readable, as systemd expects
 
 if ((systemd)); then
     group="$(id -gn "$user")"
-    for unit in fsagent@.service fsagent-bridge.service; do
+    for unit in fsagent@.service fsagent-bridge.service fsagent-repos.service; do
         install -m 0644 "$src/packaging/systemd/$unit" "/etc/systemd/system/$unit"
         install -d -m 0755 "/etc/systemd/system/$unit.d"
         printf '[Service]\nUser=%s\nGroup=%s\n' "$user" "$group" \
@@ -108,4 +110,4 @@ if ((systemd)); then
     fi
 fi
 echo "fsagent installed in /opt/fsagent/venv; enable with:"
-echo "  systemctl enable --now fsagent-bridge fsagent@task fsagent@agent fsagent@user fsagent@project"
+echo "  systemctl enable --now fsagent-bridge fsagent-repos fsagent@task fsagent@agent fsagent@user fsagent@project"

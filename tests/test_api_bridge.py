@@ -97,11 +97,22 @@ def test_a_run_token_on_the_api_directly_is_401_and_writes_nothing(tenant: Tenan
 # --- refusals: each one changes nothing --------------------------------------
 
 
-def test_a_user_token_on_the_bridge_is_401(tenant: Tenant) -> None:
+def test_a_user_token_or_session_on_the_bridge_is_401(tenant: Tenant) -> None:
     with api_client(tenant, tenant.token) as c:
         r = put(c, tenant.my_folder, "u.txt", b"u")
         assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
         assert c.get(tenant.my_folder + "/").status_code == 401
+    # A person's session cookie (with its CSRF token) is no credential there either.
+    cookie, csrf = _session(tenant)
+    session = {"Cookie": f"fsa_session={cookie}", "X-CSRF-Token": csrf}
+    with httpx.Client(base_url=tenant.controller.url + PREFIX, timeout=30) as raw:
+        for r in (
+            put(raw, tenant.my_folder, "u.txt", b"u", **session),
+            put(raw, tenant.my_folder, "u.txt", b"u", Cookie=session["Cookie"]),
+            raw.get(tenant.my_folder + "/", headers=session),
+            raw.get("/run", headers=session),
+        ):
+            assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
     assert tenant.file_rows("u.txt", live=False) == 0
 
 

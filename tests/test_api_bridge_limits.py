@@ -121,7 +121,8 @@ def test_slow_calls_are_504_and_one_too_many_is_429(lt: Tenant) -> None:
                 assert time.monotonic() < deadline, "the writes never reached the folder lock"
                 time.sleep(0.05)
             with run.api_client() as c:
-                busy = c.get(folder + "/")
+                # A write, refused before it reaches the folder: it changes nothing.
+                busy = c.put(f"{folder}/content?path=busy", content=b"b", headers=OCTET)
             assert busy.status_code == 429, busy.text
             assert busy.json()["code"] == "too_many_requests"
             assert busy.headers["Retry-After"] == "1"
@@ -132,6 +133,7 @@ def test_slow_calls_are_504_and_one_too_many_is_429(lt: Tenant) -> None:
         assert r.status_code == 504, r.text
         assert r.json()["code"] == "bridge_timeout"
     assert lt.file_rows("slow0", live=False) == 0 and lt.file_rows("slow1", live=False) == 0
+    assert lt.file_rows("busy", live=False) == 0
     # The run's slots and the database connections are free again.
     with run.api_client() as c:
         assert c.put(f"{folder}/content?path=after", content=b"a", headers=OCTET).is_success

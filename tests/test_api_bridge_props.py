@@ -6,17 +6,32 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import psycopg
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from starlette.routing import Route
 
 from common.bridge import PREFIX
-from controller.api import apibridge, audit, bridge, web, workfolders
+from controller.api import (
+    agents,
+    apibridge,
+    attachments,
+    audit,
+    bridge,
+    orgs,
+    repobridge,
+    runs,
+    taskrepos,
+    web,
+    workfolders,
+)
 from controller.api.apibridge import (
     DEFAULT_ALLOW,
     FORWARDED_HEADERS,
@@ -30,7 +45,7 @@ from controller.api.app import create_app
 from controller.api.common import BRIDGE_IDENTITY, BridgeIdentity
 from controller.cli import make_storage
 from controller.config import BridgeLimits, Settings
-from tests.support.bridge import Run, api_client, start_run
+from tests.support.bridge import Run, start_run
 from tests.support.controller import ControllerProcess, Tenant, bootstrap_tenant
 
 
@@ -40,7 +55,19 @@ def _all_routes(tmp: Path) -> list[Route]:
     return [r for r in app.routes if isinstance(r, Route)]
 
 
-ROUTES = [*workfolders.routes, *bridge.routes, *apibridge.routes, *audit.routes, *web.routes]
+ROUTES = [
+    *workfolders.routes,
+    *bridge.routes,
+    *apibridge.routes,
+    *audit.routes,
+    *orgs.routes,
+    *runs.routes,
+    *agents.routes,
+    *attachments.routes,
+    *repobridge.routes,
+    *taskrepos.routes,
+    *web.routes,
+]
 TEMPLATES = sorted({r.path for r in ROUTES})
 METHODS = {
     t: sorted({m for r in ROUTES if r.path == t for m in r.methods or ()}) for t in TEMPLATES
@@ -150,15 +177,59 @@ def test_the_generated_routes_are_the_applications(routes: list[Route]) -> None:
 class World:
     tenant: Tenant
     run: Run
+    foreign: dict[str, str]
+    """An owner of each scope the run is not bound to (another agent, task,
+    project and member), and ``company``: another company."""
+    smuggled: dict[str, str]
+    """Headers carrying real credentials the sandbox might get hold of: the
+    owner's session cookie and CSRF token, another run's identity."""
+    db: psycopg.Connection[Any]
+    clients: dict[str, httpx.Client]
+    """A bridge client per credential: ``run``, ``user`` (a person's token), ``none``."""
 
 
 @pytest.fixture(scope="module")
-def world(controller: ControllerProcess) -> World:
+def world(controller: ControllerProcess) -> Iterator[World]:
     tenant = bootstrap_tenant(controller)
-    return World(tenant, start_run(tenant))
+    run = start_run(tenant)
+    other = start_run(tenant, user=False)
+    member_id, _ = tenant.new_member()
+    elsewhere = bootstrap_tenant(controller)
+    with httpx.Client(base_url=controller.url, timeout=30) as c:
+        session = c.post("/files/api/session", json={"token": tenant.token})
+        assert session.status_code == 200, session.text
+    foreign = {
+        "task": other.task or "",
+        "agent": other.agent,
+        "project": other.project or "",
+        "user": member_id,
+        "company": elsewhere.company_id,
+    }
+    smuggled = {
+        "Cookie": f"fsa_session={session.cookies['fsa_session']}",
+        "X-CSRF-Token": session.json()["csrfToken"],
+        "X-Paperclip-Run-Id": other.run_id,
+        "X-Paperclip-Agent-Id": other.agent,
+        "X-Paperclip-Lease-Epoch": "99",
+        "X-Forwarded-For": "127.0.0.1",
+        "Forwarded": "for=127.0.0.1",
+        "Proxy-Authorization": f"Bearer {tenant.token}",
+    }
+    clients = {}
+    for name, token in (("run", run.token), ("user", tenant.token), ("none", None)):
+        clients[name] = httpx.Client(base_url=controller.url + PREFIX, timeout=60)
+        if token is not None:
+            clients[name].headers["Authorization"] = f"Bearer {token}"
+    with controller.db() as db:
+        yield World(tenant, run, foreign, smuggled, db, clients)
+    for client in clients.values():
+        client.close()
 
 
-def _fill(template: str, w: World, scope: str) -> str:
+def _fill(template: str, w: World, scope: str, foreign: bool) -> str:
+    """The template with real ids: the run's own (or, ``foreign``, an owner of
+    the same scope the run is not bound to; another company where the
+    template names no owner)."""
     run = w.run
     owners = {
         "task": run.task,
@@ -166,64 +237,93 @@ def _fill(template: str, w: World, scope: str) -> str:
         "project": run.project,
         "user": w.tenant.user_id,
     }
+    owner = w.foreign[scope] if foreign else owners.get(scope) or "none"
+    other_company = foreign and "{ownerId}" not in template
     values = {
-        "companyId": w.tenant.company_id,
+        "companyId": w.foreign["company"] if other_company else w.tenant.company_id,
         "scope": scope,
-        "ownerId": owners.get(scope) or "none",
+        "ownerId": owner,
         "runId": run.run_id,
     }
     return _PARAM.sub(lambda m: values.get(m.group(1), "x"), template)
 
 
-def _company_rows(t: Tenant) -> tuple[int, int]:
-    with t.controller.db() as db:
-        row = db.execute(
-            "SELECT (SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
-            "         WHERE d.company_id = %s),"
-            " (SELECT count(*) FROM folders WHERE company_id = %s)",
-            (t.company_id, t.company_id),
-        ).fetchone()
+def _footprint(w: World) -> tuple[int, int, int, int]:
+    """Files, folders and receipts of the company (any write shows in one of
+    them), and the run's audit rows."""
+    row = w.db.execute(
+        "SELECT (SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
+        "         WHERE d.company_id = %(c)s),"
+        " (SELECT count(*) FROM folders WHERE company_id = %(c)s),"
+        " (SELECT count(*) FROM receipts r JOIN folders d ON d.id = r.folder_id"
+        "         WHERE d.company_id = %(c)s),"
+        " (SELECT count(*) FROM bridge_audit WHERE run_id = %(r)s)",
+        {"c": w.tenant.company_id, "r": w.run.run_id},
+    ).fetchone()
     assert row is not None
-    return int(row[0]), int(row[1])
+    return int(row[0]), int(row[1]), int(row[2]), int(row[3])
 
 
 AUDIT = "/api/companies/{companyId}/runs/{runId}/audit"
+
+# Methods no API route answers: extension methods HTTP parsers know (405 from
+# the controller) and arbitrary tokens (which uvicorn's parser may refuse as a
+# malformed request first). CONNECT is left out: clients treat it as a proxy request.
+UNKNOWN_METHODS = st.sampled_from(
+    ["OPTIONS", "TRACE", "PROPFIND", "PROPPATCH", "MKCOL", "COPY", "MOVE", "LOCK", "UNLOCK",
+     "SEARCH", "PURGE", "REPORT", "LINK", "UNLINK", "QUERY"]
+) | st.from_regex(r"\A[A-Z]{3,10}\Z").filter(lambda m: m not in KNOWN_METHODS and m != "CONNECT")  # fmt: skip
 
 
 def _refused(template: str, method: str) -> Any:
     """An explicit case: a route that answers ``method`` but is not for sandbox code."""
     return example(
         template=template,
-        any_method=method,
+        method_choice=method,
         index=0,
         answered=False,
         scope="task",
+        foreign=False,
         suffix="",
+        credential="run",
         headers={},
     )
 
 
-SENT_HEADERS = st.dictionaries(
+SENT_HEADERS = st.lists(
     st.sampled_from(
         ["Cookie", "X-CSRF-Token", "X-Forwarded-For", "Forwarded", "Proxy-Authorization",
-         "X-Paperclip-Run-Id", "Idempotency-Key", "Range", "If-None-Match", "X-File-Executable",
+         "X-Paperclip-Run-Id", "X-Paperclip-Agent-Id", "X-Paperclip-Lease-Epoch",
+         "Idempotency-Key", "Range", "If-None-Match", "X-File-Executable",
          "X-File-Content-Type", "Content-Type"]
     ),
-    st.sampled_from(["1", "bytes=0-0", "application/json", "application/octet-stream", "true"]),
-    max_size=5,
+    max_size=6,
+    unique=True,
 )  # fmt: skip
+"""Names of headers to send; credentials get real values (World.smuggled)."""
+
+PLAIN_VALUES = {
+    "Idempotency-Key": "hyp-key",
+    "Range": "bytes=0-0",
+    "If-None-Match": "*",
+    "X-File-Executable": "true",
+    "X-File-Content-Type": "text/plain",
+    "Content-Type": "application/octet-stream",
+}
 
 
 @settings(
-    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     template=st.sampled_from(TEMPLATES),
-    any_method=st.sampled_from(KNOWN_METHODS),
+    method_choice=st.sampled_from(KNOWN_METHODS) | UNKNOWN_METHODS,
     index=st.integers(min_value=0),
     answered=st.booleans(),
     scope=st.sampled_from(["task", "agent", "project", "user"]),
+    foreign=st.booleans(),
     suffix=st.sampled_from(["", "", "/x"]),
+    credential=st.sampled_from(["run", "run", "run", "run", "user", "none"]),
     headers=SENT_HEADERS,
 )
 # Routes that exist and answer the method, but are not for sandbox code.
@@ -234,28 +334,57 @@ SENT_HEADERS = st.dictionaries(
 def test_the_allowlist_is_the_only_way_through(
     world: World,
     template: str,
-    any_method: str,
+    method_choice: str,
     index: int,
     answered: bool,
     scope: str,
+    foreign: bool,
     suffix: str,
-    headers: dict[str, str],
+    credential: str,
+    headers: list[str],
 ) -> None:
+    """Generated methods, routes, owners, credentials and headers: a call gets
+    to an API route only with an active run's token, an allowlisted method and
+    route template and a folder of the run's binding. Anything else is refused
+    (405, 401, 403 ``bridge_route_denied`` or 404 ``not_found``) and changes
+    nothing; every call of an authenticated run is one audit row."""
     # Half the time a method the route answers: then only the allowlist refuses.
-    method = METHODS[template][index % len(METHODS[template])] if answered else any_method
-    path = _fill(template, world, scope) + suffix
+    method = METHODS[template][index % len(METHODS[template])] if answered else method_choice
+    path = _fill(template, world, scope, foreign) + suffix
     inner = path if path.startswith("/api/") else "/api" + path
-    allowed = suffix == "" and (method, template) in DEFAULT_ALLOW
+    known = method in KNOWN_METHODS
+    allowed = known and suffix == "" and (method, template) in DEFAULT_ALLOW
+    sent = {name: world.smuggled.get(name) or PLAIN_VALUES[name] for name in headers}
     body = b'{"action": "mkdir", "path": "hyp"}' if method in ("POST", "PUT", "PATCH") else None
-    before = _company_rows(world.tenant)
-    with api_client(world.tenant, world.run.token) as c:
-        r = c.request(method, inner, params={"path": "hyp.txt"}, content=body, headers=headers)
-    assert "set-cookie" not in r.headers
-    denied = r.status_code == 403 and (
-        method == "HEAD" or r.json()["code"] == "bridge_route_denied"
-    )
-    if allowed:
-        assert not denied and r.status_code < 500, (method, inner, r.status_code, r.text)
+    before = _footprint(world)
+    client = world.clients[credential]
+    r = client.request(method, inner, params={"path": "hyp.txt"}, content=body, headers=sent)
+    what = (method, inner, credential, sorted(sent), r.status_code, r.text[:300])
+    assert "set-cookie" not in r.headers, what
+    json_body = r.headers.get("content-type", "").startswith("application/json") and r.content
+    code = r.json().get("code") if json_body else None
+
+    def refused(status: int, *codes: str) -> bool:
+        # A HEAD answer has no body to carry the code.
+        return r.status_code == status and (code in codes or (method == "HEAD" and code is None))
+
+    if not known:
+        parser_refused = r.status_code == 400 and r.text == "Invalid HTTP request received."
+        assert refused(405, "method_not_allowed") or parser_refused, what
+    elif credential != "run":
+        assert refused(401, "unauthenticated"), what
+    elif not allowed:
+        assert refused(403, "bridge_route_denied"), what
+    elif foreign:
+        # The route is open to the run, the folder (or company) is not: it is
+        # hidden like a missing one (a malformed body may be refused first).
+        assert refused(404, "not_found") or refused(400, "validation_error"), what
     else:
-        assert denied, (method, inner, r.status_code, r.text)
-        assert _company_rows(world.tenant) == before
+        # Through to the API: whatever it answers, it is not a bridge refusal.
+        assert r.status_code < 500 and r.status_code not in (401, 403, 405), what
+        assert code != "not_found", what
+    after = _footprint(world)
+    if not (allowed and not foreign and credential == "run"):
+        assert after[:3] == before[:3], what
+    # One audit row per call of the run, refused ones included; none otherwise.
+    assert after[3] == before[3] + (1 if known and credential == "run" else 0), what

@@ -55,6 +55,7 @@ class World:
     tenant: Tenant
     run_token: str
     owners: dict[str, str]
+    workspace: str
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +63,21 @@ def world(controller: ControllerProcess) -> World:
     tenant = bootstrap_tenant(controller)
     run = start_run(tenant)
     assert run.task is not None and run.project is not None
+    # A repository workspace, bound by a second run of the task (runs bind at start).
+    workspace = controller.admin(
+        "add-workspace", run.project, "--repo-url", "https://git.example/app.git"
+    )["workspace_id"]
+    token = controller.admin(
+        "start-run", tenant.company_id, "--agent", run.agent, "--task", run.task,
+        "--user", tenant.user_id,
+    )["token"]  # fmt: skip
     owners = {
         "task": run.task,
         "project": run.project,
         "agent": run.agent,
         "user": tenant.user_id,
     }
-    return World(tenant, run.token, owners)
+    return World(tenant, token, owners, workspace)
 
 
 EXAMPLES = int(os.environ.get("FSA_FUZZ_EXAMPLES", "12"))
@@ -85,6 +94,10 @@ def _aim_at_real_folders(case: Any, w: World) -> None:
         return
     if "companyId" in params:
         params["companyId"] = w.tenant.company_id
+    if "taskId" in params:
+        params["taskId"] = w.owners["task"]
+    if "workspaceId" in params:
+        params["workspaceId"] = w.workspace
     if params.get("scope") in w.owners and "ownerId" in params:
         params["ownerId"] = w.owners[params["scope"]]
 

@@ -312,3 +312,39 @@ def test_sync_shows_each_runs_last_save_of_this_folder(tenant: Tenant) -> None:
     assert task_run["folderSavedAt"] is not None and task_run["lastSavedAt"] is not None
     # The run saved the task folder only: the user folder has no save of it.
     assert user_run["lastSavedAt"] is not None and user_run["folderSavedAt"] is None
+
+
+def test_the_directory_says_which_folders_have_files_and_an_active_run(tenant: Tenant) -> None:
+    """For the home page's search: one request, no call per folder. A run sees
+    names and ids only."""
+    run = start_run(tenant)
+    assert run.task is not None and run.project is not None
+    ctl = tenant.controller
+    idle_agent = ctl.admin("create-agent", tenant.company_id, "idle")["id"]
+    with tenant.client() as c:
+        put(c, tenant.folder("agent", idle_agent), "notes.md", b"n")
+        # A folder whose only entry went to the trash has no files.
+        put(c, tenant.folder("task", run.task), "gone.txt", b"g")
+        op(c, tenant.folder("task", run.task), {"action": "delete", "path": "gone.txt"})
+        found = c.get(f"/api/companies/{tenant.company_id}/directory").json()
+    flags = {
+        (kind, item["id"]): (item["hasFiles"], item["activeRun"])
+        for kind in ("agents", "projects", "tasks")
+        for item in found[kind]
+    }
+    # Every agent's folder holds its instruction entry from the start.
+    assert flags == {
+        ("agents", run.agent): (True, True),
+        ("agents", idle_agent): (True, False),
+        ("projects", run.project): (False, True),
+        ("tasks", run.task): (False, True),
+    }
+    ctl.admin("end-run", run.run_id)
+    with tenant.client() as c:
+        found = c.get(f"/api/companies/{tenant.company_id}/directory").json()
+    assert {t["id"]: t["activeRun"] for t in found["tasks"]} == {run.task: False}
+    other = start_run(tenant)
+    with other.api_client() as c:
+        seen = c.get(f"/api/companies/{tenant.company_id}/directory").json()
+    assert all(set(a) == {"id", "name"} for a in seen["agents"])
+    assert all(set(t) == {"id", "title", "projectId"} for t in seen["tasks"])

@@ -2,7 +2,8 @@
 
 Every test drives a real fsagent mount against a real controller and
 PostgreSQL, kills the daemon at a chosen point of a checkpoint or loses the
-controller's answer to it, and then checks what can be observed: the bytes the
+controller's answer to it, and then checks what can be observed (on a FUSE
+mount and on a plain directory, with the same assertions): the bytes the
 controller serves, the receipts and file versions in PostgreSQL, and the change
 set left in the sandbox's journal. Controller-side faults are in
 ``test_checkpoint_faults_controller.py``; conflicts and refusals in
@@ -37,6 +38,12 @@ from tests.test_checkpoints import flush, server_files, start_run, token_file
 
 pytestmark = pytest.mark.fuse
 COMMITS = r"/checkpoints$"
+
+
+@pytest.fixture
+def mounts(mode_mounts: MountFactory) -> MountFactory:
+    """FUSE mounts, then plain directories: the same faults, the same assertions."""
+    return mode_mounts
 
 
 # --- helpers -------------------------------------------------------------------

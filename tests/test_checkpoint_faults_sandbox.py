@@ -2,7 +2,8 @@
 task, a stale lease, a full sandbox disk, and the user folder of a removed
 member. Each test drives real fsagent mounts against the shared controller and
 checks that nothing is lost, nothing stale overwrites newer bytes, and a
-refused save keeps its change set in the sandbox.
+refused save keeps its change set in the sandbox. All but the disk-full test
+(whose sandbox disk is the FUSE state dir) also run on plain directories.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def status_cli(m: FsagentMount) -> dict[str, Any]:
 
 
 def test_two_sandboxes_later_write_wins_and_unchanged_files_never_overwrite(
-    mounts: MountFactory, tenant: Tenant
+    mode_mounts: MountFactory, tenant: Tenant
 ) -> None:
+    mounts = mode_mounts  # once with FUSE mounts, once with plain directories
     ctl = tenant.controller
     run_a = start_run(tenant, "--sandbox", f"sb-a-{uuid.uuid4().hex[:8]}")
     task = run_a["task"]
@@ -91,7 +93,10 @@ def test_two_sandboxes_later_write_wins_and_unchanged_files_never_overwrite(
 # --- stale lease -----------------------------------------------------------------
 
 
-def test_new_run_for_the_sandbox_fences_the_old_mount(mounts: MountFactory, tenant: Tenant) -> None:
+def test_new_run_for_the_sandbox_fences_the_old_mount(
+    mode_mounts: MountFactory, tenant: Tenant
+) -> None:
+    mounts = mode_mounts  # once with FUSE mounts, once with plain directories
     ctl = tenant.controller
     sandbox = f"sb-{uuid.uuid4().hex[:8]}"
     old = start_run(tenant, "--sandbox", sandbox)
@@ -218,8 +223,9 @@ def test_disk_full_agent_gets_enospc_and_the_final_save_keeps_what_was_written(
 
 
 def test_revoked_membership_refuses_the_user_folder_save_and_keeps_the_copy(
-    mounts: MountFactory, tenant: Tenant
+    mode_mounts: MountFactory, tenant: Tenant
 ) -> None:
+    mounts = mode_mounts  # once with FUSE mounts, once with plain directories
     ctl = tenant.controller
     user_id, _ = tenant.new_member()
     run = start_run(tenant, "--user", user_id)

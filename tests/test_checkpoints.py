@@ -1,4 +1,7 @@
-"""Checkpoints end to end: a real fsagent mount saving to a real controller."""
+"""Checkpoints end to end: a real fsagent mount saving to a real controller.
+
+Every test runs twice: on a FUSE mount and on a plain directory (dir mode),
+with the same assertions (the ``mounts`` fixture below)."""
 
 from __future__ import annotations
 
@@ -12,11 +15,18 @@ from typing import Any
 import pytest
 
 from fsagent.store import Store
+from tests.support.checkpoints import journal
 from tests.support.controller import Tenant
 from tests.support.mount import FsagentMount, MountFactory
 
 pytestmark = pytest.mark.fuse
 OCTET = {"Content-Type": "application/octet-stream"}
+
+
+@pytest.fixture
+def mounts(mode_mounts: MountFactory) -> MountFactory:
+    """FUSE mounts, then plain directories (tests.support.fixtures.mode_mounts)."""
+    return mode_mounts
 
 
 def start_run(tenant: Tenant, *extra: str) -> dict[str, Any]:
@@ -174,13 +184,15 @@ def test_refresh_waits_for_the_final_save(mounts: MountFactory, tenant: Tenant) 
         sync = c.get(folder + "/sync").json()["runs"][0]
     assert sync["refreshRequested"] is False
     # The state dir took v2 after the final save (not at the next start).
+    assert journal(m) == set()
     store = Store.open(m.state_dir, readonly=True)
     try:
-        assert store.changes_since_baseline() == []
         base = store.base_entry("shared.txt")
     finally:
         store.close()
     assert base is not None and base.digest == hashlib.sha256(b"v2 by a person").hexdigest()
+    if m.mode == "dir":  # the directory itself is the sandbox's copy
+        assert (m.mountpoint / "shared.txt").read_bytes() == b"v2 by a person"
 
 
 def test_warm_start_keeps_own_saved_files_and_takes_others(
@@ -203,12 +215,14 @@ def test_warm_start_keeps_own_saved_files_and_takes_others(
         scope="task",
         token_file=token_file(mounts, run),
         state_dir=m.state_dir,
+        mountpoint=m.mountpoint,
         extra=["--prefetch", "0"],
     )
     # Only the other writer's file came in; the sandbox's own file kept its local copy.
     assert "took 1 newer change(s)" in again.stderr(), again.stderr()
     assert (again.mountpoint / "own.txt").read_bytes() == b"saved by the sandbox"
     assert (again.mountpoint / "theirs.txt").read_bytes() == b"by a person"
-    assert list((again.state_dir / "objects").iterdir()) == [
-        again.state_dir / "objects" / hashlib.sha256(b"by a person").hexdigest()
-    ]
+    fetched = [hashlib.sha256(b"by a person").hexdigest()]
+    if again.mode == "dir":
+        fetched = []  # placed into the directory: nothing is kept beside it
+    assert [p.name for p in (again.state_dir / "objects").iterdir()] == fetched

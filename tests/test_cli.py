@@ -203,7 +203,10 @@ def test_unknown_route_and_method_are_json(controller: ControllerProcess) -> Non
 
 
 def test_migrate_on_a_fresh_data_dir_reports_what_it_applied() -> None:
-    data = world_searchable_tmpdir("fsa-mig-embedded-")
+    # A space in the path: the cluster's socket directory goes through pg_ctl's
+    # shell and into a connection URL.
+    base = world_searchable_tmpdir("fsa-mig-embedded-")
+    data = base / "data dir"
     names = [name for _, name, _ in migrations()]
 
     def migrate() -> list[str]:
@@ -232,7 +235,7 @@ def test_migrate_on_a_fresh_data_dir_reports_what_it_applied() -> None:
         finally:
             pg.stop()
     finally:
-        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_bootstrap_with_a_taken_email_adds_no_company(controller: ControllerProcess) -> None:

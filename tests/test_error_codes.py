@@ -24,7 +24,7 @@ def controller_codes() -> dict[str, int]:
     classes = {WorkFolderError, *_subclasses(WorkFolderError)} - ABSTRACT
     codes = {cls.code: cls.status for cls in classes}
     source = (REPO / "controller/api/app.py").read_text()
-    for status, code in re.findall(r'(\d{3}): "([a-z_]+)"', source):
+    for status, code in re.findall(r'(\d{3}): "([a-z0-9_]+)"', source):
         codes[code] = int(status)
     return codes
 
@@ -35,7 +35,7 @@ def readme_codes() -> dict[str, int]:
     section = section[: section.index("\n### ", 1)]
     codes: dict[str, int] = {}
     for status, cell in re.findall(r"^\| (\d{3}) \| ([^|]+) \|", section, re.M):
-        for code in re.findall(r"`([a-z_]+)`", cell):
+        for code in re.findall(r"`([a-z0-9_]+)`", cell):
             codes[code] = int(status)
     return codes
 

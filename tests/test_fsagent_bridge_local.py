@@ -472,8 +472,9 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
         expected = (
             f"OWNER_SETTING=1\nPAPERCLIP_API_URL=http://127.0.0.1:{port}\nAGENT_HOME={d}/agent\n"
             f"PAPERCLIP_TASK_DIR={d}/task\nPAPERCLIP_AGENT_DIR={d}/agent\n"
-            f"PAPERCLIP_PROJECT_DIR={d}/project\nPAPERCLIP_API_SOCKET={sock}\n"
-        )  # the stand-in's run is bound to a task, its agent and a project
+            f"PAPERCLIP_PROJECT_DIR={d}/project\nPAPERCLIP_REPOS_DIR={d}/repos\n"
+            f"PAPERCLIP_PRIMARY_REPO={d}/repos/app\nPAPERCLIP_API_SOCKET={sock}\n"
+        )  # the stand-in's run is bound to a task, its agent, a project and one repository
         deadline = time.monotonic() + 30
         while env_file.read_text() != expected:
             assert proc.poll() is None and time.monotonic() < deadline, env_file.read_text()
@@ -481,7 +482,8 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as client:
             assert client.get("http://bridge/api/companies").status_code == 200
         assert [(x.method, x.path) for x in upstream.seen] == [
-            ("GET", "/bridge/v1/run"), ("GET", "/bridge/v1/api/companies"),
+            ("GET", "/bridge/v1/run"), ("GET", "/bridge/v1/repos"),
+            ("GET", "/bridge/v1/api/companies"),
         ]  # fmt: skip
         assert all(x.headers["authorization"] == f"Bearer {TOKEN}" for x in upstream.seen)
     finally:

@@ -197,8 +197,14 @@ def profile_hashes(home: Path) -> dict[str, str | None]:
 
 
 def test_no_profile_or_rc_file_appears_or_changes(sandbox: Sandbox) -> None:
-    (sandbox.home / ".profile").write_text("export FROM_PROFILE=1\n")
-    (sandbox.home / ".bashrc").write_text("export FROM_BASHRC=1\n")
+    # nvm as it is usually installed: a script the profiles source. Sourcing
+    # it (or any profile) leaves a mark.
+    sourced = sandbox.home / "nvm-was-sourced"
+    (sandbox.home / ".nvm").mkdir()
+    (sandbox.home / ".nvm" / "nvm.sh").write_text(f"export NVM_DIR=$HOME/.nvm\ntouch {sourced}\n")
+    load_nvm = '[ -s "$HOME/.nvm/nvm.sh" ] && . "$HOME/.nvm/nvm.sh"\n'
+    (sandbox.home / ".profile").write_text("export FROM_PROFILE=1\n" + load_nvm)
+    (sandbox.home / ".bashrc").write_text("export FROM_BASHRC=1\n" + load_nvm)
     (sandbox.home / ".config" / "fish").mkdir(parents=True)
     (sandbox.home / ".config" / "fish" / "config.fish").write_text("set -x FROM_FISH 1\n")
     before = profile_hashes(sandbox.home)
@@ -214,7 +220,10 @@ def test_no_profile_or_rc_file_appears_or_changes(sandbox: Sandbox) -> None:
         cli.unlink()
     missing = sandbox.launch("--require", "fsa-absent", "--", "true")
     assert missing.returncode == 7
+    failed = sandbox.launch("--require", "fsa-absent=exit 1", "--", "true")
+    assert failed.returncode == 7
     assert profile_hashes(sandbox.home) == before
+    assert not sourced.exists()
 
 
 # --- doctor -----------------------------------------------------------------------
@@ -245,11 +254,12 @@ def test_doctor_healthy_sandbox_without_controller(sandbox: Sandbox) -> None:
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {
         "node": "ok", "fsa-cli": "ok", "sh": "ok", "tar": "ok", "fusermount3": "ok",
-        "/dev/fuse": "ok", "home": "ok", "cache": "ok", "tmp": "ok",
+        "/dev/fuse": "ok", "mode": "ok", "home": "ok", "cache": "ok", "tmp": "ok",
         "controller": "skip", "bridge": "skip",
     }  # fmt: skip
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["node"]["detail"] == str(sandbox.bin / "node")
+    assert checks["mode"]["detail"] == "fuse (/dev/fuse opens and a test mount works)"
     text = doctor(sandbox, "--require", "fsa-cli")
     assert text.returncode == 0
     lines = text.stdout.splitlines()

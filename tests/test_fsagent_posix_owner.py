@@ -63,7 +63,7 @@ def test_format_3_state_dir_is_upgraded_with_owners_and_atime(tmp_path: Path) ->
     assert json.loads((root / MARKER).read_text())["format"] == 3
 
     Store.open(root).close()
-    assert json.loads((root / MARKER).read_text())["format"] == STATE_FORMAT == 4
+    assert json.loads((root / MARKER).read_text())["format"] == STATE_FORMAT == 5
     env = lmdb.open(str(root / "db"), max_dbs=8, readonly=True, lock=False)
     with env.begin() as txn:
         records = [json.loads(v) for _, v in txn.cursor(db=env.open_db(b"inodes", txn=txn))]

@@ -78,8 +78,8 @@ def test_format_2_state_dir_is_read_as_is_and_upgraded_in_place(tmp_path: Path) 
     assert json.loads((root / MARKER).read_text())["format"] == 2
 
     Store.open(root).close()
-    assert json.loads((root / MARKER).read_text())["format"] == STATE_FORMAT == 4
-    assert raw_records(root, b"meta")[b"format"] == b"4"
+    assert json.loads((root / MARKER).read_text())["format"] == STATE_FORMAT == 5
+    assert raw_records(root, b"meta")[b"format"] == b"5"
     for table, version in ((b"inodes", 2), (b"base", 1), (b"journal", 1)):
         records = raw_records(root, table)
         assert records and all(json.loads(v)[0] == version for v in records.values()), table

@@ -21,7 +21,7 @@ from common.bridge import CHUNK_MAX
 from fsagent.client import Frames
 from fsagent.errors import ControllerRefused, SaveFailed
 from fsagent.hydrate import hydrate_manifest
-from fsagent.memclient import MemoryBridgeClient
+from fsagent.memclient import MemoryBridgeClient, new_run
 from fsagent.mount import warm_start
 from fsagent.ship import Shipper, checkpoint_loop
 from fsagent.store import ROOT_INODE, InodeNo, Store
@@ -305,3 +305,62 @@ def test_checkpoint_loop_survives_an_unexpected_error(
 ) -> None:
     clock = trio.testing.MockClock(autojump_threshold=0)
     trio.run(_loop_survives_an_unexpected_error, tmp_path, caplog, clock=clock)
+
+
+# --- the agent folder contract ----------------------------------------------------
+
+
+@pytest.mark.trio
+async def test_an_entry_the_receipt_refuses_stays_unsaved(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Entries the folder refuses one by one (the instruction entry) are not
+    taken as saved: they stay in the change set for the next checkpoint."""
+    mem = MemoryBridgeClient(new_run(agent_entry="AGENTS.md"))
+    mem.put_file("agent", "AGENTS.md", b"# saved\n")
+    store = Store.open(tmp_path / "state")
+    try:
+        await hydrate_manifest(store, mem, "agent")
+        write_small(store, "AGENTS.md", b"caf\xe9\n")
+        write_small(store, "notes.md", b"notes")
+        result = await Shipper(store, mem, "agent", 1).ship_checkpoint()
+        assert result.receipt is not None
+        assert result.receipt["refusedEntries"] == [
+            {"path": "AGENTS.md", "code": "ENTRY_NOT_UTF8", "message": "ENTRY_NOT_UTF8"}
+        ]
+        assert mem.files("agent") == {"AGENTS.md": b"# saved\n", "notes.md": b"notes"}
+        assert [c.path for c in store.changes_since_baseline()] == ["AGENTS.md"]
+        assert "AGENTS.md was not saved: ENTRY_NOT_UTF8" in caplog.text
+        write_small(store, "AGENTS.md", b"# fixed\n")
+        await Shipper(store, mem, "agent", 1).ship_checkpoint()
+        assert mem.files("agent")["AGENTS.md"] == b"# fixed\n"
+        assert store.changes_since_baseline() == []
+    finally:
+        store.close()
+
+
+@pytest.mark.trio
+async def test_a_limit_refusal_drops_its_body_and_the_next_checkpoint_starts_afresh(
+    tmp_path: Path, mem: MemoryBridgeClient
+) -> None:
+    """The controller checks storage limits only for an operation it has no
+    receipt of: the refused body was not applied, so it is not replayed."""
+    store = await hydrated(tmp_path, mem)
+    try:
+        write_small(store, "big.bin", b"b" * 100)
+        shipper = Shipper(store, mem, SCOPE, 1)
+        refusal = ControllerRefused("over a limit", 422, "agent_files_limit_exceeded")
+        mem.fail_next("commit_checkpoint", exc=refusal)
+        with pytest.raises(SaveFailed) as exc:
+            await shipper.ship_checkpoint()
+        assert exc.value.refused is True
+        assert store.pending_checkpoint() is None
+        assert mem.reports == []  # a warning of the run, not a failed run
+        store.unlink(ROOT_INODE, "big.bin", keep=False)
+        write_small(store, "small.txt", b"s")
+        result = await shipper.ship_checkpoint()
+        assert result.receipt is not None
+        assert mem.files(SCOPE) == {"old.txt": b"saved before", "gone.txt": b"to be deleted",
+                                    "small.txt": b"s"}  # fmt: skip
+    finally:
+        store.close()

@@ -272,10 +272,10 @@ def test_format_1_state_dir_is_upgraded_and_a_newer_format_refused(tmp_path: Pat
     ro.close()
     assert json.loads(marker.read_text())["format"] == 1
     up = Store.open(tmp_path / "s")
-    assert json.loads(marker.read_text())["format"] == STATE_FORMAT == 4
+    assert json.loads(marker.read_text())["format"] == STATE_FORMAT == 5
     up.close()
-    marker.write_text(json.dumps({"kind": "fsagent-state", "format": 5}) + "\n")
-    with pytest.raises(StateCorrupt, match="unsupported state format 5"):
+    marker.write_text(json.dumps({"kind": "fsagent-state", "format": 6}) + "\n")
+    with pytest.raises(StateCorrupt, match="unsupported state format 6"):
         Store.open(tmp_path / "s")
 
 

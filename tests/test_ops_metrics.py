@@ -89,6 +89,17 @@ def test_counters_move_with_real_traffic(metered: tuple[ControllerProcess, str])
             headers={"Content-Type": "application/octet-stream"},
         )
         assert put.status_code == 201, put.text
+        # An object nothing references any more: the sweeper deletes it.
+        gone = c.put(
+            tenant.folder("task", str(run.task)) + "/content",
+            params={"path": "gone.bin"},
+            content=b"purged " * 50,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        ops = tenant.folder("task", str(run.task)) + "/operations"
+        assert c.post(ops, json={"action": "delete", "path": "gone.bin"}).status_code == 200
+        purge = c.post(ops, json={"action": "purge", "fileId": gone.json()["file"]["id"]})
+        assert purge.status_code == 200, purge.text
     time.sleep(1.0)  # a few GC sweeps (every 0.3 s)
     after = scrape(url)
 
@@ -114,9 +125,15 @@ def test_counters_move_with_real_traffic(metered: tuple[ControllerProcess, str])
     uploads = "/bridge/v1/folders/{scope}/uploads"
     assert moved("controller_upload_bytes_total", route=uploads) == len(data) + len(b"second")
     content = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}/content"
-    assert moved("controller_upload_bytes_total", route=content) == 321
+    assert moved("controller_upload_bytes_total", route=content) == 321 + len(b"purged " * 50)
     assert moved("controller_gc_sweeps_total", outcome="ok") >= 2
-    assert value(after, "controller_active_runs") >= 1
+    # The purged object was deleted; the uploads the checkpoint references were kept.
+    assert moved("controller_gc_objects_total", outcome="deleted") >= 1
+    assert moved("controller_gc_objects_total", outcome="kept") >= 2
+    assert moved("controller_gc_objects_total", outcome="failed") == 0
+    assert moved("controller_active_runs") == 1
+    tenant.controller.admin("end-run", run.run_id)
+    assert value(scrape(url), "controller_active_runs") == value(before, "controller_active_runs")
     assert value(after, "controller_db_pool_max") == 20
     in_use = value(after, "controller_db_pool_connections", state="in_use")
     idle = value(after, "controller_db_pool_connections", state="idle")

@@ -5,6 +5,8 @@ The CAs and the server certificate are made at test time with the `openssl` CLI.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import ssl
 import subprocess
@@ -155,6 +157,37 @@ def test_fsagent_refuses_a_wrong_ca(
     assert out.returncode == 6
     assert "TLS certificate not trusted" in out.stdout
     assert "CERTIFICATE_VERIFY_FAILED" in out.stdout
+
+
+def test_fsagent_trusts_the_system_store_unless_given_a_ca_file(
+    tls_controller: TlsControllerProcess, pki: Pki, tmp_path: Path
+) -> None:
+    """Without ``--ca-file`` fsagent verifies against the system trust store
+    (OpenSSL's default paths, which ``SSL_CERT_FILE`` points at the test CA);
+    with one, against that file alone."""
+    tenant = bootstrap_tenant(tls_controller)
+    run = start_run(tenant)
+    token = tmp_path / "token"
+    token.write_text(run.token)
+    env = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
+
+    def controller_check(extra_env: dict[str, str], *args: str) -> dict[str, str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "doctor", "--json", "--controller",
+             tls_controller.url, "--token-file", str(token), *args],
+            capture_output=True, text=True, cwd=REPO, timeout=60, env={**env, **extra_env},
+        )  # fmt: skip
+        checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+        found: dict[str, str] = checks["controller"]
+        return found
+
+    trusted = controller_check({"SSL_CERT_FILE": str(pki.ca)})
+    assert trusted["status"] == "ok", trusted
+    assert run.run_id in trusted["detail"]
+    default = controller_check({})
+    assert default["status"] == "fail" and "CERTIFICATE_VERIFY_FAILED" in default["detail"]
+    only_file = controller_check({"SSL_CERT_FILE": str(pki.ca)}, "--ca-file", str(pki.other_ca))
+    assert only_file["status"] == "fail" and "CERTIFICATE_VERIFY_FAILED" in only_file["detail"]
 
 
 @pytest.mark.parametrize("host", ["192.0.2.1", "controller.example"])

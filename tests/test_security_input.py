@@ -194,6 +194,38 @@ def test_depth_check_matches_counting_every_bracket(shape: bytes, wrap: int) -> 
     assert json_too_deep(raw) == (_depth(raw) > MAX_JSON_DEPTH)
 
 
+def _parsed_depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_parsed_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_parsed_depth, value), default=0)
+    return 0
+
+
+_TRICKY_STRINGS = ["[", "}", '"', "\\", '\\"', '"[', "\\\\{", "]]}}", "a[b{c", ""]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    st.recursive(
+        st.sampled_from(_TRICKY_STRINGS) | st.none() | st.integers(),
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.dictionaries(st.sampled_from(_TRICKY_STRINGS), inner, max_size=3)
+        ),
+        max_leaves=40,
+    ),
+    st.integers(min_value=0, max_value=66),
+)
+def test_depth_check_ignores_brackets_quotes_and_escapes_inside_strings(
+    value: Any, wrap: int
+) -> None:
+    for _ in range(wrap):
+        value = [value, "]", {"[": '\\"{'}]
+    raw = json.dumps(value).encode()
+    assert json_too_deep(raw) == (_parsed_depth(value) > MAX_JSON_DEPTH)
+
+
 def test_brackets_inside_strings_do_not_count_as_nesting(tenant: Tenant) -> None:
     body = json.dumps({"action": "mkdir", "path": "[[[{{{" + '\\"[' * 200})
     with tenant.client() as c:

@@ -298,6 +298,12 @@ def test_keyboard_arrows_enter_f2_delete_and_focus(page: Page, tenant: Tenant) -
     )
     expect(page.get_by_role("link", name="Open k2.txt")).to_be_focused()
 
+    # The file changes through the API while its row has focus: the live
+    # update rebuilds the row, and focus stays on it.
+    put_file(tenant, folder, "k2.txt", b"file 2, changed")
+    expect(listing_row(page, "k2.txt").locator(".col-size")).to_have_text("15 bytes", timeout=8000)
+    expect(page.get_by_role("link", name="Open k2.txt")).to_be_focused()
+
     # Enter on a folder opens it, and focus lands on the main heading again.
     page.keyboard.press("Home")
     page.keyboard.press("Enter")
@@ -393,3 +399,16 @@ def test_an_agent_save_appears_in_an_open_listing_without_a_reload(
     expect(ended.locator(".state")).to_have_text("Ended — not saved")
     expect(ended.locator(".run-reason")).to_have_text("The run ended before it saved anything.")
     views.snap("sync-ended-not-saved")
+
+    # The first run saved the task folder, never the user folder: there it
+    # does not read "Saved", running or ended.
+    page.goto(tenant.controller.url + folder_url(tenant, "user", tenant.user_id))
+    expect(item.locator(".state")).to_have_text("Running — not saved here yet")
+    expect(item.locator(".run-saved")).to_have_text("Last save of this folder: not yet")
+    expect(page.locator(".agent-updated")).to_have_text("Agent saves: none yet")
+    tenant.controller.admin("end-run", run.run_id)
+    page.reload()
+    expect(item.locator(".state")).to_have_text("Ended — not saved")
+    expect(item.locator(".run-reason")).to_have_text(
+        "The run saved its other folders, never this one."
+    )

@@ -16,7 +16,10 @@ from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
 from tests.support.web import (
     ViewRecorder,
+    api_entries,
     axe_violations,
+    drop_files,
+    folder_url,
     listing_row,
     put_file,
     sign_in,
@@ -37,7 +40,7 @@ LONG_NAME = "quarterly-report-with-a-very-long-name-that-never-breaks-2024-final
 _SMALL_TARGETS_JS = """
 () => [...document.querySelectorAll(
     'main button, main .button-link, main input[type=text], main input[type=search],'
-    + ' .tabs a, .crumbs a, .listing .entry-name, .result a, [role=menuitem], dialog button,'
+    + ' .tabs a, .crumbs a, .listing a.entry-name, .result a, [role=menuitem], dialog button,'
     + ' .topbar button')]
   .filter(el => el.getClientRects().length && getComputedStyle(el).visibility !== 'hidden')
   .map(el => [el, el.getBoundingClientRect()])
@@ -213,3 +216,73 @@ def test_axe_finds_no_serious_problems_on_the_main_views(
     page.keyboard.press("Escape")
     page.evaluate("() => document.querySelector('main').append(document.createElement('button'))")
     assert any("button-name" in p for p in axe_violations(page))
+
+
+def _page_top(page: Page, path: str) -> float:
+    """Where the row of ``path`` is on the page (not the window: scrolling is not moving)."""
+    top: float = listing_row(page, path).evaluate(
+        "tr => tr.getBoundingClientRect().top + window.scrollY"
+    )
+    return top
+
+
+@pytest.mark.keep_views
+@pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
+def test_selection_uploads_and_messages_never_move_the_rows(
+    page: Page, tenant: Tenant, views: ViewRecorder, viewport: dict[str, int]
+) -> None:
+    """Ticking a checkbox, an upload and a status message all float over the
+    page: the row under the pointer stays where it was."""
+    folder = tenant.my_folder
+    for name in ("a.txt", "b.txt", "c.txt"):
+        put_file(tenant, folder, name, name.encode())
+    page.clock.install()
+    sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
+    expect(listing_row(page, "c.txt")).to_be_visible()
+    width = viewport["width"]
+    rows = {p: _page_top(page, p) for p in ("a.txt", "b.txt", "c.txt")}
+
+    box = page.get_by_role("checkbox", name="Select a.txt")
+    box.tap() if width < 600 else box.click()
+    bar = page.get_by_role("region", name="Selected items")
+    expect(bar).to_contain_text("1 item selected")
+    assert {p: _page_top(page, p) for p in rows} == rows
+    # The bar is whole inside the window, every button on it reachable.
+    bbox = bar.bounding_box()
+    assert bbox is not None and bbox["x"] >= 0 and bbox["x"] + bbox["width"] <= width
+    assert bbox["y"] + bbox["height"] <= viewport["height"]
+    if width < 600:
+        assert_tappable(page, "selection bar")
+    views.snap(f"{width}-selection-bar")
+    # The next checkbox is where it was: a second tap selects b.txt, not another row.
+    second = page.get_by_role("checkbox", name="Select b.txt")
+    second.tap() if width < 600 else second.click()
+    expect(bar).to_contain_text("2 items selected")
+    bar.get_by_role("button", name="Clear selection").click()
+    expect(bar).to_be_hidden()
+
+    drop_files(page, ".dropzone", [("z-last.txt", "text/plain", b"last")])
+    uploads = page.get_by_role("region", name="Uploads")
+    expect(uploads.locator(".upload-state")).to_have_text("Uploaded")
+    status = page.get_by_role("status").filter(has_text="Uploaded: z-last.txt.")
+    expect(status).to_be_visible()
+    expect(listing_row(page, "z-last.txt")).to_be_visible()
+    assert {p: _page_top(page, p) for p in rows} == rows
+    assert_reflows(page, "upload panel and status")
+    views.snap(f"{width}-upload-and-status")
+    assert "z-last.txt" in {e["path"] for e in api_entries(tenant, folder)}
+    # Scrolled to the end, everything on the page is clear of the open uploads
+    # panel: nothing is out of reach behind it.
+    content_bottom, panel_top = page.evaluate(
+        "() => { window.scrollTo(0, document.scrollingElement.scrollHeight);"
+        " return [document.querySelector('.layout').getBoundingClientRect().bottom,"
+        " document.querySelector('.uploads-box').getBoundingClientRect().top]; }"
+    )
+    assert content_bottom <= panel_top, (content_bottom, panel_top)
+    actions = listing_row(page, "z-last.txt").get_by_role("button", name="Actions for z-last.txt")
+    actions.tap() if width < 600 else actions.click()
+    expect(page.get_by_role("menu")).to_be_visible()
+    page.keyboard.press("Escape")
+    # A message goes away by itself, so it never stays over a row.
+    page.clock.fast_forward(11_000)
+    expect(status).to_have_count(0)

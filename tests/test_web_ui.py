@@ -287,6 +287,12 @@ def test_sync_panel_shows_a_runs_save_state(
     expect(item.locator(".run-error")).to_have_text("Error: disk quota exceeded")
     expect(save_time).to_have_attribute("datetime", saved["lastSavedAt"])
 
+    # Back home, the search result now says the folder has files.
+    page.get_by_role("banner").get_by_role("link", name="Files").click()
+    page.get_by_label("Search tasks, agents and projects").fill("report")
+    expect(result).to_contain_text("Has files")
+    expect(result).to_contain_text("Agent running")
+
 
 def test_another_members_user_folder_looks_like_a_missing_one(
     page: Page, tenant: Tenant, views: ViewRecorder

@@ -33,6 +33,9 @@ from starlette.routing import BaseRoute, Match, Route
 
 from common.bridge import PREFIX
 from common.errors import (
+    BridgeResponseTooLarge,
+    BridgeRouteDenied,
+    BridgeTimeout,
     PayloadTooLarge,
     TooManyRequests,
     Unauthenticated,
@@ -103,24 +106,6 @@ Forwarded, hop-by-hop and CSRF headers (and everything else) are dropped."""
 
 IDENTITY_HEADERS = (b"x-paperclip-run-id", b"x-paperclip-agent-id", b"x-paperclip-lease-epoch")
 """Attached by the controller to every forwarded request (never taken from the sandbox)."""
-
-
-class BridgeRouteDenied(WorkFolderError):
-    code = "bridge_route_denied"
-    status = 403
-    message = "This route is not open to sandbox code through the API bridge"
-
-
-class BridgeTimeout(WorkFolderError):
-    code = "bridge_timeout"
-    status = 504
-    message = "The bridged request took longer than the controller allows"
-
-
-class BridgeResponseTooLarge(WorkFolderError):
-    code = "bridge_response_too_large"
-    status = 502
-    message = "The answer is larger than the API bridge forwards"
 
 
 class _ResponseOverrun(Exception):
@@ -385,6 +370,9 @@ def _metered_send(send: Any, meter: _Meter, audit: _Audit) -> Any:
             if meter.clock is not None and not meter.clock.expired():
                 meter.clock.reschedule(None)
             message = {**message, "headers": headers}
+            if _ends_with_head(str(audit.request.scope["method"]), meter.status, length):
+                # The client has the whole answer with the head: audit first.
+                await audit()
         elif message["type"] == "http.response.body":
             meter.response_bytes += len(message.get("body", b""))
             if meter.response_bytes > meter.response_limit:
@@ -403,9 +391,15 @@ async def _too_large(send: Any, meter: _Meter, audit: _Audit) -> None:
     body = _error(exc)
     meter.status, meter.started = exc.status, True
     meter.response_bytes += len(body.body)
-    await send({"type": "http.response.start", "status": exc.status, "headers": body.raw_headers})
+    # Before the head: the answer to a HEAD request ends there.
     await audit()
+    await send({"type": "http.response.start", "status": exc.status, "headers": body.raw_headers})
     await send({"type": "http.response.body", "body": body.body})
+
+
+def _ends_with_head(method: str, status: int, length: bytes | None) -> bool:
+    """Whether an answer is complete once its head is sent (no body follows)."""
+    return method == "HEAD" or status in (204, 304) or length == b"0"
 
 
 routes = [Route(API_PREFIX + "/{path:path}", ApiBridge(), methods=list(KNOWN_METHODS))]

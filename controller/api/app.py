@@ -16,7 +16,20 @@ from starlette.routing import BaseRoute, Route
 
 from common.errors import WorkFolderError
 from controller import gc
-from controller.api import apibridge, audit, health, openapi, web, workfolders
+from controller.api import (
+    agents,
+    apibridge,
+    attachments,
+    audit,
+    health,
+    openapi,
+    orgs,
+    repobridge,
+    runs,
+    taskrepos,
+    web,
+    workfolders,
+)
 from controller.api.common import AppState, error_response
 from controller.api.limits import RequestLimits
 from controller.config import Settings
@@ -59,8 +72,14 @@ def app_routes() -> list[BaseRoute]:
         *health.routes,
         *workfolders.routes,
         *bridge.routes,
+        *repobridge.routes,
+        *taskrepos.routes,
         *apibridge.routes,
         *audit.routes,
+        *orgs.routes,
+        *runs.routes,
+        *agents.routes,
+        *attachments.routes,
         *web.routes,
     ]
 

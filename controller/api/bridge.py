@@ -9,10 +9,10 @@ active member of the run's company.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import os
+import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from psycopg import AsyncConnection
@@ -26,54 +26,43 @@ from common.bridge import (
     PREFIX,
 )
 from common.errors import (
-    DigestMismatch,
+    AgentFilesLimitExceeded,
     MembershipRevoked,
     NotFound,
-    PayloadTooLarge,
     StaleLease,
-    Unauthenticated,
     UnknownContent,
     ValidationError,
+    WorkFolderError,
     WriteNotAllowed,
 )
+from common.limits import ENTRY_MAX_BYTES
 from common.paths import validate_scope
-from controller import apply, folders, quotas, runs
+from controller import agentfiles, apply, folders, receipts, runs
 from controller.api.common import (
-    authenticate,
+    bound_run,
     connection,
     json_errors,
     read_json,
     state,
     write_transaction,
 )
-from controller.api.objects import (
-    journal_orphan,
-    object_response,
-    open_spool,
-    put_object,
-    reupload_if_missing,
-    spool_append,
-)
+from controller.api.objects import object_response, read_object_bytes
 from controller.api.params import BIGINT_MAX, query_int
-from controller.api.uploads import receive_batch
+from controller.api.serialize import run_warnings
+from controller.api.uploads import Confirm, receive_batch, receive_upload
 from controller.auth import (
     RunBinding,
     confirm_run_writes,
     run_may_use_user_folder,
+    run_may_write_agent_folder,
     run_may_write_user_folder,
 )
-from controller.checkpoint import apply_checkpoint, parse_checkpoint
-from controller.frames import Frame, FrameSplitter, decode_frame
+from controller.changeset import Entry
+from controller.checkpoint import Checkpoint, Screen, apply_checkpoint, parse_checkpoint
 from controller.storage.base import object_key
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
-
-
-async def bound_run(request: Request, conn: AsyncConnection[Any]) -> RunBinding:
-    principal = await authenticate(request, conn)
-    if principal.kind != "run" or principal.run is None:
-        raise Unauthenticated("The bridge needs a run token")
-    return principal.run
+log = logging.getLogger(__name__)
 
 
 async def bound_folder(
@@ -91,10 +80,23 @@ async def bound_folder(
 
 @json_errors
 async def get_run(request: Request) -> Response:
+    limits = state(request).settings.quotas.agent
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         user_ok = await run_may_use_user_folder(conn, run)
         refresh = await runs.refresh_requested(conn, run.run_id)
+        entry = await agentfiles.agent_entry(conn, run.company_id, run.agent_id)
+        if not await receipts.warnings_known(conn, run.run_id, "agent"):
+            # The run is starting: a folder at or over a limit warns on each run.
+            folder = await apply.get_folder(
+                conn, run.company_id, "agent", run.agent_id, create=False
+            )
+            usage = await agentfiles.folder_usage(conn, folder, limits)
+            await receipts.set_warnings(
+                conn, run.run_id, "agent", agentfiles.limit_warnings(usage, limits)
+            )
+        row = await receipts.run_row(conn, run.company_id, run.run_id)
+    assert row is not None
     return JSONResponse(
         {
             "refreshRequested": refresh,
@@ -109,6 +111,8 @@ async def get_run(request: Request) -> Response:
                 "user": run.user_id if user_ok else None,
                 "project": run.project_id,
             },
+            "agentEntry": entry,
+            "warnings": run_warnings(row),
         }
     )
 
@@ -180,20 +184,63 @@ async def writable_folder(
         raise MembershipRevoked()
     if scope == "user" and not await run_may_write_user_folder(conn, run):
         raise WriteNotAllowed("The run's user is a viewer; the run cannot write their folder")
+    # Saving the agent's folder needs its responsible user's configure permission.
+    if scope == "agent" and not await run_may_write_agent_folder(conn, run):
+        raise NotFound()
     folder = await apply.get_folder(conn, run.company_id, scope, owner, create=True)
     assert folder is not None
     return folder
 
 
-async def record_run_failure(request: Request, run: RunBinding, error: str) -> None:
-    """Make a refused save visible on /sync (own transaction: the save rolled back)."""
-    async with connection(request) as conn:
-        await runs.set_state(conn, run.run_id, "failed", error)
+_FAILS_THE_RUN = (MembershipRevoked, NotFound, StaleLease, UnknownContent, WriteNotAllowed)
+"""Refusals that leave the run failed on /sync. A storage limit does not: it is
+a warning of the run, which goes on (spec/agent-files.md)."""
 
 
-def store_frame(frame: Frame, fd: int, hasher: Any) -> None:
-    """Decode, verify, hash and spool one frame: CPU and disk work, run in a thread."""
-    spool_append(fd, hasher, decode_frame(frame))
+async def record_refusal(
+    request: Request,
+    run: RunBinding,
+    scope: str,
+    operation_id: str | None,
+    final: bool,
+    exc: WorkFolderError,
+) -> None:
+    """The save receipt of a checkpoint that was not applied (own transaction:
+    the save rolled back). A failure to record it is logged, never answered
+    instead of the refusal."""
+    warnings = [agentfiles.refusal_warning(exc)] if isinstance(exc, AgentFilesLimitExceeded) else []
+    try:
+        async with connection(request) as conn:
+            await receipts.record(
+                conn,
+                run_id=run.run_id,
+                company_id=run.company_id,
+                scope=scope,
+                owner_id=run.owner_for(scope) or "",
+                operation_id=operation_id,
+                outcome="failed" if exc.status >= 500 else "refused",
+                code=exc.code.upper(),
+                error=exc.text,
+                details=exc.details,
+                warnings=warnings,
+                final=final,
+            )
+            if isinstance(exc, _FAILS_THE_RUN):
+                await runs.set_state(conn, run.run_id, "failed", f"{exc.code}: {exc.text}")
+            elif isinstance(exc, AgentFilesLimitExceeded):
+                await runs.settle_saving(conn, run.run_id)
+    except WorkFolderError as record_exc:
+        log.warning("could not record the receipt of a refused save: %s", record_exc)
+
+
+def folder_upload_confirm(run: RunBinding, scope: str) -> Confirm:
+    """What registering a folder upload re-checks: the run's lease and, for the
+    user folder, its user's write right."""
+
+    async def confirm(conn: AsyncConnection[Any]) -> None:
+        await confirm_run_writes(conn, run, scope)
+
+    return confirm
 
 
 @json_errors
@@ -203,78 +250,45 @@ async def upload(request: Request) -> Response:
         run = await bound_run(request, conn)
         await writable_folder(request, conn, run)
         await runs.mark_saving(conn, run.run_id)
-    hint = request.headers.get("x-content-sha256")
-    hint_len = request.headers.get("x-content-length")
-    limit = st.settings.max_file_bytes
-    splitter = FrameSplitter()
-    size = 0
-    fd, spool = await open_spool(st.settings.spool_dir, "bridge-")
-    hasher = hashlib.sha256()
+    confirm = folder_upload_confirm(run, request.path_params["scope"])
     try:
-        try:
-            async for chunk in request.stream():
-                for frame in splitter.feed(chunk):
-                    # Checked on the declared length, before any decompression.
-                    size += frame.raw_len
-                    if size > limit:
-                        raise PayloadTooLarge(f"Files are limited to {limit} bytes")
-                    await asyncio.to_thread(store_frame, frame, fd, hasher)
-        finally:
-            os.close(fd)
-        splitter.finish()
-        digest = hasher.hexdigest()
-        if (hint is not None and hint != digest) or (
-            hint_len is not None and hint_len != str(size)
-        ):
-            raise DigestMismatch(details=[{"digest": digest, "byteSize": size}])
-        async with connection(request) as conn:
-            await quotas.check_upload(
-                conn, run.company_id, run.run_id, digest, size, st.settings.quotas
-            )
-        key = object_key(run.company_id, digest)
-        created_blob = await put_object(request, key, spool, size, digest)
-        ensure = reupload_if_missing(request, spool, size, digest)
-
-        async def register(conn: AsyncConnection[Any]) -> None:
-            await confirm_run_writes(conn, run, request.path_params["scope"])
-            await runs.record_upload(
-                conn,
-                run.run_id,
-                run.company_id,
-                digest,
-                size,
-                ensure,
-                st.settings.gc_delay,
-                st.settings.quotas.pending_upload_ttl,
-            )
-
-        try:
-            await write_transaction(request, register)
-        except BaseException:
-            if created_blob:
-                await journal_orphan(request, run.company_id, digest)
-            raise
+        answer = await receive_upload(request, run, confirm, st.settings.quotas.pending_upload_ttl)
     except ClientDisconnect:
         return Response(status_code=400)
-    finally:
-        # Unlinking one spool file is a single metadata update; a thread hop
-        # here would also be skipped on cancellation, leaking the file.
-        spool.unlink(missing_ok=True)
-    return JSONResponse({"digest": digest, "byteSize": size})
+    return JSONResponse(answer)
 
 
 @json_errors
 async def upload_batch(request: Request) -> Response:
     """Many small objects in one framed body (:mod:`controller.api.uploads`)."""
+    st = state(request)
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         await writable_folder(request, conn, run)
         await runs.mark_saving(conn, run.run_id)
+    confirm = folder_upload_confirm(run, request.path_params["scope"])
     try:
-        objects = await receive_batch(request, run)
+        objects = await receive_batch(request, run, confirm, st.settings.quotas.pending_upload_ttl)
     except ClientDisconnect:
         return Response(status_code=400)
     return JSONResponse({"objects": objects})
+
+
+def entry_screen(request: Request, run: RunBinding) -> Screen:
+    """The agent folder's screen of checkpoint entries against the instruction
+    entry's rules, reading a put entry's bytes (at most 1 MiB) from storage."""
+
+    async def read_small(digest: str) -> bytes:
+        return await read_object_bytes(request, object_key(run.company_id, digest), ENTRY_MAX_BYTES)
+
+    async def screen(
+        conn: AsyncConnection[Any], entries: Sequence[Entry], sizes: dict[str, int]
+    ) -> tuple[list[Entry], list[dict[str, Any]]]:
+        return await agentfiles.screen_checkpoint(
+            conn, run.company_id, run.agent_id, entries, sizes, read_small
+        )
+
+    return screen
 
 
 @json_errors
@@ -282,21 +296,35 @@ async def commit_checkpoint(request: Request) -> Response:
     st = state(request)
     async with connection(request) as conn:
         run = await bound_run(request, conn)
+    scope = validate_scope(request.path_params["scope"])
     body = await read_json(request, MAX_CHECKPOINT_BODY)
-    # Up to MAX_CHECKPOINT_ENTRIES entries: too much work for the event loop.
-    cp = await asyncio.to_thread(parse_checkpoint, body, st.settings.quotas.max_checkpoint_rows)
+    # The receipt of a refused body names its operation id only when it is one.
+    raw_id = body.get("operationId")
+    op_id = raw_id if isinstance(raw_id, str) and 1 <= len(raw_id) <= 256 else None
+    final = body.get("final") is True
+    cp: Checkpoint | None = None
+    screen = entry_screen(request, run) if scope == "agent" else None
 
     async def commit(conn: AsyncConnection[Any]) -> dict[str, Any]:
         folder = await writable_folder(request, conn, run)
+        assert cp is not None
         # No object check per file: every digest is pinned (checkpoint.claim_contents).
         return await apply_checkpoint(
-            conn, folder, run, cp, gc_delay=st.settings.gc_delay, quotas=st.settings.quotas
+            conn,
+            folder,
+            run,
+            cp,
+            gc_delay=st.settings.gc_delay,
+            quotas=st.settings.quotas,
+            screen=screen,
         )
 
     try:
+        # Up to MAX_CHECKPOINT_ENTRIES entries: too much work for the event loop.
+        cp = await asyncio.to_thread(parse_checkpoint, body, st.settings.quotas.max_checkpoint_rows)
         result = await write_transaction(request, commit)
-    except (MembershipRevoked, StaleLease, UnknownContent, WriteNotAllowed) as exc:
-        await record_run_failure(request, run, f"{exc.code}: {exc.text}")
+    except WorkFolderError as exc:
+        await record_refusal(request, run, scope, op_id, final, exc)
         raise
     return JSONResponse(result)
 
@@ -310,6 +338,9 @@ async def refresh_applied(request: Request) -> Response:
     return JSONResponse({"refreshRequested": False})
 
 
+_REPORT_FIELDS = {"state", "error", "scope", "operationId", "final"}
+
+
 @json_errors
 async def report(request: Request) -> Response:
     async with connection(request) as conn:
@@ -319,9 +350,38 @@ async def report(request: Request) -> Response:
     error = body.get("error")
     if new_state not in ("saving", "failed") or not (error is None or isinstance(error, str)):
         raise ValidationError.single("state", "invalid", "state must be saving or failed")
+    scope = body.get("scope")
+    op_id = body.get("operationId")
+    if (
+        set(body) - _REPORT_FIELDS
+        or (scope is not None and (not isinstance(scope, str) or new_state != "failed"))
+        or not (op_id is None or (isinstance(op_id, str) and 1 <= len(op_id) <= 256))
+        or not isinstance(body.get("final", False), bool)
+    ):
+        raise ValidationError.single(
+            "body", "invalid", "scope (with state failed), operationId and final are optional"
+        )
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         await runs.set_state(conn, run.run_id, new_state, error)
+        if scope is not None:
+            # fsagent gave up on a save of this folder: its explicit failure receipt.
+            scope = validate_scope(scope)
+            owner = run.owner_for(scope)
+            if owner is None:
+                raise NotFound()
+            await receipts.record(
+                conn,
+                run_id=run.run_id,
+                company_id=run.company_id,
+                scope=scope,
+                owner_id=owner,
+                operation_id=op_id,
+                outcome="failed",
+                code="SAVE_FAILED",
+                error=error or "the save failed",
+                final=bool(body.get("final", False)),
+            )
     return JSONResponse({"state": new_state})
 
 

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,9 @@ SPOOL_WRITE_BYTES = 1 << 20
 # --- reads -----------------------------------------------------------------
 
 
-async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
-    storage = state(request).storage
-    chunks = storage.read_chunks(key, start, end)
+async def in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """A blocking iterator (storage reads, a stream built from them) advanced
+    one chunk at a time in a worker thread, and closed there."""
     try:
         while True:
             chunk = await asyncio.to_thread(next, chunks, None)
@@ -46,6 +46,35 @@ async def stream_object(request: Request, key: str, start: int, end: int) -> Asy
         close = getattr(chunks, "close", None)
         if close is not None:
             await asyncio.to_thread(close)
+
+
+def _read_prefix(storage: Any, key: str, limit: int) -> bytes:
+    out = bytearray()
+    for chunk in storage.read_chunks(key, 0, limit):
+        out += chunk
+    return bytes(out)
+
+
+async def read_object_bytes(request: Request, key: str, limit: int) -> bytes:
+    """The first ``limit`` bytes of a stored object, in memory (small objects only)."""
+    return await asyncio.to_thread(_read_prefix, state(request).storage, key, limit)
+
+
+async def read_spool_prefix(spool: Path, limit: int) -> bytes:
+    """The first ``limit`` bytes of a spool file."""
+
+    def read() -> bytes:
+        with spool.open("rb") as fh:
+            return fh.read(limit)
+
+    return await asyncio.to_thread(read)
+
+
+async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
+    storage = state(request).storage
+    chunks = await asyncio.to_thread(storage.read_chunks, key, start, end)
+    async for chunk in in_thread(chunks):
+        yield chunk
 
 
 def object_response(

@@ -6,6 +6,7 @@ from typing import Any
 
 from common.bridge import MANIFEST_PAGE_MAX, PREFIX
 from common.limits import MAX_PAGE_LIMIT
+from common.repos import FETCH_BATCH_MAX, MISSING_MAX
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -160,6 +161,134 @@ def _bridge_paths() -> dict[str, Any]:
     }
 
 
+def _digests_body(limit: int) -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["digests"],
+                    "properties": {
+                        "digests": {
+                            "type": "array",
+                            "maxItems": limit,
+                            "items": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                        }
+                    },
+                }
+            }
+        },
+    }
+
+
+def _repo_paths() -> dict[str, Any]:
+    """The repository routes: fsagent's (run token) and people's (contract in
+    common/repos.py)."""
+    ws = {
+        "name": "workspaceId",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "format": "uuid"},
+    }
+    base = PREFIX + "/repos/{workspaceId}"
+    binary = {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+    company = {
+        "name": "companyId",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "format": "uuid"},
+    }
+    task = {**company, "name": "taskId"}
+    people = "/api/companies/{companyId}/tasks/{taskId}/repos"
+    return {
+        PREFIX + "/repos": {
+            "get": _op("The run's task's repositories and their current checkpoints", "200")
+        },
+        base + "/missing": {
+            "parameters": [ws],
+            "post": _op(
+                "Which digests the task cannot reference yet",
+                "200",
+                requestBody=_digests_body(MISSING_MAX),
+            ),
+        },
+        base + "/uploads": {
+            "parameters": [ws],
+            "put": _op(
+                "Upload framed zstd content for a repository checkpoint",
+                "200",
+                "413",
+                "422",
+                requestBody=binary,
+            ),
+        },
+        base + "/uploads/batch": {
+            "parameters": [ws],
+            "put": _op(
+                "Upload many small objects for a repository checkpoint",
+                "200",
+                "413",
+                "422",
+                requestBody=binary,
+            ),
+        },
+        base + "/checkpoints": {
+            "parameters": [ws],
+            "post": _op(
+                "Commit a repository checkpoint (whole, or a delta on the current one)",
+                "200",
+                "409",
+                "413",
+                "422",
+                requestBody=_JSON_OBJECT_BODY,
+            ),
+        },
+        base + "/checkpoints/{checkpointId}/manifest": {
+            "parameters": [
+                ws,
+                {
+                    "name": "checkpointId",
+                    "in": "path",
+                    "required": True,
+                    "description": "the current checkpoint's id, or `current`",
+                    "schema": {"type": "string"},
+                },
+            ],
+            "get": _op("The current checkpoint's complete member list and config", "200"),
+        },
+        base + "/objects/batch": {
+            "parameters": [ws],
+            "post": _op(
+                "Objects of the current checkpoint, as one batch body",
+                "200",
+                requestBody=_digests_body(FETCH_BATCH_MAX),
+            ),
+        },
+        base + "/report": {
+            "parameters": [ws],
+            "post": _op("Report the repository's save state", "200", requestBody=_JSON_OBJECT_BODY),
+        },
+        people: {
+            "parameters": [company, task],
+            "get": _op("The task's repositories: last save, size, files, state, error", "200"),
+        },
+        people + "/{workspaceId}/archive": {
+            "parameters": [company, task, ws],
+            "get": {
+                "summary": "The repository's current checkpoint as a streamed tar",
+                "responses": {
+                    "200": {"description": "A tar archive", "content": {"application/x-tar": {}}},
+                    **_ERRORS,
+                },
+            },
+        },
+    }
+
+
 def _api_bridge_paths() -> dict[str, Any]:
     """Sandbox code's way to the API (controller/api/apibridge.py), and its audit."""
     path_p = {"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -195,7 +324,7 @@ def _api_bridge_paths() -> dict[str, Any]:
         "/api/companies/{companyId}/runs/{runId}/audit": {
             "parameters": [company_p, run_p],
             "get": _op(
-                "The run's API bridge audit trail, oldest first (owners and admins)",
+                "The run's API bridge audit trail, oldest first (owners, admins, operator tokens)",
                 "200",
                 parameters=[
                     {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
@@ -206,6 +335,275 @@ def _api_bridge_paths() -> dict[str, Any]:
                     },
                 ],
             ),
+        },
+    }
+
+
+def _json_body(properties: dict[str, Any], *required: str) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "required": list(required),
+        "properties": properties,
+        "additionalProperties": False,
+    }
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+_UUID = {"type": "string", "format": "uuid"}
+_NAME = {"type": "string", "minLength": 1, "maxLength": 256}
+_ROLE = {"type": "string", "enum": ["owner", "admin", "member", "viewer"]}
+_ADMIN_DENIALS = {
+    "404": _resp(
+        "No such company, or the caller is not its owner, admin or operator token"
+        " (company_not_found); or no such record",
+        _ERROR,
+    )
+}
+_OPERATOR_OK = (
+    "Owners and admins of the company, or one of its operator tokens"
+    " (`controller admin create-operator-token`)."
+)
+_PEOPLE_ONLY = "Owners and admins of the company only; an operator token is refused (401)."
+
+
+def _admin_op(summary: str, who: str, *codes: str, **extra: Any) -> dict[str, Any]:
+    op = _op(summary, *codes, description=who, **extra)
+    op["responses"].update(_ADMIN_DENIALS)
+    return op
+
+
+def _admin_paths() -> dict[str, Any]:
+    """The company admin and orchestrator API (controller/api/orgs.py, runs.py)."""
+    company = "/api/companies/{companyId}"
+    company_p = {"name": "companyId", "in": "path", "required": True, "schema": _UUID}
+
+    def id_p(name: str) -> dict[str, Any]:
+        return {"name": name, "in": "path", "required": True, "schema": _UUID}
+
+    def listing(summary: str, **extra: Any) -> dict[str, Any]:
+        return _admin_op(summary, _OPERATOR_OK, "200", **extra)
+
+    def creation(summary: str, body: dict[str, Any], who: str = _OPERATOR_OK) -> dict[str, Any]:
+        return _admin_op(summary, who, "201", "409", requestBody=body)
+
+    run_filters = [
+        {"name": "active", "in": "query", "schema": {"type": "boolean"}},
+        {"name": "agentId", "in": "query", "schema": _UUID},
+        {"name": "taskId", "in": "query", "schema": _UUID},
+        {"name": "sandbox", "in": "query", "schema": {"type": "string", "maxLength": 256}},
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+        },
+        {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+    ]
+    start_body = _json_body(
+        {
+            "agentId": _UUID,
+            "taskId": {**_UUID, "type": ["string", "null"]},
+            "projectId": {**_UUID, "type": ["string", "null"]},
+            "userId": {**_UUID, "type": ["string", "null"]},
+            "sandbox": {"type": ["string", "null"], "minLength": 1, "maxLength": 256},
+            "home": {"type": ["string", "null"], "maxLength": 1024},
+        },
+        "agentId",
+    )
+    return {
+        company + "/members": {
+            "parameters": [company_p],
+            "get": listing("Members with their email and role"),
+            "post": creation(
+                "Create a user with this email and a first API token (shown once), as a member",
+                _json_body(
+                    {"email": {"type": "string", "maxLength": 320}, "role": _ROLE}, "email", "role"
+                ),
+                _PEOPLE_ONLY,
+            ),
+        },
+        company + "/members/{userId}": {
+            "parameters": [company_p, id_p("userId")],
+            "put": _admin_op(
+                "Add an existing user with a role, or change a member's role"
+                " (the owner role: owners only, 403 owner_required; 409 last_owner)",
+                _PEOPLE_ONLY,
+                "200",
+                "403",
+                "409",
+                requestBody=_json_body({"role": _ROLE}, "role"),
+            ),
+            "delete": _admin_op(
+                "Remove a member; their access ends at the next request",
+                _PEOPLE_ONLY,
+                "200",
+                "403",
+                "409",
+            ),
+        },
+        company + "/agents": {
+            "parameters": [company_p],
+            "get": listing("The company's agents"),
+            "post": creation("Create an agent", _json_body({"name": _NAME}, "name")),
+        },
+        company + "/projects": {
+            "parameters": [company_p],
+            "get": listing("The company's projects"),
+            "post": creation("Create a project", _json_body({"name": _NAME}, "name")),
+        },
+        company + "/tasks": {
+            "parameters": [company_p],
+            "get": listing(
+                "The company's tasks",
+                parameters=[{"name": "projectId", "in": "query", "schema": _UUID}],
+            ),
+            "post": creation(
+                "Create a task in a project",
+                _json_body({"projectId": _UUID, "title": _NAME}, "projectId", "title"),
+            ),
+        },
+        company + "/runs": {
+            "parameters": [company_p],
+            "get": listing("The company's runs, newest first", parameters=run_filters),
+            "post": _admin_op(
+                "Start a run: its token (shown once), lease epoch and env; a run already"
+                " on the same sandbox ends (fenced)",
+                _OPERATOR_OK,
+                "201",
+                requestBody=start_body,
+            ),
+        },
+        company + "/runs/{runId}": {
+            "parameters": [company_p, id_p("runId")],
+            "get": _admin_op(
+                "A run (never its token) with its current warnings and receipt counts; also"
+                " for its responsible user and members who may configure its agent"
+                " (others: 404 run_not_found)",
+                _OPERATOR_OK,
+                "200",
+            ),
+        },
+        company + "/runs/{runId}/end": {
+            "parameters": [company_p, id_p("runId")],
+            "post": _admin_op(
+                "End a run; its token answers 401 from the next request", _OPERATOR_OK, "200"
+            ),
+        },
+        company + "/projects/{projectId}/workspaces": {
+            "parameters": [company_p, id_p("projectId")],
+            "get": listing("The project's repository workspaces, removed ones too"),
+            "post": creation(
+                "Add a repository workspace (add-workspace); primary takes over",
+                _json_body(
+                    {
+                        "repoUrl": {"type": "string", "minLength": 1, "maxLength": 2048},
+                        "name": {"type": ["string", "null"]},
+                        "ref": {"type": ["string", "null"]},
+                        "primary": {"type": "boolean"},
+                        "setupCommand": {"type": ["string", "null"], "maxLength": 8192},
+                    },
+                    "repoUrl",
+                ),
+            ),
+        },
+        company + "/workspaces/{workspaceId}": {
+            "parameters": [company_p, id_p("workspaceId")],
+            "delete": _admin_op(
+                "Remove a workspace (remove-workspace): bound to no new task; bindings and"
+                " saved checkpoints stay",
+                _OPERATOR_OK,
+                "200",
+            ),
+        },
+        company + "/tasks/{taskId}/branch": {
+            "parameters": [company_p, id_p("taskId")],
+            "put": _admin_op(
+                "The branch the task's primary checkout is cloned onto (set-task-branch)",
+                _OPERATOR_OK,
+                "200",
+                requestBody=_json_body({"branch": {"type": "string", "minLength": 1}}, "branch"),
+            ),
+        },
+        company + "/operator-tokens": {
+            "parameters": [company_p],
+            "get": _admin_op(
+                "The company's operator tokens (never the tokens)", _PEOPLE_ONLY, "200"
+            ),
+            "post": creation(
+                "Create an operator token for this company (shown once)",
+                _json_body({"name": _NAME}, "name"),
+                _PEOPLE_ONLY,
+            ),
+        },
+        company + "/operator-tokens/{tokenId}": {
+            "parameters": [company_p, id_p("tokenId")],
+            "delete": _admin_op(
+                "Revoke one of the company's operator tokens; it answers 401 at once",
+                _PEOPLE_ONLY,
+                "200",
+            ),
+        },
+    }
+
+
+def _uuid_p(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "format": "uuid"},
+    }
+
+
+def _agent_files_paths() -> dict[str, Any]:
+    """Runs' history, agents' entries and task attachments (spec/agent-files.md)."""
+    company, run = _uuid_p("companyId"), _uuid_p("runId")
+    attachments = "/api/companies/{companyId}/tasks/{taskId}/attachments"
+    page = [
+        {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+    ]  # fmt: skip
+    return {
+        "/api/companies/{companyId}/runs/{runId}/receipts": {
+            "parameters": [company, run],
+            "get": _op("The run's save receipts, oldest first", "200", parameters=page),
+        },
+        "/api/companies/{companyId}/agents/{agentId}": {
+            "parameters": [company, _uuid_p("agentId")],
+            "get": _op("An agent's instruction entry, storage limits, usage and warnings", "200"),
+        },
+        attachments: {
+            "parameters": [company, _uuid_p("taskId")],
+            "get": _op("The task's attachments (originals)", "200"),
+            "post": _op(
+                "Store an original upload (raw body) as a task attachment",
+                "201",
+                "413",
+                parameters=[
+                    {
+                        "name": "name",
+                        "in": "query",
+                        "required": True,
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 218},
+                    },
+                    {
+                        "name": "X-File-Content-Type",
+                        "in": "header",
+                        "schema": {"type": "string", "maxLength": 256},
+                    },
+                ],
+                requestBody={
+                    "required": True,
+                    "content": {
+                        "application/octet-stream": {
+                            "schema": {"type": "string", "format": "binary"}
+                        }
+                    },
+                },
+            ),
+        },
+        attachments + "/{attachmentId}": {
+            "parameters": [company, _uuid_p("taskId"), _uuid_p("attachmentId")],
+            "get": _op("Download an attachment's original; supports Range", "200", "206", "416"),
         },
     }
 
@@ -389,8 +787,17 @@ def document() -> dict[str, Any]:
                         "200": _resp("Replaced, or an idempotent replay (applied: false)"),
                         "201": _resp("Created"),
                         "409": _resp("Parent is a file, kind change, or key reused", _ERROR),
-                        "412": _resp("If-Match or If-None-Match does not hold", _ERROR),
+                        "412": _resp(
+                            "If-Match or If-None-Match does not hold (a stale editor save);"
+                            " nothing was written",
+                            _ERROR,
+                        ),
                         "413": _resp("Larger than 1 GiB", _ERROR),
+                        "422": _resp(
+                            "An agent folder's storage limit, or the agent's instruction"
+                            " entry over 1 MiB or not UTF-8; nothing was written",
+                            _ERROR,
+                        ),
                         **_ERRORS,
                     },
                 },
@@ -443,9 +850,11 @@ def document() -> dict[str, Any]:
                         "200": _resp("Applied (or idempotent replay)"),
                         "409": _resp(
                             "Conflict (kind, parent is file, restore collision, move target"
-                            " exists or lies under the source)",
+                            " exists or lies under the source, the agent's instruction"
+                            " entry deleted or moved)",
                             _ERROR,
                         ),
+                        "422": _resp("An agent folder's storage limit", _ERROR),
                         **_ERRORS,
                     },
                 },
@@ -498,7 +907,8 @@ def document() -> dict[str, Any]:
             "/api/companies/{companyId}/directory": {
                 "parameters": [_FOLDER_PARAMS[0]],
                 "get": {
-                    "summary": "Agents, projects, tasks and members of a company",
+                    "summary": "Agents, projects, tasks and members of a company (for people:"
+                    " whether each folder has files and an active run)",
                     "responses": {"200": _resp("Directory"), **_ERRORS},
                 },
             },
@@ -549,7 +959,10 @@ def document() -> dict[str, Any]:
                 }
             },
             **_bridge_paths(),
+            **_repo_paths(),
             **_api_bridge_paths(),
+            **_admin_paths(),
+            **_agent_files_paths(),
             **_public_paths(),
         },
     }

@@ -12,7 +12,9 @@ import base64
 import binascii
 import json
 import re
+import uuid
 from datetime import datetime
+from typing import Any
 from urllib.parse import parse_qsl
 
 from starlette.requests import Request
@@ -99,7 +101,8 @@ def _cursor_fields(raw: str, keys: set[str]) -> dict[str, str]:
     ):
         raise BadCursor()
     try:
-        validate_path(data["p"])
+        if "p" in data:
+            validate_path(data["p"])
     except InvalidPath:
         raise BadCursor() from None
     return data
@@ -120,6 +123,47 @@ def decode_trash_cursor(raw: str) -> tuple[datetime, str]:
     if deleted_at.tzinfo is None:
         raise BadCursor()
     return deleted_at, data["p"]
+
+
+def decode_run_cursor(raw: str) -> tuple[datetime, str]:
+    """The ``startedAt`` (timezone-aware) and id of the previous run page's end."""
+    data = _cursor_fields(raw, {"s", "i"})
+    try:
+        started_at = datetime.fromisoformat(data["s"])
+        run_id = str(uuid.UUID(data["i"]))
+    except ValueError:
+        raise BadCursor() from None
+    if started_at.tzinfo is None:
+        raise BadCursor()
+    return started_at, run_id
+
+
+# --- JSON bodies -----------------------------------------------------------------
+
+
+def string_fields(
+    body: dict[str, Any], *, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, str | None]:
+    """The body's fields, every one a string (an optional one may be absent or
+    null, read as None); a missing, unknown or non-string field is a 400 that
+    names it."""
+    unknown = sorted(set(body) - set(required) - set(optional))
+    if unknown:
+        raise ValidationError.single(unknown[0], "unknown_field", f"unknown field {unknown[0]!r}")
+    out: dict[str, str | None] = {}
+    for name in (*required, *optional):
+        value = body.get(name)
+        if value is None and name in optional:
+            out[name] = None
+        elif not isinstance(value, str):
+            raise ValidationError.single(
+                name,
+                "required" if value is None else "invalid_type",
+                f"{name} must be a string",
+            )
+        else:
+            out[name] = value
+    return out
 
 
 # --- Range -------------------------------------------------------------------

@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from controller.companies import Directory
+    from controller.orgs import NewUser
+    from controller.runs import StartedRun
     from controller.sessions import Session
+    from controller.tokens import NewOperatorToken
 
 Row = dict[str, Any]
 
@@ -37,8 +40,18 @@ def entry_json(row: Row) -> dict[str, Any]:
     }
 
 
+def run_warnings(row: Row) -> list[dict[str, Any]]:
+    """The run's current warnings (``controller.receipts``), folder by folder."""
+    stored: dict[str, list[dict[str, Any]]] = row.get("warnings") or {}
+    out: list[dict[str, Any]] = []
+    for scope in ("task", "agent", "user", "project"):
+        out.extend({"scope": scope, **w} for w in stored.get(scope, []))
+    return out
+
+
 def run_json(row: Row, *, folder_saved_at: datetime | None = None) -> dict[str, Any]:
-    """A run as /sync shows it; ``folderSavedAt`` is its last save of the folder asked about."""
+    """A run as /sync shows it; ``folderSavedAt`` is its last save of the folder asked
+    about, ``warnings`` its current warnings (never errors on the current files)."""
     return {
         "runId": str(row["id"]),
         "agentId": str(row["agent_id"]),
@@ -51,6 +64,7 @@ def run_json(row: Row, *, folder_saved_at: datetime | None = None) -> dict[str, 
         "startedAt": iso(row["started_at"]),
         "endedAt": iso(row["ended_at"]),
         "folderSavedAt": iso(folder_saved_at),
+        "warnings": run_warnings(row),
     }
 
 
@@ -67,17 +81,207 @@ def session_json(session: Session) -> dict[str, Any]:
 
 def directory_json(d: Directory, *, members_private: bool = False) -> dict[str, Any]:
     """The company directory; ``members_private`` (a run asking) leaves out emails and roles."""
+
+    def owner(r: Row, **fields: Any) -> dict[str, Any]:
+        out = {"id": str(r["id"]), **fields}
+        if d.activity:
+            out.update(hasFiles=r["has_files"], activeRun=r["active_run"])
+        return out
+
     return {
-        "agents": [{"id": str(r["id"]), "name": r["name"]} for r in d.agents],
-        "projects": [{"id": str(r["id"]), "name": r["name"]} for r in d.projects],
-        "tasks": [
-            {"id": str(r["id"]), "title": r["title"], "projectId": str(r["project_id"])}
-            for r in d.tasks
-        ],
+        "agents": [owner(r, name=r["name"]) for r in d.agents],
+        "projects": [owner(r, name=r["name"]) for r in d.projects],
+        "tasks": [owner(r, title=r["title"], projectId=str(r["project_id"])) for r in d.tasks],
         "members": [
             {"userId": str(r["id"])}
             if members_private
             else {"userId": str(r["id"]), "email": r["email"], "role": r["role"]}
             for r in d.members
         ],
+    }
+
+
+def repo_binding_json(row: Row) -> dict[str, Any]:
+    """A bound repository as ``GET /bridge/v1/repos`` lists it (common/repos.py)."""
+    current = None
+    if row["checkpoint_id"] is not None:
+        current = {
+            "checkpointId": str(row["checkpoint_id"]),
+            "entries": int(row["entries"]),
+            "byteSize": int(row["byte_size"]),
+            "savedAt": iso(row["created_at"]),
+        }
+    return {
+        "workspaceId": str(row["workspace_id"]),
+        "name": row["name"],
+        "repoUrl": row["repo_url"],
+        "ref": row["ref"],
+        "primary": bool(row["is_primary"]),
+        "branch": row["branch"] if row["is_primary"] else None,
+        "setupCommand": row["setup_command"],
+        "current": current,
+    }
+
+
+def task_repo_json(row: Row) -> dict[str, Any]:
+    """A bound repository as people see it (``GET .../tasks/{taskId}/repos``)."""
+    saved = row["checkpoint_id"] is not None
+    return {
+        "workspaceId": str(row["workspace_id"]),
+        "name": row["name"],
+        "repoUrl": row["repo_url"],
+        "state": row["state"],
+        "lastSavedAt": iso(row["last_saved_at"]),
+        "byteSize": int(row["byte_size"]) if saved else 0,
+        "fileCount": int(row["files"]) if saved else 0,
+        "entries": int(row["entries"]) if saved else 0,
+        "error": row["error"],
+        "checkpointId": str(row["checkpoint_id"]) if saved else None,
+        "removed": bool(row["removed"]),
+    }
+
+
+# --- the company admin API ----------------------------------------------------------
+
+
+def _id(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def member_json(row: Row) -> dict[str, Any]:
+    return {
+        "userId": str(row["id"]),
+        "email": row["email"],
+        "role": row["role"],
+        "createdAt": iso(row["created_at"]),
+    }
+
+
+def new_member_json(user: NewUser, role: str) -> dict[str, Any]:
+    """A member created by the API: the user's first API token, shown once."""
+    return {
+        "userId": user.user_id,
+        "email": user.email,
+        "role": role,
+        "token": user.token,
+        "tokenId": user.token_id,
+    }
+
+
+def named_json(row: Row) -> dict[str, Any]:
+    """An agent or a project."""
+    return {"id": str(row["id"]), "name": row["name"], "createdAt": iso(row["created_at"])}
+
+
+def task_json(row: Row) -> dict[str, Any]:
+    return {
+        "id": str(row["id"]),
+        "title": row["title"],
+        "projectId": str(row["project_id"]),
+        "createdAt": iso(row["created_at"]),
+    }
+
+
+def bindings_json(bindings: dict[str, str | None]) -> dict[str, str | None]:
+    return {scope: bindings[scope] for scope in ("task", "agent", "user", "project")}
+
+
+def run_record_json(row: Row) -> dict[str, Any]:
+    """A run as the admin API shows it (never its token)."""
+    return {
+        "runId": str(row["id"]),
+        "sandbox": row["sandbox_key"],
+        "leaseEpoch": int(row["lease_epoch"]),
+        "superseded": row["newest_epoch"] is not None
+        and int(row["newest_epoch"]) > int(row["lease_epoch"]),
+        "bindings": bindings_json(
+            {
+                "task": _id(row["task_id"]),
+                "agent": _id(row["agent_id"]),
+                "user": _id(row["user_id"]),
+                "project": _id(row["project_id"]),
+            }
+        ),
+        "active": bool(row["active"]),
+        "state": row["state"],
+        "error": row["error"],
+        "lastSavedAt": iso(row["last_saved_at"]),
+        "finalCheckpointAt": iso(row["final_checkpoint_at"]),
+        "refreshRequested": bool(row["refresh_requested"]),
+        "startedAt": iso(row["started_at"]),
+        "endedAt": iso(row["ended_at"]),
+    }
+
+
+def started_run_json(run: StartedRun) -> dict[str, Any]:
+    """A run just started: its token, shown once, the lease, the agent's env
+    and the task's repositories."""
+    return {
+        "runId": run.run_id,
+        "token": run.token,
+        "leaseEpoch": run.lease_epoch,
+        "sandbox": run.sandbox,
+        "bindings": bindings_json(run.bindings),
+        "env": run.env,
+        "repos": [
+            {"workspaceId": b.workspace_id, "name": b.name, "primary": b.primary} for b in run.repos
+        ],
+    }
+
+
+def operator_token_json(row: Row) -> dict[str, Any]:
+    return {
+        "tokenId": str(row["id"]),
+        "name": row["name"],
+        "createdAt": iso(row["created_at"]),
+        "revokedAt": iso(row["revoked_at"]),
+    }
+
+
+def new_operator_token_json(made: NewOperatorToken) -> dict[str, Any]:
+    return {
+        "tokenId": made.token_id,
+        "name": made.name,
+        "token": made.token,
+        "createdAt": iso(made.created_at),
+        "revokedAt": None,
+    }
+
+
+def workspace_json(row: Row) -> dict[str, Any]:
+    """A project's workspace as the admin API lists it."""
+    return {
+        "workspaceId": str(row["id"]),
+        "repoUrl": row["repo_url"],
+        "name": row["name"],
+        "ref": row["ref"],
+        "primary": bool(row["is_primary"]),
+        "setupCommand": row["setup_command"],
+        "createdAt": iso(row["created_at"]),
+        "removedAt": iso(row["removed_at"]),
+    }
+
+
+def added_workspace_json(added: dict[str, Any]) -> dict[str, Any]:
+    """``workspaces.add_workspace``'s answer (the command's shape) for the API."""
+    return {
+        "workspaceId": added["workspace_id"],
+        "projectId": added["project_id"],
+        "repoUrl": added["repo_url"],
+        "name": added["name"],
+        "ref": added["ref"],
+        "primary": added["primary"],
+        "setupCommand": added["setup_command"],
+        "replacedPrimary": added["replaced_primary"],
+    }
+
+
+def removed_workspace_json(removed: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "workspaceId": removed["workspace_id"],
+        "projectId": removed["project_id"],
+        "removed": True,
+        "removedAt": removed["removed_at"].replace("+00:00", "Z"),
+        "wasPrimary": removed["was_primary"],
+        "bindingsKept": removed["bindings_kept"],
     }

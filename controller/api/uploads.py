@@ -1,7 +1,16 @@
-"""Batch uploads over the bridge: many small objects in one request.
+"""Uploads over the bridge: one object per request, or many small ones.
 
-Contract: ``PUT /bridge/v1/folders/{scope}/uploads/batch`` in
-:mod:`common.bridge`. The batch is a transport only: every member becomes its
+Contract: ``PUT /bridge/v1/folders/{scope}/uploads`` and ``.../uploads/batch``
+in :mod:`common.bridge`; the repository routes (:mod:`common.repos`) take the
+same bodies. The callers differ only in the authority re-checked when an
+upload is registered (:data:`Confirm`) and in how long an uncommitted upload
+pins its object.
+
+A single upload (:func:`receive_upload`) streams its frames into a spool
+file while hashing, checks the run's quotas, stores the object and registers
+it in one transaction.
+
+The batch is a transport only: every member becomes its
 own object under its own digest, exactly as a single upload would store it.
 
 1. The body streams through :class:`controller.frames.BatchSplitter` (bounds
@@ -33,13 +42,95 @@ from typing import Any
 from psycopg import AsyncConnection
 from starlette.requests import Request
 
-from common.errors import DigestMismatch, StorageUnavailable
+from common.errors import DigestMismatch, PayloadTooLarge, StorageUnavailable
 from controller import quotas, runs
 from controller.api.common import connection, state, write_transaction
-from controller.api.objects import journal_orphans, open_spool, spool_append
-from controller.auth import RunBinding, confirm_run_writes
-from controller.frames import BatchSplitter, Frame, Member, MemberEnd, decode_frame
+from controller.api.objects import (
+    journal_orphan,
+    journal_orphans,
+    open_spool,
+    put_object,
+    reupload_if_missing,
+    spool_append,
+)
+from controller.apply import Authority
+from controller.auth import RunBinding
+from controller.frames import (
+    BatchSplitter,
+    Frame,
+    FrameSplitter,
+    Member,
+    MemberEnd,
+    decode_frame,
+)
 from controller.storage.base import Span, object_key
+
+Confirm = Authority
+"""Raises unless the run may still register this upload; runs inside the
+registering transaction (the run's lease, and what the route is about)."""
+
+
+def store_frame(frame: Frame, fd: int, hasher: Any) -> None:
+    """Decode, verify, hash and spool one frame: CPU and disk work, run in a thread."""
+    spool_append(fd, hasher, decode_frame(frame))
+
+
+async def receive_upload(
+    request: Request, run: RunBinding, confirm: Confirm, ttl: float
+) -> dict[str, Any]:
+    """Spool, verify, store and register one framed upload; its answer
+    ``{"digest", "byteSize"}``. The upload pins its object for ``ttl`` seconds
+    until a checkpoint commits it."""
+    st = state(request)
+    hint = request.headers.get("x-content-sha256")
+    hint_len = request.headers.get("x-content-length")
+    limit = st.settings.max_file_bytes
+    splitter = FrameSplitter()
+    size = 0
+    fd, spool = await open_spool(st.settings.spool_dir, "bridge-")
+    hasher = hashlib.sha256()
+    try:
+        try:
+            async for chunk in request.stream():
+                for frame in splitter.feed(chunk):
+                    # Checked on the declared length, before any decompression.
+                    size += frame.raw_len
+                    if size > limit:
+                        raise PayloadTooLarge(f"Files are limited to {limit} bytes")
+                    await asyncio.to_thread(store_frame, frame, fd, hasher)
+        finally:
+            os.close(fd)
+        splitter.finish()
+        digest = hasher.hexdigest()
+        if (hint is not None and hint != digest) or (
+            hint_len is not None and hint_len != str(size)
+        ):
+            raise DigestMismatch(details=[{"digest": digest, "byteSize": size}])
+        async with connection(request) as conn:
+            await quotas.check_upload(
+                conn, run.company_id, run.run_id, digest, size, st.settings.quotas
+            )
+        key = object_key(run.company_id, digest)
+        created_blob = await put_object(request, key, spool, size, digest)
+        ensure = reupload_if_missing(request, spool, size, digest)
+
+        async def register(conn: AsyncConnection[Any]) -> None:
+            await confirm(conn)
+            await runs.record_upload(
+                conn, run.run_id, run.company_id, digest, size, ensure, st.settings.gc_delay, ttl
+            )
+
+        try:
+            await write_transaction(request, register)
+        except BaseException:
+            if created_blob:
+                await journal_orphan(request, run.company_id, digest)
+            raise
+    finally:
+        # Unlinking one spool file is a single metadata update; a thread hop
+        # here would also be skipped on cancellation, leaking the file.
+        spool.unlink(missing_ok=True)
+    return {"digest": digest, "byteSize": size}
 
 
 @dataclass
@@ -76,7 +167,9 @@ class _Spooler:
                 self._member = None
 
 
-async def receive_batch(request: Request, run: RunBinding) -> list[dict[str, Any]]:
+async def receive_batch(
+    request: Request, run: RunBinding, confirm: Confirm, ttl: float
+) -> list[dict[str, Any]]:
     """Spool, verify, store and register one batch; the answer's ``objects``."""
     st = state(request)
     splitter = BatchSplitter()
@@ -91,14 +184,19 @@ async def receive_batch(request: Request, run: RunBinding) -> list[dict[str, Any
             splitter.finish()
         finally:
             os.close(fd)
-        await _store_and_register(request, run, spool, spooler.spans)
+        await _store_and_register(request, run, spool, spooler.spans, confirm, ttl)
     finally:
         spool.unlink(missing_ok=True)
     return [{"digest": d, "byteSize": size} for _, size, d in spooler.spans]
 
 
 async def _store_and_register(
-    request: Request, run: RunBinding, spool: Path, members: list[tuple[int, int, str]]
+    request: Request,
+    run: RunBinding,
+    spool: Path,
+    members: list[tuple[int, int, str]],
+    confirm: Confirm,
+    ttl: float,
 ) -> None:
     st = state(request)
     first: dict[str, tuple[int, int]] = {}
@@ -130,15 +228,9 @@ async def _store_and_register(
             await _put_spans(request, spool, lost)
 
     async def register(conn: AsyncConnection[Any]) -> None:
-        await confirm_run_writes(conn, run, request.path_params["scope"])
+        await confirm(conn)
         await runs.record_uploads(
-            conn,
-            run.run_id,
-            run.company_id,
-            sizes,
-            ensure,
-            st.settings.gc_delay,
-            st.settings.quotas.pending_upload_ttl,
+            conn, run.run_id, run.company_id, sizes, ensure, st.settings.gc_delay, ttl
         )
 
     try:

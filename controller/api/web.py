@@ -85,8 +85,13 @@ async def company_directory(request: Request) -> Response:
             assert principal.user_id is not None
             if await membership_role(conn, company_id, principal.user_id) is None:
                 raise NotFound("Company not found")
-        found = await companies.directory(conn, company_id)
-    return JSONResponse(directory_json(found, members_private=principal.kind == "run"))
+        # Which folders have files and an active run is for people (the Files
+        # page's home); a run sees names and ids only.
+        person = principal.kind != "run"
+        found = await companies.directory(
+            conn, company_id, activity=person, viewer=principal.user_id if person else None
+        )
+    return JSONResponse(directory_json(found, members_private=not person))
 
 
 _PAGE_HEADERS = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 from typing import Any
 from urllib.parse import quote
 
@@ -21,13 +20,14 @@ from common.errors import (
 )
 from common.limits import (
     DEFAULT_PAGE_LIMIT,
+    ENTRY_MAX_BYTES,
     MAX_CONTENT_TYPE_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE_LIMIT,
     MAX_PREVIEW_BYTES,
 )
 from common.paths import validate_owner_id, validate_path, validate_scope, validate_uuid
-from controller import apply, folders, moves, quotas, runs
+from controller import agentfiles, apply, folders, moves, quotas, runs
 from controller.api.common import (
     authenticate,
     connection,
@@ -40,6 +40,7 @@ from controller.api.objects import (
     journal_orphan,
     object_response,
     put_object,
+    read_spool_prefix,
     reupload_if_missing,
     spool_body,
 )
@@ -80,10 +81,12 @@ def query_path(request: Request) -> str:
     return validate_path(values[0])
 
 
-def idempotency_key(request: Request) -> str:
+def idempotency_key(request: Request) -> str | None:
+    """The request's operation id; None without ``Idempotency-Key`` (the write
+    then keeps no receipt: nobody could replay it)."""
     key = request.headers.get("idempotency-key")
     if key is None:
-        return "auto-" + secrets.token_hex(16)
+        return None
     if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not _PRINTABLE.match(key):
         raise ValidationError.single(
             "Idempotency-Key",
@@ -258,7 +261,8 @@ async def put_content(request: Request) -> Response:
         request, lambda c: open_folder(request, c, write=True)
     )
     assert folder is not None
-    policy = write_policy(principal, address[0], address[1], st.settings.quotas.max_folder_entries)
+    company_id, scope, owner_id = address
+    policy = write_policy(principal, company_id, scope, owner_id, st.settings.quotas)
     try:
         spool, size, digest = await spool_body(
             request, st.settings.spool_dir, st.settings.max_file_bytes
@@ -268,9 +272,22 @@ async def put_content(request: Request) -> Response:
         return Response(status_code=400)
     key = object_key(address[0], digest)
     created_blob = False
+    guard = None
     try:
-        async with connection(request) as conn:
-            await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
+        if scope == "agent":
+            # Whether these bytes could be the agent's instruction entry; the
+            # entry's path is read at commit, under the folder lock.
+            small = size <= ENTRY_MAX_BYTES
+            problem = agentfiles.text_problem(
+                await read_spool_prefix(spool, size) if small else None, size
+            )
+
+            async def guard(conn: AsyncConnection[Any]) -> None:
+                await agentfiles.guard_entry_write(conn, company_id, owner_id, path, problem)
+
+        if quotas.upload_checks_apply(None, st.settings.quotas):
+            async with connection(request) as conn:
+                await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
         created_blob = await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
         result = await write_transaction(
@@ -288,6 +305,7 @@ async def put_content(request: Request) -> Response:
                 gc_delay=st.settings.gc_delay,
                 policy=policy,
                 precondition=precondition,
+                guard=guard,
             ),
         )
     except BaseException:
@@ -337,18 +355,32 @@ async def post_operations(request: Request) -> Response:
         )
 
     async def operate(conn: AsyncConnection[Any]) -> dict[str, Any]:
-        principal, folder, (company_id, scope, _) = await open_folder(request, conn, write=True)
+        principal, folder, (company_id, scope, owner_id) = await open_folder(
+            request, conn, write=True
+        )
         assert folder is not None
         if action == "purge":
             authorize_purge(principal)
-        policy = write_policy(principal, company_id, scope, st.settings.quotas.max_folder_entries)
+        policy = write_policy(principal, company_id, scope, owner_id, st.settings.quotas)
+        guard = None
+        if scope == "agent" and action in ("delete", "move"):
+            path = validate_path(body["path"])
+
+            async def guard(c: AsyncConnection[Any]) -> None:
+                await agentfiles.guard_entry_removal(c, company_id, owner_id, path)
+
         if action == "mkdir":
             return await apply.mkdir(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
             )
         elif action == "delete":
             return await apply.delete_path(
-                conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
+                conn,
+                folder,
+                path=validate_path(body["path"]),
+                operation_id=op_id,
+                policy=policy,
+                guard=guard,
             )
         elif action == "move":
             return await moves.move(
@@ -358,6 +390,7 @@ async def post_operations(request: Request) -> Response:
                 to=body_path(body, "to"),
                 operation_id=op_id,
                 policy=policy,
+                guard=guard,
             )
         else:
             file_id = body["fileId"]

@@ -83,20 +83,23 @@ async function readErrorBody(resp) {
 }
 
 /**
- * fetch() with the session conventions. `json` is sent as the body,
- * `as` picks the result: "json" (default), "bytes" (ArrayBuffer) or "none".
+ * fetch() with the session conventions. `json` is sent as the body (or `body`
+ * as it is), `as` picks the result: "json" (default), "bytes" (ArrayBuffer),
+ * "response" (the Response, for its headers) or "none".
  * Non-2xx answers throw ApiError.
  */
 export async function request(
   method,
   url,
-  { json, headers = {}, as = "json", quiet401 = false } = {},
+  { json, body, headers = {}, as = "json", quiet401 = false } = {},
 ) {
   const init = { method, headers: { ...headers }, credentials: "same-origin", cache: "no-store" };
   if (method !== "GET" && method !== "HEAD") init.headers["X-CSRF-Token"] = csrfToken;
   if (json !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(json);
+  } else if (body !== undefined) {
+    init.body = body;
   }
   let resp;
   try {
@@ -110,6 +113,7 @@ export async function request(
     throw err;
   }
   if (resp.status === 204 || as === "none") return null;
+  if (as === "response") return resp;
   if (as === "bytes") return resp.arrayBuffer();
   return resp.json();
 }
@@ -132,11 +136,20 @@ export function companyDirectory(companyId) {
   return request("GET", `/api/companies/${encodeURIComponent(companyId)}/directory`);
 }
 
+/** An agent's instruction entry, storage limits and usage. */
+export function agentInfo(companyId, agentId) {
+  return request(
+    "GET",
+    `/api/companies/${encodeURIComponent(companyId)}/agents/${encodeURIComponent(agentId)}`,
+  );
+}
+
 // --- one work folder --------------------------------------------------------
 
 export const PAGE_SIZE = 200;
 export const PREVIEW_LIMIT = 8 * 1024 * 1024;
 export const UPLOAD_LIMIT = 1024 * 1024 * 1024;
+export const EDITOR_LIMIT = 1024 * 1024;
 
 export class FolderApi {
   constructor(companyId, scope, ownerId) {
@@ -181,6 +194,36 @@ export class FolderApi {
 
   previewBytes(path) {
     return request("GET", this.contentUrl(path, { preview: true }), { as: "bytes" });
+  }
+
+  /**
+   * A file's bytes and the digest they hash to (its ETag), or null when no
+   * file is at `path`: what the editor loads and compares against.
+   */
+  async readFile(path) {
+    let resp;
+    try {
+      resp = await request("GET", this.contentUrl(path), { as: "response" });
+    } catch (err) {
+      if (err instanceof ApiError && err.code === "file_not_found") return null;
+      throw err;
+    }
+    const digest = (resp.headers.get("ETag") || "").replaceAll('"', "");
+    return { digest, bytes: await resp.arrayBuffer() };
+  }
+
+  /**
+   * Replace a file with `bytes` in one request: `condition` is "new" (only if
+   * nothing is there) or the digest the writer last saw (only if it is still
+   * that content); either way a change in between answers 412, never a silent
+   * overwrite.
+   */
+  putBytes(path, bytes, { condition, contentType = null, key = newIdempotencyKey() }) {
+    const headers = { "Content-Type": "application/octet-stream", "Idempotency-Key": key };
+    if (contentType) headers["X-File-Content-Type"] = contentType;
+    if (condition === "new") headers["If-None-Match"] = "*";
+    else headers["If-Match"] = `"${condition}"`;
+    return request("PUT", this.contentUrl(path), { body: bytes, headers });
   }
 
   operation(body, key = newIdempotencyKey()) {
@@ -240,4 +283,20 @@ export class FolderApi {
     });
     return { promise, abort: () => xhr.abort() };
   }
+}
+
+// --- a task's repositories --------------------------------------------------
+
+function taskReposBase(companyId, taskId) {
+  return `/api/companies/${encodeURIComponent(companyId)}/tasks/${encodeURIComponent(taskId)}/repos`;
+}
+
+/** {repos: [...]}: each repository the task binds, with its last save. */
+export function taskRepos(companyId, taskId) {
+  return request("GET", taskReposBase(companyId, taskId));
+}
+
+/** The address of a repository's current checkpoint as a tar download. */
+export function repoArchiveUrl(companyId, taskId, workspaceId) {
+  return `${taskReposBase(companyId, taskId)}/${encodeURIComponent(workspaceId)}/archive`;
 }

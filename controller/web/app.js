@@ -3,7 +3,8 @@
 // Routes (all under /files/):
 //   /files/                                  home: "My files" and a search per company
 //   /files/{companyId}/{scope}/{ownerId}     one work folder (?dir=a/b, ?view=trash,
-//                                            ?preview=a/b/c.txt, ?q=filter, ?page=N)
+//                                            ?preview=a/b/c.txt, ?edit=a/b/c.txt,
+//                                            ?q=filter, ?page=N)
 
 import {
   ApiError,
@@ -27,9 +28,9 @@ const app = {
   directories: new Map(), // companyId -> Promise of /directory
 };
 
-/** The company directory, fetched once per company per page load. */
-export function directoryFor(companyId) {
-  if (!app.directories.has(companyId)) {
+/** The company directory, fetched once per company per page load (`fresh`: again). */
+export function directoryFor(companyId, { fresh = false } = {}) {
+  if (fresh || !app.directories.has(companyId)) {
     const pending = companyDirectory(companyId).catch((err) => {
       app.directories.delete(companyId);
       throw err;
@@ -60,6 +61,7 @@ function parseRoute() {
       dir: params.get("dir") || "",
       view: params.get("view") === "trash" ? "trash" : "files",
       preview: params.get("preview") || null,
+      edit: params.get("edit") || null,
       q: params.get("q") || "",
       page: Math.max(1, Number.parseInt(params.get("page") || "1", 10) || 1),
     };

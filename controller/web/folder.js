@@ -5,15 +5,19 @@
 //   newfolder.js  the files view's "New folder" form
 //   uploads.js    upload button, drag-and-drop, the upload queue
 //   preview.js    the preview view (?preview=path)
+//   editor.js     the editor view (?edit=path), and an agent's "Instructions"
 //   trash.js      the trash view (batches, restore, restore as, purge)
 //   sync.js       the sync panel (last change, agent runs, refresh requests)
 //   live.js       polls the folder's changes and refreshes what is on screen
+//   repos.js      a task folder's repositories (last save, state, tar download)
 
-import { ApiError, FolderApi } from "./api.js";
+import { ApiError, FolderApi, agentInfo } from "./api.js";
 import { clear, h, uid } from "./dom.js";
+import { Editor } from "./editor.js";
 import { Listing } from "./listing.js";
 import { LiveUpdates } from "./live.js";
 import { Preview } from "./preview.js";
+import { RepoPanel } from "./repos.js";
 import { SyncPanel } from "./sync.js";
 import { Trash } from "./trash.js";
 import { Uploads } from "./uploads.js";
@@ -26,6 +30,7 @@ export const SCOPES = ["task", "agent", "user", "project"];
 const NOT_FOUND_TEXT = "This folder doesn't exist or you don't have access";
 
 const SCOPE_LABEL = { task: "Task", agent: "Agent", project: "Project", user: "User" };
+const STATUS_MS = 10000;
 
 export class FolderPage {
   constructor(root, route, { session, navigate, directoryFor, validScope }) {
@@ -39,6 +44,7 @@ export class FolderPage {
     this.company = session.companies.find((c) => c.id === route.companyId) || null;
     this.readOnly = !this.company || this.company.role === "viewer";
     this.destroyed = false;
+    this.statusTimer = null;
     this.dir = route.dir;
     this.view = route.view;
     this.ownerName = null;
@@ -46,8 +52,11 @@ export class FolderPage {
     this.listing = null;
     this.uploads = null;
     this.preview = null;
+    this.editor = null;
+    this.entryPath = null; // an agent folder's instruction entry, once known
     this.trash = null;
     this.sync = null;
+    this.repos = null;
     this.live = null;
     this.onKey = (event) => {
       // Escape closes the preview unless a dialog or menu has it.
@@ -69,10 +78,13 @@ export class FolderPage {
 
   destroy() {
     this.destroyed = true;
+    clearTimeout(this.statusTimer);
     document.removeEventListener("keydown", this.onKey);
     this.sync?.stop();
+    this.repos?.stop();
     this.live?.stop();
     this.preview?.revokeUrl();
+    this.editor?.destroy();
     this.uploads?.abortAll();
   }
 
@@ -91,6 +103,21 @@ export class FolderPage {
 
   openPreview(path) {
     this.navigate(this.previewUrl(path));
+  }
+
+  /** The address of a file's editor: its directory's URL plus ?edit=path. */
+  editUrl(path) {
+    const q = new URLSearchParams();
+    if (this.dir) q.set("dir", this.dir);
+    q.set("edit", path);
+    return `${location.pathname}?${q}`;
+  }
+
+  /** Back to the directory's address; focus returns to the file's row. */
+  closeEditor() {
+    const path = this.editor.path;
+    this.navigate(this.dirUrl(this.dir));
+    if (path) this.listing.focusPath(path);
   }
 
   /** Back to the directory's address; focus returns to the file's row. */
@@ -121,12 +148,20 @@ export class FolderPage {
     return err.code === "not_found" ? NOT_FOUND_TEXT : err.message;
   }
 
+  /**
+   * A status message over the bottom edge; it clears itself after STATUS_MS,
+   * so it never stays over a row a finger needs (the change it reports is on
+   * the page anyway).
+   */
   announce(text) {
+    clearTimeout(this.statusTimer);
     this.status.textContent = text;
+    if (text) this.statusTimer = setTimeout(() => (this.status.textContent = ""), STATUS_MS);
   }
 
   refreshSync() {
     this.sync?.refresh();
+    this.repos?.refresh();
   }
 
   /**
@@ -190,12 +225,37 @@ export class FolderPage {
     }
     this.sync.showFilesUpdated(first.lastOperationAt);
     this.applyView(true);
-    if (this.route.preview) this.applyPreview();
+    if (this.route.preview || this.route.edit) this.applyPreview();
+    if (this.route.scope === "agent") this.loadAgent();
     this.resolveNames();
     this.refreshSync();
     this.sync.startPolling();
+    this.repos?.startPolling();
     this.live = new LiveUpdates(this);
     this.live.start();
+  }
+
+  /** An agent folder names its instruction entry: "Instructions" opens it in the editor. */
+  async loadAgent() {
+    let info;
+    try {
+      info = await agentInfo(this.route.companyId, this.route.ownerId);
+    } catch (err) {
+      if (!(err instanceof ApiError)) throw err;
+      return; // the folder's own listing already says what is wrong
+    }
+    if (this.destroyed) return;
+    this.entryPath = info.entryPath;
+    const link = h("a", {
+      class: "button-link instructions",
+      href: this.editUrl(info.entryPath),
+      "data-nav": true,
+      "aria-label": `Instructions: edit ${info.entryPath}`,
+      text: "Instructions",
+    });
+    // Dir changes rebuild the link's address (its ?dir= follows the listing).
+    link.addEventListener("click", () => link.setAttribute("href", this.editUrl(info.entryPath)));
+    this.headActions.replaceChildren(link);
   }
 
   renderNotFound() {
@@ -253,14 +313,20 @@ export class FolderPage {
       trash: uid("trash-heading"),
       sync: uid("sync-heading"),
       preview: uid("preview-heading"),
+      editor: uid("editor-heading"),
+      editorText: uid("editor-text"),
+      editorTheirs: uid("editor-theirs"),
+      editorConflict: uid("editor-conflict"),
       exec: uid("exec"),
       filter: uid("filter"),
       folderName: uid("folder-name"),
       upload: uid("upload-input"),
+      repos: uid("repos-heading"),
     };
 
     this.titleEl = h("h1", { id: ids.title, tabindex: "-1" });
     this.subtitleEl = h("p", { class: "muted subtitle" });
+    this.headActions = h("div", { class: "head-actions" });
     this.status = h("p", { class: "status", role: "status", "aria-live": "polite" });
 
     this.filesTab = h("a", { href: this.dirUrl(""), "data-nav": true }, "Files");
@@ -277,9 +343,11 @@ export class FolderPage {
     this.trash = new Trash(this, ids);
     this.sync = new SyncPanel(this, ids);
     this.preview = new Preview(this, ids);
+    this.editor = new Editor(this, ids);
+    this.repos = this.route.scope === "task" ? new RepoPanel(this, ids.repos) : null;
 
     clear(this.root).append(
-      h("div", { class: "folder-head" }, this.titleEl, this.subtitleEl),
+      h("div", { class: "folder-head" }, this.titleEl, this.subtitleEl, this.headActions),
       tabs,
       this.status,
       h(
@@ -288,11 +356,12 @@ export class FolderPage {
         h(
           "div",
           { class: "primary" },
+          this.editor.section,
           this.preview.section,
           this.listing.section,
           this.trash.section,
         ),
-        h("div", { class: "secondary-col" }, this.sync.section),
+        h("div", { class: "secondary-col" }, this.sync.section, this.repos?.section || null),
       ),
       this.uploads.box,
     );
@@ -329,13 +398,24 @@ export class FolderPage {
     this.view = route.view;
     this.announce("");
     const previewChanged = (route.preview || null) !== (this.preview.path || null);
+    const editChanged = (route.edit || null) !== (this.editor.path || null);
     this.applyView(dirChanged || viewChanged);
-    if (previewChanged || dirChanged || viewChanged) this.applyPreview();
+    if (previewChanged || editChanged || dirChanged || viewChanged) this.applyPreview();
   }
 
-  /** Open or close the preview to match the URL's ?preview=. */
+  /** Open or close the preview and the editor to match the URL's ?preview= and ?edit=. */
   applyPreview() {
-    const path = this.view === "files" ? this.route.preview : null;
+    const files = this.view === "files";
+    const edit = files ? this.route.edit : null;
+    const path = files && !edit ? this.route.preview : null;
+    if (edit) {
+      this.preview.close();
+      if (edit !== this.editor.path) {
+        this.editor.openPath(edit, { create: edit === this.entryPath });
+      }
+      return;
+    }
+    this.editor.close();
     if (!path) {
       this.preview.close();
       return;
@@ -360,6 +440,7 @@ export class FolderPage {
     }
     // Keyboard and screen reader users land on the main heading after every
     // navigation (the preview takes focus itself when it opens).
-    if (moveFocus && !(this.view === "files" && this.route.preview)) this.titleEl.focus();
+    const fileView = this.view === "files" && (this.route.preview || this.route.edit);
+    if (moveFocus && !fileView) this.titleEl.focus();
   }
 }

@@ -1,9 +1,10 @@
 // The home view: per company, "My files" and one search box over its tasks,
 // agents and projects. Each result links to its folder and says whether the
-// folder has files and whether an agent run is active there (looked up for
-// the results shown, at most MAX_RESULTS, and remembered for the page's life).
+// folder has files and whether an agent run is active there; the company
+// directory carries both (fetched afresh each time home is shown), so no
+// request is made per folder.
 
-import { ApiError, FolderApi } from "./api.js";
+import { ApiError } from "./api.js";
 import { clear, h, uid } from "./dom.js";
 
 const MAX_RESULTS = 30;
@@ -12,49 +13,6 @@ const KINDS = [
   { scope: "agent", label: "Agent", list: (d) => d.agents, name: (a) => a.name },
   { scope: "project", label: "Project", list: (d) => d.projects, name: (p) => p.name },
 ];
-
-const STATUS_CONCURRENCY = 4; // well under the server's requests-in-flight limit per session
-const statusCache = new Map(); // "company/scope/id" -> Promise of {hasFiles, active}
-const waiting = []; // lookups not started yet
-let running = 0;
-
-/** Run `task` (returns a promise) when fewer than STATUS_CONCURRENCY are running. */
-function queued(task) {
-  return new Promise((resolve, reject) => {
-    waiting.push({ task, resolve, reject });
-    pump();
-  });
-}
-
-function pump() {
-  while (running < STATUS_CONCURRENCY && waiting.length) {
-    const { task, resolve, reject } = waiting.shift();
-    running += 1;
-    task()
-      .then(resolve, reject)
-      .finally(() => {
-        running -= 1;
-        pump();
-      });
-  }
-}
-
-function folderStatus(companyId, scope, id) {
-  const key = `${companyId}/${scope}/${id}`;
-  if (!statusCache.has(key)) {
-    const api = new FolderApi(companyId, scope, id);
-    const lookup = () => Promise.all([api.list({ limit: 1 }), api.sync()]);
-    const pending = queued(lookup).then(
-      ([page, sync]) => ({ hasFiles: page.total > 0, active: sync.runs.some((r) => r.active) }),
-      (err) => {
-        statusCache.delete(key);
-        throw err;
-      },
-    );
-    statusCache.set(key, pending);
-  }
-  return statusCache.get(key);
-}
 
 export function renderHome(main, session, directoryFor) {
   document.title = "Files";
@@ -91,15 +49,15 @@ export function renderHome(main, session, directoryFor) {
         body,
       ),
     );
-    fillSearch(body, company.id, directoryFor);
+    fillSearch(body, company.id, () => directoryFor(company.id, { fresh: true }));
   }
   heading.focus();
 }
 
-async function fillSearch(container, companyId, directoryFor) {
+async function fillSearch(container, companyId, loadDirectory) {
   let directory;
   try {
-    directory = await directoryFor(companyId);
+    directory = await loadDirectory();
   } catch (err) {
     if (!(err instanceof ApiError)) throw err;
     container.removeAttribute("aria-busy");
@@ -114,7 +72,13 @@ async function fillSearch(container, companyId, directoryFor) {
   }
   container.removeAttribute("aria-busy");
   const items = KINDS.flatMap((kind) =>
-    kind.list(directory).map((item) => ({ kind, id: item.id, name: kind.name(item) })),
+    kind.list(directory).map((item) => ({
+      kind,
+      id: item.id,
+      name: kind.name(item),
+      hasFiles: item.hasFiles,
+      activeRun: item.activeRun,
+    })),
   );
   const inputId = uid("search");
   const input = h("input", { id: inputId, type: "search", autocomplete: "off" });
@@ -142,8 +106,7 @@ async function fillSearch(container, companyId, directoryFor) {
 }
 
 function resultItem(companyId, item) {
-  const status = h("span", { class: "result-status muted", text: "…" });
-  const li = h(
+  return h(
     "li",
     { class: "result", dataset: { scope: item.kind.scope, id: item.id } },
     h("a", {
@@ -151,19 +114,15 @@ function resultItem(companyId, item) {
       "data-nav": true,
       text: `${item.kind.label}: ${item.name}`,
     }),
-    status,
+    h(
+      "span",
+      { class: "result-status" },
+      // null: an agent's folder the person may not open (no configure permission).
+      h("span", {
+        class: `badge ${item.hasFiles ? "badge-files" : ""}`,
+        text: item.hasFiles === null ? "No access" : item.hasFiles ? "Has files" : "No files yet",
+      }),
+      item.activeRun ? h("span", { class: "badge badge-active", text: "Agent running" }) : null,
+    ),
   );
-  folderStatus(companyId, item.kind.scope, item.id).then(
-    ({ hasFiles, active }) => {
-      status.replaceChildren(
-        h("span", { class: `badge ${hasFiles ? "badge-files" : ""}`, text: hasFiles ? "Has files" : "No files yet" }),
-        active ? h("span", { class: "badge badge-active", text: "Agent running" }) : null,
-      );
-    },
-    (err) => {
-      if (!(err instanceof ApiError)) throw err;
-      status.textContent = "status unavailable";
-    },
-  );
-  return li;
 }

@@ -413,8 +413,10 @@ export class Listing {
     const loaded = order.length;
     this.start = clampStart(this.start, loaded);
     const shown = order.slice(this.start, this.start + PAGE_SIZE);
-    // Re-inserting a row takes focus off it; give it back afterwards.
+    // Re-inserting a row takes focus off it; give it back afterwards (to the
+    // same path's new row when its entry changed and the row was rebuilt).
     const focused = this.tbody.contains(document.activeElement) ? document.activeElement : null;
+    const focusedPath = focused?.closest("tr[data-path]")?.dataset.path;
     const fragment = document.createDocumentFragment();
     for (const entry of shown) fragment.append(this.rowFor(entry));
     if (!loaded) {
@@ -426,6 +428,15 @@ export class Listing {
     this.tbody.replaceChildren(fragment);
     this.keys.restore();
     if (focused && focused.isConnected) focused.focus({ preventScroll: true });
+    else if (focusedPath) {
+      const tr = [...this.tbody.querySelectorAll("tr[data-path]")].find(
+        (r) => r.dataset.path === focusedPath,
+      );
+      if (tr) {
+        this.keys.activate(tr);
+        rowLink(tr).focus({ preventScroll: true });
+      }
+    }
     this.renderSelection();
 
     const more = Boolean(this.cursor);
@@ -507,6 +518,18 @@ export class Listing {
     const rows = [...this.tbody.querySelectorAll("tr[data-path]")];
     const at = index ?? Math.max(0, rows.findIndex((r) => r.dataset.path === this.keys.active));
     if (!this.keys.focusIndex(at)) this.folder.titleEl.focus();
+  }
+
+  /** `path` (and everything below it) became `entries`, the answer of a move. */
+  replaceEntry(path, entries) {
+    const before = this.entries.length;
+    this.entries = this.entries.filter((e) => !isWithin(e.path, path));
+    this.total = Math.max(0, this.total - (before - this.entries.length));
+    this.rowCache.delete(path);
+    if (this.selected.delete(path)) this.renderSelection();
+    this.sorted = null;
+    this.upsertEntries(entries);
+    this.renderRows();
   }
 
   /** Insert or replace entries returned by a write, if they belong on screen. */

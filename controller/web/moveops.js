@@ -42,8 +42,11 @@ export class MoveOps {
       return;
     }
     this.folder.announce(`Renamed ${name} to ${answer}.`);
-    await this.listing.reloadKeepingPlace();
+    // The row takes its new name at once and keeps focus through the reload
+    // (which a live update may have started already).
+    this.listing.replaceEntry(entry.path, this.moved);
     this.listing.focusPath(to);
+    await this.listing.reloadKeepingPlace();
   }
 
   async move(entries) {
@@ -77,10 +80,11 @@ export class MoveOps {
     this.listing.focusAfterChange();
   }
 
-  /** Move one entry; returns the error message, or "" when it moved. */
+  /** Move one entry; returns the error message, or "" when it moved (its new entries in `moved`). */
   async moveOne(entry, to) {
+    this.moved = [];
     try {
-      await this.folder.api.move(entry.path, to);
+      this.moved = (await this.folder.api.move(entry.path, to)).files || [];
     } catch (err) {
       return this.folder.explain(err);
     }

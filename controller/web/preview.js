@@ -3,7 +3,7 @@
 // has its own address (?preview=path), spans the content column, and
 // "Expand" gives it the whole window; Escape or "Close preview" goes back.
 
-import { ApiError, PREVIEW_LIMIT } from "./api.js";
+import { ApiError, EDITOR_LIMIT, PREVIEW_LIMIT } from "./api.js";
 import { baseName, clear, formatSize, h, isWithin } from "./dom.js";
 
 const IMAGE_EXTENSIONS = {
@@ -56,6 +56,8 @@ export class Preview {
     this.heading = h("h2", { id: ids.preview, tabindex: "-1", text: "Preview" });
     this.body = h("div", { class: "preview-body" });
     this.download = h("a", { class: "button-link small", text: "Download" });
+    // Text files the editor can take (at most 1 MiB) get "Edit".
+    this.edit = h("a", { class: "button-link small", "data-nav": true, text: "Edit", hidden: true });
     const close = h(
       "button",
       { type: "button", class: "small secondary", onClick: () => this.folder.closePreview() },
@@ -78,7 +80,7 @@ export class Preview {
         "div",
         { class: "preview-head" },
         this.heading,
-        h("div", { class: "row-actions" }, this.download, this.expand, close),
+        h("div", { class: "row-actions" }, this.edit, this.download, this.expand, close),
       ),
       this.body,
     );
@@ -147,6 +149,9 @@ export class Preview {
     this.download.href = api.contentUrl(entry.path);
     this.download.download = name;
     this.download.setAttribute("aria-label", `Download ${name}`);
+    this.edit.hidden = true;
+    this.edit.href = this.folder.editUrl(entry.path);
+    this.edit.setAttribute("aria-label", `Edit ${name}`);
     const say = (text, cls = "muted") => clear(this.body).append(h("p", { class: cls, text }));
     this.heading.focus();
     if (entry.byteSize > PREVIEW_LIMIT) {
@@ -198,6 +203,7 @@ export class Preview {
       );
     } else {
       const text = decodeText(bytes);
+      this.edit.hidden = text === null || this.folder.readOnly || bytes.byteLength > EDITOR_LIMIT;
       if (text === null) {
         say(
           `${name} is not text, an image or a PDF, so it can't be shown here. Download it to open it.`,

@@ -18,17 +18,24 @@ const RUN_STATE_LABEL = {
 const PENDING_REFRESH =
   "Refresh requested: waiting for the agent. It takes this folder's new files at its next safe point, and the request clears once it has.";
 
-/** {key, text, reason}: the run's state in words, with why an ended run saved nothing. */
+/**
+ * {key, text, reason}: the run's state in words, for this folder. A run that
+ * saved other folders but never this one does not read "Saved" here, and an
+ * ended run that never saved this folder says why.
+ */
 function runState(run) {
-  if (run.active) return { key: run.state, text: RUN_STATE_LABEL[run.state] || run.state };
+  const savedHere = Boolean(run.folderSavedAt);
+  if (run.active) {
+    if (run.state === "saved" && !savedHere) return { key: "starting", text: "Running — not saved here yet" };
+    return { key: run.state, text: RUN_STATE_LABEL[run.state] || run.state };
+  }
   if (run.state === "failed") return { key: "failed", text: "Ended — save failed" };
   if (run.state === "saving") return { key: "failed", text: "Ended while saving" };
-  if (!run.lastSavedAt) {
-    return {
-      key: "failed",
-      text: "Ended — not saved",
-      reason: run.error || "The run ended before it saved anything.",
-    };
+  if (!savedHere) {
+    const reason = run.lastSavedAt
+      ? "The run saved its other folders, never this one."
+      : "The run ended before it saved anything.";
+    return { key: "failed", text: "Ended — not saved", reason: run.error || reason };
   }
   return { key: "saved", text: "Ended — saved" };
 }
@@ -45,15 +52,26 @@ export class SyncPanel {
 
   build(ids) {
     this.filesUpdated = h("span", { class: "files-updated-value" });
-    this.agentUpdated = h("span", { class: "agent-updated-value" });
+    // Filled from /sync, which the page asks for once the listing is there.
+    this.agentUpdated = h("span", { class: "agent-updated-value muted", text: "loading…" });
     this.runList = h("ul", { class: "runs" });
     this.error = h("p", { class: "error", role: "alert" });
     return h(
       "section",
       { class: "card sync", "aria-labelledby": ids.sync },
       h("h2", { id: ids.sync, text: "Sync" }),
-      h("p", { class: "files-updated" }, "Direct changes: ", this.filesUpdated),
-      h("p", { class: "agent-updated" }, "Agent saves: ", this.agentUpdated),
+      h(
+        "p",
+        { class: "files-updated" },
+        h("span", { class: "sync-label", text: "Direct changes: " }),
+        this.filesUpdated,
+      ),
+      h(
+        "p",
+        { class: "agent-updated" },
+        h("span", { class: "sync-label", text: "Agent saves: " }),
+        this.agentUpdated,
+      ),
       h("p", {
         class: "help",
         text: "Direct changes are uploads, new folders, renames, moves, deletes, restores and purges made here or through the API. Agent saves are the checkpoints runs saved into this folder; each run is listed below.",
@@ -90,6 +108,7 @@ export class SyncPanel {
 
   /** The newest save of this folder by any run, with the run's agent. */
   showAgentUpdated(runs) {
+    this.agentUpdated.classList.remove("muted");
     const saved = runs.filter((r) => r.folderSavedAt);
     if (!saved.length) {
       this.agentUpdated.replaceChildren(timeElement(null, "none yet"));
@@ -184,6 +203,15 @@ export class SyncPanel {
       run.finalCheckpointAt ? h("p", {}, "Final save: ", timeElement(run.finalCheckpointAt)) : null,
       run.error && !state.reason
         ? h("p", { class: "error run-error", text: `Error: ${run.error}` })
+        : null,
+      // Warnings (a storage limit, a refused instruction entry) never block the
+      // run and are not errors on the files now in the folder.
+      run.warnings && run.warnings.length
+        ? h(
+            "ul",
+            { class: "run-warnings", "aria-label": `Warnings for ${agent}` },
+            run.warnings.map((w) => h("li", { text: `Warning: ${w.message}` })),
+          )
         : null,
       h(
         "p",

@@ -189,10 +189,20 @@ export class Trash {
       { dataset: { path: root.path, kind: root.kind } },
       h("th", { scope: "row", class: "col-name" }, entryName(root.kind, name)),
       h("td", {
+        class: "col-items",
         text: isDir ? `Folder with ${partial ? "at least " : ""}${plural(inside, "item")}` : "1 file",
       }),
-      h("td", { class: "col-size", text: isDir ? "—" : formatSize(root.byteSize) }),
-      h("td", {}, timeElement(batch.deletedAt, "—")),
+      h("td", {
+        class: isDir ? "col-size no-size" : "col-size",
+        text: isDir ? "—" : formatSize(root.byteSize),
+      }),
+      h(
+        "td",
+        { class: "col-deleted" },
+        // The column header says this on wide screens; cards have no header.
+        h("span", { class: "narrow-label", text: "Deleted " }),
+        timeElement(batch.deletedAt, "—"),
+      ),
       h("td", { class: "col-actions" }, actions, error),
     );
   }

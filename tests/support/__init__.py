@@ -3,6 +3,11 @@
 * :mod:`tests.support.constants` — the repository root and the four scopes.
 * :mod:`tests.support.procs` — free ports, stopping and polling subprocesses,
   running a CLI that answers JSON.
+* :mod:`tests.support.gitrepos` — real Git repositories: a bare origin with
+  history, a checkout's local state (branch, staged, unstaged, untracked,
+  exec bit, symlink) and the checks of its restore; a task with workspaces
+  on a real controller.
+* :mod:`tests.support.smallfs` — a small tmpfs that can be filled to ENOSPC.
 * :mod:`tests.support.tmp` — private temp dirs (reachable by the embedded
   PostgreSQL's own user when running as root).
 * :mod:`tests.support.controller` — embedded PostgreSQL, ``controller serve``

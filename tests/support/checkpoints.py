@@ -14,8 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsagent.cli import collection_status
-from fsagent.store import Store
+from fsagent.cli import change_set, collection_status
 from tests.support.controller import ControllerProcess
 from tests.support.mount import REPO, FsagentMount
 
@@ -96,12 +95,9 @@ def status(m: FsagentMount) -> dict[str, Any]:
 
 
 def journal(m: FsagentMount) -> set[str]:
-    """Paths in the state dir's change set since the baseline (`fsagent changes`, in process)."""
-    store = Store.open(m.state_dir, readonly=True)
-    try:
-        return {c.path for c in store.changes_since_baseline()}
-    finally:
-        store.close()
+    """Paths in the state dir's change set since the baseline (`fsagent changes`, in
+    process): the journal of a FUSE collection, a scan of a plain directory."""
+    return {c.path for c in change_set(m.state_dir)[0]}
 
 
 def upload_in_progress(ctl: ControllerProcess, at_least: int = 8 << 20) -> bool:

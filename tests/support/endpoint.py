@@ -31,6 +31,15 @@ RUN = {
 }  # fmt: skip
 """What the stand-in answers for ``GET /bridge/v1/run``."""
 
+REPOS = {
+    "reposDir": "repos",
+    "repos": [
+        {"workspaceId": "w1", "name": "app", "repoUrl": "https://git.example/app.git",
+         "ref": None, "primary": True, "branch": None, "setupCommand": None, "current": None},
+    ],
+}  # fmt: skip
+"""What the stand-in answers for ``GET /bridge/v1/repos``."""
+
 
 @dataclass
 class Seen:
@@ -84,10 +93,11 @@ class Upstream:
                 await send({"type": "http.response.body", "body": block, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             return
-        if path == "/bridge/v1/run":
+        if path in ("/bridge/v1/run", "/bridge/v1/repos"):
+            answer = RUN if path == "/bridge/v1/run" else REPOS
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json")]})  # fmt: skip
-            await send({"type": "http.response.body", "body": json.dumps(RUN).encode()})
+            await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
             return
         if path.endswith("/slow"):
             await self.trickle(receive, send)

@@ -75,6 +75,18 @@ def module_mounts() -> Iterator[MountFactory]:
         yield factory
 
 
+MODES = ("fuse", "dir")
+"""The two ways fsagent serves a collection; tests of the shared contract run in both."""
+
+
+@pytest.fixture(params=MODES)
+def mode_mounts(request: pytest.FixtureRequest) -> Iterator[MountFactory]:
+    """A mount factory per mode: a test using it runs once with FUSE mounts and
+    once with plain directories (a module makes it its ``mounts``)."""
+    with mount_factory(mode=request.param) as factory:
+        yield factory
+
+
 @pytest.fixture
 def mnt(mounts: MountFactory) -> FsagentMount:
     """A mounted, bound, empty agent collection."""

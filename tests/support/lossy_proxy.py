@@ -2,7 +2,9 @@
 
 A request matching a drop rule is forwarded and fully processed upstream, and
 then its answer is replaced by 504: the client sees a lost response (as behind
-a load balancer that timed out) although the server applied the request.
+a load balancer that timed out) although the server applied the request. A
+request matching a fail rule is never forwarded: it is answered 503 at once,
+as a controller that cannot reach its database would.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class LossyProxy:
     upstream: str
     port: int = field(default_factory=free_port)
     rules: list[DropRule] = field(default_factory=list)
+    fail_rules: list[DropRule] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
     _server: ThreadedServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -43,6 +47,20 @@ class LossyProxy:
     def drop_next(self, method: str, path_regex: str, count: int = 1) -> None:
         with self._lock:
             self.rules.append(DropRule(method, re.compile(path_regex), count))
+
+    def fail_next(self, method: str, path_regex: str, count: int = 1) -> None:
+        """The next ``count`` matching requests get 503 without reaching the controller."""
+        with self._lock:
+            self.fail_rules.append(DropRule(method, re.compile(path_regex), count))
+
+    def _should_fail(self, method: str, path: str) -> bool:
+        with self._lock:
+            for rule in self.fail_rules:
+                if rule.remaining > 0 and rule.method == method and rule.path.search(path):
+                    rule.remaining -= 1
+                    self.failed.append(f"{method} {path}")
+                    return True
+        return False
 
     def _should_drop(self, method: str, path: str) -> bool:
         with self._lock:
@@ -70,6 +88,23 @@ class LossyProxy:
                 if not msg.get("more_body"):
                     return
 
+        if self._should_fail(method, path):
+            async for _ in body():  # read the request, as a server would
+                pass
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b'{"error": "injected failure", "code": "database_unavailable"}',
+                }
+            )
+            return
         async with httpx.AsyncClient(timeout=300) as client:
             req = client.build_request(
                 method,

@@ -6,6 +6,11 @@ The daemon always runs in its own process (``python -m fsagent.cli mount ...
 at once (:class:`MountError`, with the daemon's stderr) if the process dies
 first. Teardown is ``fusermount3 -u -z``, wait, terminate, kill.
 
+``mode="dir"`` starts the same daemon as a plain directory (``--mode dir``):
+it is ready once its ``--ready-file`` names its pid, and it stops on SIGTERM
+(its final save) instead of an unmount. Tests of the shared contract run in
+both modes (the ``mode_mounts`` fixture).
+
 Sources: :func:`tests.support.source.make_source` writes a
 DirectoryBridgeClient directory (run, manifests, objects), so filesystem
 behaviour can be tested without a controller; or point ``controller`` at a
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsagent.dirmode import release_directory
 from fsagent.mount import mount_device
 from tests.support.constants import REPO, SCOPES
 from tests.support.procs import ProcessError, run_module_json
@@ -81,6 +88,23 @@ class FsagentMount:
     """How often :meth:`start` checks for the mount; benchmarks timing the mount poll faster."""
     mount_seconds: float = 0.0
     """Process start to the mount being there, measured by :meth:`start`."""
+    mode: str = "fuse"
+    """``fuse`` or ``dir`` (a plain directory, fsagent.dirmode)."""
+
+    @property
+    def ready_file(self) -> Path:
+        assert self.log_dir is not None
+        return self.log_dir / f"{self.state_dir.name}-{self.mountpoint.name}.ready"
+
+    def served(self) -> bool:
+        """Mounted (FUSE), or its ready file names this daemon (dir mode)."""
+        if self.mode == "fuse":
+            return is_mounted(self.mountpoint)
+        assert self.proc is not None
+        try:
+            return int(json.loads(self.ready_file.read_text())["pid"]) == self.proc.pid
+        except (OSError, ValueError, KeyError):
+            return False
 
     def argv(self) -> list[str]:
         argv = [
@@ -95,8 +119,12 @@ class FsagentMount:
             "--state-dir",
             str(self.state_dir),
             "--foreground",
+            "--mode",
+            self.mode,
             *self.extra,
         ]
+        if self.mode == "dir":
+            argv += ["--ready-file", str(self.ready_file)]
         if self.token_file is not None:
             argv += ["--token-file", str(self.token_file)]
         return argv
@@ -115,6 +143,7 @@ class FsagentMount:
             if exc.errno != errno.ENOTCONN:  # a crashed daemon's mount: fsagent detaches it
                 raise
         self.stderr_path = self._new_stderr_path()
+        self.ready_file.unlink(missing_ok=True)
         with open(self.stderr_path, "wb") as err:
             started = time.perf_counter()
             self.proc = subprocess.Popen(
@@ -123,7 +152,7 @@ class FsagentMount:
             )  # fmt: skip
         deadline = started + timeout
         while time.perf_counter() < deadline:
-            if is_mounted(self.mountpoint):
+            if self.served():
                 self.mount_seconds = time.perf_counter() - started
                 with contextlib.suppress(OSError):
                     self.fuse_conn = os.minor(os.stat(self.mountpoint).st_dev)
@@ -142,7 +171,18 @@ class FsagentMount:
         return self.stderr_path.read_text(errors="replace") if self.stderr_path else ""
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """Unmount lazily, then wait / terminate / kill; returns the exit code."""
+        """Unmount lazily, then wait / terminate / kill; returns the exit code.
+        A plain directory's daemon is sent SIGTERM (its final save) instead."""
+        if self.mode == "dir":
+            if self.proc is None:
+                return None
+            if self.proc.poll() is None:
+                self.proc.terminate()
+            try:
+                return self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait()
         if in_mount_table(self.mountpoint):
             subprocess.run(
                 ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
@@ -177,9 +217,10 @@ class FsagentMount:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
-        subprocess.run(
-            ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
-        )
+        if self.mode == "fuse":
+            subprocess.run(
+                ["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, check=False
+            )
 
     def peak_rss_kib(self) -> int:
         """VmHWM of the daemon: its peak resident set so far, in KiB."""
@@ -212,6 +253,8 @@ class MountFactory:
     counter: int = 0
     env: dict[str, str] | None = None
     """The daemons' environment (None: this process's); see tests/support/pyfuse3_patch.py."""
+    mode: str = "fuse"
+    """The mode of the mounts it makes (``fuse`` or ``dir``)."""
 
     def source(self, folders: dict[str, dict[str, bytes | None]] | None = None, **kw: Any) -> Path:
         self.counter += 1
@@ -241,6 +284,7 @@ class MountFactory:
             list(extra or []),
             log_dir=self.base / "logs",
             env=self.env,
+            mode=self.mode,
         )
         self.mounts.append(m)
         return m.start() if start else m
@@ -251,15 +295,19 @@ class MountFactory:
 
 
 @contextlib.contextmanager
-def mount_factory(prefix: str = "fsa-fuse-") -> Iterator[MountFactory]:
+def mount_factory(prefix: str = "fsa-fuse-", mode: str = "fuse") -> Iterator[MountFactory]:
     """A factory in a fresh short temp dir; on exit every mount is stopped and the dir removed."""
-    factory = MountFactory(private_tmpdir(prefix))
+    factory = MountFactory(private_tmpdir(prefix), mode=mode)
     try:
         yield factory
     finally:
         try:
             factory.close()
         finally:
+            for m in factory.mounts:
+                if m.mode == "dir":  # an unbound directory killed with -9 stays immutable
+                    with contextlib.suppress(OSError):
+                        release_directory(m.mountpoint)
             shutil.rmtree(factory.base, ignore_errors=True)
 
 

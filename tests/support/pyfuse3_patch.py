@@ -11,6 +11,7 @@ builds, which ``make deps`` has already left in ``build/pyfuse3-wheels``), and
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -56,12 +57,23 @@ def patched_site() -> Path | None:
     site = REPO / ".test-cache" / f"pyfuse3-{digest.hexdigest()[:16]}"
     if (site / "pyfuse3").is_dir():
         return site
+    site.parent.mkdir(parents=True, exist_ok=True)
+    # `make test`'s xdist workers may both get here: one builds and installs
+    # while the other waits, then finds the site in place.
+    with open(site.parent / "pyfuse3.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (site / "pyfuse3").is_dir():
+            _install_patched(site)
+    return site
+
+
+def _install_patched(site: Path) -> None:
+    """Build the patched wheel and install it into ``site`` (under the lock)."""
     out = subprocess.run([str(BUILD), "--python", sys.executable], capture_output=True,
                          text=True, check=False, timeout=1800)  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"packaging/pyfuse3/build.sh failed:\n{out.stdout}\n{out.stderr}")
     wheel = out.stdout.strip().splitlines()[-1]
-    site.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=site.name + ".", dir=site.parent))
     try:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
@@ -69,7 +81,6 @@ def patched_site() -> Path | None:
         staging.rename(site)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return site
 
 
 def patched_pyfuse3_env() -> dict[str, str]:

@@ -1,0 +1,165 @@
+"""Save receipts and a run's current warnings: the run history people read.
+
+Every save attempt of a run leaves one ``save_receipts`` row: a checkpoint
+the controller applied (``saved``, in the checkpoint's own transaction),
+refused (``refused`` with the error's code in upper case, e.g.
+``AGENT_FILES_LIMIT_EXCEEDED``) or failed on its side (``failed``), and the
+failure fsagent reports after its last attempt at the stop boundary. Rows
+are only ever added: a later success never erases an earlier failure.
+
+A run's *current* warnings (``runs.warnings``, one array per folder scope)
+are replaced by each receipt of that folder, and set for the agent folder
+when the run first asks who it is (``GET /bridge/v1/run``): a folder at or
+over a limit warns on each run until it is back under. They are diagnostics
+of the run, never errors on the current files.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from controller.api.serialize import iso
+from controller.auth import Principal, membership_role
+from controller.grants import ALL_AGENTS_ROLES, may_configure_agent
+
+MAX_ERROR_CHARS = 2000
+RECEIPTS_PAGE_MAX = 1000
+
+_RECEIPT_COLUMNS = (
+    "id, run_id, scope, owner_id, operation_id, outcome, code, error, details, warnings,"
+    " refused_entries, files_changed, final, at"
+)
+
+
+async def record(
+    conn: AsyncConnection[Any],
+    *,
+    run_id: str,
+    company_id: str,
+    scope: str,
+    owner_id: str,
+    operation_id: str | None,
+    outcome: str,
+    code: str | None = None,
+    error: str | None = None,
+    details: list[Any] | None = None,
+    warnings: list[dict[str, Any]] | None = None,
+    refused_entries: list[dict[str, Any]] | None = None,
+    files_changed: int = 0,
+    final: bool = False,
+) -> int:
+    """Add one receipt; the folder's current warnings of the run become its warnings."""
+    cur = await conn.execute(
+        "INSERT INTO save_receipts (run_id, company_id, scope, owner_id, operation_id, outcome,"
+        " code, error, details, warnings, refused_entries, files_changed, final)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+        (
+            run_id,
+            company_id,
+            scope,
+            owner_id,
+            operation_id,
+            outcome,
+            code,
+            error[:MAX_ERROR_CHARS] if error else None,
+            None if details is None else json.dumps(details),
+            json.dumps(warnings or []),
+            json.dumps(refused_entries or []),
+            files_changed,
+            final,
+        ),
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    await set_warnings(conn, run_id, scope, warnings or [])
+    return int(row["id"])
+
+
+async def set_warnings(
+    conn: AsyncConnection[Any], run_id: str, scope: str, warnings: list[dict[str, Any]]
+) -> None:
+    await conn.execute(
+        "UPDATE runs SET warnings = warnings || jsonb_build_object(%s::text, %s::jsonb)"
+        " WHERE id = %s",
+        (scope, json.dumps(warnings), run_id),
+    )
+
+
+async def warnings_known(conn: AsyncConnection[Any], run_id: str, scope: str) -> bool:
+    cur = await conn.execute(
+        "SELECT warnings ? %s AS known FROM runs WHERE id = %s", (scope, run_id)
+    )
+    row = await cur.fetchone()
+    return bool(row and row["known"])
+
+
+def receipt_json(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": int(row["id"]),
+        "runId": str(row["run_id"]),
+        "scope": row["scope"],
+        "ownerId": row["owner_id"],
+        "operationId": row["operation_id"],
+        "outcome": row["outcome"],
+        "code": row["code"],
+        "error": row["error"],
+        "details": row["details"],
+        "warnings": row["warnings"],
+        "refusedEntries": row["refused_entries"],
+        "filesChanged": int(row["files_changed"]),
+        "final": bool(row["final"]),
+        "at": iso(row["at"]),
+    }
+
+
+async def list_for_run(
+    conn: AsyncConnection[Any], run_id: str, after: int, limit: int
+) -> list[dict[str, Any]]:
+    """The run's receipts, oldest first, after the receipt id ``after``."""
+    cur = await conn.execute(
+        f"SELECT {_RECEIPT_COLUMNS} FROM save_receipts WHERE run_id = %s AND id > %s"
+        " ORDER BY id LIMIT %s",
+        (run_id, after, limit),
+    )
+    return [receipt_json(r) for r in await cur.fetchall()]
+
+
+async def run_row(
+    conn: AsyncConnection[Any], company_id: str, run_id: str
+) -> dict[str, Any] | None:
+    cur = await conn.execute(
+        "SELECT * FROM runs WHERE company_id = %s AND id = %s", (company_id, run_id)
+    )
+    row: dict[str, Any] | None = await cur.fetchone()
+    return row
+
+
+async def receipt_counts(conn: AsyncConnection[Any], run_id: str) -> dict[str, int]:
+    cur = await conn.execute(
+        "SELECT outcome, count(*) AS n FROM save_receipts WHERE run_id = %s GROUP BY outcome",
+        (run_id,),
+    )
+    counts = {"saved": 0, "refused": 0, "failed": 0}
+    counts.update({r["outcome"]: int(r["n"]) for r in await cur.fetchall()})
+    return counts
+
+
+async def may_read_run(
+    conn: AsyncConnection[Any], principal: Principal, company_id: str, run: dict[str, Any]
+) -> bool:
+    """A run's history is for the company's owners and admins, the run's
+    responsible user and the members who may configure its agent; runs read
+    no run history."""
+    if principal.kind != "user" or principal.user_id is None:
+        return False
+    role = await membership_role(conn, company_id, principal.user_id)
+    if role is None:
+        return False
+    if role in ALL_AGENTS_ROLES or str(run["user_id"]) == principal.user_id:
+        return True
+    return await may_configure_agent(
+        conn, company_id, principal.user_id, str(run["agent_id"]), role
+    )

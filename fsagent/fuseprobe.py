@@ -1,0 +1,138 @@
+"""Which mode serves a collection: FUSE where it works, a plain directory elsewhere.
+
+``--mode auto`` (the default of ``fsagent mount`` and ``fsagent up``, or
+``$FSAGENT_MODE``) uses FUSE when ``/dev/fuse`` opens and a test mount
+succeeds, and falls back to ``dir`` mode otherwise. The test mount is the
+real thing: ``python -m fsagent.fuseprobe DIR`` mounts an empty pyfuse3
+filesystem on a private temporary directory and unmounts it, in a process of
+its own, so a runtime that hangs on mount (or libfuse missing) cannot hang
+or break the daemon, and the daemon's own pyfuse3 session starts fresh.
+
+A state dir keeps the mode it was first served in (fsagent.statedir,
+``claim_mode``): ``auto`` follows it, so a collection is never served in the
+other mode by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from fsagent.errors import FsagentError, MountFailed
+
+MODES: Final = ("auto", "fuse", "dir")
+MODE_ENV: Final = "FSAGENT_MODE"
+PROBE_TIMEOUT: Final = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The mode that serves a collection and why (shown by ``status`` and ``doctor``)."""
+
+    mode: str
+    reason: str
+
+
+def default_mode() -> str:
+    """``$FSAGENT_MODE`` when it names a mode (a systemd drop-in can set it), else auto."""
+    value = os.environ.get(MODE_ENV, "auto")
+    return value if value in MODES else "auto"
+
+
+def probe_fuse(timeout: float = PROBE_TIMEOUT) -> Decision:
+    """``fuse`` if ``/dev/fuse`` opens and a test mount works, else ``dir``;
+    the reason names what was found."""
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        return Decision("dir", f"/dev/fuse cannot be opened ({exc.strerror})")
+    os.close(fd)
+    where = Path(tempfile.mkdtemp(prefix="fsagent-probe-"))
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "fsagent.fuseprobe", str(where)],
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        subprocess.run(["fusermount3", "-u", "-z", str(where)], capture_output=True, check=False)
+        return Decision("dir", f"a test FUSE mount did not finish within {timeout:.0f}s")
+    finally:
+        try:
+            where.rmdir()
+        except OSError:
+            shutil.rmtree(where, ignore_errors=True)
+    if out.returncode == 0:
+        return Decision("fuse", "/dev/fuse opens and a test mount works")
+    # libfuse says why on stderr ("fuse: mount failed: ..."), then our own line.
+    lines = [line.strip() for line in (out.stderr or out.stdout).splitlines() if line.strip()]
+    why = "; ".join(lines[-2:]) if lines else f"exit status {out.returncode}"
+    return Decision("dir", f"a test FUSE mount failed ({why})")
+
+
+def recorded_mode(state_dir: Path) -> str | None:
+    """The mode the state dir was served in, or None (no state yet, or unreadable:
+    the daemon's own open reports that)."""
+    from fsagent.journal import Journal
+    from fsagent.statedir import MARKER
+
+    if not (state_dir / MARKER).exists():
+        return None
+    try:
+        state = Journal.open(state_dir, readonly=True)
+    except (FsagentError, OSError):
+        return None
+    try:
+        record = state.mode_record()
+        if record is not None:
+            return str(record["mode"])
+        # Written before dir mode existed: a hydrated one is a FUSE collection.
+        return "fuse" if state.baseline().hydrated else None
+    finally:
+        state.close()
+
+
+def decide(requested: str, state_dir: Path | None, reason: str | None = None) -> Decision:
+    """The mode for ``--mode requested``; ``reason`` is the caller's, when it
+    already decided (``fsagent up`` probes once for all four collections)."""
+    if requested != "auto":
+        return Decision(requested, reason or f"--mode {requested}")
+    recorded = recorded_mode(state_dir) if state_dir is not None else None
+    if recorded == "dir":
+        return Decision("dir", "the state dir holds a plain-directory collection")
+    found = probe_fuse()
+    if found.mode == "dir" and recorded == "fuse":
+        raise MountFailed(
+            f"FUSE is not available here ({found.reason}), and the state dir {state_dir} "
+            "holds a FUSE collection whose unsaved changes only a FUSE mount can serve"
+        )
+    return found if recorded is None else Decision("fuse", f"{found.reason}; {FUSE_STATE}")
+
+
+FUSE_STATE: Final = "the state dir holds a FUSE collection"
+
+
+def test_mount(where: Path) -> int:
+    """Mount an empty filesystem at ``where`` and unmount it (``python -m
+    fsagent.fuseprobe``); one line on stderr when it fails."""
+    try:
+        import pyfuse3
+    except ImportError as exc:  # libfuse3 itself may be missing
+        print(f"pyfuse3 cannot be loaded: {exc}", file=sys.stderr)
+        return 1
+    try:
+        pyfuse3.init(pyfuse3.Operations(), str(where), {"fsname=fsagent-probe", "subtype=fsagent"})
+    except RuntimeError as exc:
+        print(f"pyfuse3.init: {exc}", file=sys.stderr)
+        return 1
+    pyfuse3.close(unmount=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(test_mount(Path(sys.argv[1])))

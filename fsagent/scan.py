@@ -1,0 +1,717 @@
+"""The scan engine: the members of a tree on the sandbox's own disk, with
+content digests, read stably, at a cost that follows the changes.
+
+Two users: repository checkpoints (:mod:`fsagent.repocapture` lists a
+checkout's members with Git) and plain-directory collections where FUSE is
+unavailable (:mod:`fsagent.dirscan` walks the whole directory through pinned
+descriptors and reads changed files with :func:`hash_stable`). Nothing here
+knows about Git.
+
+One scan (:func:`scan_tree`):
+
+1. **List and lstat** every path the caller names (``list_paths()``), and
+   every directory above them. A parent that is not a real directory (a
+   symbolic link, say) hides what is below it: those paths are reported, not
+   followed.
+2. **Read** each regular file whose metadata the cache does not know: open it
+   with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO swapped in cannot block us, a
+   symbolic link swapped in cannot redirect us), ``fstat`` must show the
+   same device and inode as the ``lstat`` and a regular file, hash it
+   (SHA-256), then ``fstat`` and ``lstat`` again: any difference (size,
+   mtime, ctime, inode) marks the file *unstable*. A small thread pool reads
+   several files at once (hashlib releases the GIL on large buffers).
+3. **List and lstat again**: a fingerprint of every (path, kind, device,
+   inode, size, mode, mtime, ctime) before and after must be equal, else the
+   tree changed during the scan (a file added, removed, replaced or
+   rewritten) and the result is unstable.
+
+An unstable result must not be committed: the caller retries (a checkout
+being written to settles) and reports a failure after a few attempts. Torn
+content (half old, half new) can therefore never be saved.
+
+**The metadata cache** (:class:`MetadataCache`) maps a path to the
+``lstat`` key it was hashed under (device, inode, size, mode, mtime_ns,
+ctime_ns) and the digest. A file whose key is unchanged is neither read nor
+hashed. ``ctime`` changes on every write and cannot be set by a user, so a
+``touch -d`` back to the old mtime still misses. A digest is remembered only
+when the file's mtime and ctime are at least :data:`RACY_MARGIN_NS` older
+than the scan's start: a write in the same timestamp tick right after the
+read could otherwise leave the key unchanged (Git's "racily clean" problem).
+The cache is kept in memory and saved to one compact file in the state dir;
+when that write fails (ENOSPC, EDQUOT, EROFS...) the cache carries on in
+memory only and the scan still succeeds: **a scan never needs free disk
+space**.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import stat
+import struct
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, NamedTuple
+
+from fsagent.errors import MemberChanged
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["file", "symlink", "dir"]
+
+READ_CHUNK: Final = 1 << 20
+HASH_THREADS: Final = 4
+"""Files read at once: enough to overlap I/O waits with hashing on a small VM."""
+WORK_GROUP: Final = 64
+"""Files per task handed to the pool: one future per file costs more than a small file's read."""
+RACY_MARGIN_NS: Final = 1_000_000_000
+"""A digest is cached only for files last changed this long before the scan
+started. File timestamps come from the kernel's coarse clock (a tick of at
+most 10 ms); a second leaves room for clock steps and coarse filesystems."""
+
+OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class StatKey(NamedTuple):
+    """What identifies one version of a file's contents, as ``lstat`` shows it.
+
+    A tuple, so the cache can keep and compare plain tuples (loading 100,000
+    entries builds no objects beyond them)."""
+
+    dev: int
+    ino: int
+    size: int
+    mode: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> StatKey:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One entry of a scanned tree: a regular file, a symbolic link or a directory."""
+
+    path: str
+    kind: Kind
+    digest: str | None = None
+    size: int = 0
+    executable: bool = False
+    target: str | None = None
+    key: StatKey | None = None
+    """For a file: the metadata its digest was computed under (to re-open it
+    for upload and check that it is still that file)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form (:mod:`common.repos` Member)."""
+        if self.kind == "file":
+            return {
+                "path": self.path,
+                "kind": "file",
+                "digest": self.digest,
+                "byteSize": self.size,
+                "executable": self.executable,
+            }
+        if self.kind == "symlink":
+            return {"path": self.path, "kind": "symlink", "target": self.target}
+        return {"path": self.path, "kind": "dir"}
+
+    def same_content(self, other: Member) -> bool:
+        """Whether ``other`` saves as the same member (metadata keys aside)."""
+        return (
+            self.kind == other.kind
+            and self.digest == other.digest
+            and self.executable == other.executable
+            and self.target == other.target
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """A listed path that is not part of the result, and why (shown to the user)."""
+
+    path: str
+    reason: str
+
+
+@dataclass
+class ScanStats:
+    listed: int = 0
+    hashed: int = 0
+    """Files read and hashed (cache misses)."""
+    hashed_bytes: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "listed": self.listed,
+            "hashed": self.hashed,
+            "hashedBytes": self.hashed_bytes,
+            "cacheHits": self.cache_hits,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class ScanResult:
+    members: list[Member]
+    """Sorted by path."""
+    problems: list[Problem]
+    unstable: list[str]
+    """Paths that changed while the scan looked at them; empty when stable."""
+    stats: ScanStats = field(default_factory=ScanStats)
+    paths: list[str] = field(default_factory=list)
+    """What the last listing named: the ``guess`` for the next scan."""
+
+    @property
+    def stable(self) -> bool:
+        return not self.unstable
+
+
+PathRule = Callable[[str], str | None]
+"""Why a listed path cannot be a member (a name the controller refuses), or None."""
+LinkRule = Callable[[str, str], str | None]
+"""Why a symbolic link at a path with a target cannot be a member, or None."""
+ReadHook = Callable[[str], None]
+"""Called after a file is hashed and before it is checked again (tests inject changes here)."""
+
+
+# --- the metadata cache ----------------------------------------------------------
+
+_CACHE_MAGIC: Final = b"FSAMC1\n"
+_CACHE_RECORD: Final = struct.Struct(">QQQIqq32sH")
+"""dev, ino, size, mode, mtime_ns, ctime_ns, sha256, path length; then the path (UTF-8)."""
+
+
+class MetadataCache:
+    """path → (StatKey, digest), in memory, saved to ``file`` when it can be.
+
+    Loading a missing or unreadable file gives an empty cache (a cache is
+    never needed for correctness, only for speed). :meth:`save` writes a new
+    file beside the old one and renames it over, so a crash or a full disk
+    leaves the old file (whose entries are still right for the files they
+    name: a key that no longer matches is a miss).
+    """
+
+    def __init__(self, file: Path | None = None) -> None:
+        self.file = file
+        self._entries: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._dirty = False
+        self.degraded: str | None = None
+        """Why the last save failed (the cache then lives in memory only); None when saved."""
+
+    @classmethod
+    def load(cls, file: Path | None) -> MetadataCache:
+        cache = cls(file)
+        if file is None:
+            return cache
+        try:
+            data = file.read_bytes()
+        except FileNotFoundError:
+            return cache
+        except OSError as exc:
+            log.warning("metadata cache %s unreadable (%s); starting empty", file, exc)
+            return cache
+        try:
+            cache._entries = _decode_cache(data)
+        except ValueError as exc:
+            log.warning("metadata cache %s is damaged (%s); starting empty", file, exc)
+        return cache
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, path: str, key: StatKey) -> str | None:
+        hit = self._entries.get(path)
+        if hit is None or hit[0] != key:
+            return None
+        return hit[1]
+
+    def key_of(self, path: str) -> StatKey | None:
+        """The key ``path`` was cached under, if any."""
+        hit = self._entries.get(path)
+        return None if hit is None else StatKey(*hit[0])
+
+    def put(self, path: str, key: StatKey, digest: str) -> None:
+        entry = (tuple(key), digest)
+        if self._entries.get(path) != entry:
+            self._entries[path] = entry
+            self._dirty = True
+
+    def retain(self, paths: set[str]) -> None:
+        """Forget every path not in ``paths`` (gone from the tree)."""
+        gone = [p for p in self._entries if p not in paths]
+        for p in gone:
+            del self._entries[p]
+        if gone:
+            self._dirty = True
+
+    def save(self) -> bool:
+        """Write the cache file if anything changed; False (and :attr:`degraded`
+        set) when the write failed. Never raises for lack of space."""
+        if self.file is None or not self._dirty:
+            return True
+        tmp = self.file.with_name(self.file.name + ".tmp")
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            data = _encode_cache(self._entries)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            # No fsync: a cache file torn by a power loss reads as damaged
+            # (an empty cache), and a record that decodes but is stale never
+            # matches a file's key. The save stays cheap on every checkpoint.
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.file)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            reason = f"{errno.errorcode.get(exc.errno or 0, 'OSError')}: {exc.strerror or exc}"
+            if self.degraded is None:
+                log.warning("metadata cache not saved (%s); using it in memory only", reason)
+            self.degraded = reason
+            return False
+        self._dirty = False
+        self.degraded = None
+        return True
+
+
+def _encode_cache(entries: dict[str, tuple[tuple[int, ...], str]]) -> bytes:
+    out = [_CACHE_MAGIC]
+    pack = _CACHE_RECORD.pack
+    for path, (key, digest) in entries.items():
+        raw = path.encode("utf-8", "surrogateescape")
+        out.append(pack(*key, bytes.fromhex(digest), len(raw)))
+        out.append(raw)
+    return b"".join(out)
+
+
+def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
+    if not data.startswith(_CACHE_MAGIC):
+        raise ValueError("not a metadata cache file")
+    entries: dict[str, tuple[tuple[int, ...], str]] = {}
+    pos = len(_CACHE_MAGIC)
+    end = len(data)
+    size = _CACHE_RECORD.size
+    unpack = _CACHE_RECORD.unpack_from
+    while pos < end:
+        if pos + size > end:
+            raise ValueError("truncated record")
+        record = unpack(data, pos)
+        pos += size
+        plen = record[7]
+        if pos + plen > end:
+            raise ValueError("truncated path")
+        entries[data[pos : pos + plen].decode("utf-8", "surrogateescape")] = (
+            record[:6],
+            record[6].hex(),
+        )
+        pos += plen
+    return entries
+
+
+# --- reading one file -------------------------------------------------------------
+
+
+def hash_stable(
+    full: str, before: StatKey, hook: ReadHook | None = None, *, dir_fd: int | None = None
+) -> str | None:
+    """The SHA-256 of the file at ``full`` if it is the file ``before`` described
+    and did not change while read; None when it changed (or vanished).
+
+    With ``dir_fd``, ``full`` is a name in that (pinned) directory: no path
+    component above the file is resolved again."""
+    try:
+        fd = os.open(full, OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.ENOTDIR):
+            return None  # removed, or replaced by a link / a special file
+        raise
+    try:
+        opened = os.fstat(fd)
+        if (
+            not stat.S_ISREG(opened.st_mode)
+            or opened.st_dev != before.dev
+            or opened.st_ino != before.ino
+        ):
+            return None
+        sha = hashlib.sha256()
+        while chunk := os.read(fd, READ_CHUNK):
+            sha.update(chunk)
+        if hook is not None:
+            hook(full)
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    try:
+        again = os.stat(full, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    if StatKey.of(after) != before or StatKey.of(again) != before:
+        return None
+    return sha.hexdigest()
+
+
+# --- listing ------------------------------------------------------------------------
+
+
+def walk_tree(root: Path, prune: Callable[[str, bool], bool] | None = None) -> list[str]:
+    """Every path below ``root`` (relative, ``/``-separated), directories
+    included, without following symbolic links. ``prune(path, is_dir)`` True
+    leaves a path out (and, for a directory, everything below it)."""
+    out: list[str] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            it = os.scandir(os.path.join(root, rel) if rel else root)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed while walking: the second listing notices
+        with it:
+            for entry in it:
+                path = f"{rel}/{entry.name}" if rel else entry.name
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if prune is not None and prune(path, is_dir):
+                    continue
+                out.append(path)
+                if is_dir:
+                    stack.append(path)
+    return out
+
+
+def _parents(paths: Iterable[str]) -> set[str]:
+    dirs: set[str] = set()
+    for path in paths:
+        head = path.rpartition("/")[0]
+        while head and head not in dirs:
+            dirs.add(head)
+            head = head.rpartition("/")[0]
+    return dirs
+
+
+@dataclass
+class _Listing:
+    paths: list[str]
+    """What the lister named, sorted, without duplicates."""
+    stats: dict[str, StatKey]
+    """lstat of every listed path that exists (and whose parents are directories)."""
+    hidden: dict[str, str]
+    """Listed paths below something that is not a directory: path → the blocking parent."""
+    fingerprint: dict[str, tuple[int, ...]]
+    parents: list[str]
+    """Every directory above a listed path, sorted (a parent before its children)."""
+
+
+def _fingerprint_of(key: StatKey) -> tuple[int, ...]:
+    if stat.S_ISDIR(key.mode):
+        # A directory's own times change with its entries; its entries are in
+        # the listing themselves, so only what it is counts.
+        return (key.mode, key.dev, key.ino)
+    return key
+
+
+Trusted = Callable[[str], StatKey | None]
+"""The key to use instead of an lstat for a path, or None to lstat it."""
+
+_new_tuple = tuple.__new__
+
+
+def _lstat_all(
+    base: str, paths: Iterable[str], trusted: Trusted | None, trusted_prefix: str
+) -> dict[str, StatKey | None]:
+    """lstat each path (the hot loop of a scan: kept to the bare calls)."""
+    out: dict[str, StatKey | None] = {}
+    lstat = os.lstat
+    for path in paths:
+        if trusted is not None and path.startswith(trusted_prefix):
+            key = trusted(path)
+            if key is not None:
+                out[path] = key
+                continue
+        try:
+            st = lstat(f"{base}/{path}")
+        except (FileNotFoundError, NotADirectoryError):
+            out[path] = None
+            continue
+        out[path] = _new_tuple(
+            StatKey, (st.st_dev, st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns)
+        )
+    return out
+
+
+def _list(
+    root: Path,
+    list_paths: Callable[[], Iterable[str]],
+    guess: list[str] | None,
+    trusted: Trusted | None,
+    trusted_prefix: str = "",
+    previous: _Listing | None = None,
+) -> _Listing:
+    """List, then lstat what was listed. With a ``guess`` (the paths the
+    listing most likely names), the guessed paths are lstat'ed while the
+    lister runs in a thread (it is usually a subprocess), and only the
+    surprises are lstat'ed after it."""
+    base = os.fspath(root)
+    early: dict[str, StatKey | None] = {}
+    if guess:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="scan-list") as pool:
+            listing = pool.submit(lambda: list(list_paths()))
+            early = _lstat_all(base, guess, trusted, trusted_prefix)
+            listed = listing.result()
+    else:
+        listed = list(list_paths())
+    wanted = sorted(set(listed))
+    if previous is not None and previous.paths == wanted:
+        parents = previous.parents  # the same listing: the same directories above it
+    else:
+        parents = sorted(_parents(wanted))
+    blocked: dict[str, str] = {}
+    fingerprint: dict[str, tuple[int, ...]] = {}
+    for d in parents:  # sorted: a parent before its children
+        up = d.rpartition("/")[0]
+        if up and up in blocked:
+            blocked[d] = blocked[up]
+            continue
+        try:
+            st = os.lstat(f"{base}/{d}")
+        except FileNotFoundError:
+            blocked[d] = d
+            continue
+        fingerprint["/" + d] = (st.st_mode, st.st_dev, st.st_ino)  # "/": parents apart
+        if not stat.S_ISDIR(st.st_mode):
+            blocked[d] = d
+    late = _lstat_all(base, [p for p in wanted if p not in early], trusted, trusted_prefix)
+    late.update(early)
+    stats: dict[str, StatKey] = {}
+    hidden: dict[str, str] = {}
+    for path in wanted:
+        if blocked:
+            head = path.rpartition("/")[0]
+            if head and head in blocked:
+                hidden[path] = blocked[head]
+                continue
+        key = late[path]
+        if key is None:
+            continue
+        stats[path] = key
+        # A directory: what it is, not its times (see _fingerprint_of).
+        fingerprint[path] = (key[3], key[0], key[1]) if key[3] & _IFMT == _IFDIR else key
+    return _Listing(wanted, stats, hidden, fingerprint, parents)
+
+
+_IFMT = stat.S_IFMT(0o177777)
+_IFDIR = stat.S_IFDIR
+_IFREG = stat.S_IFREG
+_IFLNK = stat.S_IFLNK
+
+
+# --- the scan ------------------------------------------------------------------------
+
+
+def scan_tree(
+    root: Path,
+    list_paths: Callable[[], Iterable[str]],
+    cache: MetadataCache | None = None,
+    **options: Any,
+) -> ScanResult:
+    """Scan the paths ``list_paths()`` names under ``root`` (see the module
+    doc and :class:`TreeScan` for the options): read, then verify."""
+    scan = TreeScan(root, list_paths, cache, **options)
+    scan.read()
+    return scan.verify()
+
+
+class TreeScan:
+    """One scan in two steps (blocking I/O: run each in a worker thread).
+
+    :meth:`read` lists and lstats the tree and reads what the cache does not
+    know; :meth:`verify` lists and lstats it again and compares. Between the
+    two the caller may start uploading what was read (contents only); nothing
+    may be committed before :meth:`verify` says the result is stable.
+
+    A listed path that does not exist is simply absent. ``list_paths`` is
+    called twice, before and after reading: what it lists may change with
+    the tree (new files).
+
+    ``guess``: the paths the listing probably names (the last scan's
+    :attr:`ScanResult.paths`); they are lstat'ed while the first listing
+    runs, as the before-listing's paths are while the second one runs.
+    ``immutable``: paths whose names fix their contents (Git's objects and
+    packs are named by their hash). Such a path known to the cache is
+    trusted by name: no lstat, no read; its presence in the listing is what
+    the fingerprints compare. ``immutable`` is asked only about paths that
+    start with ``immutable_prefix``.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        list_paths: Callable[[], Iterable[str]],
+        cache: MetadataCache | None = None,
+        *,
+        path_rule: PathRule | None = None,
+        link_rule: LinkRule | None = None,
+        max_file_bytes: int | None = None,
+        threads: int = HASH_THREADS,
+        after_read: ReadHook | None = None,
+        racy_margin_ns: int = RACY_MARGIN_NS,
+        guess: list[str] | None = None,
+        immutable: Callable[[str], bool] | None = None,
+        immutable_prefix: str = "",
+    ) -> None:
+        self.root = root
+        self.list_paths = list_paths
+        self.cache = cache
+        self.path_rule = path_rule
+        self.link_rule = link_rule
+        self.max_file_bytes = max_file_bytes
+        self.threads = threads
+        self.after_read = after_read
+        self.racy_margin_ns = racy_margin_ns
+        self.guess = guess
+        self.immutable_prefix = immutable_prefix
+        self.trusted: Trusted | None = None
+        if immutable is not None and cache is not None:
+            known = cache
+
+            def trusted(path: str) -> StatKey | None:
+                return known.key_of(path) if immutable(path) else None
+
+            self.trusted = trusted
+        self._before: _Listing | None = None
+        self._read: ScanResult | None = None
+        self._started = 0.0
+
+    def read(self) -> ScanResult:
+        """List, lstat and read: the members as they were read, with the
+        paths found changed so far in ``unstable`` (more may follow)."""
+        self._started = time.monotonic()
+        not_after_ns = time.time_ns() - self.racy_margin_ns
+        base = os.fspath(self.root)
+        cache, path_rule, link_rule = self.cache, self.path_rule, self.link_rule
+        max_file_bytes = self.max_file_bytes
+        before = self._before = _list(
+            self.root, self.list_paths, self.guess, self.trusted, self.immutable_prefix
+        )
+        stats = ScanStats(listed=len(before.stats) + len(before.hidden))
+        problems = [Problem(p, f"below_non_directory:{d}") for p, d in before.hidden.items()]
+        members: list[Member] = []
+        to_hash: list[tuple[str, StatKey]] = []
+        unstable: list[str] = []
+        cache_get = cache.get if cache is not None else None
+        for path, key in before.stats.items():
+            if path_rule is not None:
+                why = path_rule(path)
+                if why is not None:
+                    problems.append(Problem(path, why))
+                    continue
+            mode = key[3]
+            kind = mode & _IFMT
+            if kind == _IFREG:
+                size = key[2]
+                if max_file_bytes is not None and size > max_file_bytes:
+                    problems.append(Problem(path, "file_too_large"))
+                    continue
+                digest = cache_get(path, key) if cache_get is not None else None
+                if digest is None:
+                    to_hash.append((path, key))
+                    continue
+                stats.cache_hits += 1
+                members.append(
+                    Member(path, "file", digest, size, bool(mode & stat.S_IXUSR), key=key)
+                )
+            elif kind == _IFLNK:
+                try:
+                    target = os.readlink(f"{base}/{path}")
+                except OSError:
+                    unstable.append(path)  # replaced since the lstat
+                    continue
+                why = link_rule(path, target) if link_rule is not None else None
+                if why is not None:
+                    problems.append(Problem(path, why))
+                    continue
+                members.append(Member(path, "symlink", target=target))
+            elif kind == _IFDIR:
+                members.append(Member(path, "dir"))
+            else:
+                problems.append(Problem(path, "special_file"))  # socket, FIFO, device
+
+        after_read = self.after_read
+
+        def hash_group(group: list[tuple[str, StatKey]]) -> list[tuple[str, str | None]]:
+            return [(p, hash_stable(f"{base}/{p}", key, after_read)) for p, key in group]
+
+        groups = [to_hash[i : i + WORK_GROUP] for i in range(0, len(to_hash), WORK_GROUP)]
+        if len(groups) > 1 and self.threads > 1:
+            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="scan") as pool:
+                hashed = [r for rs in pool.map(hash_group, groups) for r in rs]
+        else:
+            hashed = [r for g in groups for r in hash_group(g)]
+        for (path, key), (_, digest) in zip(to_hash, hashed, strict=True):
+            if digest is None:
+                unstable.append(path)
+                continue
+            stats.hashed += 1
+            stats.hashed_bytes += key.size
+            if cache is not None and max(key.mtime_ns, key.ctime_ns) < not_after_ns:
+                cache.put(path, key, digest)
+            members.append(
+                Member(path, "file", digest, key.size, bool(key.mode & stat.S_IXUSR), key=key)
+            )
+        members.sort(key=lambda m: m.path)
+        problems.sort(key=lambda p: p.path)
+        stats.seconds = time.monotonic() - self._started
+        self._read = ScanResult(members, problems, sorted(unstable), stats, before.paths)
+        return self._read
+
+    def verify(self) -> ScanResult:
+        """List and lstat again: the final result, unstable when anything
+        changed since :meth:`read` began."""
+        assert self._before is not None and self._read is not None, "read() first"
+        before, first = self._before, self._read
+        after = _list(
+            self.root, self.list_paths, before.paths, self.trusted, self.immutable_prefix, before
+        )
+        unstable = list(first.unstable)
+        if after.fingerprint != before.fingerprint:
+            changed = {
+                p.lstrip("/")
+                for p in before.fingerprint.keys() | after.fingerprint.keys()
+                if before.fingerprint.get(p) != after.fingerprint.get(p)
+            }
+            unstable.extend(changed - set(unstable))
+        if self.cache is not None and not unstable:
+            self.cache.retain({m.path for m in first.members if m.kind == "file"})
+        first.stats.seconds = time.monotonic() - self._started
+        return ScanResult(first.members, first.problems, sorted(unstable), first.stats, after.paths)
+
+
+def open_member(root: Path, member: Member) -> int:
+    """Open a scanned file again (for upload) and check it is still the file the
+    scan hashed: same inode and metadata. Returns the fd; raises
+    :class:`MemberChanged` otherwise. The caller closes the fd."""
+    assert member.key is not None
+    full = os.path.join(root, member.path)
+    try:
+        fd = os.open(full, OPEN_FLAGS)
+    except OSError as exc:
+        raise MemberChanged(member.path, f"cannot open: {exc.strerror}") from None
+    try:
+        if StatKey.of(os.fstat(fd)) != member.key:
+            raise MemberChanged(member.path, "changed since the scan")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -1,0 +1,162 @@
+"""The one-time import of an existing agent workspace
+(``controller admin import-agent-files AGENT DIR [--dry-run]``): CLI homes,
+caches, Git metadata and credential stores are excluded, links and special
+files reported and never followed, the rest imported with its bytes and exec
+bits; a controller-side marker refuses any replay. Real controller and
+PostgreSQL, local-disk storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.limits import AGENT_MAX_FILE_BYTES
+from tests.support.agentfiles import agent_files, new_agent
+from tests.support.controller import Tenant
+from tests.support.tmp import private_tmpdir
+
+INSTRUCTIONS = "# Agent\n\nKeep notes in notes/. ✓\n".encode()
+
+
+@pytest.fixture
+def workspace() -> Path:
+    root = private_tmpdir("fsa-import-")
+    files = {
+        "AGENTS.md": INSTRUCTIONS,
+        "notes/memory.md": b"remember this",
+        "bin/tool.sh": b"#!/bin/sh\necho tool\n",
+        ".config/app/settings.toml": b"ok = true",
+        "empty-dir/.keep": b"",
+        # excluded by name, at any depth
+        ".git/config": b"[core]",
+        "proj/.git": b"gitdir: elsewhere",
+        ".codex/config.toml": b"model = x",
+        ".claude/settings.json": b"{}",
+        "node_modules/left-pad/index.js": b"module.exports = 1",
+        "src/__pycache__/a.cpython-311.pyc": b"\x00",
+        ".cache/pip/x": b"cached",
+        ".ssh/id_ed25519": b"PRIVATE KEY",
+        ".aws/credentials": b"[default]",
+        ".gnupg/pubring.kbx": b"k",
+        ".netrc": b"machine x password y",
+        ".config/gh/hosts.yml": b"oauth_token: secret",
+    }
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    os.chmod(root / "bin" / "tool.sh", 0o755)
+    (root / "link-to-secret").symlink_to(root / ".ssh" / "id_ed25519")
+    (root / "linked-dir").symlink_to(root / "notes")
+    os.mkfifo(root / "pipe")
+    (root / "cafe\u0301.md").write_bytes(b"not NFC")  # an NFD name breaks the path rules
+    with open(root / "huge.bin", "wb") as fh:  # sparse: never read, refused by size
+        fh.truncate(AGENT_MAX_FILE_BYTES + 1)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def cleanup(workspace: Path) -> object:
+    yield None
+    shutil.rmtree(workspace, ignore_errors=True)
+
+
+EXCLUDED = {
+    ".aws": "credentials",
+    ".cache": "cache",
+    ".claude": "CLI home",
+    ".codex": "CLI home",
+    ".config/gh": "credentials",
+    ".git": "Git metadata",
+    ".gnupg": "credentials",
+    ".netrc": "credentials",
+    ".ssh": "credentials",
+    "node_modules": "cache",
+    "proj/.git": "Git metadata",
+    "src/__pycache__": "cache",
+}
+
+
+def import_json(tenant: Tenant, agent: str, workspace: Path, *extra: str) -> dict[str, Any]:
+    return tenant.controller.admin("import-agent-files", agent, str(workspace), *extra)
+
+
+def test_import_excludes_reports_and_runs_only_once(tenant: Tenant, workspace: Path) -> None:
+    agent = new_agent(tenant)
+    dry = import_json(tenant, agent, workspace, "--dry-run")
+    assert dry["dry_run"] is True
+    assert {e["path"]: e["reason"] for e in dry["excluded"]} == EXCLUDED
+    refused = {r["path"]: r["reason"] for r in dry["refused"]}
+    assert set(refused) == {"cafe\u0301.md", "huge.bin", "link-to-secret", "linked-dir", "pipe"}
+    assert (
+        refused["link-to-secret"].startswith("symlink to ")
+        and "not followed" in refused["link-to-secret"]
+    )
+    assert refused["pipe"] == "FIFO: not imported"
+    assert "NFC" in refused["cafe\u0301.md"]
+    assert "limit per file" in refused["huge.bin"]
+    planned = {f["path"] for f in dry["imported"]}
+    assert planned == {
+        "AGENTS.md", "notes/memory.md", "bin/tool.sh", ".config/app/settings.toml",
+        "empty-dir/.keep",
+    }  # fmt: skip
+    # A dry run changes nothing and leaves no marker.
+    assert agent_files(tenant, agent) == {"AGENTS.md": b""}
+
+    done = import_json(tenant, agent, workspace)
+    assert done["dry_run"] is False and done["imported"] == dry["imported"]
+    assert agent_files(tenant, agent) == {
+        "AGENTS.md": INSTRUCTIONS,
+        "notes/memory.md": b"remember this",
+        "bin/tool.sh": b"#!/bin/sh\necho tool\n",
+        ".config/app/settings.toml": b"ok = true",
+        "empty-dir/.keep": b"",
+    }
+    with tenant.client() as c:
+        folder = tenant.folder("agent", agent)
+        entries = {e["path"]: e for e in c.get(folder + "/").json()["entries"]}
+        assert entries["bin/tool.sh"]["executable"] is True
+        assert entries["notes/memory.md"]["executable"] is False
+        # The new agent's empty entry was replaced, not kept in the trash.
+        assert c.get(folder + "/", params={"trash": "true"}).json()["entries"] == []
+
+    # No replay, not even a dry run, and the folder is untouched.
+    (workspace / "notes" / "memory.md").write_bytes(b"changed since")
+    ctl = tenant.controller
+    for extra in ((), ("--dry-run",)):
+        code, _, err = ctl.cli("admin", "import-agent-files", agent, str(workspace), *extra)
+        assert code == 1 and "already imported" in err, err
+    assert agent_files(tenant, agent)["notes/memory.md"] == b"remember this"
+    with ctl.db() as db:
+        row = db.execute(
+            "SELECT source, summary FROM agent_imports WHERE agent_id = %s", (agent,)
+        ).fetchone()
+    assert row is not None and row[0] == str(workspace)
+    assert len(row[1]["imported"]) == 5 and len(row[1]["excluded"]) == len(EXCLUDED)
+
+
+def test_a_broken_entry_is_refused_and_the_summary_reads_as_text(
+    tenant: Tenant, workspace: Path
+) -> None:
+    agent = new_agent(tenant)
+    (workspace / "AGENTS.md").write_bytes(b"caf\xe9\n")
+    code, out, err = tenant.controller.cli(
+        "admin", "import-agent-files", agent, str(workspace), "--dry-run"
+    )
+    assert code == 0, err
+    first, *lines = out.splitlines()
+    assert first.startswith("would import 4 file(s)") and "excluded 12, refused 6" in first
+    assert "  refused   AGENTS.md  (the instruction entry: " in "\n".join(lines)
+    assert "  excluded  .ssh  (credentials)" in lines
+    code, out, err = tenant.controller.cli("admin", "import-agent-files", agent, "/nonexistent")
+    assert code == 1 and "is not a directory" in err
+    summary = json.loads(
+        tenant.controller.cli("admin", "import-agent-files", agent, str(workspace), "--json")[1]
+    )
+    assert "AGENTS.md" not in {f["path"] for f in summary["imported"]}
+    assert agent_files(tenant, agent)["AGENTS.md"] == b""  # the entry stays valid

@@ -1,0 +1,345 @@
+"""An agent folder's storage limits are sync-validation limits
+(spec/agent-files.md): an API save over one is 422 and changes nothing; a
+run's save over one saves none of its agent-folder changes, says why in its
+receipt and warns, and the next run gets the previous folder; the run's local
+copy is discarded at stop; an over-limit folder restores and warns until it
+is back under; transient failures get three attempts, then a failure receipt.
+Real controller, PostgreSQL and FUSE; the limits are lowered by the
+controller's flags so that a few small files reach them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from common.bridge import PREFIX
+from common.limits import AGENT_MAX_FILE_BYTES, GiB, MiB
+from tests.support.agentfiles import (
+    AgentRun,
+    agent_files,
+    flush_reply,
+    folder_counters,
+    mount_agent,
+    new_agent,
+    operate,
+    put,
+    run_detail,
+    run_receipts,
+    start_agent_run,
+)
+from tests.support.controller import (
+    ControllerProcess,
+    PgCluster,
+    Tenant,
+    bootstrap_tenant,
+    private_controller,
+    world_searchable_tmpdir,
+)
+from tests.support.lossy_proxy import LossyProxy
+from tests.support.mount import MountFactory
+
+FILE_MAX, TOTAL_MAX, ENTRIES_MAX = 1000, 5000, 10
+SMALL_LIMITS = (
+    "--agent-max-file-bytes", str(FILE_MAX),
+    "--agent-max-total-bytes", str(TOTAL_MAX),
+    "--agent-max-entries", str(ENTRIES_MAX),
+)  # fmt: skip
+EXIT_SAVE_FAILED = 4
+
+
+@pytest.fixture(scope="module")
+def small(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+    """A controller whose agent folders hold 10 entries, 1000 bytes per file, 5000 in all."""
+    with private_controller(pg_cluster, "fsa-agentlim-", *SMALL_LIMITS) as ctl:
+        yield ctl
+
+
+@pytest.fixture
+def st(small: ControllerProcess) -> Tenant:
+    return bootstrap_tenant(small)
+
+
+def limit_detail(r: Any) -> dict[str, Any]:
+    assert r.status_code == 422 and r.json()["code"] == "agent_files_limit_exceeded", r.text
+    detail: dict[str, Any] = r.json()["details"][0]
+    return detail
+
+
+def test_api_saves_over_each_limit_are_422_and_change_nothing(st: Tenant) -> None:
+    agent = new_agent(st)
+    task_project = st.controller.admin("create-project", st.company_id, "p")["id"]
+    task = st.controller.admin("create-task", st.company_id, task_project, "t")["id"]
+    with st.client() as c:
+        before = folder_counters(st, "agent", agent)
+        r = put(c, st, "agent", agent, "big.bin", b"b" * (FILE_MAX + 1))
+        assert limit_detail(r) == {
+            "limit": "fileBytes", "max": FILE_MAX, "value": FILE_MAX + 1, "path": "big.bin",
+        }  # fmt: skip
+        assert folder_counters(st, "agent", agent) == before
+        # The limits are the agent folder's alone.
+        assert put(c, st, "task", task, "big.bin", b"b" * (FILE_MAX + 1)).status_code == 201
+
+        for i in range(5):  # 5000 bytes: at the limit, allowed
+            assert put(c, st, "agent", agent, f"f{i}.bin", b"x" * FILE_MAX).status_code == 201
+        before = folder_counters(st, "agent", agent)
+        r = put(c, st, "agent", agent, "one-more.txt", b"!")
+        assert limit_detail(r) == {"limit": "totalBytes", "max": TOTAL_MAX, "value": TOTAL_MAX + 1}
+        # Growing an existing file counts too; shrinking one is always fine.
+        r = put(c, st, "agent", agent, "f0.bin", b"x" * FILE_MAX + b"!")
+        assert limit_detail(r)["limit"] == "fileBytes"
+        assert folder_counters(st, "agent", agent) == before
+        assert put(c, st, "agent", agent, "f0.bin", b"small").status_code == 200
+
+        # Entries: AGENTS.md and f0..f4 are 6; four folders make 10.
+        for name in ("d1", "d2", "d3", "d4"):
+            r = operate(c, st, "agent", agent, action="mkdir", path=name)
+            assert r.status_code == 200, r.text
+        r = operate(c, st, "agent", agent, action="mkdir", path="d5")
+        assert limit_detail(r) == {"limit": "entries", "max": ENTRIES_MAX, "value": ENTRIES_MAX + 1}
+        # A restore from the trash brings entries back, so it is checked as well.
+        assert operate(c, st, "agent", agent, action="delete", path="d4").status_code == 200
+        assert operate(c, st, "agent", agent, action="mkdir", path="d5").status_code == 200
+        trashed = c.get(st.folder("agent", agent) + "/", params={"trash": "true"}).json()
+        d4 = next(e for e in trashed["entries"] if e["path"] == "d4")
+        r = operate(c, st, "agent", agent, action="restore", fileId=d4["id"])
+        assert limit_detail(r)["limit"] == "entries"
+        # A move adds nothing.
+        assert operate(c, st, "agent", agent, action="move", path="d5", to="d6").status_code == 200
+    listed = agent_files(st, agent)
+    assert set(listed) == {"AGENTS.md", "f0.bin", "f1.bin", "f2.bin", "f3.bin", "f4.bin"}
+
+
+def wait_for_receipts(tenant: Tenant, run_id: str, n: int) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 30
+    while len(got := run_receipts(tenant, run_id)) < n:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.2)
+    return got
+
+
+def write_past(root: Path, limit: str) -> dict[str, Any]:
+    """The agent's writes that take the folder past ``limit`` (besides editing
+    keep.md and adding notes/new.md); the refusal's expected details."""
+    if limit == "fileBytes":
+        (root / "big.bin").write_bytes(os.urandom(FILE_MAX * 3))
+        return {"limit": "fileBytes", "max": FILE_MAX, "value": FILE_MAX * 3, "path": "big.bin"}
+    if limit == "totalBytes":
+        for i in range(6):  # each under the per-file limit, together over the total
+            (root / f"part{i}.bin").write_bytes(b"p" * 999)
+        return {"limit": "totalBytes", "max": TOTAL_MAX, "value": 17 + 3 + 6 * 999}
+    for i in range(7):  # 2 saved entries, notes/ and notes/new.md, and these: 11
+        (root / f"e{i}.txt").write_bytes(b"e")
+    return {"limit": "entries", "max": ENTRIES_MAX, "value": ENTRIES_MAX + 1}
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("limit", ["fileBytes", "totalBytes", "entries"])
+def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
+    mounts: MountFactory, st: Tenant, limit: str
+) -> None:
+    agent = new_agent(st)
+    with st.client() as c:
+        assert put(c, st, "agent", agent, "keep.md", b"saved before").status_code == 201
+    saved = agent_files(st, agent)
+    run = start_agent_run(st, agent, user=st.user_id)
+    m = mount_agent(mounts, run)
+    root = m.mountpoint
+    # The agent writes past the limit while it runs: nothing stops it.
+    (root / "keep.md").write_bytes(b"edited by the run")
+    (root / "notes").mkdir()
+    (root / "notes" / "new.md").write_bytes(b"new")
+    expected = write_past(root, limit)
+    assert m.signal(signal.SIGTERM) == EXIT_SAVE_FAILED, m.stderr()
+    assert "discarded" in m.stderr()
+
+    assert agent_files(st, agent) == saved  # none of the run's agent changes
+    receipt = run_receipts(st, run.run_id)[-1]
+    assert receipt["outcome"] == "refused" and receipt["final"] is True, receipt
+    assert receipt["code"] == "AGENT_FILES_LIMIT_EXCEEDED"
+    assert receipt["details"] == [expected]
+    # A warning of the run, which does not fail it.
+    detail = run_detail(st, run.run_id).json()
+    assert detail["state"] != "failed", detail
+    [warning] = detail["warnings"]
+    assert warning["code"] == "AGENT_FILES_LIMIT_EXCEEDED" and warning["limit"] == limit
+    assert warning.get("path") == expected.get("path")
+    with st.client() as c:
+        sync = c.get(st.folder("agent", agent) + "/sync").json()
+    mine = next(r for r in sync["runs"] if r["runId"] == run.run_id)
+    assert [w["code"] for w in mine["warnings"]] == ["AGENT_FILES_LIMIT_EXCEEDED"]
+    # The local copy is gone: no archive, nothing left to ship later.
+    assert list(m.state_dir.iterdir()) == []
+
+    # The next run gets the previous saved folder.
+    run.end()
+    nxt = start_agent_run(st, agent, user=st.user_id)
+    m2 = mount_agent(mounts, nxt, state_dir=m.state_dir)
+    assert sorted(p.name for p in m2.mountpoint.iterdir()) == ["AGENTS.md", "keep.md"]
+    assert (m2.mountpoint / "keep.md").read_bytes() == b"saved before"
+    assert run_detail(st, nxt.run_id).json()["warnings"] == []
+    assert m2.signal(signal.SIGTERM) == 0, m2.stderr()
+
+
+@pytest.mark.fuse
+def test_a_periodic_save_over_a_limit_is_retried_once_the_agent_cleans_up(
+    mounts: MountFactory, st: Tenant
+) -> None:
+    agent = new_agent(st)
+    run = start_agent_run(st, agent, user=st.user_id)
+    m = mount_agent(mounts, run)
+    for i in range(5):  # 4995 bytes, and 900 more: over the 5000-byte total
+        (m.mountpoint / f"part{i}.bin").write_bytes(b"p" * 999)
+    (m.mountpoint / "part5.bin").write_bytes(b"p" * 5)
+    (m.mountpoint / "extra.bin").write_bytes(b"e" * 900)
+    code, reply = flush_reply(m)
+    assert code == EXIT_SAVE_FAILED and "agent_files_limit_exceeded" in reply["error"], reply
+    assert agent_files(st, agent) == {"AGENTS.md": b""}
+    (m.mountpoint / "extra.bin").unlink()
+    code, reply = flush_reply(m)
+    assert code == 0 and reply["ok"] is True, reply
+    assert len(agent_files(st, agent)) == 7  # AGENTS.md and part0-5
+    receipts = run_receipts(st, run.run_id)
+    # The later success does not erase the earlier refusal.
+    assert [r["outcome"] for r in receipts] == ["refused", "saved"]
+    assert receipts[0]["details"][0]["limit"] == "totalBytes"
+    # At the limit (5000 of 5000 bytes): the run's current warning says so.
+    warnings = run_detail(st, run.run_id).json()["warnings"]
+    assert [(w["code"], w["limit"]) for w in warnings] == [("AGENT_FILES_AT_LIMIT", "totalBytes")]
+    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+
+
+@pytest.mark.fuse
+def test_an_over_limit_folder_restores_and_warns_on_each_run_until_back_under(
+    mounts: MountFactory, pg_cluster: PgCluster
+) -> None:
+    """Saved under generous limits, the folder is over the lowered ones: every
+    file is still restored, each run warns, and the agent can clean up."""
+    tmp = world_searchable_tmpdir("fsa-overlimit-")
+    ctl = ControllerProcess(pg_cluster.create_database(), tmp)
+    try:
+        ctl.start()
+        tenant = bootstrap_tenant(ctl)
+        agent = new_agent(tenant)
+        with tenant.client() as c:
+            for name in ("a.bin", "b.bin", "c.bin"):
+                assert put(c, tenant, "agent", agent, name, b"z" * 2000).status_code == 201
+        ctl.stop()
+        ctl.extra_args = list(SMALL_LIMITS)
+        ctl.start()
+
+        run = start_agent_run(tenant, agent, user=tenant.user_id)
+        m = mount_agent(mounts, run)
+        assert sorted(p.name for p in m.mountpoint.iterdir()) == [
+            "AGENTS.md", "a.bin", "b.bin", "c.bin",
+        ]  # fmt: skip
+        assert (m.mountpoint / "c.bin").read_bytes() == b"z" * 2000
+        warned = {
+            (w["code"], w["limit"]) for w in run_detail(tenant, run.run_id).json()["warnings"]
+        }
+        assert warned == {
+            ("AGENT_FILES_AT_LIMIT", "fileBytes"),
+            ("AGENT_FILES_AT_LIMIT", "totalBytes"),
+        }
+        # Cleaning up step by step: each save that shrinks the folder is taken.
+        (m.mountpoint / "a.bin").unlink()
+        (m.mountpoint / "b.bin").unlink()
+        assert m.fsagent("flush", "agent")["ok"] is True
+        still = [w["limit"] for w in run_detail(tenant, run.run_id).json()["warnings"]]
+        assert still == ["fileBytes"]
+        (m.mountpoint / "c.bin").write_bytes(b"small now")
+        assert m.signal(signal.SIGTERM) == 0, m.stderr()
+        assert run_detail(tenant, run.run_id).json()["warnings"] == []
+        run.end()
+        again = start_agent_run(tenant, agent, user=tenant.user_id)
+        with ctl_bridge(tenant, again) as c:
+            assert c.get("/run").json()["warnings"] == []
+    finally:
+        ctl.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ctl_bridge(tenant: Tenant, run: AgentRun) -> httpx.Client:
+    return httpx.Client(
+        base_url=tenant.controller.url + PREFIX,
+        headers={"Authorization": f"Bearer {run.token}"},
+        timeout=60,
+    )
+
+
+@pytest.mark.fuse
+def test_a_300_mib_file_is_written_and_refused_only_at_save(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    """With the default limits: fsagent takes a 300 MiB file in the agent folder
+    (still EFBIG past 1 GiB, like every collection); the save is refused."""
+    agent = new_agent(tenant)
+    run = start_agent_run(tenant, agent, user=tenant.user_id)
+    m = mount_agent(mounts, run)
+    big = m.mountpoint / "model.bin"
+    with open(big, "wb") as fh:
+        fh.truncate(300 * MiB)  # sparse: zeros the upload compresses to almost nothing
+        fh.seek(300 * MiB - 5)
+        fh.write(b"tail!")
+    assert big.stat().st_size == 300 * MiB
+    with open(m.mountpoint / "huge.bin", "wb") as fh:
+        with pytest.raises(OSError) as exc:
+            fh.truncate(GiB + 1)
+        assert exc.value.errno == errno.EFBIG
+    (m.mountpoint / "huge.bin").unlink()
+    assert m.signal(signal.SIGTERM, timeout=300) == EXIT_SAVE_FAILED, m.stderr()
+    receipt = run_receipts(tenant, run.run_id)[-1]
+    assert receipt["code"] == "AGENT_FILES_LIMIT_EXCEEDED"
+    assert receipt["details"] == [
+        {"limit": "fileBytes", "max": AGENT_MAX_FILE_BYTES, "value": 300 * MiB, "path": "model.bin"}
+    ]
+    assert agent_files(tenant, agent) == {"AGENTS.md": b""}
+
+
+@pytest.fixture
+def proxy(controller: ControllerProcess) -> Iterator[LossyProxy]:
+    p = LossyProxy(controller.url).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+COMMITS = r"/folders/agent/checkpoints$"
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("failures", [2, 100])
+def test_transient_failures_get_three_attempts_then_a_failure_receipt(
+    mounts: MountFactory, tenant: Tenant, proxy: LossyProxy, failures: int
+) -> None:
+    agent = new_agent(tenant)
+    run = start_agent_run(tenant, agent, user=tenant.user_id)
+    # One request per attempt (no retries within one): attempts are countable.
+    m = mount_agent(mounts, run, controller=proxy.url, extra=["--retry-deadline", "0"])
+    (m.mountpoint / "work.md").write_bytes(b"the run's work")
+    proxy.fail_next("POST", COMMITS, failures)
+    code = m.signal(signal.SIGTERM, timeout=120)
+    receipts = run_receipts(tenant, run.run_id)
+    if failures == 2:  # the third attempt saves
+        assert code == 0, m.stderr()
+        assert len(proxy.failed) == 2
+        assert agent_files(tenant, agent) == {"AGENTS.md": b"", "work.md": b"the run's work"}
+        assert [r["outcome"] for r in receipts] == ["saved"]
+    else:
+        assert code == EXIT_SAVE_FAILED, m.stderr()
+        assert len(proxy.failed) == 3
+        assert agent_files(tenant, agent) == {"AGENTS.md": b""}
+        [receipt] = receipts
+        assert receipt["outcome"] == "failed" and receipt["final"] is True, receipt
+        assert "after 3 attempt(s)" in receipt["error"]
+        assert receipt["operationId"] and receipt["operationId"].startswith("cp-")
+    assert list(m.state_dir.iterdir()) == []  # discarded either way

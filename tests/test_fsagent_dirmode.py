@@ -1,0 +1,328 @@
+"""Plain-directory mode end to end: a sandbox without FUSE (simulated for real:
+a mount namespace where ``/dev/fuse`` is ``/dev/null``), refusals reported by
+name while the rest is saved, and the start-up refusals that protect a
+directory. The daemon runs as a subprocess against a real controller.
+
+(The shared contract, checkpoints, warm start, fencing, crashes and faults,
+runs in both modes in test_checkpoints.py and test_checkpoint_faults*.py.)
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from common.limits import MAX_FILE_BYTES
+from fsagent.client import open_client
+from fsagent.dirfs import open_root
+from fsagent.dirmode import DirShipper, hydrate_directory
+from fsagent.dirstore import DirStore
+from fsagent.store import Store
+from tests.support.controller import Tenant
+from tests.support.mount import REPO, MountFactory, mount_factory
+from tests.support.tmp import private_tmpdir
+from tests.test_checkpoints import server_files, start_run, token_file
+
+OCTET = {"Content-Type": "application/octet-stream"}
+NO_FUSE = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+           'mount --bind /dev/null /dev/fuse && exec "$0" "$@"']  # fmt: skip
+"""Run a command where /dev/fuse is /dev/null: it opens, and no FUSE mount can
+be made (the kernel refuses the device), as in a container without FUSE."""
+
+
+@pytest.fixture
+def mounts() -> Iterator[MountFactory]:
+    """Plain-directory mounts only: what these tests check, a FUSE mount refuses
+    at write time (test_fsagent_posix.py)."""
+    with mount_factory(mode="dir") as factory:
+        yield factory
+
+
+def fsagent_json(*args: str) -> Any:
+    out = subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", *args, "--json"],
+        capture_output=True, text=True, cwd=REPO, check=False, timeout=300,
+    )  # fmt: skip
+    assert out.returncode in (0, 4), out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+def start_up(base: Path, name: str, controller: str, token: Path) -> subprocess.Popen[bytes]:
+    """``fsagent up`` (mode auto) in a mount namespace without a usable FUSE device."""
+    home, state = base / name / "home", base / name / "state"
+    with open(base / f"{name}.log", "wb") as log:
+        return subprocess.Popen(
+            [*NO_FUSE, sys.executable, "-m", "fsagent.cli", "up", "--home", str(home),
+             "--controller", controller, "--token-file", str(token), "--state-root", str(state),
+             "--env-file", str(base / name / "env"), "--checkpoint-interval", "600"],
+            cwd=REPO, stdout=log, stderr=log,
+        )  # fmt: skip
+
+
+def wait_ready(proc: subprocess.Popen[bytes], ready: Path, log: Path) -> None:
+    """Until ``ready`` (the env file, or a ready file) exists; fails if ``proc`` died."""
+    deadline = time.monotonic() + 180
+    while not ready.exists():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
+@pytest.mark.fuse
+def test_without_fuse_up_serves_plain_directories_that_save_and_restore(tenant: Tenant) -> None:
+    run = start_run(tenant)
+    folder = tenant.folder("task", run["task"])
+    with tenant.client() as c:
+        r = c.put(folder + "/content", params={"path": "notes/plan.md"}, content=b"the plan",
+                  headers=OCTET)  # fmt: skip
+        assert r.status_code == 201, r.text
+    base = private_tmpdir("fsa-nofuse-")
+    token = base / "token"
+    token.write_text(run["token"])
+    first = start_up(base, "first", tenant.controller.url, token)
+    try:
+        wait_ready(first, base / "first" / "env", base / "first.log")
+        home = base / "first" / "home"
+        out = (base / "first.log").read_text()
+        assert out.count("FUSE is not available") == 1, out  # said once, for all four
+        assert "a test FUSE mount failed" in out
+        for scope in ("task", "agent", "user", "project"):
+            assert (home / scope).is_dir() and not os.path.ismount(home / scope), scope
+        assert (home / "task" / "notes" / "plan.md").read_bytes() == b"the plan"
+        # An unbound collection is an empty directory nothing can be written to.
+        assert list((home / "user").iterdir()) == []
+        with pytest.raises(OSError) as info:
+            (home / "user" / "x").write_bytes(b"x")
+        assert info.value.errno in (errno.EACCES, errno.EPERM)
+        (home / "task" / "result.txt").write_bytes(b"agent's work")
+        (home / "agent" / "memory.md").write_bytes(b"remember this")
+        (home / "task" / "notes" / "plan.md").write_bytes(b"the plan, revised")
+        status = fsagent_json("status", "--state-dir", str(base / "first" / "state" / "task"))
+        [task] = status["collections"]
+        assert task["mode"]["mode"] == "dir" and task["state"] == "serving"
+        assert "a test FUSE mount failed" in task["mode"]["reason"]
+        assert task["unsavedChanges"] == 2
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=180) == 0, (base / "first.log").read_text()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert os.access(base / "first" / "home" / "user", os.W_OK)  # read-only only while served
+    assert server_files(tenant, "task", run["task"]) == {
+        "notes/plan.md": b"the plan, revised",
+        "result.txt": b"agent's work",
+    }
+    assert server_files(tenant, "agent", run["agent"]) == {
+        "AGENTS.md": b"",  # the agent's instruction entry, made with the agent
+        "memory.md": b"remember this",
+    }
+    # The agent folder's local copy ends with the run (its contract); the others stay.
+    assert list((base / "first" / "home" / "agent").iterdir()) == []
+    assert list((base / "first" / "state" / "agent").iterdir()) == []
+    assert (base / "first" / "home" / "task" / "result.txt").read_bytes() == b"agent's work"
+    # A replacement sandbox (new home, no state) gets its task folder back:
+    # `fsagent mount` on its own decides the same way.
+    directory, ready = base / "again" / "task", base / "again" / "ready"
+    directory.mkdir(parents=True)
+    with open(base / "again.log", "wb") as log:
+        again = subprocess.Popen(
+            [*NO_FUSE, sys.executable, "-m", "fsagent.cli", "mount", "task", str(directory),
+             "--controller", tenant.controller.url, "--token-file", str(token), "--state-dir",
+             str(base / "again" / "state"), "--foreground", "--ready-file", str(ready)],
+            cwd=REPO, stdout=log, stderr=log,
+        )  # fmt: skip
+    try:
+        wait_ready(again, ready, base / "again.log")
+        assert json.loads(ready.read_text())["mode"] == "dir"
+        assert (directory / "result.txt").read_bytes() == b"agent's work"
+        assert (directory / "notes" / "plan.md").read_bytes() == b"the plan, revised"
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=180) == 0, (base / "again.log").read_text()
+        assert (base / "again.log").read_text().count("FUSE is not available") == 1
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_refused_paths_are_named_by_flush_and_status_and_the_rest_is_saved(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    run = start_run(tenant)
+    folder = tenant.folder("task", run["task"])
+    with tenant.client() as c:
+        for path, data in (("saved.txt", b"saved"), ("linked-later.txt", b"was a file")):
+            r = c.put(folder + "/content", params={"path": path}, content=data, headers=OCTET)
+            assert r.status_code == 201, r.text
+    secret = mounts.base / "secret"
+    secret.write_bytes(b"outside the collection")
+    m = mounts.mount(tenant.controller.url, scope="task", token_file=token_file(mounts, run))
+    root = m.mountpoint
+    os.symlink(secret, root / "link")
+    os.symlink(mounts.base, root / "linked-dir")
+    os.link(root / "saved.txt", root / "hard")
+    os.mkfifo(root / "fifo")
+    fd = os.open(root / "huge.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.ftruncate(fd, MAX_FILE_BYTES + 1)  # sparse
+    os.close(fd)
+    (root / "tab\tname").write_bytes(b"x")
+    (root / "linked-later.txt").unlink()
+    os.symlink(secret, root / "linked-later.txt")
+    (root / "work.txt").write_bytes(b"the valid change")
+    reply = m.fsagent("flush", "task")
+    assert reply["ok"] is True, reply
+    refused = {r["path"]: r["reason"] for r in reply["result"]["dir"]["refused"]}
+    assert refused == {
+        "fifo": "special_file",
+        "hard": "hard_link",
+        "huge.bin": "file_too_large",
+        "link": "symlink",
+        "linked-dir": "symlink",
+        "linked-later.txt": "symlink",
+        "saved.txt": "hard_link",
+        "tab\tname": "invalid_name: path contains forbidden character U+0009",
+    }
+    assert reply["result"]["entries"] == 1
+    assert server_files(tenant, "task", run["task"]) == {
+        "saved.txt": b"saved",
+        "linked-later.txt": b"was a file",
+        "work.txt": b"the valid change",
+    }
+    status = m.fsagent("status")["collections"][0]
+    assert status["mode"]["mode"] == "dir" and status["mode"]["reason"] == "--mode dir"
+    assert {r["path"] for r in status["scan"]["refused"]} == set(refused)
+    text = subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "status", "--state-dir", str(m.state_dir)],
+        capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    assert "refused (never saved, never followed): 8 path(s)" in text
+    assert "    fifo: special_file" in text and "    linked-dir: symlink" in text
+    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+    assert "final save: 0 change(s) saved; 8 path(s) refused" in m.stderr()
+
+
+def test_dir_mode_fills_only_an_empty_directory_and_needs_no_pyfuse3(mounts: MountFactory) -> None:
+    src = mounts.source({"agent": {"a.txt": b"from the source"}})
+    m = mounts.mount(src, start=False)
+    m.mountpoint.mkdir()
+    (m.mountpoint / "mine.txt").write_bytes(b"already here")
+    proc = subprocess.run(m.argv(), capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 5, proc.stderr
+    assert "is not empty; dir mode fills an empty directory" in proc.stderr
+    assert os.listdir(m.mountpoint) == ["mine.txt"]
+    assert (m.mountpoint / "mine.txt").read_bytes() == b"already here"
+    # Emptied, it is filled, by a daemon that cannot load pyfuse3 (a sandbox
+    # without libfuse): dir mode never needs it.
+    (m.mountpoint / "mine.txt").unlink()
+    no_pyfuse3 = "import sys; sys.modules['pyfuse3'] = None; from fsagent.cli import main; "
+    argv = [sys.executable, "-c", no_pyfuse3 + "sys.exit(main(sys.argv[1:]))", *m.argv()[3:]]
+    with open(mounts.base / "no-pyfuse3.log", "wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=log)
+    try:
+        wait_ready(proc, m.ready_file, mounts.base / "no-pyfuse3.log")
+        assert (m.mountpoint / "a.txt").read_bytes() == b"from the source"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (mounts.base / "no-pyfuse3.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_mount_detaches_once_the_directory_is_ready(mounts: MountFactory) -> None:
+    src = mounts.source({"agent": {"a.txt": b"hydrated before mount returns"}})
+    m = mounts.mount(src, start=False)
+    m.mountpoint.mkdir()
+    argv = [a for a in m.argv() if a != "--foreground"]
+    res = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"agent ready at {m.mountpoint} (dir mode" in res.stdout
+    assert (m.mountpoint / "a.txt").read_bytes() == b"hydrated before mount returns"
+    daemon = json.loads((m.state_dir / "daemon.json").read_text())
+    os.kill(daemon["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while (m.state_dir / "daemon.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.fuse
+def test_auto_never_serves_a_fuse_collection_as_a_directory(mounts: MountFactory) -> None:
+    src = mounts.source({"agent": {"a.txt": b"saved"}})
+    state = mounts.base / "fuse-state"
+    store = Store.open(state)
+    store.hydrate([], 1)  # a FUSE collection that may hold unsaved changes
+    store.claim_mode("fuse", "a test mount works", "/elsewhere")
+    store.close()
+    directory = mounts.base / "agent"
+    directory.mkdir()
+    res = subprocess.run(
+        [*NO_FUSE, sys.executable, "-m", "fsagent.cli", "mount", "agent", str(directory),
+         "--controller", f"dir:{src}", "--state-dir", str(state), "--foreground"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 5, res.stderr
+    assert "FUSE is not available here" in res.stderr
+    assert "holds a FUSE collection" in res.stderr
+    assert os.listdir(directory) == []
+
+
+def test_a_torn_write_is_never_saved_and_saves_whole_later(tenant: Tenant, tmp_path: Path) -> None:
+    """The shipper of a plain directory, in process against the real controller:
+    a file rewritten while it is read is left out (reported as retrying) while
+    the rest saves, and the next checkpoint saves it whole."""
+    run = start_run(tenant)
+    directory = tmp_path / "task"
+    directory.mkdir()
+    busy = directory / "busy.bin"
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        client = open_client(tenant.controller.url, run["token"])
+        fd = open_root(directory)
+        store = DirStore.open(tmp_path / "state")
+        try:
+            store.attach(fd)
+            await hydrate_directory(store, client, "task", fd, 2)
+            shipper = DirShipper(store, client, "task", run["lease_epoch"])
+            busy.write_bytes(b"A" * (3 << 20))
+            (directory / "calm.txt").write_bytes(b"calm")
+
+            def rewrite(path: str) -> None:
+                if path == "busy.bin":  # each read: the second half changes under the reader
+                    with open(busy, "r+b") as fh:
+                        fh.seek(3 << 19)
+                        fh.write(os.urandom(3 << 19))
+
+            store.after_read = rewrite
+            first = (await shipper.ship_checkpoint()).to_json()
+            first["dir"] = shipper.last_report
+            store.after_read = None
+            second = (await shipper.ship_checkpoint()).to_json()
+            second["dir"] = shipper.last_report
+            return first, second
+        finally:
+            store.close()
+            os.close(fd)
+            await client.aclose()
+
+    first, second = trio.run(scenario)
+    assert first["entries"] == 1 and first["dir"]["retrying"] == ["busy.bin"]
+    assert second["entries"] == 1 and second["dir"]["retrying"] == []
+    assert server_files(tenant, "task", run["task"]) == {
+        "calm.txt": b"calm",
+        "busy.bin": busy.read_bytes(),
+    }

@@ -1,0 +1,337 @@
+"""The scan engine (fsagent/scan.py) on real files: members and digests, the
+stable-read rules, the before/after fingerprint, and the metadata cache
+(hits counted, invalidation, persistence, degradation on a full disk)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsagent.errors import MemberChanged
+from fsagent.scan import (
+    MetadataCache,
+    ScanResult,
+    StatKey,
+    hash_stable,
+    open_member,
+    scan_tree,
+    walk_tree,
+)
+from tests.support.smallfs import assert_full, fill, free_fill, small_tmpfs
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write(root: Path, rel: str, data: bytes, mode: int = 0o644) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    path.chmod(mode)
+    return path
+
+
+def lister(root: Path) -> list[str]:
+    return walk_tree(root)
+
+
+def scan(root: Path, cache: MetadataCache | None = None, **kw: Any) -> ScanResult:
+    return scan_tree(root, lambda: lister(root), cache, **kw)
+
+
+def test_members_digests_exec_bits_links_and_problems(tmp_path: Path) -> None:
+    write(tmp_path, "a.txt", b"alpha")
+    write(tmp_path, "bin/run", b"#!/bin/sh\necho hi\n", 0o755)
+    write(tmp_path, "big.bin", os.urandom(3 << 20))
+    (tmp_path / "link").symlink_to("a.txt")
+    (tmp_path / "empty").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(tmp_path / "sock"))
+        result = scan_tree(tmp_path, lambda: [*lister(tmp_path), "missing.txt"])
+    assert result.stable
+    by_path = {m.path: m for m in result.members}
+    assert set(by_path) == {"a.txt", "bin", "bin/run", "big.bin", "link", "empty"}
+    assert by_path["a.txt"].to_json() == {
+        "path": "a.txt",
+        "kind": "file",
+        "digest": sha(b"alpha"),
+        "byteSize": 5,
+        "executable": False,
+    }
+    assert by_path["bin/run"].executable and by_path["bin/run"].digest == sha(
+        b"#!/bin/sh\necho hi\n"
+    )
+    assert by_path["big.bin"].digest == sha((tmp_path / "big.bin").read_bytes())
+    assert by_path["link"].to_json() == {"path": "link", "kind": "symlink", "target": "a.txt"}
+    assert by_path["empty"].kind == "dir"
+    assert [(p.path, p.reason) for p in result.problems] == [
+        ("fifo", "special_file"),
+        ("sock", "special_file"),
+    ]
+    assert [m.path for m in result.members] == sorted(by_path)
+    assert result.stats.hashed == 3 and result.stats.cache_hits == 0
+
+
+def test_rules_refuse_names_links_and_sizes_without_reading(tmp_path: Path) -> None:
+    write(tmp_path, "ok.txt", b"ok")
+    write(tmp_path, "bad\u202etxt", b"x")
+    write(tmp_path, "huge.bin", b"y" * 100)
+    (tmp_path / "escape").symlink_to("../outside")
+    result = scan_tree(
+        tmp_path,
+        lambda: lister(tmp_path),
+        path_rule=lambda p: "forbidden_character" if "\u202e" in p else None,
+        link_rule=lambda p, t: "symlink_escapes_checkout" if t.startswith("..") else None,
+        max_file_bytes=50,
+    )
+    assert [m.path for m in result.members] == ["ok.txt"]
+    assert {(p.path, p.reason) for p in result.problems} == {
+        ("bad\u202etxt", "forbidden_character"),
+        ("huge.bin", "file_too_large"),
+        ("escape", "symlink_escapes_checkout"),
+    }
+    assert result.stats.hashed == 1
+
+
+def test_a_symlinked_parent_is_never_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    write(outside, "secret.txt", b"not part of the tree")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "dir").symlink_to(outside)
+    result = scan_tree(root, lambda: ["dir/secret.txt", "dir"])
+    assert [m.to_json() for m in result.members] == [
+        {"path": "dir", "kind": "symlink", "target": str(outside)}
+    ]
+    assert [(p.path, p.reason) for p in result.problems] == [
+        ("dir/secret.txt", "below_non_directory:dir")
+    ]
+    assert result.stats.hashed == 0
+
+
+def test_a_file_changed_while_read_is_unstable(tmp_path: Path) -> None:
+    write(tmp_path, "a.txt", b"first version")
+    write(tmp_path, "b.txt", b"steady")
+
+    def mutate(full: str) -> None:
+        if full.endswith("a.txt"):
+            with open(full, "ab") as fh:
+                fh.write(b" and more")
+
+    result = scan(tmp_path, after_read=mutate)
+    assert not result.stable
+    assert result.unstable == ["a.txt"]
+
+
+def test_a_same_size_rewrite_while_read_is_unstable(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.txt", b"AAAA")
+
+    def rewrite(full: str) -> None:
+        time.sleep(0.02)  # past the coarse clock's tick, as any real later write is
+        with open(full, "r+b") as fh:
+            fh.write(b"BBBB")
+
+    result = scan_tree(tmp_path, lambda: ["a.txt"], after_read=rewrite)
+    assert result.unstable == ["a.txt"]
+    assert path.read_bytes() == b"BBBB"
+
+
+def test_a_file_added_or_removed_during_the_scan_is_unstable(tmp_path: Path) -> None:
+    write(tmp_path, "a.txt", b"a")
+    write(tmp_path, "gone.txt", b"g")
+
+    def churn(full: str) -> None:
+        (tmp_path / "new.txt").write_bytes(b"new")
+        (tmp_path / "gone.txt").unlink(missing_ok=True)
+
+    result = scan_tree(tmp_path, lambda: lister(tmp_path), after_read=churn, threads=1)
+    assert "new.txt" in result.unstable and "gone.txt" in result.unstable
+
+
+def test_a_file_replaced_by_rename_during_the_scan_is_unstable(tmp_path: Path) -> None:
+    write(tmp_path, "a.txt", b"one")
+    write(tmp_path, "z.txt", b"two")
+
+    def replace_a(full: str) -> None:
+        if full.endswith("z.txt"):
+            write(tmp_path, "a.tmp", b"uno")
+            os.replace(tmp_path / "a.tmp", tmp_path / "a.txt")
+
+    result = scan_tree(tmp_path, lambda: ["a.txt", "z.txt"], after_read=replace_a, threads=1)
+    assert result.unstable == ["a.txt"]
+
+
+def test_hash_stable_never_blocks_on_a_fifo_swapped_in(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.txt", b"data")
+    before = StatKey.of(os.lstat(path))
+    path.unlink()
+    os.mkfifo(path)  # nobody writes it: a blocking open would hang
+    started = time.monotonic()
+    assert hash_stable(str(path), before) is None
+    assert time.monotonic() - started < 1
+
+
+def test_hash_stable_refuses_a_link_swapped_in(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.txt", b"data")
+    write(tmp_path, "other.txt", b"other")
+    before = StatKey.of(os.lstat(path))
+    path.unlink()
+    path.symlink_to("other.txt")
+    assert hash_stable(str(path), before) is None
+
+
+def test_cache_skips_unchanged_files_and_catches_every_change(tmp_path: Path) -> None:
+    root = tmp_path / "tree"
+    for i in range(20):
+        write(root, f"d{i % 3}/f{i}.txt", f"file {i}".encode())
+    cache = MetadataCache()
+    first = scan_tree(root, lambda: lister(root), cache, racy_margin_ns=0)
+    assert first.stats.hashed == 20 and len(cache) == 20
+
+    again = scan_tree(root, lambda: lister(root), cache, racy_margin_ns=0)
+    assert again.stats.hashed == 0 and again.stats.cache_hits == 20
+    assert [m.to_json() for m in again.members] == [m.to_json() for m in first.members]
+
+    time.sleep(0.02)
+    write(root, "d0/f0.txt", b"FILE 0")  # same size, new bytes
+    old = os.lstat(root / "d1/f1.txt")
+    write(root, "d1/f1.txt", b"file 1!")
+    os.utime(root / "d1/f1.txt", ns=(old.st_atime_ns, old.st_mtime_ns))  # mtime put back
+    write(root, "d2/f2.tmp", b"file Z")
+    os.replace(root / "d2/f2.tmp", root / "d2/f2.txt")  # a new inode
+    (root / "d0/f3.txt").unlink()
+    third = scan_tree(root, lambda: lister(root), cache, racy_margin_ns=0)
+    assert third.stats.hashed == 3 and third.stats.cache_hits == 16
+    digests = {m.path: m.digest for m in third.members}
+    assert digests["d0/f0.txt"] == sha(b"FILE 0")
+    assert digests["d1/f1.txt"] == sha(b"file 1!")
+    assert digests["d2/f2.txt"] == sha(b"file Z")
+    assert "d0/f3.txt" not in digests and len(cache) == 19
+
+
+def test_files_changed_just_before_the_scan_are_not_cached(tmp_path: Path) -> None:
+    write(tmp_path, "fresh.txt", b"written a moment ago")
+    cache = MetadataCache()
+    scan_tree(tmp_path, lambda: ["fresh.txt"], cache)  # the default margin
+    assert len(cache) == 0
+    again = scan_tree(tmp_path, lambda: ["fresh.txt"], cache)
+    assert again.stats.hashed == 1
+
+
+def test_cache_persists_and_a_damaged_file_starts_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "tree"
+    for i in range(5):
+        write(root, f"f{i}", bytes([i]) * 100)
+    file = tmp_path / "state" / "metacache"
+    cache = MetadataCache.load(file)
+    scan_tree(root, lambda: lister(root), cache, racy_margin_ns=0)
+    assert cache.save() and file.exists()
+    reloaded = MetadataCache.load(file)
+    result = scan_tree(root, lambda: lister(root), reloaded, racy_margin_ns=0)
+    assert result.stats.hashed == 0 and result.stats.cache_hits == 5
+
+    file.write_bytes(file.read_bytes()[:-3])
+    with caplog.at_level(logging.WARNING, logger="fsagent.scan"):
+        damaged = MetadataCache.load(file)
+    assert len(damaged) == 0 and "damaged" in caplog.text
+    assert scan_tree(root, lambda: lister(root), damaged).stats.hashed == 5
+
+
+def test_open_member_checks_the_file_is_still_the_scanned_one(tmp_path: Path) -> None:
+    write(tmp_path, "a.txt", b"before")
+    (member,) = scan_tree(tmp_path, lambda: ["a.txt"]).members
+    fd = open_member(tmp_path, member)
+    try:
+        assert os.read(fd, 100) == b"before"
+    finally:
+        os.close(fd)
+    time.sleep(0.02)
+    write(tmp_path, "a.txt", b"after!")
+    with pytest.raises(MemberChanged):
+        open_member(tmp_path, member)
+
+
+def test_stat_key_is_what_identifies_a_version(tmp_path: Path) -> None:
+    path = write(tmp_path, "a", b"x")
+    k1 = StatKey.of(os.lstat(path))
+    os.chmod(path, 0o755)
+    assert StatKey.of(os.lstat(path)) != k1  # a mode change is a new key (the exec bit)
+
+
+@pytest.mark.allow_warning_logs
+def test_cache_degrades_to_memory_on_a_full_disk_and_recovers(tmp_path: Path) -> None:
+    root = tmp_path / "tree"
+    for i in range(10):
+        write(root, f"f{i}", os.urandom(1000))
+    with small_tmpfs("4m") as state:
+        file = state / "metacache"
+        cache = MetadataCache.load(file)
+        fill(state)
+        assert_full(state)
+        first = scan_tree(root, lambda: lister(root), cache, racy_margin_ns=0)
+        assert first.stable and len(first.members) == 10
+        assert cache.save() is False
+        assert cache.degraded is not None and cache.degraded.startswith("ENOSPC")
+        assert not file.exists() and not file.with_name("metacache.tmp").exists()
+        # In memory it still skips every unchanged file.
+        second = scan_tree(root, lambda: lister(root), cache, racy_margin_ns=0)
+        assert second.stats.hashed == 0 and second.stats.cache_hits == 10
+        free_fill(state)
+        assert cache.save() is True and cache.degraded is None
+        assert len(MetadataCache.load(file)) == 10
+
+
+def test_immutable_names_are_trusted_from_the_cache_without_a_read(tmp_path: Path) -> None:
+    write(tmp_path, "obj/aa", b"object one")
+    write(tmp_path, "obj/bb", b"object two")
+    write(tmp_path, "work.txt", b"work")
+    cache = MetadataCache()
+
+    def is_object(path: str) -> bool:
+        return path.startswith("obj/")
+
+    def run() -> ScanResult:
+        return scan_tree(
+            tmp_path, lambda: lister(tmp_path), cache, racy_margin_ns=0, immutable=is_object
+        )
+
+    first = run()
+    assert first.stats.hashed == 3
+    time.sleep(0.02)
+    # Rewriting an object in place breaks Git's own rule; it shows that an
+    # object known by name is neither lstat'ed nor read again.
+    write(tmp_path, "obj/aa", b"OBJECT ONE")
+    write(tmp_path, "work.txt", b"WORK")
+    second = run()
+    digests = {m.path: m.digest for m in second.members}
+    assert digests["obj/aa"] == sha(b"object one") and digests["work.txt"] == sha(b"WORK")
+    assert second.stats.hashed == 1
+    (tmp_path / "obj" / "bb").unlink()  # a removal is still seen: the listing names paths
+    write(tmp_path, "obj/cc", b"object three")  # and a new object is read once
+    third = run()
+    assert {m.path for m in third.members if m.kind == "file"} == {"obj/aa", "obj/cc", "work.txt"}
+    assert third.stats.hashed == 1
+
+
+def test_a_guess_of_the_listing_changes_nothing_but_the_order_of_work(tmp_path: Path) -> None:
+    for i in range(30):
+        write(tmp_path, f"d{i % 4}/f{i}", bytes([i]) * 10)
+    plain = scan_tree(tmp_path, lambda: lister(tmp_path))
+    (tmp_path / "d1" / "f1").unlink()
+    write(tmp_path, "d9/new", b"new")
+    guessed = scan_tree(tmp_path, lambda: lister(tmp_path), guess=plain.paths)
+    expected = scan_tree(tmp_path, lambda: lister(tmp_path))
+    assert guessed.stable and guessed.paths == expected.paths
+    assert [m.to_json() for m in guessed.members] == [m.to_json() for m in expected.members]
+    assert "d1/f1" in plain.paths and "d1/f1" not in guessed.paths

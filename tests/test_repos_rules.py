@@ -1,0 +1,257 @@
+"""The repository checkpoint rule book (common/repos.py) as pure functions:
+members, whole trees, symlink resolution, portable config, names and refs.
+The same rules over HTTP, with nothing published, are in test_repos_unsafe.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from common.repos import (
+    MAX_SYMLINK_HOPS,
+    RULES,
+    RepoMember,
+    checkout_name,
+    checkout_name_problem,
+    is_dotgit_name,
+    member_problem,
+    parse_member,
+    portable_config,
+    ref_problem,
+    tree_problem,
+)
+from tests.support.repos import dir_member, file_member, link_member, members_of, small_repo
+
+
+def tree(extra: list[dict[str, Any]], drop: tuple[str, ...] = ()) -> dict[str, RepoMember]:
+    members = [m for m in members_of(small_repo()) if m["path"] not in drop] + extra
+    for m in members:
+        assert member_problem(m) is None, m
+    return {m["path"]: parse_member(m) for m in members}
+
+
+def test_a_small_repository_is_accepted() -> None:
+    assert tree_problem(tree([])) is None
+
+
+@pytest.mark.parametrize(
+    ("member", "rule"),
+    [
+        ("not a dict", "member_malformed"),
+        ({"path": "a", "kind": "file"}, "member_malformed"),
+        ({**file_member("a", b"x"), "mode": 0o644}, "member_malformed"),
+        ({**file_member("a", b"x"), "byteSize": -1}, "member_malformed"),
+        ({**file_member("a", b"x"), "byteSize": True}, "member_malformed"),
+        ({**file_member("a", b"x"), "digest": "ABC"}, "member_malformed"),
+        ({**file_member("a", b"x"), "executable": "yes"}, "member_malformed"),
+        ({**file_member("a", b"x"), "byteSize": (1 << 30) + 1}, "file_too_large"),
+        (file_member("../a", b"x"), "path_invalid"),
+        (file_member("/etc/passwd", b"x"), "path_invalid"),
+        (file_member("a/./b", b"x"), "path_invalid"),
+        (file_member("a\x00b", b"x"), "path_invalid"),
+        ({"path": "s", "kind": "socket"}, "kind_not_allowed"),
+        ({"path": "p", "kind": "fifo"}, "kind_not_allowed"),
+        ({"path": "d", "kind": "device"}, "kind_not_allowed"),
+        (file_member(".git", b"gitdir: /elsewhere/.git\n"), "git_file"),
+        (link_member(".git", "/elsewhere/.git"), "symlink_absolute"),
+        (file_member(".git/objects/info/alternates", b"/srv/o\n"), "git_alternates"),
+        (file_member(".git/objects/info/ALTERNATES", b"/srv/o\n"), "git_alternates"),
+        (file_member(".git/objects/info/http-alternates", b"x"), "git_alternates"),
+        (file_member(".git/commondir", b".."), "git_commondir"),
+        (file_member(".git/gitdir", b"/x"), "git_gitdir"),
+        (file_member(".git/worktrees/w/gitdir", b"/x"), "git_worktrees"),
+        (dir_member(".git/modules"), "git_modules"),
+        (file_member(".git/modules/sub/config", b"x"), "git_modules"),
+        (file_member(".git/config", b"[core]\n"), "git_member_not_allowed"),
+        (file_member(".git/hooks/post-checkout", b"#!/bin/sh"), "git_member_not_allowed"),
+        (file_member(".git/info/exclude", b"x"), "git_member_not_allowed"),
+        (dir_member(".git/HEAD"), "git_member_not_allowed"),
+        (file_member(".git/objects", b"x"), "git_member_not_allowed"),
+        (file_member(".GIT/config", b"x"), "git_case_alias"),
+        (file_member(".Git/hooks/pre-commit", b"x"), "git_case_alias"),
+        (file_member("git~1/config", b"x"), "git_case_alias"),
+        (file_member(".git\u200c/config", b"x"), "git_case_alias"),
+        (file_member(".git. /config", b"x"), "git_case_alias"),
+        (file_member(".git::$INDEX_ALLOCATION/config", b"x"), "git_case_alias"),
+        (file_member("vendor/.git/config", b"x"), "nested_git_dir"),
+        (dir_member("vendor/.GiT"), "nested_git_dir"),
+        (link_member("abs", "/etc/passwd"), "symlink_absolute"),
+        (link_member("up", "../outside"), "symlink_escapes_checkout"),
+        (link_member("a/b/up", "../../.."), "symlink_escapes_checkout"),
+        (link_member("self", "."), "symlink_escapes_checkout"),
+        (link_member("g", ".git/config"), "symlink_into_git_dir"),
+        (link_member("g", ".GIT/hooks"), "symlink_into_git_dir"),
+        (link_member("sub/g", "../.git"), "symlink_into_git_dir"),
+        (link_member(".git/refs/heads/x", "main"), "symlink_in_git_dir"),
+        (link_member("empty", ""), "symlink_target_invalid"),
+        (link_member("ctl", "a\nb"), "symlink_target_invalid"),
+        (link_member("long", "a/" * 2048 + "b"), "symlink_target_invalid"),
+    ],
+)
+def test_member_problem_names_the_rule(member: Any, rule: str) -> None:
+    assert rule in RULES
+    assert member_problem(member) == rule
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        dir_member(".git"),
+        file_member(".git/HEAD", b"ref: refs/heads/main\n"),
+        file_member(".git/packed-refs", b"x"),
+        file_member(".git/objects/pack/pack-1.pack", b"PACK"),
+        file_member(".git/objects/info/packs", b"P pack-1.pack\n"),
+        file_member(".git/refs/tags/v1", b"x"),
+        file_member(".git/logs/HEAD", b"x"),
+        file_member(".gitignore", b"node_modules\n"),
+        file_member(".github/workflows/ci.yml", b"x"),
+        file_member("docs/.gitkeep", b""),
+        link_member("docs/readme", "../README.md"),
+        link_member("lib/current", "v2"),
+        link_member("dangling", "nowhere/at/all"),
+        {
+            "path": "bin/tool",
+            "kind": "file",
+            "digest": "0" * 64,
+            "byteSize": 1 << 30,
+            "executable": True,
+        },
+    ],
+)
+def test_ordinary_members_pass(member: dict[str, Any]) -> None:
+    assert member_problem(member) is None
+
+
+def test_dotgit_aliases() -> None:
+    for name in (
+        ".git",
+        ".GIT",
+        ".gIt",
+        "git~1",
+        "GIT~1",
+        ".git.",
+        ".git ",
+        ".g\u200cit",
+        ".git\ufeff",
+    ):
+        assert is_dotgit_name(name), name
+    for name in (".gitignore", ".github", "git", "xgit", ".git-x", "git~2"):
+        assert not is_dotgit_name(name), name
+
+
+@pytest.mark.parametrize(
+    ("extra", "drop", "where", "rule"),
+    [
+        ([], (".git/HEAD",), ".git/HEAD", "git_head_missing"),
+        ([file_member("README.md/x", b"x")], (), "README.md/x", "parent_not_directory"),
+        (
+            [link_member("lnk", "src"), file_member("lnk/evil.py", b"x")],
+            (),
+            "lnk/evil.py",
+            "parent_not_directory",
+        ),
+        # Each link alone resolves inside; through s1/s2/s3/b (-> s1) the
+        # second leaves the checkout.
+        (
+            [link_member("s1/s2/s3/b", "../.."), link_member("s1/s2/s3/c", "b/../../x")],
+            (),
+            "s1/s2/s3/c",
+            "symlink_escapes_checkout",
+        ),
+        (
+            [link_member("a/b/c/l1", "../.."), link_member("a/b/c/l2", "l1/../.git")],
+            (),
+            "a/b/c/l2",
+            "symlink_into_git_dir",
+        ),
+        (
+            [link_member("l1", "l2"), link_member("l2", "l1")],
+            (),
+            "l1",
+            "symlink_loop",
+        ),
+    ],
+)
+def test_tree_problem_names_the_member_and_rule(
+    extra: list[dict[str, Any]], drop: tuple[str, ...], where: str, rule: str
+) -> None:
+    assert tree_problem(tree(extra, drop)) == (where, rule)
+
+
+def test_link_chains_inside_the_checkout_pass() -> None:
+    chain = [link_member(f"c/l{i}", f"l{i + 1}") for i in range(MAX_SYMLINK_HOPS - 1)]
+    chain.append(link_member(f"c/l{MAX_SYMLINK_HOPS - 1}", "../src/main.py"))
+    assert tree_problem(tree(chain)) is None
+    longer = [*chain[:-1], link_member(f"c/l{MAX_SYMLINK_HOPS - 1}", f"l{MAX_SYMLINK_HOPS}")]
+    longer.append(link_member(f"c/l{MAX_SYMLINK_HOPS}", "../src/main.py"))
+    assert tree_problem(tree(longer)) == ("c/l0", "symlink_loop")
+
+
+def test_too_many_members() -> None:
+    members = tree([])
+    for i in range(100_001 - len(members)):
+        members[f"d/{i}"] = RepoMember(f"d/{i}", "dir")
+    assert tree_problem(members) == (None, "too_many_members")
+
+
+def test_portable_config_keeps_only_portable_keys() -> None:
+    pairs = [
+        ("core.repositoryformatversion", "0"),
+        ("core.bare", "false"),
+        ("core.filemode", "true"),
+        ("core.fsmonitor", "touch /tmp/pwned"),
+        ("core.hooksPath", "/tmp/hooks"),
+        ("core.sshCommand", "sh -c evil"),
+        ("core.attributesFile", "/etc/passwd"),
+        ("include.path", "/etc/gitconfig"),
+        ("includeIf.gitdir:/x/.path", "/tmp/evil"),
+        ("remote.origin.url", "https://attacker.example/x.git"),
+        ("Extensions.ObjectFormat", "SHA256"),
+        ("branch.main.remote", "origin"),
+        ("branch.main.merge", "refs/heads/main"),
+        ("branch.Feature/X.remote", "."),
+        ("branch.Feature/X.merge", "refs/heads/Feature/X"),
+        ("branch.evil.remote", "-uorigin"),
+        ("branch.evil.merge", "main"),
+        ("branch.-x.remote", "origin"),
+        ("branch.main.pushRemote", "attacker"),
+        ("core.repositoryformatversion", "9"),
+    ]
+    assert portable_config(pairs) == [
+        ("branch.Feature/X.merge", "refs/heads/Feature/X"),
+        ("branch.Feature/X.remote", "."),
+        ("branch.main.merge", "refs/heads/main"),
+        ("branch.main.remote", "origin"),
+        ("core.repositoryformatversion", "0"),
+        ("extensions.objectformat", "sha256"),
+    ]
+
+
+def test_checkout_names_and_refs() -> None:
+    assert checkout_name("https://h/o/app.git") == "app"
+    assert checkout_name("git@h:o/My App.git") == "My-App"
+    assert checkout_name("/srv/x/") == "x"
+    assert checkout_name("https://h/.git") == "repo"
+    assert len(checkout_name("https://h/" + "a" * 300)) == 100
+    assert checkout_name_problem("app") is None
+    for bad in ("", ".git", "-x", "a/b", "a b", "é", "x" * 101):
+        assert checkout_name_problem(bad) is not None, bad
+    for ok in ("main", "feature/x-1", "release/2.0", "v1.2.3"):
+        assert ref_problem(ok) is None, ok
+    for bad in (
+        "",
+        "-x",
+        "a..b",
+        "a b",
+        "x.lock",
+        "a/",
+        "/a",
+        "a//b",
+        "@",
+        "x@{1}",
+        "a~1",
+        ".x",
+        "a/.b",
+    ):
+        assert ref_problem(bad) is not None, bad
