@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.metadata
 import json
 import logging
 import os
@@ -67,7 +68,7 @@ from fsagent.controlserver import (
     serve_control,
 )
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
-from fsagent.fs import WorkFolderFS
+from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
 from fsagent.ship import Checkpoints, Shipper, checkpoint_loop
 from fsagent.shipthread import ShipThread
@@ -158,6 +159,13 @@ def _set_readahead(mountpoint: Path) -> None:
             fh.write(str(READAHEAD_KIB))
     except OSError as exc:
         log.debug("readahead of %s stays at the default: %s", mountpoint, exc)
+
+
+def _pyfuse3_version() -> str:
+    try:
+        return importlib.metadata.version("pyfuse3")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _fuse_options(opts: MountOptions, readonly: bool) -> set[str]:
@@ -464,12 +472,18 @@ async def _serve_store(
         elif shipper is not None:
             await warm_start(store, client, shipper, opts.scope)
     fetcher = ContentFetcher(store, client, opts.scope)
-    fs = WorkFolderFS(
+    fs = make_fs(
         store,
         fetcher,
         readonly=owner is None,
         spin_ns=opts.spin_us * 1000,
+        handles=not NO_OPEN_SUPPORT or os.environ.get("FSAGENT_FUSE_HANDLES") == "1",
         protected=protected,
+    )
+    log.info(
+        "FUSE: %s (pyfuse3 %s)",
+        "open/release handles" if isinstance(fs, HandlesFS) else '"no open" mode',
+        _pyfuse3_version(),
     )
     # Listening before the mount appears: whoever sees the mount can ask it
     # to save.
@@ -505,6 +519,7 @@ async def _serve_store(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
             nursery.start_soon(fs.spinner.run)
+            nursery.start_soon(fs.write_behind)
             nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
             if owner is not None:
                 nursery.start_soon(fetcher.prefetch_all, opts.prefetch)

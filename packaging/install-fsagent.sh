@@ -64,6 +64,21 @@ install -d -m 0755 /opt/fsagent
 # --package SPEC installs SPEC (e.g. a wheel built beforehand; with PIP_NO_INDEX
 # and PIP_FIND_LINKS, offline from a wheelhouse) instead of the --source tree.
 /opt/fsagent/venv/bin/pip install -q "${package:-$src}"
+# pyfuse3 with fsagent's patch (packaging/pyfuse3/README.md): a wheel of it in
+# the wheelhouse, else built from the sdist when the index and build tools are
+# at hand. Without it fsagent still works, with more FUSE requests per operation.
+build_pyfuse3="$src/packaging/pyfuse3/build.sh"
+if [[ -f "$build_pyfuse3" ]]; then
+    want="$(sed -n 's/^version=//p' "$build_pyfuse3")+$(sed -n 's/^label=//p' "$build_pyfuse3")"
+    wheels="$(mktemp -d)"
+    if ! /opt/fsagent/venv/bin/pip install -q --no-deps "pyfuse3==$want" 2>/dev/null \
+        && ! "$build_pyfuse3" --python /opt/fsagent/venv/bin/python --wheel-dir "$wheels" \
+            --install >/dev/null 2>&1; then
+        echo "install-fsagent.sh: pyfuse3 $want is not available; the stock pyfuse3 stays" \
+            "(fsagent works, with more FUSE requests per operation)" >&2
+    fi
+    rm -rf "$wheels"
+fi
 /opt/fsagent/venv/bin/fsagent --help >/dev/null
 
 if [[ -n "$args" ]] && ! grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null; then
