@@ -49,7 +49,7 @@ import trio
 import zstandard
 
 from common.bridge import BATCH_MEMBER_MAX
-from common.errors import BaseMismatch, StaleLease
+from common.errors import BaseMismatch
 from common.repos import MAX_REPO_ENTRIES
 from fsagent.client import BridgeClient, RepoBinding, RunInfo
 from fsagent.errors import (
@@ -275,7 +275,10 @@ class RepoSaver:
             started = time.monotonic()
             try:
                 if self.fenced is not None:
-                    raise RepoSaveFailed(f"not saved, a newer run holds the lease: {self.fenced}")
+                    raise RepoSaveFailed(
+                        f"{self.binding.name}: not saved, the run ended or a newer run "
+                        f"holds the lease: {self.fenced}"
+                    )
                 outcome = await self._checkpoint(lock_wait)
             except (FsagentError, OSError) as exc:
                 await self._failed(exc)
@@ -595,21 +598,34 @@ class RepoSaver:
             )
         self._write_status()
 
+    def fence(self, message: str) -> None:
+        """Stop saving for good: the run ended or a newer run holds the lease
+        (:attr:`fsagent.errors.ControllerRefused.fences_the_run`). Every later
+        checkpoint fails at once without a request; ``fsagent repos status``
+        shows ``fenced`` and why."""
+        if self.fenced is None:
+            self.fenced = message
+        self.status.update(state="fenced", lastAttempt=now_iso())
+        self.status["lastError"] = {"at": now_iso(), "message": self.fenced}
+        self._write_status()
+
     async def _failed(self, exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
-            self.fenced = message
+        if isinstance(exc, ControllerRefused) and exc.fences_the_run:
+            self.fence(message)
+        if self.fenced is not None:
+            log.warning("repository %s not saved: %s", self.binding.name, message)
+            return  # the controller refuses this run's reports too
         state = "waiting" if isinstance(exc, GitLockHeld) else "failed"
         self.status.update(state=state, lastAttempt=now_iso())
         self.status["lastError"] = {"at": now_iso(), "message": message}
         self._write_status()
         log.warning("repository %s not saved: %s", self.binding.name, message)
-        if self.fenced is None:
-            with trio.move_on_after(10):
-                try:
-                    await self.client.report_repo_state(self.workspace_id, "failed", message)
-                except FsagentError as report_exc:
-                    log.warning("could not report the failed save: %s", report_exc)
+        with trio.move_on_after(10):
+            try:
+                await self.client.report_repo_state(self.workspace_id, "failed", message)
+            except FsagentError as report_exc:
+                log.warning("could not report the failed save: %s", report_exc)
 
     def _write_status(self) -> None:
         if self.state_dir is not None:
