@@ -50,7 +50,7 @@ import zstandard
 
 from common.bridge import BATCH_MEMBER_MAX
 from common.errors import BaseMismatch
-from common.repos import MAX_REPO_ENTRIES
+from common.repos import GIT_DIR, MAX_REPO_ENTRIES
 from fsagent.client import BridgeClient, RepoBinding, RunInfo
 from fsagent.errors import (
     CheckoutUnsupported,
@@ -122,6 +122,17 @@ class _Base:
     checkpoint_id: str
     members: dict[str, WireKey]
     config: list[tuple[str, str]]
+    scanned: dict[str, Member] | None = None
+    """The scanned members this process committed as the base: a member of
+    the next scan that is the same object (the scan reuses unchanged ones)
+    saves the same without building its key."""
+
+    def changed(self, members: list[Member]) -> list[Member]:
+        scanned = self.scanned or {}
+        keys = self.members
+        return [
+            m for m in members if scanned.get(m.path) is not m and keys.get(m.path) != member_key(m)
+        ]
 
 
 @dataclass
@@ -251,6 +262,7 @@ class RepoSaver:
         self._listing_problems: list[Problem] = []
         self._names = MemberNames()
         self._last_paths: list[str] | None = None
+        self._last_scan: TreeScan | None = None
         self._config: tuple[StatKey | None, list[tuple[str, str]]] | None = None
         self.fenced: str | None = None
         self.status: dict[str, Any] = (read_json(self.status_file) if state_dir else None) or {}
@@ -374,7 +386,7 @@ class RepoSaver:
             paths, self._listing_problems = worktree_paths(self.checkout)
             return paths + git_dir_members(self.checkout)
 
-        return TreeScan(
+        scan = TreeScan(
             self.checkout,
             lister,
             self.cache,
@@ -386,7 +398,15 @@ class RepoSaver:
             guess=self._last_paths,
             immutable=git_immutable,
             immutable_prefix=GIT_OBJECTS,
+            # The verify rechecks .git (whose members must agree with each
+            # other) and the files read; the working tree's other files are
+            # whole as scanned, and a change to one is the next checkpoint's.
+            recheck=GIT_DIR,
+            relist=lambda: git_dir_members(self.checkout),
+            previous=self._last_scan,
         )
+        self._last_scan = scan
+        return scan
 
     def _portable_config(self) -> list[tuple[str, str]]:
         """The carried configuration, read again only when ``.git/config`` changed."""
@@ -424,7 +444,7 @@ class RepoSaver:
         """The delta against ``base`` (everything without one), its contents
         the controller lacks uploaded."""
         if base is not None:
-            changed = [m for m in members if base.members.get(m.path) != member_key(m)]
+            changed = base.changed(members)
             present = {m.path for m in members}
             removed = sorted(p for p in base.members if p not in present)
             if not changed and not removed and config == base.config:
@@ -450,6 +470,7 @@ class RepoSaver:
         for _ in range(2):
             if plan.unchanged:
                 assert plan.base is not None
+                plan.base.scanned = {m.path: m for m in members}  # each saves as its base's
                 return RepoSaveOutcome(plan.base.checkpoint_id, False, len(members))
             body: dict[str, Any] = {
                 "leaseEpoch": self.run.lease_epoch,
@@ -473,7 +494,14 @@ class RepoSaver:
                 plan = await self._plan(members, config, None, plan.base.checkpoint_id)
                 continue
             checkpoint_id = str(receipt["checkpointId"])
-            self._base = _Base(checkpoint_id, {m.path: member_key(m) for m in members}, config)
+            if plan.base is not None and body["base"] is not None:
+                keys = dict(plan.base.members)  # the delta applied: no key built per member
+                for path in plan.removed:
+                    del keys[path]
+                keys.update((m.path, member_key(m)) for m in plan.changed)
+            else:
+                keys = {m.path: member_key(m) for m in members}
+            self._base = _Base(checkpoint_id, keys, config, {m.path: m for m in members})
             self._known_current = checkpoint_id
             return RepoSaveOutcome(
                 checkpoint_id,

@@ -397,6 +397,33 @@ async def test_a_tree_mutated_during_the_scan_is_retried_never_torn(
 
 
 @pytest.mark.trio
+async def test_a_commit_during_the_scan_is_retried_and_saved_whole(
+    tmp_path: Path, mem: MemoryBridgeClient
+) -> None:
+    """The verify rechecks all of .git: a commit that lands while the working
+    tree is read (new objects, a moved ref, a new reflog line) is scanned again."""
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    checkout = box.repos / "app"
+    await trio.sleep(1.1)  # past the racy margin: .git's files are cached, not read again
+    saver = await saver_for(mem, box, threads=1)
+    assert (await saver.checkpoint()).committed
+    (checkout / "data.txt").write_text("data\n")  # the one file the next scan reads
+    committed: list[str] = []
+
+    def commit_once(full: str) -> None:
+        if full.endswith("/data.txt") and not committed:
+            git(checkout, "commit", "-q", "--allow-empty", "-m", "during the scan")
+            committed.append(git(checkout, "rev-parse", "HEAD").strip())
+
+    saver.after_read = commit_once
+    outcome = await saver.checkpoint()
+    assert committed and outcome.attempts == 2
+    files = mem.repo_files(only_binding(mem).workspace_id)
+    assert files[".git/refs/heads/main"].decode().strip() == committed[0]
+
+
+@pytest.mark.trio
 async def test_a_tree_that_never_settles_fails_visibly_and_commits_nothing(
     tmp_path: Path, mem: MemoryBridgeClient, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -512,6 +539,34 @@ async def test_unsafe_and_unsupported_members(
     other = RepoSaver(mem, mem.run, binding, worktree, None)
     with caplog.at_level(logging.WARNING), pytest.raises(CheckoutUnsupported, match="not a dir"):
         await other.checkpoint()
+
+
+@pytest.mark.trio
+async def test_changes_git_is_told_to_ignore_are_still_saved(
+    tmp_path: Path, mem: MemoryBridgeClient
+) -> None:
+    """The scan trusts nothing Git records about the working tree: a change
+    behind assume-unchanged, skip-worktree or core.fileMode=false is saved."""
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    checkout = box.repos / "app"
+    await trio.sleep(1.1)  # past the racy margin: the clone's files are cached
+    saver = await saver_for(mem, box)
+    assert (await saver.checkpoint()).committed
+    git(checkout, "update-index", "--assume-unchanged", "README.md")
+    git(checkout, "update-index", "--skip-worktree", "src/main.py")
+    git(checkout, "config", "core.fileMode", "false")
+    (checkout / "README.md").write_text("# hidden by assume-unchanged\n")
+    (checkout / "src" / "main.py").write_text("print('hidden by skip-worktree')\n")
+    (checkout / "docs" / "guide.md").chmod(0o755)  # hidden by core.fileMode=false
+    assert git(checkout, "status", "--porcelain") == ""  # Git itself sees nothing
+    outcome = await saver.checkpoint()
+    assert outcome.committed and outcome.changed >= 3
+    workspace = only_binding(mem).workspace_id
+    files = mem.repo_files(workspace)
+    assert files["README.md"] == b"# hidden by assume-unchanged\n"
+    assert files["src/main.py"] == b"print('hidden by skip-worktree')\n"
+    assert mem.repo(workspace).members()["docs/guide.md"]["executable"] is True
 
 
 @pytest.mark.trio
