@@ -754,6 +754,8 @@ class TreeScan:
             changed = self._narrow_differences(before)
             paths = before.paths
         unstable.extend(changed - set(unstable))
+        # A next scan (``previous``) needs only the paths and their parents.
+        self._before = _Listing(before.paths, {}, {}, {}, before.parents)
         if self.cache is not None and not unstable:
             self.cache.retain({m.path for m in first.members if m.kind == "file"})
         first.stats.seconds = time.monotonic() - self._started
