@@ -6,8 +6,10 @@ One checkpoint (:meth:`RepoSaver.checkpoint`):
 1. Refuse at once while a Git lock is held (:func:`fsagent.repocapture.held_locks`):
    Git is changing the repository. The cadence tries again later.
 2. Scan the members (:mod:`fsagent.scan`: stable reads, the metadata cache,
-   fingerprints before and after). A tree that changed during the scan is
-   scanned again, up to :data:`SCAN_RETRIES` more times, then the save fails
+   fingerprints before and after of ``.git``, of the files read and of the
+   directories above them; a working-tree file not read that changes after
+   its lstat is the next checkpoint's change). A tree that changed during
+   the scan is scanned again, up to :data:`SCAN_RETRIES` more times, then the save fails
    visibly (:class:`fsagent.errors.TreeUnstable`). The lock check is
    repeated after the scan.
 3. Compare with the base (the current checkpoint, read once from the

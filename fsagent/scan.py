@@ -23,7 +23,9 @@ One scan (:func:`scan_tree`):
 3. **List and lstat again**: a fingerprint of every (path, kind, device,
    inode, size, mode, mtime, ctime) before and after must be equal, else the
    tree changed during the scan (a file added, removed, replaced or
-   rewritten) and the result is unstable.
+   rewritten) and the result is unstable. A caller may narrow this pass to
+   what can tear its result (:class:`TreeScan`'s ``recheck``): one
+   directory, the files read and the directories above them.
 
 An unstable result must not be committed: the caller retries (a checkout
 being written to settles) and reports a failure after a few attempts. Torn
