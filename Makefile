@@ -7,11 +7,13 @@ DEMO_LISTEN ?= 127.0.0.1:8750
 
 .PHONY: deps deps-test demo test lint bench bench-fs bench-checkpoint bench-repos bench-dirmode clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml packaging/pyfuse3/pyfuse3-3.5.0-fsagent.patch
 	packaging/install-deps.sh
 	@if [ ! -x $(PY) ]; then python3 -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# pyfuse3 with fsagent's patch (packaging/pyfuse3/README.md): fewer FUSE round trips.
+	packaging/pyfuse3/build.sh --python $(PY) --install
 	touch $@
 
 deps: $(VENV)/.installed
@@ -23,8 +25,11 @@ demo: deps
 	packaging/install-deps.sh --demo
 	$(PY) -m controller.demo --data-dir $(DEMO_DIR) --home demo-home --listen $(DEMO_LISTEN)
 
+# Two workers, each taking whole test files (module fixtures stay shared);
+# PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
 test: deps-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: deps
 	$(VENV)/bin/ruff check .

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import os
 import shutil
 import sqlite3
@@ -370,7 +371,8 @@ def report(
         f"after: {load_after}; run took {elapsed:.0f} s.\n",
         "fsagent: a task mount of a real controller (embedded PostgreSQL, local_disk) with "
         "the options `fsagent up` passes (prefetch 4, checkpoints every 180 s, writeback "
-        f"cache). bindfs {_version(['bindfs', '--version'])} with its defaults; rclone "
+        f"cache), {_fuse_mode()}. bindfs {_version(['bindfs', '--version'])} with its "
+        "defaults; rclone "
         f"{_version(['rclone', 'version'])} `mount` of a local directory with "
         "`--vfs-cache-mode writes`. All on the same disk; median of the rounds; the "
         "filesystems take turns within each round (the order rotates). Package tree: "
@@ -417,6 +419,14 @@ def report(
             "",
         ]
     return "\n".join(lines)
+
+
+def _fuse_mode() -> str:
+    """Which pyfuse3 the daemons import (they inherit this process's environment)."""
+    from fsagent.fs import NO_OPEN_SUPPORT
+
+    mode = '"no open" mode' if NO_OPEN_SUPPORT else "OPEN/RELEASE handles"
+    return f"pyfuse3 {importlib.metadata.version('pyfuse3')} ({mode})"
 
 
 def _version(argv: list[str]) -> str:

@@ -1,8 +1,10 @@
 """``controller admin ...``: the operator's commands, each one call of a domain
 function (:mod:`controller.orgs`, :mod:`controller.runs`,
 :mod:`controller.tokens`, :mod:`controller.workspaces`,
-:mod:`controller.bridgeaudit`) in one transaction (``start-run``: two, see
-:func:`controller.runs.start_bound_run`).
+:mod:`controller.bridgeaudit`, :mod:`controller.agentfiles`,
+:mod:`controller.grants`) in one transaction (``start-run`` and
+``import-agent-files``: several, see :func:`controller.runs.start_bound_run`
+and :func:`controller.agentimport.import_files`).
 
 The admin REST API (``controller/api/orgs.py``, ``controller/api/runs.py``)
 calls the same functions, so the two cannot drift. What stays here is the
@@ -13,7 +15,8 @@ Adding a command: write the domain function as
 ``async def f(conn: psycopg.AsyncConnection, ...)``, call it here through
 :func:`in_transaction` (and from a route through ``api/common.py``'s
 ``company_write`` / ``company_read``), and give it a parser entry in
-``controller/cli.py``.
+``controller/cli.py``. This module is the only way the command line runs a
+domain function.
 """
 
 from __future__ import annotations
@@ -21,15 +24,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
 
 from common.errors import AppError, ValidationError, WorkFolderError
-from controller import bridgeaudit, orgs, runs, tokens, workspaces
+from common.limits import MAX_ENTRIES
+from controller import agentfiles, agentimport, bridgeaudit, grants, orgs, runs, tokens, workspaces
 from controller.apply import Row
+from controller.config import AgentLimits
 from controller.orgs import ROLES as ROLES
+from controller.storage.base import StorageProvider
 
 T = TypeVar("T")
 
@@ -46,6 +54,13 @@ def refusal_text(exc: WorkFolderError) -> str:
     return exc.text
 
 
+def coded_refusal_text(exc: WorkFolderError) -> str:
+    """``code: reason``: how the agent folder commands (and any error no
+    command words itself) name a refusal, with its stable code first."""
+    detail = exc.details[0] if exc.details and isinstance(exc.details[0], dict) else {}
+    return f"{exc.code}: {detail.get('message') or exc.text}"
+
+
 def transactions(url: str) -> runs.Transact:
     """Each ``work(conn)`` in one transaction on a connection of its own."""
 
@@ -57,21 +72,25 @@ def transactions(url: str) -> runs.Transact:
     return transact
 
 
-def run_command(main: Callable[[], Awaitable[T]]) -> T:
+def run_command(main: Callable[[], Awaitable[T]], *, coded: bool = False) -> T:
     """``main()`` to completion; a domain refusal (a 4xx error over HTTP)
-    becomes an :class:`AdminError`."""
+    becomes an :class:`AdminError` worded by :func:`refusal_text`, or with
+    ``coded`` by :func:`coded_refusal_text`."""
     try:
         return _run_to_completion(main)
     except WorkFolderError as exc:
         if exc.status >= 500:
             raise
-        raise AdminError(refusal_text(exc)) from None
+        raise AdminError(coded_refusal_text(exc) if coded else refusal_text(exc)) from None
 
 
-def in_transaction(url: str, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]]) -> T:
+def in_transaction(
+    url: str, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]], *, coded: bool = False
+) -> T:
     """``work(conn)`` in one transaction on a connection of its own; a domain
-    refusal (a 4xx error over HTTP) becomes an :class:`AdminError`."""
-    return run_command(lambda: transactions(url)(work))
+    refusal (a 4xx error over HTTP) becomes an :class:`AdminError` (see
+    :func:`run_command`)."""
+    return run_command(lambda: transactions(url)(work), coded=coded)
 
 
 def _run_to_completion(main: Callable[[], Awaitable[T]]) -> T:
@@ -148,6 +167,58 @@ def create_owner(
     if table == "agents":
         out["entry_path"] = row["entry_path"]
     return out
+
+
+# --- agents: the instruction entry, grants, the one-time import -----------------------
+# Their refusals name the stable code (``entry_too_large: ...``), as they always have.
+
+
+def set_agent_entry(url: str, agent: str, path: str) -> dict[str, Any]:
+    agent = _uuid(agent, "agent")
+    return in_transaction(url, lambda c: agentfiles.set_entry(c, agent, path), coded=True)
+
+
+def change_grant(
+    url: str, action: str, company: str, user: str, agent: str, *, configure: bool
+) -> dict[str, Any]:
+    """``grant`` or ``revoke`` (``action``) of the configure permission, the one
+    a command must name (``--configure``)."""
+    if not configure:
+        raise AdminError(f"{action}: name the permission (--configure)")
+    company, user, agent = _uuid(company, "company"), _uuid(user, "user"), _uuid(agent, "agent")
+    change = grants.grant_configure if action == "grant" else grants.revoke_configure
+    return in_transaction(url, lambda c: change(c, company, user, agent), coded=True)
+
+
+def import_agent_files(
+    url: str,
+    storage: StorageProvider,
+    agent: str,
+    source: str,
+    *,
+    dry_run: bool,
+    gc_delay: timedelta,
+) -> dict[str, Any]:
+    """Scan ``source`` and (unless ``dry_run``) import it into the agent's
+    folder, once: the summary."""
+    agent = _uuid(agent, "agent")
+    try:
+        return run_command(
+            lambda: agentimport.import_files(
+                transactions(url),
+                storage,
+                agent,
+                Path(source).resolve(),
+                dry_run=dry_run,
+                # The defaults `serve` checks saves against, as no option says otherwise.
+                limits=AgentLimits(),
+                max_folder_entries=MAX_ENTRIES,
+                gc_delay=gc_delay,
+            ),
+            coded=True,
+        )
+    except agentimport.ImportRefused as exc:
+        raise AdminError(str(exc)) from None
 
 
 # --- runs ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from psycopg import AsyncConnection
 
 from common.errors import (
     AgentFilesLimitExceeded,
+    AgentNotFound,
     EntryNotUtf8,
     EntryProtected,
     EntryTooLarge,
@@ -134,7 +135,7 @@ async def set_entry(
     cur = await conn.execute("SELECT company_id FROM agents WHERE id::text = %s", (agent_id,))
     row = await cur.fetchone()
     if row is None or (company_id is not None and str(row["company_id"]) != company_id):
-        raise NotFound(f"no such agent: {agent_id}")
+        raise AgentNotFound(f"no such agent: {agent_id}")
     company_id = str(row["company_id"])
     folder = await apply.get_folder(conn, company_id, "agent", agent_id, create=True)
     assert folder is not None

@@ -16,6 +16,10 @@ the folder lock, checks the folder's storage limits (over one, nothing is
 imported) and records the controller-side marker (``agent_imports``) that
 refuses any later import of that agent. A replaced file's old content goes to
 the trash, as with any upload. A dry run scans and reports, nothing more.
+:func:`import_files` is the whole command over a ``runs.Transact``, so the
+command line supplies only its transactions (``controller.admin``).
+
+There is no REST route for it: DIR is a directory on the controller's host.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from common.errors import AppError, InvalidPath, NotFound
+from common.errors import AgentNotFound, AppError, InvalidPath
 from common.limits import ENTRY_MAX_BYTES
 from common.paths import validate_path
 from controller import apply
 from controller.agentfiles import agent_entry, text_problem
 from controller.config import AgentLimits
 from controller.overwrite import keep_replaced
+from controller.runs import Transact
 from controller.storage.base import SourceMismatch, StorageProvider, object_key
 
 _CLI_HOMES = (".codex", ".claude", ".gemini", ".cursor", ".opencode", ".pi", ".aider",
@@ -178,7 +183,7 @@ async def _agent(conn: AsyncConnection[Any], agent_id: str) -> tuple[str, str]:
     cur = await conn.execute("SELECT company_id FROM agents WHERE id = %s", (agent_id,))
     row = await cur.fetchone()
     if row is None:
-        raise NotFound(f"no such agent: {agent_id}")
+        raise AgentNotFound(f"no such agent: {agent_id}")
     company_id = str(row["company_id"])
     entry = await agent_entry(conn, company_id, agent_id)
     assert entry is not None
@@ -295,3 +300,41 @@ async def write_import(
         "UPDATE agent_imports SET summary = %s WHERE agent_id = %s", (Jsonb(summary), agent_id)
     )
     return summary
+
+
+async def import_files(
+    transact: Transact,
+    storage: StorageProvider,
+    agent_id: str,
+    source: Path,
+    *,
+    dry_run: bool,
+    limits: AgentLimits,
+    max_folder_entries: int,
+    gc_delay: timedelta,
+) -> dict[str, Any]:
+    """``import-agent-files``: the scan in one transaction, the bytes stored
+    outside any, then the write in a second transaction (which finds the
+    marker of an import that committed meanwhile and refuses). The summary.
+
+    Bytes this call stored for an import that then fails are journaled as
+    orphans, so GC collects them unless something references them."""
+    company_id, plan = await transact(lambda c: plan_import(c, agent_id, source, limits))
+    if dry_run:
+        return plan.summary(agent_id, source, dry_run=True)
+    stored, created = await store_objects(storage, company_id, plan)
+    try:
+        return await transact(
+            lambda c: write_import(
+                c, storage, company_id, agent_id, source, plan, stored, limits,
+                max_folder_entries, gc_delay,
+            )
+        )  # fmt: skip
+    except BaseException:
+        if created:
+            await transact(
+                lambda c: apply.journal_deletion(
+                    c, company_id, created, "orphaned import", gc_delay
+                )
+            )
+        raise

@@ -113,9 +113,12 @@ async def live_row(conn: AsyncConnection[Any], folder: Folder, path: str) -> Row
     return await cur.fetchone()
 
 
-async def _stored_result(
+async def stored_result(
     conn: AsyncConnection[Any], folder: Folder, operation_id: str, fp: str
 ) -> dict[str, Any] | None:
+    """The result stored for the folder's operation id (the caller holds the
+    folder lock, so a retry of the same key waits for the first to commit);
+    IdempotencyConflict when the id was used for a different request."""
     cur = await conn.execute(
         "SELECT fingerprint, result FROM receipts WHERE folder_id = %s AND operation_id = %s",
         (folder.id, operation_id),
@@ -133,9 +136,10 @@ def _replayed(result: dict[str, Any]) -> dict[str, Any]:
     return {**result, "applied": False}
 
 
-async def _store_receipt(
+async def store_receipt(
     conn: AsyncConnection[Any], folder: Folder, operation_id: str, fp: str, result: dict[str, Any]
 ) -> None:
+    """Keep the answer to an operation id, in the transaction that applied it."""
     await conn.execute(
         "INSERT INTO receipts (folder_id, operation_id, fingerprint, result)"
         " VALUES (%s, %s, %s, %s)",
@@ -179,7 +183,7 @@ async def committing(
     """
     await lock_folder(conn, folder)
     await policy.confirm(conn)
-    replay = None if operation_id is None else await _stored_result(conn, folder, operation_id, fp)
+    replay = None if operation_id is None else await stored_result(conn, folder, operation_id, fp)
     commit = Commit(replay, touch=touch)
     yield commit
     if commit.replay is not None:
@@ -193,7 +197,7 @@ async def committing(
     folder.counters.check_entries(policy.max_folder_entries)
     await folder.counters.store(conn, folder.id, touch=commit.touch)
     if operation_id is not None:
-        await _store_receipt(conn, folder, operation_id, fp, commit.result)
+        await store_receipt(conn, folder, operation_id, fp, commit.result)
 
 
 async def path_rows(conn: AsyncConnection[Any], folder: Folder, path: str) -> dict[str, Row]:

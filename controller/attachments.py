@@ -23,10 +23,10 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from common.errors import InvalidPath
+from common.errors import AttachmentNotFound, InvalidPath
 from common.paths import check_segment
 from controller import apply
-from controller.apply import EnsureObject, Row
+from controller.apply import Authority, EnsureObject, Row
 
 ATTACHMENTS_DIR = "attachments"
 COPY_PREFIX_BYTES = 37
@@ -66,8 +66,37 @@ async def add(
     content_type: str | None,
     created_by: str | None,
     ensure_object: EnsureObject,
-) -> Row:
-    """Record an original whose bytes were stored (object lock and row as any write)."""
+    confirm: Authority,
+    operation_id: str | None = None,
+) -> tuple[Row, bool]:
+    """Record an original whose bytes were stored (object lock and row as any
+    write), after ``confirm`` re-checks the caller's authority in this
+    transaction; the row, and whether this call added it.
+
+    With an ``operation_id`` (``Idempotency-Key``) the request is remembered
+    as an operation of the task's folder (``receipts``, under the folder
+    lock): the same id with the same request answers the attachment it added
+    (False), with another request :class:`IdempotencyConflict`. So a POST
+    retried after a lost answer never adds a second attachment.
+    """
+    folder: apply.Folder | None = None
+    fp = apply.fingerprint(
+        action="attach", name=filename, digest=digest, byteSize=byte_size, contentType=content_type
+    )
+    if operation_id is not None:
+        folder = await apply.get_folder(conn, company_id, "task", task_id, create=True)
+        assert folder is not None
+        # As every folder write: the folder lock, then the authority, then the receipt.
+        await apply.lock_folder(conn, folder)
+        await confirm(conn)
+        replay = await apply.stored_result(conn, folder, operation_id, fp)
+        if replay is not None:
+            added = await get(conn, company_id, task_id, str(replay["attachmentId"]))
+            if added is None:
+                raise AttachmentNotFound()
+            return added, False
+    else:
+        await confirm(conn)
     await apply.register_object(conn, company_id, digest, byte_size, ensure_object)
     cur = await conn.execute(
         "INSERT INTO task_attachments (id, company_id, task_id, filename, digest, byte_size,"
@@ -85,7 +114,10 @@ async def add(
     )
     row: Row | None = await cur.fetchone()
     assert row is not None
-    return row
+    if operation_id is not None:
+        assert folder is not None
+        await apply.store_receipt(conn, folder, operation_id, fp, {"attachmentId": str(row["id"])})
+    return row, True
 
 
 async def list_for_task(conn: AsyncConnection[Any], company_id: str, task_id: str) -> list[Row]:

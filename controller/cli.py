@@ -15,10 +15,10 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from common import logs
 from common.errors import WorkFolderError
@@ -35,7 +35,6 @@ from controller.config import (
 from controller.pgembed import EmbeddedPostgres, EmbeddedPostgresError
 
 log = logging.getLogger("controller")
-T = TypeVar("T")
 
 EXIT_ERROR = 1
 EXIT_UNAVAILABLE = 3
@@ -278,61 +277,6 @@ def audit_lines(data: dict[str, Any]) -> str:
     return "\n".join(rows) if rows else f"no API bridge calls recorded for run {data['run_id']}"
 
 
-def run_transaction(url: str, work: Callable[[Any], Awaitable[T]]) -> T:
-    """An async domain function (shared with the API) in one transaction."""
-    from controller import db
-
-    return db.run_transaction(url, work)
-
-
-def set_agent_entry(url: str, agent: str, path: str) -> dict[str, Any]:
-    from controller import agentfiles
-
-    agent = admin._uuid(agent, "agent")
-    return run_transaction(url, lambda c: agentfiles.set_entry(c, agent, path))
-
-
-def import_agent_files(url: str, settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
-    """``controller.agentimport``: scan, store the bytes, then one transaction."""
-    from common.limits import MAX_ENTRIES
-    from controller import agentimport, apply
-    from controller.config import AgentLimits
-
-    agent = admin._uuid(args.agent, "agent")
-    source = Path(args.dir).resolve()
-    limits = AgentLimits()
-    try:
-        company, plan = run_transaction(
-            url, lambda c: agentimport.plan_import(c, agent, source, limits)
-        )
-        if args.dry_run:
-            return plan.summary(agent, source, dry_run=True)
-        from controller.db import run_coroutine
-
-        storage = make_storage(settings)
-        stored, created = run_coroutine(lambda: agentimport.store_objects(storage, company, plan))
-        try:
-            return run_transaction(
-                url,
-                lambda c: agentimport.write_import(
-                    c, storage, company, agent, source, plan, stored, limits, MAX_ENTRIES,
-                    settings.gc_delay,
-                ),
-            )  # fmt: skip
-        except BaseException:
-            # Bytes stored for an import that did not commit: GC keeps what is referenced.
-            if created:
-                run_transaction(
-                    url,
-                    lambda c: apply.journal_deletion(
-                        c, company, created, "orphaned import", settings.gc_delay
-                    ),
-                )
-            raise
-    except agentimport.ImportRefused as exc:
-        raise admin.AdminError(str(exc)) from None
-
-
 def import_lines(data: dict[str, Any]) -> str:
     """``admin import-agent-files`` without ``--json``: the summary, then a line per path."""
     verb = "would import" if data["dry_run"] else "imported"
@@ -344,18 +288,6 @@ def import_lines(data: dict[str, Any]) -> str:
     lines += [f"  excluded  {e['path']}  ({e['reason']})" for e in data["excluded"]]
     lines += [f"  refused   {r['path']}  ({r['reason']})" for r in data["refused"]]
     return "\n".join(lines)
-
-
-def change_grant(url: str, action: str, args: argparse.Namespace) -> dict[str, Any]:
-    from controller import grants
-
-    if not args.configure:
-        raise admin.AdminError(f"{action}: name the permission (--configure)")
-    company = admin._uuid(args.company, "company")
-    user = admin._uuid(args.user, "user")
-    agent = admin._uuid(args.agent, "agent")
-    change = grants.grant_configure if action == "grant" else grants.revoke_configure
-    return run_transaction(url, lambda c: change(c, company, user, agent))
 
 
 def workspace_line(data: dict[str, Any]) -> str:
@@ -399,11 +331,16 @@ def cmd_admin(args: argparse.Namespace) -> int:
                 home=args.home,
             )
         elif a == "set-agent-entry":
-            out = set_agent_entry(url, args.agent, args.path)
+            out = admin.set_agent_entry(url, args.agent, args.path)
         elif a in ("grant", "revoke"):
-            out = change_grant(url, a, args)
+            out = admin.change_grant(
+                url, a, args.company, args.user, args.agent, configure=args.configure
+            )
         elif a == "import-agent-files":
-            out = import_agent_files(url, settings, args)
+            out = admin.import_agent_files(
+                url, make_storage(settings), args.agent, args.dir,
+                dry_run=args.dry_run, gc_delay=settings.gc_delay,
+            )  # fmt: skip
             text = import_lines
         elif a == "end-run":
             out = admin.end_run(url, args.run)
@@ -634,9 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"controller: embedded PostgreSQL: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except WorkFolderError as exc:
-        detail = exc.details[0] if exc.details and isinstance(exc.details[0], dict) else {}
-        reason = detail.get("message") or exc.text
-        print(f"controller: {exc.code}: {reason}", file=sys.stderr)
+        print(f"controller: {admin.coded_refusal_text(exc)}", file=sys.stderr)
         return EXIT_UNAVAILABLE if exc.status >= 500 else EXIT_ERROR
     except psycopg.OperationalError as exc:
         # Unreachable, refused, timed out, shut down: a dependency, not a bug.

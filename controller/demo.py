@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from controller import admin, agentfiles
-from controller.cli import database, run_transaction
+from controller.cli import database
 from controller.config import Settings
 
 DEMO_REPO = "demo-app"
@@ -194,7 +194,7 @@ def main() -> int:
         lines = []
         with database(Settings(data_dir=data_dir)) as url:
             # An agent of an older demo.json gets its (empty) entry here.
-            run_transaction(
+            admin.in_transaction(
                 url, lambda c: agentfiles.ensure_entry(c, acc["company_id"], acc["agent_id"])
             )
         write_instructions(base, acc)

@@ -19,8 +19,9 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from common.errors import NotFound
+from common.errors import AgentNotFound, MemberNotFound, NotFound
 from common.paths import validate_uuid
+from controller.apply import Row
 
 CONFIGURE = "configure"
 ALL_AGENTS_ROLES = ("owner", "admin")
@@ -92,13 +93,31 @@ async def _check_parties(
         "SELECT 1 FROM agents WHERE id = %s AND company_id = %s", (agent_id, company_id)
     )
     if await cur.fetchone() is None:
-        raise NotFound(f"no agent {agent_id} in company {company_id}")
+        raise AgentNotFound(f"no agent {agent_id} in company {company_id}")
     cur = await conn.execute(
         "SELECT 1 FROM memberships WHERE company_id = %s AND user_id = %s", (company_id, user_id)
     )
     if await cur.fetchone() is None:
-        raise NotFound(f"user {user_id} is not a member of company {company_id}")
+        raise MemberNotFound(f"user {user_id} is not a member of company {company_id}")
     return company_id, user_id, agent_id
+
+
+async def list_grants(conn: AsyncConnection[Any], company_id: str, agent_id: str) -> list[Row]:
+    """The members granted a permission on the agent, oldest grant first
+    (owners and admins hold every permission without a grant and are not
+    listed unless granted too)."""
+    cur = await conn.execute(
+        "SELECT 1 FROM agents WHERE id = %s AND company_id = %s", (agent_id, company_id)
+    )
+    if await cur.fetchone() is None:
+        raise AgentNotFound(f"no agent {agent_id} in company {company_id}")
+    cur = await conn.execute(
+        "SELECT g.user_id, g.permission, g.granted_at, m.role FROM agent_grants g"
+        " JOIN memberships m ON m.company_id = g.company_id AND m.user_id = g.user_id"
+        " WHERE g.company_id = %s AND g.agent_id = %s ORDER BY g.granted_at, g.user_id",
+        (company_id, agent_id),
+    )
+    return list(await cur.fetchall())
 
 
 async def grant_configure(

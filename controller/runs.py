@@ -44,10 +44,19 @@ class SyncStatus:
 async def bound_runs(
     conn: AsyncConnection[Any], company_id: str, scope: str, owner_id: str
 ) -> list[Row]:
+    """The runs bound to the folder's owner, newest first. The owner is
+    compared as a uuid, so the owner column's index (migration 0012) serves
+    it; a user folder's owner that is not a uuid's canonical text has no runs."""
+    try:
+        owner = uuid.UUID(owner_id)
+    except ValueError:
+        return []
+    if str(owner) != owner_id:
+        return []
     cur = await conn.execute(
-        f"SELECT * FROM runs WHERE company_id = %s AND {_OWNER_COLUMN[scope]}::text = %s"
+        f"SELECT * FROM runs WHERE company_id = %s AND {_OWNER_COLUMN[scope]} = %s"
         " ORDER BY started_at DESC, id",
-        (company_id, owner_id),
+        (company_id, owner),
     )
     return list(await cur.fetchall())
 

@@ -107,7 +107,11 @@ class UpperFiles:
 
 @dataclass(slots=True)
 class OpenFile:
-    """Per-inode backing fd shared by all handles of that inode (-1 while inline)."""
+    """Per-inode backing fd shared by all handles of that inode (-1 while inline).
+
+    ``opens``: open handles (when the kernel sends OPEN); ``pins``: uses in
+    flight that may wait (a worker thread, a copy-up), during which the fd
+    must not be closed."""
 
     fd: int
     upper: bool
@@ -115,6 +119,8 @@ class OpenFile:
     opens: int = 0
     pins: int = 0
     retired: list[int] = field(default_factory=list)
+    unsynced: int = 0
+    """Bytes written to ``fd`` since its last fsync."""
 
 
 class Content:
@@ -146,11 +152,17 @@ class Content:
         try:
             return await trio.to_thread.run_sync(fn, of.fd)
         finally:
-            of.pins -= 1
-            if not of.pins:
-                for fd in of.retired:
-                    os.close(fd)
-                of.retired.clear()
+            self.unpin(of)
+
+    @staticmethod
+    def unpin(of: OpenFile) -> None:
+        """End one use of ``of`` begun with ``of.pins += 1``; close the fds
+        retired meanwhile once nobody uses them."""
+        of.pins -= 1
+        if not of.pins:
+            for fd in of.retired:
+                os.close(fd)
+            of.retired.clear()
 
     async def make_upper(self, inode: Inode, *, copy: bool) -> None:
         """Give ``inode`` its own upper copy (copy-on-write), once.
@@ -274,6 +286,7 @@ class Content:
             while written < len(buf):
                 written += os.pwrite(of.fd, view[written:], off + written)
         finally:
+            of.unsynced += written
             if written:
                 node.size = max(node.size, off + written)
                 node.mtime_ns = now_ns()
@@ -285,7 +298,9 @@ class Content:
         """Make the upper file's data and length durable (the caller syncs the
         store when the inode's records may not be durable yet)."""
         if of.upper and not of.inline:
+            unsynced = of.unsynced
             await self.pinned(of, os.fdatasync)
+            of.unsynced -= unsynced  # what was written meanwhile is still unsynced
 
     def close_all(self) -> None:
         """After unmount: close every backing fd (every change is already committed)."""

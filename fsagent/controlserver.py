@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -62,17 +63,37 @@ async def _answer(conn: trio.SocketStream, flush: FlushHandler, stats: StatsHand
     await conn.send_all(json.dumps(reply).encode() + b"\n")
 
 
+def open_control_socket(sock_path: Path) -> socket.socket:
+    """Bind and listen on ``sock_path`` before the mount is announced.
+
+    The socket is made under a temporary name and renamed into place once it
+    listens, so a client sees either no socket or one that answers: never a
+    bound file that refuses connections (the window between bind and listen).
+    """
+    tmp = sock_path.with_name(f".{sock_path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(tmp))
+        os.chmod(tmp, 0o600)
+        listener.listen(16)
+        os.replace(tmp, sock_path)  # replaces a stale socket left by a crash
+    except BaseException:
+        listener.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return listener
+
+
 async def serve_control(
-    sock_path: Path, flush: FlushHandler, stats: StatsHandler | None = None
+    listening: socket.socket,
+    sock_path: Path,
+    flush: FlushHandler,
+    stats: StatsHandler | None = None,
 ) -> None:
-    """Answer control requests on ``sock_path`` until cancelled."""
-    # Removing a stale socket file is one local metadata call, done before
-    # the mount serves anything: not worth a worker thread.
-    sock_path.unlink(missing_ok=True)  # noqa: ASYNC240
-    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    await listener.bind(str(sock_path))
-    os.chmod(sock_path, 0o600)
-    listener.listen(4)
+    """Answer control requests on a socket from :func:`open_control_socket`
+    until cancelled; then remove ``sock_path``."""
+    listener = trio.socket.from_stdlib_socket(listening)
 
     async def handle(conn: trio.SocketStream) -> None:
         try:
@@ -88,4 +109,5 @@ async def serve_control(
                 nursery.start_soon(handle, trio.SocketStream(client_sock))
         finally:
             listener.close()
-            sock_path.unlink(missing_ok=True)  # noqa: ASYNC240 - as above, at shutdown
+            # One local metadata call at shutdown: not worth a worker thread.
+            sock_path.unlink(missing_ok=True)  # noqa: ASYNC240

@@ -55,7 +55,12 @@ from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from common.paths import ancestors, validate_path
 from common.types import Digest
 from fsagent.client import BridgeClient, ManifestEntry
-from fsagent.controlserver import FlushHandler, StatsHandler, serve_control
+from fsagent.controlserver import (
+    FlushHandler,
+    StatsHandler,
+    open_control_socket,
+    serve_control,
+)
 from fsagent.dirfs import (
     is_empty,
     make_directory,
@@ -696,20 +701,26 @@ async def _serve_bound(
     daemon_file = opts.state_dir / "daemon.json"
     _write_json(daemon_file, {"pid": os.getpid(), "mountpoint": str(opts.directory.absolute()),
                               "mode": "dir", "startedAt": time.time()})  # fmt: skip
+    # Listening before the ready file: whoever sees it can ask for a save.
+    control_path = opts.state_dir / "control.sock"
+    control = open_control_socket(control_path) if shipper is not None else None
     try:
         _announce(opts, unbound=False)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_wait_for_signal, stop)
-            if shipper is not None:
+            if shipper is not None and control is not None:
                 nursery.start_soon(checkpoint_loop, shipper, opts.checkpoint_interval)
                 flush, live = _control(shipper, stop)
-                nursery.start_soon(serve_control, opts.state_dir / "control.sock", flush, live)
+                nursery.start_soon(serve_control, control, control_path, flush, live)
             await stop.requested.wait()
             nursery.cancel_scope.cancel()
         await _final_save(shipper, stop)
         if shipper is not None and stop.saved and store.protected is None:
             await refresh_after_stop(store, shipper.client, opts.scope)
     finally:
+        if control is not None:
+            control.close()  # already closed if it served
+            control_path.unlink(missing_ok=True)
         daemon_file.unlink(missing_ok=True)
         if opts.ready_file is not None:
             opts.ready_file.unlink(missing_ok=True)

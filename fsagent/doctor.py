@@ -160,7 +160,7 @@ def check_bridge(env: dict[str, str]) -> Iterator[Check]:
 
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
-    from fsagent.up import read_env_file
+    from fsagent.envfile import read_env_file
 
     home = Path(args.home or os.path.expanduser("~"))
     env_file = Path(args.env_file) if args.env_file else default_state_root() / "env"

@@ -10,6 +10,16 @@ and the writeback cache is enabled.  With the writeback cache the kernel owns
 file size and mtime while it holds dirty pages and sends them to us at close,
 fsync or under memory pressure; it also resolves O_APPEND offsets itself.
 
+Opens: with a pyfuse3 that has "no open" support (``pyfuse3.NO_OPEN_SUPPORT``,
+packaging/pyfuse3), :class:`WorkFolderFS` has no ``open`` or ``opendir``
+handler.  The kernel then sends no OPEN, RELEASE, OPENDIR or RELEASEDIR at
+all (an open of a cached file costs no request), keeps file data and
+directory listings cached across opens, and sends O_TRUNC as a SETATTR; every
+READ, WRITE, FSYNC and READDIR names its inode.  A file's backing (its upper
+copy or saved object) is attached on first use and kept until the kernel
+forgets the inode, at most ``MAX_BACKING`` at a time.  With a pyfuse3 without
+it, :class:`HandlesFS` answers OPEN and RELEASE with handles.
+
 Name rules (common.paths): a name that is not valid UTF-8, not NFC, contains
 control characters or a backslash is refused with EINVAL; the reserved
 segment ``.fsagent`` with EPERM; a name over 255 bytes or a path over 1024
@@ -34,6 +44,7 @@ import os
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import pyfuse3
 import trio
@@ -60,6 +71,26 @@ from fsagent.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store,
 log = logging.getLogger(__name__)
 
 
+NO_OPEN_SUPPORT: Final = bool(getattr(pyfuse3, "NO_OPEN_SUPPORT", False))
+"""Whether this pyfuse3 passes the inode in place of a file handle once the
+kernel has stopped sending OPEN (packaging/pyfuse3)."""
+
+MAX_BACKING: Final = 512
+"""Backing files (upper copies, saved objects) kept open without an open handle;
+past this the oldest idle one is closed and reopened when next used."""
+
+INLINE_FSYNC_BYTES: Final = 1 << 20
+"""Bytes written since the last sync up to which an fsync flushes on the FUSE
+thread instead of a worker thread (fsagent.fs, ``fsync``)."""
+
+WRITE_BEHIND_S: Final = 0.01
+"""Seconds from a time-only change, or an orphan's last reference, to its
+commit (with the others of that moment: one commit for a burst)."""
+
+DIR_LISTINGS: Final = 256
+"""Directory listings kept between READDIR requests of one listing."""
+
+
 @dataclass(slots=True)
 class Handle:
     ino: InodeNo
@@ -67,7 +98,8 @@ class Handle:
 
 
 class WorkFolderFS(pyfuse3.Operations):
-    """pyfuse3 operations for one collection."""
+    """pyfuse3 operations for one collection, in the kernel's "no open" mode:
+    file and directory handles are inode numbers."""
 
     enable_writeback_cache = True
     supports_dot_lookup = True
@@ -92,20 +124,16 @@ class WorkFolderFS(pyfuse3.Operations):
         self.lookups: dict[InodeNo, int] = {}
         self.content = Content(store, fetcher)
         self.files = self.content.files
-        self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, list[tuple[bytes, InodeNo]]] = {}
-        self._next_fh = 1
+        self._unreferenced: set[InodeNo] = set()
+        self._times: set[InodeNo] = set()
+        self._behind = trio.Event()
 
     def init(self) -> None:
         """FUSE INIT is being answered (called on the trio thread)."""
         self.initialized.set()
 
     # --- helpers ------------------------------------------------------------
-
-    def _new_fh(self) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
-        return fh
 
     def _inode(self, ino: int) -> Inode:
         try:
@@ -114,7 +142,7 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(errno.ENOENT) from None
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        return entry_attributes(inode, self.readonly)
+        return entry_attributes(inode, self.readonly, self.store.nlink(inode))
 
     def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new lookup reference."""
@@ -158,7 +186,13 @@ class WorkFolderFS(pyfuse3.Operations):
         return is_within(self.protected, path)
 
     def _in_use(self, ino: InodeNo) -> bool:
-        return self.lookups.get(ino, 0) > 0 or ino in self.files
+        """Whether the kernel may still send requests for ``ino``: it holds a
+        lookup reference (as it does while any file of it is open) or, with
+        handles, an open handle."""
+        if self.lookups.get(ino, 0) > 0:
+            return True
+        of = self.files.get(ino)
+        return of is not None and of.opens > 0
 
     # --- lookups and attributes ----------------------------------------------
 
@@ -223,14 +257,18 @@ class WorkFolderFS(pyfuse3.Operations):
         self._writable()
         node = self._inode(inode)
         f = fields
-        changes = f.update_size or f.update_mode or f.update_uid or f.update_gid
-        if not (changes or f.update_atime) and (
-            not f.update_mtime or attr.st_mtime_ns == node.mtime_ns
-        ):
-            # The kernel writing back its own ctime after a rename or unlink (it
-            # owns c/mtime with the writeback cache): nothing to save or journal.
-            # The cached inode shows the new ctime; losing it at a crash is harmless.
-            if fields.update_ctime:
+        if not (f.update_size or f.update_mode or f.update_uid or f.update_gid):
+            # Times only: the kernel writing back the c/mtime it owns with the
+            # writeback cache (at every close after a write, after each rename
+            # and unlink), or utimensat. Times are local metadata, never
+            # shipped: the cached inode shows them at once and they are
+            # committed in batches (write_behind).  A lone ctime is not even
+            # that: losing it at a crash is harmless.
+            if f.update_atime or (f.update_mtime and attr.st_mtime_ns != node.mtime_ns):
+                set_metadata(node, attr, fields)
+                self._times.add(node.ino)
+                self._behind.set()
+            if f.update_ctime:
                 node.ctime_ns = attr.st_ctime_ns
             return self._attrs(node)
         ops: list[str] = []
@@ -283,8 +321,15 @@ class WorkFolderFS(pyfuse3.Operations):
         rdev: int,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
-        """Always EPERM: no device nodes, FIFOs or sockets (regular files use create)."""
-        raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
+        """A regular file, as ``create`` makes it (in "no open" mode the kernel
+        creates files this way: no CREATE, so no RELEASE at close either);
+        EPERM for device nodes, FIFOs and sockets."""
+        if not stat.S_ISREG(mode):
+            raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
+        inode = await self._create_node(parent_inode, name, "file", mode, ctx)
+        # Empty and inline (in the same commit): no file is created on disk.
+        self.files[inode.ino] = OpenFile(-1, upper=True, inline=True)
+        return self._ref(inode)
 
     @fuse_boundary
     async def readlink(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> bytes:
@@ -326,27 +371,6 @@ class WorkFolderFS(pyfuse3.Operations):
             # that could never be saved.
             raise fuse_err(errno.EDQUOT)
         return self.store.create(parent, name, kind, mode, ctx.uid, gid)
-
-    @fuse_boundary
-    async def create(
-        self,
-        parent_inode: pyfuse3.InodeT,
-        name: pyfuse3.FileNameT,
-        mode: pyfuse3.ModeT,
-        flags: pyfuse3.FlagT,
-        ctx: pyfuse3.RequestContext,
-    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        """Create and open a new empty file (its upper file starts empty).
-
-        EEXIST if the name is taken (the kernel has already applied O_EXCL
-        semantics through lookup; this closes the race).  Journals the path.
-        """
-        inode = await self._create_node(parent_inode, name, "file", mode, ctx)
-        # Empty and inline (in the same commit): no file is created on disk.
-        self.files[inode.ino] = OpenFile(-1, upper=True, inline=True, opens=1)
-        fh = self._new_fh()
-        self.handles[fh] = Handle(inode.ino, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._ref(inode)
 
     @fuse_boundary
     async def unlink(
@@ -465,58 +489,63 @@ class WorkFolderFS(pyfuse3.Operations):
 
     # --- files --------------------------------------------------------------------
 
-    @fuse_boundary
-    async def open(
-        self, inode: pyfuse3.InodeT, flags: pyfuse3.FlagT, ctx: pyfuse3.RequestContext
-    ) -> pyfuse3.FileInfo:
-        """Open a file. A file whose saved content is not local yet is fetched
-        first; this open waits for that one object only.  O_TRUNC truncates
-        here (the kernel leaves it to open with the writeback cache).  EROFS
-        for writing when unbound; EIO when the content cannot be fetched or
-        verified.
-        """
-        ino = InodeNo(inode)
+    async def _open_file(self, fh: int) -> tuple[InodeNo, OpenFile]:
+        """The inode and backing of a file handle (attached on first use)."""
+        ino = InodeNo(fh)
+        of = self.files.get(ino)
+        if of is None:
+            of = await self._attach(ino)
+        return ino, of
+
+    async def _attach(self, ino: InodeNo) -> OpenFile:
+        """Open the backing of file ``ino``: its upper copy, or its saved object,
+        fetched first when it is not local yet (only this request waits for
+        it).  EIO when the content cannot be fetched or verified."""
         node = self._inode(ino)
         if node.kind == "directory":
             raise fuse_err(errno.EISDIR)
-        if flags & os.O_ACCMODE != os.O_RDONLY:
-            self._writable()
-            if flags & os.O_TRUNC and node.size:
-                inline = await self.content.truncate(node, 0)
-                self.store.persist(node, touch="truncate", inline=inline)
-        if ino not in self.files:
-            if node.upper:
+        if node.upper:
+            of = self.content.open_upper(ino)
+        else:
+            try:
+                path = await self.fetcher.ensure(Digest(node.digest or EMPTY_DIGEST))
+            except Exception as exc:  # any fetch failure is EIO for the reader
+                log.error("open of inode %d: content unavailable: %s", ino, exc)
+                raise fuse_err(errno.EIO) from None
+            if self._inode(ino).upper:  # copied up (e.g. truncated) while we fetched
                 of = self.content.open_upper(ino)
             else:
-                try:
-                    path = await self.fetcher.ensure(Digest(node.digest or EMPTY_DIGEST))
-                except Exception as exc:  # any fetch failure is EIO for the reader
-                    log.error("open of inode %d: content unavailable: %s", ino, exc)
-                    raise fuse_err(errno.EIO) from None
-                if self._inode(ino).upper:  # copied up (e.g. truncated) while we fetched
-                    of = self.content.open_upper(ino)
-                else:
-                    of = self.content.open_saved(path)
-            if ino in self.files:  # another open won the race while we fetched
-                self.content.release_fd(of, of.fd)
-            else:
-                self.files[ino] = of
-        self.files[ino].opens += 1
-        fh = self._new_fh()
-        self.handles[fh] = Handle(ino, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+                of = self.content.open_saved(path)
+        current = self.files.get(ino)
+        if current is not None:  # another request attached it while we fetched
+            self.content.release_fd(of, of.fd)
+            return current
+        self.files[ino] = of
+        if len(self.files) > MAX_BACKING:
+            self._close_idle_backing()
+        return of
 
-    def _handle(self, fh: int) -> tuple[Handle, OpenFile]:
-        h = self.handles.get(fh)
-        if h is None:
-            raise fuse_err(errno.EBADF)
-        return h, self.files[h.ino]
+    def _close_idle_backing(self) -> None:
+        """Close the oldest backing nobody uses right now (no handle, no request
+        in flight); the next request for it attaches it again."""
+        for ino, of in self.files.items():
+            if not of.opens and not of.pins:
+                del self.files[ino]
+                self.content.release_fd(of, of.fd)
+                return
+
+    def _detach(self, ino: InodeNo) -> None:
+        """The kernel forgot ``ino``: no request will use its backing any more."""
+        of = self.files.get(ino)
+        if of is not None and not of.opens:
+            del self.files[ino]
+            self.content.release_fd(of, of.fd)
 
     @fuse_boundary
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         """Read from the upper copy or the saved object (short at end of file)."""
-        h, of = self._handle(fh)
-        return self.content.read(h.ino, of, off, size)
+        ino, of = await self._open_file(fh)
+        return self.content.read(ino, of, off, size)
 
     @fuse_boundary
     async def write(self, fh: pyfuse3.FileHandleT, off: int, buf: bytes) -> int:
@@ -527,12 +556,16 @@ class WorkFolderFS(pyfuse3.Operations):
         process.  EFBIG beyond 1 GiB, ENOSPC when the disk is full.
         """
         self._writable()
-        h, of = self._handle(fh)
-        node = self._inode(h.ino)
+        ino, of = await self._open_file(fh)
+        node = self._inode(ino)
         end = off + len(buf)
         if end > MAX_FILE_BYTES:
             raise fuse_err(errno.EFBIG)
-        return await self.content.write(node, of, off, buf)
+        of.pins += 1  # a copy-up may wait: the backing stays attached meanwhile
+        try:
+            return await self.content.write(node, of, off, buf)
+        finally:
+            self.content.unpin(of)
 
     async def flush(self, fh: pyfuse3.FileHandleT) -> None:
         """ENOSYS, so the kernel stops sending FLUSH (one round trip less per
@@ -546,30 +579,35 @@ class WorkFolderFS(pyfuse3.Operations):
         and inline contents, committed by write) durable against power loss.
         Once an upper file's records are durable (statedir, ``mark_durable``),
         its own ``fdatasync`` is all a later fsync needs."""
-        h, of = self._handle(fh)
+        ino, of = await self._open_file(fh)
         out_of_line = of.upper and not of.inline
-        if out_of_line and self.store.is_durable(h.ino):
-            await self.content.fsync(of)
+        if out_of_line and self.store.is_durable(ino):
+            if of.unsynced <= INLINE_FSYNC_BYTES:
+                # A few pages (a SQLite commit): flushed on this thread, with
+                # the GIL released. A hop to a worker thread and back costs
+                # more than such a flush, and other requests wait only that long.
+                os.fdatasync(of.fd)
+                of.unsynced = 0
+            else:
+                await self.content.fsync(of)
             return
         epoch = self.store.durable_epoch()
+        self.flush_behind()
         await self.content.fsync(of)
         await trio.to_thread.run_sync(self.store.sync)
         if out_of_line:
-            self.store.mark_durable(h.ino, epoch)
+            self.store.mark_durable(ino, epoch)
 
     @fuse_boundary
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
-        """Last close of a handle: commit, and close the backing fd when no handle
-        of the inode remains.  Errors here reach nobody, so they are only logged."""
-        h, of = self._handle(fh)
-        del self.handles[fh]
-        of.opens -= 1
-        if of.opens <= 0:
-            del self.files[h.ino]
-            self.content.release_fd(of, of.fd)
-            self._maybe_free(h.ino)
+        """Not sent without handles (no OPEN, no CREATE): a file's backing stays
+        attached until the kernel forgets the inode."""
 
     def _maybe_free(self, ino: InodeNo) -> None:
+        """Nobody references ``ino`` any more: drop it from the cache, or free
+        it if it is an orphan.  Its upper file goes at once; its records are
+        freed with others by ``write_behind`` (an ``rm -rf`` then commits once
+        per batch of FORGETs, not once per file)."""
         if self._in_use(ino):
             return
         try:
@@ -577,52 +615,84 @@ class WorkFolderFS(pyfuse3.Operations):
         except KeyError:
             return
         if node.parent == 0 and ino != ROOT_INODE:
-            self.store.free_orphan(ino)
+            self.store.drop_orphan_copy(ino)
+            self._unreferenced.add(ino)
+            self._behind.set()
         else:
+            if ino in self._times:  # the cache is about to forget them
+                self.flush_behind()
             self.store.evict(ino)
+
+    async def write_behind(self) -> None:
+        """Commit what waits (times, orphans to free) ``WRITE_BEHIND_S`` after
+        the first of a batch, in one commit (runs for the life of the mount)."""
+        while True:
+            await self._behind.wait()
+            await trio.sleep(WRITE_BEHIND_S)
+            self._behind = trio.Event()
+            self.flush_behind()
+
+    def flush_behind(self) -> None:
+        """Commit the times set since the last flush and free the orphans
+        nobody references, together.  A failed commit (the disk full) is
+        logged and keeps them for the next flush: it must not end the daemon."""
+        times, self._times = self._times, set()
+        orphans, self._unreferenced = self._unreferenced, set()
+        if not (times or orphans):
+            return
+        try:
+            self.store.write_behind(sorted(times), sorted(orphans))
+        except Exception:
+            log.exception("committing times and freeing orphans failed; kept for later")
+            self._times |= times
+            self._unreferenced |= orphans
 
     # --- directories ---------------------------------------------------------------
 
-    @fuse_boundary
-    async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> int:
-        """Snapshot the directory's entries (sorted by name); readdir pages over it.
+    def _listing(self, fh: int, start_id: int) -> list[tuple[bytes, InodeNo]]:
+        """The entries of directory ``fh`` (an inode), sorted by name: a new
+        snapshot at offset 0, the same one for the rest of that listing.
 
         A snapshot keeps offsets stable while the directory changes: entries
         added or removed meanwhile may or may not show, none is skipped or
-        listed twice.
+        listed twice.  It is dropped once listed to the end (or, if a listing
+        is abandoned, when ``DIR_LISTINGS`` newer ones push it out).
         """
-        ino = InodeNo(inode)
-        self._dir(ino)
-        fh = self._new_fh()
-        self.dirs[fh] = [(name.encode("utf-8"), child) for name, child in self.store.children(ino)]
-        return fh
+        entries = None if start_id == 0 else self.dirs.get(fh)
+        if entries is None:
+            ino = InodeNo(fh)
+            self._dir(ino)
+            entries = [(name.encode("utf-8"), child) for name, child in self.store.children(ino)]
+            self.dirs.pop(fh, None)
+            self.dirs[fh] = entries
+            if len(self.dirs) > DIR_LISTINGS:
+                del self.dirs[next(iter(self.dirs))]
+        elif start_id >= len(entries):  # the request that finds the end
+            del self.dirs[fh]
+        return entries
 
     @fuse_boundary
     async def readdir(
         self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken
     ) -> None:
         """List entries from offset ``start_id``; each accepted entry is a lookup reference."""
-        entries = self.dirs.get(fh)
-        if entries is None:
-            raise fuse_err(errno.EBADF)
+        entries = self._listing(fh, start_id)
+        get = self.store.get
+        lookups = self.lookups
         for i in range(start_id, len(entries)):
             name, child = entries[i]
             try:
-                node = self.store.get(child)
+                node = get(child)
             except KeyError:
-                continue  # removed since opendir
+                continue  # removed since the snapshot
             if not pyfuse3.readdir_reply(token, name, self._attrs(node), i + 1):
                 return
-            self.lookups[child] = self.lookups.get(child, 0) + 1
-
-    @fuse_boundary
-    async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
-        """Drop the snapshot."""
-        self.dirs.pop(fh, None)
+            lookups[child] = lookups.get(child, 0) + 1
 
     @fuse_boundary
     async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
         """Directory changes are already committed; make them power-loss durable."""
+        self.flush_behind()
         await trio.to_thread.run_sync(self.store.sync)
 
     @fuse_boundary
@@ -643,11 +713,147 @@ class WorkFolderFS(pyfuse3.Operations):
                     self.lookups[ino] = left
                     continue
                 self.lookups.pop(ino, None)
+                self._detach(ino)
                 self._maybe_free(ino)
             except Exception:
                 log.exception("forget of inode %d failed", inode)
 
     def shutdown(self) -> None:
-        """After unmount: close every backing fd (every change is already committed)."""
+        """After unmount: close every backing fd and free the orphans left
+        (every change is already committed)."""
         self.content.close_all()
+        self.flush_behind()
+
+
+class HandlesFS(WorkFolderFS):
+    """For a pyfuse3 without "no open" support: the kernel sends OPEN and
+    RELEASE for every open of a file, OPENDIR and RELEASEDIR for every
+    directory listing, and each handle maps to its inode here."""
+
+    def __init__(
+        self,
+        store: Store,
+        fetcher: ContentFetcher,
+        *,
+        readonly: bool = False,
+        spin_ns: int = 0,
+        protected: str | None = None,
+    ) -> None:
+        super().__init__(store, fetcher, readonly=readonly, spin_ns=spin_ns, protected=protected)
+        self.handles: dict[int, Handle] = {}
+        self._next_fh = 1
+
+    def _handle_for(self, ino: InodeNo, flags: int) -> int:
+        """A new handle of ``ino``, whose backing is attached."""
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(ino, flags)
+        self.files[ino].opens += 1
+        return fh
+
+    async def _open_file(self, fh: int) -> tuple[InodeNo, OpenFile]:
+        h = self.handles.get(fh)
+        if h is None:
+            raise fuse_err(errno.EBADF)
+        return h.ino, self.files[h.ino]
+
+    @fuse_boundary
+    async def create(
+        self,
+        parent_inode: pyfuse3.InodeT,
+        name: pyfuse3.FileNameT,
+        mode: pyfuse3.ModeT,
+        flags: pyfuse3.FlagT,
+        ctx: pyfuse3.RequestContext,
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        """Create and open a new empty file (its upper file starts empty).
+
+        EEXIST if the name is taken (the kernel has already applied O_EXCL
+        semantics through lookup; this closes the race).  Journals the path.
+        Only with handles: without, the kernel's fallback (MKNOD, then an open
+        it does not send) saves the RELEASE of every new file.
+        """
+        inode = await self._create_node(parent_inode, name, "file", mode, ctx)
+        # Empty and inline (in the same commit): no file is created on disk.
+        self.files[inode.ino] = OpenFile(-1, upper=True, inline=True)
+        return pyfuse3.FileInfo(fh=self._handle_for(inode.ino, flags), keep_cache=True), self._ref(
+            inode
+        )
+
+    @fuse_boundary
+    async def open(
+        self, inode: pyfuse3.InodeT, flags: pyfuse3.FlagT, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.FileInfo:
+        """Open a file. A file whose saved content is not local yet is fetched
+        first; this open waits for that one object only.  O_TRUNC truncates
+        here (the kernel leaves it to open with the writeback cache).  EROFS
+        for writing when unbound; EIO when the content cannot be fetched or
+        verified.
+        """
+        ino = InodeNo(inode)
+        node = self._inode(ino)
+        if node.kind == "directory":
+            raise fuse_err(errno.EISDIR)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._writable()
+            if flags & os.O_TRUNC and node.size:
+                inline = await self.content.truncate(node, 0)
+                self.store.persist(node, touch="truncate", inline=inline)
+        if ino not in self.files:
+            await self._attach(ino)
+        return pyfuse3.FileInfo(fh=self._handle_for(ino, flags), keep_cache=True)
+
+    @fuse_boundary
+    async def release(self, fh: pyfuse3.FileHandleT) -> None:
+        """Last close of a handle: close the backing fd when no handle of the
+        inode remains (every change is already committed)."""
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        of = self.files[h.ino]
+        of.opens -= 1
+        if of.opens <= 0:
+            del self.files[h.ino]
+            self.content.release_fd(of, of.fd)
+            self._maybe_free(h.ino)
+
+    @fuse_boundary
+    async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> int:
+        """Snapshot the directory's entries (sorted by name); readdir pages over it."""
+        ino = InodeNo(inode)
+        self._dir(ino)
+        fh = self._next_fh
+        self._next_fh += 1
+        self.dirs[fh] = [(name.encode("utf-8"), child) for name, child in self.store.children(ino)]
+        return fh
+
+    def _listing(self, fh: int, start_id: int) -> list[tuple[bytes, InodeNo]]:
+        entries = self.dirs.get(fh)
+        if entries is None:
+            raise fuse_err(errno.EBADF)
+        return entries
+
+    @fuse_boundary
+    async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
+        """Drop the snapshot."""
+        self.dirs.pop(fh, None)
+
+    def shutdown(self) -> None:
+        super().shutdown()
         self.handles.clear()
+
+
+def make_fs(
+    store: Store,
+    fetcher: ContentFetcher,
+    *,
+    readonly: bool = False,
+    spin_ns: int = 0,
+    handles: bool = not NO_OPEN_SUPPORT,
+    protected: str | None = None,
+) -> WorkFolderFS:
+    """The operations for one mount: "no open" mode when pyfuse3 supports it,
+    unless ``handles`` (``FSAGENT_FUSE_HANDLES=1`` in the daemon's environment:
+    tests run both modes with one pyfuse3). ``protected``: see WorkFolderFS."""
+    cls = HandlesFS if handles else WorkFolderFS
+    return cls(store, fetcher, readonly=readonly, spin_ns=spin_ns, protected=protected)

@@ -19,7 +19,6 @@ from common.limits import MAX_COMPONENT_BYTES
 from common.paths import decode_fs_name
 from fsagent import stats
 from fsagent.records import Inode
-from fsagent.statedir import ROOT_INODE
 
 log = logging.getLogger("fsagent.fs")
 
@@ -128,12 +127,12 @@ def name_errno(exc: InvalidPath) -> int:
     return errno.EINVAL
 
 
-def entry_attributes(inode: Inode, readonly: bool) -> pyfuse3.EntryAttributes:
+def entry_attributes(inode: Inode, readonly: bool, nlink: int) -> pyfuse3.EntryAttributes:
     """What the kernel is told about ``inode`` (cached for ``TIMEOUT``).
 
     Owner, group and the full mode (setuid, setgid, sticky) are the inode's
     own; with ``default_permissions`` the kernel checks access against them.
-    A read-only mount shows no write bits.
+    A read-only mount shows no write bits.  ``nlink``: Tree.nlink.
     """
     a = pyfuse3.EntryAttributes()
     a.st_ino = inode.ino
@@ -143,8 +142,7 @@ def entry_attributes(inode: Inode, readonly: bool) -> pyfuse3.EntryAttributes:
     kind_bits = stat.S_IFDIR if inode.kind == "directory" else stat.S_IFREG
     mode = inode.mode & (0o7555 if readonly else 0o7777)
     a.st_mode = kind_bits | mode
-    # 1 means "unknown" for directories: tools then do not infer subdirectory counts.
-    a.st_nlink = 1 if inode.parent or inode.ino == ROOT_INODE else 0
+    a.st_nlink = nlink
     a.st_uid = inode.uid
     a.st_gid = inode.gid
     a.st_rdev = 0

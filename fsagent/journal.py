@@ -78,13 +78,18 @@ class Journal(StateDir):
         raise NotImplementedError
 
     def _touch(self, txn: Any, paths: Iterable[str], op: str) -> None:
+        self._touch_all(txn, [(paths, op)])
+
+    def _touch_all(self, txn: Any, groups: Iterable[tuple[Iterable[str], str]]) -> None:
+        """Journal each group's paths under its operation, in order."""
         seq = int(txn.get(b"seq", db=self._meta))
-        for path in paths:
-            if not path:
-                continue  # the root itself is never a work path
-            seq += 1
-            entry = JournalEntry(path, JournalSeq(seq), op)
-            txn.put(path_key(path), entry.encode(), db=self._journal)
+        for paths, op in groups:
+            for path in paths:
+                if not path:
+                    continue  # the root itself is never a work path
+                seq += 1
+                entry = JournalEntry(path, JournalSeq(seq), op)
+                txn.put(path_key(path), entry.encode(), db=self._journal)
         txn.put(b"seq", str(seq).encode(), db=self._meta)
 
     def touch(self, paths: Iterable[str], op: str) -> None:

@@ -85,7 +85,7 @@ def requirements(given: list[Requirement], shell: str) -> list[Requirement]:
 
 def launch_env(env_file: Path, home: Path) -> dict[str, str]:
     """The sandbox's environment with the env file's variables and ``HOME`` on top."""
-    from fsagent.up import read_env_file
+    from fsagent.envfile import read_env_file
 
     try:
         extra = read_env_file(env_file)

@@ -331,7 +331,8 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     """Serve the local endpoint until SIGTERM/SIGINT."""
     import uvicorn
 
-    from fsagent.up import env_for, fetch_repos_env, fetch_run, update_env_file
+    from fsagent.envfile import update_env_file
+    from fsagent.up import env_for, fetch_repos_env, fetch_run
 
     if not args.controller.startswith(("http://", "https://")):
         raise FsagentError("fsagent bridge needs an http(s) --controller URL")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.metadata
 import json
 import logging
 import os
@@ -60,9 +61,14 @@ from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent import SPIN_US, stats
 from fsagent.client import BridgeClient
-from fsagent.controlserver import FlushHandler, StatsHandler, serve_control
+from fsagent.controlserver import (
+    FlushHandler,
+    StatsHandler,
+    open_control_socket,
+    serve_control,
+)
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
-from fsagent.fs import WorkFolderFS
+from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
 from fsagent.ship import Checkpoints, Shipper, checkpoint_loop
 from fsagent.shipthread import ShipThread
@@ -153,6 +159,13 @@ def _set_readahead(mountpoint: Path) -> None:
             fh.write(str(READAHEAD_KIB))
     except OSError as exc:
         log.debug("readahead of %s stays at the default: %s", mountpoint, exc)
+
+
+def _pyfuse3_version() -> str:
+    try:
+        return importlib.metadata.version("pyfuse3")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _fuse_options(opts: MountOptions, readonly: bool) -> set[str]:
@@ -459,16 +472,29 @@ async def _serve_store(
         elif shipper is not None:
             await warm_start(store, client, shipper, opts.scope)
     fetcher = ContentFetcher(store, client, opts.scope)
-    fs = WorkFolderFS(
+    fs = make_fs(
         store,
         fetcher,
         readonly=owner is None,
         spin_ns=opts.spin_us * 1000,
+        handles=not NO_OPEN_SUPPORT or os.environ.get("FSAGENT_FUSE_HANDLES") == "1",
         protected=protected,
     )
+    log.info(
+        "FUSE: %s (pyfuse3 %s)",
+        "open/release handles" if isinstance(fs, HandlesFS) else '"no open" mode',
+        _pyfuse3_version(),
+    )
+    # Listening before the mount appears: whoever sees the mount can ask it
+    # to save.
+    control_path = opts.state_dir / "control.sock"
+    control = open_control_socket(control_path) if shipper is not None else None
     try:
         pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
     except RuntimeError as exc:
+        if control is not None:
+            control.close()
+            control_path.unlink(missing_ok=True)
         raise MountFailed(
             f"could not mount {opts.mountpoint}: {exc} (is /dev/fuse available, "
             "fusermount3 installed, and the mountpoint an existing, unused directory?)"
@@ -493,14 +519,16 @@ async def _serve_store(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
             nursery.start_soon(fs.spinner.run)
+            nursery.start_soon(fs.write_behind)
             nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
             if owner is not None:
                 nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
-            if shipper is not None and cadence is not None:
+            if shipper is not None and cadence is not None and control is not None:
                 cadence(nursery)
                 nursery.start_soon(
                     serve_control,
-                    opts.state_dir / "control.sock",
+                    control,
+                    control_path,
                     _control_handler(opts.mountpoint, shipper, stop),
                     _stats_handler(shipper),
                 )
@@ -508,6 +536,9 @@ async def _serve_store(
             nursery.cancel_scope.cancel()
     finally:
         pyfuse3.close(unmount=True)
+        if control is not None:
+            control.close()  # already closed if it served
+            control_path.unlink(missing_ok=True)
         fs.shutdown()
         if daemon_file is not None:
             daemon_file.unlink(missing_ok=True)

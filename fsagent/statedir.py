@@ -27,6 +27,7 @@ import fcntl
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Final, Self
 
@@ -68,6 +69,9 @@ MARKER: Final = "fsagent-state.json"
 _MAP_SIZE: Final = 16 << 30  # address space only; the file grows as needed
 # (100,000 inline files of 64 KiB alone are 6.1 GiB, plus copy-on-write pages)
 HEADROOM: Final = 2 << 20
+ROOM_SLACK: Final = 64 << 20
+"""Free space above the reserve below which every inline write reads it again."""
+ROOM_RECHECK_S: Final = 1.0
 _TABLES: Final = (
     "meta", "inodes", "entries", "base", "journal", "orphans", "inline", "dirstat",
 )  # fmt: skip
@@ -154,6 +158,8 @@ class StateDir:
         self._env = GuardedEnv(env, root / "db" / "data.mdb")
         self._lock_fd = lock_fd
         self._durable: set[InodeNo] = set()
+        self._room = 0
+        self._room_at = -ROOM_RECHECK_S
         self._durable_epoch = 0
         self._meta = env.open_db(b"meta", create=not readonly)
         self._inodes = env.open_db(b"inodes", create=not readonly)
@@ -331,9 +337,21 @@ class StateDir:
         Inline contents go into the database, whose reserve must stay for the
         commits that make room (unlink, rename, the journal): when the disk is
         that full, writes get ENOSPC as they would on the disk itself.
+
+        The free space is read again (``statvfs``) once the bytes granted since
+        the last reading come within ``ROOM_SLACK`` of the reserve, or after
+        ``ROOM_RECHECK_S``: a disk with room to spare costs no system call per
+        write.
         """
-        vfs = os.statvfs(self.root)
-        return vfs.f_bavail * vfs.f_frsize >= nbytes + 2 * HEADROOM
+        now = time.monotonic()
+        need = nbytes + 2 * HEADROOM
+        if now - self._room_at > ROOM_RECHECK_S or self._room - need < ROOM_SLACK:
+            vfs = os.statvfs(self.root)
+            self._room, self._room_at = vfs.f_bavail * vfs.f_frsize, now
+            if self._room < need:
+                return False
+        self._room -= nbytes
+        return True
 
     def close(self) -> None:
         if not self.readonly:

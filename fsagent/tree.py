@@ -55,6 +55,7 @@ class Tree(Journal):
         super().__init__(root, env, lock_fd, readonly)
         self.upper = UpperFiles(root / "upper")
         self._cache: dict[InodeNo, Inode] = {}
+        self._subdirs: dict[InodeNo, int] = {}
 
     def _live_inode(self, txn: Any, ino: InodeNo) -> Inode | None:
         cached = self._cache.get(ino)
@@ -83,6 +84,32 @@ class Tree(Journal):
         (every change to it is already committed)."""
         if ino != ROOT_INODE:
             self._cache.pop(ino, None)
+
+    def nlink(self, inode: Inode) -> int:
+        """The link count: 1 for a file, 2 + its subdirectories for a directory
+        (its entry, its ``.`` and each subdirectory's ``..``), 0 once unlinked."""
+        if inode.parent == 0 and inode.ino != ROOT_INODE:
+            return 0
+        if inode.kind != "directory":
+            return 1
+        count = self._subdirs.get(inode.ino)
+        if count is None:
+            # Counted once, then kept exact by every change below (in memory
+            # only: nothing to store, upgrade or repair).
+            with self._env.begin() as txn:
+                count = sum(
+                    1
+                    for _, child in self._children_in(txn, inode.ino)
+                    if (node := self._live_inode(txn, child)) is not None
+                    and node.kind == "directory"
+                )
+            self._subdirs[inode.ino] = count
+        return 2 + count
+
+    def _count_subdir(self, parent: InodeNo, delta: int) -> None:
+        count = self._subdirs.get(parent)
+        if count is not None:
+            self._subdirs[parent] = count + delta
 
     def lookup(self, parent: InodeNo, name: str) -> InodeNo | None:
         with self._env.begin() as txn:
@@ -205,6 +232,12 @@ class Tree(Journal):
         txn.put(b"next_ino", str(ino + 1).encode(), db=self._meta)
         return InodeNo(ino)
 
+    def _moved_paths(self, txn: Any, inode: Inode, path: str) -> list[str]:
+        """``path`` and, for a directory, every path below it."""
+        if inode.kind != "directory":
+            return [path]
+        return list(self._subtree_paths(txn, inode.ino, path))
+
     def _subtree_paths(self, txn: Any, ino: InodeNo, prefix: str) -> Iterator[str]:
         """``prefix`` and every path below directory ``ino`` (depth first)."""
         yield prefix
@@ -246,6 +279,9 @@ class Tree(Journal):
             assert path is not None
             self._touch(txn, [path], "mkdir" if kind == "directory" else "create")
             self._touch_parent_mtime(txn, parent, t)
+        if kind == "directory":
+            self._subdirs[ino] = 0
+            self._count_subdir(parent, 1)
         return inode
 
     def _touch_parent_mtime(self, txn: Any, parent: InodeNo, t: int) -> None:
@@ -274,6 +310,9 @@ class Tree(Journal):
             txn.delete(ekey(parent, name), db=self._entries)
             self._detach(txn, inode, keep=keep, t=t)
             self._touch_parent_mtime(txn, parent, t)
+        if inode.kind == "directory":
+            self._subdirs.pop(inode.ino, None)
+            self._count_subdir(parent, -1)
         return inode
 
     def _detach(self, txn: Any, inode: Inode, *, keep: bool, t: int) -> None:
@@ -292,17 +331,36 @@ class Tree(Journal):
         if inode.upper and not txn.delete(ikey(inode.ino), db=self._inline):
             self.upper.remove(inode.ino)
 
-    def free_orphan(self, ino: InodeNo) -> None:
-        """Release an unlinked inode nobody references any more (forget / recovery)."""
-        with self._env.begin(write=True) as txn:
+    def _free_orphans_in(self, txn: Any, inos: Iterable[InodeNo]) -> None:
+        """Release unlinked inodes nobody references any more."""
+        for ino in inos:
             if txn.get(ikey(ino), db=self._orphans) is None:
-                return
+                continue
             raw = txn.get(ikey(ino), db=self._inodes)
             inode = self._cache.get(ino) or (Inode.decode(ino, raw) if raw else None)
             if inode is None:
                 txn.delete(ikey(ino), db=self._orphans)
-                return
+                continue
             self._free(txn, inode)
+
+    def write_behind(self, times: Iterable[InodeNo], orphans: Iterable[InodeNo]) -> None:
+        """One commit: the cached records of ``times`` (inodes whose times
+        changed; one freed meanwhile is not written back), and the orphans
+        nobody references freed."""
+        with self._env.begin(write=True) as txn:
+            for ino in times:
+                inode = self._cache.get(ino)
+                if inode is not None and txn.get(ikey(ino), db=self._inodes) is not None:
+                    txn.put(ikey(ino), inode.encode(), db=self._inodes)
+            self._free_orphans_in(txn, orphans)
+
+    def drop_orphan_copy(self, ino: InodeNo) -> None:
+        """Remove the upper copy of an orphan nobody can reach any more now (the
+        disk space comes back at once); its records go with :meth:`write_behind`.
+        A crash in between leaves an orphan that recovery frees."""
+        inode = self._cache.get(ino)
+        if inode is not None and inode.parent == 0 and inode.upper:
+            self.upper.remove(ino)
 
     def rename(
         self,
@@ -333,8 +391,9 @@ class Tree(Journal):
                 replaced = self._cache.get(tino) or Inode.decode(
                     tino, txn.get(ikey(tino), db=self._inodes)
                 )
+            touched: list[tuple[list[str], str]] = []
             if old_path is not None:
-                self._touch(txn, list(self._subtree_paths(txn, ino, old_path)), "rename-from")
+                touched.append((self._moved_paths(txn, moved, old_path), "rename-from"))
             txn.delete(ekey(old_parent, old_name), db=self._entries)
             txn.put(ekey(new_parent, new_name), ikey(ino), db=self._entries)
             moved.parent, moved.name, moved.ctime_ns = new_parent, new_name, t
@@ -343,10 +402,17 @@ class Tree(Journal):
                 self._detach(txn, replaced, keep=keep_replaced(replaced.ino), t=t)
             new_path = self._path_in(txn, ino)
             if new_path is not None:
-                self._touch(txn, list(self._subtree_paths(txn, ino, new_path)), "rename-to")
+                touched.append((self._moved_paths(txn, moved, new_path), "rename-to"))
+            self._touch_all(txn, touched)
             self._touch_parent_mtime(txn, old_parent, t)
             if new_parent != old_parent:
                 self._touch_parent_mtime(txn, new_parent, t)
+        if moved.kind == "directory":
+            self._count_subdir(old_parent, -1)
+            self._count_subdir(new_parent, 1)
+        if replaced is not None and replaced.kind == "directory":
+            self._subdirs.pop(replaced.ino, None)
+            self._count_subdir(new_parent, -1)
         return replaced
 
     def exchange(self, p1: InodeNo, n1: str, p2: InodeNo, n2: str) -> None:
@@ -375,6 +441,10 @@ class Tree(Journal):
                 path = self._path_in(txn, inode.ino)
                 if path is not None:
                     self._touch(txn, list(self._subtree_paths(txn, inode.ino, path)), "exchange")
+        for inode, left, joined in ((a, p1, p2), (b, p2, p1)):
+            if inode.kind == "directory":
+                self._count_subdir(left, -1)
+                self._count_subdir(joined, 1)
 
     def _resolve(self, txn: Any, path: str, *, committed: bool = False) -> Inode | None:
         ino = ROOT_INODE
@@ -398,6 +468,7 @@ class Tree(Journal):
         changes were shipped first and win. Returns the paths updated.
         """
         journal = {p for p, _, _ in self.journal()}
+        self._subdirs.clear()  # counted again on demand
         applied = 0
         for item in entries:
             if isinstance(item, tuple):
@@ -498,6 +569,7 @@ class Tree(Journal):
         of inodes created.
         """
         t = now_ns()
+        self._subdirs.clear()
         dirs: dict[str, InodeNo] = {"": ROOT_INODE}
         created = 0
         with self._env.begin(write=True) as txn:

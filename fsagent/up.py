@@ -6,11 +6,12 @@ and said in one line), start the repository
 saver (``fsagent repos watch``), write the agent's environment file, and
 supervise them all.
 
-The env file is ``KEY=VALUE`` lines (no quoting): ``AGENT_HOME``,
+The env file (:mod:`fsagent.envfile`: ``KEY="value"`` lines that systemd,
+sh and ``fsagent launch`` read alike) holds ``AGENT_HOME``,
 ``PAPERCLIP_{TASK,AGENT,USER,PROJECT}_DIR`` for the bound collections,
 ``PAPERCLIP_REPOS_DIR`` and ``PAPERCLIP_PRIMARY_REPO`` when the task binds
 repositories, and ``PAPERCLIP_API_URL`` / ``PAPERCLIP_API_SOCKET`` for the
-local endpoint. ``fsagent launch`` reads it; it never holds the run token.
+local endpoint. It never holds the run token.
 
 A repository that cannot be prepared (a clone that fails, a directory of
 another binding in its place) is reported on stderr and in ``fsagent repos
@@ -34,6 +35,7 @@ import trio
 from common.limits import SCOPES
 from fsagent.client import RepoList, RunInfo
 from fsagent.daemon import client_from_args, is_ready
+from fsagent.envfile import format_env, write_env_file
 from fsagent.errors import MountFailed
 from fsagent.fuseprobe import decide
 from fsagent.store import default_state_root
@@ -136,30 +138,6 @@ def fetch_run(args: argparse.Namespace) -> RunInfo:
     return trio.run(get_run)
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """The variables of an env file (``KEY=VALUE`` lines; blank and ``#`` lines skipped)."""
-    env: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#") and "=" in line:
-            key, value = line.split("=", 1)
-            env[key.strip()] = value
-    return env
-
-
-def write_env_file(path: Path, env: dict[str, str]) -> None:
-    """Replace the env file atomically (a reader sees the old or the new one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
-    os.replace(tmp, path)
-
-
-def update_env_file(path: Path, updates: dict[str, str]) -> None:
-    """Set ``updates`` in the env file, keeping its other variables."""
-    env = read_env_file(path) if path.exists() else {}
-    write_env_file(path, {**env, **updates})
-
-
 def start_bridge(
     args: argparse.Namespace, state_root: Path
 ) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
@@ -201,6 +179,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     home = Path(args.home).absolute()
     state_root = Path(args.state_root) if args.state_root else default_state_root()
     run = fetch_run(args)
+    format_env(env_for(home, run))  # a home no env file can name is refused before mounting
     decision = decide(args.mode, None, args.mode_reason)
     if args.mode == "auto" and decision.mode == "dir":
         print(f"fsagent up: FUSE is not available ({decision.reason}); the work folders are "

@@ -16,6 +16,8 @@
 set -euo pipefail
 
 src="$(cd "$(dirname "$0")/.." && pwd)"
+# shellcheck source=env-quote.sh
+. "$(dirname "$0")/env-quote.sh"
 user="" home="" controller="" token_file="" args="" systemd=1 bridge_port=8751
 while (($#)); do
     case "$1" in
@@ -62,6 +64,21 @@ install -d -m 0755 /opt/fsagent
 # --package SPEC installs SPEC (e.g. a wheel built beforehand; with PIP_NO_INDEX
 # and PIP_FIND_LINKS, offline from a wheelhouse) instead of the --source tree.
 /opt/fsagent/venv/bin/pip install -q "${package:-$src}"
+# pyfuse3 with fsagent's patch (packaging/pyfuse3/README.md): a wheel of it in
+# the wheelhouse, else built from the sdist when the index and build tools are
+# at hand. Without it fsagent still works, with more FUSE requests per operation.
+build_pyfuse3="$src/packaging/pyfuse3/build.sh"
+if [[ -f "$build_pyfuse3" ]]; then
+    want="$(sed -n 's/^version=//p' "$build_pyfuse3")+$(sed -n 's/^label=//p' "$build_pyfuse3")"
+    wheels="$(mktemp -d)"
+    if ! /opt/fsagent/venv/bin/pip install -q --no-deps "pyfuse3==$want" 2>/dev/null \
+        && ! "$build_pyfuse3" --python /opt/fsagent/venv/bin/python --wheel-dir "$wheels" \
+            --install >/dev/null 2>&1; then
+        echo "install-fsagent.sh: pyfuse3 $want is not available; the stock pyfuse3 stays" \
+            "(fsagent works, with more FUSE requests per operation)" >&2
+    fi
+    rm -rf "$wheels"
+fi
 /opt/fsagent/venv/bin/fsagent --help >/dev/null
 
 if [[ -n "$args" ]] && ! grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null; then
@@ -70,14 +87,19 @@ if [[ -n "$args" ]] && ! grep -q '^user_allow_other' /etc/fuse.conf 2>/dev/null;
 fi
 
 install -d -m 0755 /etc/fsagent
+# The units' EnvironmentFile: quoted, so a home or token path with spaces or
+# quotes reaches them whole (their ${VAR} words stay one argument each).
+q_user="$(env_quote "$user")" q_home="$(env_quote "$home")"
+q_controller="$(env_quote "$controller")" q_token_file="$(env_quote "$token_file")"
+q_args="$(env_quote "$args")" q_port="$(env_quote "$bridge_port")"
 umask 077
 cat >/etc/fsagent/fsagent.env <<ENV
-FSAGENT_USER=$user
-FSAGENT_HOME=$home
-FSAGENT_CONTROLLER=$controller
-FSAGENT_TOKEN_FILE=$token_file
-FSAGENT_ARGS=$args
-FSAGENT_BRIDGE_PORT=$bridge_port
+FSAGENT_USER=$q_user
+FSAGENT_HOME=$q_home
+FSAGENT_CONTROLLER=$q_controller
+FSAGENT_TOKEN_FILE=$q_token_file
+FSAGENT_ARGS=$q_args
+FSAGENT_BRIDGE_PORT=$q_port
 ENV
 chmod 0644 /etc/fsagent/fsagent.env
 umask 022  # the units and drop-ins below are world-readable, as systemd expects

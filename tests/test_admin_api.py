@@ -61,6 +61,17 @@ class World:
                              f"https://git.example/{uuid.uuid4().hex[:8]}.git")  # fmt: skip
         return str(out["workspace_id"])
 
+    def fresh_agent(self) -> str:
+        return str(self.ctl.admin("create-agent", self.tenant.company_id, "bot")["id"])
+
+    def granted_member(self) -> tuple[str, str]:
+        """(agent, member): a new member holding the configure grant on a new agent."""
+        agent, member = self.fresh_agent(), self.fresh_member()
+        self.ctl.admin(
+            "grant", self.tenant.company_id, member, "--agent", agent, "--configure"
+        )  # fmt: skip
+        return agent, member
+
     def fresh_run(self) -> str:
         out = self.ctl.admin("start-run", self.tenant.company_id, "--agent", self.agent)
         return str(out["run_id"])
@@ -82,7 +93,11 @@ class World:
                 " (SELECT array_agg((id, removed_at IS NULL, is_primary)::text ORDER BY id)"
                 "   FROM workspaces WHERE company_id = %(c)s),"
                 " (SELECT array_agg((id, branch)::text ORDER BY id) FROM tasks"
-                "   WHERE company_id = %(c)s)",
+                "   WHERE company_id = %(c)s),"
+                " (SELECT array_agg((id, entry_path)::text ORDER BY id) FROM agents"
+                "   WHERE company_id = %(c)s),"
+                " (SELECT array_agg((agent_id, user_id, permission)::text"
+                "   ORDER BY agent_id, user_id) FROM agent_grants WHERE company_id = %(c)s)",
                 {"c": self.tenant.company_id},
             ).fetchone()
         assert row is not None
@@ -137,6 +152,23 @@ CASES: dict[str, tuple[Case, int]] = {
     "remove member": (lambda w: ("DELETE", f"{w.base}/members/{w.fresh_member()}", None), 200),
     "list agents": (lambda w: ("GET", w.base + "/agents", None), 200),
     "create agent": (lambda w: ("POST", w.base + "/agents", {"name": "bot"}), 201),
+    "set agent entry": (
+        lambda w: (
+            "PUT",
+            f"{w.base}/agents/{w.agent}/entry",
+            {"path": f"docs/{uuid.uuid4().hex[:8]}.md"},
+        ),
+        200,
+    ),
+    "list grants": (lambda w: ("GET", f"{w.base}/agents/{w.agent}/grants", None), 200),
+    "grant": (
+        lambda w: ("PUT", f"{w.base}/agents/{w.fresh_agent()}/grants/{w.fresh_member()}", None),
+        200,
+    ),
+    "revoke grant": (
+        lambda w: ("DELETE", "{}/agents/{}/grants/{}".format(w.base, *w.granted_member()), None),
+        200,
+    ),
     "list projects": (lambda w: ("GET", w.base + "/projects", None), 200),
     "create project": (lambda w: ("POST", w.base + "/projects", {"name": "p"}), 201),
     "list tasks": (lambda w: ("GET", w.base + "/tasks", None), 200),
@@ -188,11 +220,14 @@ PEOPLE_ONLY = {
     "create member",
     "set a role",
     "remove member",
+    "grant",
+    "revoke grant",
     "list operator tokens",
     "create operator token",
     "revoke operator token",
 }
-"""Routes an operator token may not use: who belongs to the company, and tokens."""
+"""Routes an operator token may not use: who belongs to the company, who may
+configure an agent, and tokens."""
 
 
 def expected(case: str, caller: str, ok: int) -> tuple[int, str | None]:
@@ -474,6 +509,12 @@ def test_bad_input_is_a_400_that_names_the_field_and_changes_nothing(world: Worl
         ("POST", f"{b}/projects/{world.project}/workspaces",
          {"repoUrl": "https://h/r.git", "primary": "yes"}, "primary", "invalid_type"),
         ("PUT", f"{b}/tasks/{world.task}/branch", {"branch": "a..b"}, "branch", "invalid"),
+        ("PUT", f"{b}/agents/{world.agent}/entry", {"path": "../x.md"}, "path", "invalid_segment"),
+        ("PUT", f"{b}/agents/{world.agent}/entry", {"path": 3}, "path", "invalid_type"),
+        ("PUT", f"{b}/agents/{world.agent}/entry", {}, "path", "required"),
+        ("PUT", f"{b}/agents/{world.agent}/grants/me", None, "userId", "invalid_uuid"),
+        ("DELETE", f"{b}/agents/x/grants/{world.tenant.user_id}", None, "agentId",
+         "invalid_uuid"),
         ("POST", b + "/runs", {"agentId": world.agent, "home": "rel"}, "home", "invalid_home"),
         ("POST", b + "/runs", {"agentId": world.agent, "sandbox": ""}, "sandbox",
          "invalid_sandbox"),
@@ -499,6 +540,13 @@ def test_bad_input_is_a_400_that_names_the_field_and_changes_nothing(world: Worl
             ("DELETE", f"{b}/workspaces/{uuid.uuid4()}", None, "workspace_not_found"),
             ("PUT", f"{b}/tasks/{uuid.uuid4()}/branch", {"branch": "main"}, "task_not_found"),
             ("GET", f"{b}/projects/{uuid.uuid4()}/workspaces", None, "project_not_found"),
+            ("PUT", f"{b}/agents/{uuid.uuid4()}/entry", {"path": "A.md"}, "agent_not_found"),
+            ("GET", f"{b}/agents/{uuid.uuid4()}/grants", None, "agent_not_found"),
+            ("PUT", f"{b}/agents/{uuid.uuid4()}/grants/{world.tenant.user_id}", None,
+             "agent_not_found"),
+            ("PUT", f"{b}/agents/{world.agent}/grants/{uuid.uuid4()}", None, "member_not_found"),
+            ("DELETE", f"{b}/agents/{world.agent}/grants/{uuid.uuid4()}", None,
+             "member_not_found"),
         ):  # fmt: skip
             r = c.request(method, path, json=body)
             assert r.status_code == 404 and r.json()["code"] == code, r.text
@@ -552,6 +600,24 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
                     " JOIN workspaces w ON w.id = b.workspace_id WHERE b.company_id = %s",
                     (company,),
                 ).fetchall(),
+                "agent entries": db.execute(
+                    "SELECT name, entry_path FROM agents WHERE company_id = %s ORDER BY name",
+                    (company,),
+                ).fetchall(),
+                "agent files": db.execute(
+                    "SELECT a.name, f.path, f.kind, f.byte_size FROM files f"
+                    " JOIN folders d ON d.id = f.folder_id"
+                    " JOIN agents a ON d.scope = 'agent' AND d.owner_id = a.id::text"
+                    " WHERE d.company_id = %s AND f.deleted_at IS NULL ORDER BY 1, 2",
+                    (company,),
+                ).fetchall(),
+                "grants": db.execute(
+                    "SELECT a.name, m.role, g.permission FROM agent_grants g"
+                    " JOIN agents a ON a.id = g.agent_id"
+                    " JOIN memberships m ON m.company_id = g.company_id AND m.user_id = g.user_id"
+                    " WHERE g.company_id = %s ORDER BY 1, 2",
+                    (company,),
+                ).fetchall(),
                 "runs": db.execute(
                     "SELECT a.name, t.title, p.name, r.user_id IS NOT NULL, r.sandbox_key,"
                     " r.lease_epoch, r.active, r.state, r.error"
@@ -566,6 +632,37 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
     with api:
         c_agent = ctl.admin("create-agent", cli_t.company_id, "Bot")["id"]
         a_agent = api.post(base + "/agents", json={"name": "Bot"}).json()["id"]
+        # The agent's instruction entry and who may configure the agent.
+        c_entry = ctl.admin("set-agent-entry", c_agent, "docs/GUIDE.md")
+        a_entry = api.put(f"{base}/agents/{a_agent}/entry", json={"path": "docs/GUIDE.md"})
+        assert a_entry.status_code == 200, a_entry.text
+        assert c_entry == {"agent_id": c_agent, "entry_path": "docs/GUIDE.md", "created": True}
+        assert a_entry.json() == {"agentId": a_agent, "entryPath": "docs/GUIDE.md", "created": True}
+        (c_member, _), (a_member, _) = cli_t.new_member(), api_t.new_member()
+        (c_kept, _), (a_kept, _) = cli_t.new_member("viewer"), api_t.new_member("viewer")
+        for user in (c_member, c_kept):
+            c_grant = ctl.admin("grant", cli_t.company_id, user, "--agent", c_agent, "--configure")
+        for user in (a_member, a_kept):
+            a_grant = api.put(f"{base}/agents/{a_agent}/grants/{user}")
+            assert a_grant.status_code == 200, a_grant.text
+        assert c_grant == {"company_id": cli_t.company_id, "user_id": c_kept,
+                           "agent_id": c_agent, "permission": "configure", "granted": True}  # fmt: skip
+        assert a_grant.json() == {"agentId": a_agent, "userId": a_kept,
+                                  "permission": "configure", "granted": True}  # fmt: skip
+        listed = api.get(f"{base}/agents/{a_agent}/grants").json()
+        assert listed["agentId"] == a_agent
+        assert [(g["userId"], g["role"], g["permission"]) for g in listed["grants"]] == [
+            (a_member, "member", "configure"),
+            (a_kept, "viewer", "configure"),
+        ]
+        for _ in range(2):  # the second time there is nothing left to revoke
+            c_revoke = ctl.admin(
+                "revoke", cli_t.company_id, c_member, "--agent", c_agent, "--configure"
+            )
+            a_revoke = api.delete(f"{base}/agents/{a_agent}/grants/{a_member}")
+            assert a_revoke.status_code == 200, a_revoke.text
+            assert c_revoke["revoked"] == a_revoke.json()["revoked"]
+        assert a_revoke.json()["revoked"] is False
         c_project = ctl.admin("create-project", cli_t.company_id, "Proj")["id"]
         a_project = api.post(base + "/projects", json={"name": "Proj"}).json()["id"]
         c_task = ctl.admin("create-task", cli_t.company_id, c_project, "Do it")["id"]
@@ -680,6 +777,20 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
         assert r.json()["details"][0]["message"] == (
             f"task {a_task_id} belongs to project {a_project}, not {wrong}"
         )
+        code, _, err = ctl.cli("admin", "set-agent-entry", c_agent, "docs")
+        r = api.put(f"{base}/agents/{a_agent}/entry", json={"path": "docs"})
+        assert code == 1 and r.status_code == 409 and r.json()["code"] == "kind_conflict"
+        assert err == "controller: kind_conflict: docs is a directory\n"
+        assert r.json()["error"] == "docs is a directory"
+        code, _, err = ctl.cli("admin", "grant", cli_t.company_id, c_gone, "--agent", c_agent,
+                               "--configure")  # fmt: skip
+        r = api.put(f"{base}/agents/{a_agent}/grants/{a_gone}")
+        assert code == 1 and r.status_code == 404 and r.json()["code"] == "member_not_found"
+        assert err == (
+            f"controller: member_not_found: user {c_gone} is not a member of company"
+            f" {cli_t.company_id}\n"
+        )
+        assert r.json()["error"] == f"user {a_gone} is not a member of company {api_t.company_id}"
         code, _, err = ctl.cli("admin", "remove-member", cli_t.company_id, c_gone)
         r = api.delete(f"{base}/members/{a_gone}")
         assert code == 1 and r.status_code == 404 and r.json()["code"] == "member_not_found"

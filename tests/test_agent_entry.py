@@ -142,13 +142,14 @@ def test_a_checkpoint_is_refused_only_for_the_entry_and_says_so(tenant: Tenant) 
 
 @pytest.mark.fuse
 def test_the_mount_protects_the_entry_and_keeps_a_refused_entry_unsaved(
-    mounts: MountFactory, tenant: Tenant
+    mounts_in_both_modes: MountFactory, tenant: Tenant
 ) -> None:
+    """In the kernel's "no open" mode as with OPEN/RELEASE handles."""
     ctl = tenant.controller
     agent = new_agent(tenant)
     ctl.admin("set-agent-entry", agent, "guide/AGENTS.md")
     run = start_agent_run(tenant, agent, user=tenant.user_id)
-    m = mount_agent(mounts, run)
+    m = mount_agent(mounts_in_both_modes, run)
     root = m.mountpoint
     assert (root / "guide" / "AGENTS.md").read_bytes() == b""
     for attempt in (

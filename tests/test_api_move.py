@@ -332,8 +332,9 @@ def test_the_directory_says_which_folders_have_files_and_an_active_run(tenant: T
         for kind in ("agents", "projects", "tasks")
         for item in found[kind]
     }
+    # Every agent's folder holds its instruction entry from the start.
     assert flags == {
-        ("agents", run.agent): (False, True),
+        ("agents", run.agent): (True, True),
         ("agents", idle_agent): (True, False),
         ("projects", run.project): (False, True),
         ("tasks", run.task): (False, True),

@@ -6,6 +6,7 @@ GC sweep). Real controller, PostgreSQL and FUSE."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import signal
 from typing import Any
@@ -29,14 +30,24 @@ def new_task(tenant: Tenant) -> str:
     return task
 
 
-def attach(tenant: Tenant, task: str, name: str, data: bytes, token: str | None = None) -> Any:
+def attach(
+    tenant: Tenant, task: str, name: str, data: bytes, token: str | None = None, key: str = ""
+) -> Any:
+    headers = {**OCTET, "X-File-Content-Type": "application/pdf"}
+    if key:
+        headers["Idempotency-Key"] = key
     with tenant.client(token) as c:
         return c.post(
-            attachments_url(tenant, task),
-            params={"name": name},
-            content=data,
-            headers={**OCTET, "X-File-Content-Type": "application/pdf"},
+            attachments_url(tenant, task), params={"name": name}, content=data, headers=headers
         )
+
+
+def attachment_rows(tenant: Tenant, task: str) -> int:
+    with tenant.controller.db() as db:
+        row = db.execute("SELECT count(*) FROM task_attachments WHERE task_id = %s", (task,))
+        found = row.fetchone()
+    assert found is not None
+    return int(found[0])
 
 
 def task_files(tenant: Tenant, task: str) -> dict[str, bytes]:
@@ -121,3 +132,51 @@ def test_a_working_copy_is_edited_and_deleted_while_the_original_stays(
     later = attach(tenant, task, "later.md", b"added later").json()["attachment"]
     start_agent_run(tenant, agent, user=tenant.user_id, task=task)
     assert task_files(tenant, task)[later["copyPath"]] == b"added later"
+
+
+def test_a_retried_post_with_its_idempotency_key_adds_nothing(tenant: Tenant) -> None:
+    """A client that lost the answer sends the same POST again under the same
+    key: it gets the attachment the first one added, and nothing is added."""
+    task = new_task(tenant)
+    first = attach(tenant, task, "report.pdf", REPORT, key="upload-1")
+    assert first.status_code == 201 and first.json()["applied"] is True, first.text
+    again = attach(tenant, task, "report.pdf", REPORT, key="upload-1")
+    assert again.status_code == 200, again.text
+    assert again.json() == {**first.json(), "applied": False}
+    assert attachment_rows(tenant, task) == 1
+    # The same key for another request is a conflict, and changes nothing.
+    for name, data in (("report.pdf", REPORT + b"!"), ("other.pdf", REPORT)):
+        r = attach(tenant, task, name, data, key="upload-1")
+        assert r.status_code == 409 and r.json()["code"] == "idempotency_conflict", r.text
+    assert attachment_rows(tenant, task) == 1
+    # A key is the task folder's: its file writes share it, other tasks do not.
+    with tenant.client() as c:
+        r = c.put(
+            tenant.folder("task", task) + "/content",
+            params={"path": "x.txt"},
+            content=b"x",
+            headers={**OCTET, "Idempotency-Key": "upload-1"},
+        )
+        assert r.status_code == 409 and r.json()["code"] == "idempotency_conflict", r.text
+    other = new_task(tenant)
+    assert attach(tenant, other, "report.pdf", REPORT, key="upload-1").status_code == 201
+    # Without a key every POST adds one; a malformed key is refused before the body.
+    assert attach(tenant, task, "report.pdf", REPORT).status_code == 201
+    assert attach(tenant, task, "report.pdf", REPORT).status_code == 201
+    assert attachment_rows(tenant, task) == 3
+    for bad in ("k" * 257, "tab\tinside"):
+        r = attach(tenant, task, "r.pdf", b"r", key=bad)
+        assert r.status_code == 400, r.text
+        assert r.json()["details"][0]["code"] == "invalid_idempotency_key", r.text
+    assert attachment_rows(tenant, task) == 3
+
+
+def test_concurrent_retries_of_one_key_add_one_attachment(tenant: Tenant) -> None:
+    task = new_task(tenant)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(
+            pool.map(lambda _: attach(tenant, task, "r.pdf", REPORT, key="same"), range(4))
+        )
+    assert sorted(a.status_code for a in answers) == [200, 200, 200, 201], [a.text for a in answers]
+    assert len({a.json()["attachment"]["id"] for a in answers}) == 1
+    assert attachment_rows(tenant, task) == 1

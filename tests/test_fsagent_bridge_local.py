@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fsagent.envfile import read_env_file
 from tests.support.bridge import Run, start_run
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
@@ -361,7 +362,7 @@ def test_up_serves_the_endpoint_and_doctor_finds_everything_healthy(tenant: Tena
             assert proc.poll() is None, (base / "up.log").read_text()
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        env = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+        env = read_env_file(env_file)
         assert env["PAPERCLIP_API_SOCKET"] == str(state_root / "run" / "api.sock")
         assert env["PAPERCLIP_API_URL"].startswith("http://127.0.0.1:")
         assert run.token not in env_file.read_text()
@@ -455,7 +456,9 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
     exec_start = unit.split("\nExecStart=", 1)[1].split("\n\n", 1)[0].split("\nKillSignal", 1)[0]
     words = shlex.split(exec_start.replace("\\\n", " "))
     assert words[:2] == ["/opt/fsagent/venv/bin/fsagent", "bridge"]
-    d = private_tmpdir("fsa-unit-")
+    # A home whose path the env file must quote (spaces, both quotes).
+    d = private_tmpdir("fsa-unit-") / 'agent\'s "home" dir'
+    d.mkdir()
     (d / "token").write_text(TOKEN)
     port = free_port()
     config = {"FSAGENT_CONTROLLER": upstream.url, "FSAGENT_TOKEN_FILE": str(d / "token"),
@@ -464,21 +467,31 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
     env_file = d / ".local" / "state" / "fsagent" / "env"
     env_file.parent.mkdir(parents=True)
     # A line of its own is kept; the endpoint's and the collections' are rewritten.
-    env_file.write_text("OWNER_SETTING=1\nPAPERCLIP_API_URL=http://127.0.0.1:1\n")
+    env_file.write_text("OWNER_SETTING='kept as is'\nPAPERCLIP_API_URL=http://127.0.0.1:1\n")
     proc = subprocess.Popen([sys.executable, "-m", "fsagent.cli", "bridge", *argv], cwd=REPO,
                             stdout=subprocess.DEVNULL)  # fmt: skip
     try:
         sock = d / ".local" / "state" / "fsagent" / "run" / "api.sock"
+        q = str(d).replace('"', '\\"')
         expected = (
-            f"OWNER_SETTING=1\nPAPERCLIP_API_URL=http://127.0.0.1:{port}\nAGENT_HOME={d}/agent\n"
-            f"PAPERCLIP_TASK_DIR={d}/task\nPAPERCLIP_AGENT_DIR={d}/agent\n"
-            f"PAPERCLIP_PROJECT_DIR={d}/project\nPAPERCLIP_REPOS_DIR={d}/repos\n"
-            f"PAPERCLIP_PRIMARY_REPO={d}/repos/app\nPAPERCLIP_API_SOCKET={sock}\n"
+            f'OWNER_SETTING="kept as is"\nPAPERCLIP_API_URL="http://127.0.0.1:{port}"\n'
+            f'AGENT_HOME="{q}/agent"\nPAPERCLIP_TASK_DIR="{q}/task"\n'
+            f'PAPERCLIP_AGENT_DIR="{q}/agent"\nPAPERCLIP_PROJECT_DIR="{q}/project"\n'
+            f'PAPERCLIP_REPOS_DIR="{q}/repos"\nPAPERCLIP_PRIMARY_REPO="{q}/repos/app"\n'
+            f'PAPERCLIP_API_SOCKET="{q}/.local/state/fsagent/run/api.sock"\n'
         )  # the stand-in's run is bound to a task, its agent, a project and one repository
         deadline = time.monotonic() + 30
         while env_file.read_text() != expected:
             assert proc.poll() is None and time.monotonic() < deadline, env_file.read_text()
             time.sleep(0.05)
+        # What an agent's shell (or a unit's EnvironmentFile=) gets from it.
+        sourced = subprocess.run(
+            ["sh", "-c", 'set -a; . "$1"; printf %s "$AGENT_HOME|$PAPERCLIP_API_SOCKET"', "sh",
+             str(env_file)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert sourced == f"{d}/agent|{sock}"
+        assert read_env_file(env_file)["PAPERCLIP_PROJECT_DIR"] == f"{d}/project"
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as client:
             assert client.get("http://bridge/api/companies").status_code == 200
         assert [(x.method, x.path) for x in upstream.seen] == [

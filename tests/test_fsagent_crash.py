@@ -27,6 +27,13 @@ from tests.support.mount import MountFactory
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
+
+@pytest.fixture
+def mounts(mounts_in_both_modes: MountFactory) -> MountFactory:
+    """Every test here runs in both of fsagent's FUSE modes."""
+    return mounts_in_both_modes
+
+
 WRITER = r"""
 import hashlib, os, random, sys
 root, seed, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]

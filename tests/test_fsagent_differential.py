@@ -32,6 +32,13 @@ from tests.support.mount import MountFactory
 
 pytestmark = pytest.mark.fuse
 
+
+@pytest.fixture
+def mounts(mounts_in_both_modes: MountFactory) -> MountFactory:
+    """Every test here runs in both of fsagent's FUSE modes."""
+    return mounts_in_both_modes
+
+
 # Two directories and three files exist from the start, so most operations
 # land on something that exists (a random path three levels deep almost never
 # does); rmdir and mkdir of "d" and "e" still reshape the tree.
@@ -66,7 +73,7 @@ def snapshot(root: Path, *, owners: bool = False) -> dict[str, tuple[Any, ...]]:
         for d in dirnames:
             st_ = os.stat(os.path.join(dirpath, d))
             meta = (stat.S_IMODE(st_.st_mode), st_.st_uid, st_.st_gid) if owners else ()
-            out[os.path.normpath(os.path.join(rel, d))] = ("dir", *meta)
+            out[os.path.normpath(os.path.join(rel, d))] = ("dir", st_.st_nlink, *meta)
         for f in filenames:
             p = os.path.join(dirpath, f)
             st_ = os.stat(p)

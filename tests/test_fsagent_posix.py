@@ -10,12 +10,20 @@ import os
 import signal
 import stat
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from tests.support.mount import FsagentMount, MountFactory
 
 pytestmark = pytest.mark.fuse
+
+
+@pytest.fixture
+def mounts(mounts_in_both_modes: MountFactory) -> MountFactory:
+    """Every test here runs in both of fsagent's FUSE modes."""
+    return mounts_in_both_modes
 
 
 def expect_errno(code: int, fn: object, *args: object) -> None:
@@ -101,6 +109,52 @@ def test_renameat2_noreplace_and_exchange(mnt: FsagentMount) -> None:
     assert (mnt.mountpoint / "c").read_bytes() == b"B" and not a.exists()
 
 
+def test_directory_link_count_is_two_plus_its_subdirectories(mounts: MountFactory) -> None:
+    """As on ext4: find and fts rely on it to know when a directory has no
+    more subdirectories; a count too low would make them skip some."""
+    m = mounts.mount()
+    top, other = m.mountpoint / "top", m.mountpoint / "other"
+    top.mkdir()
+    other.mkdir()
+
+    def nlink(p: Path) -> int:
+        return os.stat(p).st_nlink
+
+    assert nlink(top) == 2
+    for d in ("a", "b", "c"):
+        (top / d).mkdir()
+    (top / "f").write_bytes(b"x")
+    (top / "a" / "deep").mkdir()
+    assert (nlink(top), nlink(top / "a"), nlink(top / "f")) == (5, 3, 1)
+    root_links = nlink(m.mountpoint)
+    assert root_links == 4  # top and other
+    os.rename(top / "a", other / "a")  # a directory changes parents
+    assert (nlink(top), nlink(other)) == (4, 3)
+    os.rename(top / "c", top / "b")  # replaces the empty b
+    assert nlink(top) == 3
+    renameat2(other / "a", top / "f", RENAME_EXCHANGE)  # a directory swaps with a file
+    assert (nlink(top), nlink(other)) == (4, 2)
+    assert nlink(other / "a") == 1 and nlink(top / "f") == 3
+    os.rmdir(top / "b")
+    assert nlink(top) == 3
+    held = os.open(top / "f" / "deep", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.rmdir(top / "f" / "deep")
+        assert os.fstat(held).st_nlink == 0  # removed while open, as on Linux
+        assert nlink(top / "f") == 2
+    finally:
+        os.close(held)
+    # Counted again from the state after a restart, and what find sees.
+    want = {p: nlink(m.mountpoint / p) for p in ("", "top", "top/f", "other")}
+    assert m.signal(signal.SIGTERM) == 0
+    again = mounts.mount(m.controller, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    assert {p: nlink(again.mountpoint / p) for p in want} == want
+    found = subprocess.run(["find", str(again.mountpoint), "-mindepth", "1", "-type", "d"],
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    walked = [d for d, _, _ in os.walk(again.mountpoint)][1:]
+    assert sorted(found) == sorted(walked) and len(found) == 3
+
+
 def test_o_append_o_excl_truncate_ftruncate(mnt: FsagentMount) -> None:
     p = mnt.mountpoint / "f"
     fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -181,8 +235,12 @@ def test_readahead_is_raised_for_the_mount(mounts: MountFactory) -> None:
     where.mkdir()
     m = mounts.mount(mountpoint=where)
     dev = os.stat(m.mountpoint).st_dev
-    with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as fh:
-        assert fh.read().strip() == "1024"
+    setting = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    # Raised by a task of the daemon once INIT is answered: a moment after mounting.
+    deadline = time.monotonic() + 10
+    while setting.read_text().strip() != "1024" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert setting.read_text().strip() == "1024"
     data = os.urandom(3 << 20)
     (m.mountpoint / "big").write_bytes(data)
     assert (m.mountpoint / "big").read_bytes() == data

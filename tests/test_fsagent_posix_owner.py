@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import lmdb
@@ -119,6 +120,30 @@ def test_owner_full_mode_and_atime_are_kept_locally_and_survive_a_remount(
 
 
 @pytest.mark.fuse
+def test_times_are_committed_behind_and_by_fsync_before_a_crash(mounts: MountFactory) -> None:
+    """Time-only changes are committed in batches (within WRITE_BEHIND_S) and
+    by an fsync; after kill -9 they are there, and the bytes always are."""
+    src = mounts.source()
+    m = mounts.mount(src)
+    waited, synced = m.mountpoint / "waited", m.mountpoint / "synced"
+    for f in (waited, synced):
+        f.write_bytes(b"data of " + f.name.encode())
+    os.utime(synced, ns=(3_000_000_007, 4_000_000_009))
+    fd = os.open(synced, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    os.utime(waited, ns=(1_000_000_007, 2_000_000_009))
+    time.sleep(0.5)  # well past the write-behind delay
+    m.kill9()
+    again = mounts.mount(src, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    for f, times in ((waited, (1_000_000_007, 2_000_000_009)),
+                     (synced, (3_000_000_007, 4_000_000_009))):  # fmt: skip
+        st = (again.mountpoint / f.name).stat()
+        assert (st.st_atime_ns, st.st_mtime_ns) == times, f.name
+        assert (again.mountpoint / f.name).read_bytes() == b"data of " + f.name.encode()
+
+
+@pytest.mark.fuse
 def test_other_users_in_handed_setgid_and_sticky_directories(mounts: MountFactory) -> None:
     _needs_root()
     m = mounts.mount(extra=["--allow-other"])
@@ -203,6 +228,9 @@ def test_root_only_mount_checks_exec_itself_without_default_permissions(
     with open(locked, "ab") as fh:  # root passes mode checks, as on a native filesystem
         fh.write(b" write")
     assert locked.read_bytes() == b"root may write"
+    # With one user (no --allow-other), root's chown is stored and shows in stat.
+    os.chown(locked, OTHER, 100)
+    assert (locked.stat().st_uid, locked.stat().st_gid) == (OTHER, 100)
 
 
 def test_fsync_skips_the_store_sync_only_while_an_upper_file_records_are_durable(

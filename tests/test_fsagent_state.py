@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fsagent.envfile import read_env_file
 from tests.support.mount import REPO, MountError, MountFactory
 
 pytestmark = pytest.mark.fuse
@@ -132,7 +133,7 @@ def test_up_mounts_all_four_and_writes_the_env_file(mounts: MountFactory) -> Non
             assert proc.poll() is None, (mounts.base / "up.log").read_text()
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        env = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+        env = read_env_file(env_file)
         assert env == {"AGENT_HOME": str(home / "agent"), "PAPERCLIP_AGENT_DIR": str(home / "agent"),
                        "PAPERCLIP_TASK_DIR": str(home / "task")}  # fmt: skip
         for scope in ("task", "agent", "user", "project"):

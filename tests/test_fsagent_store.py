@@ -7,14 +7,17 @@ clears a path.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import lmdb
+import pyfuse3
 import pytest
 import trio
 
@@ -29,6 +32,9 @@ from fsagent.errors import (
     StateCorrupt,
     StateForeign,
 )
+from fsagent.fs import WorkFolderFS
+from fsagent.hydrate import ContentFetcher
+from fsagent.memclient import MemoryBridgeClient
 from fsagent.store import (
     MARKER,
     ROOT_INODE,
@@ -115,6 +121,58 @@ def test_directory_rename_lists_every_moved_path(store: Store) -> None:
         "docs": "delete", "docs/a": "delete", "docs/b": "delete",
         "papers": "mkdir", "papers/a": "reference", "papers/b": "reference",
     }  # fmt: skip
+
+
+def test_directory_link_counts_follow_every_change_and_a_fresh_count(store: Store) -> None:
+    def links(*inos: InodeNo) -> tuple[int, ...]:
+        return tuple(store.nlink(store.get(i)) for i in inos)
+
+    docs, x, y = ino(store, "docs"), ino(store, "x"), ino(store, "x/y")
+    # Counted from the hydrated records: the root has docs and x (an ancestor
+    # the manifest did not list), x has y; a file has one link.
+    assert links(ROOT_INODE, docs, x, y) == (4, 2, 3, 2)
+    assert links(ino(store, "docs/a")) == (1,)
+    store.create(docs, "sub", "directory", 0o755)
+    store.rename(x, "y", docs, "y", keep_replaced=lambda _: False)
+    assert links(docs, x) == (4, 2)
+    store.create(x, "file", "file", 0o644)
+    store.exchange(docs, "sub", x, "file")  # a directory and a file swap parents
+    assert links(docs, x) == (3, 3)
+    gone = store.unlink(x, "file", keep=True)  # the directory, removed while in use
+    assert store.nlink(gone) == 0 and links(x) == (2,)
+    counted = links(ROOT_INODE, docs, x)
+    store.close()
+    fresh = Store.open(store.root)  # counted again from the records
+    assert tuple(fresh.nlink(fresh.get(i)) for i in (ROOT_INODE, docs, x)) == counted == (4, 3, 2)
+    fresh.close()
+
+
+@pytest.mark.allow_warning_logs
+def test_times_written_behind_survive_a_failed_commit_and_a_reopen(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = WorkFolderFS(store, ContentFetcher(store, MemoryBridgeClient(), "agent"))
+    a = ino(store, "docs/a")
+    attr = pyfuse3.EntryAttributes()
+    attr.st_atime_ns, attr.st_mtime_ns = 4_000_000_007, 5_000_000_009
+    times_only = SimpleNamespace(update_atime=True, update_mtime=True, update_ctime=False,
+                                 update_mode=False, update_uid=False, update_gid=False,
+                                 update_size=False)  # fmt: skip
+    trio.run(fs.setattr, a, attr, times_only, None, None)
+    assert (store.get(a).atime_ns, store.get(a).mtime_ns) == (4_000_000_007, 5_000_000_009)
+
+    def disk_full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "state database: no space")
+
+    monkeypatch.setattr(store, "write_behind", disk_full)
+    fs.flush_behind()  # logged; the times wait for the next flush
+    monkeypatch.undo()
+    fs.flush_behind()
+    assert store.changes_since_baseline() == []  # times are not shipped
+    store.close()
+    reopened = Store.open(store.root)
+    assert (reopened.get(a).atime_ns, reopened.get(a).mtime_ns) == (4_000_000_007, 5_000_000_009)
+    reopened.close()
 
 
 def test_acknowledge_clears_only_what_did_not_change_meanwhile(store: Store) -> None:

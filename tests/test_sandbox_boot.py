@@ -246,7 +246,14 @@ class Container:
                 break
             time.sleep(0.2)
         status = self.run("systemctl", "status", "--no-pager", "fsagent@*", check=False)
-        raise AssertionError(f"mounted: {sorted(self.fuse_mounts())}\n{status}\n{self.output()}")
+        missing = sorted(want - self.fuse_mounts().keys())
+        # The units' own words: systemctl status shows only their last lines.
+        journal = self.run("journalctl", "--no-pager", "-o", "short-monotonic", "-n", "300",
+                           *(f"--unit=fsagent@{Path(m).name}.service" for m in missing),
+                           check=False)  # fmt: skip
+        raise AssertionError(
+            f"mounted: {sorted(self.fuse_mounts())}\n{status}\n{journal}\n{self.output()}"
+        )
 
     def poweroff(self, timeout: float = 240.0) -> int:
         """A clean shutdown (SIGRTMIN+4 to systemd); nspawn's exit code."""

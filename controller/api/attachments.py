@@ -1,8 +1,9 @@
 """Task attachments (``controller.attachments``):
 ``POST /api/companies/{companyId}/tasks/{taskId}/attachments?name=F`` stores an
-original upload; ``GET …/attachments`` lists them and ``GET
-…/attachments/{attachmentId}`` downloads one. Access is the task folder's:
-reading its attachments needs read access, adding one write access."""
+original upload (``Idempotency-Key``: a retry adds nothing); ``GET
+…/attachments`` lists them and ``GET …/attachments/{attachmentId}`` downloads
+one. Access is the task folder's: reading its attachments needs read access,
+adding one write access."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from controller.api.objects import (
     reupload_if_missing,
     spool_body,
 )
-from controller.api.params import strict_query
+from controller.api.params import idempotency_key, strict_query
 from controller.api.serialize import iso
 from controller.auth import Principal, authorize_folder, write_policy
 from controller.storage.base import object_key
@@ -90,6 +91,7 @@ async def post_attachment(request: Request) -> Response:
     st = state(request)
     name = _filename(request)
     content_type = _content_type(request)
+    op_id = idempotency_key(request)
     # Authorize before reading a single body byte.
     principal, company_id, task_id = await write_transaction(
         request, lambda c: _open_task(request, c, write=True)
@@ -111,8 +113,7 @@ async def post_attachment(request: Request) -> Response:
         )
         ensure = reupload_if_missing(request, spool, size, digest)
 
-        async def add(conn: AsyncConnection[Any]) -> dict[str, Any]:
-            await policy.confirm(conn)  # authority again, inside the committing transaction
+        async def add(conn: AsyncConnection[Any]) -> tuple[dict[str, Any], bool]:
             return await attachments.add(
                 conn,
                 company_id,
@@ -123,16 +124,21 @@ async def post_attachment(request: Request) -> Response:
                 content_type=content_type,
                 created_by=principal.user_id,
                 ensure_object=ensure,
+                confirm=policy.confirm,  # authority again, inside the committing transaction
+                operation_id=op_id,
             )
 
-        row = await write_transaction(request, add)
+        row, applied = await write_transaction(request, add)
     except BaseException:
         if created_blob:
             await journal_orphan(request, company_id, digest)
         raise
     finally:
         spool.unlink(missing_ok=True)
-    return JSONResponse({"attachment": _attachment_json(row)}, status_code=201)
+    return JSONResponse(
+        {"applied": applied, "attachment": _attachment_json(row)},
+        status_code=201 if applied else 200,
+    )
 
 
 @json_errors
@@ -161,7 +167,7 @@ async def get_attachment(request: Request) -> Response:
     }
     key = object_key(company_id, row["digest"])
     media_type = row["content_type"] or "application/octet-stream"
-    return object_response(request, key, int(row["byte_size"]), headers, media_type)
+    return await object_response(request, key, int(row["byte_size"]), headers, media_type)
 
 
 BASE = "/api/companies/{companyId}/tasks/{taskId}/attachments"

@@ -159,7 +159,7 @@ async def get_object(request: Request) -> Response:
         raise NotFound("Object not found")
     headers = {"Cache-Control": "private, no-store", "Accept-Ranges": "bytes"}
     key = object_key(run.company_id, digest)
-    return object_response(request, key, size, headers, "application/octet-stream")
+    return await object_response(request, key, size, headers, "application/octet-stream")
 
 
 routes = [

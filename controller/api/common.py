@@ -138,7 +138,9 @@ def json_errors(endpoint: Endpoint) -> Endpoint:
             return await endpoint(request)
         except WorkFolderError as exc:
             if exc.status >= 500:
-                log.error("%s %s failed: %s", request.method, request.url.path, exc)
+                # The cause carries what the answer leaves out (a key, a path on this host).
+                cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+                log.error("%s %s failed: %s%s", request.method, request.url.path, exc, cause)
             return error_response(exc)
 
     wrapper.__name__ = endpoint.__name__

@@ -1,4 +1,5 @@
-"""Stored objects over HTTP: streaming reads with one ``Range``, and upload spooling.
+"""Stored objects over HTTP: streaming reads with one ``Range`` (the object
+opened before the head is sent), and upload spooling.
 
 Used by both the work-folder API and the bridge: a body is spooled to a
 file under the spool directory while it is hashed (memory stays bounded),
@@ -24,6 +25,7 @@ from controller import apply
 from controller.api.common import connection, state
 from controller.api.params import declared_length, parse_range
 from controller.apply import EnsureObject
+from controller.storage.base import ObjectMissing
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +72,33 @@ async def read_spool_prefix(spool: Path, limit: int) -> bytes:
     return await asyncio.to_thread(read)
 
 
-async def stream_object(request: Request, key: str, start: int, end: int) -> AsyncIterator[bytes]:
-    storage = state(request).storage
-    chunks = await asyncio.to_thread(storage.read_chunks, key, start, end)
+async def _exactly(chunks: Iterator[bytes], key: str, expected: int) -> AsyncIterator[bytes]:
+    """The opened object's chunks; an object that ends before ``expected``
+    bytes (truncated behind our back) is logged and ends the answer with an
+    error, so the connection is cut rather than the download looking whole."""
+    sent = 0
     async for chunk in in_thread(chunks):
+        sent += len(chunk)
         yield chunk
+    if sent != expected:
+        log.error(
+            "object %s ended after %d of %d bytes; the answer is cut off", key, sent, expected
+        )
+        raise ObjectMissing(f"object {key} has fewer bytes than its files say")
 
 
-def object_response(
+async def object_response(
     request: Request, key: str, size: int, headers: dict[str, str], media_type: str
 ) -> Response:
-    """Stream a stored object, honouring one ``Range`` (206) or refusing it (416)."""
+    """Stream a stored object, honouring one ``Range`` (206) or refusing it (416).
+
+    The object is opened before the head is sent (the read the body needs
+    anyway: an open on local disk, the GET on S3), so a missing object is
+    500 ``object_missing`` and an unreachable store 503
+    ``storage_unavailable``, never a 200 whose body stops short of its
+    Content-Length. A HEAD checks the object's size (one stat, or one S3
+    HEAD); an empty answer needs no object.
+    """
     start, end, status = 0, size, 200
     range_header = request.headers.get("range")
     if range_header and size > 0:
@@ -91,10 +109,21 @@ def object_response(
         status = 206
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
     headers["Content-Length"] = str(end - start)
-    if request.method == "HEAD" or end == start:
+    if end == start:
         return Response(b"", status_code=status, headers=headers, media_type=media_type)
+    storage = state(request).storage
+    try:
+        if request.method == "HEAD":
+            stored = await asyncio.to_thread(storage.size, key)
+            if stored != size:
+                raise ObjectMissing(f"object {key} has {stored} bytes, its files say {size}")
+            return Response(b"", status_code=status, headers=headers, media_type=media_type)
+        chunks = await asyncio.to_thread(storage.read_chunks, key, start, end)
+    except ObjectMissing as exc:
+        # The detail (a path on this host, a bucket) is for the log, not the client.
+        raise ObjectMissing() from exc
     return StreamingResponse(
-        stream_object(request, key, start, end),
+        _exactly(chunks, key, end - start),
         status_code=status,
         headers=headers,
         media_type=media_type,

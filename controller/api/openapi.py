@@ -445,6 +445,41 @@ def _admin_paths() -> dict[str, Any]:
             "get": listing("The company's agents"),
             "post": creation("Create an agent", _json_body({"name": _NAME}, "name")),
         },
+        company + "/agents/{agentId}/entry": {
+            "parameters": [company_p, id_p("agentId")],
+            "put": _admin_op(
+                "Make a path the agent's instruction entry, created empty when nothing is"
+                " there (set-agent-entry); a directory there is 409 kind_conflict, a file over"
+                " 1 MiB 422 entry_too_large; the old entry becomes an ordinary file",
+                _OPERATOR_OK,
+                "200",
+                "409",
+                "422",
+                requestBody=_json_body({"path": {"type": "string", "maxLength": 1024}}, "path"),
+            ),
+        },
+        company + "/agents/{agentId}/grants": {
+            "parameters": [company_p, id_p("agentId")],
+            "get": listing(
+                "Members holding a permission on the agent through a grant (owners and admins"
+                " hold it without one)"
+            ),
+        },
+        company + "/agents/{agentId}/grants/{userId}": {
+            "parameters": [company_p, id_p("agentId"), id_p("userId")],
+            "put": _admin_op(
+                "Let a member configure the agent (grant ... --configure): its folder opens"
+                " to them from the next request (404 member_not_found for a non-member)",
+                _PEOPLE_ONLY,
+                "200",
+            ),
+            "delete": _admin_op(
+                "Take a member's permission on the agent back (revoke ... --configure); a"
+                " write not yet committed is refused too (revoked: false when there was none)",
+                _PEOPLE_ONLY,
+                "200",
+            ),
+        },
         company + "/projects": {
             "parameters": [company_p],
             "get": listing("The company's projects"),
@@ -575,8 +610,12 @@ def _agent_files_paths() -> dict[str, Any]:
             "parameters": [company, _uuid_p("taskId")],
             "get": _op("The task's attachments (originals)", "200"),
             "post": _op(
-                "Store an original upload (raw body) as a task attachment",
+                "Store an original upload (raw body) as a task attachment; a retry under"
+                " the same Idempotency-Key adds nothing (200, applied false), the key with"
+                " another request is 409 idempotency_conflict",
+                "200",
                 "201",
+                "409",
                 "413",
                 parameters=[
                     {
@@ -584,6 +623,11 @@ def _agent_files_paths() -> dict[str, Any]:
                         "in": "query",
                         "required": True,
                         "schema": {"type": "string", "minLength": 1, "maxLength": 218},
+                    },
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 256},
                     },
                     {
                         "name": "X-File-Content-Type",

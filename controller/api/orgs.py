@@ -1,18 +1,21 @@
-"""The company admin API: members and roles, agents, projects, tasks, the
-projects' repository workspaces and the tasks' branches, and operator
-tokens, under ``/api/companies/{companyId}/…``.
+"""The company admin API: members and roles, agents (their instruction entry
+and who may configure them), projects, tasks, the projects' repository
+workspaces and the tasks' branches, and operator tokens, under
+``/api/companies/{companyId}/…``.
 
 Each route is one call of the domain function ``controller admin`` calls
-(:mod:`controller.orgs`, :mod:`controller.workspaces`, :mod:`controller.tokens`).
+(:mod:`controller.orgs`, :mod:`controller.agentfiles`, :mod:`controller.grants`,
+:mod:`controller.workspaces`, :mod:`controller.tokens`).
 Owners and admins of the company may use them; anyone else gets 404
 ``company_not_found``. Only an owner gives or takes the owner role.
 
-The company's operator tokens may read the members and manage agents,
-projects, tasks and workspaces (``company_route``), but not change who
-belongs to the company or mint tokens (plain ``json_errors`` routes, where
+The company's operator tokens may read the members and an agent's grants and
+manage agents (their entry too), projects, tasks and workspaces
+(``company_route``), but not change who belongs to the company or who may
+configure an agent, nor mint tokens (plain ``json_errors`` routes, where
 ``authenticate`` refuses them with 401): a machine's credential must never
-turn itself into a person's API token or role, nor mint or keep operator
-tokens.
+turn itself into a person's API token, role or permission, nor mint or keep
+operator tokens. A grant is about a person, like a membership.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from starlette.routing import Route
 
 from common.errors import ValidationError
 from common.paths import validate_uuid
-from controller import orgs, tokens, workspaces
+from controller import agentfiles, grants, orgs, tokens, workspaces
 from controller.api.common import (
     company_read,
     company_route,
@@ -38,6 +41,9 @@ from controller.api.common import (
 from controller.api.params import strict_query, string_fields
 from controller.api.serialize import (
     added_workspace_json,
+    agent_entry_change_json,
+    grant_change_json,
+    grant_json,
     member_json,
     named_json,
     new_member_json,
@@ -122,6 +128,66 @@ async def create_agent(request: Request) -> Response:
         return named_json(await orgs.create_agent(conn, actor.company_id, name))
 
     return JSONResponse(await company_write(request, work), status_code=201)
+
+
+@company_route
+async def set_agent_entry(request: Request) -> Response:
+    """``set-agent-entry``: ``path`` becomes the agent's instruction entry,
+    created empty when nothing is there."""
+    agent = validate_uuid(request.path_params["agentId"], "agentId")
+    path_company(request)
+    path = str(string_fields(await read_json(request), required=("path",))["path"])
+
+    async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
+        changed = await agentfiles.set_entry(conn, agent, path, company_id=actor.company_id)
+        return agent_entry_change_json(changed)
+
+    return JSONResponse(await company_write(request, work))
+
+
+@company_route
+async def list_grants(request: Request) -> Response:
+    """Who holds a permission on the agent through a grant (an orchestrator
+    checks that a run's user may save the agent's folder)."""
+    agent = validate_uuid(request.path_params["agentId"], "agentId")
+
+    async def work(conn: Conn, actor: CompanyActor) -> list[dict[str, Any]]:
+        return [grant_json(r) for r in await grants.list_grants(conn, actor.company_id, agent)]
+
+    return JSONResponse({"agentId": agent, "grants": await company_read(request, work)})
+
+
+def _grant_parties(request: Request) -> tuple[str, str]:
+    agent = validate_uuid(request.path_params["agentId"], "agentId")
+    user = validate_uuid(request.path_params["userId"], "userId")
+    path_company(request)
+    return agent, user
+
+
+@json_errors
+async def put_grant(request: Request) -> Response:
+    """``grant``: the member may configure the agent (its folder), from the
+    next request on. Granting again changes nothing."""
+    agent, user = _grant_parties(request)
+
+    async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
+        changed = await grants.grant_configure(conn, actor.company_id, user, agent)
+        return grant_change_json(changed)
+
+    return JSONResponse(await company_write(request, work))
+
+
+@json_errors
+async def delete_grant(request: Request) -> Response:
+    """``revoke``: the member's permission ends for the next request and for a
+    write not yet committed (``revoked`` false: there was none)."""
+    agent, user = _grant_parties(request)
+
+    async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
+        changed = await grants.revoke_configure(conn, actor.company_id, user, agent)
+        return grant_change_json(changed)
+
+    return JSONResponse(await company_write(request, work))
 
 
 @company_route
@@ -279,6 +345,10 @@ routes = [
     Route(COMPANY + "/members/{userId}", delete_member, methods=["DELETE"]),
     Route(COMPANY + "/agents", list_agents, methods=["GET"]),
     Route(COMPANY + "/agents", create_agent, methods=["POST"]),
+    Route(COMPANY + "/agents/{agentId}/entry", set_agent_entry, methods=["PUT"]),
+    Route(COMPANY + "/agents/{agentId}/grants", list_grants, methods=["GET"]),
+    Route(COMPANY + "/agents/{agentId}/grants/{userId}", put_grant, methods=["PUT"]),
+    Route(COMPANY + "/agents/{agentId}/grants/{userId}", delete_grant, methods=["DELETE"]),
     Route(COMPANY + "/projects", list_projects, methods=["GET"]),
     Route(COMPANY + "/projects", create_project, methods=["POST"]),
     Route(COMPANY + "/tasks", list_tasks, methods=["GET"]),

@@ -20,12 +20,14 @@ from urllib.parse import parse_qsl
 from starlette.requests import Request
 
 from common.errors import InvalidPath, RangeNotSatisfiable, ValidationError
+from common.limits import MAX_IDEMPOTENCY_KEY_CHARS
 from common.paths import validate_path
 
 MAX_INT_DIGITS = 19
 BIGINT_MAX = 2**63 - 1
 MAX_CURSOR_CHARS = 4096
 
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
 _DIGITS = re.compile(f"[0-9]{{1,{MAX_INT_DIGITS}}}")
 _RANGE = re.compile(f"bytes=([0-9]{{0,{MAX_INT_DIGITS}}})-([0-9]{{0,{MAX_INT_DIGITS}}})")
 
@@ -194,3 +196,19 @@ def declared_length(request: Request) -> int | None:
     if raw is None or _DIGITS.fullmatch(raw) is None:
         return None
     return int(raw)
+
+
+def idempotency_key(request: Request) -> str | None:
+    """The request's operation id; None without ``Idempotency-Key`` (the write
+    then keeps no receipt: nobody could replay it). The same header for every
+    route that takes one (folder writes, attachments)."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not _PRINTABLE_ASCII.fullmatch(key):
+        raise ValidationError.single(
+            "Idempotency-Key",
+            "invalid_idempotency_key",
+            f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters",
+        )
+    return key

@@ -285,3 +285,36 @@ def removed_workspace_json(removed: dict[str, Any]) -> dict[str, Any]:
         "wasPrimary": removed["was_primary"],
         "bindingsKept": removed["bindings_kept"],
     }
+
+
+def agent_entry_change_json(changed: dict[str, Any]) -> dict[str, Any]:
+    """``agentfiles.set_entry``'s answer (the command's shape) for the API."""
+    return {
+        "agentId": changed["agent_id"],
+        "entryPath": changed["entry_path"],
+        "created": changed["created"],
+    }
+
+
+def grant_json(row: Row) -> dict[str, Any]:
+    """A member's grant on an agent, as ``GET …/agents/{agentId}/grants`` lists it."""
+    return {
+        "userId": str(row["user_id"]),
+        "role": row["role"],
+        "permission": row["permission"],
+        "grantedAt": iso(row["granted_at"]),
+    }
+
+
+def grant_change_json(changed: dict[str, Any]) -> dict[str, Any]:
+    """``grants.grant_configure`` / ``revoke_configure``'s answer for the API:
+    ``granted``, or ``revoked`` (false when there was no grant to take back)."""
+    out = {
+        "agentId": changed["agent_id"],
+        "userId": changed["user_id"],
+        "permission": changed["permission"],
+    }
+    for flag in ("granted", "revoked"):
+        if flag in changed:
+            out[flag] = changed[flag]
+    return out

@@ -22,7 +22,6 @@ from common.limits import (
     DEFAULT_PAGE_LIMIT,
     ENTRY_MAX_BYTES,
     MAX_CONTENT_TYPE_CHARS,
-    MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE_LIMIT,
     MAX_PREVIEW_BYTES,
 )
@@ -48,6 +47,7 @@ from controller.api.params import (
     decode_list_cursor,
     decode_trash_cursor,
     encode_cursor,
+    idempotency_key,
     query_bool,
     query_int,
     strict_query,
@@ -79,21 +79,6 @@ def query_path(request: Request) -> str:
     if len(values) != 1:
         raise ValidationError.single("path", "required", "exactly one path query parameter")
     return validate_path(values[0])
-
-
-def idempotency_key(request: Request) -> str | None:
-    """The request's operation id; None without ``Idempotency-Key`` (the write
-    then keeps no receipt: nobody could replay it)."""
-    key = request.headers.get("idempotency-key")
-    if key is None:
-        return None
-    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not _PRINTABLE.match(key):
-        raise ValidationError.single(
-            "Idempotency-Key",
-            "invalid_idempotency_key",
-            f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters",
-        )
-    return key
 
 
 async def open_folder(
@@ -223,7 +208,7 @@ async def get_content(request: Request) -> Response:
         raise PayloadTooLarge(f"Previews are limited to {MAX_PREVIEW_BYTES} bytes")
     key = object_key(address[0], row["digest"])
     media_type = row["content_type"] or "application/octet-stream"
-    return object_response(request, key, size, content_headers(row), media_type)
+    return await object_response(request, key, size, content_headers(row), media_type)
 
 
 # --- PUT /content ----------------------------------------------------------

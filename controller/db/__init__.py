@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection
@@ -18,7 +17,6 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
@@ -148,30 +146,3 @@ def make_pool(
 async def ping(conn: AsyncConnection[Any]) -> None:
     """A round trip to the database (the health check)."""
     await conn.execute("SELECT 1")
-
-
-def run_coroutine(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run ``make()`` to completion from synchronous code. A caller whose thread
-    already runs an event loop (a host embedding the CLI, a test driving a
-    browser) gets it run on a thread of its own."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(make())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: asyncio.run(make())).result()
-
-
-def run_transaction(url: str, work: Callable[[AsyncConnection[Any]], Awaitable[T]]) -> T:
-    """``work(conn)`` in one transaction on a connection of its own, from
-    synchronous code (the CLI): the async domain functions the API also calls."""
-
-    async def main() -> T:
-        conn = await AsyncConnection.connect(url, row_factory=dict_row)
-        try:
-            async with conn.transaction():
-                return await work(conn)
-        finally:
-            await conn.close()
-
-    return run_coroutine(main)

@@ -29,6 +29,8 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=../env-quote.sh
+. "$here/../env-quote.sh"
 src="$(cd "$here/../.." && pwd)"
 rootfs="" user=agent home="" controller="" token_file=/etc/fsagent/run-token
 token_from="" wheelhouse=""
@@ -131,31 +133,20 @@ systemctl enable "${units[@]}"
 ' build-rootfs "$user" "$home" "$controller" "$token_file" "$package"
 )
 
-cat >"$rootfs/etc/fsagent/agent.env" <<ENV
-AGENT_HOME=$home/agent
-PAPERCLIP_TASK_DIR=$home/task
-PAPERCLIP_AGENT_DIR=$home/agent
-PAPERCLIP_USER_DIR=$home/user
-PAPERCLIP_PROJECT_DIR=$home/project
-ENV
+agent_env="AGENT_HOME=$(env_quote "$home/agent")
+PAPERCLIP_TASK_DIR=$(env_quote "$home/task")
+PAPERCLIP_AGENT_DIR=$(env_quote "$home/agent")
+PAPERCLIP_USER_DIR=$(env_quote "$home/user")
+PAPERCLIP_PROJECT_DIR=$(env_quote "$home/project")"
+printf '%s\n' "$agent_env" >"$rootfs/etc/fsagent/agent.env"
 chmod 0644 "$rootfs/etc/fsagent/agent.env"
-cat >"$rootfs/etc/profile.d/fsagent.sh" <<SH
-# The agent's work-folder variables in a login shell: the env file
-# fsagent-bridge.service writes from the run's bindings where it runs, else
-# the fixed one for the four folders fsagent@*.service mounts (a scope the run
-# does not bind is an empty read-only directory). Values are taken literally.
-for fsagent_env in $home/.local/state/fsagent/env /etc/fsagent/agent.env; do
-    if [ -r "\$fsagent_env" ]; then
-        while IFS= read -r fsagent_line; do
-            case "\$fsagent_line" in
-                [A-Za-z_]*=*) export "\$fsagent_line" ;;
-            esac
-        done <"\$fsagent_env"
-        break
-    fi
-done
-unset fsagent_env fsagent_line
-SH
+# The agent's variables in a login shell (profile-fsagent.sh), reading the env
+# file fsagent-bridge.service writes in $home, named on the first line.
+run_env="$(sh_quote "$home/.local/state/fsagent/env")"
+{
+    echo "fsagent_run_env=$run_env"
+    cat "$here/profile-fsagent.sh"
+} >"$rootfs/etc/profile.d/fsagent.sh"
 chmod 0644 "$rootfs/etc/profile.d/fsagent.sh"
 
 if [[ -n "$token_from" ]]; then

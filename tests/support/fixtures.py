@@ -21,6 +21,7 @@ from tests.support.controller import (
     world_searchable_tmpdir,
 )
 from tests.support.mount import FsagentMount, MountFactory, mount_factory
+from tests.support.pyfuse3_patch import handles_env, patched_pyfuse3_env
 from tests.support.s3server import S3Server, running_s3_server
 from tests.support.storage import make_s3_provider, remove_bucket
 
@@ -55,6 +56,16 @@ def tenant(controller: ControllerProcess) -> Tenant:
 @pytest.fixture
 def mounts() -> Iterator[MountFactory]:
     with mount_factory() as factory:
+        yield factory
+
+
+@pytest.fixture(params=["no-open", "handles"])
+def mounts_in_both_modes(request: pytest.FixtureRequest) -> Iterator[MountFactory]:
+    """Mounts in each of fsagent's FUSE modes in turn (fsagent.fs): the kernel's
+    "no open" mode, with the patched pyfuse3 whatever the venv holds, and
+    OPEN/RELEASE handles, the mode of a stock pyfuse3."""
+    with mount_factory() as factory:
+        factory.env = patched_pyfuse3_env() if request.param == "no-open" else handles_env()
         yield factory
 
 

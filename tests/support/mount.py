@@ -251,6 +251,8 @@ class MountFactory:
     base: Path
     mounts: list[FsagentMount] = field(default_factory=list)
     counter: int = 0
+    env: dict[str, str] | None = None
+    """The daemons' environment (None: this process's); see tests/support/pyfuse3_patch.py."""
     mode: str = "fuse"
     """The mode of the mounts it makes (``fuse`` or ``dir``)."""
 
@@ -281,6 +283,7 @@ class MountFactory:
             token_file,
             list(extra or []),
             log_dir=self.base / "logs",
+            env=self.env,
             mode=self.mode,
         )
         self.mounts.append(m)
