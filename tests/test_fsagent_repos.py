@@ -24,6 +24,7 @@ import pytest
 import trio
 
 from fsagent.client import HttpBridgeClient
+from fsagent.envfile import read_env_file
 from fsagent.errors import ControllerRefused, GitLockHeld, RepoSaveFailed
 from fsagent.repoprepare import SETUP_RECORD
 from fsagent.repos import RepoSavers, prepare_all, repo_status
@@ -410,7 +411,7 @@ def test_up_prepares_the_checkout_saves_it_and_names_it_in_the_env_file(
             assert proc.poll() is None, (base / "up.log").read_text()
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        env = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+        env = read_env_file(env_file)  # values are quoted (fsagent/envfile.py)
         assert env["PAPERCLIP_REPOS_DIR"] == str(home / "repos")
         assert env["PAPERCLIP_PRIMARY_REPO"] == str(home / "repos" / "app")
         checkout = home / "repos" / "app"
