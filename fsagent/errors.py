@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from common.errors import AppError, WorkFolderError
+from common.errors import AppError, StaleLease, WorkFolderError
 
 EXIT_SAVE_FAILED = 4
 """Exit code of a failed save (the final one, or ``fsagent flush``): the state
@@ -79,6 +79,14 @@ class ControllerRefused(ControllerError):
     def means(self, error: type[WorkFolderError]) -> bool:
         """Whether the controller refused with ``error``'s code (common.errors)."""
         return self.code == error.code
+
+    @property
+    def fences_the_run(self) -> bool:
+        """Whether this run may never write again: a newer run holds the lease
+        (409 ``stale_lease``), or the run token stopped working (401) because
+        the run ended or was superseded. The token is read once per process,
+        and an ended run never becomes active again, so retrying only adds load."""
+        return self.status == 401 or self.means(StaleLease)
 
 
 class ObjectUnavailable(ControllerError):

@@ -35,7 +35,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -52,7 +52,7 @@ from fsagent.repoprepare import (
     prepare_repo,
     setup_state,
 )
-from fsagent.reposave import RepoSaver, read_json
+from fsagent.reposave import RepoSaver, now_iso, read_json, write_json_quietly
 from fsagent.statedir import default_state_root
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,21 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 # --- saving -------------------------------------------------------------------
 
 
+def fence_status_files(state_root: Path, message: str, skip: Collection[str] = ()) -> None:
+    """Mark every saved repository's status file ``fenced`` with ``message``
+    (written quietly: nothing to do on a full disk), except the workspaces in
+    ``skip``, whose savers write their own."""
+    saved_root = repos_state_root(state_root)
+    with contextlib.suppress(OSError):
+        for d in sorted(saved_root.iterdir()):
+            status = read_json(d / "status.json")
+            if d.name in skip or status is None or status.get("state") == "fenced":
+                continue
+            status.update(state="fenced", lastAttempt=now_iso())
+            status["lastError"] = {"at": now_iso(), "message": message}
+            write_json_quietly(d / "status.json", status)
+
+
 class RepoSavers:
     """One saver per prepared checkout of the run's task, made as checkouts appear."""
 
@@ -182,10 +197,28 @@ class RepoSavers:
         self.home = home
         self.state_root = state_root
         self.savers: dict[str, RepoSaver] = {}
+        self.fenced: str | None = None
+        """Why this run may never save again (it ended, or a newer run holds
+        the lease); None while saving."""
+
+    def fence(self, message: str) -> None:
+        """Stop every saver of this run for good, and say so in each status file
+        of the state root (also the checkouts no saver was made for yet)."""
+        if self.fenced is None:
+            self.fenced = message
+            log.warning("repository saves stopped: %s", message)
+        for saver in self.savers.values():
+            saver.fence(message)
+        fence_status_files(self.state_root, message, skip=set(self.savers))
 
     async def refresh(self) -> list[RepoSaver]:
         """The savers of the checkouts that exist and are this task's, in binding order."""
-        listing = await self.client.list_repos()
+        try:
+            listing = await self.client.list_repos()
+        except ControllerRefused as exc:
+            if exc.fences_the_run:
+                self.fence(f"{type(exc).__name__}: {exc}")
+            raise
         root = repos_root(self.home, listing.repos_dir)
         out = []
         for binding in listing.repos:
@@ -201,11 +234,13 @@ class RepoSavers:
         return out
 
     async def save_all(self, *, lock_wait: float = 0.0, names: set[str] | None = None) -> int:
-        """Checkpoint each checkout (one at a time); the number that failed."""
+        """Checkpoint each checkout (one at a time); the number that failed.
+        Once the run is fenced, raises RepoSaveFailed at once, sending nothing."""
+        if self.fenced is not None:
+            raise RepoSaveFailed(f"not saved, this run can no longer save: {self.fenced}")
         failed = 0
-        for saver in await self.refresh():
-            if names is not None and saver.binding.name not in names:
-                continue
+        chosen = [s for s in await self.refresh() if names is None or s.binding.name in names]
+        for done, saver in enumerate(chosen, start=1):
             try:
                 async with save_lock(self.state_root):
                     await saver.checkpoint(lock_wait=lock_wait)
@@ -216,6 +251,11 @@ class RepoSavers:
                 # A bug must not stop the other checkouts' saves, nor the next ones.
                 log.exception("repository %s: checkpoint failed unexpectedly", saver.binding.name)
                 failed += 1
+            if saver.fenced is not None:
+                # The lease and the token are the run's, not the checkout's:
+                # the other checkouts would be refused the same way.
+                self.fence(saver.fenced)
+                return failed + len(chosen) - done
         return failed
 
 
@@ -228,9 +268,23 @@ async def watch(
     ready: trio.Event | None = None,
 ) -> int:
     """Checkpoint every ``interval`` seconds until SIGTERM/SIGINT, then a
-    final save; the exit code (4 when the final save failed)."""
-    run = await client.get_run()
-    savers = RepoSavers(client, run, home, state_root)
+    final save; the exit code (4 when the final save failed).
+
+    A run that can no longer save (ended, or superseded by a newer lease:
+    :attr:`fsagent.errors.ControllerRefused.fences_the_run`) stops saving and
+    sending, its status files say ``fenced``, and it exits 4 at stop. When
+    that is known at start, it still waits for the stop: exiting at once
+    would have systemd restart it into the same refusal every few seconds."""
+    savers: RepoSavers | None = None
+    fenced: str | None = None
+    try:
+        savers = RepoSavers(client, await client.get_run(), home, state_root)
+    except ControllerRefused as exc:
+        if not exc.fences_the_run:
+            raise
+        fenced = f"{type(exc).__name__}: {exc}"
+        log.warning("repository saves stopped: %s", fenced)
+        fence_status_files(state_root, fenced)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         stop = trio.Event()
 
@@ -248,7 +302,7 @@ async def watch(
                 f"{interval:g}s and at stop",
                 flush=True,
             )
-            while not stop.is_set():
+            while not stop.is_set() and savers is not None and savers.fenced is None:
                 with trio.move_on_after(interval):
                     await stop.wait()
                 if stop.is_set():
@@ -257,7 +311,13 @@ async def watch(
                     await savers.save_all()
                 except FsagentError as exc:  # the listing failed: try again next time
                     log.warning("repository checkpoints skipped: %s", exc)
+            # Fenced: retrying every cadence could only be refused again.
+            await stop.wait()
             nursery.cancel_scope.cancel()
+    fenced = fenced or (savers.fenced if savers is not None else None)
+    if fenced is not None or savers is None:
+        log.warning("no final repository save: %s", fenced)
+        return 4
     try:
         failed = await savers.save_all(lock_wait=FINAL_LOCK_WAIT)
     except FsagentError as exc:

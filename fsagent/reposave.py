@@ -6,8 +6,10 @@ One checkpoint (:meth:`RepoSaver.checkpoint`):
 1. Refuse at once while a Git lock is held (:func:`fsagent.repocapture.held_locks`):
    Git is changing the repository. The cadence tries again later.
 2. Scan the members (:mod:`fsagent.scan`: stable reads, the metadata cache,
-   fingerprints before and after). A tree that changed during the scan is
-   scanned again, up to :data:`SCAN_RETRIES` more times, then the save fails
+   fingerprints before and after of ``.git``, of the files read and of the
+   directories above them; a working-tree file not read that changes after
+   its lstat is the next checkpoint's change). A tree that changed during
+   the scan is scanned again, up to :data:`SCAN_RETRIES` more times, then the save fails
    visibly (:class:`fsagent.errors.TreeUnstable`). The lock check is
    repeated after the scan.
 3. Compare with the base (the current checkpoint, read once from the
@@ -49,8 +51,8 @@ import trio
 import zstandard
 
 from common.bridge import BATCH_MEMBER_MAX
-from common.errors import BaseMismatch, StaleLease
-from common.repos import MAX_REPO_ENTRIES
+from common.errors import BaseMismatch
+from common.repos import GIT_DIR, MAX_REPO_ENTRIES
 from fsagent.client import BridgeClient, RepoBinding, RunInfo
 from fsagent.errors import (
     CheckoutUnsupported,
@@ -122,6 +124,17 @@ class _Base:
     checkpoint_id: str
     members: dict[str, WireKey]
     config: list[tuple[str, str]]
+    scanned: dict[str, Member] | None = None
+    """The scanned members this process committed as the base: a member of
+    the next scan that is the same object (the scan reuses unchanged ones)
+    saves the same without building its key."""
+
+    def changed(self, members: list[Member]) -> list[Member]:
+        scanned = self.scanned or {}
+        keys = self.members
+        return [
+            m for m in members if scanned.get(m.path) is not m and keys.get(m.path) != member_key(m)
+        ]
 
 
 @dataclass
@@ -251,6 +264,7 @@ class RepoSaver:
         self._listing_problems: list[Problem] = []
         self._names = MemberNames()
         self._last_paths: list[str] | None = None
+        self._last_scan: TreeScan | None = None
         self._config: tuple[StatKey | None, list[tuple[str, str]]] | None = None
         self.fenced: str | None = None
         self.status: dict[str, Any] = (read_json(self.status_file) if state_dir else None) or {}
@@ -275,7 +289,10 @@ class RepoSaver:
             started = time.monotonic()
             try:
                 if self.fenced is not None:
-                    raise RepoSaveFailed(f"not saved, a newer run holds the lease: {self.fenced}")
+                    raise RepoSaveFailed(
+                        f"{self.binding.name}: not saved, the run ended or a newer run "
+                        f"holds the lease: {self.fenced}"
+                    )
                 outcome = await self._checkpoint(lock_wait)
             except (FsagentError, OSError) as exc:
                 await self._failed(exc)
@@ -371,7 +388,7 @@ class RepoSaver:
             paths, self._listing_problems = worktree_paths(self.checkout)
             return paths + git_dir_members(self.checkout)
 
-        return TreeScan(
+        scan = TreeScan(
             self.checkout,
             lister,
             self.cache,
@@ -383,7 +400,15 @@ class RepoSaver:
             guess=self._last_paths,
             immutable=git_immutable,
             immutable_prefix=GIT_OBJECTS,
+            # The verify rechecks .git (whose members must agree with each
+            # other) and the files read; the working tree's other files are
+            # whole as scanned, and a change to one is the next checkpoint's.
+            recheck=GIT_DIR,
+            relist=lambda: git_dir_members(self.checkout),
+            previous=self._last_scan,
         )
+        self._last_scan = scan
+        return scan
 
     def _portable_config(self) -> list[tuple[str, str]]:
         """The carried configuration, read again only when ``.git/config`` changed."""
@@ -421,7 +446,7 @@ class RepoSaver:
         """The delta against ``base`` (everything without one), its contents
         the controller lacks uploaded."""
         if base is not None:
-            changed = [m for m in members if base.members.get(m.path) != member_key(m)]
+            changed = base.changed(members)
             present = {m.path for m in members}
             removed = sorted(p for p in base.members if p not in present)
             if not changed and not removed and config == base.config:
@@ -447,6 +472,7 @@ class RepoSaver:
         for _ in range(2):
             if plan.unchanged:
                 assert plan.base is not None
+                plan.base.scanned = {m.path: m for m in members}  # each saves as its base's
                 return RepoSaveOutcome(plan.base.checkpoint_id, False, len(members))
             body: dict[str, Any] = {
                 "leaseEpoch": self.run.lease_epoch,
@@ -470,7 +496,14 @@ class RepoSaver:
                 plan = await self._plan(members, config, None, plan.base.checkpoint_id)
                 continue
             checkpoint_id = str(receipt["checkpointId"])
-            self._base = _Base(checkpoint_id, {m.path: member_key(m) for m in members}, config)
+            if plan.base is not None and body["base"] is not None:
+                keys = dict(plan.base.members)  # the delta applied: no key built per member
+                for path in plan.removed:
+                    del keys[path]
+                keys.update((m.path, member_key(m)) for m in plan.changed)
+            else:
+                keys = {m.path: member_key(m) for m in members}
+            self._base = _Base(checkpoint_id, keys, config, {m.path: m for m in members})
             self._known_current = checkpoint_id
             return RepoSaveOutcome(
                 checkpoint_id,
@@ -595,21 +628,34 @@ class RepoSaver:
             )
         self._write_status()
 
+    def fence(self, message: str) -> None:
+        """Stop saving for good: the run ended or a newer run holds the lease
+        (:attr:`fsagent.errors.ControllerRefused.fences_the_run`). Every later
+        checkpoint fails at once without a request; ``fsagent repos status``
+        shows ``fenced`` and why."""
+        if self.fenced is None:
+            self.fenced = message
+        self.status.update(state="fenced", lastAttempt=now_iso())
+        self.status["lastError"] = {"at": now_iso(), "message": self.fenced}
+        self._write_status()
+
     async def _failed(self, exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
-            self.fenced = message
+        if isinstance(exc, ControllerRefused) and exc.fences_the_run:
+            self.fence(message)
+        if self.fenced is not None:
+            log.warning("repository %s not saved: %s", self.binding.name, message)
+            return  # the controller refuses this run's reports too
         state = "waiting" if isinstance(exc, GitLockHeld) else "failed"
         self.status.update(state=state, lastAttempt=now_iso())
         self.status["lastError"] = {"at": now_iso(), "message": message}
         self._write_status()
         log.warning("repository %s not saved: %s", self.binding.name, message)
-        if self.fenced is None:
-            with trio.move_on_after(10):
-                try:
-                    await self.client.report_repo_state(self.workspace_id, "failed", message)
-                except FsagentError as report_exc:
-                    log.warning("could not report the failed save: %s", report_exc)
+        with trio.move_on_after(10):
+            try:
+                await self.client.report_repo_state(self.workspace_id, "failed", message)
+            except FsagentError as report_exc:
+                log.warning("could not report the failed save: %s", report_exc)
 
     def _write_status(self) -> None:
         if self.state_dir is not None:

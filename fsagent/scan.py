@@ -23,7 +23,9 @@ One scan (:func:`scan_tree`):
 3. **List and lstat again**: a fingerprint of every (path, kind, device,
    inode, size, mode, mtime, ctime) before and after must be equal, else the
    tree changed during the scan (a file added, removed, replaced or
-   rewritten) and the result is unstable.
+   rewritten) and the result is unstable. A caller may narrow this pass to
+   what can tear its result (:class:`TreeScan`'s ``recheck``): one
+   directory, the files read and the directories above them.
 
 An unstable result must not be committed: the caller retries (a checkout
 being written to settles) and reports a failure after a few attempts. Torn
@@ -45,6 +47,7 @@ space**.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import hashlib
@@ -96,9 +99,12 @@ class StatKey(NamedTuple):
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns)
 
 
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One entry of a scanned tree: a regular file, a symbolic link or a directory."""
+class Member(NamedTuple):
+    """One entry of a scanned tree: a regular file, a symbolic link or a directory.
+
+    A named tuple rather than a frozen dataclass: a scan builds one per
+    member, and a frozen dataclass costs several times as much to build (its
+    ``__init__`` goes through ``object.__setattr__`` field by field)."""
 
     path: str
     kind: Kind
@@ -429,17 +435,26 @@ _new_tuple = tuple.__new__
 
 
 def _lstat_all(
-    base: str, paths: Iterable[str], trusted: Trusted | None, trusted_prefix: str
+    base: str, paths: list[str], trusted: Trusted | None, trusted_prefix: str
 ) -> dict[str, StatKey | None]:
-    """lstat each path (the hot loop of a scan: kept to the bare calls)."""
+    """lstat each path (the hot loop of a scan: kept to the bare calls); the
+    trusted ones (all below ``trusted_prefix``: one run of the sorted paths)
+    are asked first."""
     out: dict[str, StatKey | None] = {}
+    if trusted is not None:
+        paths = sorted(paths)  # linear on a sorted list, as the callers' are
+        lo = bisect.bisect_left(paths, trusted_prefix)
+        hi = bisect.bisect_left(paths, trusted_prefix + "\U0010ffff")
+        rest = paths[:lo] + paths[hi:]
+        for path in paths[lo:hi]:
+            key = trusted(path)
+            if key is None:
+                rest.append(path)
+            else:
+                out[path] = key
+        paths = rest
     lstat = os.lstat
     for path in paths:
-        if trusted is not None and path.startswith(trusted_prefix):
-            key = trusted(path)
-            if key is not None:
-                out[path] = key
-                continue
         try:
             st = lstat(f"{base}/{path}")
         except (FileNotFoundError, NotADirectoryError):
@@ -553,6 +568,21 @@ class TreeScan:
     trusted by name: no lstat, no read; its presence in the listing is what
     the fingerprints compare. ``immutable`` is asked only about paths that
     start with ``immutable_prefix``.
+
+    ``recheck`` and ``relist`` narrow :meth:`verify` to what can tear a
+    result (the default, None, checks everything again): the directory
+    ``recheck`` and every listed path below it, as ``relist()`` names them now
+    (it must name exactly those), the files read in this scan, and every
+    directory above them. A path outside that scope which changed after its
+    lstat keeps what the scan saw of it: whole contents, read before (a cache
+    hit) or checked while read (:func:`hash_stable`), never torn; its change
+    is the next scan's. The repository saver rechecks ``.git`` this way,
+    whose members must be consistent with each other (:mod:`fsagent.reposave`).
+
+    ``previous``: the last scan of the same tree; the directories above an
+    unchanged listing are taken from it rather than worked out again, and
+    its members of files with the same key and cached digest are used again
+    (the same objects, so a caller can compare them by identity).
     """
 
     def __init__(
@@ -570,7 +600,12 @@ class TreeScan:
         guess: list[str] | None = None,
         immutable: Callable[[str], bool] | None = None,
         immutable_prefix: str = "",
+        recheck: str | None = None,
+        relist: Callable[[], Iterable[str]] | None = None,
+        previous: TreeScan | None = None,
     ) -> None:
+        if (recheck is None) != (relist is None):
+            raise ValueError("recheck and relist go together")
         self.root = root
         self.list_paths = list_paths
         self.cache = cache
@@ -582,6 +617,12 @@ class TreeScan:
         self.racy_margin_ns = racy_margin_ns
         self.guess = guess
         self.immutable_prefix = immutable_prefix
+        self.recheck = recheck
+        self.relist = relist
+        self._previous_listing = previous._before if previous is not None else None
+        self._previous_members: list[Member] | None = (
+            previous._read.members if previous is not None and previous._read else None
+        )
         self.trusted: Trusted | None = None
         if immutable is not None and cache is not None:
             known = cache
@@ -592,6 +633,8 @@ class TreeScan:
             self.trusted = trusted
         self._before: _Listing | None = None
         self._read: ScanResult | None = None
+        self._hashed: list[str] = []
+        """The files read in this scan (the narrowed verify checks them again)."""
         self._started = 0.0
 
     def read(self) -> ScanResult:
@@ -603,8 +646,19 @@ class TreeScan:
         cache, path_rule, link_rule = self.cache, self.path_rule, self.link_rule
         max_file_bytes = self.max_file_bytes
         before = self._before = _list(
-            self.root, self.list_paths, self.guess, self.trusted, self.immutable_prefix
+            self.root,
+            self.list_paths,
+            self.guess,
+            self.trusted,
+            self.immutable_prefix,
+            self._previous_listing,
         )
+        self._previous_listing = None  # only its parents were wanted
+        # The last scan's member of a file whose key and digest are the same
+        # is used again: building 20,000 members costs more than their lstats.
+        last = {m.path: m for m in self._previous_members} if self._previous_members else {}
+        last_get = last.get
+        self._previous_members = None
         stats = ScanStats(listed=len(before.stats) + len(before.hidden))
         problems = [Problem(p, f"below_non_directory:{d}") for p, d in before.hidden.items()]
         members: list[Member] = []
@@ -629,9 +683,13 @@ class TreeScan:
                     to_hash.append((path, key))
                     continue
                 stats.cache_hits += 1
-                members.append(
-                    Member(path, "file", digest, size, bool(mode & stat.S_IXUSR), key=key)
-                )
+                old = last_get(path)
+                if old is not None and old.key == key and old.digest == digest:
+                    members.append(old)
+                else:
+                    members.append(
+                        Member(path, "file", digest, size, bool(mode & stat.S_IXUSR), key=key)
+                    )
             elif kind == _IFLNK:
                 try:
                     target = os.readlink(f"{base}/{path}")
@@ -659,6 +717,7 @@ class TreeScan:
                 hashed = [r for rs in pool.map(hash_group, groups) for r in rs]
         else:
             hashed = [r for g in groups for r in hash_group(g)]
+        self._hashed = [path for path, _ in to_hash]
         for (path, key), (_, digest) in zip(to_hash, hashed, strict=True):
             if digest is None:
                 unstable.append(path)
@@ -681,21 +740,69 @@ class TreeScan:
         changed since :meth:`read` began."""
         assert self._before is not None and self._read is not None, "read() first"
         before, first = self._before, self._read
-        after = _list(
-            self.root, self.list_paths, before.paths, self.trusted, self.immutable_prefix, before
-        )
         unstable = list(first.unstable)
-        if after.fingerprint != before.fingerprint:
-            changed = {
-                p.lstrip("/")
-                for p in before.fingerprint.keys() | after.fingerprint.keys()
-                if before.fingerprint.get(p) != after.fingerprint.get(p)
-            }
-            unstable.extend(changed - set(unstable))
+        if self.recheck is None:
+            after = _list(
+                self.root,
+                self.list_paths,
+                before.paths,
+                self.trusted,
+                self.immutable_prefix,
+                before,
+            )
+            changed = _differences(before.fingerprint, after.fingerprint)
+            paths = after.paths
+        else:
+            changed = self._narrow_differences(before)
+            paths = before.paths
+        unstable.extend(changed - set(unstable))
+        # A next scan (``previous``) needs only the paths and their parents.
+        self._before = _Listing(before.paths, {}, {}, {}, before.parents)
         if self.cache is not None and not unstable:
             self.cache.retain({m.path for m in first.members if m.kind == "file"})
         first.stats.seconds = time.monotonic() - self._started
-        return ScanResult(first.members, first.problems, sorted(unstable), first.stats, after.paths)
+        return ScanResult(first.members, first.problems, sorted(unstable), first.stats, paths)
+
+    def _narrow_differences(self, before: _Listing) -> set[str]:
+        """The paths in the narrowed scope (see the class doc) that changed
+        since :meth:`read` began."""
+        assert self.recheck is not None and self.relist is not None
+        scoped = _below(before.paths, self.recheck)
+        relisted = sorted(set(self.relist()))
+        hashed = self._hashed
+        after = _list(
+            self.root,
+            lambda: relisted + hashed,
+            None,
+            self.trusted,
+            self.immutable_prefix,
+        )
+        theirs = after.fingerprint
+        known = before.fingerprint
+        ours = {k: known[k] for k in (*theirs, *scoped) if k in known}
+        for path in hashed:  # their first lstat (hash_stable checked the read against it)
+            key = before.stats.get(path)
+            if key is not None:
+                ours[path] = key
+        changed = _differences(ours, theirs)
+        changed.update(set(scoped).symmetric_difference(relisted))
+        return changed
+
+
+def _below(paths: list[str], top: str) -> list[str]:
+    """``top`` and the paths below it, of sorted ``paths``."""
+    # Every such path sorts in [top, top + "0"): "0" follows "/" in ASCII.
+    lo, hi = bisect.bisect_left(paths, top), bisect.bisect_left(paths, top + "0")
+    below = top + "/"
+    return [p for p in paths[lo:hi] if p == top or p.startswith(below)]
+
+
+def _differences(before: dict[str, tuple[int, ...]], after: dict[str, tuple[int, ...]]) -> set[str]:
+    """The paths whose fingerprints differ (a directory above a listed path
+    is keyed ``/dir``: reported as ``dir``)."""
+    if before == after:
+        return set()
+    return {p.lstrip("/") for p in before.keys() | after.keys() if before.get(p) != after.get(p)}
 
 
 def open_member(root: Path, member: Member) -> int:

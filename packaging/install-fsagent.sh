@@ -10,7 +10,7 @@
 #       [--source DIR] [--no-systemd]
 #
 # Run as root inside the sandbox image build.  Installs the Debian packages
-# fsagent needs (fuse3, python3-venv), the package from --source (default: this
+# fsagent needs (fuse3, python3-venv, git), the package from --source (default: this
 # checkout) into /opt/fsagent/venv, the units into /etc/systemd/system and their
 # configuration into /etc/fsagent/fsagent.env.  Nothing is started.
 set -euo pipefail
@@ -49,7 +49,7 @@ if ! [[ "$bridge_port" =~ ^[0-9]+$ ]] || ((bridge_port < 1 || bridge_port > 6553
 fi
 
 missing=()
-for p in fuse3 python3 python3-venv; do
+for p in fuse3 python3 python3-venv git; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then

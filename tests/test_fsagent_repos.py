@@ -24,7 +24,8 @@ import pytest
 import trio
 
 from fsagent.client import HttpBridgeClient
-from fsagent.errors import GitLockHeld, RepoSaveFailed
+from fsagent.envfile import read_env_file
+from fsagent.errors import ControllerRefused, GitLockHeld, RepoSaveFailed
 from fsagent.repoprepare import SETUP_RECORD
 from fsagent.repos import RepoSavers, prepare_all, repo_status
 from fsagent.reposave import RepoSaver
@@ -267,8 +268,29 @@ async def test_a_superseded_run_cannot_move_the_pointer(
         (home / "repos" / "app" / "late.txt").write_text("too late\n")
         with caplog.at_level(logging.WARNING), pytest.raises(RepoSaveFailed):
             await saver.checkpoint()
+        # The old run's token answers 401 now: the saver stops for good, not
+        # every cadence, and says why.
+        assert saver.fenced is not None and "401" in saver.fenced
+        sent: list[str] = []
+
+        async def count(request: Any) -> None:
+            sent.append(f"{request.method} {request.url.path}")
+
+        old_client._http.event_hooks["request"].append(count)
+        with caplog.at_level(logging.WARNING), pytest.raises(RepoSaveFailed, match="newer run"):
+            await saver.checkpoint()
+        assert sent == []
+        savers = RepoSavers(old_client, saver.run, home, state)  # a restarted saver
+        with caplog.at_level(logging.WARNING), pytest.raises(ControllerRefused):
+            await savers.save_all()
+        assert savers.fenced is not None and len(sent) == 1  # the listing, refused
+        with pytest.raises(RepoSaveFailed):
+            await savers.save_all()
+        assert len(sent) == 1
     finally:
         await old_client.aclose()
+    (status,) = repo_status(home, state)
+    assert status["state"] == "fenced" and "401" in status["lastError"]["message"]
     (row,) = people_repos(repo_task.tenant, repo_task.task)
     assert row["checkpointId"] == saver.status["lastSave"]["checkpointId"]
     new_client = repo_task.client(newer)
@@ -389,7 +411,7 @@ def test_up_prepares_the_checkout_saves_it_and_names_it_in_the_env_file(
             assert proc.poll() is None, (base / "up.log").read_text()
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        env = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+        env = read_env_file(env_file)  # values are quoted (fsagent/envfile.py)
         assert env["PAPERCLIP_REPOS_DIR"] == str(home / "repos")
         assert env["PAPERCLIP_PRIMARY_REPO"] == str(home / "repos" / "app")
         checkout = home / "repos" / "app"

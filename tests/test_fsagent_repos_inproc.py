@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from fsagent.errors import (
 )
 from fsagent.memclient import MemoryBridgeClient
 from fsagent.repoprepare import BINDING_RECORD, SETUP_RECORD, prepare_repo
-from fsagent.repos import RepoSavers, prepare_all, repo_status
+from fsagent.repos import RepoSavers, prepare_all, repo_status, watch
 from fsagent.reposave import RepoSaver
 from tests.support.gitrepos import assert_restored, git, make_local_state, make_origin
 
@@ -280,6 +281,98 @@ async def test_a_stale_lease_fences_the_saver(
 
 
 @pytest.mark.trio
+async def test_a_superseded_runs_401_fences_every_saver_and_stops_sending(
+    tmp_path: Path, mem: MemoryBridgeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    savers = RepoSavers(mem, mem.run, box.home, box.state)
+    assert await savers.save_all() == 0
+    (box.repos / "app" / "late.txt").write_text("late\n")
+    superseded = ControllerRefused("The run was superseded", 401, "unauthenticated")
+    mem.fail_next("commit_repo_checkpoint", exc=superseded)
+    with caplog.at_level(logging.WARNING):
+        assert await savers.save_all() == 1
+    assert savers.fenced is not None and "superseded" in savers.fenced
+    assert "report_repo_state" not in mem.calls  # the controller would refuse it too
+    calls = len(mem.calls)
+    with pytest.raises(RepoSaveFailed, match="can no longer save"):
+        await savers.save_all()
+    (saver,) = savers.savers.values()
+    with pytest.raises(RepoSaveFailed, match="the run ended or a newer run"):
+        await saver.checkpoint()
+    assert len(mem.calls) == calls  # nothing more sent
+    (row,) = repo_status(box.home, box.state)
+    assert row["state"] == "fenced"
+    assert "superseded" in row["lastError"]["message"]
+    assert "late.txt" not in mem.repo_files(saver.workspace_id)
+
+
+@pytest.mark.trio
+async def test_a_401_on_the_listing_fences_the_savers_status_files(
+    tmp_path: Path, mem: MemoryBridgeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    assert await RepoSavers(mem, mem.run, box.home, box.state).save_all() == 0
+    # A new process of the same run (a restarted unit): no saver made yet.
+    savers = RepoSavers(mem, mem.run, box.home, box.state)
+    mem.fail_next("list_repos", exc=ControllerRefused("The run has ended", 401, "unauthenticated"))
+    with caplog.at_level(logging.WARNING), pytest.raises(ControllerRefused):
+        await savers.save_all()
+    calls = len(mem.calls)
+    with pytest.raises(RepoSaveFailed):
+        await savers.save_all()
+    assert len(mem.calls) == calls
+    (row,) = repo_status(box.home, box.state)
+    assert row["state"] == "fenced" and "has ended" in row["lastError"]["message"]
+    assert row["lastSave"]["committed"]  # the last good save is still shown
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("refused", ["get_run", "list_repos"])
+async def test_a_fenced_watch_stops_its_cadence_and_skips_the_final_save(
+    tmp_path: Path, mem: MemoryBridgeClient, caplog: pytest.LogCaptureFixture, refused: str
+) -> None:
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    assert await RepoSavers(mem, mem.run, box.home, box.state).save_all() == 0
+    mem.fail_next(refused, exc=ControllerRefused("The run has ended", 401, "unauthenticated"))
+    calls = len(mem.calls)
+    codes: list[int] = []
+    with caplog.at_level(logging.WARNING):
+        async with trio.open_nursery() as nursery:
+
+            async def run_watch() -> None:
+                codes.append(await watch(mem, box.home, box.state, 0.02, ready=ready))
+
+            ready = trio.Event()
+            nursery.start_soon(run_watch)
+            await ready.wait()
+            await trio.sleep(0.5)  # 25 cadences
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert codes == [4]
+    assert len(mem.calls) - calls <= 2  # get_run and at most one listing, then nothing
+    (row,) = repo_status(box.home, box.state)
+    assert row["state"] == "fenced"
+
+
+@pytest.mark.trio
+async def test_other_refusals_do_not_fence(
+    tmp_path: Path, mem: MemoryBridgeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    savers = RepoSavers(mem, mem.run, box.home, box.state)
+    mem.fail_next("commit_repo_checkpoint", exc=ControllerRefused("no", 403, "forbidden"))
+    with caplog.at_level(logging.WARNING):
+        assert await savers.save_all() == 1
+    assert savers.fenced is None
+    assert [r[0] for r in mem.repo(only_binding(mem).workspace_id).reports] == ["failed"]
+    assert await savers.save_all() == 0
+
+
+@pytest.mark.trio
 async def test_a_tree_mutated_during_the_scan_is_retried_never_torn(
     tmp_path: Path, mem: MemoryBridgeClient
 ) -> None:
@@ -301,6 +394,33 @@ async def test_a_tree_mutated_during_the_scan_is_retried_never_torn(
     outcome = await saver.checkpoint()
     assert mutations and outcome.attempts == 2
     assert mem.repo_files(only_binding(mem).workspace_id)["data.txt"] == b"v2 " * 1000
+
+
+@pytest.mark.trio
+async def test_a_commit_during_the_scan_is_retried_and_saved_whole(
+    tmp_path: Path, mem: MemoryBridgeClient
+) -> None:
+    """The verify rechecks all of .git: a commit that lands while the working
+    tree is read (new objects, a moved ref, a new reflog line) is scanned again."""
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    checkout = box.repos / "app"
+    await trio.sleep(1.1)  # past the racy margin: .git's files are cached, not read again
+    saver = await saver_for(mem, box, threads=1)
+    assert (await saver.checkpoint()).committed
+    (checkout / "data.txt").write_text("data\n")  # the one file the next scan reads
+    committed: list[str] = []
+
+    def commit_once(full: str) -> None:
+        if full.endswith("/data.txt") and not committed:
+            git(checkout, "commit", "-q", "--allow-empty", "-m", "during the scan")
+            committed.append(git(checkout, "rev-parse", "HEAD").strip())
+
+    saver.after_read = commit_once
+    outcome = await saver.checkpoint()
+    assert committed and outcome.attempts == 2
+    files = mem.repo_files(only_binding(mem).workspace_id)
+    assert files[".git/refs/heads/main"].decode().strip() == committed[0]
 
 
 @pytest.mark.trio
@@ -419,6 +539,34 @@ async def test_unsafe_and_unsupported_members(
     other = RepoSaver(mem, mem.run, binding, worktree, None)
     with caplog.at_level(logging.WARNING), pytest.raises(CheckoutUnsupported, match="not a dir"):
         await other.checkpoint()
+
+
+@pytest.mark.trio
+async def test_changes_git_is_told_to_ignore_are_still_saved(
+    tmp_path: Path, mem: MemoryBridgeClient
+) -> None:
+    """The scan trusts nothing Git records about the working tree: a change
+    behind assume-unchanged, skip-worktree or core.fileMode=false is saved."""
+    box = Sandbox(tmp_path)
+    await prepare_all(mem, box.home)
+    checkout = box.repos / "app"
+    await trio.sleep(1.1)  # past the racy margin: the clone's files are cached
+    saver = await saver_for(mem, box)
+    assert (await saver.checkpoint()).committed
+    git(checkout, "update-index", "--assume-unchanged", "README.md")
+    git(checkout, "update-index", "--skip-worktree", "src/main.py")
+    git(checkout, "config", "core.fileMode", "false")
+    (checkout / "README.md").write_text("# hidden by assume-unchanged\n")
+    (checkout / "src" / "main.py").write_text("print('hidden by skip-worktree')\n")
+    (checkout / "docs" / "guide.md").chmod(0o755)  # hidden by core.fileMode=false
+    assert git(checkout, "status", "--porcelain") == ""  # Git itself sees nothing
+    outcome = await saver.checkpoint()
+    assert outcome.committed and outcome.changed >= 3
+    workspace = only_binding(mem).workspace_id
+    files = mem.repo_files(workspace)
+    assert files["README.md"] == b"# hidden by assume-unchanged\n"
+    assert files["src/main.py"] == b"print('hidden by skip-worktree')\n"
+    assert mem.repo(workspace).members()["docs/guide.md"]["executable"] is True
 
 
 @pytest.mark.trio

@@ -19,6 +19,7 @@ from fsagent.scan import (
     MetadataCache,
     ScanResult,
     StatKey,
+    TreeScan,
     hash_stable,
     open_member,
     scan_tree,
@@ -335,3 +336,106 @@ def test_a_guess_of_the_listing_changes_nothing_but_the_order_of_work(tmp_path: 
     assert guessed.stable and guessed.paths == expected.paths
     assert [m.to_json() for m in guessed.members] == [m.to_json() for m in expected.members]
     assert "d1/f1" in plain.paths and "d1/f1" not in guessed.paths
+
+
+def narrow_scan(root: Path, cache: MetadataCache | None = None, **kw: Any) -> TreeScan:
+    """A scan whose verify rechecks only ``meta/`` and the files it read."""
+
+    def meta() -> list[str]:
+        return [p for p in lister(root) if p == "meta" or p.startswith("meta/")]
+
+    return TreeScan(
+        root, lambda: lister(root), cache, recheck="meta", relist=meta, racy_margin_ns=0, **kw
+    )
+
+
+def test_a_narrowed_verify_rechecks_its_scope_and_the_files_read(tmp_path: Path) -> None:
+    write(tmp_path, "meta/HEAD", b"ref: main")
+    write(tmp_path, "meta/refs/main", b"1111")
+    write(tmp_path, "work/a.txt", b"a")
+    write(tmp_path, "work/z.txt", b"z")
+    cache = MetadataCache()
+    first = narrow_scan(tmp_path, cache, threads=1)
+    first.read()
+    assert first.verify().stable and len(cache) == 4
+
+    # In scope: a member rewritten, added or removed after the read is unstable.
+    for change in (
+        lambda: write(tmp_path, "meta/HEAD", b"ref: other"),
+        lambda: write(tmp_path, "meta/refs/new", b"2222"),
+        lambda: (tmp_path / "meta" / "refs" / "new").unlink(),
+    ):
+        scan = narrow_scan(tmp_path, cache)
+        scan.read()
+        time.sleep(0.02)
+        change()
+        result = scan.verify()
+        assert not result.stable and result.unstable[0].startswith("meta/")
+
+    # Out of scope: a file the scan did not read (a cache hit) keeps what the
+    # scan saw, whole; the next scan saves its change.
+    scan = narrow_scan(tmp_path, cache)
+    result = scan.read()
+    assert result.stats.hashed == 0
+    time.sleep(0.02)
+    write(tmp_path, "work/a.txt", b"A")
+    write(tmp_path, "work/new.txt", b"new")
+    verified = scan.verify()
+    assert verified.stable
+    digests = {m.path: m.digest for m in verified.members}
+    assert digests["work/a.txt"] == sha(b"a") and "work/new.txt" not in digests
+    again = narrow_scan(tmp_path, cache, previous=scan)
+    again.read()
+    digests = {m.path: m.digest for m in again.verify().members}
+    assert digests["work/a.txt"] == sha(b"A") and digests["work/new.txt"] == sha(b"new")
+
+
+def test_a_narrowed_verify_rechecks_a_file_it_read(tmp_path: Path) -> None:
+    write(tmp_path, "meta/HEAD", b"ref: main")
+    write(tmp_path, "work/a.txt", b"one")
+    write(tmp_path, "work/z.txt", b"two")
+
+    def replace_a(full: str) -> None:  # a.txt is read before z.txt (threads=1)
+        if full.endswith("z.txt"):
+            write(tmp_path, "work/a.tmp", b"uno")
+            os.replace(tmp_path / "work" / "a.tmp", tmp_path / "work" / "a.txt")
+
+    scan = narrow_scan(tmp_path, threads=1, after_read=replace_a)
+    scan.read()
+    assert scan.verify().unstable == ["work/a.txt"]
+
+    def remove_a(full: str) -> None:
+        if full.endswith("z.txt"):
+            (tmp_path / "work" / "a.txt").unlink(missing_ok=True)
+
+    scan = narrow_scan(tmp_path, threads=1, after_read=remove_a)
+    scan.read()
+    assert scan.verify().unstable == ["work/a.txt"]
+
+
+def test_a_parent_swapped_for_a_link_after_a_read_is_unstable(tmp_path: Path) -> None:
+    write(tmp_path, "meta/HEAD", b"ref: main")
+    write(tmp_path, "work/a.txt", b"inside")
+    write(tmp_path, "outside/a.txt", b"secret")
+
+    def swap(full: str) -> None:
+        if full.endswith("work/a.txt") and (tmp_path / "work").is_dir():
+            (tmp_path / "work").rename(tmp_path / "work.old")
+            (tmp_path / "work").symlink_to("outside")
+
+    scan = TreeScan(
+        tmp_path,
+        lambda: ["meta", "meta/HEAD", "work/a.txt"],
+        None,
+        recheck="meta",
+        relist=lambda: ["meta", "meta/HEAD"],
+        after_read=swap,
+        threads=1,
+    )
+    scan.read()
+    assert "work" in scan.verify().unstable
+
+
+def test_recheck_and_relist_go_together(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        TreeScan(tmp_path, lambda: [], recheck="meta")

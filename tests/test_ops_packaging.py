@@ -1,7 +1,9 @@
-"""The controller's systemd unit and container image."""
+"""The controller's systemd unit and container image; what the sandbox image
+scripts install and enable (booting one is tests/test_sandbox_boot.py)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from tests.support.constants import REPO
 
 UNIT = REPO / "packaging" / "systemd" / "controller.service"
 DOCKERFILE = REPO / "packaging" / "controller.Dockerfile"
+SANDBOX_IMAGE = REPO / "packaging" / "sandbox-image"
 VENV_CONTROLLER = Path(sys.executable).parent / "controller"
 
 
@@ -103,3 +106,25 @@ def test_container_image_builds_and_runs_as_non_root() -> None:
         assert "--metrics-listen" in help_.stdout
     finally:
         subprocess.run([engine, "rmi", "-f", tag], capture_output=True, timeout=120)
+
+
+def test_the_sandbox_image_has_git_and_enables_every_fsagent_unit() -> None:
+    """Enabling the units is enough for repositories too: the base rootfs has
+    git, install-fsagent.sh installs it where missing, and build-rootfs.sh
+    enables every unit install-fsagent.sh installs."""
+    base = (SANDBOX_IMAGE / "debootstrap-base.sh").read_text()
+    (packages,) = re.findall(r"^packages=(\S+)$", base, re.MULTILINE)
+    assert {"git", "fuse3", "python3-venv"} <= set(packages.split(","))
+    install = (REPO / "packaging" / "install-fsagent.sh").read_text()
+    (needed,) = re.findall(r"^for p in (.+); do$", install, re.MULTILINE)
+    assert "git" in needed.split()
+    (installed,) = re.findall(r"^    for unit in (.+); do$", install, re.MULTILINE)
+    services = [u for u in installed.split() if not u.endswith("@.service")]
+    assert "fsagent-repos.service" in services
+    build = (SANDBOX_IMAGE / "build-rootfs.sh").read_text()
+    (enabled,) = re.findall(r"^for unit in (.+); do$", build, re.MULTILINE)
+    assert sorted(enabled.split()) == sorted(services)
+    assert 'systemctl enable "${units[@]}"' in build
+    for script in (SANDBOX_IMAGE / "debootstrap-base.sh", SANDBOX_IMAGE / "build-rootfs.sh"):
+        syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert syntax.returncode == 0, syntax.stderr

@@ -327,6 +327,10 @@ def test_boot_mounts_as_agent_and_shutdown_saves(image: Path, tenant: Tenant) ->
             assert f"user_id={uid}" in opts, (scope, opts)
         env = box.run("env", user=AGENT)
         assert f"PAPERCLIP_TASK_DIR={HOME}/task" in env
+        # The repository checkouts are the image's too: git, and their unit.
+        assert box.run("git", "--version", user=AGENT).startswith("git version")
+        enabled = box.run("systemctl", "is-enabled", "fsagent-repos.service", check=False)
+        assert enabled.strip() == "enabled", enabled
         assert f"AGENT_HOME={HOME}/agent" in env
         # Written by the agent through its mount.
         (image / "var/tmp/payload").write_bytes(payload)

@@ -14,6 +14,10 @@
 #   - enables fsagent@task, fsagent@agent, fsagent@user and fsagent@project, so
 #     every boot mounts $HOME/{task,agent,user,project} as the agent user and
 #     every clean shutdown ships the final checkpoint of each;
+#   - enables fsagent-repos.service (and fsagent-bridge.service), so every boot
+#     prepares the task's repository checkouts in $HOME/repos as the agent user,
+#     saves them every 180 s and once more at a clean shutdown (git comes with
+#     the base rootfs, else install-fsagent.sh installs it);
 #   - writes /etc/fsagent/agent.env (the folder variables an agent reads) and
 #     /etc/profile.d/fsagent.sh, which exports them in the agent's login shell.
 # --token-file is where the run token is read from inside the image (default
@@ -119,8 +123,12 @@ id -u "$user" >/dev/null 2>&1 || useradd --create-home --home-dir "$home" \
     --source /var/tmp/fsagent-src --package "$package"
 install -d -o "$user" -g "$(id -gn "$user")" -m 0700 "$home/.local" "$home/.local/state"
 units=(fsagent@task.service fsagent@agent.service fsagent@user.service fsagent@project.service)
-# The local API endpoint, where this version of fsagent ships it.
-[[ ! -f /etc/systemd/system/fsagent-bridge.service ]] || units+=(fsagent-bridge.service)
+# The local API endpoint and the repository checkouts, where this version of
+# fsagent ships them.
+for unit in fsagent-bridge.service fsagent-repos.service; do
+    [[ ! -f "/etc/systemd/system/$unit" ]] || units+=("$unit")
+done
+command -v git >/dev/null || { echo "build-rootfs.sh: git is missing in the image" >&2; exit 1; }
 systemctl enable "${units[@]}"
 ' build-rootfs "$user" "$home" "$controller" "$token_file" "$package"
 )
