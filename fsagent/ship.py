@@ -28,10 +28,10 @@ so that hashing, compression, HTTP and JSON never delay a FUSE request.
 At most one checkpoint is in flight (a trio lock). Transient failures
 (network, 5xx, 429) are retried with backoff and jitter up to a deadline;
 permanent refusals (403/404/409/422) stop at once and are recorded so
-``fsagent status`` shows them. A ``stale_lease`` refusal fences the shipper:
-a newer run owns the folder, so nothing is uploaded or committed again by
-this daemon (every later save fails at once) and the state dir keeps every
-change.
+``fsagent status`` shows them. A ``stale_lease`` refusal or a 401 fences the
+shipper: a newer run owns the folder or this run has ended, so nothing is
+uploaded or committed again by this daemon (every later save fails at once,
+without a request) and the state dir keeps every change.
 """
 
 from __future__ import annotations
@@ -296,7 +296,8 @@ class Shipper:
         self.lease_epoch = lease_epoch
         self._lock = trio.Lock()
         self.fenced: str | None = None
-        """Why the controller fenced this run off (stale lease); None while shipping."""
+        """Why the controller fenced this run off (stale lease, or a 401: the run
+        ended); None while shipping."""
         self.last_checkpoint: dict[str, Any] | None = None
         """Duration, entries and bytes of the last checkpoint that committed."""
 
@@ -314,7 +315,7 @@ class Shipper:
         asked = trio.current_time()
         async with self._lock:
             if self.fenced is not None:
-                message = f"not saved, a newer run holds the lease: {self.fenced}"
+                message = f"not saved, {self.fenced}"
                 await self.state.record_error(message)
                 raise SaveFailed(message, refused=True)
             try:
@@ -329,8 +330,13 @@ class Shipper:
                 return replace(result, seconds=trio.current_time() - asked)
             except (FsagentError, OSError) as exc:
                 message = f"{type(exc).__name__}: {exc}"
-                if isinstance(exc, ControllerRefused) and exc.means(StaleLease):
-                    self.fenced = message
+                if isinstance(exc, ControllerRefused) and exc.fences_the_run:
+                    why = (
+                        "a newer run holds the lease"
+                        if exc.means(StaleLease)
+                        else "the run has ended or was superseded"
+                    )
+                    self.fenced = f"{why}: {message}"
                 await self.state.record_error(message)
                 over_limit = isinstance(exc, ControllerRefused) and exc.means(
                     AgentFilesLimitExceeded

@@ -130,6 +130,10 @@ def test_new_run_for_the_sandbox_fences_the_old_mount(
     assert shown["lastError"]["message"] in reply["error"]
     assert shown["unsavedChanges"] == 2
     assert set(m.changes()) == {"a.txt", "b.txt"}
+    # Fenced: the next save fails at once, without asking the controller again.
+    code, again = try_flush(m)
+    assert code != 0 and again["error"].startswith("not saved, "), again
+    assert "newer run holds the lease" in again["error"] or "run has ended" in again["error"]
     # The final save is refused as well: the daemon says so and keeps the state.
     assert m.signal(signal.SIGTERM) != 0
     assert set(m.changes()) == {"a.txt", "b.txt"}
