@@ -102,6 +102,17 @@ MANIFEST_PAGE_MAX: Final = 5000
 #     out and the receipt lists them as ``"refusedEntries": [{"path", "code",
 #     "message"}]``: fsagent keeps those paths unsaved. Every commit the
 #     controller answers is also a save receipt of the run (controller.receipts).
+#     Optional ``"localRefusals": [{"path", "code"}]`` and
+#     ``"localRefusedMore": n``: the paths the sandbox itself refused (dir mode's
+#     scan: a code of :data:`LOCAL_REFUSAL_CODES`), at most
+#     :data:`MAX_LOCAL_REFUSALS` listed and the count of the rest. A path is a
+#     valid work path, except under ``invalid_name``, where it is the name as
+#     the sandbox shows it (non-printable characters escaped, at most
+#     :data:`MAX_LOCAL_REFUSAL_PATH` characters). They are part of the body
+#     (its idempotency fingerprint) and change no file: the save receipt lists
+#     them in its ``refusedEntries`` with ``"by": "sandbox"`` and warns with
+#     code ``SANDBOX_REFUSED`` and their total ``count``. A bad list is 400
+#     ``validation_error`` and nothing of the checkpoint applies.
 #
 # ``POST /bridge/v1/run/report``
 #     ``{"state": "saving"|"failed", "error"?, "scope"?, "operationId"?, "final"?}``
@@ -133,6 +144,24 @@ BATCH_MAX_BYTES: Final = 16 << 20
 """Raw bytes of all members of one batch."""
 
 MAX_CHECKPOINT_ENTRIES: Final = 100_000
+
+LOCAL_REFUSAL_CODES: Final = frozenset(
+    {
+        "symlink",
+        "hard_link",
+        "special_file",
+        "invalid_name",
+        "file_too_large",
+        "entry_limit",
+        "unreadable",
+    }
+)
+"""Why dir mode's scan refuses a path (fsagent.dirscan), as a checkpoint's
+``localRefusals`` may name them."""
+MAX_LOCAL_REFUSALS: Final = 1000
+"""Sandbox refusals listed in one checkpoint (and its receipt); the rest are counted."""
+MAX_LOCAL_REFUSAL_PATH: Final = 4096
+"""Characters of a refused name as the sandbox shows it (escapes take room)."""
 MAX_CHECKPOINT_BODY: Final = 64 << 20
 
 FRAME_HEADER: Final = struct.Struct(">IIQ")

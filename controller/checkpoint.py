@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from psycopg import AsyncConnection
 
-from common.bridge import MAX_CHECKPOINT_ENTRIES
+from common.bridge import (
+    LOCAL_REFUSAL_CODES,
+    MAX_CHECKPOINT_ENTRIES,
+    MAX_LOCAL_REFUSAL_PATH,
+    MAX_LOCAL_REFUSALS,
+)
 from common.errors import StaleLease, UnknownContent, ValidationError
 from common.paths import validate_path
 from controller import agentfiles, apply, receipts
@@ -64,13 +69,95 @@ class Checkpoint:
     lease_epoch: int
     final: bool
     entries: list[Entry]
+    local_refusals: list[dict[str, str]] = field(default_factory=list)
+    """Paths the sandbox refused itself (``{"path", "code"}``): receipt only."""
+    local_refused_more: int = 0
 
     def fingerprint(self) -> str:
+        extra: dict[str, Any] = {}
+        if self.local_refusals or self.local_refused_more:
+            # Only when present: fingerprints of bodies without them stay as they were.
+            extra["localRefusals"] = [[r["path"], r["code"]] for r in self.local_refusals]
+            extra["localRefusedMore"] = self.local_refused_more
         return apply.fingerprint(
             action="checkpoint",
             final=self.final,
             entries=[[e.op, e.path, e.digest, e.executable] for e in self.entries],
+            **extra,
         )
+
+    def sandbox_refused(self) -> list[dict[str, Any]]:
+        """The sandbox's refusals as receipt entries; the message is the
+        controller's own text for the code, never the sandbox's."""
+        return [
+            {**r, "message": LOCAL_REFUSAL_MESSAGES[r["code"]], "by": "sandbox"}
+            for r in self.local_refusals
+        ]
+
+
+LOCAL_REFUSAL_MESSAGES = {
+    "symlink": "a symbolic link is not saved",
+    "hard_link": "a file with more than one link is not saved",
+    "special_file": "a FIFO, socket or device is not saved",
+    "invalid_name": "the name breaks the path rules",
+    "file_too_large": "the file is over the per-file limit",
+    "entry_limit": "the folder is at its entry limit",
+    "unreadable": "the sandbox could not read it",
+}
+assert set(LOCAL_REFUSAL_MESSAGES) == LOCAL_REFUSAL_CODES
+
+
+def parse_local_refusals(
+    raw: object, more: object, bad: Callable[[str, str, str], None]
+) -> tuple[list[dict[str, str]], int]:
+    """The body's ``localRefusals`` and ``localRefusedMore`` (common/bridge.py),
+    untrusted: every problem goes to ``bad``."""
+    if not isinstance(more, int) or isinstance(more, bool) or not 0 <= more <= 1 << 31:
+        bad("localRefusedMore", "invalid", "localRefusedMore must be a count (0 to 2^31)")
+        more = 0
+    if not isinstance(raw, list):
+        bad("localRefusals", "invalid", "localRefusals must be a list")
+        return [], 0
+    if len(raw) > MAX_LOCAL_REFUSALS:
+        bad("localRefusals", "too_many", f"at most {MAX_LOCAL_REFUSALS} local refusals listed")
+        return [], 0
+    out: list[dict[str, str]] = []
+    for i, r in enumerate(raw):
+        where = f"localRefusals[{i}]"
+        if not isinstance(r, dict) or set(r) != {"path", "code"}:
+            bad(where, "invalid_fields", "a local refusal is exactly {path, code}")
+            continue
+        code, path = r["code"], r["path"]
+        if not isinstance(code, str) or code not in LOCAL_REFUSAL_CODES:
+            bad(
+                f"{where}.code",
+                "invalid_code",
+                f"code must be one of {sorted(LOCAL_REFUSAL_CODES)}",
+            )
+            continue
+        if code != "invalid_name":
+            try:
+                validate_path(path, f"{where}.path")
+            except ValidationError as exc:
+                for d in exc.details or []:
+                    bad(d.get("field", where), d.get("code", "invalid"), d.get("message", ""))
+                continue
+        elif (
+            not isinstance(path, str)
+            or not 1 <= len(path) <= MAX_LOCAL_REFUSAL_PATH
+            or not path.isprintable()
+        ):
+            # A name the path rules refuse, shown escaped by the sandbox: any
+            # printable text, never a control character or a lone surrogate.
+            bad(
+                f"{where}.path",
+                "invalid",
+                f"path must be 1-{MAX_LOCAL_REFUSAL_PATH} printable characters",
+            )
+            continue
+        assert isinstance(path, str)
+        out.append({"path": path, "code": code})
+    return out, int(more)
 
 
 def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Checkpoint:
@@ -84,7 +171,14 @@ def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Check
     def bad(field: str, code: str, message: str) -> None:
         problems.append({"field": field, "code": code, "message": message})
 
-    extra = set(body) - {"operationId", "leaseEpoch", "final", "entries"}
+    extra = set(body) - {
+        "operationId",
+        "leaseEpoch",
+        "final",
+        "entries",
+        "localRefusals",
+        "localRefusedMore",
+    }
     for f in sorted(extra):
         bad(f, "unexpected_field", f"{f} is not allowed")
     op_id = body.get("operationId")
@@ -104,6 +198,9 @@ def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Check
     if len(raw_entries) > MAX_CHECKPOINT_ENTRIES:
         bad("entries", "too_many", f"at most {MAX_CHECKPOINT_ENTRIES} entries per checkpoint")
         raw_entries = []
+    local_refusals, local_more = parse_local_refusals(
+        body.get("localRefusals", []), body.get("localRefusedMore", 0), bad
+    )
     for i, raw in enumerate(raw_entries):
         where = f"entries[{i}]"
         if not isinstance(raw, dict) or raw.get("op") not in _OP_FIELDS:
@@ -137,7 +234,7 @@ def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Check
     assert isinstance(op_id, str) and isinstance(epoch, int)
     if max_rows is not None:
         check_checkpoint_rows((e.path for e in entries), max_rows)
-    return Checkpoint(op_id, epoch, bool(final), entries)
+    return Checkpoint(op_id, epoch, bool(final), entries, local_refusals, local_more)
 
 
 async def check_lease(conn: AsyncConnection[Any], run: RunBinding, epoch: int) -> None:
@@ -234,6 +331,21 @@ async def apply_checkpoint(
     )
     refused: list[dict[str, Any]] = commit.result.get("refusedEntries", [])
     warnings = [{**r, "message": f"{r['path']} was not saved: {r['message']}"} for r in refused]
+    sandbox_refused = cp.sandbox_refused()
+    if sandbox_refused or cp.local_refused_more:
+        count = len(sandbox_refused) + cp.local_refused_more
+        warnings.append(
+            {
+                "code": "SANDBOX_REFUSED",
+                "count": count,
+                "message": f"{count} path(s) refused in the sandbox were not saved"
+                + (
+                    f"; the first {len(sandbox_refused)} are listed"
+                    if cp.local_refused_more
+                    else ""
+                ),
+            }
+        )
     if agent_limits is not None:
         usage = await agentfiles.folder_usage(conn, folder, agent_limits)
         warnings += agentfiles.limit_warnings(usage, agent_limits)
@@ -246,7 +358,7 @@ async def apply_checkpoint(
         operation_id=cp.operation_id,
         outcome="saved",
         warnings=warnings,
-        refused_entries=refused,
+        refused_entries=refused + sandbox_refused,
         files_changed=len(cp.entries) - len(refused),
         final=cp.final,
     )

@@ -70,7 +70,7 @@ from fsagent.dirfs import (
     staging,
     syncfs,
 )
-from fsagent.dirscan import TICK_NS, DirScan, report
+from fsagent.dirscan import TICK_NS, DirScan, local_refusals, report
 from fsagent.dirstore import DirStore
 from fsagent.errors import (
     ControllerRefused,
@@ -133,6 +133,8 @@ class DirShipper(Shipper):
         super().__init__(store, client, scope, lease_epoch)
         self.dir_store = store
         self.last_report: dict[str, Any] | None = None
+        self.refusals: dict[str, object] = {}
+        """The last scan's refusals as a checkpoint body names them."""
 
     async def _ship(self, *, final: bool) -> SaveResult:
         scan = await trio.to_thread.run_sync(self.dir_store.rescan)
@@ -142,9 +144,16 @@ class DirShipper(Shipper):
             await trio.sleep(0.2)  # a file still being written: give it a moment
             scan = await trio.to_thread.run_sync(self.dir_store.rescan)
         self.last_report = report(scan)
+        self.refusals = local_refusals(scan)
         if scan.problems:
             log.info("%d path(s) refused by the scan: %s", len(scan.problems), _names(scan))
         return await super()._ship(final=final)
+
+    def body_extras(self) -> dict[str, Any]:
+        # The controller's receipt names what the scan refused (issue 13).
+        if not self.refusals.get("localRefusals") and not self.refusals.get("localRefusedMore"):
+            return {}
+        return dict(self.refusals)
 
 
 def _names(scan: DirScan, limit: int = 10) -> str:

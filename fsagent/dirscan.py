@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Final
 
+from common.bridge import LOCAL_REFUSAL_CODES, MAX_LOCAL_REFUSAL_PATH, MAX_LOCAL_REFUSALS
 from common.errors import InvalidPath
 from common.limits import MAX_ENTRIES, MAX_FILE_BYTES
 from common.paths import validate_path
@@ -440,6 +441,33 @@ def _admit(
         problems[path] = "entry_limit"
     for path in refused:
         del entries[path]
+
+
+def shown_name(path: str) -> str:
+    """A refused name as the controller may hear it: bytes that are not UTF-8
+    as ``\\xNN`` and every other non-printable character escaped."""
+    text = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def local_refusals(scan: DirScan) -> dict[str, object]:
+    """The checkpoint body's ``localRefusals`` and ``localRefusedMore``
+    (common/bridge.py): the first refused paths in path order with their code,
+    and how many more. A path the controller's rules would not take under its
+    code is counted, not listed, so it can never fail the save."""
+    listed: list[dict[str, str]] = []
+    more = 0
+    for path, why in sorted(scan.problems.items()):
+        code = why.partition(":")[0]
+        if code == "invalid_name":
+            path = shown_name(path)[:MAX_LOCAL_REFUSAL_PATH]
+        elif refusal_of_path(path) is not None:
+            code = ""
+        if code not in LOCAL_REFUSAL_CODES or len(listed) >= MAX_LOCAL_REFUSALS:
+            more += 1
+        else:
+            listed.append({"path": path, "code": code})
+    return {"localRefusals": listed, "localRefusedMore": more}
 
 
 def report(scan: DirScan, limit: int = 1000) -> dict[str, object]:

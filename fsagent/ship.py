@@ -410,11 +410,17 @@ class Shipper:
             "leaseEpoch": self.lease_epoch,
             "final": final,
             "entries": entries,
+            **self.body_extras(),
         }
         record = {"operationId": op_id, "state": "committing", "body": body, "shipped": shipped}
         await self.state.set_pending(record)
         receipt = await self._commit(record)
         return SaveResult(op_id, len(entries), torn, receipt)
+
+    def body_extras(self) -> dict[str, Any]:
+        """Fields a mode adds to each checkpoint body (dir mode: its scan's
+        refusals); none for a FUSE mount, whose kernel side refused at write time."""
+        return {}
 
     async def _commit(self, record: dict[str, Any]) -> dict[str, Any]:
         receipt = await self.client.commit_checkpoint(self.scope, record["body"])

@@ -30,6 +30,7 @@ from fsagent.dirfs import open_root
 from fsagent.dirmode import DirShipper, hydrate_directory
 from fsagent.dirstore import DirStore
 from fsagent.store import Store
+from tests.support.agentfiles import run_receipts
 from tests.support.controller import Tenant
 from tests.support.mount import REPO, MountFactory, mount_factory
 from tests.support.tmp import private_tmpdir
@@ -213,6 +214,26 @@ def test_refused_paths_are_named_by_flush_and_status_and_the_rest_is_saved(
     assert "    fifo: special_file" in text and "    linked-dir: symlink" in text
     assert m.signal(signal.SIGTERM) == 0, m.stderr()
     assert "final save: 0 change(s) saved; 8 path(s) refused" in m.stderr()
+    # The controller's receipts (the REST route) name them too, by the sandbox.
+    sandbox_named = {
+        "fifo": "special_file",
+        "hard": "hard_link",
+        "huge.bin": "file_too_large",
+        "link": "symlink",
+        "linked-dir": "symlink",
+        "linked-later.txt": "symlink",
+        "saved.txt": "hard_link",
+        "tab\\tname": "invalid_name",
+    }
+    receipts = run_receipts(tenant, run["run_id"])
+    assert [(r["outcome"], r["filesChanged"], r["final"]) for r in receipts] == [
+        ("saved", 1, False),
+        ("saved", 0, True),
+    ]
+    for receipt in receipts:
+        named = {e["path"]: e["code"] for e in receipt["refusedEntries"] if e["by"] == "sandbox"}
+        assert named == sandbox_named, receipt
+        assert [(w["code"], w["count"]) for w in receipt["warnings"]] == [("SANDBOX_REFUSED", 8)]
 
 
 def test_dir_mode_fills_only_an_empty_directory_and_needs_no_pyfuse3(mounts: MountFactory) -> None:

@@ -149,7 +149,8 @@ def _bridge_paths() -> dict[str, Any]:
         folder + "/checkpoints": {
             "parameters": [_SCOPE_P],
             "post": _op(
-                "Apply a checkpoint all or nothing",
+                "Apply a checkpoint all or nothing (localRefusals: the sandbox's own"
+                " refusals, listed in the save receipt only; common/bridge.py)",
                 "200",
                 "403",
                 "409",
