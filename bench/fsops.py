@@ -15,12 +15,15 @@ site-packages, about 2,000 files, by ``shutil.copytree`` from a native copy)
 and its ``rm -rf``; a sequential write ending in fsync, then a sequential read
 of it twice: once as it is (page cache warm) and once after
 ``posix_fadvise(DONTNEED)`` on the file and on the files backing it, so that
-neither layer reads from the page cache.
+neither layer reads from the page cache. Each phase also records the CPU
+time the FUSE daemon used in it, so a slow phase shows whether the daemon
+was working or waiting.
 
 Then, on fsagent only: the p99 latency of open + read + close of a cached
 4 KiB file, idle and while a checkpoint of 3,000 new 4 KiB files plus a
-``--probe-mib`` file is in flight (``fsagent flush``), and the mount time of a
-100,000-entry manifest (a DirectoryBridgeClient source, fresh state dir).
+``--probe-mib`` file is in flight (``fsagent flush``), with the same samples
+taken alternately from a native directory as the control; and the mount time
+of a 100,000-entry manifest (a DirectoryBridgeClient source, fresh state dir).
 
     python -m bench.fsops [--files 3000] [--dirs 50] [--large-mib 128] [--repeat 3]
 """
@@ -138,17 +141,23 @@ def sqlite_loop(path: Path, commits: int) -> None:
 
 def run_workload(
     root: Path, files: int, dirs: int, large_mib: int, block: bytes, peer: Peer, tree: Path
-) -> dict[str, float]:
-    """Every phase once under ``root``; seconds per phase."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Every phase once under ``root``: seconds per phase, and the CPU seconds
+    the peer's daemon used in each (empty for native, which has none)."""
     times: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    pid = peer.pid()
     payloads = [os.urandom(SMALL) for _ in range(64)]
     paths = _paths(root, files, dirs)
     renamed = _paths(root, files, dirs, ".r")
 
     def phase(name: str, fn: Callable[[], object]) -> None:
+        c = _cpu_seconds(pid) if pid is not None else 0.0
         t = time.perf_counter()
         fn()
         times[name] = time.perf_counter() - t
+        if pid is not None:
+            cpu[name] = _cpu_seconds(pid) - c
 
     def create() -> None:
         for d in range(dirs):
@@ -232,7 +241,7 @@ def run_workload(
         _drop_tree_cache(backing)
     phase("seq read (uncached)", seq_read)
     os.unlink(big)
-    return times
+    return times, cpu
 
 
 def _p99(samples: list[float]) -> float:
@@ -246,12 +255,20 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def latency_probe(m: FsagentMount, files: int, dirs: int, probe_mib: int) -> dict[str, float]:
-    """p99 of open + read + close of cached 4 KiB files, idle and during a checkpoint."""
+def latency_probe(
+    m: FsagentMount, native: Path, files: int, dirs: int, probe_mib: int
+) -> dict[str, float]:
+    """p99 of open + read + close of cached 4 KiB files, idle and during a checkpoint.
+
+    The same samples are taken, alternately, from files in a native directory
+    under ``native``: what the checkpoint's load does to a read that never
+    reaches the daemon separates the machine's share from the mount's."""
     root = m.mountpoint / "probe"
     root.mkdir()
+    native.mkdir()
     hot = [str(root / f"hot{i:03d}") for i in range(100)]
-    for p in hot:
+    cold = [str(native / f"hot{i:03d}") for i in range(100)]
+    for p in hot + cold:
         Path(p).write_bytes(os.urandom(SMALL))
     m.fsagent("flush", "task")  # the probe files themselves are saved first
     load = root / "load"
@@ -265,14 +282,18 @@ def latency_probe(m: FsagentMount, files: int, dirs: int, probe_mib: int) -> dic
             fh.write(os.urandom(MIB))
     buf = bytearray(SMALL * 2)
 
-    def sample() -> float:
+    def sample(pool: list[str]) -> float:
         t = time.perf_counter()
-        _read_whole(hot[int(t * 1e6) % len(hot)], buf)
+        _read_whole(pool[int(t * 1e6) % len(pool)], buf)
         return time.perf_counter() - t
 
-    for p in hot:
+    for p in hot + cold:
         _read_whole(p, buf)
-    idle = [sample() for _ in range(3000)]
+    idle: list[float] = []
+    idle_native: list[float] = []
+    for _ in range(3000):
+        idle.append(sample(hot))
+        idle_native.append(sample(cold))
     argv = [sys.executable, "-m", "fsagent.cli", "flush", "task", "--state-dir",
             str(m.state_dir), "--json"]  # fmt: skip
     assert m.proc is not None
@@ -280,16 +301,20 @@ def latency_probe(m: FsagentMount, files: int, dirs: int, probe_mib: int) -> dic
     started = time.perf_counter()
     flush = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     busy: list[float] = []
+    busy_native: list[float] = []
     while flush.poll() is None:
-        busy.append(sample())
+        busy.append(sample(hot))
+        busy_native.append(sample(cold))
         time.sleep(0.0002)
     took = time.perf_counter() - started
     cpu = _cpu_seconds(m.proc.pid) - cpu
     if flush.returncode != 0:
         raise RuntimeError(f"flush during the probe failed ({flush.returncode})")
     shutil.rmtree(root)
+    shutil.rmtree(native)
     return {"idle_p99": _p99(idle), "idle_p50": statistics.median(idle),
             "busy_p99": _p99(busy), "busy_p50": statistics.median(busy),
+            "native_idle_p99": _p99(idle_native), "native_busy_p99": _p99(busy_native),
             "samples": len(busy), "flush_s": took, "cpu_s": cpu}  # fmt: skip
 
 
@@ -352,6 +377,7 @@ def _targets(name: str, med: dict[str, float], has: set[str]) -> tuple[str, bool
 def report(
     args: argparse.Namespace,
     runs: dict[str, list[dict[str, float]]],
+    cpu: dict[str, list[dict[str, float]]],
     missing: list[str],
     tree: tuple[int, int],
     probe: dict[str, float],
@@ -401,15 +427,38 @@ def report(
         f"open + read + close of a cached 4 KiB file on fsagent: p99 idle "
         f"{probe['idle_p99'] * 1000:.2f} ms (p50 {probe['idle_p50'] * 1000:.2f} ms); during "
         f"a checkpoint of {args.files:,} new 4 KiB files and a {args.probe_mib} MiB file "
-        f"({probe['flush_s']:.1f} s, {probe['samples']:,} samples; the daemon, whose one "
-        f"trio thread serves FUSE and runs the checkpoint, used {probe['cpu_s']:.1f} s of "
-        f"CPU meanwhile) p99 "
+        f"({probe['flush_s']:.1f} s, {probe['samples']:,} samples; the daemon, which "
+        f"serves FUSE on one thread and runs the checkpoint on another, used "
+        f"{probe['cpu_s']:.1f} s of CPU meanwhile) p99 "
         f"{probe['busy_p99'] * 1000:.2f} ms (p50 {probe['busy_p50'] * 1000:.2f} ms): "
-        f"{ratio:.2f}x idle (target <= 2x: {'yes' if ratio <= 2 else '**no**'}).",
+        f"{ratio:.2f}x idle (target <= 2x: {'yes' if ratio <= 2 else '**no**'}). "
+        f"The same samples from a native directory, taken alternately: p99 idle "
+        f"{probe['native_idle_p99'] * 1000:.2f} ms, during the checkpoint "
+        f"{probe['native_busy_p99'] * 1000:.2f} ms "
+        f"({probe['native_busy_p99'] / probe['native_idle_p99']:.2f}x idle).",
         "",
         f"fsagent daemon peak RSS (VmHWM) over all rounds: {rss / 1024:.0f} MiB.",
         "",
     ]
+    daemons = [n for n in names if cpu[n] and cpu[n][0]]
+    if daemons:
+        lines += [
+            "CPU time of each FUSE daemon per phase (user + system, median of the rounds), "
+            "beside the phase's wall time on that filesystem:",
+            "",
+            "| phase | " + " | ".join(f"{n} CPU / wall" for n in daemons) + " |",
+            "| --- | " + " | ".join("---:" for _ in daemons) + " |",
+        ]
+        for name in PHASES:
+            if name == "read (cached, data only)":
+                continue
+            cells = []
+            for n in daemons:
+                c = statistics.median(r[name] for r in cpu[n])
+                w = statistics.median(r[name] for r in runs[n])
+                cells.append(f"{c * 1000:.0f} / {w * 1000:.0f} ms")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
     if mount_times:
         lines += [
             f"Mount time, fresh state dir, {args.manifest_entries:,}-entry manifest "
@@ -456,6 +505,7 @@ def main() -> int:
     block = os.urandom(4 * MIB)
     peers, missing = all_peers(work)
     runs: dict[str, list[dict[str, float]]] = {p.name: [] for p in peers}
+    cpu: dict[str, list[dict[str, float]]] = {p.name: [] for p in peers}
     mount_times: list[float] = []
     try:
         tree, tree_files, tree_dirs = package_tree(work, args.tree_files)
@@ -466,14 +516,18 @@ def main() -> int:
             for peer in order:
                 root = peer.root / f"run{k}"
                 root.mkdir()
-                runs[peer.name].append(
-                    run_workload(root, args.files, args.dirs, args.large_mib, block, peer, tree)
+                times, used = run_workload(
+                    root, args.files, args.dirs, args.large_mib, block, peer, tree
                 )
+                runs[peer.name].append(times)
+                cpu[peer.name].append(used)
                 shutil.rmtree(root)
             print(f"round {k + 1}/{args.repeat} done", file=sys.stderr)
         fsagent = next(p for p in peers if p.name == "fsagent")
         assert fsagent.mount is not None
-        probe = latency_probe(fsagent.mount, args.files, args.dirs, args.probe_mib)
+        probe = latency_probe(
+            fsagent.mount, work / "probe-native", args.files, args.dirs, args.probe_mib
+        )
         rss = fsagent.mount.peak_rss_kib()
     finally:
         stop_all(peers)
@@ -483,7 +537,9 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     context = (load_before, load_line(), time.monotonic() - started)
-    text = report(args, runs, missing, (tree_files, tree_dirs), probe, rss, mount_times, context)
+    text = report(
+        args, runs, cpu, missing, (tree_files, tree_dirs), probe, rss, mount_times, context
+    )
     print(text)
     print("rounds (ms):", file=sys.stderr)
     for name, rounds in runs.items():
