@@ -203,7 +203,8 @@ def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Check
     )
     for i, raw in enumerate(raw_entries):
         where = f"entries[{i}]"
-        if not isinstance(raw, dict) or raw.get("op") not in _OP_FIELDS:
+        op = raw.get("op") if isinstance(raw, dict) else None
+        if not isinstance(op, str) or op not in _OP_FIELDS:
             bad(where, "invalid_op", "op must be put, mkdir or delete (no links or special files)")
             continue
         if set(raw) != _OP_FIELDS[raw["op"]]:

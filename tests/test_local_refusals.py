@@ -196,3 +196,37 @@ def test_receipt_names_the_sandbox_refusals_and_hostile_lists_apply_nothing(
     # The 409 and each hostile body but the one that is not even JSON the
     # controller reads (no operation to name) left a refused receipt.
     assert outcomes == ["saved"] + ["refused"] * len(HOSTILE)
+
+
+JSON_VALUES: list[Any] = [None, True, 0, -1, 1.5, "", "x", [], [1], [{"op": "put"}], {}, {"a": 1}]
+
+
+def _every_field_swapped() -> list[dict[str, Any]]:
+    put = {"op": "put", "path": "a.txt", "digest": "ab" * 32, "executable": False}
+    bodies: list[dict[str, Any]] = []
+    for value in JSON_VALUES:
+        for field in ("operationId", "leaseEpoch", "final", "entries", "localRefusals"):
+            bodies.append({**BASE, field: value})
+        for field in put:
+            bodies.append({**BASE, "entries": [{**put, field: value}]})
+        bodies.append({**BASE, "entries": [value]})
+        bodies.append({**BASE, "localRefusals": [{"path": "a", "code": value}]})
+        bodies.append({**BASE, "localRefusals": [value]})
+    return bodies
+
+
+def test_parse_answers_every_json_type_in_every_field_with_a_validation_error() -> None:
+    # A hostile checkpoint is refused with details, never a TypeError (a list
+    # where a string belongs once raised "unhashable type" and answered 500).
+    valid = 0
+    for body in _every_field_swapped():
+        try:
+            cp = parse_checkpoint(body)
+        except ValidationError as exc:
+            assert exc.details, body
+            continue
+        valid += 1
+        assert isinstance(cp.operation_id, str) and isinstance(cp.lease_epoch, int), body
+    # Only a few swaps keep the body valid (executable/final booleans, a
+    # different printable operation id, an empty list).
+    assert valid < len(_every_field_swapped()) // 4

@@ -90,6 +90,8 @@ def seeds() -> list[bytes]:
             f'{{"op": "put", "path": "a/\\u00e9 c", "digest": "{digest}", "executable": true}}]}}'
         ).encode(),
         b'{"operationId": "", "leaseEpoch": true, "entries": [{"op": "link"}], "x": 1}',
+        # Once a crash: an op that is not a string raised TypeError.
+        b'{"entries": [{"op": [{"op": "nk"}], "x": true}]}',
     ]
     return [bytes([FRAMES, 13]) + f for f in frames] + [
         bytes([CHECKPOINT]) + c for c in checkpoints
