@@ -17,15 +17,26 @@ of it twice: once as it is (page cache warm) and once after
 ``posix_fadvise(DONTNEED)`` on the file and on the files backing it, so that
 neither layer reads from the page cache. Each phase also records the CPU
 time the FUSE daemon used in it, so a slow phase shows whether the daemon
-was working or waiting.
+was working or waiting, and, on fsagent, which FUSE requests reached the
+daemon in it (per operation, from its live figures before and after).
+
+``--allow-other`` adds a second fsagent peer mounted with ``--allow-other``
+(bench.fspeers), as multi-user sandboxes run it, to measure what the
+kernel's own mode checks cost against the default mount.
 
 Then, on fsagent only: the p99 latency of open + read + close of a cached
 4 KiB file, idle and while a checkpoint of 3,000 new 4 KiB files plus a
-``--probe-mib`` file is in flight (``fsagent flush``), with the same samples
-taken alternately from a native directory as the control; and the mount time
-of a 100,000-entry manifest (a DirectoryBridgeClient source, fresh state dir).
+``--probe-mib`` file is in flight (``fsagent flush``). In "no open" mode such
+a read never reaches the daemon, so two more kinds of sample are taken in
+turn with it: the same read of a native file (the control for the
+machine's load) and a read of a mount file whose pages were dropped just
+before (``posix_fadvise(DONTNEED)``, untimed), which the daemon must answer.
+The FUSE requests the daemon served while idle and during the checkpoint
+are counted too. Last, the mount time of a 100,000-entry manifest (a
+DirectoryBridgeClient source, fresh state dir).
 
     python -m bench.fsops [--files 3000] [--dirs 50] [--large-mib 128] [--repeat 3]
+                          [--allow-other]
 """
 
 from __future__ import annotations
@@ -42,16 +53,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.fspeers import Peer, all_peers, stop_all
+from bench.fspeers import ALLOW_OTHER, FsagentPeer, Peer, all_peers, stop_all
 from bench.machine import add_output_options, load_line, machine_line, record
 from tests.support.mount import FsagentMount
 from tests.support.source import make_source
 
 SMALL = 4096
 MIB = 1 << 20
+WRITE_BLOCK = 4 * MIB
+"""The sequential write's block size."""
 SMALL_PHASES = ("create", "stat", "walk", "read (first)", "read (cached)", "rename", "unlink")
 PHASES = (
     *SMALL_PHASES,
@@ -139,25 +153,42 @@ def sqlite_loop(path: Path, commits: int) -> None:
         db.close()
 
 
+Counts = dict[str, int]
+"""FUSE requests per operation (fsagent's live figures)."""
+
+
+def count_delta(before: Counts, after: Counts) -> Counts:
+    """The requests served between two readings (operations with none left out)."""
+    return {op: n - before.get(op, 0) for op, n in after.items() if n - before.get(op, 0)}
+
+
 def run_workload(
     root: Path, files: int, dirs: int, large_mib: int, block: bytes, peer: Peer, tree: Path
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Every phase once under ``root``: seconds per phase, and the CPU seconds
-    the peer's daemon used in each (empty for native, which has none)."""
+) -> tuple[dict[str, float], dict[str, float], dict[str, Counts]]:
+    """Every phase once under ``root``: seconds per phase, the CPU seconds the
+    peer's daemon used in each (empty for native, which has none), and the
+    FUSE requests that reached it in each (empty unless the peer counts them:
+    fsagent). The counts are read outside the timed part."""
     times: dict[str, float] = {}
     cpu: dict[str, float] = {}
+    requests: dict[str, Counts] = {}
     pid = peer.pid()
     payloads = [os.urandom(SMALL) for _ in range(64)]
     paths = _paths(root, files, dirs)
     renamed = _paths(root, files, dirs, ".r")
 
     def phase(name: str, fn: Callable[[], object]) -> None:
+        before = peer.requests()
         c = _cpu_seconds(pid) if pid is not None else 0.0
         t = time.perf_counter()
         fn()
         times[name] = time.perf_counter() - t
         if pid is not None:
             cpu[name] = _cpu_seconds(pid) - c
+        if before is not None:
+            after = peer.requests()
+            assert after is not None
+            requests[name] = count_delta(before, after)
 
     def create() -> None:
         for d in range(dirs):
@@ -241,7 +272,7 @@ def run_workload(
         _drop_tree_cache(backing)
     phase("seq read (uncached)", seq_read)
     os.unlink(big)
-    return times, cpu
+    return times, cpu, requests
 
 
 def _p99(samples: list[float]) -> float:
@@ -256,19 +287,25 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def latency_probe(
-    m: FsagentMount, native: Path, files: int, dirs: int, probe_mib: int
-) -> dict[str, float]:
-    """p99 of open + read + close of cached 4 KiB files, idle and during a checkpoint.
+    peer: FsagentPeer, native: Path, files: int, dirs: int, probe_mib: int
+) -> tuple[dict[str, float], dict[str, Counts]]:
+    """p99 of open + read + close of 4 KiB files, idle and during a checkpoint.
 
-    The same samples are taken, alternately, from files in a native directory
-    under ``native``: what the checkpoint's load does to a read that never
-    reaches the daemon separates the machine's share from the mount's."""
+    Three kinds of sample, taken in turn: a cached mount file (``hot``: in
+    "no open" mode the page cache alone answers), a native file (``native``:
+    what the checkpoint's load does to a read that never reaches the daemon
+    separates the machine's share from the mount's) and a mount file whose
+    pages were dropped just before, untimed (``uncached``: a READ the daemon
+    must answer). Also the FUSE requests the daemon served in each window."""
+    m = peer.mount
+    assert m is not None and m.proc is not None
     root = m.mountpoint / "probe"
     root.mkdir()
     native.mkdir()
     hot = [str(root / f"hot{i:03d}") for i in range(100)]
-    cold = [str(native / f"hot{i:03d}") for i in range(100)]
-    for p in hot + cold:
+    cold = [str(root / f"cold{i:03d}") for i in range(100)]
+    control = [str(native / f"hot{i:03d}") for i in range(100)]
+    for p in hot + cold + control:
         Path(p).write_bytes(os.urandom(SMALL))
     m.fsagent("flush", "task")  # the probe files themselves are saved first
     load = root / "load"
@@ -281,41 +318,49 @@ def latency_probe(
         for _ in range(probe_mib):
             fh.write(os.urandom(MIB))
     buf = bytearray(SMALL * 2)
+    samples: dict[str, list[float]] = {}
 
-    def sample(pool: list[str]) -> float:
-        t = time.perf_counter()
-        _read_whole(pool[int(t * 1e6) % len(pool)], buf)
-        return time.perf_counter() - t
+    def sample(window: str) -> None:
+        for kind, pool in (("hot", hot), ("native", control), ("uncached", cold)):
+            path = pool[int(time.perf_counter() * 1e6) % len(pool)]
+            if kind == "uncached":
+                _drop_cache(path)
+            t = time.perf_counter()
+            _read_whole(path, buf)
+            samples.setdefault(f"{window} {kind}", []).append(time.perf_counter() - t)
 
-    for p in hot + cold:
+    for p in hot + control:
         _read_whole(p, buf)
-    idle: list[float] = []
-    idle_native: list[float] = []
+    requests: dict[str, Counts] = {}
+    before = peer.requests()
     for _ in range(3000):
-        idle.append(sample(hot))
-        idle_native.append(sample(cold))
+        sample("idle")
+    requests["idle"] = count_delta(before, peer.requests())
     argv = [sys.executable, "-m", "fsagent.cli", "flush", "task", "--state-dir",
             str(m.state_dir), "--json"]  # fmt: skip
-    assert m.proc is not None
+    before = peer.requests()
     cpu = _cpu_seconds(m.proc.pid)
     started = time.perf_counter()
     flush = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    busy: list[float] = []
-    busy_native: list[float] = []
-    while flush.poll() is None:
-        busy.append(sample(hot))
-        busy_native.append(sample(cold))
+    while True:
+        sample("busy")
+        if flush.poll() is not None:
+            break
         time.sleep(0.0002)
     took = time.perf_counter() - started
     cpu = _cpu_seconds(m.proc.pid) - cpu
+    requests["busy"] = count_delta(before, peer.requests())
     if flush.returncode != 0:
         raise RuntimeError(f"flush during the probe failed ({flush.returncode})")
     shutil.rmtree(root)
     shutil.rmtree(native)
-    return {"idle_p99": _p99(idle), "idle_p50": statistics.median(idle),
-            "busy_p99": _p99(busy), "busy_p50": statistics.median(busy),
-            "native_idle_p99": _p99(idle_native), "native_busy_p99": _p99(busy_native),
-            "samples": len(busy), "flush_s": took, "cpu_s": cpu}  # fmt: skip
+    figures = {"samples": len(samples["busy hot"]), "flush_s": took, "cpu_s": cpu}
+    for key, values in samples.items():
+        window, kind = key.split()
+        name = "" if kind == "hot" else f"{kind}_"
+        figures[f"{name}{window}_p99"] = _p99(values)
+        figures[f"{name}{window}_p50"] = statistics.median(values)
+    return figures, requests
 
 
 def bench_mount(
@@ -374,31 +419,140 @@ def _targets(name: str, med: dict[str, float], has: set[str]) -> tuple[str, bool
     return ", ".join(parts), met
 
 
-def report(
-    args: argparse.Namespace,
-    runs: dict[str, list[dict[str, float]]],
-    cpu: dict[str, list[dict[str, float]]],
-    missing: list[str],
-    tree: tuple[int, int],
-    probe: dict[str, float],
-    rss: int,
-    mount_times: list[float],
-    context: tuple[str, str, float],
-) -> str:
+@dataclass
+class Results:
+    """Everything one run measured, for :func:`report`."""
+
+    runs: dict[str, list[dict[str, float]]]
+    """Per peer, per round: seconds per phase."""
+    cpu: dict[str, list[dict[str, float]]]
+    """Per peer, per round: the daemon's CPU seconds per phase."""
+    requests: dict[str, list[dict[str, Counts]]]
+    """Per peer, per round: FUSE requests per phase (fsagent peers only)."""
+    missing: list[str]
+    tree: tuple[int, int]
+    """The package tree's files and directories."""
+    probe: dict[str, float] = field(default_factory=dict)
+    probe_requests: dict[str, Counts] = field(default_factory=dict)
+    rss: int = 0
+    mount_times: list[float] = field(default_factory=list)
+
+
+def _median_counts(rounds: list[Counts]) -> Counts:
+    """Per operation, the median over the rounds (a round without it counts 0)."""
+    ops = {op for r in rounds for op in r}
+    med = {op: round(statistics.median(r.get(op, 0) for r in rounds)) for op in ops}
+    return {op: n for op, n in med.items() if n}
+
+
+def _count_text(counts: Counts) -> str:
+    """``total (op n, op n, ...)``, the busiest operation first."""
+    if not counts:
+        return "0"
+    parts = ", ".join(
+        f"{op} {n:,}" for op, n in sorted(counts.items(), key=lambda i: (-i[1], i[0]))
+    )
+    requests = sum(n for op, n in counts.items() if op != "fsyncDataOnly")
+    return f"{requests:,} ({parts})"
+
+
+def _probe_lines(
+    args: argparse.Namespace, probe: dict[str, float], requests: dict[str, Counts]
+) -> list[str]:
+    ratio = probe["busy_p99"] / probe["idle_p99"]
+    uncached = probe["uncached_busy_p99"] / probe["uncached_idle_p99"]
+    return [
+        f"open + read + close of a cached 4 KiB file on fsagent: p99 idle "
+        f"{probe['idle_p99'] * 1000:.2f} ms (p50 {probe['idle_p50'] * 1000:.2f} ms); during "
+        f"a checkpoint of {args.files:,} new 4 KiB files and a {args.probe_mib} MiB file "
+        f"({probe['flush_s']:.1f} s, {probe['samples']:,} samples of each kind; the daemon, "
+        f"which serves FUSE on one thread and runs the checkpoint on another, used "
+        f"{probe['cpu_s']:.1f} s of CPU meanwhile) p99 "
+        f"{probe['busy_p99'] * 1000:.2f} ms (p50 {probe['busy_p50'] * 1000:.2f} ms): "
+        f"{ratio:.2f}x idle (target <= 2x: {'yes' if ratio <= 2 else '**no**'}). "
+        f"The same samples from a native directory, taken in turn: p99 idle "
+        f"{probe['native_idle_p99'] * 1000:.2f} ms, during the checkpoint "
+        f"{probe['native_busy_p99'] * 1000:.2f} ms "
+        f"({probe['native_busy_p99'] / probe['native_idle_p99']:.2f}x idle).",
+        "",
+        f"open + read + close of a 4 KiB fsagent file whose pages were dropped just before "
+        f"(a READ the daemon must answer), taken in turn with those: p99 idle "
+        f"{probe['uncached_idle_p99'] * 1000:.2f} ms (p50 "
+        f"{probe['uncached_idle_p50'] * 1000:.2f} ms); during the checkpoint p99 "
+        f"{probe['uncached_busy_p99'] * 1000:.2f} ms (p50 "
+        f"{probe['uncached_busy_p50'] * 1000:.2f} ms): {uncached:.2f}x idle.",
+        "",
+        f"FUSE requests the fsagent daemon served while idle (3,000 samples of each kind): "
+        f"{_count_text(requests['idle'])}; during the checkpoint: "
+        f"{_count_text(requests['busy'])}.",
+        "",
+    ]
+
+
+def _request_lines(res: Results, daemons: list[str]) -> list[str]:
+    """Per phase, the FUSE requests that reached each fsagent daemon (median of the rounds)."""
+    files, dirs = res.tree
+    lines = [
+        "FUSE requests that reached the fsagent daemon per phase (median of the rounds; "
+        "`fsyncDataOnly`: FSYNCs answered by fdatasync alone, also counted as fsync):",
+        "",
+        "| phase | " + " | ".join(daemons) + " |",
+        "| --- | " + " | ".join("---" for _ in daemons) + " |",
+    ]
+    for name in PHASES:
+        if name == "read (cached, data only)":
+            continue
+        cells = [_count_text(_median_counts([r[name] for r in res.requests[n]])) for n in daemons]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    rm = _median_counts([r["rm -rf package tree"] for r in res.requests["fsagent"]])
+    total = sum(n for op, n in rm.items() if op != "fsyncDataOnly")
+    lines += [
+        "",
+        f"rm -rf of the package tree on fsagent: {total:,} requests for {files:,} files and "
+        f"{dirs:,} directories ({total / (files + dirs):.2f} per entry removed).",
+        "",
+    ]
+    return lines
+
+
+def _allow_other_lines(runs: dict[str, list[dict[str, float]]]) -> list[str]:
+    lines = [
+        f"What `--allow-other` costs (the kernel's own mode checks, `default_permissions`): "
+        f"{ALLOW_OTHER} against the default fsagent mount, same run:",
+        "",
+        f"| phase | fsagent | {ALLOW_OTHER} | ratio |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name in PHASES:
+        a = statistics.median(r[name] for r in runs["fsagent"])
+        b = statistics.median(r[name] for r in runs[ALLOW_OTHER])
+        lines.append(f"| {name} | {a * 1000:.1f} ms | {b * 1000:.1f} ms | {b / a:.2f}x |")
+    return [*lines, ""]
+
+
+def report(args: argparse.Namespace, res: Results, context: tuple[str, str, float]) -> str:
     load_before, load_after, elapsed = context
+    runs, cpu, missing, tree = res.runs, res.cpu, res.missing, res.tree
     names = list(runs)
     has = set(names)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    allow_other = (
+        f" {ALLOW_OTHER}: the same, on another task of the same controller, mounted with "
+        "`--allow-other` as multi-user sandboxes run it (the kernel checks modes itself)."
+        if ALLOW_OTHER in has
+        else ""
+    )
     lines = [
         f"\n## Filesystem operations: fsagent vs native, bindfs and rclone mount ({stamp})\n",
         f"Machine: {machine_line()}. Command: `python -m bench.fsops` (files={args.files}, "
         f"dirs={args.dirs}, large={args.large_mib} MiB, repeat={args.repeat}, "
-        f"base={args.base}). Load average (1/5/15 min) before: {load_before}, "
-        f"after: {load_after}; run took {elapsed:.0f} s.\n",
+        f"base={args.base}{', allow-other' if args.allow_other else ''}). Load average "
+        f"(1/5/15 min) before: {load_before}, after: {load_after}; run took {elapsed:.0f} s.\n",
         "fsagent: a task mount of a real controller (embedded PostgreSQL, local_disk) with "
         "the options `fsagent up` passes (prefetch 4, checkpoints every 180 s, writeback "
-        f"cache), {_fuse_mode()}. bindfs {_version(['bindfs', '--version'])} with its "
-        "defaults; rclone "
+        f"cache), {_fuse_mode()}; as root without `--allow-other`, so without "
+        f"`default_permissions`.{allow_other} bindfs {_version(['bindfs', '--version'])} "
+        "with its defaults; rclone "
         f"{_version(['rclone', 'version'])} `mount` of a local directory with "
         "`--vfs-cache-mode writes`. All on the same disk; median of the rounds; the "
         "filesystems take turns within each round (the order rotates). Package tree: "
@@ -421,23 +575,10 @@ def report(
             f"| {name} | " + " | ".join(cells) + f" | {med['fsagent'] / med['native']:.2f}x | "
             f"{vs_bindfs} | {target} | {'yes' if met else '**no**'} |"
         )
-    ratio = probe["busy_p99"] / probe["idle_p99"]
     lines += [
         "",
-        f"open + read + close of a cached 4 KiB file on fsagent: p99 idle "
-        f"{probe['idle_p99'] * 1000:.2f} ms (p50 {probe['idle_p50'] * 1000:.2f} ms); during "
-        f"a checkpoint of {args.files:,} new 4 KiB files and a {args.probe_mib} MiB file "
-        f"({probe['flush_s']:.1f} s, {probe['samples']:,} samples; the daemon, which "
-        f"serves FUSE on one thread and runs the checkpoint on another, used "
-        f"{probe['cpu_s']:.1f} s of CPU meanwhile) p99 "
-        f"{probe['busy_p99'] * 1000:.2f} ms (p50 {probe['busy_p50'] * 1000:.2f} ms): "
-        f"{ratio:.2f}x idle (target <= 2x: {'yes' if ratio <= 2 else '**no**'}). "
-        f"The same samples from a native directory, taken alternately: p99 idle "
-        f"{probe['native_idle_p99'] * 1000:.2f} ms, during the checkpoint "
-        f"{probe['native_busy_p99'] * 1000:.2f} ms "
-        f"({probe['native_busy_p99'] / probe['native_idle_p99']:.2f}x idle).",
-        "",
-        f"fsagent daemon peak RSS (VmHWM) over all rounds: {rss / 1024:.0f} MiB.",
+        *_probe_lines(args, res.probe, res.probe_requests),
+        f"fsagent daemon peak RSS (VmHWM) over all rounds: {res.rss / 1024:.0f} MiB.",
         "",
     ]
     daemons = [n for n in names if cpu[n] and cpu[n][0]]
@@ -459,12 +600,17 @@ def report(
                 cells.append(f"{c * 1000:.0f} / {w * 1000:.0f} ms")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
-    if mount_times:
+    counted = [n for n in names if res.requests[n] and res.requests[n][0]]
+    if counted:
+        lines += _request_lines(res, counted)
+    if ALLOW_OTHER in has:
+        lines += _allow_other_lines(runs)
+    if res.mount_times:
         lines += [
             f"Mount time, fresh state dir, {args.manifest_entries:,}-entry manifest "
             f"({args.manifest_entries - 100:,} files in 100 directories, directory source), "
-            f"daemon start to mounted: {', '.join(f'{t:.2f} s' for t in mount_times)} "
-            f"(median {statistics.median(mount_times):.2f} s).",
+            f"daemon start to mounted: {', '.join(f'{t:.2f} s' for t in res.mount_times)} "
+            f"(median {statistics.median(res.mount_times):.2f} s).",
             "",
         ]
     return "\n".join(lines)
@@ -496,53 +642,63 @@ def main() -> int:
     ap.add_argument("--tree-files", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--manifest-entries", type=int, default=100_000, help="0: skip")
+    ap.add_argument(
+        "--allow-other",
+        action="store_true",
+        help=f"also measure {ALLOW_OTHER!r}: fsagent mounted with --allow-other",
+    )
     add_output_options(ap)
     args = ap.parse_args()
+    if args.large_mib <= 0 or args.large_mib * MIB % WRITE_BLOCK:
+        ap.error(f"--large-mib must be a positive multiple of {WRITE_BLOCK // MIB}")
 
     load_before = load_line()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="fsa-fsops-", dir=args.base))
-    block = os.urandom(4 * MIB)
-    peers, missing = all_peers(work)
-    runs: dict[str, list[dict[str, float]]] = {p.name: [] for p in peers}
-    cpu: dict[str, list[dict[str, float]]] = {p.name: [] for p in peers}
-    mount_times: list[float] = []
-    try:
-        tree, tree_files, tree_dirs = package_tree(work, args.tree_files)
-        for peer in peers:
-            peer.start()
-        for k in range(args.repeat):
-            order = peers[k % len(peers) :] + peers[: k % len(peers)]
-            for peer in order:
-                root = peer.root / f"run{k}"
-                root.mkdir()
-                times, used = run_workload(
-                    root, args.files, args.dirs, args.large_mib, block, peer, tree
-                )
-                runs[peer.name].append(times)
-                cpu[peer.name].append(used)
-                shutil.rmtree(root)
-            print(f"round {k + 1}/{args.repeat} done", file=sys.stderr)
-        fsagent = next(p for p in peers if p.name == "fsagent")
-        assert fsagent.mount is not None
-        probe = latency_probe(
-            fsagent.mount, work / "probe-native", args.files, args.dirs, args.probe_mib
-        )
-        rss = fsagent.mount.peak_rss_kib()
-    finally:
-        stop_all(peers)
-    try:
+    block = os.urandom(WRITE_BLOCK)
+    peers, missing = all_peers(work, allow_other=args.allow_other)
+    res = Results(
+        runs={p.name: [] for p in peers},
+        cpu={p.name: [] for p in peers},
+        requests={p.name: [] for p in peers},
+        missing=missing,
+        tree=(0, 0),
+    )
+    try:  # the work dir goes whatever happens; every mount is stopped before
+        try:
+            tree, tree_files, tree_dirs = package_tree(work, args.tree_files)
+            res.tree = (tree_files, tree_dirs)
+            for peer in peers:
+                peer.start()
+            for k in range(args.repeat):
+                order = peers[k % len(peers) :] + peers[: k % len(peers)]
+                for peer in order:
+                    root = peer.root / f"run{k}"
+                    root.mkdir()
+                    times, used, requests = run_workload(
+                        root, args.files, args.dirs, args.large_mib, block, peer, tree
+                    )
+                    res.runs[peer.name].append(times)
+                    res.cpu[peer.name].append(used)
+                    res.requests[peer.name].append(requests)
+                    shutil.rmtree(root)
+                print(f"round {k + 1}/{args.repeat} done", file=sys.stderr)
+            fsagent = next(p for p in peers if p.name == "fsagent")
+            assert isinstance(fsagent, FsagentPeer) and fsagent.mount is not None
+            res.probe, res.probe_requests = latency_probe(
+                fsagent, work / "probe-native", args.files, args.dirs, args.probe_mib
+            )
+            res.rss = fsagent.mount.peak_rss_kib()
+        finally:
+            stop_all(peers)
         if args.manifest_entries:
-            mount_times = measure_mount_time(work, args.manifest_entries, args.repeat)
+            res.mount_times = measure_mount_time(work, args.manifest_entries, args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    context = (load_before, load_line(), time.monotonic() - started)
-    text = report(
-        args, runs, cpu, missing, (tree_files, tree_dirs), probe, rss, mount_times, context
-    )
+    text = report(args, res, (load_before, load_line(), time.monotonic() - started))
     print(text)
     print("rounds (ms):", file=sys.stderr)
-    for name, rounds in runs.items():
+    for name, rounds in res.runs.items():
         for r in rounds:
             print(f"  {name}: " + ", ".join(f"{p}: {r[p] * 1000:.0f}" for p in PHASES),
                   file=sys.stderr)  # fmt: skip

@@ -13,6 +13,17 @@ cache can be dropped on both layers):
   ``--vfs-cache-mode writes`` (without it rclone cannot do the random writes
   SQLite needs).
 
+With ``allow_other``, a second fsagent peer, ``fsagent --allow-other``,
+mounts another task of the same controller with ``--allow-other``, as a
+multi-user sandbox runs it: the kernel then checks modes itself
+(``default_permissions``), which costs a GETATTR of a directory after each
+change in it, so the run measures that against the default mount.
+
+An fsagent peer also tells which FUSE requests its daemon has served so far
+(``requests``: per operation, from the daemon's control socket, the
+``live.fuse`` figures of ``fsagent status --json``), so a phase can show the
+requests it caused.
+
 bindfs and rclone come from Debian packages (``packaging/install-deps.sh
 --bench``); a peer whose binary is missing is skipped and named in the report.
 """
@@ -28,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.checkpoint import Controller
+from fsagent import control
 from tests.support.mount import FsagentMount, in_mount_table
 
 
@@ -51,6 +63,10 @@ class Peer:
         if self.mount is not None and self.mount.proc is not None:
             return self.mount.proc.pid
         return None if self.proc is None else self.proc.pid
+
+    def requests(self) -> dict[str, int] | None:
+        """FUSE requests served so far, per operation; None: not counted."""
+        return None
 
 
 @dataclass
@@ -109,23 +125,41 @@ def rclone(work: Path) -> Peer | None:
 
 
 class FsagentPeer(Peer):
-    """A task-folder mount of a real controller; the controller outlives the rounds."""
+    """A task-folder mount of a real controller; the controller outlives the rounds.
 
-    def __init__(self, work: Path) -> None:
-        super().__init__("fsagent", work / "fsagent-mnt", [work / "fsagent-state" / "upper"])
+    ``controller``: another fsagent peer's, shared (that peer starts and stops
+    it); None: its own. ``extra``: more ``fsagent mount`` options.
+    """
+
+    def __init__(
+        self,
+        work: Path,
+        name: str = "fsagent",
+        *,
+        extra: list[str] | None = None,
+        controller: Controller | None = None,
+    ) -> None:
+        slug = name.replace(" --", "-")
+        super().__init__(name, work / f"{slug}-mnt", [work / f"{slug}-state" / "upper"])
         self.work = work
-        (work / "controller").mkdir()
-        os.chmod(work, 0o711)  # the embedded PostgreSQL runs as its own user
-        self.controller = Controller(None, work / "controller", gc_args=["--gc-interval", "0"])
+        self.slug = slug
+        self.extra = list(extra or [])
+        self.owns_controller = controller is None
+        if controller is None:
+            (work / "controller").mkdir()
+            os.chmod(work, 0o711)  # the embedded PostgreSQL runs as its own user
+            controller = Controller(None, work / "controller", gc_args=["--gc-interval", "0"])
+        self.controller = controller
 
     def start(self) -> None:
-        self.controller.start_with_company()
-        run = self.controller.new_run("fsops")
-        token = self.work / "fsagent-token"
+        if self.owns_controller:
+            self.controller.start_with_company()
+        run = self.controller.new_run(f"fsops-{self.slug}")
+        token = self.work / f"{self.slug}-token"
         token.write_text(run["token"])
         self.mount = FsagentMount(
-            "task", self.root, self.work / "fsagent-state", self.controller.url,
-            token_file=token, log_dir=self.work, poll_interval=0.005,
+            "task", self.root, self.work / f"{self.slug}-state", self.controller.url,
+            token_file=token, extra=self.extra, log_dir=self.work, poll_interval=0.005,
         ).start(timeout=300)  # fmt: skip
 
     def stop(self) -> None:
@@ -133,13 +167,35 @@ class FsagentPeer(Peer):
             if self.mount is not None:
                 self.mount.stop(timeout=120)
         finally:
-            self.controller.stop(timeout=60)
+            if self.owns_controller:
+                self.controller.stop(timeout=60)
+
+    def requests(self) -> dict[str, int]:
+        """Per operation (``fsyncDataOnly`` too: FSYNCs answered by fdatasync alone)."""
+        assert self.mount is not None
+        reply = control.request(self.mount.state_dir / "control.sock", {"cmd": "stats"}, 30.0)
+        if not reply.get("ok"):
+            raise RuntimeError(f"{self.name}: stats request failed: {reply}")
+        fuse = reply["fuse"]
+        counts: dict[str, int] = dict(fuse["byOperation"])
+        counts["fsyncDataOnly"] = fuse["fsyncDataOnly"]
+        return counts
 
 
-def all_peers(work: Path) -> tuple[list[Peer], list[str]]:
-    """Native, fsagent, bindfs and rclone (in the order each round runs them), and
-    the names of the peers that are not installed."""
-    peers: list[Peer] = [Peer("native", work / "native"), FsagentPeer(work)]
+ALLOW_OTHER = "fsagent --allow-other"
+"""The name of the second fsagent peer (``all_peers(..., allow_other=True)``)."""
+
+
+def all_peers(work: Path, *, allow_other: bool = False) -> tuple[list[Peer], list[str]]:
+    """Native, fsagent (and with ``allow_other`` fsagent --allow-other), bindfs
+    and rclone, in the order each round runs them; and the names of the peers
+    that are not installed."""
+    fsagent = FsagentPeer(work)
+    peers: list[Peer] = [Peer("native", work / "native"), fsagent]
+    if allow_other:
+        peers.append(
+            FsagentPeer(work, ALLOW_OTHER, extra=["--allow-other"], controller=fsagent.controller)
+        )
     missing = []
     for name, make in (("bindfs", bindfs), ("rclone", rclone)):
         peer = make(work)

@@ -53,6 +53,7 @@ from common.errors import InvalidPath
 from common.limits import MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
 from common.paths import MAX_PATH_SEGMENTS, decode_fs_name, is_within
 from common.types import Digest
+from fsagent import stats
 from fsagent.content import Content, OpenFile
 from fsagent.fuseglue import (
     TIMEOUT,
@@ -590,6 +591,7 @@ class WorkFolderFS(pyfuse3.Operations):
                 of.unsynced = 0
             else:
                 await self.content.fsync(of)
+            stats.FUSE.fsync_data_only += 1
             return
         epoch = self.store.durable_epoch()
         self.flush_behind()
@@ -705,6 +707,8 @@ class WorkFolderFS(pyfuse3.Operations):
 
         Must never raise: there is no request to report an error to.
         """
+        started = stats.now_ns()
+        failed = False
         for inode, nlookup in inode_list:
             try:
                 ino = InodeNo(inode)
@@ -716,7 +720,9 @@ class WorkFolderFS(pyfuse3.Operations):
                 self._detach(ino)
                 self._maybe_free(ino)
             except Exception:
+                failed = True
                 log.exception("forget of inode %d failed", inode)
+        stats.FUSE.record("forget", stats.now_ns() - started, failed)
 
     def shutdown(self) -> None:
         """After unmount: close every backing fd and free the orphans left

@@ -3,7 +3,10 @@
 FUSE requests are counted per operation and their latencies kept in a fixed
 ring of the most recent :data:`LATENCY_RING` samples: recording one is a dict
 increment and a list store, so the request path pays next to nothing, and the
-percentiles are computed only when asked.
+percentiles are computed only when asked. FORGET (which has no reply) is
+counted too, once per batch the kernel sends. ``fsyncDataOnly`` counts the
+FSYNCs answered by the upper file's own ``fdatasync`` alone (fsagent.fs,
+``fsync``): the ones that skipped the LMDB sync.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class FuseStats:
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
         self.errors = 0
+        self.fsync_data_only = 0
         self._ring = [0] * LATENCY_RING
         self._next = 0
         self._filled = False
@@ -45,6 +49,7 @@ class FuseStats:
             "requests": sum(self.counts.values()),
             "errors": self.errors,
             "byOperation": dict(sorted(self.counts.items())),
+            "fsyncDataOnly": self.fsync_data_only,
             "latencyMs": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99),
                           "samples": len(samples)},
         }  # fmt: skip

@@ -23,7 +23,9 @@ import time
 
 import pytest
 
-from tests.support.mount import MountFactory
+from tests.support.bridge import start_run
+from tests.support.controller import Tenant
+from tests.support.mount import FsagentMount, MountFactory
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
@@ -173,3 +175,48 @@ def test_restart_after_kill9_detaches_the_dead_mount(mounts: MountFactory) -> No
     assert info.value.errno == errno.ENOTCONN  # the dead mount is still attached
     again = mounts.mount(m.controller, state_dir=m.state_dir, mountpoint=m.mountpoint)
     assert (again.mountpoint / "closed").read_bytes() == b"before the crash"
+
+
+def _data_only_fsyncs(m: FsagentMount) -> int:
+    (row,) = m.fsagent("status")["collections"]
+    count: int = row["live"]["fuse"]["fsyncDataOnly"]
+    return count
+
+
+def test_kill9_after_an_fsync_by_fdatasync_alone_keeps_the_bytes(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    """The second fsync of an upper file whose records are already durable is
+    its own fdatasync, without the LMDB sync (fsagent.fs, ``fsync``); after a
+    kill -9 right behind it the file is whole, and the restart saves it. (A
+    real controller: a mount that can save has the control socket the count
+    is read from.)"""
+    token = mounts.base / "token"
+    run = start_run(tenant)
+    token.write_text(run.token)
+    task = run.task
+    assert task is not None
+    src = tenant.controller.url
+    m = mounts.mount(src, "task", token_file=token)
+    path = m.mountpoint / "wal"
+    first, second = os.urandom(100_000), os.urandom(50_000)  # over INLINE_MAX: an upper copy
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, first)
+        os.fsync(fd)  # the whole sync: records and file
+        assert _data_only_fsyncs(m) == 0
+        os.write(fd, second)
+        os.fsync(fd)  # the data-only sync
+        assert _data_only_fsyncs(m) == 1
+    finally:
+        os.close(fd)
+    m.kill9()
+    again = mounts.mount(src, "task", state_dir=m.state_dir, mountpoint=m.mountpoint,
+                         token_file=token)  # fmt: skip
+    assert (again.mountpoint / "wal").read_bytes() == first + second
+    # The restart's warm start saved it: the controller has every byte.
+    run_task = tenant.folder("task", task)
+    with tenant.client() as c:
+        saved = c.get(run_task + "/content", params={"path": "wal"})
+    assert saved.status_code == 200 and saved.content == first + second
+    assert "wal" not in again.changes()

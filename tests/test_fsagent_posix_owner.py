@@ -1,13 +1,18 @@
-"""Owners, the full mode and atime: kept per inode, local only, upgraded from format 3."""
+"""Owners, the full mode and atime: kept per inode, local only, upgraded from format 3.
+
+The mount tests run in both of fsagent's FUSE modes (``mounts_in_both_modes``).
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -15,18 +20,45 @@ import pytest
 from common.types import Digest, FileVersion
 from fsagent.records import Inode, process_owner
 from fsagent.store import MARKER, ROOT_INODE, STATE_FORMAT, ManifestRow, Store
-from tests.support.mount import MountFactory
+from tests.support.mount import MountFactory, mount_as_user, system_python_matches
 
 OTHER = 65534
 THIRD = 23456
 """A uid with no passwd entry: a process can still run as it."""
+GROUP = 4242
+"""A supplementary group of the caller in the unprivileged test (no group entry needed)."""
 
 
-def _as(uid: int, code: str) -> subprocess.CompletedProcess[str]:
+@pytest.fixture
+def mounts(mounts_in_both_modes: MountFactory) -> MountFactory:
+    return mounts_in_both_modes
+
+
+def _as(uid: int, code: str, groups: list[int] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["/usr/bin/python3", "-c", code], capture_output=True, text=True, user=uid, group=uid,
-        cwd="/", check=False, timeout=60,
+        extra_groups=groups or [], cwd="/", check=False, timeout=60,
     )  # fmt: skip
+
+
+def _json_as(uid: int, code: str, groups: list[int] | None = None) -> dict[str, Any]:
+    """Run ``code`` as ``uid``; what it printed last, as JSON."""
+    res = _as(uid, code, groups)
+    assert res.returncode == 0, res.stderr
+    out: dict[str, Any] = json.loads(res.stdout.splitlines()[-1])
+    return out
+
+
+TRY = """
+import errno, json, os, sys
+def attempt(fn, *args):
+    try:
+        fn(*args)
+        return 0
+    except OSError as exc:
+        return exc.errno
+"""
+"""Prelude of the scripts below: ``attempt`` gives 0 or the errno of a call."""
 
 
 def _needs_root() -> None:
@@ -193,10 +225,11 @@ def test_other_users_in_handed_setgid_and_sticky_directories(mounts: MountFactor
 
 
 def _mount_options(mountpoint: Path) -> set[str]:
+    """The mount's own options (noatime) and its superblock's (default_permissions)."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
         if fields[4] == str(mountpoint):
-            return set(fields[-1].split(","))
+            return set(fields[5].split(",")) | set(fields[-1].split(","))
     raise AssertionError(f"{mountpoint} is not mounted")
 
 
@@ -252,3 +285,204 @@ def test_fsync_skips_the_store_sync_only_while_an_upper_file_records_are_durable
     store.drop_inline(store.get(f.ino))
     assert not store.is_durable(f.ino)
     store.close()
+
+
+@pytest.mark.fuse
+def test_unprivileged_daemon_leaves_chown_to_the_kernels_rules(mounts: MountFactory) -> None:
+    """README ("POSIX metadata"): without --allow-other, fsagent running as an
+    unprivileged user, a chown to another uid fails with EPERM and a chgrp
+    works for that user's own groups (and only those); what passes is stored."""
+    _needs_root()
+    if not system_python_matches():
+        pytest.skip("no system python with the same ABI as the venv")
+    src = mounts.source({"agent": {"saved.txt": b"saved", "docs/a.txt": b"a"}})
+    m = mount_as_user(mounts, src, OTHER)
+    mp = m.mountpoint
+    script = f"""
+mine, saved, docs = "{mp}/mine", "{mp}/saved.txt", "{mp}/docs"
+open(mine, "w").write("x")
+out = {{
+    "chown other uid": attempt(os.chown, mine, {THIRD}, -1),
+    "chown root": attempt(os.chown, mine, 0, -1),
+    "chgrp own group": attempt(os.chown, mine, -1, {GROUP}),
+    "gid": os.stat(mine).st_gid,
+    "chgrp other group": attempt(os.chown, mine, -1, {THIRD}),
+    "chown to self": attempt(os.chown, mine, {OTHER}, {OTHER}),
+    "saved chown other uid": attempt(os.chown, saved, {THIRD}, -1),
+    "saved chgrp own group": attempt(os.chown, saved, -1, {GROUP}),
+    "dir chgrp own group": attempt(os.chown, docs, -1, {GROUP}),
+    "dir chown other uid": attempt(os.chown, docs, {THIRD}, {GROUP}),
+}}
+for name, path in (("saved", saved), ("docs", docs), ("mine", mine)):
+    st = os.stat(path)
+    out[name + " owner"] = [st.st_uid, st.st_gid]
+print(json.dumps(out))
+"""
+    got = _json_as(OTHER, TRY + script, groups=[GROUP])
+    assert got == {
+        "chown other uid": errno.EPERM,
+        "chown root": errno.EPERM,
+        "chgrp own group": 0,
+        "gid": GROUP,
+        "chgrp other group": errno.EPERM,
+        "chown to self": 0,
+        "saved chown other uid": errno.EPERM,
+        "saved chgrp own group": 0,
+        "dir chgrp own group": 0,
+        "dir chown other uid": errno.EPERM,
+        # Saved (hydrated) entries belong to the user running fsagent.
+        "saved owner": [OTHER, GROUP],
+        "docs owner": [OTHER, GROUP],
+        "mine owner": [OTHER, OTHER],
+    }
+    # What the kernel let through is in the state dir (read while mounted, as status does).
+    store = Store.open(m.state_dir, readonly=True)
+    try:
+        owners = {}
+        for name in ("saved.txt", "docs", "mine"):
+            ino = store.lookup(ROOT_INODE, name)
+            assert ino is not None, name
+            node = store.get(ino)
+            owners[name] = (node.uid, node.gid)
+    finally:
+        store.close()
+    assert owners == {"saved.txt": (OTHER, GROUP), "docs": (OTHER, GROUP), "mine": (OTHER, OTHER)}
+
+
+SPECIAL_BITS = {
+    # name: (owner, mode set by root, who acts, action, mode expected after it)
+    "written by its owner": (OTHER, 0o6777, OTHER, "append", 0o777),
+    "written by another user": (0, 0o6777, OTHER, "append", 0o777),
+    "setgid without group exec, written": (OTHER, 0o2666, OTHER, "append", 0o2666),
+    "truncated by path": (OTHER, 0o6777, OTHER, "truncate", 0o777),
+    "truncated by another user": (0, 0o6777, OTHER, "truncate", 0o777),
+    "ftruncated": (OTHER, 0o6755, OTHER, "ftruncate", 0o755),
+    "opened with O_TRUNC": (OTHER, 0o4755, OTHER, "o_trunc", 0o755),
+    "written by root": (OTHER, 0o6777, 0, "append", 0o6777),
+    "truncated by root": (OTHER, 0o6777, 0, "truncate", 0o6777),
+    "chown, group exec": (OTHER, 0o2755, 0, "chown", 0o755),
+    "chown, setuid and setgid": (OTHER, 0o6775, 0, "chown", 0o775),
+    "chown, setgid without group exec": (OTHER, 0o2644, 0, "chown", 0o2644),
+    "chgrp, setgid and group exec": (OTHER, 0o2755, 0, "chgrp", 0o755),
+    "chown of a directory": (OTHER, 0o2755, 0, "chown dir", 0o2755),
+}
+"""Linux's rules for setuid and setgid: a write or truncate by a process
+without CAP_FSETID clears setuid, and setgid when group exec is set (without
+it the bit means mandatory locking, kept for a writer in the file's group);
+root's write keeps both; chown or chgrp of a file clears setuid, and setgid
+with group exec; a directory keeps them."""
+
+ACT = """
+def act(path, action):
+    if action == "append":
+        with open(path, "ab") as fh:
+            fh.write(b"more")
+    elif action == "truncate":
+        os.truncate(path, 3)
+    elif action == "ftruncate":
+        fd = os.open(path, os.O_WRONLY)
+        os.ftruncate(fd, 0)
+        os.close(fd)
+    elif action == "o_trunc":
+        with open(path, "wb") as fh:
+            fh.write(b"new")
+    elif action in ("chown", "chown dir"):
+        os.chown(path, 0, 0)
+    elif action == "chgrp":
+        os.chown(path, -1, 100)
+"""
+
+
+@pytest.mark.fuse
+def test_setuid_and_setgid_are_cleared_on_write_truncate_and_chown(mounts: MountFactory) -> None:
+    """Each rule of SPECIAL_BITS, asserted one by one on the mount (root with
+    --allow-other, a second uid writing), the same on a native directory, and
+    the result still there after a remount."""
+    _needs_root()
+    m = mounts.mount(extra=["--allow-other"])
+    os.chmod(mounts.base, 0o755)
+    roots = {"mount": m.mountpoint / "bits", "native": mounts.base / "native-bits"}
+    for root in roots.values():
+        root.mkdir()
+        os.chmod(root, 0o777)
+        for i, (owner, mode, _, action, _) in enumerate(SPECIAL_BITS.values()):
+            p = root / f"c{i}"
+            if action == "chown dir":
+                p.mkdir()
+            else:
+                p.write_bytes(b"0123456789")
+            os.chown(p, owner, owner)
+            os.chmod(p, mode)  # after the chown, which would clear the bits
+    namespace: dict[str, object] = {"os": os}
+    exec(ACT, namespace)  # the same actions, for root in this process
+    by_user = [(i, c[3]) for i, c in enumerate(SPECIAL_BITS.values()) if c[2] == OTHER]
+    for root in roots.values():
+        for i, (_, _, who, action, _) in enumerate(SPECIAL_BITS.values()):
+            if who == 0:
+                namespace["act"](str(root / f"c{i}"), action)  # type: ignore[operator]
+        res = _as(OTHER, "import os\n" + ACT + "".join(
+            f"act({str(root / f'c{i}')!r}, {action!r})\n" for i, action in by_user
+        ))  # fmt: skip
+        assert res.returncode == 0, res.stderr
+
+    def modes(root: Path) -> dict[str, str]:
+        return {name: oct(stat.S_IMODE((root / f"c{i}").stat().st_mode))
+                for i, name in enumerate(SPECIAL_BITS)}  # fmt: skip
+
+    expected = {name: oct(c[4]) for name, c in SPECIAL_BITS.items()}
+    assert modes(roots["native"]) == expected  # the rules as this kernel applies them natively
+    assert modes(roots["mount"]) == expected
+    sizes = {name: (roots["mount"] / f"c{i}").stat().st_size
+             for i, name in enumerate(SPECIAL_BITS) if SPECIAL_BITS[name][3] != "chown dir"}  # fmt: skip
+    assert sizes["truncated by path"] == 3 and sizes["ftruncated"] == 0
+    assert sizes["opened with O_TRUNC"] == 3 and sizes["written by root"] == 14
+    assert (roots["mount"] / "c0").read_bytes() == b"0123456789more"
+    assert m.signal(15) == 0
+    again = mounts.mount(state_dir=m.state_dir, mountpoint=m.mountpoint, extra=["--allow-other"],
+                         source=m.controller)  # fmt: skip
+    assert modes(again.mountpoint / "bits") == expected
+
+
+@pytest.mark.fuse
+def test_reads_leave_atime_alone_and_utimensat_sets_it(mounts: MountFactory) -> None:
+    """README: the mount is noatime, so no read changes atime (a first read
+    that fetches saved content, a read of a changed inline or upper copy, a
+    cached read, a listing); utimensat sets it, and it survives a remount."""
+    src = mounts.source({"agent": {"saved.txt": b"saved bytes", "docs/a.txt": b"a"}})
+    m = mounts.mount(src)
+    mp = m.mountpoint
+    assert "noatime" in _mount_options(mp)
+    (mp / "small").write_bytes(b"inline contents")
+    (mp / "large").write_bytes(os.urandom(300_000))  # over INLINE_MAX: an upper copy
+    paths = [mp / "saved.txt", mp / "small", mp / "large", mp / "docs"]
+    for k, p in enumerate(paths):
+        os.utime(p, ns=(1_000_000_000 + k, 2_000_000_000 + k))
+
+    def read_everything() -> None:
+        for p in paths:
+            if p.is_dir():
+                assert os.listdir(p) == ["a.txt"]
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # this read reaches fsagent
+                assert len(os.read(fd, 1 << 20)) > 0
+            finally:
+                os.close(fd)
+            assert len(p.read_bytes()) > 0  # and this one is served from the page cache
+
+    def atimes() -> list[int]:
+        return [p.stat().st_atime_ns for p in paths]
+
+    read_everything()
+    assert atimes() == [1_000_000_000 + k for k in range(4)]
+    assert [p.stat().st_mtime_ns for p in paths] == [2_000_000_000 + k for k in range(4)]
+    for k, p in enumerate(paths):  # utimensat of atime alone (mtime UTIME_OMIT)
+        os.utime(p, ns=(5_000_000_000 + k, p.stat().st_mtime_ns))
+    read_everything()
+    assert atimes() == [5_000_000_000 + k for k in range(4)]
+    assert m.signal(15) == 0
+    again = mounts.mount(src, state_dir=m.state_dir, mountpoint=mp)
+    read_everything()
+    assert atimes() == [5_000_000_000 + k for k in range(4)]
+    assert again.changes().keys() == {"small", "large"}  # times are never shipped

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from fsagent.envfile import read_env_file
-from tests.support.mount import REPO, MountError, MountFactory
+from tests.support.mount import (
+    REPO,
+    MountError,
+    MountFactory,
+    mount_as_user,
+    system_python_matches,
+)
 
 pytestmark = pytest.mark.fuse
 
@@ -192,24 +198,11 @@ def test_unprivileged_daemon_mounts_through_fusermount3(mounts: MountFactory) ->
     """The usual sandbox case: fsagent runs as the agent's own, unprivileged user."""
     if os.getuid() != 0:
         pytest.skip("needs root to start the daemon as another user")
-    system_python = "/usr/bin/python3"
-    probe = subprocess.run([system_python, "-c", "import sys; print(sys.version_info[:2])"],
-                           capture_output=True, text=True, check=False)  # fmt: skip
-    if probe.stdout.strip() != str(sys.version_info[:2]):
+    if not system_python_matches():
         pytest.skip("no system python with the same ABI as the venv")
     nobody = 65534
     src = mounts.source({"agent": {"saved.txt": b"saved"}})
-    subprocess.run(["chmod", "-R", "a+rX", str(mounts.base)], check=True)
-    for d in ("mnt-u", "state-u"):
-        (mounts.base / d).mkdir()
-        os.chown(mounts.base / d, nobody, nobody)
-    site = next(p for p in sys.path if p.endswith("site-packages"))
-    m = mounts.mount(src, mountpoint=mounts.base / "mnt-u",
-                     state_dir=mounts.base / "state-u" / "agent", start=False)  # fmt: skip
-    m.python, m.user = system_python, nobody
-    m.env = {"PATH": os.environ["PATH"], "HOME": str(mounts.base / "state-u"),
-             "PYTHONPATH": f"{REPO}:{site}"}  # fmt: skip
-    m.start()
+    m = mount_as_user(mounts, src, nobody)
 
     def as_nobody(cmd: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, user=nobody,
@@ -225,7 +218,7 @@ def test_unprivileged_daemon_mounts_through_fusermount3(mounts: MountFactory) ->
         os.listdir(mp)
     assert as_nobody(f"fusermount3 -u {mp}").returncode == 0
     assert m.proc is not None and m.proc.wait(timeout=30) == 0
-    assert (mounts.base / "state-u" / "agent" / "upper").stat().st_uid == nobody
+    assert (m.state_dir / "upper").stat().st_uid == nobody
 
 
 def test_mount_without_foreground_detaches_and_sigint_unmounts(mounts: MountFactory) -> None:

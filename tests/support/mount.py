@@ -294,6 +294,48 @@ class MountFactory:
             m.stop()
 
 
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""The interpreter a daemon run as another user starts with (the venv's may
+live where that user cannot read); it must share the venv's ABI."""
+
+
+def system_python_matches() -> bool:
+    """Whether :data:`SYSTEM_PYTHON` can import this venv's compiled packages."""
+    probe = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
+                           capture_output=True, text=True, check=False)  # fmt: skip
+    return probe.stdout.strip() == str(sys.version_info[:2])
+
+
+def mount_as_user(
+    factory: MountFactory, source: Path, uid: int, *, extra: list[str] | None = None
+) -> FsagentMount:
+    """Start a mount whose daemon runs as ``uid`` (group ``uid`` too), as an
+    agent's own unprivileged user runs it, in the factory's FUSE mode.
+
+    Its state dir is ``home-<uid>/agent`` (``HOME`` is ``home-<uid>``), its
+    mountpoint ``mnt-<uid>``, both owned by ``uid``; the factory's base is
+    made readable to everyone, so the daemon can read the source. The daemon
+    imports this checkout and the venv's packages (the patched pyfuse3 first
+    when the factory's environment names one). Needs root and
+    :func:`system_python_matches`.
+    """
+    subprocess.run(["chmod", "-R", "a+rX", str(factory.base)], check=True)
+    home, mnt = factory.base / f"home-{uid}", factory.base / f"mnt-{uid}"
+    for d in (home, mnt):
+        d.mkdir()
+        os.chown(d, uid, uid)
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    daemon_env = factory.env if factory.env is not None else dict(os.environ)
+    path = [p for p in daemon_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {"PATH": os.environ["PATH"], "HOME": str(home),
+           "PYTHONPATH": os.pathsep.join([*path, str(REPO), site])}  # fmt: skip
+    if "FSAGENT_FUSE_HANDLES" in daemon_env:
+        env["FSAGENT_FUSE_HANDLES"] = daemon_env["FSAGENT_FUSE_HANDLES"]
+    m = factory.mount(source, mountpoint=mnt, state_dir=home / "agent", extra=extra, start=False)
+    m.python, m.user, m.env = SYSTEM_PYTHON, uid, env
+    return m.start()
+
+
 @contextlib.contextmanager
 def mount_factory(prefix: str = "fsa-fuse-", mode: str = "fuse") -> Iterator[MountFactory]:
     """A factory in a fresh short temp dir; on exit every mount is stopped and the dir removed."""
@@ -314,6 +356,7 @@ def mount_factory(prefix: str = "fsa-fuse-", mode: str = "fuse") -> Iterator[Mou
 __all__ = [
     "REPO",
     "SCOPES",
+    "SYSTEM_PYTHON",
     "FsagentMount",
     "MountError",
     "MountFactory",
@@ -321,6 +364,8 @@ __all__ = [
     "in_mount_table",
     "is_mounted",
     "make_source",
+    "mount_as_user",
     "mount_factory",
     "sha256",
+    "system_python_matches",
 ]
