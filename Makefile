@@ -55,7 +55,8 @@ bench-repos: deps
 bench-dirmode: deps
 	$(PY) -m bench.dirmode
 
-# Coverage-guided fuzzing of the upload frame reader and the checkpoint parser
+# Coverage-guided fuzzing of the upload frame reader and the checkpoint and
+# repository checkpoint parsers
 # (tests/fuzz/fuzz_upload.py); `make test` runs the same target for 5 s.
 FUZZ_SECONDS ?= 600
 FUZZ_CORPUS ?= .fuzz-corpus

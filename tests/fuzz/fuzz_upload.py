@@ -1,9 +1,11 @@
-"""Coverage-guided fuzzing of what a sandbox sends: upload frames and checkpoint bodies.
+"""Coverage-guided fuzzing of what a sandbox sends: upload frames, checkpoint and
+repository checkpoint bodies.
 
     python tests/fuzz/fuzz_upload.py [libFuzzer flags] [CORPUS_DIR...]
 
 The first input byte picks the target; the rest is the body. The documented
-refusals (``BadFrame`` for frames, ``ValidationError`` for checkpoints) are
+refusals (``BadFrame`` for frames, ``ValidationError`` for checkpoints,
+``ValidationError`` or ``UnsafeRepoMember`` for repository checkpoints) are
 expected; any other exception, or a decoded frame of the wrong length, is a
 crash. Without a corpus directory the built-in seeds are used from a temp dir;
 an empty corpus directory is seeded first. ``make fuzz`` runs it for longer.
@@ -24,15 +26,23 @@ import xxhash
 import zstandard
 
 with atheris.instrument_imports(
-    include=["controller.frames", "controller.checkpoint", "common.paths", "controller.api.common"]
+    include=[
+        "controller.frames",
+        "controller.checkpoint",
+        "controller.repomanifest",
+        "common.repos",
+        "common.paths",
+        "controller.api.common",
+    ]
 ):
     from common.bridge import END_FRAME, encode_frame, frame_header
-    from common.errors import BadFrame, ValidationError
+    from common.errors import BadFrame, UnsafeRepoMember, ValidationError
     from controller.api.common import parse_json_object
     from controller.checkpoint import parse_checkpoint
     from controller.frames import FrameSplitter, decode_frame
+    from controller.repomanifest import parse_request
 
-FRAMES, CHECKPOINT = 0, 1
+FRAMES, CHECKPOINT, REPO_CHECKPOINT = 0, 1, 2
 
 
 def fuzz_frames(body: bytes, cut: int) -> None:
@@ -57,13 +67,25 @@ def fuzz_checkpoint(body: bytes) -> None:
         raise AssertionError("parsed checkpoint has wrong field types")
 
 
+def fuzz_repo_checkpoint(body: bytes) -> None:
+    try:
+        req = parse_request(parse_json_object(body))
+    except (ValidationError, UnsafeRepoMember):
+        return
+    if not isinstance(req.operation_id, str) or not isinstance(req.lease_epoch, int):
+        raise AssertionError("parsed repository checkpoint has wrong field types")
+
+
 def test_one_input(data: bytes) -> None:
     if len(data) < 2:
         return
-    if data[0] % 2 == FRAMES:
+    target = data[0] % 3
+    if target == FRAMES:
         fuzz_frames(data[2:], data[1] % 97 + 1)
-    else:
+    elif target == CHECKPOINT:
         fuzz_checkpoint(data[1:])
+    else:
+        fuzz_repo_checkpoint(data[1:])
 
 
 def seeds() -> list[bytes]:
@@ -93,9 +115,21 @@ def seeds() -> list[bytes]:
         # Once a crash: an op that is not a string raised TypeError.
         b'{"entries": [{"op": [{"op": "nk"}], "x": true}]}',
     ]
-    return [bytes([FRAMES, 13]) + f for f in frames] + [
-        bytes([CHECKPOINT]) + c for c in checkpoints
+    member = f'{{"path": "a.txt", "kind": "file", "digest": "{digest}", "byteSize": 3, "executable": false}}'
+    repo_checkpoints = [
+        f'{{"operationId": "r-1", "leaseEpoch": 1, "base": null, "members": [{member}]}}'.encode(),
+        (
+            b'{"operationId": "r-2", "leaseEpoch": 2, "base": "00000000-0000-0000-0000-000000000001", '
+            b'"members": [{"path": "l", "kind": "symlink", "target": "a.txt"}], '
+            b'"removed": ["b/c.txt"], "config": [["core.autocrlf", "false"]]}'
+        ),
+        b'{"operationId": "r-3", "leaseEpoch": 1, "members": [{"path": [1], "kind": {}}], "config": [[1]]}',
     ]
+    return (
+        [bytes([FRAMES, 13]) + f for f in frames]
+        + [bytes([CHECKPOINT]) + c for c in checkpoints]
+        + [bytes([REPO_CHECKPOINT]) + r for r in repo_checkpoints]
+    )
 
 
 def main() -> None:
