@@ -117,7 +117,7 @@ export class Listing {
         h(
           "tr",
           {},
-          h("td", { class: "col-select" }, this.selectAll),
+          h("td", { class: "col-select" }, h("label", { class: "check-target" }, this.selectAll)),
           header("name", "col-name"),
           header("size", "col-size"),
           header("modified", "col-modified"),
