@@ -33,6 +33,7 @@ PHONE = {"width": 390, "height": 844}
 NARROWEST = {"width": 320, "height": 640}
 DESKTOP = {"width": 1280, "height": 900}
 ZOOMED = {"width": 640, "height": 450}  # a 1280 x 900 screen at 200% zoom
+TABLET = {"width": 1024, "height": 768, "touch": 1}  # touch wider than 720 px
 
 LONG_NAME = "quarterly-report-with-a-very-long-name-that-never-breaks-2024-final-v2.pdf"
 
@@ -41,7 +42,8 @@ _SMALL_TARGETS_JS = """
 () => [...document.querySelectorAll(
     'main button, main .button-link, main input[type=text], main input[type=search],'
     + ' .tabs a, .crumbs a, .listing a.entry-name, .result a, [role=menuitem], dialog button,'
-    + ' .topbar button')]
+    + ' .topbar button, .topbar a, label.check-target, main a.button-link, .sync a,'
+    + ' main input[type=password]')]
   .filter(el => el.getClientRects().length && getComputedStyle(el).visibility !== 'hidden')
   .map(el => [el, el.getBoundingClientRect()])
   .filter(([el, r]) => r.width < 44 || r.height < 44)
@@ -83,6 +85,14 @@ def seed(tenant: Tenant) -> dict[str, Any]:
         b"".join(b"a fairly long line of notes %d\n" % i for i in range(60)),
     )
     put_file(tenant, folder, "reports/2024/summary.md", b"# Summary\n")
+    with tenant.client() as client:
+        resp = client.put(
+            folder + "/content",
+            params={"path": "run.sh"},
+            content=b"#!/bin/sh\necho hi\n",
+            headers={"Content-Type": "application/octet-stream", "X-File-Executable": "true"},
+        )
+        assert resp.status_code in (200, 201), resp.text
     put_file(tenant, folder, "gone.txt", b"bye")
     with tenant.client() as client:
         r = client.post(folder + "/operations", json={"action": "delete", "path": "gone.txt"})
@@ -94,7 +104,9 @@ def seed(tenant: Tenant) -> dict[str, Any]:
 
 @pytest.mark.keep_views
 @pytest.mark.parametrize(
-    "viewport", [PHONE, NARROWEST, ZOOMED], ids=["390px", "320px", "640px-zoomed"]
+    "viewport",
+    [PHONE, NARROWEST, ZOOMED, TABLET],
+    ids=["390px", "320px", "640px-zoomed", "1024px-touch"],
 )
 def test_phone_widths_reflow_and_every_action_is_a_tap_away(
     page: Page, tenant: Tenant, views: ViewRecorder, viewport: dict[str, int]
@@ -117,10 +129,23 @@ def test_phone_widths_reflow_and_every_action_is_a_tap_away(
     expect(row).to_be_visible()
     assert_tappable(page, "listing")
     views.snap(f"{width}-listing")
-    # The table became a list: one card per entry, the name on its own line.
-    assert row.evaluate("tr => getComputedStyle(tr).display") == "grid"
-    name_box = row.locator(".entry-name").bounding_box()
-    assert name_box is not None and name_box["width"] > width / 2
+    narrow = width <= 720
+    if narrow:
+        # The table became a list: one card per entry, the name on its own line.
+        assert row.evaluate("tr => getComputedStyle(tr).display") == "grid"
+        name_box = row.locator(".entry-name").bounding_box()
+        assert name_box is not None and name_box["width"] > width / 2
+    # The Executable state stays on screen in either layout.
+    run_sh = listing_row(page, "run.sh")
+    expect(run_sh.locator(".row-meta" if narrow else ".col-exec")).to_contain_text(
+        "Executable" if narrow else "Yes"
+    )
+    if narrow:
+        expect(listing_row(page, "notes.txt").locator(".row-meta")).not_to_contain_text(
+            "Executable"
+        )
+    else:
+        expect(listing_row(page, "notes.txt").locator(".col-exec")).to_have_text("No")
 
     # Every row action is reachable by tap: the menu opens inside the window.
     row.get_by_role("button", name=f"Actions for {LONG_NAME}").tap()
@@ -152,7 +177,8 @@ def test_phone_widths_reflow_and_every_action_is_a_tap_away(
     preview = page.locator(".preview")
     expect(preview.locator("pre")).to_be_visible()
     pbox = preview.bounding_box()
-    assert pbox is not None and pbox["width"] >= width - 40 and pbox["x"] + pbox["width"] <= width
+    assert pbox is not None and pbox["x"] + pbox["width"] <= width
+    assert pbox["width"] >= (width - 40 if narrow else width / 2)
     assert_tappable(page, "preview")
     views.snap(f"{width}-preview")
     preview.get_by_role("button", name="Close preview").tap()

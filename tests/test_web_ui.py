@@ -267,7 +267,11 @@ def test_sync_panel_shows_a_runs_save_state(
 
     # Asking for a refresh reaches the run.
     item.get_by_role("button", name="Request refresh for Builder Bot").click()
-    expect(item.locator(".refresh-note")).to_contain_text("Refresh requested")
+    # The note says what happens next, not only that a refresh was asked for.
+    expect(item.locator(".refresh-note")).to_have_text(
+        "Refresh requested: waiting for the agent. It takes this folder's new files at its"
+        " next safe point, and the request clears once it has."
+    )
     requested = item.get_by_role("button", name="Refresh requested for Builder Bot")
     expect(requested).to_have_attribute("aria-disabled", "true")
     expect(requested).to_be_focused()

@@ -1,7 +1,8 @@
 // One work folder's page. It lays out the views and routes between them;
 // each view is its own module and reaches the others through this page:
 //
-//   listing.js    the files view (breadcrumbs, table, sorting, paging, filter, delete)
+//   listing.js    the files view (breadcrumbs, table, paging, filter, delete);
+//                 its column sorts are sorting.js
 //   newfolder.js  the files view's "New folder" form
 //   uploads.js    upload button, drag-and-drop, the upload queue
 //   preview.js    the preview view (?preview=path)

@@ -9,7 +9,8 @@
 // time, in the server's order (by name, byte order), and later pages are
 // fetched only when the user pages forward. Sorting by a column needs every
 // entry, so the first click on a header of a partly loaded folder loads the
-// rest first. The name filter runs on the server, so it covers every entry.
+// rest first (the sort itself is sorting.js). The name filter runs on the
+// server, so it covers every entry.
 
 import { ApiError, PAGE_SIZE } from "./api.js";
 import { confirmAction } from "./dialog.js";
@@ -18,40 +19,10 @@ import { RowKeys } from "./keys.js";
 import { MoveOps } from "./moveops.js";
 import { NewFolderForm } from "./newfolder.js";
 import { buildRow, rowLink } from "./rows.js";
+import { SORT_LABEL, sortEntries } from "./sorting.js";
 import { Pager, clampStart, countText } from "./table.js";
 
-const SORT_LABEL = { name: "Name", size: "Size", modified: "Modified", executable: "Executable" };
-const NAME_ORDER = new Intl.Collator(undefined, { numeric: true, sensitivity: "base" });
 const FILTER_DELAY_MS = 250;
-
-const SORT_VALUE = {
-  name: () => 0,
-  size: (e) => e.byteSize || 0,
-  modified: (e) => Date.parse(e.updatedAt) || 0,
-  executable: (e) => (e.executable ? 1 : 0),
-};
-
-/** `entries` sorted by `sort`; directories first either way, ties by name. */
-function sortEntries(entries, { key, ascending }) {
-  const value = SORT_VALUE[key];
-  // Keys are computed once per entry, not once per comparison.
-  const items = entries.map((entry) => ({
-    entry,
-    dir: entry.kind === "directory" ? 0 : 1,
-    name: baseName(entry.path),
-    value: value(entry),
-  }));
-  const sign = ascending ? 1 : -1;
-  const byName = (a, b) =>
-    NAME_ORDER.compare(a.name, b.name) ||
-    (a.entry.path < b.entry.path ? -1 : a.entry.path > b.entry.path ? 1 : 0);
-  items.sort((a, b) => {
-    // Directories stay above files whichever way the column is sorted.
-    if (a.dir !== b.dir) return a.dir - b.dir;
-    return (a.value - b.value || byName(a, b)) * sign;
-  });
-  return items.map((item) => item.entry);
-}
 
 export class Listing {
   constructor(folder, ids) {
@@ -146,7 +117,7 @@ export class Listing {
         h(
           "tr",
           {},
-          h("td", { class: "col-select" }, this.selectAll),
+          h("td", { class: "col-select" }, h("label", { class: "check-target" }, this.selectAll)),
           header("name", "col-name"),
           header("size", "col-size"),
           header("modified", "col-modified"),

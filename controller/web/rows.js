@@ -40,6 +40,7 @@ export function buildRow(listing, entry) {
       "span",
       { class: "row-meta muted", "aria-hidden": "true" },
       isDir ? "Folder" : size,
+      !isDir && entry.executable ? " · Executable" : null,
       entry.updatedAt ? [" · ", timeElement(entry.updatedAt, "")] : null,
     ),
   );
@@ -87,7 +88,7 @@ export function buildRow(listing, entry) {
   const tr = h(
     "tr",
     { dataset: { path: entry.path, kind: entry.kind } },
-    h("td", { class: "col-select" }, select),
+    h("td", { class: "col-select" }, h("label", { class: "check-target" }, select)),
     nameCell,
     h("td", {
       class: "col-size",

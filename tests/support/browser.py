@@ -56,10 +56,11 @@ def page(
 ) -> Iterator[Page]:
     # Narrow windows get touch (a phone, or a tablet at 200% zoom); phones also
     # the mobile viewport behaviour.
+    # A "touch" key asks for touch at any width (a tablet).
     context = browser.new_context(
         accept_downloads=True,
-        viewport=viewport,
-        has_touch=viewport["width"] <= 720,
+        viewport={"width": viewport["width"], "height": viewport["height"]},
+        has_touch=viewport["width"] <= 720 or bool(viewport.get("touch")),
         is_mobile=viewport["width"] < 600,
     )
     context.set_default_timeout(15_000)
