@@ -505,16 +505,32 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
 
 
 def test_doctor_reports_a_refused_run_token(tenant: Tenant) -> None:
+    """Without flags doctor checks the controller and token file the systemd
+    units are configured with (/etc/fsagent/fsagent.env, here --config)."""
     run = start_run(tenant)
-    tenant.controller.admin("end-run", run.run_id)
     d = private_tmpdir("fsa-doc-")
     (d / "token").write_text(run.token)
-    res = subprocess.run(
-        [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(d), "--env-file",
-         str(d / "no-env"), "--controller", tenant.controller.url, "--token-file", str(d / "token"),
-         "--json"],
-        capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
-    )  # fmt: skip
+    config = d / "fsagent.env"
+    config.write_text(
+        f'FSAGENT_CONTROLLER="{tenant.controller.url}"\nFSAGENT_TOKEN_FILE="{d / "token"}"\n'
+    )
+
+    def doctor() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(d), "--env-file",
+             str(d / "no-env"), "--config", str(config), "--json"],
+            capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
+        )  # fmt: skip
+
+    healthy = {c["name"]: c for c in json.loads(doctor().stdout)["checks"]}
+    assert healthy["controller"] == {
+        "name": "controller",
+        "status": "ok",
+        "detail": f"{tenant.controller.url} reachable, run {run.run_id} active",
+    }
+    assert healthy["bridge"]["detail"] == f"the env file {d / 'no-env'} does not exist"
+    tenant.controller.admin("end-run", run.run_id)
+    res = doctor()
     assert res.returncode == 6, res.stdout + res.stderr
     checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
     assert checks["controller"] == {
