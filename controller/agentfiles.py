@@ -38,7 +38,7 @@ from common.errors import (
 )
 from common.limits import DEFAULT_AGENT_ENTRY, ENTRY_MAX_BYTES
 from common.paths import is_within, validate_path
-from controller import apply
+from controller import apply, receipts
 from controller.changeset import Entry
 from controller.config import AgentLimits
 
@@ -313,6 +313,45 @@ def refusal_warning(exc: AgentFilesLimitExceeded) -> dict[str, Any]:
         **detail,
         "message": f"None of this save's agent-folder changes were saved: {exc.text}",
     }
+
+
+async def record_api_save(
+    conn: AsyncConnection[Any],
+    folder: apply.Folder | None,
+    *,
+    run_id: str,
+    company_id: str,
+    agent_id: str,
+    operation_id: str | None,
+    limits: AgentLimits,
+    files_changed: int = 0,
+    refusal: WorkFolderError | None = None,
+) -> None:
+    """The save receipt of a run's write to its own agent folder through the
+    API bridge (a ``PUT /content`` or an operation by sandbox code): ``saved``
+    in the write's own transaction, else ``refused`` (``failed`` for an error
+    on the controller's side) in a transaction of its own. Its warnings are the
+    folder's limit warnings as it now is, after a limit refusal's own warning:
+    a refusal of another kind does not clear a warning the folder still earns.
+    The operation id is the request's ``Idempotency-Key``, when it has one."""
+    warnings = limit_warnings(await folder_usage(conn, folder, limits), limits)
+    if isinstance(refusal, AgentFilesLimitExceeded):
+        warnings = [refusal_warning(refusal), *warnings]
+    outcome = "saved" if refusal is None else "failed" if refusal.status >= 500 else "refused"
+    await receipts.record(
+        conn,
+        run_id=run_id,
+        company_id=company_id,
+        scope="agent",
+        owner_id=agent_id,
+        operation_id=operation_id,
+        outcome=outcome,
+        code=None if refusal is None else refusal.code.upper(),
+        error=None if refusal is None else refusal.text,
+        details=None if refusal is None else refusal.details,
+        warnings=warnings,
+        files_changed=files_changed,
+    )
 
 
 async def describe_agent(

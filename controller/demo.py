@@ -108,6 +108,18 @@ def wait_until(check: Any, what: str, timeout: float, proc: subprocess.Popen[byt
         time.sleep(0.1)
 
 
+def fsagent_command() -> str:
+    """fsagent as an absolute command line, so that each printed line works
+    from any directory (the sandbox's shell starts in its home, not here):
+    the script next to this Python (the virtualenv's), else this Python
+    running the module."""
+    python = Path(os.path.abspath(sys.executable))
+    script = python.parent / "fsagent"
+    if os.access(script, os.X_OK):
+        return shlex.quote(str(script))
+    return shlex.join([str(python), "-m", "fsagent.cli"])
+
+
 def sandbox_lines(env_file: Path, acc: dict[str, str], home: Path) -> list[str]:
     """Lines to paste into a shell "inside the sandbox": its env file, then the
     API through the local endpoint (which adds the run token)."""
@@ -121,7 +133,7 @@ def sandbox_lines(env_file: Path, acc: dict[str, str], home: Path) -> list[str]:
         "  curl -sS -X PUT -H 'Content-Type: application/octet-stream'"
         f" --data-binary 'written from the sandbox' {url}",
         f"  curl -sS {url}",
-        f"  .venv/bin/fsagent launch --home {where} --env-file {env} -- 'curl -sS {url}'",
+        f"  {fsagent_command()} launch --home {where} --env-file {env} -- 'curl -sS {url}'",
     ]
 
 
@@ -165,6 +177,7 @@ def main() -> int:
     acc = ensure_demo_account(data_dir)
     base = f"http://{args.listen}"
     task_state = shlex.quote(str(data_dir / "fsagent" / "task"))
+    fsagent_cmd = fsagent_command()
 
     stopping = False
 
@@ -246,10 +259,10 @@ def main() -> int:
             lines = [
                 f"Sandbox:     {home}/{{task,agent,user,project}} (run {run['run_id']})",
                 f"             saved every {args.checkpoint_interval:.0f}s and at Ctrl-C;"
-                f" save now: .venv/bin/fsagent flush task --state-dir {task_state}",
+                f" save now: {fsagent_cmd} flush task --state-dir {task_state}",
                 f"Repository:  {checkout} (the task's clone of {data_dir}/{DEMO_REPO}.git)",
                 f"             saved every {args.checkpoint_interval:.0f}s and at Ctrl-C;"
-                " save now: .venv/bin/fsagent repos checkpoint"
+                f" save now: {fsagent_cmd} repos checkpoint"
                 f" --home {shlex.quote(str(home))}"
                 f" --state-root {shlex.quote(str(data_dir / 'fsagent'))} --controller {base}"
                 f" --token-file {shlex.quote(str(data_dir / 'run-token'))}",
@@ -269,7 +282,7 @@ Agent:       {base}/files/{acc["company_id"]}/agent/{acc["agent_id"]}   ("Instru
 
 Try:
   T={acc["token"]}
-  echo hello > {shlex.quote(str(home / "task" / "hello.txt"))} && .venv/bin/fsagent flush task --state-dir {task_state}
+  echo hello > {shlex.quote(str(home / "task" / "hello.txt"))} && {fsagent_cmd} flush task --state-dir {task_state}
   curl -sS -H "Authorization: Bearer $T" '{task_folder}/'
   curl -sS -H "Authorization: Bearer $T" '{task_folder}/content?path=hello.txt'
   curl -sS -X PUT -H "Authorization: Bearer $T" -H 'Content-Type: application/octet-stream' \\

@@ -13,8 +13,8 @@ Commands::
     fsagent bridge --controller URL --token-file F [--socket S] [--port N] [--env-file F]
     fsagent launch [--require CMD[=INSTALL_COMMAND]]... [--shell sh|bash] [--home DIR]
                    [--env-file F] -- COMMAND...
-    fsagent doctor [--home DIR] [--require CMD]... [--env-file F]
-                   [--controller URL --token-file F] [--json]
+    fsagent doctor [--home DIR] [--require CMD]... [--shell sh|bash] [--env-file F]
+                   [--controller URL --token-file F | --config F] [--json]
     fsagent repos prepare|watch|checkpoint [NAME] --home DIR --controller URL --token-file F
     fsagent repos status [--home DIR] [--json]
 

@@ -1,13 +1,17 @@
 """``fsagent doctor``: check the sandbox runtime contract, one line per check.
 
-Checks, in order: ``node`` and each ``--require`` CLI (probed exactly as
-``fsagent launch`` probes them, with ``sh -c 'command -v CMD'``), ``sh``,
-``tar``, ``fusermount3``, ``/dev/fuse`` (a ``skip`` instead of a failure
+Checks, in order: ``node``, ``bash`` with ``--shell bash``, and each
+``--require`` CLI (probed exactly as ``fsagent launch`` probes them: ``sh -c
+'command -v CMD'`` in the environment launch gives its command, the sandbox's
+own with the env file's variables but not its ``PATH``), ``sh``, ``tar``, ``fusermount3``, ``/dev/fuse`` (a ``skip`` instead of a failure
 where the collections are plain directories), the ``mode`` (what ``--mode``,
 default auto, resolves to here and why: a test FUSE mount; and the mode of
 each collection already served), a writable home, cache
-(``$XDG_CACHE_HOME`` or ``~/.cache``) and tmp, the controller (reachable, and
-the run token accepted; with ``--controller``), and the local API endpoint
+(``$XDG_CACHE_HOME`` or ``~/.cache``) and tmp (``$TMPDIR``, else ``/tmp``: a
+file is made there and removed), the controller (reachable, and the run token
+accepted; ``--controller`` and ``--token-file``, else ``FSAGENT_CONTROLLER``
+and ``FSAGENT_TOKEN_FILE`` from the units' configuration, ``--config``), and
+the local API endpoint
 (``GET /healthz`` over ``PAPERCLIP_API_URL`` and over
 ``PAPERCLIP_API_SOCKET``, taken from the env file; skipped when the env file
 names no endpoint).
@@ -37,10 +41,19 @@ from fsagent.client import open_client
 from fsagent.daemon import read_token
 from fsagent.errors import ControllerRefused, DoctorFailed, FsagentError
 from fsagent.fuseprobe import MODES, decide, default_mode, recorded_mode
-from fsagent.launch import ContractUnmet, parse_requirement, probe
+from fsagent.launch import (
+    SHELLS,
+    ContractUnmet,
+    parse_requirement,
+    probe,
+    requirements,
+    sandbox_env,
+)
 from fsagent.store import default_state_root
 
 BRIDGE_TIMEOUT = 5.0
+UNITS_CONFIG = Path("/etc/fsagent/fsagent.env")
+"""The systemd units' configuration (packaging/install-fsagent.sh writes it)."""
 CONTROLLER_RETRY_DEADLINE = 5.0
 
 
@@ -63,6 +76,8 @@ def check_cli(name: str, env: dict[str, str], home: Path) -> Check:
     try:
         where = probe(name, env, home if home.is_dir() else Path("/"))
     except ContractUnmet:
+        if name == "sh":
+            return fail(name, "not on PATH (every probe and command runs with sh -c)")
         return fail(name, "cannot probe: sh is not on PATH")
     return ok(name, where) if where else fail(name, "not on PATH")
 
@@ -75,6 +90,21 @@ def check_writable(name: str, path: Path) -> Check:
     if os.access(probe_dir, os.W_OK | os.X_OK):
         return ok(name, f"{path} is writable")
     return fail(name, f"{path} is not writable")
+
+
+def check_tmp(env: dict[str, str]) -> Check:
+    """The directory launched commands get for temporary files: ``$TMPDIR``
+    (launch passes it on), else ``/tmp``. A file is really made there: unlike
+    :func:`tempfile.gettempdir`, which skips to the next candidate, an
+    unusable ``$TMPDIR`` is a failure, since the agent's tools would use it."""
+    where = Path(env.get("TMPDIR") or "/tmp")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".fsagent-doctor-", dir=where)
+    except OSError as exc:
+        return fail("tmp", f"{where} is not writable ({exc.strerror})")
+    os.close(fd)
+    os.unlink(name)
+    return ok("tmp", f"{where} is writable")
 
 
 def check_fuse() -> Check:
@@ -110,11 +140,31 @@ def not_needed(check: Check) -> Check:
     return Check(check.name, "skip", f"{check.detail} (not needed: dir mode)")
 
 
+def controller_address(args: argparse.Namespace) -> tuple[str | None, str | None, str]:
+    """The controller and token file to check: the flags, else what the units'
+    configuration names (``FSAGENT_CONTROLLER``, ``FSAGENT_TOKEN_FILE``), and
+    where they came from."""
+    from fsagent.envfile import read_env_file
+
+    if args.controller:
+        return args.controller, args.token_file, "--controller"
+    config = Path(args.config) if args.config else UNITS_CONFIG
+    try:
+        units = read_env_file(config)
+    except OSError:
+        units = {}
+    controller = units.get("FSAGENT_CONTROLLER") or None
+    return controller, args.token_file or units.get("FSAGENT_TOKEN_FILE") or None, str(config)
+
+
 def check_controller(
-    controller: str | None, token_file: str | None, transport: tls.TransportOptions
+    controller: str | None,
+    token_file: str | None,
+    transport: tls.TransportOptions,
+    source: str = "--controller",
 ) -> Check:
     if not controller:
-        return Check("controller", "skip", "no --controller given")
+        return Check("controller", "skip", f"no --controller given, and none in {source}")
     try:
         token = read_token(token_file)
         client = open_client(
@@ -136,10 +186,11 @@ def check_controller(
     return ok("controller", f"{controller} reachable, run {run.run_id} {state}")
 
 
-def check_bridge(env: dict[str, str]) -> Iterator[Check]:
+def check_bridge(env: dict[str, str], env_file: Path) -> Iterator[Check]:
     url, sock = env.get("PAPERCLIP_API_URL"), env.get("PAPERCLIP_API_SOCKET")
     if not url and not sock:
-        yield Check("bridge", "skip", "the env file names no local endpoint")
+        named = "names no local endpoint" if env_file.exists() else "does not exist"
+        yield Check("bridge", "skip", f"the env file {env_file} {named}")
         return
     for name, where in (("bridge tcp", url), ("bridge socket", sock)):
         if not where:
@@ -167,24 +218,25 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     try:
         file_env = read_env_file(env_file)
     except OSError:
-        file_env = {}
-    env = {**os.environ, "HOME": str(home)}
-    checks = [check_cli("node", env, home)]
-    checks += [check_cli(r.name, env, home) for r in args.require if r.name != "node"]
+        file_env = {}  # launch would stop here (exit 7); the bridge check says so
+    # What `fsagent launch` gives its probes and command.
+    env = sandbox_env(file_env, home)
+    checks = [check_cli(r.name, env, home) for r in requirements(args.require, args.shell)]
     checks += [check_cli(tool, env, home) for tool in ("sh", "tar")]
     mode = check_mode(args.mode, default_state_root())
     fuse_checks = [check_cli("fusermount3", env, home), check_fuse()]
     if mode.status == "ok" and mode.detail.startswith("dir"):
         fuse_checks = [not_needed(c) for c in fuse_checks]
     checks += [*fuse_checks, mode]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache")
+    cache = Path(env.get("XDG_CACHE_HOME") or home / ".cache")
+    controller, token_file, source = controller_address(args)
     checks += [
         check_writable("home", home),
         check_writable("cache", cache),
-        check_writable("tmp", Path(tempfile.gettempdir())),
-        check_controller(args.controller, args.token_file, tls.options_from(args)),
+        check_tmp(env),
+        check_controller(controller, token_file, tls.options_from(args), source),
     ]
-    checks += check_bridge(file_env)
+    checks += check_bridge(file_env, env_file)
     return checks
 
 
@@ -215,6 +267,14 @@ def add_parser(sub: Any, controller_opts: Any) -> None:
         help="a CLI the runs use (an =INSTALL_COMMAND part is ignored: doctor installs nothing)",
     )
     d.add_argument("--env-file", help="default ~/.local/state/fsagent/env")
+    d.add_argument(
+        "--shell", choices=SHELLS, default="sh", help="the shell launch uses (bash is probed too)"
+    )
+    d.add_argument(
+        "--config",
+        help=f"the units' configuration (default {UNITS_CONFIG}): its FSAGENT_CONTROLLER and "
+        "FSAGENT_TOKEN_FILE are checked when --controller is not given",
+    )
     d.add_argument(
         "--mode",
         choices=MODES,

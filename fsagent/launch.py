@@ -95,7 +95,14 @@ def launch_env(env_file: Path, home: Path) -> dict[str, str]:
         ) from None
     except OSError as exc:
         raise ContractUnmet(f"cannot read env file {env_file}: {exc.strerror}") from None
-    extra.pop("PATH", None)  # the sandbox's own PATH resolves every CLI
+    return sandbox_env(extra, home)
+
+
+def sandbox_env(extra: dict[str, str], home: Path) -> dict[str, str]:
+    """``os.environ`` with the env file's variables (``extra``) and ``HOME`` on
+    top: what launched commands and every probe see (``fsagent doctor`` too)."""
+    # The sandbox's own PATH resolves every CLI: a PATH in the env file is ignored.
+    extra = {k: v for k, v in extra.items() if k != "PATH"}
     return {**os.environ, **extra, "HOME": str(home)}
 
 

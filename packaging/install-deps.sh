@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Install the Debian packages this project needs, only those that are missing.
-#   packaging/install-deps.sh           runtime: FUSE, PostgreSQL server binaries, build tools
+#   packaging/install-deps.sh           runtime: FUSE, PostgreSQL server binaries, build tools,
+#                                       git (fsagent repos, the demo's repository)
 #   packaging/install-deps.sh --demo    also curl and Node.js, which the lines `make demo`
 #                                       prints use inside the demo sandbox
-#   packaging/install-deps.sh --test    also Chromium for the browser tests, npm for axe-core
+#   packaging/install-deps.sh --test    also every program the tests run: curl (the demo's
+#                                       printed lines), openssl (TLS certificates), systemd
+#                                       (systemd-analyze, the environment.d generator),
+#                                       util-linux and mount (unshare, nsenter, runuser,
+#                                       mount), Chromium for the browser tests, npm for
+#                                       axe-core, debootstrap and systemd-nspawn
 #   packaging/install-deps.sh --bench   also the FUSE peers bench.fsops compares with
 #                                       (bindfs, rclone)
 set -euo pipefail
@@ -13,13 +19,15 @@ pkgs=(fuse3 libfuse3-dev pkg-config gcc make python3 python3-dev python3-venv
 # Packages wanted only for the commands they provide: a machine that already
 # has the command from elsewhere (Node.js from NodeSource ships npm inside its
 # nodejs package, which conflicts with Debian's npm) keeps it.
-cmds=()
+cmds=(git:git)
 for opt in "$@"; do
     case "$opt" in
         # Chromium for the browser tests, npm for axe-core, debootstrap and
-        # systemd-nspawn for the sandbox image boot test.
-        --test) pkgs+=(chromium chromium-driver fonts-dejavu-core debootstrap systemd-container)
-                cmds+=(nodejs:node npm:npm) ;;
+        # systemd-nspawn for the sandbox image boot test, and the programs
+        # the other tests run (tests/test_ops_packaging.py checks the list).
+        --test) pkgs+=(chromium chromium-driver fonts-dejavu-core debootstrap systemd-container
+                       systemd util-linux mount)
+                cmds+=(nodejs:node npm:npm curl:curl openssl:openssl) ;;
         # The demo's curl lines, and node, which `fsagent launch` requires.
         --demo) cmds+=(curl:curl nodejs:node) ;;
         --bench) pkgs+=(bindfs rclone) ;;

@@ -135,7 +135,8 @@ def test_a_run_saves_its_agent_folder_only_while_its_user_may_configure_the_agen
         assert r.status_code == 404, r.text
         assert c.get(tenant.folder("agent", peer) + "/").status_code == 404
     receipts = run_receipts(tenant, run.run_id)
-    assert [(r["outcome"], r["code"]) for r in receipts] == [("refused", "NOT_FOUND")]
+    # The checkpoint's refusal and the API save's: each save attempt has its receipt.
+    assert [(r["outcome"], r["code"]) for r in receipts] == [("refused", "NOT_FOUND")] * 2
     # Its responsible user reads the run's history; a member without the grant
     # would not see someone else's run.
     assert run_detail(tenant, run.run_id, member_token).status_code == 200
@@ -145,6 +146,10 @@ def test_a_run_saves_its_agent_folder_only_while_its_user_may_configure_the_agen
     grant(tenant, member, agent)
     r = run.save("agent", {"memory.md": b"note"})
     assert r.status_code == 200, r.text
+    # Being the run's responsible user, and able to configure this agent,
+    # opens no other agent's folder to the user's own token.
+    assert probe(tenant, member_token, peer) == HIDDEN
+    assert directory_files(tenant, member_token, peer) is None
     grant(tenant, member, agent, "revoke")
     assert run.upload("agent", b"changed").status_code == 404
     assert run.commit("agent", [{"op": "delete", "path": "memory.md"}]).status_code == 404

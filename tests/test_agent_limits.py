@@ -15,6 +15,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,13 @@ from tests.support.agentfiles import (
     run_receipts,
     start_agent_run,
 )
+from tests.support.bridge import api_client
 from tests.support.controller import (
     ControllerProcess,
     PgCluster,
     Tenant,
     bootstrap_tenant,
+    parse_api_time,
     private_controller,
     world_searchable_tmpdir,
 )
@@ -343,3 +346,53 @@ def test_transient_failures_get_three_attempts_then_a_failure_receipt(
         assert "after 3 attempt(s)" in receipt["error"]
         assert receipt["operationId"] and receipt["operationId"].startswith("cp-")
     assert list(m.state_dir.iterdir()) == []  # discarded either way
+
+
+def test_a_runs_api_saves_of_its_agent_folder_each_leave_a_receipt(st: Tenant) -> None:
+    """Sandbox code's writes to the run's agent folder through the API bridge
+    are save attempts of the run: each records a receipt, saved or refused
+    (with code, and for a limit the warning), like its checkpoints; writes by
+    people and to folders that are not the run's leave none."""
+    agent = new_agent(st)
+    other = new_agent(st, "other")
+    run = start_agent_run(st, agent, user=st.user_id)
+    started = datetime.now(UTC)
+    with api_client(st, run.token) as c:
+        assert (
+            put(c, st, "agent", agent, "notes.md", b"n", **{"Idempotency-Key": "k-put"}).status_code
+            == 201
+        )
+        assert operate(c, st, "agent", agent, action="mkdir", path="memory").status_code == 200
+        over = put(c, st, "agent", agent, "big.bin", b"b" * (FILE_MAX + 1),
+                   **{"Idempotency-Key": "k-big"})  # fmt: skip
+        limit_detail(over)
+        protected = operate(c, st, "agent", agent, action="delete", path="AGENTS.md")
+        assert protected.status_code == 409 and protected.json()["code"] == "entry_protected"
+        # Not the run's agent folder: 404, and no receipt of the run.
+        assert put(c, st, "agent", other, "x.md", b"x").status_code == 404
+    with st.client() as owner:  # a person's write is no save of the run
+        assert put(owner, st, "agent", agent, "by-owner.md", b"o").status_code == 201
+    receipts = run_receipts(st, run.run_id)
+    assert [(r["outcome"], r["code"], r["operationId"], r["filesChanged"]) for r in receipts] == [
+        ("saved", None, "k-put", 1),
+        ("saved", None, None, 1),
+        ("refused", "AGENT_FILES_LIMIT_EXCEEDED", "k-big", 0),
+        ("refused", "ENTRY_PROTECTED", None, 0),
+    ]
+    for r in receipts:
+        assert (r["runId"], r["scope"], r["ownerId"], r["final"]) == (
+            run.run_id, "agent", agent, False,
+        ), r  # fmt: skip
+        at = parse_api_time(r["at"])
+        assert started - timedelta(seconds=5) <= at <= datetime.now(UTC) + timedelta(seconds=5)
+    refused = receipts[2]
+    assert refused["details"] == [
+        {"limit": "fileBytes", "max": FILE_MAX, "value": FILE_MAX + 1, "path": "big.bin"}
+    ]
+    [warning] = refused["warnings"]
+    assert warning["code"] == "AGENT_FILES_LIMIT_EXCEEDED" and warning["path"] == "big.bin"
+    # A warning of the run, which goes on; the later refusal of another kind
+    # does not clear what the folder still earns (it is under every limit now).
+    detail = run_detail(st, run.run_id).json()
+    assert detail["state"] != "failed" and detail["warnings"] == [], detail
+    assert agent_files(st, agent) == {"AGENTS.md": b"", "notes.md": b"n", "by-owner.md": b"o"}

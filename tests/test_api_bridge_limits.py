@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import io
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from controller.api.apibridge import WORK_FOLDER
 from controller.cli import main as controller_main
-from tests.support.bridge import Run, start_run
+from tests.support.bridge import Run, api_client, start_run
 from tests.support.controller import (
     ControllerProcess,
     PgCluster,
@@ -25,14 +26,19 @@ from tests.support.controller import (
     bootstrap_tenant,
     private_controller,
 )
+from tests.support.repos import repo_run, small_repo
 
 OCTET = {"Content-Type": "application/octet-stream"}
 MAX_BODY, MAX_RESPONSE, TIMEOUT, CONCURRENT = 1024, 2048, 3, 2
 
 
+ARCHIVE = "/api/companies/{companyId}/tasks/{taskId}/repos/{workspaceId}/archive"
+"""A route that streams its answer with no Content-Length (a tar of a checkout)."""
 TIGHT = [
     *("--bridge-max-body", str(MAX_BODY), "--bridge-max-response", str(MAX_RESPONSE)),
     *("--bridge-timeout", str(TIMEOUT), "--bridge-max-concurrent", str(CONCURRENT)),
+    # The operator lets runs download their task's repositories too.
+    *("--bridge-allow", "default", "--bridge-allow", f"GET:{ARCHIVE}"),
 ]
 
 
@@ -89,6 +95,38 @@ def test_an_answer_over_the_response_limit_is_502(lt: Tenant) -> None:
         assert r.json()["code"] == "bridge_response_too_large"
         small = c.get(folder + "/", params={"limit": 1})
         assert small.status_code == 200 and len(small.json()["entries"]) == 1
+
+
+def test_an_answer_without_length_is_cut_at_the_response_limit(lt: Tenant) -> None:
+    """A streamed answer (no Content-Length) cannot be refused before it
+    starts: the bridge cuts the connection once it passes the limit, so the
+    client never takes it for a complete answer, and the controller serves on."""
+    run = repo_run(lt)
+    ws = run.ws()
+    run.save(ws, {**small_repo(), "data/big.bin": os.urandom(8 * MAX_RESPONSE)})
+    archive = f"/api/companies/{lt.company_id}/tasks/{run.task}/repos/{ws}/archive"
+    with lt.client() as owner:
+        whole = owner.get(archive)
+    assert whole.status_code == 200 and "content-length" not in whole.headers
+    assert len(whole.content) > 8 * MAX_RESPONSE
+    got = bytearray()
+    with api_client(lt, run.token) as c:
+        with pytest.raises(httpx.RemoteProtocolError), c.stream("GET", archive) as r:
+            assert r.status_code == 200 and "content-length" not in r.headers
+            for chunk in r.iter_raw():
+                got += chunk
+        assert len(got) <= MAX_RESPONSE and whole.content.startswith(bytes(got))
+        assert c.get(f"/api/companies/{lt.company_id}/directory").status_code == 200
+    with lt.controller.db() as db:
+        row = db.execute(
+            "SELECT route, response_bytes FROM bridge_audit WHERE run_id = %s"
+            " AND method = 'GET' AND route = %s",
+            (run.run_id, ARCHIVE),
+        ).fetchone()
+    assert row is not None and int(row[1]) > MAX_RESPONSE, row
+    log = lt.controller.log()
+    assert f"answer to run {run.run_id}'s GET {ARCHIVE} cut after" in log
+    assert "Traceback" not in log
 
 
 def _folder_id(t: Tenant) -> int:

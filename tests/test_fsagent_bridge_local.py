@@ -26,6 +26,7 @@ from fsagent.envfile import read_env_file
 from tests.support.bridge import Run, start_run
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
+from tests.support.demo import check_demo_agent
 from tests.support.endpoint import TOKEN, LocalEndpoint, MiB, Upstream, start_endpoint
 from tests.support.procs import free_port
 from tests.support.tmp import private_tmpdir, world_searchable_tmpdir
@@ -418,15 +419,18 @@ def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
             assert time.monotonic() < deadline, text
             time.sleep(0.2)
             text = (base / "demo.out").read_text(errors="replace")
+        check_demo_agent(text, base / "home")
         block = text.split("Inside the sandbox", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
         setup, put, get, launched = (line.strip() for line in block)
         assert setup.startswith("set -a; . ") and "Bearer" not in "".join(block)
         assert get.startswith('curl -sS "$PAPERCLIP_API_URL/api/companies/')
+        assert shlex.split(launched)[0].startswith("/"), launched
         clean_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(base / "home")}
 
         def sandbox_sh(*lines: str) -> subprocess.CompletedProcess[str]:
+            # In the sandbox's home, not this checkout: every line must work from anywhere.
             return subprocess.run(["sh", "-c", "\n".join(lines)], capture_output=True, text=True,
-                                  cwd=REPO, env=clean_env, check=False, timeout=60)  # fmt: skip
+                                  cwd=base / "home", env=clean_env, check=False, timeout=60)  # fmt: skip
 
         wrote = sandbox_sh(setup, put)
         assert wrote.returncode == 0, wrote
@@ -505,16 +509,32 @@ def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: 
 
 
 def test_doctor_reports_a_refused_run_token(tenant: Tenant) -> None:
+    """Without flags doctor checks the controller and token file the systemd
+    units are configured with (/etc/fsagent/fsagent.env, here --config)."""
     run = start_run(tenant)
-    tenant.controller.admin("end-run", run.run_id)
     d = private_tmpdir("fsa-doc-")
     (d / "token").write_text(run.token)
-    res = subprocess.run(
-        [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(d), "--env-file",
-         str(d / "no-env"), "--controller", tenant.controller.url, "--token-file", str(d / "token"),
-         "--json"],
-        capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
-    )  # fmt: skip
+    config = d / "fsagent.env"
+    config.write_text(
+        f'FSAGENT_CONTROLLER="{tenant.controller.url}"\nFSAGENT_TOKEN_FILE="{d / "token"}"\n'
+    )
+
+    def doctor() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(d), "--env-file",
+             str(d / "no-env"), "--config", str(config), "--json"],
+            capture_output=True, text=True, cwd=REPO, check=False, timeout=120,
+        )  # fmt: skip
+
+    healthy = {c["name"]: c for c in json.loads(doctor().stdout)["checks"]}
+    assert healthy["controller"] == {
+        "name": "controller",
+        "status": "ok",
+        "detail": f"{tenant.controller.url} reachable, run {run.run_id} active",
+    }
+    assert healthy["bridge"]["detail"] == f"the env file {d / 'no-env'} does not exist"
+    tenant.controller.admin("end-run", run.run_id)
+    res = doctor()
     assert res.returncode == 6, res.stdout + res.stderr
     checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
     assert checks["controller"] == {

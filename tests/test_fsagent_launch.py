@@ -54,6 +54,7 @@ class Sandbox:
         if node:
             self.add_cli("node", "echo v20.0.0")
         self.env_file = root / "env"
+        self.units_config = root / "fsagent.env"
         self.env_file.write_text(
             f"AGENT_HOME={self.home}/agent\nPAPERCLIP_TASK_DIR={self.home}/task\n"
             "PAPERCLIP_API_URL=http://127.0.0.1:9\nPATH=/nonexistent\n"
@@ -233,14 +234,23 @@ ROW = re.compile(r"(ok|FAIL|skip) +(\S+(?: \S+)?) {2,}(.*)")
 """One line of doctor's output: status, check name (at most two words), detail."""
 
 
-def doctor(box: Sandbox, *args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+def doctor(
+    box: Sandbox, *args: str, path: str | None = None, tmpdir: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Doctor in the box; the units' configuration is the box's (none unless
+    a test writes it), so the machine's /etc/fsagent never matters."""
     env = {"PATH": path or f"{box.bin}:/usr/bin:/bin", "HOME": str(box.home), "LANG": "C.UTF-8",
-           "TMPDIR": os.environ.get("TMPDIR", "/tmp")}  # fmt: skip
+           "TMPDIR": tmpdir or os.environ.get("TMPDIR", "/tmp")}  # fmt: skip
     return subprocess.run(
         [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(box.home),
-         "--env-file", str(box.env_file), *args],
+         "--env-file", str(box.env_file), "--config", str(box.units_config), *args],
         capture_output=True, text=True, cwd=REPO, env=env, check=False, timeout=120,
     )  # fmt: skip
+
+
+def doctor_checks(res: subprocess.CompletedProcess[str]) -> dict[str, dict[str, str]]:
+    assert "Traceback" not in res.stderr, res.stderr
+    return {c["name"]: c for c in json.loads(res.stdout)["checks"]}
 
 
 @pytest.mark.fuse
@@ -312,3 +322,82 @@ def test_doctor_names_exactly_what_is_broken(tmp_path: Path) -> None:
         f"fsagent: {len(expected)} check(s) failed: "
         + ", ".join(n for _, n, _ in rows if n in failed)
     ]
+
+
+def test_doctor_fails_an_unusable_tmpdir_instead_of_skipping_to_another(tmp_path: Path) -> None:
+    box = Sandbox(tmp_path)
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    res = doctor(box, "--json", tmpdir=str(not_a_dir))
+    assert res.returncode == 6, res.stdout + res.stderr
+    checks = doctor_checks(res)
+    assert checks["tmp"] == {
+        "name": "tmp", "status": "fail", "detail": f"{not_a_dir} is not writable (Not a directory)",
+    }  # fmt: skip
+    assert res.stderr.startswith("fsagent: ") and "tmp" in res.stderr.splitlines()[-1]
+
+    # The env file's TMPDIR is what launch passes on, so it is the one checked
+    # (its PATH is ignored, as by launch: node is still found on the sandbox's).
+    missing = tmp_path / "no-such-dir"
+    box.env_file.write_text(f"TMPDIR={missing}\nPATH=/nonexistent\n")
+    checks = doctor_checks(doctor(box, "--json"))
+    assert checks["tmp"]["status"] == "fail", checks["tmp"]
+    assert checks["tmp"]["detail"] == f"{missing} is not writable (No such file or directory)"
+    assert checks["node"] == {"name": "node", "status": "ok", "detail": str(box.bin / "node")}
+
+    usable = tmp_path / "tmp"
+    usable.mkdir()
+    box.env_file.write_text(f"TMPDIR={usable}\n")
+    checks = doctor_checks(doctor(box, "--json", tmpdir=str(not_a_dir)))
+    assert checks["tmp"] == {"name": "tmp", "status": "ok", "detail": f"{usable} is writable"}
+    assert list(usable.iterdir()) == []  # the probe file is gone again
+
+
+def test_doctor_fails_sh_and_bash_when_they_are_not_on_path(tmp_path: Path) -> None:
+    box = Sandbox(tmp_path)
+    res = doctor(box, "--shell", "bash", "--json", path=str(box.bin))
+    names = [c["name"] for c in json.loads(res.stdout)["checks"]]
+    assert names[:4] == ["node", "bash", "sh", "tar"], names
+    checks = doctor_checks(res)
+    assert checks["bash"] == {"name": "bash", "status": "ok", "detail": str(box.bin / "bash")}
+    assert checks["sh"] == {"name": "sh", "status": "ok", "detail": str(box.bin / "sh")}
+    assert "bash" not in doctor_checks(doctor(box, "--json", path=str(box.bin)))
+
+    os.unlink(box.bin / "bash")
+    res = doctor(box, "--shell", "bash", "--json", path=str(box.bin))
+    assert res.returncode == 6
+    checks = doctor_checks(res)
+    assert checks["bash"]["status"] == "fail" and checks["bash"]["detail"] == "not on PATH"
+    assert checks["node"]["status"] == "ok"
+
+    os.unlink(box.bin / "sh")
+    res = doctor(box, "--json", path=str(box.bin))
+    assert res.returncode == 6
+    checks = doctor_checks(res)
+    assert checks["sh"] == {
+        "name": "sh", "status": "fail",
+        "detail": "not on PATH (every probe and command runs with sh -c)",
+    }  # fmt: skip
+    assert checks["node"]["detail"] == "cannot probe: sh is not on PATH"
+
+
+def test_doctor_takes_the_controller_from_the_units_configuration(tmp_path: Path) -> None:
+    box = Sandbox(tmp_path)
+    checks = doctor_checks(doctor(box, "--json"))
+    assert checks["controller"] == {
+        "name": "controller", "status": "skip",
+        "detail": f"no --controller given, and none in {box.units_config}",
+    }  # fmt: skip
+    box.units_config.write_text(
+        f'FSAGENT_CONTROLLER="http://127.0.0.1:9"\nFSAGENT_TOKEN_FILE="{tmp_path}/no-token"\n'
+    )
+    checks = doctor_checks(doctor(box, "--json"))
+    assert checks["controller"]["status"] == "fail"
+    assert checks["controller"]["detail"].startswith(
+        "http://127.0.0.1:9 is not usable: cannot read token file"
+    ), checks["controller"]
+    assert f"{tmp_path}/no-token" in checks["controller"]["detail"]
+    # The flags win over the configuration.
+    flagged = doctor_checks(doctor(box, "--json", "--controller", "http://127.0.0.1:7",
+                                   "--token-file", str(tmp_path / "other")))  # fmt: skip
+    assert flagged["controller"]["detail"].startswith("http://127.0.0.1:7 is not usable")

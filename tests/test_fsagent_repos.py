@@ -31,6 +31,7 @@ from fsagent.repos import RepoSavers, prepare_all, repo_status
 from fsagent.reposave import RepoSaver
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
+from tests.support.demo import check_demo_agent
 from tests.support.gitrepos import (
     RepoTask,
     assert_restored,
@@ -556,6 +557,7 @@ def test_the_demo_keeps_a_commit_across_restarts_and_restores_a_deleted_home() -
     demo.start()
     try:
         assert f"Repository:  {checkout}" in demo.log.read_text()
+        check_demo_agent(demo.log.read_text(), demo.home)
         (checkout / "notes.md").write_text("a person's change\n")
         git(checkout, "add", "notes.md")
         git(checkout, "commit", "-q", "-m", "a person's commit")
@@ -565,6 +567,7 @@ def test_the_demo_keeps_a_commit_across_restarts_and_restores_a_deleted_home() -
     demo.start()
     try:
         assert "repository demo-app: warm" in demo.log.read_text()
+        check_demo_agent(demo.log.read_text(), demo.home)  # kept, not written twice
         assert git(checkout, "rev-parse", "HEAD").strip() == commit
     finally:
         demo.stop()

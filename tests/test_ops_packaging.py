@@ -128,3 +128,79 @@ def test_the_sandbox_image_has_git_and_enables_every_fsagent_unit() -> None:
     for script in (SANDBOX_IMAGE / "debootstrap-base.sh", SANDBOX_IMAGE / "build-rootfs.sh"):
         syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert syntax.returncode == 0, syntax.stderr
+
+
+# Every program the tests run, and the Debian package that provides it. A
+# program of an Essential package (coreutils, dash, bash, findutils, ...) is
+# always there; every other package must be one `install-deps.sh --test`
+# installs, so `make test` on a fresh Debian machine skips nothing for want of it.
+ESSENTIAL = {"sh", "bash", "dash", "cp", "chmod", "cat", "touch", "env", "find", "sleep", "tar"}
+PROGRAM_PACKAGES = {
+    "git": "git",
+    "curl": "curl",  # the demo's printed lines (test_fsagent_bridge_local.py)
+    "openssl": "openssl",
+    "fusermount3": "fuse3",
+    "mount": "mount",
+    "umount": "mount",
+    "unshare": "util-linux",
+    "nsenter": "util-linux",
+    "runuser": "util-linux",
+    "systemd-analyze": "systemd",
+    "systemd-nspawn": "systemd-container",
+    "debootstrap": "debootstrap",
+    "pg_dump": "postgresql",  # its client tools come with the server package
+    "pg_restore": "postgresql",
+    "node": "nodejs",
+    "npm": "npm",
+    "chromium": "chromium",
+}
+RUN_INDIRECTLY = {"curl", "unshare", "nsenter", "runuser", "systemd-nspawn", "debootstrap",
+                  "node", "chromium"}  # fmt: skip
+"""Programs the tests start through a shell line, a variable or a fixed path,
+which the scan of literal argument lists below cannot see."""
+NOT_PACKAGED = {"docker", "podman", "/usr/bin/python3"}
+"""Optional: the container image test skips without an engine; the owner
+tests' system python is only compared with the venv's."""
+
+
+def programs_the_tests_run() -> set[str]:
+    """First words of literal argument lists given to subprocess, and
+    ``shutil.which`` names, in every test module and the support package."""
+    import ast
+
+    found = set(RUN_INDIRECTLY)
+    for module in (REPO / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            first = node.args[0]
+            if name in ("run", "Popen", "check_output", "check_call") and isinstance(
+                first, (ast.List, ast.Tuple)
+            ):
+                word = first.elts[0] if first.elts else None
+                if isinstance(word, ast.Constant) and isinstance(word.value, str):
+                    found.add(word.value)
+            elif name == "which" and isinstance(first, ast.Constant):
+                found.add(str(first.value))
+    return found
+
+
+def test_install_deps_installs_every_program_the_tests_run() -> None:
+    script = (REPO / "packaging" / "install-deps.sh").read_text()
+    base = re.search(r"^pkgs=\((.*?)\)", script, re.MULTILINE | re.DOTALL)
+    base_cmds = re.search(r"^cmds=\((.*?)\)", script, re.MULTILINE)
+    test = re.search(r"^\s+--test\) (.*?) ;;", script, re.MULTILINE | re.DOTALL)
+    assert base and base_cmds and test
+    words = (base[1] + " " + base_cmds[1] + " " + test[1]).replace("pkgs+=(", " ")
+    words = words.replace("cmds+=(", " ").replace(")", " ")
+    # `pkg:command` entries install pkg when the command is missing.
+    installed = {w.split(":")[0] for w in words.split()}
+    programs = programs_the_tests_run()
+    unknown = programs - ESSENTIAL - set(PROGRAM_PACKAGES) - NOT_PACKAGED
+    assert not unknown, f"say which Debian package provides {sorted(unknown)}"
+    missing = {p: PROGRAM_PACKAGES[p] for p in programs & set(PROGRAM_PACKAGES)}
+    missing = {p: pkg for p, pkg in missing.items() if pkg not in installed}
+    assert missing == {}, f"install-deps.sh --test does not install {missing}"
+    assert {"curl", "git"} <= installed

@@ -109,8 +109,10 @@ IDENTITY_HEADERS = (b"x-paperclip-run-id", b"x-paperclip-agent-id", b"x-papercli
 
 
 class _ResponseOverrun(Exception):
-    """An answer without Content-Length grew past the limit after it started:
-    the connection is cut (no route answers so today)."""
+    """An answer without Content-Length (a streamed one, such as a
+    repository's tar when an operator allowlists it) grew past the limit after
+    it started: the rest is not sent and the connection is cut, so the client
+    never takes the part it got for the whole answer."""
 
 
 @dataclass
@@ -245,6 +247,17 @@ class ApiBridge:
             if meter.started:
                 raise
             await _error(exc)(scope, receive, out)
+        except _ResponseOverrun:
+            # Returning with the answer unfinished makes the server close the
+            # connection: the client sees a broken answer, not a short one.
+            log.warning(
+                "answer to run %s's %s %s cut after %d bytes: over the %d-byte response limit",
+                ident.run_id,
+                scope["method"],
+                meter.route,
+                meter.response_bytes,
+                meter.response_limit,
+            )
         finally:
             await audit()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import quote
 
@@ -16,7 +18,9 @@ from common.errors import (
     FileNotFound,
     IsADirectory,
     PayloadTooLarge,
+    Unauthenticated,
     ValidationError,
+    WorkFolderError,
 )
 from common.limits import (
     DEFAULT_PAGE_LIMIT,
@@ -28,7 +32,9 @@ from common.limits import (
 from common.paths import validate_owner_id, validate_path, validate_scope, validate_uuid
 from controller import agentfiles, apply, folders, moves, quotas, runs
 from controller.api.common import (
+    BridgeIdentity,
     authenticate,
+    bridge_identity,
     connection,
     json_errors,
     read_json,
@@ -89,6 +95,83 @@ async def open_folder(
     await authorize_folder(conn, principal, *address, write=write)
     folder = await apply.get_folder(conn, *address, create=write)
     return principal, folder, address
+
+
+# --- a run's saves of its agent folder through the API bridge ---------------
+
+
+def own_agent_write(request: Request) -> BridgeIdentity | None:
+    """The run, when this write is sandbox code's (through the API bridge) to
+    the run's own agent folder: a save attempt of the run, which leaves a
+    save receipt like its checkpoints (spec/agent-files.md)."""
+    ident = bridge_identity(request.scope)
+    p = request.path_params
+    if ident is None or p.get("scope") != "agent":
+        return None
+    if p.get("ownerId") != ident.agent_id or p.get("companyId") != ident.company_id:
+        return None
+    return ident
+
+
+async def record_agent_save(
+    request: Request,
+    run: BridgeIdentity,
+    operation_id: str | None,
+    conn: AsyncConnection[Any] | None = None,
+    *,
+    files_changed: int = 0,
+    refusal: WorkFolderError | None = None,
+) -> None:
+    """The receipt of ``run``'s API save of its agent folder: in the write's
+    transaction (``conn``), or for a refusal in one of its own, since the
+    write's rolled back; failing to record a refusal's is logged, never
+    answered instead of the refusal."""
+
+    async def record(c: AsyncConnection[Any]) -> None:
+        folder = await apply.get_folder(c, run.company_id, "agent", run.agent_id, create=False)
+        await agentfiles.record_api_save(
+            c,
+            folder,
+            run_id=run.run_id,
+            company_id=run.company_id,
+            agent_id=run.agent_id,
+            operation_id=operation_id,
+            limits=state(request).settings.quotas.agent,
+            files_changed=files_changed,
+            refusal=refusal,
+        )
+
+    if conn is not None:
+        await record(conn)
+        return
+    try:
+        async with connection(request) as own:
+            await record(own)
+    except WorkFolderError as exc:
+        log.warning("could not record the receipt of a refused agent-folder save: %s", exc)
+
+
+def receipt_key(request: Request) -> str | None:
+    """The operation id a save receipt names: the ``Idempotency-Key`` as sent,
+    also when the request is refused for it (unless it could never be one)."""
+    key = request.headers.get("idempotency-key")
+    return key if key is not None and 1 <= len(key) <= 256 else None
+
+
+@asynccontextmanager
+async def agent_save_receipts(
+    request: Request, operation_id: str | None
+) -> AsyncIterator[BridgeIdentity | None]:
+    """Around a write: when it is a run's save of its own agent folder, a
+    refusal records its receipt (the body records the saved one)."""
+    run = own_agent_write(request)
+    try:
+        yield run
+    except WorkFolderError as exc:
+        # A 401: the run ended (or was superseded) while the call was on its way.
+        if run is not None and not isinstance(exc, Unauthenticated):
+            await record_agent_save(request, run, operation_id, refusal=exc)
+        raise
 
 
 # --- GET / -----------------------------------------------------------------
@@ -234,6 +317,11 @@ def upload_headers(request: Request) -> tuple[str | None, bool]:
 
 @json_errors
 async def put_content(request: Request) -> Response:
+    async with agent_save_receipts(request, receipt_key(request)) as run:
+        return await _put_content(request, run)
+
+
+async def _put_content(request: Request, run: BridgeIdentity | None) -> Response:
     st = state(request)
     path = query_path(request)
     file_ctype, executable = upload_headers(request)
@@ -254,6 +342,9 @@ async def put_content(request: Request) -> Response:
         )
     except ClientDisconnect:
         log.info("upload of %r abandoned by the client; nothing published", path)
+        if run is not None:
+            gone = ValidationError.single("body", "client_disconnected", "the body never arrived")
+            await record_agent_save(request, run, op_id, refusal=gone)
         return Response(status_code=400)
     key = object_key(address[0], digest)
     created_blob = False
@@ -275,9 +366,9 @@ async def put_content(request: Request) -> Response:
                 await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
         created_blob = await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
-        result = await write_transaction(
-            request,
-            lambda conn: apply.put_file(
+
+        async def put(conn: AsyncConnection[Any]) -> dict[str, Any]:
+            written = await apply.put_file(
                 conn,
                 folder,
                 path=path,
@@ -291,8 +382,13 @@ async def put_content(request: Request) -> Response:
                 policy=policy,
                 precondition=precondition,
                 guard=guard,
-            ),
-        )
+            )
+            if run is not None:
+                changed = 1 if written["applied"] else 0
+                await record_agent_save(request, run, op_id, conn, files_changed=changed)
+            return written
+
+        result = await write_transaction(request, put)
     except BaseException:
         if created_blob:
             await journal_orphan(request, address[0], digest)
@@ -316,6 +412,12 @@ _OPERATION_FIELDS = {
 
 @json_errors
 async def post_operations(request: Request) -> Response:
+    op_id = receipt_key(request)
+    async with agent_save_receipts(request, op_id) as run:
+        return await _post_operations(request, run)
+
+
+async def _post_operations(request: Request, run: BridgeIdentity | None) -> Response:
     st = state(request)
     op_id = idempotency_key(request)
     body = await read_json(request)
@@ -405,7 +507,14 @@ async def post_operations(request: Request) -> Response:
                     policy=policy,
                 )
 
-    return JSONResponse(await write_transaction(request, operate))
+    async def operate_and_record(conn: AsyncConnection[Any]) -> dict[str, Any]:
+        result = await operate(conn)
+        if run is not None:
+            changed = len(result.get("files") or []) if result.get("applied") else 0
+            await record_agent_save(request, run, op_id, conn, files_changed=changed)
+        return result
+
+    return JSONResponse(await write_transaction(request, operate_and_record))
 
 
 def body_path(body: dict[str, Any], field: str) -> str:
