@@ -23,7 +23,7 @@ import trio
 from common.limits import SCOPES
 from fsagent.client import BridgeClient, open_client
 from fsagent.errors import EXIT_SAVE_FAILED, FsagentError, MountFailed
-from fsagent.fuseprobe import Decision
+from fsagent.fuseprobe import Decision, decide, dir_mode_line
 from fsagent.store import default_state_root
 from fsagent.tls import options_from
 
@@ -68,8 +68,6 @@ def detach_dead_mount(mountpoint: Path) -> None:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from fsagent.fuseprobe import decide
-
     if args.scope not in SCOPES:
         raise FsagentError(f"scope must be one of {', '.join(SCOPES)}")
     mountpoint = Path(args.mountpoint)
@@ -79,12 +77,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir) if args.state_dir else default_state_root() / args.scope
     decision = decide(args.mode, state_dir, args.mode_reason)
     if args.mode == "auto" and decision.mode == "dir" and not args.foreground:
-        print(f"fsagent: FUSE is not available ({decision.reason}); {args.scope} is a plain "
-              "directory (dir mode)", file=sys.stderr)  # fmt: skip
+        print(f"fsagent: {dir_mode_line(args.scope, decision)}", file=sys.stderr)
     if not args.foreground:
         return _daemonize(args, mountpoint, state_dir, decision)
     if decision.mode == "dir":
-        return _serve_dir(args, mountpoint, state_dir, decision.reason)
+        return _serve_dir(args, mountpoint, state_dir, decision)
     from fsagent.mount import MountOptions, serve
 
     opts = MountOptions(
@@ -109,18 +106,19 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0 if saved else EXIT_SAVE_FAILED
 
 
-def _serve_dir(args: argparse.Namespace, directory: Path, state_dir: Path, reason: str) -> int:
+def _serve_dir(
+    args: argparse.Namespace, directory: Path, state_dir: Path, decision: Decision
+) -> int:
     """The foreground daemon of a plain-directory collection (fsagent.dirmode)."""
     from fsagent.dirmode import DirOptions, serve_dir
 
     if args.mode == "auto":
-        print(f"fsagent: FUSE is not available ({reason}); {args.scope} is a plain "
-              "directory (dir mode)", file=sys.stderr)  # fmt: skip
+        print(f"fsagent: {dir_mode_line(args.scope, decision)}", file=sys.stderr)
     opts = DirOptions(
         args.scope,
         directory,
         state_dir,
-        reason,
+        decision.reason,
         args.prefetch,
         args.checkpoint_interval,
         Path(args.ready_file) if args.ready_file else None,

@@ -3,9 +3,11 @@
 Checks, in order: ``node``, ``bash`` with ``--shell bash``, and each
 ``--require`` CLI (probed exactly as ``fsagent launch`` probes them: ``sh -c
 'command -v CMD'`` in the environment launch gives its command, the sandbox's
-own with the env file's variables but not its ``PATH``), ``sh``, ``tar``, ``fusermount3``, ``/dev/fuse`` (a ``skip`` instead of a failure
+own with the env file's variables but not its ``PATH``), ``sh``, ``tar``,
+``fusermount3``, ``/dev/fuse`` (a ``skip``, with what was found,
 where the collections are plain directories), the ``mode`` (what ``--mode``,
-default auto, resolves to here and why: a test FUSE mount; and the mode of
+default auto, resolves to here and why, decided as ``fsagent up`` decides:
+the modes the state dirs record, else a test FUSE mount; and the mode of
 each collection already served), a writable home, cache
 (``$XDG_CACHE_HOME`` or ``~/.cache``) and tmp (``$TMPDIR``, else ``/tmp``: a
 file is made there and removed), the controller (reachable, and the run token
@@ -40,7 +42,7 @@ from fsagent import tls
 from fsagent.client import open_client
 from fsagent.daemon import read_token
 from fsagent.errors import ControllerRefused, DoctorFailed, FsagentError
-from fsagent.fuseprobe import MODES, decide, default_mode, recorded_mode
+from fsagent.fuseprobe import MODES, decide_all, default_mode, recorded_mode
 from fsagent.launch import (
     SHELLS,
     ContractUnmet,
@@ -115,28 +117,34 @@ def check_fuse() -> Check:
     return ok("/dev/fuse", "present")
 
 
-def check_mode(requested: str, state_root: Path) -> Check:
-    """The mode ``fsagent up`` would use here and why, and the mode of each
-    collection already served from ``state_root``."""
+def check_mode(requested: str, state_root: Path) -> tuple[Check, bool]:
+    """The mode ``fsagent up`` would use here and why (as ``up`` decides it,
+    following the modes the state dirs under ``state_root`` record), the mode
+    of each collection already served; and whether all four are plain
+    directories, so that the FUSE checks do not apply."""
     try:
-        decision = decide(requested, None)
+        modes = decide_all(requested, {scope: state_root / scope for scope in SCOPES})
     except FsagentError as exc:
-        return fail("mode", str(exc))
-    in_use = []
+        return fail("mode", str(exc)), False
+    in_use = {}
     for scope in SCOPES:
         recorded = recorded_mode(state_root / scope)
         if recorded is not None:
-            in_use.append(f"{scope}={recorded}")
-    detail = f"{decision.mode} ({decision.reason})"
+            in_use[scope] = recorded
+    if len({d.mode for d in modes.values()}) == 1:
+        # The reason of a collection without a record is the probe's own.
+        shown = next((modes[s] for s in SCOPES if s not in in_use), modes[SCOPES[0]])
+        detail = f"{shown.mode} ({shown.reason})"
+    else:
+        detail = "; ".join(f"{s}={modes[s].mode} ({modes[s].reason})" for s in SCOPES)
     if in_use:
-        detail += f"; in use: {', '.join(in_use)}"
-    return ok("mode", detail)
+        detail += f"; in use: {', '.join(f'{s}={m}' for s, m in in_use.items())}"
+    return ok("mode", detail), all(d.mode == "dir" for d in modes.values())
 
 
 def not_needed(check: Check) -> Check:
-    """A FUSE check that failed where collections are plain directories anyway."""
-    if check.status != "fail":
-        return check
+    """A FUSE check where every collection is a plain directory: shown, with
+    what it found, as a skip (whatever it found, nothing here uses it)."""
     return Check(check.name, "skip", f"{check.detail} (not needed: dir mode)")
 
 
@@ -223,9 +231,9 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     env = sandbox_env(file_env, home)
     checks = [check_cli(r.name, env, home) for r in requirements(args.require, args.shell)]
     checks += [check_cli(tool, env, home) for tool in ("sh", "tar")]
-    mode = check_mode(args.mode, default_state_root())
+    mode, plain = check_mode(args.mode, default_state_root())
     fuse_checks = [check_cli("fusermount3", env, home), check_fuse()]
-    if mode.status == "ok" and mode.detail.startswith("dir"):
+    if plain:
         fuse_checks = [not_needed(c) for c in fuse_checks]
     checks += [*fuse_checks, mode]
     cache = Path(env.get("XDG_CACHE_HOME") or home / ".cache")

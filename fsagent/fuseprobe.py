@@ -10,7 +10,12 @@ or break the daemon, and the daemon's own pyfuse3 session starts fresh.
 
 A state dir keeps the mode it was first served in (fsagent.statedir,
 ``claim_mode``): ``auto`` follows it, so a collection is never served in the
-other mode by accident.
+other mode by accident. ``fsagent up`` and ``doctor`` decide for the four
+collections of a state root at once (``decide_all``): when the state dirs
+that record a mode all record ``dir``, all four stay plain directories, even
+where FUSE works now (an unbound collection, or an agent folder whose local
+copy ended with its run, records nothing), and the line that says so names
+the recorded state, not a missing FUSE.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Final
 
@@ -37,6 +44,8 @@ class Decision:
 
     mode: str
     reason: str
+    recorded: bool = False
+    """Chosen by the mode a state dir records, under ``auto``; FUSE was not tried."""
 
 
 def default_mode() -> str:
@@ -97,15 +106,20 @@ def recorded_mode(state_dir: Path) -> str | None:
         state.close()
 
 
-def decide(requested: str, state_dir: Path | None, reason: str | None = None) -> Decision:
+def decide(
+    requested: str,
+    state_dir: Path | None,
+    reason: str | None = None,
+    probe: Callable[[], Decision] = probe_fuse,
+) -> Decision:
     """The mode for ``--mode requested``; ``reason`` is the caller's, when it
-    already decided (``fsagent up`` probes once for all four collections)."""
+    already decided (``fsagent up`` decides once for all four collections)."""
     if requested != "auto":
         return Decision(requested, reason or f"--mode {requested}")
     recorded = recorded_mode(state_dir) if state_dir is not None else None
     if recorded == "dir":
-        return Decision("dir", "the state dir holds a plain-directory collection")
-    found = probe_fuse()
+        return Decision("dir", DIR_STATE, recorded=True)
+    found = probe()
     if found.mode == "dir" and recorded == "fuse":
         raise MountFailed(
             f"FUSE is not available here ({found.reason}), and the state dir {state_dir} "
@@ -114,6 +128,44 @@ def decide(requested: str, state_dir: Path | None, reason: str | None = None) ->
     return found if recorded is None else Decision("fuse", f"{found.reason}; {FUSE_STATE}")
 
 
+def decide_all(
+    requested: str, state_dirs: Mapping[str, Path], reason: str | None = None
+) -> dict[str, Decision]:
+    """The mode of each collection of a sandbox (scope -> its state dir), with
+    FUSE probed at most once. Under ``auto``, when every state dir that records
+    a mode records ``dir``, all of them are plain directories: one sandbox, one
+    mode, the one its saved state was made in. Otherwise each follows its own
+    record (a FUSE record where FUSE is gone is refused, as by ``decide``), and
+    the ones without a record follow the probe."""
+    if requested == "auto":
+        records = {scope: recorded_mode(where) for scope, where in state_dirs.items()}
+        named = [scope for scope, mode in records.items() if mode is not None]
+        if named and all(records[scope] == "dir" for scope in named):
+            if len(named) == 1:
+                because = DIR_STATE.replace("the state dir", f"the state dir of {named[0]}")
+            else:
+                because = (
+                    f"the state dirs of {', '.join(named)} record dir mode (they hold "
+                    "plain-directory collections); FUSE not tried"
+                )
+            return {scope: Decision("dir", because, recorded=True) for scope in state_dirs}
+    probe = cache(probe_fuse)
+    return {scope: decide(requested, where, reason, probe) for scope, where in state_dirs.items()}
+
+
+def dir_mode_line(subject: str, decision: Decision, plural: bool = False) -> str:
+    """The one line ``auto`` says when it serves plain directories: FUSE is not
+    available, or the recorded state chose them (then FUSE was not tried)."""
+    if decision.recorded:
+        verb = "stay plain directories" if plural else "stays a plain directory"
+        return f"{subject} {verb} (dir mode): {decision.reason}"
+    verb = "are plain directories" if plural else "is a plain directory"
+    return f"FUSE is not available ({decision.reason}); {subject} {verb} (dir mode)"
+
+
+DIR_STATE: Final = (
+    "the state dir records dir mode (it holds a plain-directory collection); FUSE not tried"
+)
 FUSE_STATE: Final = "the state dir holds a FUSE collection"
 
 

@@ -2,7 +2,8 @@
 prepare``), start the local API endpoint (``fsagent bridge``), mount all four
 collections (one daemon process each) under one home (as FUSE mounts, or as
 plain directories where FUSE is unavailable: ``--mode``, decided once here
-and said in one line), start the repository
+for all four, following the modes their state dirs record, and said in one
+line), start the repository
 saver (``fsagent repos watch``), write the agent's environment file, and
 supervise them all.
 
@@ -37,7 +38,7 @@ from fsagent.client import RepoList, RunInfo
 from fsagent.daemon import client_from_args, is_ready
 from fsagent.envfile import format_env, write_env_file
 from fsagent.errors import MountFailed
-from fsagent.fuseprobe import decide
+from fsagent.fuseprobe import Decision, decide_all, dir_mode_line
 from fsagent.store import default_state_root
 from fsagent.tls import forwarded_argv, options_from
 
@@ -174,16 +175,41 @@ def served(mode: str, where: Path, ready: Path, child: subprocess.Popen[bytes]) 
     return is_ready(ready, child.pid)
 
 
+def say_dir_mode(modes: dict[str, Decision]) -> None:
+    """Under ``auto``, the one line that says which work folders are plain
+    directories and why: FUSE is not available (then all four are), or the
+    state dirs record dir mode (then FUSE was not tried)."""
+    plain = [scope for scope in SCOPES if modes[scope].mode == "dir"]
+    if not plain:
+        return
+    decision = next((modes[s] for s in plain if not modes[s].recorded), modes[plain[0]])
+    subject = "the work folders" if len(plain) == len(SCOPES) else ", ".join(plain)
+    line = dir_mode_line(subject, decision, plural=len(plain) > 1)
+    if len(plain) < len(SCOPES):
+        line += "; the others are FUSE mounts"
+    print(f"fsagent up: {line}", file=sys.stderr, flush=True)
+
+
+def served_as(modes: dict[str, Decision]) -> str:
+    """What ``up`` says it started: ``mounted task, agent, user, project``, or
+    ``ready (plain directories, dir mode): ...``, or both in a mixed sandbox."""
+    mounted = [scope for scope in SCOPES if modes[scope].mode == "fuse"]
+    plain = [scope for scope in SCOPES if modes[scope].mode == "dir"]
+    parts = [f"mounted {', '.join(mounted)}"] if mounted else []
+    if plain:
+        parts.append(f"ready (plain directories, dir mode): {', '.join(plain)}")
+    return "; ".join(parts)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Mount all four collections (one process each) and supervise them."""
     home = Path(args.home).absolute()
     state_root = Path(args.state_root) if args.state_root else default_state_root()
     run = fetch_run(args)
     format_env(env_for(home, run))  # a home no env file can name is refused before mounting
-    decision = decide(args.mode, None, args.mode_reason)
-    if args.mode == "auto" and decision.mode == "dir":
-        print(f"fsagent up: FUSE is not available ({decision.reason}); the work folders are "
-              "plain directories (dir mode)", file=sys.stderr, flush=True)  # fmt: skip
+    modes = decide_all(args.mode, {s: state_root / s for s in SCOPES}, args.mode_reason)
+    if args.mode == "auto":
+        say_dir_mode(modes)
     ready_dir = state_root / "run"
     stop = False
 
@@ -225,8 +251,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "--spin-us",
             str(args.spin_us),
         ]
-        argv += ["--mode", decision.mode, "--mode-reason", decision.reason]
-        if decision.mode == "dir":
+        argv += ["--mode", modes[scope].mode, "--mode-reason", modes[scope].reason]
+        if modes[scope].mode == "dir":
             ready = ready_dir / f"{scope}.ready"
             ready.unlink(missing_ok=True)
             argv += ["--ready-file", str(ready)]
@@ -243,7 +269,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     failed: str | None = None
     while pending and not stop and failed is None:
         for scope in list(pending):
-            if served(decision.mode, home / scope, ready_dir / f"{scope}.ready", children[scope]):
+            if served(
+                modes[scope].mode, home / scope, ready_dir / f"{scope}.ready", children[scope]
+            ):
                 pending.discard(scope)
             elif children[scope].poll() is not None:
                 failed = f"{scope} exited with {children[scope].returncode}"
@@ -253,11 +281,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if failed is None and not stop:
         env_file = Path(args.env_file) if args.env_file else state_root / "env"
         write_env_file(env_file, {**env_for(home, run), **repo_env, **api_env})
-        verb = "mounted" if decision.mode == "fuse" else "ready (plain directories, dir mode):"
-        print(
-            f"fsagent: {verb} {', '.join(SCOPES)} under {home}; environment in {env_file}",
-            flush=True,
-        )
+        print(f"fsagent: {served_as(modes)} under {home}; environment in {env_file}", flush=True)
         while not stop and all(c.poll() is None for c in children.values()):
             time.sleep(0.2)
     for child in children.values():

@@ -4,7 +4,8 @@ run's save over one saves none of its agent-folder changes, says why in its
 receipt and warns, and the next run gets the previous folder; the run's local
 copy is discarded at stop; an over-limit folder restores and warns until it
 is back under; transient failures get three attempts, then a failure receipt.
-Real controller, PostgreSQL and FUSE; the limits are lowered by the
+Real controller, PostgreSQL and FUSE (the run-save tests also on a plain
+directory, dir mode, with the same assertions); the limits are lowered by the
 controller's flags so that a few small files reach them."""
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def write_past(root: Path, limit: str) -> dict[str, Any]:
 @pytest.mark.fuse
 @pytest.mark.parametrize("limit", ["fileBytes", "totalBytes", "entries"])
 def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
-    mounts: MountFactory, st: Tenant, limit: str
+    mode_mounts: MountFactory, st: Tenant, limit: str
 ) -> None:
+    mounts = mode_mounts  # a FUSE mount, then a plain directory: the same contract
     agent = new_agent(st)
     with st.client() as c:
         assert put(c, st, "agent", agent, "keep.md", b"saved before").status_code == 201
@@ -181,6 +183,8 @@ def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
     assert [w["code"] for w in mine["warnings"]] == ["AGENT_FILES_LIMIT_EXCEEDED"]
     # The local copy is gone: no archive, nothing left to ship later.
     assert list(m.state_dir.iterdir()) == []
+    if m.mode == "dir":  # the directory itself is the local copy
+        assert list(m.mountpoint.iterdir()) == []
 
     # The next run gets the previous saved folder.
     run.end()
@@ -194,8 +198,9 @@ def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
 
 @pytest.mark.fuse
 def test_a_periodic_save_over_a_limit_is_retried_once_the_agent_cleans_up(
-    mounts: MountFactory, st: Tenant
+    mode_mounts: MountFactory, st: Tenant
 ) -> None:
+    mounts = mode_mounts  # a FUSE mount, then a plain directory: the same contract
     agent = new_agent(st)
     run = start_agent_run(st, agent, user=st.user_id)
     m = mount_agent(mounts, run)
@@ -322,8 +327,9 @@ COMMITS = r"/folders/agent/checkpoints$"
 @pytest.mark.fuse
 @pytest.mark.parametrize("failures", [2, 100])
 def test_transient_failures_get_three_attempts_then_a_failure_receipt(
-    mounts: MountFactory, tenant: Tenant, proxy: LossyProxy, failures: int
+    mode_mounts: MountFactory, tenant: Tenant, proxy: LossyProxy, failures: int
 ) -> None:
+    mounts = mode_mounts  # a FUSE mount, then a plain directory: the same contract
     agent = new_agent(tenant)
     run = start_agent_run(tenant, agent, user=tenant.user_id)
     # One request per attempt (no retries within one): attempts are countable.
@@ -346,6 +352,8 @@ def test_transient_failures_get_three_attempts_then_a_failure_receipt(
         assert "after 3 attempt(s)" in receipt["error"]
         assert receipt["operationId"] and receipt["operationId"].startswith("cp-")
     assert list(m.state_dir.iterdir()) == []  # discarded either way
+    if m.mode == "dir":  # the directory itself is the local copy
+        assert list(m.mountpoint.iterdir()) == []
 
 
 def test_a_runs_api_saves_of_its_agent_folder_each_leave_a_receipt(st: Tenant) -> None:

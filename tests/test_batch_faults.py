@@ -1,7 +1,8 @@
 """Batched checkpoints under faults: the controller killed while batches are
 streaming, batch answers lost on the way back, and a batch body cut off mid
 stream. Nothing is published before the commit, and the replay converges on
-exactly one receipt with every file's bytes."""
+exactly one receipt with every file's bytes. The mount tests run on a FUSE
+mount, then on a plain directory, with the same assertions."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ from tests.test_checkpoints import flush, start_run, token_file
 
 pytestmark = pytest.mark.fuse
 BATCHES = r"/uploads/batch$"
+
+
+@pytest.fixture
+def mounts(mode_mounts: MountFactory) -> MountFactory:
+    """FUSE mounts, then plain directories: the same faults, the same assertions."""
+    return mode_mounts
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Checkpoints under controller-side faults: the controller killed mid-upload
 and restarted, and its PostgreSQL connections terminated between and during
 checkpoints. Each test runs on a controller of this module alone, drives a real
-fsagent mount, and checks the bytes served, the receipts in PostgreSQL and the
+fsagent mount (a FUSE mount, then a plain directory, with the same
+assertions), and checks the bytes served, the receipts in PostgreSQL and the
 change set left in the sandbox's journal.
 """
 
@@ -37,6 +38,12 @@ pytestmark = pytest.mark.fuse
 
 
 # --- helpers -------------------------------------------------------------------
+
+
+@pytest.fixture
+def mounts(mode_mounts: MountFactory) -> MountFactory:
+    """FUSE mounts, then plain directories: the same faults, the same assertions."""
+    return mode_mounts
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@ task, a stale lease, a full sandbox disk, and the user folder of a removed
 member. Each test drives real fsagent mounts against the shared controller and
 checks that nothing is lost, nothing stale overwrites newer bytes, and a
 refused save keeps its change set in the sandbox. All but the disk-full test
-(whose sandbox disk is the FUSE state dir) also run on plain directories.
+(whose sandbox disk is the FUSE state dir) also run on plain directories; dir
+mode has a disk-full test of its own, where the directory and the state dir
+share the full disk.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import pytest
 
 from tests.support.checkpoints import OCTET, journal, receipts, status, try_flush, versions
 from tests.support.controller import Tenant
-from tests.support.mount import REPO, FsagentMount, MountFactory
+from tests.support.mount import REPO, FsagentMount, MountFactory, mount_factory
+from tests.support.smallfs import assert_full, fill, free_fill, small_tmpfs
 from tests.test_checkpoints import flush, server_files, start_run, token_file
 
 pytestmark = pytest.mark.fuse
@@ -221,6 +224,52 @@ def test_disk_full_agent_gets_enospc_and_the_final_save_keeps_what_was_written(
         partial = saved.get(path)
         assert partial is None or data.startswith(partial), (path, len(partial))
     assert journal(m) == set()  # everything on the full disk was saved
+
+
+def files_on_disk(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_disk_full_in_dir_mode_the_final_save_saves_what_the_directory_holds(
+    tenant: Tenant,
+) -> None:
+    """Dir mode on a full disk: the collection's directory and its state dir on
+    one small filesystem, filled by the agent's writes (the kernel's own
+    ENOSPC: nothing of fsagent's is in the write path) and then to the last
+    block and inode. The final save still saves exactly what the directory
+    holds: reading needs no room, and the state dir's commits use the space
+    its LMDB file keeps in reserve (fsagent.statedir.GuardedEnv)."""
+    run = start_run(tenant)
+    with small_tmpfs() as disk, mount_factory(mode="dir") as mounts:
+        m = mounts.mount(
+            tenant.controller.url,
+            scope="task",
+            state_dir=disk / "state",
+            mountpoint=disk / "task",
+            token_file=token_file(mounts, run),
+        )
+        (m.mountpoint / "notes.txt").write_bytes(b"saved before the disk filled")
+        assert flush(m)["ok"] is True
+        for i in range(40):  # 40 x 4 MiB cannot fit on 64 MiB
+            error = write_synced(m.mountpoint / f"out{i:02}.bin", os.urandom(4 << 20))
+            if error is not None:
+                assert error.errno == errno.ENOSPC, error
+                break
+        else:
+            raise AssertionError("the disk never filled")
+        assert i >= 8, i
+        os.rename(m.mountpoint / "out00.bin", m.mountpoint / "first.bin")
+        (m.mountpoint / "notes.txt").unlink()
+        fill(disk)  # what the agent left: not a block, not an inode
+        assert_full(disk)
+        on_disk = files_on_disk(m.mountpoint)  # the cut-short file as far as it got
+        assert m.signal(signal.SIGTERM, timeout=120) == 0, m.stderr()
+        assert f"final save: {len(on_disk) + 1} change(s) saved" in m.stderr()
+        assert server_files(tenant, "task", run["task"]) == on_disk
+        assert journal(m) == set()
+        free_fill(disk)
 
 
 # --- user folder of a removed member ---------------------------------------------------

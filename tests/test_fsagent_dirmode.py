@@ -302,6 +302,167 @@ def test_auto_never_serves_a_fuse_collection_as_a_directory(mounts: MountFactory
     assert os.listdir(directory) == []
 
 
+def run_fsagent(
+    *args: str, home: Path, extra: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """An fsagent command with ``home`` as $HOME (doctor's state root is under it)."""
+    return subprocess.run(
+        [*(extra or []), sys.executable, "-m", "fsagent.cli", *args],
+        capture_output=True, text=True, cwd=REPO, check=False, timeout=300,
+        env={**os.environ, "HOME": str(home)},
+    )  # fmt: skip
+
+
+def start_up_here(base: Path, name: str, state: Path, controller: str, token: Path,
+                  *mode: str) -> subprocess.Popen[bytes]:  # fmt: skip
+    """``fsagent up`` where FUSE works, with ``state`` as its state root."""
+    with open(base / f"{name}.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "fsagent.cli", "up", "--home", str(base / "home"),
+             "--controller", controller, "--token-file", str(token), "--state-root", str(state),
+             "--env-file", str(base / f"{name}.env"), "--checkpoint-interval", "600", *mode],
+            cwd=REPO, stdout=log, stderr=log,
+        )  # fmt: skip
+
+
+def stop_up(proc: subprocess.Popen[bytes], log: Path) -> None:
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=180) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.fuse
+def test_auto_keeps_a_dir_mode_sandbox_in_dir_mode_where_fuse_works(tenant: Tenant) -> None:
+    """A sandbox first served as plain directories (``up --mode dir``), started
+    again with ``auto`` where FUSE works: ``up``, ``doctor`` and ``mount``
+    follow the mode its state records, and say that the recorded state chose it."""
+    run = start_run(tenant)
+    base = private_tmpdir("fsa-recorded-")
+    token = base / "token"
+    token.write_text(run["token"])
+    state = base / ".local" / "state" / "fsagent"  # doctor's state root, with HOME=base
+    home = base / "home"
+    try:
+        first = start_up_here(base, "first", state, tenant.controller.url, token, "--mode", "dir")
+        try:
+            wait_ready(first, base / "first.env", base / "first.log")
+            (home / "task" / "result.txt").write_bytes(b"saved in dir mode")
+        finally:
+            stop_up(first, base / "first.log")
+        assert "stay plain directories" not in (base / "first.log").read_text()  # --mode dir
+
+        # doctor decides as up does: the record, not the working FUSE.
+        res = run_fsagent("doctor", "--home", str(home), "--json", home=base)
+        assert res.returncode == 0, res.stdout + res.stderr
+        checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+        assert checks["mode"]["status"] == "ok"
+        assert checks["mode"]["detail"] == (
+            "dir (the state dirs of task, project record dir mode (they hold plain-directory "
+            "collections); FUSE not tried); in use: task=dir, project=dir"
+        )
+        for name in ("fusermount3", "/dev/fuse"):
+            assert checks[name]["status"] == "skip", checks[name]
+            assert checks[name]["detail"].endswith("(not needed: dir mode)"), checks[name]
+
+        again = start_up_here(base, "again", state, tenant.controller.url, token)
+        try:
+            wait_ready(again, base / "again.env", base / "again.log")
+            out = (base / "again.log").read_text()
+            assert out.count("fsagent up: the work folders stay plain directories (dir mode): "
+                             "the state dirs of task, project record dir mode") == 1, out  # fmt: skip
+            assert "FUSE is not available" not in out
+            assert (
+                f"ready (plain directories, dir mode): task, agent, user, project under {home}"
+                in out
+            )
+            for scope in ("task", "agent", "user", "project"):
+                assert not os.path.ismount(home / scope), scope
+            assert (home / "task" / "result.txt").read_bytes() == b"saved in dir mode"
+            [task] = fsagent_json("status", "--state-dir", str(state / "task"))["collections"]
+            assert task["mode"]["mode"] == "dir", task["mode"]
+            assert "the state dirs of task, project record dir mode" in task["mode"]["reason"]
+            (home / "task" / "more.txt").write_bytes(b"saved again")
+        finally:
+            stop_up(again, base / "again.log")
+        assert server_files(tenant, "task", run["task"]) == {
+            "result.txt": b"saved in dir mode",
+            "more.txt": b"saved again",
+        }
+
+        # `fsagent mount` alone (auto) says the same of its one collection.
+        ready = base / "task.ready"
+        with open(base / "mount.log", "wb") as log:
+            mount = subprocess.Popen(
+                [sys.executable, "-m", "fsagent.cli", "mount", "task", str(home / "task"),
+                 "--controller", tenant.controller.url, "--token-file", str(token),
+                 "--state-dir", str(state / "task"), "--foreground", "--ready-file", str(ready)],
+                cwd=REPO, stdout=log, stderr=log,
+            )  # fmt: skip
+        try:
+            wait_ready(mount, ready, base / "mount.log")
+            assert json.loads(ready.read_text())["mode"] == "dir"
+        finally:
+            stop_up(mount, base / "mount.log")
+        out = (base / "mount.log").read_text()
+        assert out.count("fsagent: task stays a plain directory (dir mode): the state dir "
+                         "records dir mode (it holds a plain-directory collection); "
+                         "FUSE not tried") == 1, out  # fmt: skip
+        assert "FUSE is not available" not in out
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.fuse
+def test_a_sandbox_of_mixed_records_serves_each_collection_in_its_own_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where records differ (one collection mounted by hand with ``--mode
+    dir``), each follows its own and the ones without a record follow the
+    probe; where all records say dir, FUSE is not even tried."""
+    from fsagent import fuseprobe
+    from fsagent.up import say_dir_mode, served_as
+
+    dirs = {scope: tmp_path / scope for scope in ("task", "agent", "user", "project")}
+    plain = DirStore.open(dirs["task"])
+    plain.claim_mode("dir", "--mode dir", "/home/agent/task")
+    plain.close()
+    fused = Store.open(dirs["agent"])
+    fused.hydrate([], 1)
+    fused.claim_mode("fuse", "a test mount works", "/home/agent/agent")
+    fused.close()
+    modes = fuseprobe.decide_all("auto", dirs)
+    assert {s: d.mode for s, d in modes.items()} == {
+        "task": "dir", "agent": "fuse", "user": "fuse", "project": "fuse",
+    }  # fmt: skip
+    assert modes["task"].recorded and modes["task"].reason == fuseprobe.DIR_STATE
+    assert modes["agent"].reason.endswith(fuseprobe.FUSE_STATE)
+    assert modes["user"].reason == "/dev/fuse opens and a test mount works"
+    say_dir_mode(modes)
+    assert capsys.readouterr().err == (
+        "fsagent up: task stays a plain directory (dir mode): the state dir records dir mode "
+        "(it holds a plain-directory collection); FUSE not tried; the others are FUSE mounts\n"
+    )
+    assert served_as(modes) == (
+        "mounted agent, user, project; ready (plain directories, dir mode): task"
+    )
+    # --mode decides for all, whatever is recorded.
+    assert {d.mode for d in fuseprobe.decide_all("dir", dirs).values()} == {"dir"}
+
+    shutil.rmtree(dirs["agent"])
+
+    def no_probe(timeout: float = 0.0) -> fuseprobe.Decision:
+        raise AssertionError("FUSE was tried")
+
+    monkeypatch.setattr(fuseprobe, "probe_fuse", no_probe)
+    modes = fuseprobe.decide_all("auto", dirs)
+    assert {d.mode for d in modes.values()} == {"dir"}
+    assert all(d.recorded for d in modes.values())
+
+
 def test_a_torn_write_is_never_saved_and_saves_whole_later(tenant: Tenant, tmp_path: Path) -> None:
     """The shipper of a plain directory, in process against the real controller:
     a file rewritten while it is read is left out (reported as retrying) while

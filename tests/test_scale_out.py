@@ -15,6 +15,9 @@ once); replica B sweeps never. Checked:
   object a file references: every referenced digest is still in the bucket;
 * a replica killed with SIGKILL while it holds a checkpoint commit loses
   nothing: fsagent retries through the other replica.
+
+The test runs with FUSE mounts, then with plain directories (dir mode): the
+same writers, the same kill, the same assertions.
 """
 
 from __future__ import annotations
@@ -244,6 +247,12 @@ def all_done(futures: list[concurrent.futures.Future[Any]]) -> None:
 
 
 # --- the test ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mounts(mode_mounts: MountFactory) -> MountFactory:
+    """FUSE mounts, then plain directories: the same kill, the same assertions."""
+    return mode_mounts
 
 
 def test_two_replicas_share_postgresql_and_s3(cluster: Cluster, mounts: MountFactory) -> None:
