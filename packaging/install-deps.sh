@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install the Debian packages this project needs, only those that are missing.
-#   packaging/install-deps.sh           runtime: FUSE, PostgreSQL server binaries, build tools
+#   packaging/install-deps.sh           runtime: FUSE, PostgreSQL server binaries, build tools,
+#                                       git (fsagent clones, saves and restores the task's
+#                                       repositories with it; the tests and the demo use it too)
 #   packaging/install-deps.sh --demo    also curl and Node.js, which the lines `make demo`
 #                                       prints use inside the demo sandbox
 #   packaging/install-deps.sh --test    also Chromium for the browser tests, npm for axe-core
@@ -9,7 +11,7 @@
 set -euo pipefail
 
 pkgs=(fuse3 libfuse3-dev pkg-config gcc make python3 python3-dev python3-venv
-      postgresql tar ca-certificates)
+      postgresql tar ca-certificates git)
 # Packages wanted only for the commands they provide: a machine that already
 # has the command from elsewhere (Node.js from NodeSource ships npm inside its
 # nodejs package, which conflicts with Debian's npm) keeps it.
