@@ -15,11 +15,11 @@
 set -euo pipefail
 
 pkgs=(fuse3 libfuse3-dev pkg-config gcc make python3 python3-dev python3-venv
-      postgresql tar ca-certificates)
+      postgresql tar ca-certificates git)
 # Packages wanted only for the commands they provide: a machine that already
 # has the command from elsewhere (Node.js from NodeSource ships npm inside its
 # nodejs package, which conflicts with Debian's npm) keeps it.
-cmds=(git:git)
+cmds=()
 for opt in "$@"; do
     case "$opt" in
         # Chromium for the browser tests, npm for axe-core, debootstrap and

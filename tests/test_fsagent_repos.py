@@ -39,6 +39,7 @@ from tests.support.gitrepos import (
     make_local_state,
     make_origin,
     new_repo_task,
+    path_state,
 )
 from tests.support.procs import free_port
 from tests.support.tmp import private_tmpdir, world_searchable_tmpdir
@@ -158,6 +159,86 @@ async def test_only_changes_travel_and_an_unchanged_checkout_sends_nothing(
         assert manifest.checkpoint_id == again.checkpoint_id != first["checkpointId"]
     finally:
         await client.aclose()
+
+
+def run_uploads(tenant: Tenant, run_id: str) -> dict[str, int]:
+    """What the controller recorded as uploaded by the run: digest -> size."""
+    with tenant.controller.db() as db:
+        rows = db.execute(
+            "SELECT digest, byte_size FROM run_uploads WHERE run_id = %s", (run_id,)
+        ).fetchall()
+    return {str(r[0]): int(r[1]) for r in rows}
+
+
+def carried_state(checkout: Path, paths: set[str]) -> dict[str, tuple[str, bool, bytes]]:
+    """What a checkpoint holds of each of ``paths`` that exists: kind, exec bit, contents."""
+    out = {}
+    for path in paths:
+        if not os.path.lexists(checkout / path):
+            continue
+        kind, mode, _, data = path_state(checkout / path)
+        out[path] = (kind, bool(mode & 0o100), data)
+    return out
+
+
+@pytest.mark.trio
+async def test_a_new_commit_sends_only_its_new_objects(
+    tmp_path: Path, origin: Path, repo_task: RepoTask
+) -> None:
+    """After a checkpoint, a commit adds a few loose objects and changes a few
+    of Git's files: only those travel, never the clone's pack again."""
+    git(origin, "repack", "-adq")  # the clone then holds one pack, as a remote clone does
+    ws = repo_task.add_workspace(str(origin), primary=True)
+    run = repo_task.start_run()
+    home, state = tmp_path / "home", tmp_path / "state"
+    client = repo_task.client(run)
+    bodies: list[dict[str, Any]] = []
+    commit = client.commit_repo_checkpoint
+
+    async def recording(workspace: str, body: dict[str, Any]) -> dict[str, Any]:
+        bodies.append(body)
+        return await commit(workspace, body)
+
+    client.commit_repo_checkpoint = recording  # type: ignore[method-assign]
+    try:
+        await prepare_all(client, home)
+        checkout = home / "repos" / "app"
+        await trio.sleep(1.1)  # the clone is then old enough to be cached
+        saver = await save_now(client, home, state)
+        base = {str(m["path"]): m for m in (await client.repo_manifest(ws)).members}
+        before = carried_state(checkout, set(base))
+        uploaded_before = run_uploads(repo_task.tenant, run.run_id)
+        assert set(uploaded_before) == {m["digest"] for m in base.values() if "digest" in m}
+        objects_before = set(git(checkout, "rev-list", "--all", "--objects").split("\n"))
+        (pack,) = [p for p in base if p.endswith(".pack")]
+
+        (checkout / "src" / "feature.py").write_text("feature = True\n")
+        git(checkout, "add", "src/feature.py")
+        git(checkout, "commit", "-q", "-m", "a feature")
+        objects_after = set(git(checkout, "rev-list", "--all", "--objects").split("\n"))
+        new_objects = {line.split()[0] for line in objects_after - objects_before}
+        assert len(new_objects) == 4  # the blob, src's tree, the root tree, the commit
+        outcome = await saver.checkpoint()
+    finally:
+        await client.aclose()
+    assert outcome.committed and not outcome.full
+    after = carried_state(checkout, set(base) | {str(m["path"]) for m in bodies[-1]["members"]})
+    changed = {p for p, was in after.items() if before.get(p) != was}
+    sent = {str(m["path"]): m for m in bodies[-1]["members"]}
+    assert set(sent) == changed
+    loose = {f".git/objects/{o[:2]}/{o[2:]}" for o in new_objects}
+    assert loose <= changed and "src/feature.py" in changed
+    assert {".git/index", ".git/refs/heads/main", ".git/logs/HEAD"} <= changed
+    assert pack not in changed and not any(p.endswith((".pack", ".idx")) for p in changed)
+    assert bodies[-1]["removed"] == []
+
+    # On the controller: exactly the new contents arrived, once each.
+    new_digests = {m["digest"] for m in sent.values() if m["kind"] == "file"} - set(uploaded_before)
+    uploaded = run_uploads(repo_task.tenant, run.run_id)
+    assert set(uploaded) - set(uploaded_before) == new_digests
+    assert outcome.uploaded == len(new_digests)
+    assert outcome.uploaded_bytes == sum(uploaded[d] for d in new_digests)
+    assert base[pack]["digest"] in uploaded_before  # sent once, with the first checkpoint
 
 
 @pytest.mark.trio

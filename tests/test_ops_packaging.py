@@ -204,3 +204,53 @@ def test_install_deps_installs_every_program_the_tests_run() -> None:
     missing = {p: pkg for p, pkg in missing.items() if pkg not in installed}
     assert missing == {}, f"install-deps.sh --test does not install {missing}"
     assert {"curl", "git"} <= installed
+
+
+def _install_deps_with(
+    tmp_path: Path, installed: set[str] | None
+) -> subprocess.CompletedProcess[str]:
+    """packaging/install-deps.sh run as a non-root user against a package
+    database that holds ``installed`` (None: every package)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    known = "" if installed is None else " ".join(sorted(installed))
+    stubs = {
+        "id": "#!/bin/sh\necho 1000\n",
+        # dpkg-query -W -f=... PACKAGE
+        "dpkg-query": (
+            '#!/bin/sh\nfor p; do last="$p"; done\n'
+            + (
+                'printf "install ok installed"; exit 0\n'
+                if installed is None
+                else f'for k in {known}; do [ "$k" = "$last" ] && '
+                'printf "install ok installed" && exit 0; done\nexit 1\n'
+            )
+        ),
+    }
+    for name, text in stubs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return subprocess.run(
+        ["bash", str(REPO / "packaging" / "install-deps.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+        timeout=60,
+        check=False,
+    )
+
+
+def test_install_deps_installs_git_where_it_is_missing(tmp_path: Path) -> None:
+    """The host needs git: fsagent clones, saves and restores repositories
+    with it, and the tests and the demo make repositories with it."""
+    everything_but_git = {
+        "fuse3", "libfuse3-dev", "pkg-config", "gcc", "make", "python3", "python3-dev",
+        "python3-venv", "postgresql", "tar", "ca-certificates",
+    }  # fmt: skip
+    missing = _install_deps_with(tmp_path, everything_but_git)
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == ("missing Debian packages: git (run this script as root)"), (
+        missing.stderr
+    )
+    complete = _install_deps_with(tmp_path, None)
+    assert (complete.returncode, complete.stdout, complete.stderr) == (0, "", "")

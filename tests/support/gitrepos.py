@@ -198,3 +198,26 @@ def new_repo_task(tenant: Tenant) -> RepoTask:
     task = ctl.admin("create-task", tenant.company_id, project, "t")["id"]
     agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
     return RepoTask(tenant, project, task, agent)
+
+
+def checkout_snapshot(root: Path) -> dict[str, tuple[str, int, int, bytes]]:
+    """Every path under ``root`` (``.git`` included, links not followed) with
+    its kind, mode, mtime and contents (a link's target): what must be the
+    same when nothing was allowed to touch the checkout."""
+    out: dict[str, tuple[str, int, int, bytes]] = {}
+    paths = [root]
+    for top, dirs, files in os.walk(root):  # links to directories are not followed
+        paths += [Path(top, name) for name in dirs + files]
+    for path in paths:
+        out[str(path.relative_to(root))] = path_state(path)
+    return out
+
+
+def path_state(path: Path) -> tuple[str, int, int, bytes]:
+    """One path's kind, mode, mtime and contents (a link's target; a directory: none)."""
+    st = path.lstat()
+    if path.is_symlink():
+        return "symlink", st.st_mode, st.st_mtime_ns, os.readlink(path).encode()
+    if path.is_dir():
+        return "dir", st.st_mode, st.st_mtime_ns, b""
+    return "file", st.st_mode, st.st_mtime_ns, path.read_bytes()
