@@ -142,6 +142,18 @@ class OwnerRequired(WorkFolderError):
     message = "Only an owner may give, change or take away the owner role"
 
 
+class TokenShared(WorkFolderError):
+    """A person's API token serves them in every company they belong to: one
+    company's owners and admins revoke it only while it serves that company alone."""
+
+    code = "token_shared"
+    status = 403
+    message = (
+        "This API token also serves its user in another company; remove the member from this"
+        " company instead, or have the host's operator revoke it (controller admin revoke-token)"
+    )
+
+
 class IsADirectory(WorkFolderError):
     code = "is_directory"
     status = 400

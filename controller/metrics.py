@@ -5,7 +5,8 @@ and the only machine credential, an operator token, belongs to one company.
 So they get an address of their own that the operator keeps off the public
 network. :class:`Observe` (an ASGI middleware) records every
 request by route template, method and status, the checkpoint and upload
-figures from the bridge answers, and sets the request context the logs use.
+figures (folder and repository checkpoints, every upload route) from their
+answers, and sets the request context the logs use.
 Pool use and active runs are read when scraped.
 """
 
@@ -26,22 +27,32 @@ from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.bridge import PREFIX
+from common.bridge import BATCH_MAX_MEMBERS, PREFIX
 from common.logs import RequestContext, current_request
 from controller.db import SharedPool
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_ROUTE = PREFIX + "/folders/{scope}/checkpoints"
+CHECKPOINT_ROUTES = {
+    PREFIX + "/folders/{scope}/checkpoints": "folder",
+    PREFIX + "/repos/{workspaceId}/checkpoints": "repository",
+}
+"""Checkpoint commit routes and the ``kind`` label of their series."""
 UPLOAD_ROUTES = {
     ("PUT", PREFIX + "/folders/{scope}/uploads"),
+    ("PUT", PREFIX + "/folders/{scope}/uploads/batch"),
     ("PUT", PREFIX + "/repos/{workspaceId}/uploads"),
+    ("PUT", PREFIX + "/repos/{workspaceId}/uploads/batch"),
     ("PUT", "/api/companies/{companyId}/work-folders/{scope}/{ownerId}/content"),
+    ("POST", "/api/companies/{companyId}/tasks/{taskId}/attachments"),
 }
-CAPTURED_ROUTES = {("POST", CHECKPOINT_ROUTE), *UPLOAD_ROUTES}
+CAPTURED_ROUTES = {("POST", route) for route in CHECKPOINT_ROUTES} | UPLOAD_ROUTES
 """Routes whose JSON answer :meth:`Metrics.record_answer` reads."""
 ANSWER_CAPTURE_BYTES = 64 * 1024
 """Longest answer body read back for its ``code`` (errors) or checkpoint figures."""
+BATCH_ANSWER_CAPTURE_BYTES = 1024 + BATCH_MAX_MEMBERS * 128
+"""A batch upload's answer lists every member (``{"digest": …, "byteSize": …}``,
+under 100 bytes each): all of it is read, or the batch would count nothing."""
 SCRAPE_QUERY_TIMEOUT = 5.0
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -62,19 +73,21 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         )  # fmt: skip
         self.checkpoints = Counter(
-            "controller_checkpoint_commits", "Checkpoints committed (replayed: a retry "
-            "answered from the first commit)", ["outcome"], registry=r,
+            "controller_checkpoint_commits", "Checkpoints committed, of a folder or a "
+            "repository (replayed: a retry answered from the first commit)",
+            ["kind", "outcome"], registry=r,
         )  # fmt: skip
         self.checkpoint_entries = Counter(
-            "controller_checkpoint_entries", "Entries of committed checkpoints", registry=r
-        )
-        self.checkpoint_bytes = Counter(
-            "controller_checkpoint_bytes", "Content bytes referenced by committed checkpoints",
+            "controller_checkpoint_entries", "Entries of applied checkpoints", ["kind"],
             registry=r,
         )  # fmt: skip
+        self.checkpoint_bytes = Counter(
+            "controller_checkpoint_bytes", "Content bytes referenced by applied checkpoints",
+            ["kind"], registry=r,
+        )  # fmt: skip
         self.checkpoint_refusals = Counter(
-            "controller_checkpoint_refusals", "Checkpoints refused, by error code", ["code"],
-            registry=r,
+            "controller_checkpoint_refusals", "Checkpoints refused, by error code",
+            ["kind", "code"], registry=r,
         )  # fmt: skip
         self.upload_bytes = Counter(
             "controller_upload_bytes", "Content bytes of accepted uploads (before framing "
@@ -109,18 +122,18 @@ class Metrics:
             answer = {}
         if (method, route) in UPLOAD_ROUTES:
             if status < 300:
-                size = answer.get("byteSize", (answer.get("file") or {}).get("byteSize"))
-                self.upload_bytes.labels(route).inc(int(size or 0))
+                self.upload_bytes.labels(route).inc(uploaded_bytes(answer))
             return
+        kind = CHECKPOINT_ROUTES[route]
         if status >= 400:
-            self.checkpoint_refusals.labels(str(answer.get("code") or status)).inc()
+            self.checkpoint_refusals.labels(kind, str(answer.get("code") or status)).inc()
             return
         if answer.get("replayed"):
-            self.checkpoints.labels("replayed").inc()
+            self.checkpoints.labels(kind, "replayed").inc()
             return
-        self.checkpoints.labels("applied").inc()
-        self.checkpoint_entries.inc(int(answer.get("entries") or 0))
-        self.checkpoint_bytes.inc(int(answer.get("byteSize") or 0))
+        self.checkpoints.labels(kind, "applied").inc()
+        self.checkpoint_entries.labels(kind).inc(int(answer.get("entries") or 0))
+        self.checkpoint_bytes.labels(kind).inc(int(answer.get("byteSize") or 0))
 
     def listen(self, address: str) -> None:
         """Start the scrape listener (a thread) on HOST:PORT; OSError if it cannot bind."""
@@ -178,15 +191,29 @@ class _PoolCollector(Collector):
             "Requests waiting for a connection",
             value=stats.get("requests_waiting", 0),
         )
+        future = asyncio.run_coroutine_threadsafe(self._active_runs(), self.loop)
         try:
-            future = asyncio.run_coroutine_threadsafe(self._active_runs(), self.loop)
             yield GaugeMetricFamily(
                 "controller_active_runs",
                 "Runs not yet ended",
                 value=future.result(SCRAPE_QUERY_TIMEOUT),
             )
         except Exception as exc:  # a scrape must still answer while the database is down
-            log.warning("metrics: cannot count active runs: %s", exc)
+            future.cancel()  # not left waiting for a pool connection after the scrape
+            log.warning("metrics: cannot count active runs: %s", exc or type(exc).__name__)
+
+
+def uploaded_bytes(answer: dict[str, Any]) -> int:
+    """Content bytes an upload's answer reports: one object (``byteSize``), a
+    batch (``objects``), a work-folder file (``file``) or an attachment."""
+    objects = answer.get("objects")
+    if isinstance(objects, list):
+        return sum(int(o.get("byteSize") or 0) for o in objects if isinstance(o, dict))
+    for wrapper in ("file", "attachment"):
+        inner = answer.get(wrapper)
+        if isinstance(inner, dict):
+            return int(inner.get("byteSize") or 0)
+    return int(answer.get("byteSize") or 0)
 
 
 def route_template(routes: Sequence[BaseRoute], scope: Scope) -> str:
@@ -232,6 +259,7 @@ class Observe:
         status = 500
         captured = bytearray()
         capture = (method, route) in CAPTURED_ROUTES
+        limit = BATCH_ANSWER_CAPTURE_BYTES if route.endswith("/batch") else ANSWER_CAPTURE_BYTES
 
         async def observing_send(message: Message) -> None:
             nonlocal status
@@ -243,12 +271,8 @@ class Observe:
                     *message["headers"],
                     (b"x-request-id", ctx.request_id.encode()),
                 ]
-            elif (
-                capture
-                and message["type"] == "http.response.body"
-                and len(captured) < ANSWER_CAPTURE_BYTES
-            ):
-                captured.extend(message.get("body", b"")[:ANSWER_CAPTURE_BYTES])
+            elif capture and message["type"] == "http.response.body" and len(captured) < limit:
+                captured.extend(message.get("body", b"")[: limit - len(captured)])
             await send(message)
 
         try:

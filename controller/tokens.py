@@ -1,6 +1,15 @@
 """Credentials an operator manages: people's API tokens (listed and revoked by
 id, never shown again), operator tokens for machines, Files page sessions.
 
+The host's operator (``controller admin``) may act on any of them. A
+company's owners and admins (the admin API, ``actor``) act only on their
+company's: its operator tokens, and its members' API tokens and sessions,
+under the owner rule (only an owner acts on an owner's credentials). A
+person's API token and sessions serve them in every company they belong to:
+a company revokes such a token only while the person belongs to no other
+company (:class:`~common.errors.TokenShared`); ending sessions only signs the
+person out, so a company may end them whatever else they belong to.
+
 An **operator token** belongs to one company and opens only that company's
 orchestrator routes (``/api/companies/{companyId}/…``: reading members;
 agents, projects, tasks, runs and their audit trails): never a membership
@@ -17,9 +26,9 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from common.errors import TokenNotFound
+from common.errors import MemberNotFound, OwnerRequired, TokenNotFound, TokenShared
 from controller.apply import Row
-from controller.auth import OPERATOR_TOKEN_PREFIX, new_token, token_hash
+from controller.auth import OPERATOR_TOKEN_PREFIX, CompanyActor, new_token, token_hash
 from controller.orgs import check_name, check_uuid, require_company, require_user
 
 
@@ -92,42 +101,88 @@ async def list_operator_tokens(conn: AsyncConnection[Any], company: str) -> list
     return list(await cur.fetchall())
 
 
+async def _member_role(conn: AsyncConnection[Any], company: str, user: str) -> str | None:
+    cur = await conn.execute(
+        "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s FOR SHARE",
+        (company, user),
+    )
+    row = await cur.fetchone()
+    return None if row is None else str(row["role"])
+
+
+async def _check_company_may_revoke(
+    conn: AsyncConnection[Any], token: Row, actor: CompanyActor
+) -> None:
+    """Whether ``actor``'s company may revoke ``token`` (TokenNotFound for a
+    token that is none of the company's, as if it did not exist)."""
+    if token["kind"] == "operator":
+        if str(token["company_id"]) != actor.company_id:
+            raise TokenNotFound(f"no such token in the company: {token['id']}")
+        return
+    user = str(token["user_id"])
+    # Locked first: a membership of the user added meanwhile (its foreign key
+    # takes a key-share lock on this row) waits until the revocation commits.
+    await conn.execute("SELECT 1 FROM users WHERE id = %s FOR UPDATE", (user,))
+    role = await _member_role(conn, actor.company_id, user)
+    if role is None:
+        raise TokenNotFound(f"no such token in the company: {token['id']}")
+    if role == "owner" and not actor.is_owner:
+        raise OwnerRequired("Only an owner may revoke an owner's API token")
+    cur = await conn.execute(
+        "SELECT 1 FROM memberships WHERE user_id = %s AND company_id <> %s LIMIT 1",
+        (user, actor.company_id),
+    )
+    if await cur.fetchone() is not None:
+        raise TokenShared()
+
+
 async def revoke_token(
-    conn: AsyncConnection[Any], token_id: str, *, operator_of: str | None = None
+    conn: AsyncConnection[Any],
+    token_id: str,
+    *,
+    actor: CompanyActor | None = None,
+    operator_only: bool = False,
 ) -> Row:
     """Revoke an API or operator token by id; requests presenting it answer
     401 from now on. Revoking it again changes nothing (the first time is kept).
 
-    ``operator_of`` limits this to the operator tokens of that company (the
-    admin API: a company's admins never revoke a person's API token, which
-    serves the person in every company they belong to)."""
+    With ``actor`` (the admin API) only a token of the actor's company, under
+    the rules in the module docstring; ``operator_only`` limits it to
+    operator tokens (a person's token is then not found)."""
     token_id = check_uuid(token_id, "token")
-    row: Row | None = None
-    if operator_of is None:
-        cur = await conn.execute(
-            "UPDATE api_tokens SET revoked_at = coalesce(revoked_at, now())"
-            " WHERE id = %s RETURNING id",
-            (token_id,),
-        )
-        row = await cur.fetchone()
-    if row is None:
-        cur = await conn.execute(
-            "UPDATE operator_tokens SET revoked_at = coalesce(revoked_at, now())"
-            " WHERE id = %s AND (%s::uuid IS NULL OR company_id = %s::uuid) RETURNING id",
-            (token_id, operator_of, operator_of),
-        )
-        row = await cur.fetchone()
-    if row is None:
+    cur = await conn.execute(_TOKENS + " WHERE t.id = %s", (token_id,))
+    token: Row | None = await cur.fetchone()
+    if token is None or (operator_only and token["kind"] != "operator"):
         raise TokenNotFound(f"no such token: {token_id}")
+    if actor is not None:
+        await _check_company_may_revoke(conn, token, actor)
+    table = "operator_tokens" if token["kind"] == "operator" else "api_tokens"
+    await conn.execute(
+        f"UPDATE {table} SET revoked_at = coalesce(revoked_at, now()) WHERE id = %s",
+        (token_id,),
+    )
     cur = await conn.execute(_TOKENS + " WHERE t.id = %s", (token_id,))
     found: Row | None = await cur.fetchone()
     assert found is not None
     return found
 
 
-async def end_sessions(conn: AsyncConnection[Any], user: str) -> int:
-    """End every Files page session of ``user``; their next request is 401."""
+async def end_sessions(
+    conn: AsyncConnection[Any], user: str, *, actor: CompanyActor | None = None
+) -> int:
+    """End every Files page session of ``user``; their next request is 401.
+    With ``actor`` (the admin API) only for a member of the actor's company,
+    an owner's only by an owner."""
     user = check_uuid(user, "user")
-    await require_user(conn, user)
+    if actor is None:
+        await require_user(conn, user)
+    else:
+        # Not a member and no such user answer alike: a company learns
+        # nothing of people outside it.
+        role = await _member_role(conn, actor.company_id, user)
+        if role is None:
+            raise MemberNotFound(f"user {user} is not a member of company {actor.company_id}")
+        if role == "owner" and not actor.is_owner:
+            raise OwnerRequired("Only an owner may end an owner's sessions")
     cur = await conn.execute("DELETE FROM web_sessions WHERE user_id = %s", (user,))
     return cur.rowcount

@@ -6,8 +6,9 @@ result for the same operation (they share one domain layer)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,18 @@ class World:
         )  # fmt: skip
         return agent, member
 
+    def member_token_id(self) -> str:
+        """The API token id of a new member (in this company only)."""
+        user_id = self.fresh_member()
+        return token_ids(self.ctl, user_id)[0]
+
+    def signed_in_member(self) -> str:
+        """A new member with a Files page session; their id."""
+        user_id, token = self.tenant.new_member("member")
+        with sign_in(self.tenant, token):
+            pass  # the session stays
+        return user_id
+
     def fresh_run(self) -> str:
         out = self.ctl.admin("start-run", self.tenant.company_id, "--agent", self.agent)
         return str(out["run_id"])
@@ -97,11 +110,34 @@ class World:
                 " (SELECT array_agg((id, entry_path)::text ORDER BY id) FROM agents"
                 "   WHERE company_id = %(c)s),"
                 " (SELECT array_agg((agent_id, user_id, permission)::text"
-                "   ORDER BY agent_id, user_id) FROM agent_grants WHERE company_id = %(c)s)",
+                "   ORDER BY agent_id, user_id) FROM agent_grants WHERE company_id = %(c)s),"
+                " (SELECT array_agg((t.id, t.revoked_at IS NULL)::text ORDER BY t.id)"
+                "   FROM api_tokens t JOIN memberships m ON m.user_id = t.user_id"
+                "   AND m.company_id = %(c)s),"
+                " (SELECT count(*) FROM web_sessions s JOIN memberships m"
+                "   ON m.user_id = s.user_id AND m.company_id = %(c)s)",
                 {"c": self.tenant.company_id},
             ).fetchone()
         assert row is not None
         return tuple(row)
+
+
+def token_ids(ctl: ControllerProcess, user_id: str) -> list[str]:
+    """The user's API token ids, oldest first."""
+    with ctl.db() as db:
+        rows = db.execute(
+            "SELECT id FROM api_tokens WHERE user_id = %s ORDER BY created_at, id", (user_id,)
+        ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+@contextlib.contextmanager
+def sign_in(tenant: Tenant, token: str) -> Iterator[httpx.Client]:
+    """A client holding a Files page session of ``token``'s user."""
+    with httpx.Client(base_url=tenant.controller.url, timeout=60) as c:
+        r = c.post("/files/api/session", json={"token": token})
+        assert r.status_code == 200 and c.cookies, r.text
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +250,12 @@ CASES: dict[str, tuple[Case, int]] = {
         lambda w: ("DELETE", f"{w.base}/operator-tokens/{w.operator_token()['token_id']}", None),
         200,
     ),
+    "list tokens": (lambda w: ("GET", w.base + "/tokens", None), 200),
+    "revoke token": (lambda w: ("DELETE", f"{w.base}/tokens/{w.member_token_id()}", None), 200),
+    "end sessions": (
+        lambda w: ("DELETE", f"{w.base}/members/{w.signed_in_member()}/sessions", None),
+        200,
+    ),
 }
 
 PEOPLE_ONLY = {
@@ -225,9 +267,12 @@ PEOPLE_ONLY = {
     "list operator tokens",
     "create operator token",
     "revoke operator token",
+    "list tokens",
+    "revoke token",
+    "end sessions",
 }
 """Routes an operator token may not use: who belongs to the company, who may
-configure an agent, and tokens."""
+configure an agent, tokens and sessions."""
 
 
 def expected(case: str, caller: str, ok: int) -> tuple[int, str | None]:
@@ -362,6 +407,97 @@ def test_operator_tokens_over_the_api(world: World) -> None:
         assert r.status_code == 404 and r.json()["code"] == "token_not_found"
     with _client(other, foreign["token"]) as op:
         assert op.get(f"/api/companies/{other.company_id}/agents").status_code == 200
+
+
+def _listed(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(t["tokenId"], t["kind"], t["userId"], t["name"], t["revokedAt"] is None) for t in rows]
+
+
+def test_members_tokens_and_sessions_over_the_api(world: World) -> None:
+    """Owners and admins list the company's tokens and revoke them, and end
+    members' sessions, with the command line's domain functions and under
+    the owner rule; a person's token serving another company stays theirs."""
+    t, ctl, b = world.tenant, world.ctl, world.base
+    member, member_token = t.new_member("member")
+    (member_token_id,) = token_ids(ctl, member)
+    with _client(t, world.tokens["admin"]) as admin:
+        listed = admin.get(b + "/tokens")
+        assert listed.status_code == 200, listed.text
+        rows = listed.json()["tokens"]
+        assert all("token" not in r for r in rows)
+        by_id = {r["tokenId"]: r for r in rows}
+        assert by_id[member_token_id]["kind"] == "user"
+        assert by_id[member_token_id]["userId"] == member
+        assert {r["kind"] for r in rows} == {"user", "operator"}
+        # The command line lists the same tokens, in the same order.
+        cli = ctl.admin("list-tokens", "--company", t.company_id)["tokens"]
+        assert [(r["token_id"], r["kind"], r["user_id"], r.get("name"), r["revoked_at"] is None)
+                for r in cli] == _listed(rows)  # fmt: skip
+        mine = admin.get(b + "/tokens", params={"userId": member}).json()["tokens"]
+        assert [r["tokenId"] for r in mine] == [member_token_id]
+        bad = admin.get(b + "/tokens", params={"userId": "me"})
+        assert bad.status_code == 400 and bad.json()["details"][0]["field"] == "userId"
+
+        # Revoked: the member's token answers 401 from the next request.
+        with _client(t, member_token) as m:
+            assert m.get(b + "/directory").status_code == 200
+            r = admin.delete(f"{b}/tokens/{member_token_id}")
+            assert r.status_code == 200, r.text
+            assert r.json()["tokenId"] == member_token_id and r.json()["revokedAt"] is not None
+            assert m.get(b + "/directory").status_code == 401
+        again = admin.delete(f"{b}/tokens/{member_token_id}")
+        assert again.json()["revokedAt"] == r.json()["revokedAt"]
+
+        # Refusals change nothing: an owner's token (admins), a token that also
+        # serves another company, tokens that are none of this company's.
+        other = bootstrap_tenant(ctl)
+        shared, shared_token = t.new_member("member")
+        ctl.admin("add-member", other.company_id, shared, "--role", "viewer")
+        (shared_id,) = token_ids(ctl, shared)
+        for token_id, status, code in (
+            (token_ids(ctl, t.user_id)[0], 403, "owner_required"),
+            (shared_id, 403, "token_shared"),
+            (token_ids(ctl, other.user_id)[0], 404, "token_not_found"),
+            (world.operator_token(other.company_id)["token_id"], 404, "token_not_found"),
+            (str(uuid.uuid4()), 404, "token_not_found"),
+        ):
+            before = world.snapshot()
+            r = admin.delete(f"{b}/tokens/{token_id}")
+            assert r.status_code == status and r.json()["code"] == code, r.text
+            assert world.snapshot() == before
+        with _client(t, shared_token) as s:
+            assert s.get(b + "/directory").status_code == 200
+        # The host's operator is bound by no company: it may.
+        assert ctl.admin("revoke-token", shared_id)["revoked"] is True
+
+        # Sessions: the member is signed out, in every company.
+        signed_in, token = t.new_member("member")
+        with sign_in(t, token) as browser:
+            assert browser.get("/files/api/session").status_code == 200
+            ended = admin.delete(f"{b}/members/{signed_in}/sessions")
+            assert ended.status_code == 200, ended.text
+            assert ended.json() == {"userId": signed_in, "ended": 1}
+            assert browser.get("/files/api/session").status_code == 401
+        assert admin.delete(f"{b}/members/{signed_in}/sessions").json()["ended"] == 0
+        with sign_in(t, t.token) as owner_browser:
+            for user, status, code in (
+                (t.user_id, 403, "owner_required"),
+                (other.user_id, 404, "member_not_found"),
+                (str(uuid.uuid4()), 404, "member_not_found"),
+            ):
+                before = world.snapshot()
+                r = admin.delete(f"{b}/members/{user}/sessions")
+                assert r.status_code == status and r.json()["code"] == code, r.text
+                assert world.snapshot() == before
+            assert owner_browser.get("/files/api/session").status_code == 200
+    # An owner acts on an admin's credentials.
+    admin_id, admin_token = t.new_member("admin")
+    with _client(t, t.token) as owner:
+        with sign_in(t, admin_token):
+            r = owner.delete(f"{b}/members/{admin_id}/sessions")
+            assert r.json() == {"userId": admin_id, "ended": 1}
+        r = owner.delete(f"{b}/tokens/{token_ids(ctl, admin_id)[0]}")
+        assert r.status_code == 200 and r.json()["revokedAt"] is not None, r.text
 
 
 def test_only_an_owner_touches_the_owner_role_and_one_owner_stays(world: World) -> None:

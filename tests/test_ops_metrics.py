@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.bridge import BATCH_MAX_MEMBERS, encode_batch
 from tests.support.bridge import start_run
 from tests.support.constants import REPO
 from tests.support.controller import (
@@ -22,6 +25,7 @@ from tests.support.controller import (
     world_searchable_tmpdir,
 )
 from tests.support.procs import free_port
+from tests.support.repos import file_member, members_of, repo_run, small_repo
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -43,7 +47,8 @@ def metered(pg_cluster: PgCluster) -> Iterator[tuple[ControllerProcess, str]]:
 
 
 def scrape(url: str) -> Samples:
-    r = httpx.get(url)
+    # Up to SCRAPE_QUERY_TIMEOUT (5 s) of it may be the active runs query.
+    r = httpx.get(url, timeout=30)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     out: Samples = {}
@@ -118,10 +123,10 @@ def test_counters_move_with_real_traffic(metered: tuple[ControllerProcess, str])
         == 3
     )
     assert moved("controller_http_requests_total", route="/readyz", method="GET", status="200") == 1
-    assert moved("controller_checkpoint_commits_total", outcome="applied") == 1
-    assert moved("controller_checkpoint_entries_total") == 2
-    assert moved("controller_checkpoint_bytes_total") == len(data) + len(b"second")
-    assert moved("controller_checkpoint_refusals_total", code=refused_code) == 1
+    assert moved("controller_checkpoint_commits_total", kind="folder", outcome="applied") == 1
+    assert moved("controller_checkpoint_entries_total", kind="folder") == 2
+    assert moved("controller_checkpoint_bytes_total", kind="folder") == len(data) + len(b"second")
+    assert moved("controller_checkpoint_refusals_total", kind="folder", code=refused_code) == 1
     uploads = "/bridge/v1/folders/{scope}/uploads"
     assert moved("controller_upload_bytes_total", route=uploads) == len(data) + len(b"second")
     content = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}/content"
@@ -142,6 +147,93 @@ def test_counters_move_with_real_traffic(metered: tuple[ControllerProcess, str])
     assert not any(tenant.company_id in v for (_, labels) in after for _, v in labels)
 
 
+def test_batch_repository_and_attachment_uploads_are_counted(
+    metered: tuple[ControllerProcess, str],
+) -> None:
+    """Every upload route counts its content bytes: batches (fsagent sends
+    small files that way) of a folder and of a repository, single repository
+    uploads, and task attachments."""
+    ctl, url = metered
+    tenant = bootstrap_tenant(ctl)
+    run = start_run(tenant)
+    repo = repo_run(tenant)
+    ws = repo.ws()
+    # A full batch: its answer lists every member and is longer than 64 KiB.
+    full = [f"member {i} ".encode() * (1 + i % 7) for i in range(BATCH_MAX_MEMBERS)]
+    small = [b"one", b"two two", b""]
+    big = os.urandom(70_000)  # over a batch member's limit: a single upload
+    attachment = b"attached " * 123
+    before = scrape(url)
+    with run.client() as c:
+        for members in (full, small):
+            r = c.put("/folders/task/uploads/batch", content=encode_batch(members))
+            assert r.status_code == 200, r.text
+            assert len(r.json()["objects"]) == len(members)
+    with repo.client() as c:
+        r = c.put(f"/repos/{ws}/uploads/batch", content=encode_batch(small))
+        assert r.status_code == 200, r.text
+    assert repo.upload(ws, big).status_code == 200
+    with tenant.client() as c:
+        r = c.post(
+            f"/api/companies/{tenant.company_id}/tasks/{run.task}/attachments",
+            params={"name": "notes.txt"},
+            content=attachment,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert r.status_code == 201, r.text
+    after = scrape(url)
+
+    def moved(route: str) -> float:
+        return value(after, "controller_upload_bytes_total", route=route) - value(
+            before, "controller_upload_bytes_total", route=route
+        )
+
+    total = sum(map(len, small))
+    assert moved("/bridge/v1/folders/{scope}/uploads/batch") == sum(map(len, full)) + total
+    assert moved("/bridge/v1/repos/{workspaceId}/uploads/batch") == total
+    assert moved("/bridge/v1/repos/{workspaceId}/uploads") == len(big)
+    assert moved("/api/companies/{companyId}/tasks/{taskId}/attachments") == len(attachment)
+
+
+def test_repository_checkpoints_are_counted(metered: tuple[ControllerProcess, str]) -> None:
+    ctl, url = metered
+    tenant = bootstrap_tenant(ctl)
+    repo = repo_run(tenant)
+    ws = repo.ws()
+    tree = small_repo()
+    files = [c for c in tree.values() if isinstance(c, bytes)]
+    before = scrape(url)
+    op = str(uuid.uuid4())
+    receipt = repo.save(ws, tree, operation_id=op)
+    assert receipt["byteSize"] == sum(map(len, files))
+    # The same operation again (a retry after a lost answer): replayed.
+    again = repo.commit(ws, members_of(tree), operation_id=op)
+    assert again.status_code == 200 and again.json()["replayed"] is True, again.text
+    unknown = repo.commit(
+        ws, [file_member("x.txt", b"never uploaded")], base=receipt["checkpointId"]
+    )
+    assert unknown.status_code == 422, unknown.text
+    code = unknown.json()["code"]
+    # A folder checkpoint moves only the folder's series.
+    folder = start_run(tenant).save("task", {"f.txt": b"folder"})
+    assert folder.status_code == 200, folder.text
+    after = scrape(url)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    commits = "controller_checkpoint_commits_total"
+    assert moved(commits, kind="repository", outcome="applied") == 1
+    assert moved(commits, kind="repository", outcome="replayed") == 1
+    assert moved("controller_checkpoint_entries_total", kind="repository") == receipt["entries"]
+    assert receipt["entries"] == len(tree)
+    assert moved("controller_checkpoint_bytes_total", kind="repository") == receipt["byteSize"]
+    assert moved("controller_checkpoint_refusals_total", kind="repository", code=code) == 1
+    assert moved(commits, kind="folder", outcome="applied") == 1
+    assert moved("controller_checkpoint_bytes_total", kind="folder") == len(b"folder")
+    assert moved(commits, kind="folder", outcome="replayed") == 0
+
+
 def test_answers_carry_a_request_id(metered: tuple[ControllerProcess, str]) -> None:
     ctl, _ = metered
     r = httpx.get(ctl.url + "/healthz", headers={"X-Request-Id": "abc-123"})
@@ -149,6 +241,53 @@ def test_answers_carry_a_request_id(metered: tuple[ControllerProcess, str]) -> N
     bad = httpx.get(ctl.url + "/healthz", headers={"X-Request-Id": "no spaces\tplease"})
     assert bad.headers["x-request-id"] != "no spaces\tplease"
     assert len(bad.headers["x-request-id"]) == 16
+
+
+def wait_for_sample(url: str, name: str, at_least: float, timeout: float, **labels: str) -> Samples:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        if value(samples, name, **labels) >= at_least:
+            return samples
+        assert time.monotonic() < deadline, f"{name}{labels} stayed below {at_least}"
+        time.sleep(0.2)
+
+
+def test_a_failed_gc_sweep_is_counted(pg_cluster: PgCluster) -> None:
+    """A sweep whose query PostgreSQL refuses (its journal table is gone for a
+    moment) counts as ``failed``; the sweeps succeed again once it is back.
+    (A database outage fails a sweep too, but only after the pool's 30 s wait
+    for a connection.)"""
+    port = free_port()
+    ctl = ControllerProcess(
+        pg_cluster.create_database(),
+        world_searchable_tmpdir("fsa-ctl-gcfail-"),
+        extra_args=["--metrics-listen", f"127.0.0.1:{port}"],
+        gc_args=["--gc-delay", "0", "--gc-interval", "0.2"],
+    )
+    url = f"http://127.0.0.1:{port}/metrics"
+    sweeps = "controller_gc_sweeps_total"
+    ctl.start()
+    try:
+        wait_for_sample(url, sweeps, 1, 30, outcome="ok")
+        assert value(scrape(url), sweeps, outcome="failed") == 0
+        with ctl.db() as db:
+            db.execute("ALTER TABLE deletion_journal RENAME TO deletion_journal_away")
+        try:
+            during = wait_for_sample(url, sweeps, 2, 30, outcome="failed")
+        finally:
+            with ctl.db() as db:
+                db.execute("ALTER TABLE deletion_journal_away RENAME TO deletion_journal")
+        ok = value(during, sweeps, outcome="ok")
+        after = wait_for_sample(url, sweeps, ok + 2, 30, outcome="ok")
+        # Back to normal: no further failure once the table is back.
+        failed = value(after, sweeps, outcome="failed")
+        time.sleep(0.5)
+        assert value(scrape(url), sweeps, outcome="failed") == failed
+        assert "GC sweep failed" in ctl.log()
+    finally:
+        ctl.stop()
+        shutil.rmtree(ctl.data_dir, ignore_errors=True)
 
 
 @pytest.mark.allow_warning_logs

@@ -441,6 +441,38 @@ def _admin_paths() -> dict[str, Any]:
                 "409",
             ),
         },
+        company + "/members/{userId}/sessions": {
+            "parameters": [company_p, id_p("userId")],
+            "delete": _admin_op(
+                "End every Files page session of a member (end-sessions): their next"
+                " request with one is 401; an owner's only by an owner (403 owner_required)",
+                _PEOPLE_ONLY,
+                "200",
+                "403",
+            ),
+        },
+        company + "/tokens": {
+            "parameters": [company_p],
+            "get": _admin_op(
+                "The members' API tokens and the company's operator tokens, oldest first"
+                " (list-tokens; never the tokens themselves)",
+                _PEOPLE_ONLY,
+                "200",
+                parameters=[{"name": "userId", "in": "query", "schema": _UUID}],
+            ),
+        },
+        company + "/tokens/{tokenId}": {
+            "parameters": [company_p, id_p("tokenId")],
+            "delete": _admin_op(
+                "Revoke one of the company's operator tokens or a member's API token"
+                " (revoke-token); an owner's only by an owner (403 owner_required), a token"
+                " of a person who also belongs to another company not at all (403"
+                " token_shared); 404 token_not_found for any other token",
+                _PEOPLE_ONLY,
+                "200",
+                "403",
+            ),
+        },
         company + "/agents": {
             "parameters": [company_p],
             "get": listing("The company's agents"),

@@ -1,7 +1,8 @@
 """The company admin API: members and roles, agents (their instruction entry
 and who may configure them), projects, tasks, the projects' repository
-workspaces and the tasks' branches, and operator tokens, under
-``/api/companies/{companyId}/…``.
+workspaces and the tasks' branches, operator tokens, and the members'
+credentials (their API tokens listed and revoked, their Files page sessions
+ended), under ``/api/companies/{companyId}/…``.
 
 Each route is one call of the domain function ``controller admin`` calls
 (:mod:`controller.orgs`, :mod:`controller.agentfiles`, :mod:`controller.grants`,
@@ -12,7 +13,8 @@ Owners and admins of the company may use them; anyone else gets 404
 The company's operator tokens may read the members and an agent's grants and
 manage agents (their entry too), projects, tasks and workspaces
 (``company_route``), but not change who belongs to the company or who may
-configure an agent, nor mint tokens (plain ``json_errors`` routes, where
+configure an agent, nor see, mint or revoke tokens, nor end sessions (plain
+``json_errors`` routes, where
 ``authenticate`` refuses them with 401): a machine's credential must never
 turn itself into a person's API token, role or permission, nor mint or keep
 operator tokens. A grant is about a person, like a membership.
@@ -51,6 +53,7 @@ from controller.api.serialize import (
     operator_token_json,
     removed_workspace_json,
     task_json,
+    token_json,
     workspace_json,
 )
 from controller.auth import CompanyActor
@@ -330,10 +333,53 @@ async def revoke_operator_token(request: Request) -> Response:
     token_id = validate_uuid(request.path_params["tokenId"], "tokenId")
 
     async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
-        row = await tokens.revoke_token(conn, token_id, operator_of=actor.company_id)
+        row = await tokens.revoke_token(conn, token_id, actor=actor, operator_only=True)
         return operator_token_json(row)
 
     return JSONResponse(await company_write(request, work))
+
+
+# --- the members' credentials (people only; the rules are controller/tokens.py's) ----
+
+
+@json_errors
+async def list_tokens(request: Request) -> Response:
+    """``list-tokens --company C [--user U]``: the members' API tokens and the
+    company's operator tokens, oldest first."""
+    values = strict_query(request, "userId")
+    if len(values) > 1:
+        raise ValidationError.single("userId", "invalid_uuid", "at most one userId")
+    user = validate_uuid(values[0], "userId") if values else None
+
+    async def work(conn: Conn, actor: CompanyActor) -> list[dict[str, Any]]:
+        rows = await tokens.list_tokens(conn, company=actor.company_id, user=user)
+        return [token_json(r) for r in rows]
+
+    return JSONResponse({"tokens": await company_read(request, work)})
+
+
+@json_errors
+async def revoke_token(request: Request) -> Response:
+    """``revoke-token``: one of the company's operator tokens, or a member's
+    API token while it serves this company alone (403 token_shared)."""
+    token_id = validate_uuid(request.path_params["tokenId"], "tokenId")
+
+    async def work(conn: Conn, actor: CompanyActor) -> dict[str, Any]:
+        return token_json(await tokens.revoke_token(conn, token_id, actor=actor))
+
+    return JSONResponse(await company_write(request, work))
+
+
+@json_errors
+async def end_sessions(request: Request) -> Response:
+    """``end-sessions``: every Files page session of the member ends."""
+    user_id = validate_uuid(request.path_params["userId"], "userId")
+
+    async def work(conn: Conn, actor: CompanyActor) -> int:
+        return await tokens.end_sessions(conn, user_id, actor=actor)
+
+    ended = await company_write(request, work)
+    return JSONResponse({"userId": user_id, "ended": ended})
 
 
 COMPANY = "/api/companies/{companyId}"
@@ -343,6 +389,7 @@ routes = [
     Route(COMPANY + "/members", create_member, methods=["POST"]),
     Route(COMPANY + "/members/{userId}", put_member, methods=["PUT"]),
     Route(COMPANY + "/members/{userId}", delete_member, methods=["DELETE"]),
+    Route(COMPANY + "/members/{userId}/sessions", end_sessions, methods=["DELETE"]),
     Route(COMPANY + "/agents", list_agents, methods=["GET"]),
     Route(COMPANY + "/agents", create_agent, methods=["POST"]),
     Route(COMPANY + "/agents/{agentId}/entry", set_agent_entry, methods=["PUT"]),
@@ -360,4 +407,6 @@ routes = [
     Route(COMPANY + "/operator-tokens", list_operator_tokens, methods=["GET"]),
     Route(COMPANY + "/operator-tokens", create_operator_token, methods=["POST"]),
     Route(COMPANY + "/operator-tokens/{tokenId}", revoke_operator_token, methods=["DELETE"]),
+    Route(COMPANY + "/tokens", list_tokens, methods=["GET"]),
+    Route(COMPANY + "/tokens/{tokenId}", revoke_token, methods=["DELETE"]),
 ]

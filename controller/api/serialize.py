@@ -238,6 +238,21 @@ def operator_token_json(row: Row) -> dict[str, Any]:
     }
 
 
+def token_json(row: Row) -> dict[str, Any]:
+    """A person's API token or an operator token, as a company's admins list
+    it (never the token itself): a person's names its user, an operator
+    token its name."""
+    return {
+        "tokenId": str(row["id"]),
+        "kind": row["kind"],
+        "userId": None if row["user_id"] is None else str(row["user_id"]),
+        "email": row["email"],
+        "name": row["name"],
+        "createdAt": iso(row["created_at"]),
+        "revokedAt": iso(row["revoked_at"]),
+    }
+
+
 def new_operator_token_json(made: NewOperatorToken) -> dict[str, Any]:
     return {
         "tokenId": made.token_id,
