@@ -241,10 +241,16 @@ async def put_content(request: Request) -> Response:
         request.headers.get("if-match"), request.headers.get("if-none-match")
     )
     op_id = idempotency_key(request)
-    # Authorize before reading a single body byte.
-    principal, folder, address = await write_transaction(
-        request, lambda c: open_folder(request, c, write=True)
-    )
+
+    # Authorize before reading a single body byte, and take the store mark
+    # (before the bytes are stored; see apply.upsert_objects) in the same round trip.
+    async def authorize(
+        c: AsyncConnection[Any],
+    ) -> tuple[tuple[Principal, apply.Folder | None, tuple[str, str, str]], apply.StoreMark]:
+        opened = await open_folder(request, c, write=True)
+        return opened, await apply.take_store_mark(c)
+
+    (principal, folder, address), mark = await write_transaction(request, authorize)
     assert folder is not None
     company_id, scope, owner_id = address
     policy = write_policy(principal, company_id, scope, owner_id, st.settings.quotas)
@@ -291,6 +297,7 @@ async def put_content(request: Request) -> Response:
                 policy=policy,
                 precondition=precondition,
                 guard=guard,
+                stored_after=mark,
             ),
         )
     except BaseException:
