@@ -13,6 +13,12 @@ in the same transaction. The GC sweeper holds the same lock while it checks
 for references and deletes an object, so the two never interleave, even when
 no row exists yet. (A checkpoint references pinned digests instead; see
 :mod:`controller.gc`.)
+
+Bytes are stored before the transaction that references them, so a sweep
+can delete them in between. A writer that took a :func:`take_store_mark`
+before storing asks storage again only for the objects a sweep may have
+deleted since (:func:`upsert_objects`, one query); without a mark it asks for
+each object.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NewType
 
 from psycopg import AsyncConnection
 
@@ -51,6 +57,9 @@ EnsureObject = Callable[[str], Awaitable[None]]
 """Called with the object key inside the transaction, after the objects row
 is locked: must make sure the bytes are in storage (re-upload if a sweep
 removed them in between)."""
+StoreMark = NewType("StoreMark", int)
+"""Drawn before a writer stores bytes (:func:`take_store_mark`); a deletion
+stamped later than it may have removed them."""
 Authority = Callable[[AsyncConnection[Any]], Awaitable[None]]
 """Raises unless the caller may still write; run inside the committing
 transaction, after the folder lock (see :func:`committing`)."""
@@ -278,15 +287,67 @@ async def register_object(
     digest: str,
     byte_size: int,
     ensure_object: EnsureObject,
+    stored_after: StoreMark | None = None,
 ) -> None:
-    """Lock the object, upsert its row, then make sure the bytes exist."""
+    """Lock the object, upsert its row, then make sure the bytes exist: with
+    ``ensure_object`` when a sweep may have deleted them since ``stored_after``
+    (always, without a mark)."""
     await lock_object(conn, company_id, digest)
-    await conn.execute(
-        "INSERT INTO objects (company_id, digest, byte_size) VALUES (%s, %s, %s)"
-        " ON CONFLICT (company_id, digest) DO UPDATE SET byte_size = EXCLUDED.byte_size",
-        (company_id, digest, byte_size),
-    )
-    await ensure_object(object_key(company_id, digest))
+    if await upsert_objects(conn, company_id, {digest: byte_size}, stored_after):
+        await ensure_object(object_key(company_id, digest))
+
+
+UPSERT_OBJECTS_SQL = (
+    "INSERT INTO objects (company_id, digest, byte_size)"
+    " SELECT %(company)s, d, s FROM unnest(%(digests)s::text[], %(sizes)s::bigint[]) AS u(d, s)"
+    " ON CONFLICT (company_id, digest) DO UPDATE SET byte_size = EXCLUDED.byte_size"
+)
+
+
+async def upsert_objects(
+    conn: AsyncConnection[Any], company_id: str, sizes: dict[str, int], mark: StoreMark | None
+) -> list[str]:
+    """Upsert the ``objects`` rows of ``sizes`` (digest to byte size), whose
+    object locks the caller holds (:func:`lock_object`, so no sweep of them
+    is in flight), in one statement that also answers which of them a GC
+    sweep may have deleted since ``mark`` was taken (all of them without a
+    mark): the digests whose bytes the caller must check.
+
+    A sweep deletes the bytes under the object lock, then stamps the entries
+    it settles with a mark drawn after the delete (:mod:`controller.gc`). So
+    a delete after this writer stored the bytes carries a later mark, and a
+    sweep that deleted them but could not commit leaves its entry due and
+    unsettled, which counts too. Neither kind exists in the common case: a
+    write's own entries are not due for ``gc_delay``."""
+    digests = sorted(sizes)
+    params = {
+        "company": company_id,
+        "digests": digests,
+        "sizes": [sizes[d] for d in digests],
+        "mark": mark,
+    }
+    if mark is None:
+        await conn.execute(UPSERT_OBJECTS_SQL, params)
+        return digests
+    cur = await conn.execute(f"WITH up AS ({UPSERT_OBJECTS_SQL}) {SWEPT_SINCE_SQL}", params)
+    return sorted(row["digest"] for row in await cur.fetchall())
+
+
+async def take_store_mark(conn: AsyncConnection[Any]) -> StoreMark:
+    """A mark to take before storing bytes that a later transaction registers
+    (:func:`upsert_objects`)."""
+    cur = await conn.execute("SELECT nextval('object_deletion_marks') AS mark")
+    row = await cur.fetchone()
+    assert row is not None
+    return StoreMark(int(row["mark"]))
+
+
+SWEPT_SINCE_SQL = (
+    "SELECT DISTINCT digest FROM deletion_journal"
+    " WHERE company_id = %(company)s AND digest = ANY(%(digests)s)"
+    " AND ((done_at IS NULL AND not_before <= clock_timestamp())"
+    "  OR (outcome = 'deleted' AND (deleted_mark IS NULL OR deleted_mark > %(mark)s)))"
+)
 
 
 OBJECT_LOCK_CLASS = 0x6F626A
@@ -331,17 +392,19 @@ async def write_file(
     ensure_object: EnsureObject,
     gc_delay: timedelta,
     found: dict[str, Row] | None = None,
+    stored_after: StoreMark | None = None,
 ) -> tuple[Row, bool]:
     """Write one file under the folder lock; returns (row, created).
     A directory at ``path`` is a KindConflict. ``found``: :func:`path_rows`
-    of ``path``, when the caller has them already."""
+    of ``path``, when the caller has them already; ``stored_after``: see
+    :func:`register_object`."""
     if found is None:
         found = await path_rows(conn, folder, path)
     await ensure_parents(conn, folder, path, found)
     existing = found.get(path)
     if existing is not None and existing["kind"] != "file":
         raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
-    await register_object(conn, folder.company_id, digest, byte_size, ensure_object)
+    await register_object(conn, folder.company_id, digest, byte_size, ensure_object, stored_after)
     if existing is None:
         row = await _insert_row(
             conn,
@@ -386,6 +449,7 @@ async def put_file(
     policy: WritePolicy,
     precondition: Precondition | None = None,
     guard: Authority | None = None,
+    stored_after: StoreMark | None = None,
 ) -> dict[str, Any]:
     """A person's upload (server-accepted last-write-wins). Caller owns the transaction.
 
@@ -423,6 +487,7 @@ async def put_file(
             ensure_object=ensure_object,
             gc_delay=gc_delay,
             found=found,
+            stored_after=stored_after,
         )
         commit.result = {"applied": True, "created": created, "file": entry_json(row)}
     return commit.result

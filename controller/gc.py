@@ -18,7 +18,10 @@ sweeper:
   attachment and its working copy) takes the same
   object lock and upserts the ``objects`` row before it references the
   digest, and re-uploads the bytes when they are gone
-  (``apply.register_object``);
+  (``apply.register_object``). It asks storage only when a sweep may have
+  deleted them since it stored them (``apply.upsert_objects``): each deletion
+  is stamped with a mark drawn after the bytes are gone, and a writer
+  draws its own before it stores;
 - a checkpoint references only pinned digests and claims them in one query
   (``checkpoint.claim_contents``), holding the run's row lock, so no HEAD
   per file is needed: the sweeper either waits on the claimed upload rows
@@ -125,6 +128,15 @@ async def _collect(
     company, digest = str(entry["company_id"]), entry["digest"]
     async with pool.connection() as conn, conn.transaction():
         await lock_object(conn, company, digest)
+        # Another sweeper may have settled this entry since it was read. Then
+        # there is nothing to decide, and deciding again could delete bytes a
+        # writer stored since with no entry left to carry the deletion's mark.
+        cur = await conn.execute(
+            "SELECT 1 FROM deletion_journal WHERE id = %s AND done_at IS NULL FOR UPDATE",
+            (entry["id"],),
+        )
+        if await cur.fetchone() is None:
+            return "settled"
         key = {"company": company, "digest": digest}
         # Waits for a checkpoint that claimed one of these uploads; the next
         # statement's snapshot then shows its files.
@@ -144,11 +156,16 @@ async def _collect(
                 "DELETE FROM objects WHERE company_id = %s AND digest = %s", (company, digest)
             )
             outcome = "deleted"
-        # Every due entry for this object is settled by this decision.
+        # Every due entry for this object is settled by this decision. A
+        # deletion's mark is drawn now, after the bytes are gone, so it is
+        # later than the mark of any writer that stored them before the
+        # delete (``apply.upsert_objects``).
         await conn.execute(
-            "UPDATE deletion_journal SET done_at = now(), outcome = %s"
+            "UPDATE deletion_journal SET done_at = now(), outcome = %s,"
+            " deleted_mark = CASE WHEN %s = 'deleted'"
+            "  THEN nextval('object_deletion_marks') END"
             " WHERE company_id = %s AND digest = %s AND done_at IS NULL AND not_before <= now()",
-            (outcome, company, digest),
+            (outcome, outcome, company, digest),
         )
     if outcome == "deleted":
         log.info("GC deleted object %s/%s", company, digest)

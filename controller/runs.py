@@ -15,7 +15,7 @@ from psycopg import AsyncConnection
 
 from common.errors import MemberNotFound, RunNotActive, RunNotFound, ValidationError
 from controller import apply, folders, runprep, workspaces
-from controller.apply import EnsureObject, Folder, Row
+from controller.apply import EnsureObject, Folder, Row, StoreMark
 from controller.auth import RUN_TOKEN_PREFIX, new_token, token_hash
 from controller.orgs import check_uuid, require_agent, require_project, task_project
 from controller.storage.base import object_key
@@ -127,11 +127,13 @@ async def record_uploads(
     ensure_objects: Callable[[list[str]], Awaitable[None]],
     gc_delay: timedelta,
     ttl: float,
+    stored_after: StoreMark | None = None,
 ) -> None:
     """Register objects a run uploaded, with a few multi-row statements: the
     objects' locks in digest order (the order every writer takes them), their
-    rows, the bytes re-checked (``ensure_objects`` with every key, as
-    ``EnsureObject`` for one), the run's uploads and the GC journal.
+    rows, the bytes re-checked (``ensure_objects`` with the keys a sweep may
+    have deleted since ``stored_after``, see :func:`apply.upsert_objects`; every
+    key without a mark), the run's uploads and the GC journal.
 
     Each upload row pins its object for ``ttl`` seconds or, once a checkpoint
     commits it, while the run is running (the pin rule is in
@@ -144,13 +146,9 @@ async def record_uploads(
         ' (SELECT d FROM unnest(%s::text[]) AS d ORDER BY d COLLATE "C") AS ordered',
         (apply.OBJECT_LOCK_CLASS, company_id, digests),
     )
-    await conn.execute(
-        "INSERT INTO objects (company_id, digest, byte_size)"
-        " SELECT %s, d, s FROM unnest(%s::text[], %s::bigint[]) AS u(d, s)"
-        " ON CONFLICT (company_id, digest) DO UPDATE SET byte_size = EXCLUDED.byte_size",
-        (company_id, digests, sizes_list),
-    )
-    await ensure_objects([object_key(company_id, d) for d in digests])
+    swept = await apply.upsert_objects(conn, company_id, sizes, stored_after)
+    if swept:
+        await ensure_objects([object_key(company_id, d) for d in swept])
     await conn.execute(
         "INSERT INTO run_uploads (run_id, company_id, digest, byte_size, expires_at)"
         " SELECT %s, %s, d, s, now() + make_interval(secs => %s)"
@@ -173,6 +171,7 @@ async def record_upload(
     ensure_object: EnsureObject,
     gc_delay: timedelta,
     ttl: float,
+    stored_after: StoreMark | None = None,
 ) -> None:
     """:func:`record_uploads` for one object."""
 
@@ -180,7 +179,9 @@ async def record_upload(
         for key in keys:
             await ensure_object(key)
 
-    await record_uploads(conn, run_id, company_id, {digest: byte_size}, ensure, gc_delay, ttl)
+    await record_uploads(
+        conn, run_id, company_id, {digest: byte_size}, ensure, gc_delay, ttl, stored_after
+    )
 
 
 # --- starting and ending runs ----------------------------------------------------

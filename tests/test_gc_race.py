@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -19,12 +20,14 @@ from psycopg import AsyncConnection
 
 from common.errors import UnknownContent
 from controller import apply, runs
+from controller.api.uploads import restore_swept_spans
 from controller.changeset import Entry, apply_changes
 from controller.checkpoint import claim_contents
 from controller.db import make_pool, migrate
-from controller.gc import sweep_once
-from controller.storage.base import StorageProvider, object_key
+from controller.gc import _collect, sweep_once
+from controller.storage.base import Span, StorageProvider, object_key
 from tests.support.controller import PgCluster
+from tests.support.storage import read_all
 
 HOUR = timedelta(hours=1)
 
@@ -240,3 +243,193 @@ def test_expired_and_ended_pins_are_swept_and_refused(world: World) -> None:
     assert world.outcomes() == ["deleted", "deleted"]
     assert not world.storage.exists(k_expired) and not world.storage.exists(k_ended)
     assert world.sql("SELECT count(*) FROM objects") == [(0,)]
+
+
+# -- store marks: a registration asks storage only after a sweep -------------------
+
+
+class Batch:
+    """Members stored from one spool file, registered as a batch is
+    (``runs.record_uploads`` with the batch's own ``ensure_objects``)."""
+
+    def __init__(self, world: World, members: list[bytes]) -> None:
+        self.world = world
+        self.spool = world.tmp / f"spool-{uuid.uuid4().hex[:8]}"
+        self.spool.write_bytes(b"".join(members))
+        self.sizes: dict[str, int] = {}
+        self.spans: dict[str, Span] = {}
+        offset = 0
+        for data in members:
+            digest = hashlib.sha256(data).hexdigest()
+            key = object_key(world.company, digest)
+            self.sizes[digest] = len(data)
+            self.spans[digest] = Span(key, offset, len(data), digest)
+            offset += len(data)
+        self.checked: list[str] = []
+
+    def object_keys(self) -> list[str]:
+        return [span.key for span in self.spans.values()]
+
+    def store(self) -> list[bool]:
+        return self.world.storage.put_spans(self.spool, list(self.spans.values()))
+
+    async def register(self, conn: AsyncConnection[Any], mark: apply.StoreMark) -> None:
+        restore = restore_swept_spans(self.world.storage, self.spool, self.spans)
+
+        async def ensure(keys: list[str]) -> None:
+            self.checked += keys
+            await restore(keys)
+
+        await runs.record_uploads(
+            conn, self.world.run, self.world.company, self.sizes, ensure, HOUR, 3600, mark
+        )
+
+
+async def take_mark(pool: Any) -> apply.StoreMark:
+    async with pool.connection() as conn:
+        return await apply.take_store_mark(conn)
+
+
+def test_a_registration_after_its_store_asks_storage_nothing(world: World) -> None:
+    batch = Batch(world, [b"one", b"two", b"three"])
+    # Another object's deletion, stamped before this writer's mark, is no
+    # reason to ask either.
+    other, _ = world.store(b"swept before")
+    world.journal_due(other)
+
+    async def scenario(pool: Any) -> None:
+        assert (await sweep_once(pool, world.storage)).deleted == 1
+        mark = await take_mark(pool)
+        assert batch.store() == [True, True, True]
+        async with pool.connection() as conn, conn.transaction():
+            await batch.register(conn, mark)
+
+    run_with_pool(world, scenario)
+    assert batch.checked == []
+    assert all(world.storage.exists(k) for k in batch.object_keys())
+    assert world.sql("SELECT count(*) FROM run_uploads") == [(3,)]
+
+
+def test_a_sweep_between_store_and_registration_makes_the_batch_restore_the_bytes(
+    world: World,
+) -> None:
+    """The bytes are stored, a sweep of an older due entry deletes them (no
+    pin yet), then the batch registers: its mark is older than the
+    deletion's, so it checks and stores the member again."""
+    batch = Batch(world, [b"kept member", b"swept member"])
+    swept = hashlib.sha256(b"swept member").hexdigest()
+    world.journal_due(swept)
+
+    async def scenario(pool: Any) -> None:
+        mark = await take_mark(pool)
+        batch.store()
+        assert (await sweep_once(pool, world.storage)).deleted == 1
+        assert not world.storage.exists(object_key(world.company, swept))
+        async with pool.connection() as conn, conn.transaction():
+            await batch.register(conn, mark)
+
+    run_with_pool(world, scenario)
+    assert batch.checked == [object_key(world.company, swept)]
+    assert read_all(world.storage, object_key(world.company, swept)) == b"swept member"
+    assert world.sql("SELECT count(*) FROM objects") == [(2,)]
+
+
+def test_batch_registration_waits_for_a_sweep_in_flight_and_restores_the_bytes(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep holds the object's lock while it deletes; the batch's
+    registration waits on the lock, then sees the deletion stamped later
+    than its mark and stores the bytes again before it pins them."""
+    batch = Batch(world, [b"member raced by a sweep", b"an untouched member"])
+    raced = hashlib.sha256(b"member raced by a sweep").hexdigest()
+    raced_key = object_key(world.company, raced)
+    world.journal_due(raced)
+    deleted, go = threading.Event(), threading.Event()
+    real_delete = world.storage.delete
+
+    def slow_delete(key: str) -> None:
+        real_delete(key)
+        deleted.set()
+        assert go.wait(10)
+
+    monkeypatch.setattr(world.storage, "delete", slow_delete)
+
+    async def race(pool: Any) -> dict[str, int]:
+        mark = await take_mark(pool)
+        batch.store()
+        sweep = asyncio.create_task(sweep_once(pool, world.storage))
+        assert await asyncio.to_thread(deleted.wait, 10)
+
+        async def register() -> None:
+            async with pool.connection() as conn, conn.transaction():
+                await batch.register(conn, mark)
+
+        registering = asyncio.create_task(register())
+        await asyncio.sleep(1.0)
+        assert not registering.done(), "the registration did not wait for the sweep's lock"
+        go.set()
+        report = (await asyncio.wait_for(sweep, 10)).as_json()
+        await asyncio.wait_for(registering, 10)
+        return report
+
+    assert run_with_pool(world, race) == {"examined": 1, "deleted": 1, "kept": 0, "failed": 0}
+    assert batch.checked == [raced_key]
+    assert read_all(world.storage, raced_key) == b"member raced by a sweep"
+    assert world.sql("SELECT count(*) FROM objects") == [(2,)]
+    # Pinned now: the next sweep keeps it.
+    world.journal_due(raced)
+    monkeypatch.undo()
+    report = run_with_pool(world, lambda pool: sweep_once(pool, world.storage))
+    assert report.as_json() == {"examined": 1, "deleted": 0, "kept": 1, "failed": 0}
+    assert world.storage.exists(raced_key)
+
+
+def test_a_sweep_that_deleted_and_failed_to_commit_makes_writers_check(world: World) -> None:
+    """A sweep deleted the bytes and died before it recorded so: its entry
+    stays due and unsettled, and that alone makes a registration check."""
+    data = b"deleted by a sweep that never committed"
+    batch = Batch(world, [data])
+    key = batch.object_keys()[0]
+    world.journal_due(hashlib.sha256(data).hexdigest())
+
+    async def scenario(pool: Any) -> None:
+        mark = await take_mark(pool)
+        batch.store()
+        world.storage.delete(key)  # the dead sweep's only effect
+        async with pool.connection() as conn, conn.transaction():
+            await batch.register(conn, mark)
+
+    run_with_pool(world, scenario)
+    assert batch.checked == [key]
+    assert read_all(world.storage, key) == data
+
+
+def test_a_stale_sweep_of_a_settled_entry_deletes_nothing(world: World) -> None:
+    """Two sweepers read the same due entry; the first deletes the bytes and
+    settles it, a writer stores them again with a later mark and so skips
+    its check. The second sweeper must not decide the settled entry again:
+    its deletion would carry no mark and the registration would pin a
+    missing object."""
+    data = b"stored again after the first sweep"
+    batch = Batch(world, [data])
+    key = batch.object_keys()[0]
+    world.journal_due(hashlib.sha256(data).hexdigest())
+    (entry,) = world.sql(
+        "SELECT id, company_id, digest FROM deletion_journal WHERE company_id = %s", world.company
+    )
+    stale = {"id": entry[0], "company_id": entry[1], "digest": entry[2]}
+
+    async def scenario(pool: Any) -> str:
+        batch.store()
+        assert (await sweep_once(pool, world.storage)).deleted == 1
+        mark = await take_mark(pool)
+        assert batch.store() == [True]
+        outcome = await _collect(pool, world.storage, stale)
+        async with pool.connection() as conn, conn.transaction():
+            await batch.register(conn, mark)
+        return outcome
+
+    assert run_with_pool(world, scenario) == "settled"
+    assert batch.checked == []
+    assert read_all(world.storage, key) == data
+    assert world.outcomes() == ["deleted", None]  # None: the registration's own entry

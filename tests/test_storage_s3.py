@@ -18,6 +18,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 
 from common.errors import StorageUnavailable
 from controller.storage import S3Provider, object_key
+from controller.storage.base import SourceMismatch, Span
 from tests.support.s3server import S3Server, S3ServerError, free_port
 from tests.support.storage import (
     COMPANY,
@@ -190,3 +191,84 @@ def test_s3_server_helper_fails_fast_when_the_port_is_taken() -> None:
             server.start()
         assert time.monotonic() - started < 30
         assert server.running is False
+
+
+class Requests:
+    """Every request the provider's client sends, by operation (boto3's
+    ``before-send`` event: each attempt on the wire, retries included)."""
+
+    def __init__(self, provider: S3Provider) -> None:
+        self.sent: list[str] = []
+        self._operation: dict[int, str] = {}
+        events = provider._client.meta.events
+        events.register("before-call.s3", self._call)
+        events.register("before-send.s3", self._send)
+
+    def _call(self, model: Any, context: Any, **_: Any) -> None:
+        self._operation[id(context)] = model.name
+
+    def _send(self, request: Any, **_: Any) -> None:
+        self.sent.append(self._operation.get(id(request.context), request.method))
+
+    def take(self) -> list[str]:
+        sent, self.sent = sorted(self.sent), []
+        return sent
+
+
+def test_s3_requests_per_file(s3_provider: S3Provider, tmp_path: Path) -> None:
+    """A small object costs one conditional PUT, new or not (412: there
+    already); a multipart one a HEAD, the create, its parts and the
+    completion, and only the HEAD when the bucket holds it."""
+    requests = Requests(s3_provider)
+    small = random_bytes(4096, seed=21)
+    large = random_bytes(TEST_MULTIPART_THRESHOLD + MiB, seed=22)  # two parts
+    assert store(s3_provider, tmp_path, small)[1] is True
+    assert requests.take() == ["PutObject"]
+    assert store(s3_provider, tmp_path, small)[1] is False
+    assert requests.take() == ["PutObject"]
+    assert store(s3_provider, tmp_path, large)[1] is True
+    assert requests.take() == [
+        "CompleteMultipartUpload",
+        "CreateMultipartUpload",
+        "HeadObject",
+        "UploadPart",
+        "UploadPart",
+    ]
+    assert store(s3_provider, tmp_path, large)[1] is False
+    assert requests.take() == ["HeadObject"]
+    assert read_all(s3_provider, object_key(COMPANY, sha256(small))) == small
+    assert read_all(s3_provider, object_key(COMPANY, sha256(large))) == large
+
+
+def test_s3_batch_members_cost_one_put_each(s3_provider: S3Provider, tmp_path: Path) -> None:
+    members = [random_bytes(n, seed=n) for n in (0, 1, 700, 64 * 1024)]
+    members.append(members[2])  # a twin: its own conditional PUT, answered 412
+    spool = tmp_path / "batch"
+    spool.write_bytes(b"".join(members))
+    spans, offset = [], 0
+    for data in members:
+        spans.append(Span(object_key(COMPANY, sha256(data)), offset, len(data), sha256(data)))
+        offset += len(data)
+    existing = random_bytes(3000, seed=23)
+    store(s3_provider, tmp_path, existing)
+    spool.write_bytes(spool.read_bytes() + existing)
+    spans.append(Span(object_key(COMPANY, sha256(existing)), offset, 3000, sha256(existing)))
+    requests = Requests(s3_provider)
+    created = s3_provider.put_spans(spool, spans)
+    assert requests.take() == ["PutObject"] * 6
+    assert created.count(True) == 4 and created[-1] is False
+    for data in members:
+        assert read_all(s3_provider, object_key(COMPANY, sha256(data))) == data
+
+
+def test_s3_batch_member_whose_bytes_differ_is_not_stored(
+    s3_provider: S3Provider, tmp_path: Path
+) -> None:
+    spool = tmp_path / "batch"
+    spool.write_bytes(b"right bytes")
+    wrong = sha256(b"other bytes")
+    requests = Requests(s3_provider)
+    with pytest.raises(SourceMismatch):
+        s3_provider.put_spans(spool, [Span(object_key(COMPANY, wrong), 0, 11, wrong)])
+    assert requests.take() == []
+    assert s3_provider.exists(object_key(COMPANY, wrong)) is False

@@ -22,8 +22,11 @@ own object under its own digest, exactly as a single upload would store it.
    ``StorageProvider.put_spans`` stores every new object with one sync for
    the batch (local_disk: one ``syncfs``).
 3. One transaction registers every member (:func:`controller.runs.record_uploads`).
-   If it fails, the objects this batch created are journalled for GC, which
-   keeps any that something references.
+   It asks storage again only for members a GC sweep may have deleted since
+   step 2 (the store mark taken before it, :func:`controller.apply.upsert_objects`),
+   so a batch costs no storage request beyond its puts. If it fails, the
+   objects this batch created are journalled for GC, which keeps any that
+   something references.
 
 Nothing is registered before step 3, so a refused or interrupted batch
 leaves no upload a checkpoint could reference.
@@ -34,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,7 @@ from psycopg import AsyncConnection
 from starlette.requests import Request
 
 from common.errors import DigestMismatch, PayloadTooLarge, StorageUnavailable
-from controller import quotas, runs
+from controller import apply, quotas, runs
 from controller.api.common import connection, state, write_transaction
 from controller.api.objects import (
     journal_orphan,
@@ -63,7 +66,7 @@ from controller.frames import (
     MemberEnd,
     decode_frame,
 )
-from controller.storage.base import Span, object_key
+from controller.storage.base import Span, StorageProvider, object_key
 
 Confirm = Authority
 """Raises unless the run may still register this upload; runs inside the
@@ -110,6 +113,7 @@ async def receive_upload(
             await quotas.check_upload(
                 conn, run.company_id, run.run_id, digest, size, st.settings.quotas
             )
+            mark = await apply.take_store_mark(conn)
         key = object_key(run.company_id, digest)
         created_blob = await put_object(request, key, spool, size, digest)
         ensure = reupload_if_missing(request, spool, size, digest)
@@ -117,7 +121,15 @@ async def receive_upload(
         async def register(conn: AsyncConnection[Any]) -> None:
             await confirm(conn)
             await runs.record_upload(
-                conn, run.run_id, run.company_id, digest, size, ensure, st.settings.gc_delay, ttl
+                conn,
+                run.run_id,
+                run.company_id,
+                digest,
+                size,
+                ensure,
+                st.settings.gc_delay,
+                ttl,
+                stored_after=mark,
             )
 
         try:
@@ -205,32 +217,24 @@ async def _store_and_register(
     sizes = {d: size for d, (_, size) in first.items()}
     async with connection(request) as conn:
         await quotas.check_uploads(conn, run.company_id, run.run_id, sizes, st.settings.quotas)
+        mark = await apply.take_store_mark(conn)
     spans = {
         d: Span(object_key(run.company_id, d), off, size, d) for d, (off, size) in first.items()
     }
     try:
-        created = await _put_spans(request, spool, list(spans.values()))
+        created = await put_spans(st.storage, spool, list(spans.values()))
     except BaseException:
         # A provider may have stored some members before failing (S3 puts them
         # one by one): every one is queued for GC, which keeps referenced ones.
         await journal_orphans(request, run.company_id, list(spans))
         raise
     new = [span.sha256_hex for span, made in zip(spans.values(), created, strict=True) if made]
-
-    async def ensure(keys: list[str]) -> None:
-        # Inside the registration, the objects locked: bring back any bytes a
-        # GC sweep removed since they were stored (one thread hop for all).
-        def missing() -> list[Span]:
-            return [spans[k.rsplit("/", 1)[1]] for k in keys if not st.storage.exists(k)]
-
-        lost = await asyncio.to_thread(missing)
-        if lost:
-            await _put_spans(request, spool, lost)
+    ensure = restore_swept_spans(st.storage, spool, spans)
 
     async def register(conn: AsyncConnection[Any]) -> None:
         await confirm(conn)
         await runs.record_uploads(
-            conn, run.run_id, run.company_id, sizes, ensure, st.settings.gc_delay, ttl
+            conn, run.run_id, run.company_id, sizes, ensure, st.settings.gc_delay, ttl, mark
         )
 
     try:
@@ -241,9 +245,28 @@ async def _store_and_register(
         raise
 
 
-async def _put_spans(request: Request, spool: Path, spans: list[Span]) -> list[bool]:
+def restore_swept_spans(
+    storage: StorageProvider, spool: Path, spans: dict[str, Span]
+) -> Callable[[list[str]], Awaitable[None]]:
+    """The batch's ``ensure_objects`` (:func:`controller.runs.record_uploads`):
+    called, with the objects locked, only for keys a sweep may have deleted
+    since the batch stored them; brings back the bytes of any that are gone
+    (one thread hop for the checks)."""
+
+    async def ensure(keys: list[str]) -> None:
+        def missing() -> list[Span]:
+            return [spans[k.rsplit("/", 1)[1]] for k in keys if not storage.exists(k)]
+
+        lost = await asyncio.to_thread(missing)
+        if lost:
+            await put_spans(storage, spool, lost)
+
+    return ensure
+
+
+async def put_spans(storage: StorageProvider, spool: Path, spans: list[Span]) -> list[bool]:
     try:
-        return await asyncio.to_thread(state(request).storage.put_spans, spool, spans)
+        return await asyncio.to_thread(storage.put_spans, spool, spans)
     except StorageUnavailable:
         raise
     except OSError as exc:

@@ -329,10 +329,16 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
         request.headers.get("if-match"), request.headers.get("if-none-match")
     )
     op_id = idempotency_key(request)
-    # Authorize before reading a single body byte.
-    principal, folder, address = await write_transaction(
-        request, lambda c: open_folder(request, c, write=True)
-    )
+
+    # Authorize before reading a single body byte, and take the store mark
+    # (before the bytes are stored; see apply.upsert_objects) in the same round trip.
+    async def authorize(
+        c: AsyncConnection[Any],
+    ) -> tuple[tuple[Principal, apply.Folder | None, tuple[str, str, str]], apply.StoreMark]:
+        opened = await open_folder(request, c, write=True)
+        return opened, await apply.take_store_mark(c)
+
+    (principal, folder, address), mark = await write_transaction(request, authorize)
     assert folder is not None
     company_id, scope, owner_id = address
     policy = write_policy(principal, company_id, scope, owner_id, st.settings.quotas)
@@ -382,6 +388,7 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
                 policy=policy,
                 precondition=precondition,
                 guard=guard,
+                stored_after=mark,
             )
             if run is not None:
                 changed = 1 if written["applied"] else 0

@@ -18,8 +18,10 @@ bytes and only the True/False answer can become imprecise.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
-from collections.abc import Generator, Iterator
+import os
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
@@ -34,6 +36,7 @@ from .base import (
     DEFAULT_CHUNK_SIZE,
     ObjectMissing,
     SourceMismatch,
+    Span,
     StorageProvider,
     check_put_arguments,
     check_range,
@@ -62,6 +65,8 @@ MAX_SINGLE_PUT = 5 * 1024 * MiB
 
 _BOTO_ERRORS = (BotoCoreError, ClientError)
 _HASH_CHUNK = MiB
+SPAN_IN_MEMORY = 8 * MiB
+"""A batch member up to this size is read into memory for its PUT."""
 
 
 def _error_code(exc: ClientError) -> str:
@@ -153,14 +158,18 @@ class S3Provider(StorageProvider):
     # -- writing ---------------------------------------------------------
 
     def put_file(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
+        """One conditional PUT below the multipart threshold (412: the object
+        was there); above it a HEAD first, then the multipart upload."""
         check_put_arguments(key, size, sha256_hex)
-        # A HEAD is far cheaper than re-uploading a large object only to have
-        # the conditional create refuse it; the condition still settles races.
-        if self.exists(key):
-            return False
         try:
             if size < self.multipart_threshold:
                 return self._put_single(key, src, size, sha256_hex)
+            # One HEAD beside the create, the parts and the completion is a
+            # small share of a large object's requests, and it spares sending
+            # every part of a copy the bucket already holds only to have the
+            # conditional completion refuse it. The condition settles races.
+            if self.exists(key):
+                return False
             return self._put_multipart(key, src, size, sha256_hex)
         except (*_BOTO_ERRORS, OSError) as exc:
             # OSError: reading the local source failed; as much an
@@ -172,24 +181,64 @@ class S3Provider(StorageProvider):
             # Hash first and stream the file as the body afterwards, rather than
             # holding up to multipart_threshold bytes in memory per worker thread.
             _verify_source(source, src, size, sha256_hex)
-            while True:
-                source.seek(0)
-                request: PutObjectRequestTypeDef = {
-                    "Bucket": self.bucket,
-                    "Key": key,
-                    "Body": source,
-                    "ContentLength": size,
-                }
-                if self._conditional_writes:
-                    request["IfNoneMatch"] = "*"
-                try:
-                    self._client.put_object(**request)
-                except ClientError as exc:
-                    outcome = self._conditional_outcome(key, exc)
-                    if outcome is None:
-                        continue  # condition unsupported: retry without it
-                    return outcome
-                return True
+            return self._conditional_put(key, source, size)
+
+    def _conditional_put(self, key: str, body: IO[bytes], size: int) -> bool:
+        """One PUT of verified bytes unless the key exists (412): no HEAD first.
+        An endpoint without conditional writes gets a HEAD first instead, so
+        the answer stays exact and a copy the bucket holds is not sent again."""
+        while True:
+            if not self._conditional_writes and self.exists(key):
+                return False
+            body.seek(0)
+            request: PutObjectRequestTypeDef = {
+                "Bucket": self.bucket,
+                "Key": key,
+                "Body": body,
+                "ContentLength": size,
+            }
+            if self._conditional_writes:
+                request["IfNoneMatch"] = "*"
+            try:
+                self._client.put_object(**request)
+            except ClientError as exc:
+                outcome = self._conditional_outcome(key, exc)
+                if outcome is None:
+                    continue  # condition unsupported: retry without it
+                return outcome
+            return True
+
+    def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
+        """Each span its own conditional PUT, several in flight at once (a
+        batch of small files costs one request per member, and their round
+        trips overlap). Spans of up to :data:`SPAN_IN_MEMORY` bytes are read
+        and verified in memory; larger ones go through :meth:`put_file`."""
+        for span in spans:
+            check_put_arguments(span.key, span.size, span.sha256_hex)
+        small = [i for i, span in enumerate(spans) if span.size <= SPAN_IN_MEMORY]
+        large = [i for i, span in enumerate(spans) if span.size > SPAN_IN_MEMORY]
+        created: list[bool] = [False] * len(spans)
+        for i, made in zip(large, super().put_spans(src, [spans[i] for i in large]), strict=True):
+            created[i] = made
+        if not small:
+            return created
+        with (
+            src.open("rb") as source,
+            ThreadPoolExecutor(2 * self.part_concurrency, thread_name_prefix="s3-span") as pool,
+        ):
+            futures = {i: pool.submit(self._put_span, source, spans[i]) for i in small}
+            for i, future in futures.items():
+                created[i] = future.result()
+        return created
+
+    def _put_span(self, source: IO[bytes], span: Span) -> bool:
+        data = os.pread(source.fileno(), span.size, span.offset)
+        if len(data) != span.size or hashlib.sha256(data).hexdigest() != span.sha256_hex:
+            raise SourceMismatch(f"bytes at {span.offset} do not hash to {span.sha256_hex}")
+        try:
+            return self._conditional_put(span.key, io.BytesIO(data), span.size)
+        except _BOTO_ERRORS as exc:
+            raise self._unavailable("store", span.key, exc) from exc
 
     def _put_multipart(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
         # Grow parts for huge objects so they fit in S3's part-count limit.
