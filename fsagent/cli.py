@@ -27,7 +27,8 @@ run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
 
 Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
 in use/bound elsewhere/served in the other mode, 4 controller unreachable or
-refusing (including a failed save: the state dir keeps every change), 5 mount
+refusing (including a failed save: the state dir keeps every change; not
+the agent folder's final save refused over a storage limit, a warning), 5 mount
 failed (or a dir-mode directory cannot be used), 6 doctor found problems, 7
 the sandbox does not meet the runtime contract (launch: a required CLI or the
 env file is missing), 8 ``repos prepare`` could not clone or restore a
@@ -269,6 +270,8 @@ def cmd_flush(args: argparse.Namespace) -> int:
 def _describe_flush(reply: dict[str, Any]) -> str:
     if not reply.get("ok"):
         return f"save failed: {reply.get('error')}"
+    if reply.get("final") and reply.get("warning"):
+        return f"final save refused, a warning of the run: {reply['warning']}; unmounting"
     if reply.get("final"):
         return "final save done; unmounting"
     result = reply.get("result") or {}

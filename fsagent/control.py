@@ -9,6 +9,10 @@ unmounts. ``{"cmd": "ping"}`` answers ``{"ok": true}``. ``{"cmd": "stats"}``
 answers ``{"ok": true, "fuse": {...}, "queueDepth": N, "lastCheckpoint": {...}}``
 (the live part of ``fsagent status --json``).
 
+A final flush answers ``{"ok", "saved", "error", "warning", "final": true}``
+(fsagent.ship.FinalSave.flush_reply): ``ok`` is also true when the agent
+folder's final save was refused over a storage limit, which ``warning`` says.
+
 Reply: ``{"ok": true, ...}`` or ``{"ok": false, "code": CODE, "error": TEXT}``
 with CODE ``bad_request`` (not JSON, not an object, unknown command or field,
 a line over :data:`MAX_REQUEST` bytes), ``save_failed`` or ``internal_error``.

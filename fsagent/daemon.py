@@ -98,7 +98,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     async def main() -> bool:
         client = client_from_args(args)
         try:
-            return (await serve(client, opts)).saved
+            return (await serve(client, opts)).ok
         finally:
             await client.aclose()
 
@@ -127,7 +127,7 @@ def _serve_dir(
     async def main() -> bool:
         client = client_from_args(args)
         try:
-            return (await serve_dir(client, opts)).saved
+            return (await serve_dir(client, opts)).ok
         finally:
             await client.aclose()
 

@@ -21,7 +21,8 @@ is a scan of the directory (fsagent.dirscan) and the change set against the
 baseline (fsagent.dirstore). ``fsagent flush`` asks for one over the control
 socket; SIGTERM/SIGINT/SIGHUP or ``flush --final`` run the final save and
 stop. A failed save is recorded (``fsagent status``), the directory is left as
-it is, and the daemon exits 4 when the final save failed.
+it is, and the daemon exits 4 when the final save failed (not for the agent
+folder's refusal over a storage limit: a warning, exit 0).
 
 Nothing here imports pyfuse3: a sandbox without libfuse runs this mode.
 """
@@ -81,7 +82,14 @@ from fsagent.errors import (
 )
 from fsagent.hydrate import manifest_row
 from fsagent.records import EMPTY_DIGEST, BaseEntry, Binding, Kind, LocalEntry, ManifestRow
-from fsagent.ship import SaveResult, Shipper, checkpoint_loop, raise_first_failure
+from fsagent.ship import (
+    FinalSave,
+    SaveResult,
+    Shipper,
+    checkpoint_loop,
+    limit_warning,
+    raise_first_failure,
+)
 from fsagent.statedir import MARKER, StateDir
 
 log = logging.getLogger(__name__)
@@ -106,18 +114,12 @@ class DirOptions:
 
 
 @dataclass
-class DirStop:
-    """How the daemon ended: ``saved`` is False when the final save failed.
-    ``attempts`` and ``report_scope`` as in FUSE mode (fsagent.mount.StopState):
-    the agent folder contract tries its final save three times, then reports
-    an explicit failure receipt."""
+class DirStop(FinalSave):
+    """How the daemon ended, as in FUSE mode (fsagent.ship.FinalSave): the
+    agent folder contract tries its final save three times, then reports an
+    explicit failure receipt; a refusal over a storage limit is a warning."""
 
-    saved: bool = True
-    error: str | None = None
-    final_done: bool = False
     requested: trio.Event = field(default_factory=trio.Event)
-    attempts: int = 1
-    report_scope: str | None = None
 
 
 AGENT_FINAL_ATTEMPTS = 3
@@ -499,6 +501,10 @@ async def _final_save(shipper: DirShipper | None, stop: DirStop) -> None:
             result = await shipper.ship_checkpoint(final=True)
         except SaveFailed as exc:
             stop.saved, stop.error, refused = False, str(exc), exc.refused
+            stop.limit_warning = limit_warning(exc, stop.report_scope is not None)
+            if stop.limit_warning is not None:
+                print(f"fsagent: warning: {stop.limit_warning}", file=sys.stderr)
+                return  # the controller's refusal is its receipt already
             if exc.refused or attempt == stop.attempts:
                 break
             print(f"fsagent: final save attempt {attempt} failed, trying again: {exc}",
@@ -542,8 +548,7 @@ def _control(shipper: DirShipper, stop: DirStop) -> tuple[FlushHandler, StatsHan
         if final:
             await _final_save(shipper, stop)
             stop.requested.set()
-            return {"ok": stop.saved, "error": stop.error, "final": True,
-                    "dir": shipper.last_report}  # fmt: skip
+            return {**stop.flush_reply(), "dir": shipper.last_report}
         started = trio.current_time()
         result = await shipper.ship_checkpoint()
         seconds = round(trio.current_time() - started, 4)  # scan and save, in the daemon

@@ -7,7 +7,9 @@ Exit codes (also listed by ``fsagent --help``):
 1   unexpected error (a traceback is printed)
 2   usage error (argparse)
 3   state dir problem: corrupt, foreign, in use, or bound to another run
-4   controller unreachable, or it refused the run token / folder
+4   controller unreachable, or it refused the run token / folder; a failed
+    final save (not the agent folder's refusal over a storage limit, which
+    is a warning: exit 0)
 5   the mount itself failed (no /dev/fuse, mountpoint busy, ...)
 6   ``fsagent doctor`` found something missing
 8   ``fsagent repos prepare``: a checkout could not be cloned or restored
@@ -98,13 +100,17 @@ class SaveFailed(FsagentError):
 
     ``refused``: the controller refused it (trying again cannot help), rather
     than it failing on the way (network, 5xx, an I/O error here).
+    ``over_limit``: refused for an agent folder's storage limit
+    (``agent_files_limit_exceeded``), which the agent folder contract makes a
+    recorded refusal and a warning of the run, not a failed save.
     """
 
     exit_code = 4
 
-    def __init__(self, message: str, *, refused: bool = False) -> None:
+    def __init__(self, message: str, *, refused: bool = False, over_limit: bool = False) -> None:
         super().__init__(message)
         self.refused = refused
+        self.over_limit = over_limit
 
 
 class MountFailed(FsagentError):

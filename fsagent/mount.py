@@ -27,7 +27,9 @@ The agent folder, when the controller names the agent's instruction entry
 (``RunInfo.agent_entry``: the agent folder contract, spec/agent-files.md),
 differs in three ways: the entry cannot be unlinked or renamed away
 (``fs.py``); the final save is tried up to three times when it fails on the
-way, then an explicit failure receipt is reported; and at the stop boundary
+way, then an explicit failure receipt is reported, while a final save the
+controller refuses over a storage limit is a recorded refusal and a warning
+of the run, not a failure (the daemon exits 0); and at the stop boundary
 the state dir is emptied whatever the outcome (:func:`discard_local_copy`):
 the run's local copy never outlives the run, so the next run hydrates the
 folder as last saved. A daemon killed before its stop boundary discards
@@ -70,7 +72,7 @@ from fsagent.controlserver import (
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
-from fsagent.ship import Checkpoints, Shipper, checkpoint_loop
+from fsagent.ship import Checkpoints, FinalSave, Shipper, checkpoint_loop, limit_warning
 from fsagent.shipthread import ShipThread
 from fsagent.store import MARKER, Binding, ManifestRow, Store
 
@@ -91,21 +93,10 @@ class MountOptions:
 
 
 @dataclass
-class StopState:
-    """How the daemon ended: ``saved`` is False when the final checkpoint failed.
+class StopState(FinalSave):
+    """How the daemon ended (fsagent.ship.FinalSave), and how a given-up final
+    save of the agent folder gets its explicit failure receipt."""
 
-    ``attempts``: final saves tried before giving up on failures that are not
-    refusals (the agent folder contract's three; one otherwise, whose own
-    retries run until ``--retry-deadline``). ``report_scope``: with the
-    contract, the folder whose given-up final save gets an explicit failure
-    receipt on the controller.
-    """
-
-    saved: bool = True
-    error: str | None = None
-    final_done: bool = False
-    attempts: int = 1
-    report_scope: str | None = None
     report_failed: Callable[[str], Awaitable[None]] | None = None
     """Records the explicit failure receipt of a given-up final save."""
 
@@ -216,6 +207,10 @@ async def _final_save(shipper: Checkpoints | None, stop: StopState) -> None:
             result = await shipper.ship_checkpoint(final=True)
         except SaveFailed as exc:
             stop.saved, stop.error, refused = False, str(exc), exc.refused
+            stop.limit_warning = limit_warning(exc, stop.report_scope is not None)
+            if stop.limit_warning is not None:
+                print(f"fsagent: warning: {stop.limit_warning}", file=sys.stderr)
+                return  # the controller's refusal is its receipt already
             if exc.refused or attempt == stop.attempts:
                 break
             print(
@@ -272,7 +267,7 @@ def _control_handler(mountpoint: Path, shipper: Checkpoints, stop: StopState) ->
         if final:
             await _final_save(shipper, stop)
             pyfuse3.terminate()
-            return {"ok": stop.saved, "error": stop.error, "final": True}
+            return stop.flush_reply()
         result = await shipper.ship_checkpoint()
         return {"ok": True, "result": result.to_json()}
 

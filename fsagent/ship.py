@@ -355,7 +355,9 @@ class Shipper:
                             await self.client.report_state("failed", message)
                         except FsagentError as report_exc:
                             log.warning("could not report the failed save: %s", report_exc)
-                raise SaveFailed(message, refused=isinstance(exc, ControllerRefused)) from exc
+                raise SaveFailed(
+                    message, refused=isinstance(exc, ControllerRefused), over_limit=over_limit
+                ) from exc
 
     async def _ship(self, *, final: bool) -> SaveResult:
         pending = await self.state.pending()
@@ -618,3 +620,55 @@ async def checkpoint_loop(
             log.info(
                 "checkpoint of %d entries in %.2fs", result.entries, time.monotonic() - started
             )
+
+
+@dataclass
+class FinalSave:
+    """How a daemon's stop boundary ended (FUSE: fsagent.mount.StopState; dir
+    mode: fsagent.dirmode.DirStop): ``saved`` is False when the final save did
+    not save.
+
+    ``attempts``: final saves tried before giving up on failures that are not
+    refusals (the agent folder contract's three; one otherwise, whose own
+    retries run until ``--retry-deadline``). ``report_scope``: with the
+    contract, the folder whose given-up final save gets an explicit failure
+    receipt on the controller. ``limit_warning``: with the contract, the
+    controller refused the final save over the agent folder's storage limit:
+    a recorded refusal (its receipt, the run's warning), not a failed save
+    (spec/agent-files.md: a non-blocking warning), so ``ok`` holds and the
+    daemon exits 0.
+    """
+
+    saved: bool = True
+    error: str | None = None
+    final_done: bool = False
+    attempts: int = 1
+    report_scope: str | None = None
+    limit_warning: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Saved, or refused over an agent folder's storage limit (a warning)."""
+        return self.saved or self.limit_warning is not None
+
+    def flush_reply(self) -> dict[str, Any]:
+        """The answer to ``fsagent flush --final`` (protocol: fsagent.control)."""
+        return {
+            "ok": self.ok,
+            "saved": self.saved,
+            "error": None if self.ok else self.error,
+            "warning": self.limit_warning,
+            "final": True,
+        }
+
+
+def limit_warning(exc: SaveFailed, contract: bool) -> str | None:
+    """The warning a final save refused over a storage limit leaves under the
+    agent folder contract (the next run gets the folder as last saved); None
+    for any other failure, which stays a failed save."""
+    if not (contract and exc.over_limit):
+        return None
+    return (
+        "agent folder not saved, over its storage limit (recorded in the run's"
+        f" receipt; the next run gets the folder as last saved): {exc}"
+    )

@@ -37,6 +37,7 @@ from tests.support.agentfiles import (
     run_detail,
     run_receipts,
     start_agent_run,
+    unit_stop,
 )
 from tests.support.bridge import api_client
 from tests.support.controller import (
@@ -163,7 +164,10 @@ def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
     (root / "notes").mkdir()
     (root / "notes" / "new.md").write_bytes(b"new")
     expected = write_past(root, limit)
-    assert m.signal(signal.SIGTERM) == EXIT_SAVE_FAILED, m.stderr()
+    # A recorded refusal and a warning of the run, not a failed save: the
+    # daemon exits 0 (so its unit and `fsagent up` stop cleanly).
+    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+    assert "warning: agent folder not saved, over its storage limit" in m.stderr()
     assert "discarded" in m.stderr()
 
     assert agent_files(st, agent) == saved  # none of the run's agent changes
@@ -222,7 +226,54 @@ def test_a_periodic_save_over_a_limit_is_retried_once_the_agent_cleans_up(
     # At the limit (5000 of 5000 bytes): the run's current warning says so.
     warnings = run_detail(st, run.run_id).json()["warnings"]
     assert [(w["code"], w["limit"]) for w in warnings] == [("AGENT_FILES_AT_LIMIT", "totalBytes")]
-    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+    saved = agent_files(st, agent)
+
+    # Saves are per checkpoint: what the periodic save took stays saved when
+    # the final one is refused; the refusal leaves unsaved only the changes
+    # since it (README "Agent folders").
+    (m.mountpoint / "part0.bin").write_bytes(b"q" * 999)
+    (m.mountpoint / "late.md").write_bytes(b"late")
+    stopped = unit_stop(m)  # the fsagent@agent unit's stop: `fsagent flush --final`
+    assert stopped.returncode == 0, (stopped.stdout, stopped.stderr)
+    assert "final save refused, a warning of the run" in stopped.stdout
+    assert "agent_files_limit_exceeded" in stopped.stdout
+    assert m.proc is not None and m.proc.wait(timeout=60) == 0, m.stderr()
+    assert "warning: agent folder not saved, over its storage limit" in m.stderr()
+    assert agent_files(st, agent) == saved
+    receipts = run_receipts(st, run.run_id)
+    assert [(r["outcome"], r["final"]) for r in receipts] == [
+        ("refused", False), ("saved", False), ("refused", True),
+    ]  # fmt: skip
+    assert receipts[-1]["code"] == "AGENT_FILES_LIMIT_EXCEEDED"
+    assert receipts[-1]["details"] == [{"limit": "totalBytes", "max": TOTAL_MAX, "value": 5004}]
+    detail = run_detail(st, run.run_id).json()
+    assert detail["state"] != "failed" and detail["error"] is None, detail
+    assert [w["code"] for w in detail["warnings"]] == ["AGENT_FILES_LIMIT_EXCEEDED"]
+    assert list(m.state_dir.iterdir()) == []
+    run.end()
+    nxt = start_agent_run(st, agent, user=st.user_id)
+    m2 = mount_agent(mounts, nxt, state_dir=m.state_dir)
+    assert {p.name: p.read_bytes() for p in m2.mountpoint.iterdir()} == saved
+    assert m2.signal(signal.SIGTERM) == 0, m2.stderr()
+
+
+@pytest.mark.fuse
+def test_the_final_save_refused_over_a_limit_answers_flush_with_a_warning(
+    mounts: MountFactory, st: Tenant
+) -> None:
+    """`fsagent flush --final --json` says what happened: not saved, not failed."""
+    agent = new_agent(st)
+    run = start_agent_run(st, agent, user=st.user_id)
+    m = mount_agent(mounts, run)
+    (m.mountpoint / "big.bin").write_bytes(b"b" * (FILE_MAX + 1))
+    code, reply = flush_reply(m, final=True)
+    assert code == 0, reply
+    assert reply["ok"] is True and reply["saved"] is False and reply["error"] is None, reply
+    assert reply["final"] is True and "agent_files_limit_exceeded" in reply["warning"], reply
+    assert m.proc is not None and m.proc.wait(timeout=60) == 0, m.stderr()
+    assert agent_files(st, agent) == {"AGENTS.md": b""}
+    [receipt] = run_receipts(st, run.run_id)
+    assert (receipt["outcome"], receipt["final"]) == ("refused", True), receipt
 
 
 @pytest.mark.fuse
@@ -303,7 +354,7 @@ def test_a_300_mib_file_is_written_and_refused_only_at_save(
             fh.truncate(GiB + 1)
         assert exc.value.errno == errno.EFBIG
     (m.mountpoint / "huge.bin").unlink()
-    assert m.signal(signal.SIGTERM, timeout=300) == EXIT_SAVE_FAILED, m.stderr()
+    assert m.signal(signal.SIGTERM, timeout=300) == 0, m.stderr()
     receipt = run_receipts(tenant, run.run_id)[-1]
     assert receipt["code"] == "AGENT_FILES_LIMIT_EXCEEDED"
     assert receipt["details"] == [

@@ -5,6 +5,7 @@ run's receipts and warnings as people read them."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import uuid
@@ -142,13 +143,36 @@ def folder_counters(tenant: Tenant, scope: str, owner: str) -> tuple[int, int, i
     return int(row[0]), int(row[1]), int(row[2])
 
 
-def flush_reply(m: FsagentMount) -> tuple[int, dict[str, Any]]:
-    """``fsagent flush SCOPE --json`` against the mount: exit code and reply
-    (a failed save exits 4 and still prints its reply)."""
+def flush_reply(m: FsagentMount, *, final: bool = False) -> tuple[int, dict[str, Any]]:
+    """``fsagent flush SCOPE --json`` (``--final``) against the mount: exit
+    code and reply (a failed save exits 4 and still prints its reply)."""
     out = subprocess.run(
         [sys.executable, "-m", "fsagent.cli", "flush", m.scope,
-         "--state-dir", str(m.state_dir), "--json"],
+         "--state-dir", str(m.state_dir), "--json", *(["--final"] if final else [])],
         capture_output=True, check=False, cwd=REPO, timeout=600,
     )  # fmt: skip
     reply: dict[str, Any] = json.loads(out.stdout)
     return out.returncode, reply
+
+
+def unit_stop(m: FsagentMount) -> subprocess.CompletedProcess[str]:
+    """The ``ExecStop=`` of ``packaging/systemd/fsagent@.service`` for this
+    mount, as systemd runs it (``$$`` is ``$``, ``%i`` the scope), with this
+    checkout's fsagent: its exit status is what fails the unit's stop."""
+    unit = (REPO / "packaging" / "systemd" / "fsagent@.service").read_text()
+    text = unit.split("\nExecStop=", 1)[1]
+    lines = [text.split("\n", 1)[0]]
+    rest = text.split("\n", 1)[1]
+    while lines[-1].endswith("\\"):
+        line, rest = rest.split("\n", 1)
+        lines.append(line)
+    command = " ".join(line.rstrip("\\") for line in lines)
+    command = command.replace("$$", "$").replace(
+        "${FSAGENT_HOME}/.local/state/fsagent/%i", str(m.state_dir)
+    )
+    command = command.replace("%i", m.scope).replace(
+        "/opt/fsagent/venv/bin/fsagent", str(REPO / ".venv" / "bin" / "fsagent")
+    )
+    return subprocess.run(
+        shlex.split(command), capture_output=True, text=True, check=False, cwd=REPO, timeout=600
+    )
