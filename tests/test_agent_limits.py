@@ -2,8 +2,10 @@
 (spec/agent-files.md): an API save over one is 422 and changes nothing; a
 run's save over one saves none of its agent-folder changes, says why in its
 receipt and warns, and the next run gets the previous folder; the run's local
-copy is discarded at stop; an over-limit folder restores and warns until it
-is back under; transient failures get three attempts, then a failure receipt.
+copy is discarded at stop (a refusal there is a warning: exit 0); saves are
+per checkpoint; an over-limit folder restores and warns until it is back
+under, and never lets an unsafe path or a link through; transient failures
+get three attempts, then a failure receipt.
 Real controller, PostgreSQL and FUSE (the run-save tests also on a plain
 directory, dir mode, with the same assertions); the limits are lowered by the
 controller's flags so that a few small files reach them."""
@@ -39,7 +41,7 @@ from tests.support.agentfiles import (
     start_agent_run,
     unit_stop,
 )
-from tests.support.bridge import api_client
+from tests.support.bridge import Run, api_client
 from tests.support.controller import (
     ControllerProcess,
     PgCluster,
@@ -185,6 +187,8 @@ def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
         sync = c.get(st.folder("agent", agent) + "/sync").json()
     mine = next(r for r in sync["runs"] if r["runId"] == run.run_id)
     assert [w["code"] for w in mine["warnings"]] == ["AGENT_FILES_LIMIT_EXCEEDED"]
+    # A diagnostic of the run, never an error on the current files.
+    assert mine["error"] is None and mine["state"] != "failed", mine
     # The local copy is gone: no archive, nothing left to ship later.
     assert list(m.state_dir.iterdir()) == []
     if m.mode == "dir":  # the directory itself is the local copy
@@ -278,10 +282,13 @@ def test_the_final_save_refused_over_a_limit_answers_flush_with_a_warning(
 
 @pytest.mark.fuse
 def test_an_over_limit_folder_restores_and_warns_on_each_run_until_back_under(
-    mounts: MountFactory, pg_cluster: PgCluster
+    mode_mounts: MountFactory, pg_cluster: PgCluster
 ) -> None:
     """Saved under generous limits, the folder is over the lowered ones: every
-    file is still restored, each run warns, and the agent can clean up."""
+    file is still restored, each run warns, and the agent can clean up. Over
+    a limit, unsafe paths and links are refused as ever: a save that shrinks
+    the folder is taken, never its unsafe part."""
+    mounts = mode_mounts  # a FUSE mount, then a plain directory: the same contract
     tmp = world_searchable_tmpdir("fsa-overlimit-")
     ctl = ControllerProcess(pg_cluster.create_database(), tmp)
     try:
@@ -308,12 +315,31 @@ def test_an_over_limit_folder_restores_and_warns_on_each_run_until_back_under(
             ("AGENT_FILES_AT_LIMIT", "fileBytes"),
             ("AGENT_FILES_AT_LIMIT", "totalBytes"),
         }
+        refuses_unsafe_paths_over_a_limit(tenant, run)
         # Cleaning up step by step: each save that shrinks the folder is taken.
+        secret = mounts.base / "secret"
+        secret.write_bytes(b"outside the folder")
+        if m.mode == "fuse":
+            with pytest.raises(OSError) as link_exc:
+                os.symlink(secret, m.mountpoint / "link")
+            assert link_exc.value.errno == errno.EPERM
+        else:  # a plain directory takes the link; the save never does
+            os.symlink(secret, m.mountpoint / "link")
         (m.mountpoint / "a.bin").unlink()
         (m.mountpoint / "b.bin").unlink()
         assert m.fsagent("flush", "agent")["ok"] is True
-        still = [w["limit"] for w in run_detail(tenant, run.run_id).json()["warnings"]]
+        warnings = run_detail(tenant, run.run_id).json()["warnings"]
+        still = [w["limit"] for w in warnings if w["code"] == "AGENT_FILES_AT_LIMIT"]
         assert still == ["fileBytes"]
+        assert agent_files(tenant, agent) == {"AGENTS.md": b"", "c.bin": b"z" * 2000}
+        shrunk = run_receipts(tenant, run.run_id)[-1]
+        assert shrunk["outcome"] == "saved", shrunk
+        if m.mode == "dir":
+            assert [(r["path"], r["code"], r.get("by")) for r in shrunk["refusedEntries"]] == [
+                ("link", "symlink", "sandbox")
+            ]
+            assert [w["code"] for w in warnings] == ["SANDBOX_REFUSED", "AGENT_FILES_AT_LIMIT"]
+            (m.mountpoint / "link").unlink()
         (m.mountpoint / "c.bin").write_bytes(b"small now")
         assert m.signal(signal.SIGTERM) == 0, m.stderr()
         assert run_detail(tenant, run.run_id).json()["warnings"] == []
@@ -324,6 +350,41 @@ def test_an_over_limit_folder_restores_and_warns_on_each_run_until_back_under(
     finally:
         ctl.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+UNSAFE_PATHS = ("../escape.bin", "notes/../a.bin", "./a.bin", "a.bin/", "/etc/passwd", "a//b")
+
+
+def refuses_unsafe_paths_over_a_limit(tenant: Tenant, run: AgentRun) -> None:
+    """Saves that would shrink the over-limit folder (a deletion) but carry an
+    unsafe path: each is 400 and changes nothing, through the run's checkpoint
+    route and through the API bridge."""
+    before = agent_files(tenant, run.agent)
+    counters = folder_counters(tenant, "agent", run.agent)
+    bridged = Run(tenant, run.run_id, run.token, run.lease_epoch, run.agent, run.task, None)
+    up = bridged.upload("agent", b"z" * 2000)
+    assert up.status_code == 200, up.text
+    digest = up.json()["digest"]
+    for path in UNSAFE_PATHS:
+        r = bridged.commit(
+            "agent",
+            [
+                {"op": "delete", "path": "b.bin"},
+                {"op": "put", "path": path, "digest": digest, "executable": False},
+            ],
+        )
+        assert r.status_code == 400 and r.json()["code"] == "validation_error", (path, r.text)
+        assert r.json()["details"][0]["field"].endswith("path"), r.text
+        r = bridged.commit("agent", [{"op": "delete", "path": path}])
+        assert r.status_code == 400 and r.json()["code"] == "validation_error", (path, r.text)
+    with api_client(tenant, run.token) as c:
+        for path in UNSAFE_PATHS:
+            r = put(c, tenant, "agent", run.agent, path, b"x")
+            assert r.status_code == 400 and r.json()["code"] == "invalid_path", (path, r.text)
+            r = operate(c, tenant, "agent", run.agent, action="delete", path=path)
+            assert r.status_code == 400 and r.json()["code"] == "invalid_path", (path, r.text)
+    assert agent_files(tenant, run.agent) == before
+    assert folder_counters(tenant, "agent", run.agent) == counters
 
 
 def ctl_bridge(tenant: Tenant, run: AgentRun) -> httpx.Client:
