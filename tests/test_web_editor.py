@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Page, Route, expect
 
 from tests.support.agentfiles import OCTET, new_agent
 from tests.support.browser import BROWSER_TESTS
@@ -46,11 +46,35 @@ def open_instructions(page: Page, tenant: Tenant, agent: str) -> None:
     expect(page.get_by_role("heading", name="Edit: AGENTS.md")).to_be_visible()
 
 
+def etag(data: bytes) -> str:
+    return f'"{hashlib.sha256(data).hexdigest()}"'
+
+
+class SaveConditions:
+    """Intercepts the page's writes of file contents and keeps each one's
+    condition headers (the request then goes on to the controller unchanged)."""
+
+    def __init__(self, page: Page) -> None:
+        self.seen: list[tuple[str | None, str | None]] = []
+        page.route("**/content?path=*", self.intercept)
+
+    def intercept(self, route: Route) -> None:
+        if route.request.method == "PUT":
+            headers = route.request.headers
+            self.seen.append((headers.get("if-match"), headers.get("if-none-match")))
+        route.continue_()
+
+    def take(self) -> list[tuple[str | None, str | None]]:
+        taken, self.seen = self.seen, []
+        return taken
+
+
 def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     page: Page, tenant: Tenant, views: ViewRecorder
 ) -> None:
     agent = new_agent(tenant)
     save_elsewhere(tenant, agent, b"# Instructions v1\n")
+    saves = SaveConditions(page)
     open_instructions(page, tenant, agent)
     draft = page.get_by_label("Your text of AGENTS.md")
     expect(draft).to_have_value("# Instructions v1\n")
@@ -62,6 +86,8 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     draft.press("Control+s")
     expect(page.get_by_role("status").filter(has_text="Saved AGENTS.md.")).to_be_visible()
     assert saved(tenant, agent) == b"# Instructions v2\n"
+    # The save was conditional on the version the editor loaded.
+    assert saves.take() == [(etag(b"# Instructions v1\n"), None)]
 
     # Someone else saves; this editor's save is refused, nothing is written,
     # and the draft stays where it was, with the newer text beside it.
@@ -76,6 +102,8 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     expect(draft).to_have_value("# My careful draft\n")
     expect(page.get_by_label("Saved meanwhile (newer)")).to_have_value("# Written by a run\n")
     assert saved(tenant, agent) == b"# Written by a run\n"
+    # Refused because it still named the version this editor last saved.
+    assert saves.take() == [(etag(b"# Instructions v2\n"), None)]
     views.snap("conflict")
 
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
@@ -87,6 +115,8 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     conflict.get_by_role("button", name="Overwrite with my draft").click()
     expect(conflict).to_be_hidden()
     assert saved(tenant, agent) == b"# My careful draft\n"
+    # Overwriting replaces only the newer version it showed.
+    assert saves.take() == [(etag(b"# Written by a run\n"), None)]
 
     # Again, and this time the draft is discarded for the newer version.
     save_elsewhere(tenant, agent, b"# Newest\n")
@@ -102,6 +132,10 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     page.get_by_role("button", name="Save", exact=True).click()
     expect(page.get_by_role("status").filter(has_text="Saved AGENTS.md.")).to_be_visible()
     assert saved(tenant, agent) == b"# After discarding\n"
+    assert saves.take() == [
+        (etag(b"# My careful draft\n"), None),  # the refused one
+        (etag(b"# Newest\n"), None),  # after discarding, on the newest version
+    ]
 
     # Closing with unsaved changes asks first.
     draft.fill("# Not kept\n")
@@ -110,6 +144,7 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     dialog.get_by_role("button", name="Discard changes").click()
     expect(page.locator(".editor")).to_be_hidden()
     assert saved(tenant, agent) == b"# After discarding\n"
+    assert saves.take() == []  # discarding sends nothing
 
 
 def test_the_editor_takes_text_up_to_1_mib_and_offers_the_rest_for_download(
