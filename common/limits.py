@@ -39,6 +39,13 @@ SCOPES: Final = ("task", "agent", "user", "project")
 AGENT_MAX_ENTRIES: Final = 100_000
 """Files and directories of one agent folder (a sync-validation limit)."""
 
+AGENT_LOCAL_MAX_ENTRIES: Final = 10 * AGENT_MAX_ENTRIES
+"""fsagent's own bound on the entries of an agent folder under its contract.
+The agent may write past :data:`AGENT_MAX_ENTRIES` while it runs (the save is
+what is refused, spec/agent-files.md), so the :data:`MAX_ENTRIES` refusal that
+every other collection gets at write time does not apply there; this bound
+only keeps a runaway agent from growing the state dir without end."""
+
 AGENT_MAX_FILE_BYTES: Final = 256 * MiB
 """Largest file of an agent folder (a sync-validation limit, not a live quota:
 fsagent still lets the agent write up to :data:`MAX_FILE_BYTES`)."""

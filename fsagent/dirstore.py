@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, Final
 
 import lmdb
 
+from common.limits import AGENT_LOCAL_MAX_ENTRIES, MAX_ENTRIES
 from common.paths import ancestors
 from common.types import Digest, FileVersion
 from fsagent.dirfs import lstat_at, open_scanned
@@ -169,8 +170,15 @@ class DirStore(Journal):
         """
         if not self._loaded:
             self.load()
+        # The agent folder's entry limit is checked when a save commits (the
+        # agent may write past it, spec/agent-files.md); other collections
+        # refuse entries past MAX_ENTRIES by name, as the mount does.
         scan = scan_directory(
-            self.directory(), self._seen, saved=self._saved, after_read=self.after_read
+            self.directory(),
+            self._seen,
+            saved=self._saved,
+            after_read=self.after_read,
+            max_entries=MAX_ENTRIES if self.protected is None else AGENT_LOCAL_MAX_ENTRIES,
         )
         entry = self.protected
         if entry is not None and entry in self._saved:

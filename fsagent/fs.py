@@ -50,7 +50,7 @@ import pyfuse3
 import trio
 
 from common.errors import InvalidPath
-from common.limits import MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
+from common.limits import AGENT_LOCAL_MAX_ENTRIES, MAX_ENTRIES, MAX_FILE_BYTES, MAX_PATH_CHARS
 from common.paths import MAX_PATH_SEGMENTS, decode_fs_name, is_within
 from common.types import Digest
 from fsagent import stats
@@ -117,6 +117,9 @@ class WorkFolderFS(pyfuse3.Operations):
         super().__init__()
         self.protected = protected
         """The agent's instruction entry: no unlink, no rename away (EPERM)."""
+        self.max_entries = MAX_ENTRIES if protected is None else AGENT_LOCAL_MAX_ENTRIES
+        """Entries past this are refused (EDQUOT). An agent folder under its
+        contract takes more: its limit is checked when a save commits."""
         self.spinner = Spinner(spin_ns)
         self.initialized = trio.Event()
         self.store = store
@@ -366,10 +369,12 @@ class WorkFolderFS(pyfuse3.Operations):
                 mode |= stat.S_ISGID
         if self.store.lookup(parent, name) is not None:
             raise fuse_err(errno.EEXIST)
-        if self.store.count_entries() >= MAX_ENTRIES:
+        if self.store.count_entries() >= self.max_entries:
             # The controller refuses folders over 100,000 entries at save time;
             # saying so now (as a quota) keeps the agent from piling up work
-            # that could never be saved.
+            # that could never be saved. The agent folder's limit is a
+            # sync-validation limit instead (spec/agent-files.md): the agent
+            # may write past it and the save over it is refused with a receipt.
             raise fuse_err(errno.EDQUOT)
         return self.store.create(parent, name, kind, mode, ctx.uid, gid)
 

@@ -138,6 +138,33 @@ def test_a_checkpoint_is_refused_only_for_the_entry_and_says_so(tenant: Tenant) 
     assert [(r["outcome"], r["filesChanged"]) for r in receipts] == [("saved", 1), ("saved", 1)]
     assert receipts[1]["refusedEntries"][0]["code"] == "ENTRY_NOT_UTF8"
     assert {w["code"] for w in receipts[1]["warnings"]} == {"ENTRY_NOT_UTF8", "ENTRY_PROTECTED"}
+    # An entry over 1 MiB is refused for the entry alone; the rest is saved.
+    huge, more = run.upload("agent", b"e" * (ENTRY_MAX_BYTES + 1)), run.upload("agent", b"more")
+    assert huge.status_code == more.status_code == 200
+    r = run.commit(
+        "agent",
+        [
+            {
+                "op": "put",
+                "path": "AGENTS.md",
+                "digest": huge.json()["digest"],
+                "executable": False,
+            },
+            {"op": "put", "path": "more.md", "digest": more.json()["digest"], "executable": False},
+        ],
+    )
+    assert r.status_code == 200, r.text
+    assert [(e["path"], e["code"]) for e in r.json()["refusedEntries"]] == [
+        ("AGENTS.md", "ENTRY_TOO_LARGE")
+    ]
+    assert agent_files(tenant, agent) == {
+        "AGENTS.md": b"",
+        "notes.md": b"notes",
+        "more.md": b"more",
+    }
+    last = run_receipts(tenant, run.run_id)[-1]
+    assert (last["outcome"], last["filesChanged"]) == ("saved", 1)
+    assert [w["code"] for w in last["warnings"]] == ["ENTRY_TOO_LARGE"]
 
 
 @pytest.mark.fuse

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.fuse
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
-def big_manifest_source(root: Path, n: int) -> Path:
-    """``n`` files in 100 directories sharing a handful of objects (metadata-heavy)."""
+def big_manifest_source(root: Path, n: int, agent_entry: str | None = None) -> Path:
+    """``n`` files in 100 directories sharing a handful of objects (metadata-heavy);
+    with ``agent_entry``, an agent folder under its contract (that entry)."""
     contents = [f"content {i}\n".encode() for i in range(4)]
     objects = root / "agent" / "objects"
     objects.mkdir(parents=True)
@@ -43,6 +44,8 @@ def big_manifest_source(root: Path, n: int) -> Path:
     run = {"runId": str(uuid.uuid4()), "companyId": str(uuid.uuid4()), "agentId": owner,
            "leaseEpoch": 1, "active": True,
            "bindings": {"task": None, "agent": owner, "user": None, "project": None}}  # fmt: skip
+    if agent_entry is not None:
+        run["agentEntry"] = agent_entry
     (root / "run.json").write_text(json.dumps(run))
     return root
 
@@ -217,3 +220,25 @@ def test_entry_limit_is_refused_at_write_time(mounts: MountFactory) -> None:
     os.unlink(m.mountpoint / "last-one")
     (m.mountpoint / "room-again").write_bytes(b"ok")
     assert (m.mountpoint / "room-again").read_bytes() == b"ok"
+
+
+def test_an_agent_folder_takes_entries_past_its_limit_while_the_agent_runs(
+    mounts: MountFactory,
+) -> None:
+    """The agent folder's 100,000 entries are a sync-validation limit, not a
+    live quota (spec/agent-files.md): the mount takes more, and the save
+    over the limit is what the controller refuses (test_agent_limits.py)."""
+    src = big_manifest_source(mounts.base / "agent-full", MAX_ENTRIES - 101, "AGENTS.md")
+    m = mounts.mount(src, extra=["--prefetch", "0"])
+    for name in ("last-one", "one-too-many", "two-too-many"):
+        (m.mountpoint / name).write_bytes(name.encode())
+    (m.mountpoint / "dir-too-many").mkdir()
+    (m.mountpoint / "dir-too-many" / "inside").write_bytes(b"in")
+    assert (m.mountpoint / "two-too-many").read_bytes() == b"two-too-many"
+    assert {p: c["action"] for p, c in m.changes().items()} == {
+        "last-one": "upload",
+        "one-too-many": "upload",
+        "two-too-many": "upload",
+        "dir-too-many": "mkdir",
+        "dir-too-many/inside": "upload",
+    }

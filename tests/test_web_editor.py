@@ -177,6 +177,7 @@ def test_the_editor_takes_text_up_to_1_mib_and_offers_the_rest_for_download(
     expect(page.get_by_label("Your text of big.txt")).to_be_hidden()
     page.goto(tenant.controller.url + base + "?edit=photo.bin")
     expect(editor).to_contain_text("is not UTF-8 text")
+    expect(editor.get_by_role("link", name="Download photo.bin")).to_be_visible()
     # The preview of a binary file has no Edit.
     page.goto(tenant.controller.url + base + "?preview=photo.bin")
     expect(page.locator(".preview")).to_contain_text("can't be shown here")
