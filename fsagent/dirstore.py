@@ -40,7 +40,7 @@ import lmdb
 from common.paths import ancestors
 from common.types import Digest, FileVersion
 from fsagent.dirfs import lstat_at, open_scanned
-from fsagent.dirscan import DirScan, report, scan_directory
+from fsagent.dirscan import DirScan, entry_limit, report, scan_directory
 from fsagent.errors import StateCorrupt
 from fsagent.journal import Change, Journal
 from fsagent.records import (
@@ -170,7 +170,11 @@ class DirStore(Journal):
         if not self._loaded:
             self.load()
         scan = scan_directory(
-            self.directory(), self._seen, saved=self._saved, after_read=self.after_read
+            self.directory(),
+            self._seen,
+            saved=self._saved,
+            max_entries=entry_limit(),
+            after_read=self.after_read,
         )
         entry = self.protected
         if entry is not None and entry in self._saved:

@@ -28,6 +28,7 @@ from common.limits import MAX_FILE_BYTES
 from fsagent.client import open_client
 from fsagent.dirfs import open_root
 from fsagent.dirmode import DirShipper, hydrate_directory
+from fsagent.dirscan import ENTRY_LIMIT_ENV
 from fsagent.dirstore import DirStore
 from fsagent.store import Store
 from tests.support.agentfiles import run_receipts
@@ -234,6 +235,69 @@ def test_refused_paths_are_named_by_flush_and_status_and_the_rest_is_saved(
         named = {e["path"]: e["code"] for e in receipt["refusedEntries"] if e["by"] == "sandbox"}
         assert named == sandbox_named, receipt
         assert [(w["code"], w["count"]) for w in receipt["warnings"]] == [("SANDBOX_REFUSED", 8)]
+
+
+def test_entries_past_the_limit_are_refused_by_name_and_the_rest_is_saved(
+    mounts: MountFactory, tenant: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 100,000-entry limit, lowered to 5 (``$FSAGENT_TEST_MAX_ENTRIES``,
+    seen by the daemon and by ``status``): saved paths keep their place, new
+    ones are admitted in path order, a refused directory takes its subtree
+    along; the refused are named by flush, status, the final save and the
+    receipts, and a freed place admits the next one."""
+    monkeypatch.setenv(ENTRY_LIMIT_ENV, "5")
+    run = start_run(tenant)
+    folder = tenant.folder("task", run["task"])
+    with tenant.client() as c:
+        for path in ("a.txt", "b.txt"):
+            r = c.put(folder + "/content", params={"path": path}, content=b"saved " + path.encode(),
+                      headers=OCTET)  # fmt: skip
+            assert r.status_code == 201, r.text
+    m = mounts.mount(tenant.controller.url, scope="task", token_file=token_file(mounts, run))
+    root = m.mountpoint
+    for name in ("c.txt", "d.txt", "e.txt", "f.txt"):
+        (root / name).write_bytes(name.encode())
+    (root / "g").mkdir()
+    (root / "g" / "h.txt").write_bytes(b"h")
+    reply = m.fsagent("flush", "task")
+    assert reply["ok"] is True, reply
+    refused = {r["path"]: r["reason"] for r in reply["result"]["dir"]["refused"]}
+    assert refused == {"f.txt": "entry_limit", "g": "entry_limit", "g/h.txt": "entry_limit"}
+    saved = {"a.txt": b"saved a.txt", "b.txt": b"saved b.txt", "c.txt": b"c.txt",
+             "d.txt": b"d.txt", "e.txt": b"e.txt"}  # fmt: skip
+    assert server_files(tenant, "task", run["task"]) == saved
+    status = m.fsagent("status")["collections"][0]
+    assert {r["path"]: r["reason"] for r in status["scan"]["refused"]} == refused
+    text = subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "status", "--state-dir", str(m.state_dir)],
+        capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    assert "refused (never saved, never followed): 3 path(s)" in text, text
+    assert "    f.txt: entry_limit" in text and "    g/h.txt: entry_limit" in text
+
+    # A saved path keeps its place (b.txt, rewritten); a deleted one frees
+    # its place for the first refused path, f.txt.
+    (root / "c.txt").unlink()
+    (root / "b.txt").write_bytes(b"b, rewritten")
+    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+    assert "final save: 3 change(s) saved; 2 path(s) refused" in m.stderr(), m.stderr()
+    del saved["c.txt"]
+    assert server_files(tenant, "task", run["task"]) == {
+        **saved, "b.txt": b"b, rewritten", "f.txt": b"f.txt",
+    }  # fmt: skip
+    receipts = run_receipts(tenant, run["run_id"])
+    assert [(r["outcome"], r["filesChanged"], r["final"]) for r in receipts] == [
+        ("saved", 3, False),
+        ("saved", 3, True),
+    ]
+    named = [
+        {e["path"]: e["code"] for e in r["refusedEntries"] if e["by"] == "sandbox"}
+        for r in receipts
+    ]
+    assert named == [
+        {"f.txt": "entry_limit", "g": "entry_limit", "g/h.txt": "entry_limit"},
+        {"g": "entry_limit", "g/h.txt": "entry_limit"},
+    ]
 
 
 def test_dir_mode_fills_only_an_empty_directory_and_needs_no_pyfuse3(mounts: MountFactory) -> None:

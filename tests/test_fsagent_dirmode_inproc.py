@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import trio
 
-from common.limits import MAX_FILE_BYTES
+from common.limits import MAX_ENTRIES, MAX_FILE_BYTES
 from common.types import Digest
 from fsagent.dirfs import open_root
 from fsagent.dirmode import DirShipper, hydrate_directory, take_incoming, warm_start
-from fsagent.dirscan import TICK_NS, scan_directory
+from fsagent.dirscan import ENTRY_LIMIT_ENV, TICK_NS, entry_limit, scan_directory
 from fsagent.dirstore import DirStore
 from fsagent.errors import ObjectUnavailable, StateModeMismatch
 from fsagent.memclient import MemoryBridgeClient, new_run
@@ -323,6 +323,18 @@ def test_the_entry_limit_keeps_saved_paths_and_admits_new_ones_in_path_order(
         os.close(fd)
     assert sorted(scan.entries) == ["a", "b", "z-saved"]
     assert scan.problems == {"new-dir": "entry_limit", "new-dir/child": "entry_limit"}
+
+
+@pytest.mark.parametrize(
+    ("value", "limit"),
+    [("7", 7), ("", MAX_ENTRIES), ("0", MAX_ENTRIES), ("-3", MAX_ENTRIES), ("many", MAX_ENTRIES),
+     (str(MAX_ENTRIES + 1), MAX_ENTRIES)],
+)  # fmt: skip
+def test_the_test_entry_limit_only_lowers_the_limit(
+    value: str, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENTRY_LIMIT_ENV, value)
+    assert entry_limit() == limit
 
 
 def test_a_file_moved_between_directories_during_the_walk_is_still_found(tmp_path: Path) -> None:
