@@ -116,6 +116,12 @@ def test_without_fuse_up_serves_plain_directories_that_save_and_restore(tenant: 
         assert task["mode"]["mode"] == "dir" and task["state"] == "serving"
         assert "a test FUSE mount failed" in task["mode"]["reason"]
         assert task["unsavedChanges"] == 2
+        text = subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "status", "--state-dir",
+             str(base / "first" / "state" / "task")],
+            capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
+        ).stdout  # fmt: skip
+        assert text.splitlines()[1] == f"  mode: dir ({task['mode']['reason']})", text
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=180) == 0, (base / "first.log").read_text()
     finally:
@@ -212,6 +218,7 @@ def test_refused_paths_are_named_by_flush_and_status_and_the_rest_is_saved(
         capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
     ).stdout  # fmt: skip
     assert "refused (never saved, never followed): 8 path(s)" in text
+    assert text.splitlines()[1] == "  mode: dir (--mode dir)", text
     assert "    fifo: special_file" in text and "    linked-dir: symlink" in text
     assert m.signal(signal.SIGTERM) == 0, m.stderr()
     assert "final save: 0 change(s) saved; 8 path(s) refused" in m.stderr()

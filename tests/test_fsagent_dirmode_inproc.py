@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -396,6 +397,59 @@ async def test_deletions_wait_for_a_scan_that_holds_still(
         assert {p for p in mem.files(SCOPE) if p.startswith("docs/churn-")} == {
             f"docs/churn-{i}" for i in range(count + 1)
         }
+    finally:
+        s.close()
+
+
+@pytest.mark.trio
+async def test_at_most_one_checkpoint_is_in_flight(tmp_path: Path, mem: MemoryBridgeClient) -> None:
+    """Checkpoints asked for at once (the periodic loop, a flush, the final
+    save) run one after the other: a scan never starts while another
+    checkpoint's scan or commit is in flight, and each ships what the
+    one before it left."""
+    s = await served(tmp_path, mem)
+    events: list[str] = []
+    in_flight = peak = 0
+    rescan, commit = s.store.rescan, mem.commit_checkpoint
+
+    def slow_scan(*, record: bool = True) -> Any:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        events.append("scan")
+        time.sleep(0.05)  # in the worker thread: the others would start now, if they could
+        return rescan(record=record)
+
+    async def slow_commit(scope: str, body: dict[str, Any]) -> dict[str, Any]:
+        nonlocal in_flight
+        await trio.sleep(0.05)
+        receipt = await commit(scope, body)
+        events.append("commit " + ",".join(sorted(e["path"] for e in body["entries"])))
+        # Written while this checkpoint is still in flight: the next one's to ship.
+        (s.root / f"after-{len(events)}.txt").write_bytes(b"later")
+        in_flight -= 1
+        return receipt
+
+    s.store.rescan = slow_scan  # type: ignore[method-assign]
+    mem.commit_checkpoint = slow_commit  # type: ignore[method-assign]
+    try:
+        (s.root / "first.txt").write_bytes(b"first")
+        results = []
+
+        async def save(final: bool) -> None:
+            results.append(await s.shipper.ship_checkpoint(final=final))
+
+        async with trio.open_nursery() as nursery:
+            for final in (False, False, True):
+                nursery.start_soon(save, final)
+        assert peak == 1, events
+        assert events == [
+            "scan", "commit first.txt", "scan", "commit after-2.txt", "scan", "commit after-4.txt",
+        ]  # fmt: skip
+        assert [r.entries for r in results] == [1, 1, 1]
+        assert {p for p in mem.files(SCOPE) if p.startswith(("first", "after"))} == {
+            "first.txt", "after-2.txt", "after-4.txt",
+        }  # fmt: skip
     finally:
         s.close()
 
