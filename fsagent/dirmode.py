@@ -13,7 +13,9 @@ its binding (as in FUSE mode), claim it for dir mode, pin the directory
 * **warm start**: ship what changed locally first (a checkpoint), then apply
   the server's changes since the baseline to the paths not changed locally.
 * **an unbound collection**: an empty directory made read-only (immutable too
-  when fsagent is root, where modes do not stop a write).
+  when fsagent is root, where modes do not stop a write; where the flag
+  cannot be set, a WARNING names the directory, and ``fsagent status`` shows
+  it from the record beside the state dir, :func:`unbound_record`).
 
 Then checkpoints every ``--checkpoint-interval`` seconds, at most one in
 flight, through the same shipper as FUSE mode (fsagent.ship): a checkpoint
@@ -576,11 +578,12 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _announce(opts: DirOptions, unbound: bool) -> None:
+def _announce(opts: DirOptions, unbound: bool, warning: str | None = None) -> None:
     """The ready file (``fsagent up``, a detaching ``mount``) and one line on stderr."""
     if opts.ready_file is not None:
         _write_json(opts.ready_file, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
-                                      "reason": opts.reason, "path": str(opts.directory)})  # fmt: skip
+                                      "reason": opts.reason, "path": str(opts.directory),
+                                      **({"warning": warning} if warning else {})})  # fmt: skip
     print(
         f"fsagent: {opts.scope} ready at {opts.directory} (dir mode"
         f"{', unbound, read-only' if unbound else ''}: {opts.reason})",
@@ -754,11 +757,24 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
             )
         mode = stat.S_IMODE(os.fstat(root_fd).st_mode)
         os.fchmod(root_fd, 0o555)
-        _set_immutable(root_fd, True)
+        record = unbound_record(opts.state_dir)
         try:
-            _announce(opts, unbound=True)
+            missing = _set_immutable(root_fd, True)
+            warning = None
+            if missing is not None:
+                warning = (
+                    f"{opts.directory} is read-only by its mode alone: the immutable flag "
+                    f"cannot be set there ({missing}), so a process running as root can "
+                    "still write into it, and nothing written there is saved"
+                )
+                log.warning("%s", warning)
+            _write_json(record, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
+                                 "reason": opts.reason, "path": str(opts.directory),
+                                 "warning": warning})  # fmt: skip
+            _announce(opts, unbound=True, warning=warning)
             await _wait_for_signal(stop)
         finally:
+            record.unlink(missing_ok=True)
             _set_immutable(root_fd, False)
             os.fchmod(root_fd, mode)
             if opts.ready_file is not None:
@@ -772,11 +788,13 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
 _GETFLAGS, _SETFLAGS, _IMMUTABLE = 0x80086601, 0x40086602, 0x10
 
 
-def _set_immutable(fd: int, on: bool) -> None:
+def _set_immutable(fd: int, on: bool) -> str | None:
     """Best effort, as root: mode bits do not stop root from writing, the
-    immutable flag does. A filesystem without it keeps the mode alone."""
+    immutable flag does. A filesystem without it (or a runtime that withholds
+    CAP_LINUX_IMMUTABLE) keeps the mode alone: then, as root, why (the
+    caller warns, since root's writes are no longer stopped)."""
     if os.geteuid() != 0:
-        return
+        return None
     try:
         flags = struct.unpack("i", fcntl.ioctl(fd, _GETFLAGS, b"\0" * 4))[0]
         new = flags | _IMMUTABLE if on else flags & ~_IMMUTABLE
@@ -785,6 +803,16 @@ def _set_immutable(fd: int, on: bool) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOTTY, errno.EOPNOTSUPP, errno.EPERM, errno.EINVAL):
             raise
+        return exc.strerror or errno.errorcode.get(exc.errno or 0, "unsupported")
+    return None
+
+
+def unbound_record(state_dir: Path) -> Path:
+    """Where an unbound collection's daemon says what it serves, while it does
+    (``fsagent status`` reads it): beside the state dir, which an unbound
+    collection never creates, so a later run bound to the scope finds it as
+    it was."""
+    return state_dir.with_name(state_dir.name + ".unbound")
 
 
 def _clear_immutable(fd: int) -> None:

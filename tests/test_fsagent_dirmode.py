@@ -108,6 +108,11 @@ def test_without_fuse_up_serves_plain_directories_that_save_and_restore(tenant: 
         with pytest.raises(OSError) as info:
             (home / "user" / "x").write_bytes(b"x")
         assert info.value.errno in (errno.EACCES, errno.EPERM)
+        [user] = fsagent_json("status", "--state-dir", str(base / "first" / "state" / "user"))[
+            "collections"
+        ]
+        assert user["unbound"] is True and user["state"] == "serving", user
+        assert user["warning"] is None  # immutable here: root's writes are stopped too
         (home / "task" / "result.txt").write_bytes(b"agent's work")
         (home / "agent" / "memory.md").write_bytes(b"remember this")
         (home / "task" / "notes" / "plan.md").write_bytes(b"the plan, revised")
@@ -305,6 +310,77 @@ def test_entries_past_the_limit_are_refused_by_name_and_the_rest_is_saved(
         {"f.txt": "entry_limit", "g": "entry_limit", "g/h.txt": "entry_limit"},
         {"g": "entry_limit", "g/h.txt": "entry_limit"},
     ]
+
+
+def test_an_unbound_directory_root_can_write_to_is_named_by_a_warning_and_status(
+    mounts: MountFactory,
+) -> None:
+    """As root, an unbound collection is made immutable, since its mode does not
+    stop root. On a filesystem without the flag (ramfs, in a mount namespace
+    of the daemon's own), a WARNING names the directory and ``status`` shows
+    the collection with that warning while it is served."""
+    if os.getuid() != 0:
+        pytest.skip("needs root: only root's writes get past the directory's mode")
+    src = mounts.source({"agent": {"a.txt": b"bound"}})  # the user folder is unbound
+    ramfs = mounts.base / "ramfs"
+    ramfs.mkdir()
+    directory, state = ramfs / "user", mounts.base / "state" / "user"
+    ready, log = mounts.base / "user.ready", mounts.base / "unbound.log"
+    on_ramfs = 'mount -t ramfs none "$0" && mkdir "$0/user" && exec "$@"'
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", on_ramfs, str(ramfs),
+             sys.executable, "-m", "fsagent.cli", "mount", "user", str(directory), "--controller",
+             f"dir:{src}", "--state-dir", str(state), "--mode", "dir", "--foreground",
+             "--ready-file", str(ready)],
+            cwd=REPO, stdout=out, stderr=out,
+        )  # fmt: skip
+    try:
+        wait_ready(proc, ready, log)
+        warning = json.loads(ready.read_text())["warning"]
+        assert warning.startswith(
+            f"{directory} is read-only by its mode alone: the immutable flag cannot be set there ("
+        ), warning
+        assert warning.endswith(
+            "), so a process running as root can still write into it, and nothing written "
+            "there is saved"
+        ), warning
+        logged = [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
+        assert [r["msg"] for r in logged if r["level"] == "WARNING"] == [warning], logged
+        # What it warns of: root writes into it (in the daemon's mount namespace).
+        wrote = subprocess.run(
+            ["nsenter", "-t", str(proc.pid), "-m", "sh", "-c", f'echo x > "{directory}/root-wrote"'],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert wrote.returncode == 0, wrote.stderr
+        [row] = fsagent_json("status", "--state-dir", str(state))["collections"]
+        assert row["unbound"] is True and row["warning"] == warning, row
+        assert (row["scope"], row["state"], row["pid"], row["mountpoint"], row["ownerId"]) == (
+            "user",
+            "serving",
+            proc.pid,
+            str(directory),
+            None,
+        )
+        assert row["mode"] == {"mode": "dir", "reason": "--mode dir", "path": str(directory)}
+        text = subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "status", "--state-dir", str(state)],
+            capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
+        ).stdout  # fmt: skip
+        assert text.splitlines() == [
+            f"user: unbound (nothing is saved), read-only, serving at {directory} (pid {proc.pid})",
+            "  mode: dir (--mode dir)",
+            f"  warning: {warning}",
+        ], text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # The record lives only while the daemon serves; no state dir was made.
+    assert not (mounts.base / "state" / "user.unbound").exists()
+    assert not state.exists()
 
 
 def test_dir_mode_fills_only_an_empty_directory_and_needs_no_pyfuse3(mounts: MountFactory) -> None:
