@@ -401,6 +401,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="write {pid, mode, path} as JSON to this file once the collection is served "
         "(dir mode; a FUSE mount is ready once mounted)",
     )
+    # Set by `fsagent up` and a detaching `mount` on a terminal: they show the
+    # hydration progress written there (fsagent.progress).
+    m.add_argument("--progress-file", help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
 
     f = sub.add_parser("flush", help="save now (or, with --final, save and unmount)")

@@ -12,10 +12,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pty
+import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -381,6 +385,151 @@ def test_an_unbound_directory_root_can_write_to_is_named_by_a_warning_and_status
     # The record lives only while the daemon serves; no state dir was made.
     assert not (mounts.base / "state" / "user.unbound").exists()
     assert not state.exists()
+
+
+class Terminal:
+    """A command whose stdout and stderr are a pseudo-terminal (output
+    post-processing off, so what it writes is read byte for byte)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.master, slave = pty.openpty()
+        attrs = termios.tcgetattr(slave)
+        attrs[1] &= ~termios.OPOST
+        termios.tcsetattr(slave, termios.TCSANOW, attrs)
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=slave,
+                                     stderr=slave)  # fmt: skip
+        os.close(slave)
+        self.out = b""
+
+    def read_until(self, text: str, timeout: float = 120) -> str:
+        """What it wrote until ``text`` (or, with ``text`` empty, until it closed)."""
+        deadline = time.monotonic() + timeout
+        while not text or text.encode() not in self.out:
+            assert time.monotonic() < deadline, self.out
+            ready, _, _ = select.select([self.master], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:  # EIO: every writer closed it
+                    chunk = b""
+                if not chunk:
+                    assert not text, self.out
+                    break
+                self.out += chunk
+        return self.out.decode()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # up stops its daemons on SIGTERM, not on a kill
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.close(self.master)
+
+
+def progress_frames(out: str, prefix: str) -> list[str]:
+    """The frames of the progress line (each ``\r``, the line, clear to its
+    end), which ends with a newline; nothing else is written into it."""
+    start = out.index("\r" + prefix)
+    line, _, _ = out[start:].partition("\n")
+    frames = line.split("\r")[1:]
+    assert all(f.startswith(prefix) and f.endswith("\x1b[K") for f in frames), frames
+    return [f[len(prefix) : -len("\x1b[K")] for f in frames]
+
+
+def test_hydration_progress_is_one_line_on_the_terminal_of_up_and_of_mount(
+    mounts: MountFactory,
+) -> None:
+    """On a terminal, ``up`` shows the hydration of all its plain directories
+    as one line rewritten in place (its daemons write no lines of their own
+    into it), a detaching ``mount`` shows its daemon's, whose stderr is the
+    log, and a daemon in the foreground shows its own."""
+    mib = 1 << 20
+    task = {f"t{i}.bin": bytes([i]) * mib for i in range(4)}
+    src = mounts.source({"task": task, "agent": {"a.txt": b"a", "b.txt": b"b"}},
+                        fetch_delay=0.3)  # fmt: skip
+    home, state = mounts.base / "home", mounts.base / "state"
+    up = Terminal(
+        [sys.executable, "-m", "fsagent.cli", "up", "--home", str(home), "--controller",
+         f"dir:{src}", "--state-root", str(state), "--env-file", str(mounts.base / "env"),
+         "--mode", "dir", "--prefetch", "1", "--checkpoint-interval", "600"]
+    )  # fmt: skip
+    try:
+        out = up.read_until("; environment in ")
+        frames = progress_frames(out, "fsagent up: filling ")
+        assert frames[-1] == "task: 4/4 files, 4.0/4.0 MiB; agent: 2/2 files, 0.0/0.0 MiB", out
+        assert len(frames) >= 2, frames  # 1.2 s of downloads: shown while they ran
+        # Each collection's figures as its daemon writes them, in the order of
+        # the scopes; the task folder's grow.
+        figures = re.compile(
+            r"(task: (\d)/4 files, \d\.0/4\.0 MiB)?(; )?(agent: \d/2 files, 0\.0/0\.0 MiB)?"
+        )
+        done = [figures.fullmatch(f) for f in frames]
+        assert all(done), frames
+        task_done = [int(m.group(2)) for m in done if m and m.group(2)]
+        assert task_done == sorted(task_done) and task_done[0] < 4, frames
+        after = out[out.index(frames[-1]) :].split("\n")[1:]
+        assert after[0].startswith("fsagent: ready (plain directories, dir mode): task, agent, "), (
+            out
+        )
+        # Nothing of the daemons' own: no line of theirs, ready or hydrated.
+        assert "fsagent: task" not in out and "hydrated" not in out and "ready at" not in out, out
+        assert (home / "task" / "t3.bin").read_bytes() == bytes([3]) * mib
+        up.proc.send_signal(signal.SIGTERM)
+        up.read_until("")
+        assert up.proc.wait(timeout=120) == 0, up.out
+    finally:
+        up.close()
+
+    directory = mounts.base / "detached"
+    directory.mkdir()
+    mount = Terminal(
+        [sys.executable, "-m", "fsagent.cli", "mount", "task", str(directory), "--controller",
+         f"dir:{src}", "--state-dir", str(mounts.base / "detached-state"), "--mode", "dir",
+         "--prefetch", "1"]
+    )  # fmt: skip
+    try:
+        out = mount.read_until("")
+        assert mount.proc.wait(timeout=60) == 0, out
+        frames = progress_frames(out, "fsagent: ")
+        assert frames[-1] == "task: 4/4 files, 4.0/4.0 MiB" and len(frames) >= 2, out
+        assert out.split("\n")[1].startswith(f"fsagent: task ready at {directory} (dir mode, pid ")
+        assert (directory / "t0.bin").read_bytes() == bytes([0]) * mib
+    finally:
+        mount.close()
+        stop_detached(mounts.base / "detached-state")
+
+    # In the foreground the daemon shows its own, on its own terminal.
+    directory, ready = mounts.base / "foreground", mounts.base / "foreground.ready"
+    directory.mkdir()
+    mount = Terminal(
+        [sys.executable, "-m", "fsagent.cli", "mount", "task", str(directory), "--controller",
+         f"dir:{src}", "--state-dir", str(mounts.base / "foreground-state"), "--mode", "dir",
+         "--prefetch", "1", "--foreground", "--ready-file", str(ready)]
+    )  # fmt: skip
+    try:
+        out = mount.read_until(f"fsagent: task ready at {directory} (dir mode: --mode dir)")
+        frames = progress_frames(out, "fsagent: ")
+        assert frames[-1] == "task: 4/4 files, 4.0/4.0 MiB" and len(frames) >= 2, out
+        assert out.split("\n")[1].startswith("fsagent: hydrated 4 entries in "), out
+        mount.proc.send_signal(signal.SIGTERM)
+        mount.read_until("")
+        assert mount.proc.wait(timeout=60) == 0, mount.out
+    finally:
+        mount.close()
+
+
+def stop_detached(state_dir: Path) -> None:
+    """Stop the daemon a detaching ``mount`` left running, if it is."""
+    daemon = state_dir / "daemon.json"
+    if daemon.exists():
+        os.kill(json.loads(daemon.read_text())["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while daemon.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
 
 def test_dir_mode_fills_only_an_empty_directory_and_needs_no_pyfuse3(mounts: MountFactory) -> None:
