@@ -97,7 +97,35 @@ def _state_dirs(args: argparse.Namespace) -> list[Path]:
     if args.state_dir:
         return [Path(d) for d in args.state_dir]
     root = default_state_root()
-    return [root / s for s in SCOPES if (root / s / MARKER).exists()]
+    return [
+        root / s for s in SCOPES if (root / s / MARKER).exists() or _unbound(root / s) is not None
+    ]
+
+
+def _unbound(state_dir: Path) -> dict[str, Any] | None:
+    """What the daemon of an unbound plain-directory collection serves, from
+    the record it keeps beside the state dir while it runs (fsagent.dirmode)."""
+    record = state_dir.with_name(state_dir.name + ".unbound")
+    try:
+        info: dict[str, Any] = json.loads(record.read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return info
+
+
+def unbound_status(state_dir: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """An unbound collection's row: nothing to save, served read-only, and
+    the warning when root's writes are not stopped."""
+    return {
+        "stateDir": str(state_dir), "scope": info.get("scope"), "companyId": None,
+        "ownerId": None, "unbound": True,
+        "mode": {"mode": "dir", "reason": info.get("reason"), "path": info.get("path")},
+        "unsavedChanges": 0, "unsavedFiles": 0, "unsavedBytes": 0, "baseline": 0,
+        "state": "serving", "mountpoint": info.get("path"), "pid": info.get("pid"),
+        "lastSave": None, "lastError": None, "pendingCheckpoint": None, "scan": None,
+        "live": None, "warning": info.get("warning"),
+    }  # fmt: skip
 
 
 def _daemon(state_dir: Path) -> dict[str, Any] | None:
@@ -142,6 +170,10 @@ def change_set(state_dir: Path) -> tuple[list[Change], dict[str, Any] | None]:
 
 
 def collection_status(state_dir: Path) -> dict[str, Any]:
+    if not (state_dir / MARKER).exists():
+        unbound = _unbound(state_dir)
+        if unbound is not None:
+            return unbound_status(state_dir, unbound)
     changes, mode = change_set(state_dir)
     store = _open_store(state_dir)
     try:
@@ -173,6 +205,8 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
         "pendingCheckpoint": pending.get("operationId") if pending else None,
         "scan": scan,
         "live": _live_stats(state_dir) if daemon else None,
+        "unbound": False,
+        "warning": None,
     }
 
 
@@ -197,12 +231,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"no fsagent state under {default_state_root()}")
     for r in rows:
         where = f" at {r['mountpoint']} (pid {r['pid']})" if r["mountpoint"] else ""
-        print(
-            f"{r['scope'] or '?'}: owner {r['ownerId'] or '-'}, {r['unsavedChanges']} unsaved "
-            f"change(s), {r['state']}{where}"
-        )
+        if r["unbound"]:
+            print(
+                f"{r['scope'] or '?'}: unbound (nothing is saved), read-only, {r['state']}{where}"
+            )
+        else:
+            print(
+                f"{r['scope'] or '?'}: owner {r['ownerId'] or '-'}, {r['unsavedChanges']} "
+                f"unsaved change(s), {r['state']}{where}"
+            )
         if r["mode"]:
             print(f"  mode: {r['mode']['mode']} ({r['mode']['reason']})")
+        if r["warning"]:
+            print(f"  warning: {r['warning']}")
         _print_scan(r["scan"])
         if r["lastSave"]:
             saved_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["lastSave"]["at"]))
@@ -363,6 +404,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="write {pid, mode, path} as JSON to this file once the collection is served "
         "(dir mode; a FUSE mount is ready once mounted)",
     )
+    # Set by `fsagent up` and a detaching `mount` on a terminal: they show the
+    # hydration progress written there (fsagent.progress).
+    m.add_argument("--progress-file", help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
 
     f = sub.add_parser("flush", help="save now (or, with --final, save and unmount)")

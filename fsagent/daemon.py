@@ -24,6 +24,7 @@ from common.limits import SCOPES
 from fsagent.client import BridgeClient, open_client
 from fsagent.errors import EXIT_SAVE_FAILED, FsagentError, MountFailed
 from fsagent.fuseprobe import Decision, decide, dir_mode_line
+from fsagent.progress import ProgressView
 from fsagent.store import default_state_root
 from fsagent.tls import options_from
 
@@ -122,6 +123,7 @@ def _serve_dir(
         args.prefetch,
         args.checkpoint_interval,
         Path(args.ready_file) if args.ready_file else None,
+        Path(args.progress_file) if args.progress_file else None,
     )
 
     async def main() -> bool:
@@ -149,6 +151,14 @@ def _daemonize(
     extra = ["--mode", decision.mode, "--mode-reason", decision.reason]
     if not args.ready_file:
         extra += ["--ready-file", str(ready)]
+    progress = ProgressView("fsagent: ", {})
+    if decision.mode == "dir" and sys.stderr.isatty():
+        # The daemon's stderr is the log: its hydration progress is shown here.
+        where = ready.with_name(f"{args.scope}.progress")
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.unlink(missing_ok=True)
+        extra += ["--progress-file", str(where)]
+        progress = ProgressView("fsagent: ", {args.scope: where})
     with open(log_path, "ab") as log_fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fsagent.cli", *argv, *extra, "--foreground"],
@@ -158,17 +168,21 @@ def _daemonize(
             start_new_session=True,
         )
     deadline = time.monotonic() + 300
-    where = "mounted at" if decision.mode == "fuse" else "ready at"
+    served_at = "mounted at" if decision.mode == "fuse" else "ready at"
     while time.monotonic() < deadline:
+        progress.refresh()
         if os.path.ismount(mountpoint) or is_ready(ready, proc.pid):
-            print(f"fsagent: {args.scope} {where} {mountpoint} ({decision.mode} mode, "
+            progress.finish()
+            print(f"fsagent: {args.scope} {served_at} {mountpoint} ({decision.mode} mode, "
                   f"pid {proc.pid}, log {log_path})")  # fmt: skip
             return 0
         if proc.poll() is not None:
+            progress.finish()
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
             print("\n".join(tail), file=sys.stderr)
             return proc.returncode or 1
         time.sleep(0.05)
+    progress.finish()
     proc.terminate()
     raise MountFailed(f"{mountpoint} was not served within 300s (log {log_path})")
 

@@ -7,13 +7,15 @@ its binding (as in FUSE mode), claim it for dir mode, pin the directory
 
 * **first start**: the directory must be empty. The manifest is read and every
   file downloaded (``--prefetch`` at a time, each object verified against its
-  digest) and placed by a rename, with progress on a terminal; one
+  digest) and placed by a rename, with progress on a terminal (fsagent.progress); one
   ``syncfs`` makes them durable, and only then do the baseline and what was
   placed become the state, in one commit. A crash before that hydrates again.
 * **warm start**: ship what changed locally first (a checkpoint), then apply
   the server's changes since the baseline to the paths not changed locally.
 * **an unbound collection**: an empty directory made read-only (immutable too
-  when fsagent is root, where modes do not stop a write).
+  when fsagent is root, where modes do not stop a write; where the flag
+  cannot be set, a WARNING names the directory, and ``fsagent status`` shows
+  it from the record beside the state dir, :func:`unbound_record`).
 
 Then checkpoints every ``--checkpoint-interval`` seconds, at most one in
 flight, through the same shipper as FUSE mode (fsagent.ship): a checkpoint
@@ -81,6 +83,7 @@ from fsagent.errors import (
     SaveFailed,
 )
 from fsagent.hydrate import manifest_row
+from fsagent.progress import describe, write_figures
 from fsagent.records import EMPTY_DIGEST, BaseEntry, Binding, Kind, LocalEntry, ManifestRow
 from fsagent.ship import (
     FinalSave,
@@ -111,6 +114,10 @@ class DirOptions:
     """Downloads in flight while hydrating."""
     checkpoint_interval: float = CHECKPOINT_INTERVAL_SECONDS
     ready_file: Path | None = None
+    progress_file: Path | None = None
+    """Where to write the hydration figures for the process that started this
+    one (fsagent.progress), which shows them and says when it is ready; the
+    daemon then prints neither to its stderr."""
 
 
 @dataclass
@@ -205,32 +212,42 @@ async def _settled(placed: dict[str, LocalEntry]) -> dict[str, LocalEntry]:
 
 
 class Progress:
-    """Hydration progress, on a terminal: one line rewritten in place."""
+    """Hydration progress: on a terminal, one line rewritten in place; with a
+    progress file, the figures there, for the process that shows them
+    (fsagent.progress)."""
 
-    def __init__(self, scope: str, files: int, total_bytes: int) -> None:
+    def __init__(
+        self, scope: str, files: int, total_bytes: int, to_file: Path | None = None
+    ) -> None:
         self.scope = scope
         self.files = files
         self.total_bytes = total_bytes
         self.done = 0
         self.done_bytes = 0
-        self.tty = sys.stderr.isatty()
+        self.to_file = to_file
+        self.tty = to_file is None and sys.stderr.isatty()
+
+    def figures(self) -> dict[str, Any]:
+        return {"scope": self.scope, "files": self.files, "done": self.done,
+                "bytes": self.total_bytes, "doneBytes": self.done_bytes}  # fmt: skip
 
     def line(self) -> str:
-        return (
-            f"fsagent: {self.scope}: {self.done}/{self.files} files, "
-            f"{self.done_bytes / (1 << 20):.1f}/{self.total_bytes / (1 << 20):.1f} MiB"
-        )
+        return f"fsagent: {describe(self.figures())}"
 
     async def show(self) -> None:
-        if not self.tty:
-            return
-        while True:
-            print("\r" + self.line(), end="", file=sys.stderr, flush=True)
+        while self.tty or self.to_file is not None:
+            self._emit(end="")
             await trio.sleep(PROGRESS_EVERY)
 
     def finish(self) -> None:
-        if self.tty:
-            print("\r" + self.line(), file=sys.stderr, flush=True)
+        if self.tty or self.to_file is not None:
+            self._emit(end="\n")
+
+    def _emit(self, end: str) -> None:
+        if self.to_file is not None:
+            write_figures(self.to_file, self.figures())
+        else:
+            print(f"\r{self.line()}\x1b[K", end=end, file=sys.stderr, flush=True)
 
 
 async def _place_rows(
@@ -240,6 +257,7 @@ async def _place_rows(
     root_fd: int,
     rows: list[ManifestRow],
     concurrency: int,
+    progress_file: Path | None = None,
 ) -> dict[str, LocalEntry]:
     """Directories, then every file (each object fetched once, however many
     paths show it), ``concurrency`` downloads at a time; what was placed."""
@@ -253,7 +271,8 @@ async def _place_rows(
         elif row.digest is not None:
             by_digest[row.digest].append(row)
     progress = Progress(scope, sum(len(v) for v in by_digest.values()),
-                        sum(r.byte_size for v in by_digest.values() for r in v))  # fmt: skip
+                        sum(r.byte_size for v in by_digest.values() for r in v),
+                        progress_file)  # fmt: skip
     limiter = trio.CapacityLimiter(max(1, concurrency))
 
     def place_group(source: Path, group: list[ManifestRow], staged: int) -> None:
@@ -323,7 +342,12 @@ def _valid(entry: ManifestEntry) -> bool:
 
 
 async def hydrate_directory(
-    store: DirStore, client: BridgeClient, scope: str, root_fd: int, concurrency: int
+    store: DirStore,
+    client: BridgeClient,
+    scope: str,
+    root_fd: int,
+    concurrency: int,
+    progress_file: Path | None = None,
 ) -> tuple[int, float]:
     """Fill the (empty) directory from the folder's manifest; (entries, seconds)."""
     started = time.monotonic()
@@ -334,7 +358,7 @@ async def hydrate_directory(
         rows.extend(manifest_row(e) for e in page.entries if not e.deleted and _valid(e))
     rows = _hydratable(rows)
     store.begin_hydration()
-    placed = await _place_rows(store, client, scope, root_fd, rows, concurrency)
+    placed = await _place_rows(store, client, scope, root_fd, rows, concurrency, progress_file)
     await trio.to_thread.run_sync(syncfs, root_fd)
     store.finish_hydration(rows, await _settled(placed), high_water)
     return len(rows), time.monotonic() - started
@@ -581,16 +605,18 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _announce(opts: DirOptions, unbound: bool) -> None:
+def _announce(opts: DirOptions, unbound: bool, warning: str | None = None) -> None:
     """The ready file (``fsagent up``, a detaching ``mount``) and one line on stderr."""
     if opts.ready_file is not None:
         _write_json(opts.ready_file, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
-                                      "reason": opts.reason, "path": str(opts.directory)})  # fmt: skip
-    print(
-        f"fsagent: {opts.scope} ready at {opts.directory} (dir mode"
-        f"{', unbound, read-only' if unbound else ''}: {opts.reason})",
-        file=sys.stderr,
-    )
+                                      "reason": opts.reason, "path": str(opts.directory),
+                                      **({"warning": warning} if warning else {})})  # fmt: skip
+    if opts.progress_file is None:  # else the process showing the progress says it
+        print(
+            f"fsagent: {opts.scope} ready at {opts.directory} (dir mode"
+            f"{', unbound, read-only' if unbound else ''}: {opts.reason})",
+            file=sys.stderr,
+        )
 
 
 def _pin(directory: Path) -> int:
@@ -703,10 +729,11 @@ async def _serve_bound(
             )
         store.record_directory(opts.directory.absolute(), st)
         entries, seconds = await hydrate_directory(
-            store, client, opts.scope, root_fd, opts.prefetch
+            store, client, opts.scope, root_fd, opts.prefetch, opts.progress_file
         )
         log.info("hydrated %d entries in %.2fs", entries, seconds)
-        print(f"fsagent: hydrated {entries} entries in {seconds:.2f}s", file=sys.stderr)
+        if opts.progress_file is None:
+            print(f"fsagent: hydrated {entries} entries in {seconds:.2f}s", file=sys.stderr)
     else:
         store.record_directory(opts.directory.absolute(), st)
         await trio.to_thread.run_sync(store.load)
@@ -759,11 +786,24 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
             )
         mode = stat.S_IMODE(os.fstat(root_fd).st_mode)
         os.fchmod(root_fd, 0o555)
-        _set_immutable(root_fd, True)
+        record = unbound_record(opts.state_dir)
         try:
-            _announce(opts, unbound=True)
+            missing = _set_immutable(root_fd, True)
+            warning = None
+            if missing is not None:
+                warning = (
+                    f"{opts.directory} is read-only by its mode alone: the immutable flag "
+                    f"cannot be set there ({missing}), so a process running as root can "
+                    "still write into it, and nothing written there is saved"
+                )
+                log.warning("%s", warning)
+            _write_json(record, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
+                                 "reason": opts.reason, "path": str(opts.directory),
+                                 "warning": warning})  # fmt: skip
+            _announce(opts, unbound=True, warning=warning)
             await _wait_for_signal(stop)
         finally:
+            record.unlink(missing_ok=True)
             _set_immutable(root_fd, False)
             os.fchmod(root_fd, mode)
             if opts.ready_file is not None:
@@ -777,11 +817,13 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
 _GETFLAGS, _SETFLAGS, _IMMUTABLE = 0x80086601, 0x40086602, 0x10
 
 
-def _set_immutable(fd: int, on: bool) -> None:
+def _set_immutable(fd: int, on: bool) -> str | None:
     """Best effort, as root: mode bits do not stop root from writing, the
-    immutable flag does. A filesystem without it keeps the mode alone."""
+    immutable flag does. A filesystem without it (or a runtime that withholds
+    CAP_LINUX_IMMUTABLE) keeps the mode alone: then, as root, why (the
+    caller warns, since root's writes are no longer stopped)."""
     if os.geteuid() != 0:
-        return
+        return None
     try:
         flags = struct.unpack("i", fcntl.ioctl(fd, _GETFLAGS, b"\0" * 4))[0]
         new = flags | _IMMUTABLE if on else flags & ~_IMMUTABLE
@@ -790,6 +832,16 @@ def _set_immutable(fd: int, on: bool) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOTTY, errno.EOPNOTSUPP, errno.EPERM, errno.EINVAL):
             raise
+        return exc.strerror or errno.errorcode.get(exc.errno or 0, "unsupported")
+    return None
+
+
+def unbound_record(state_dir: Path) -> Path:
+    """Where an unbound collection's daemon says what it serves, while it does
+    (``fsagent status`` reads it): beside the state dir, which an unbound
+    collection never creates, so a later run bound to the scope finds it as
+    it was."""
+    return state_dir.with_name(state_dir.name + ".unbound")
 
 
 def _clear_immutable(fd: int) -> None:

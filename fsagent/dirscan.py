@@ -375,6 +375,19 @@ class _Walk:
                 self.unstable.add(p)
 
 
+ENTRY_LIMIT_ENV: Final = "FSAGENT_TEST_MAX_ENTRIES"
+"""Lowers the entry limit a scan enforces (tests: 100,000 files are minutes of
+hydration); never raises it, since the controller's limit is 100,000."""
+
+
+def entry_limit() -> int:
+    """The entries a collection may hold: :data:`MAX_ENTRIES`, or fewer where
+    ``$FSAGENT_TEST_MAX_ENTRIES`` names a smaller positive number (any other
+    value is ignored, so the limit can never be lifted by it)."""
+    value = os.environ.get(ENTRY_LIMIT_ENV, "")
+    return min(int(value), MAX_ENTRIES) if value.isdigit() and int(value) > 0 else MAX_ENTRIES
+
+
 def scan_directory(
     root_fd: int,
     known: Mapping[str, LocalEntry],

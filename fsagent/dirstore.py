@@ -37,11 +37,11 @@ from typing import Any, BinaryIO, Final
 
 import lmdb
 
-from common.limits import AGENT_LOCAL_MAX_ENTRIES, MAX_ENTRIES
+from common.limits import AGENT_LOCAL_MAX_ENTRIES
 from common.paths import ancestors
 from common.types import Digest, FileVersion
 from fsagent.dirfs import lstat_at, open_scanned
-from fsagent.dirscan import DirScan, report, scan_directory
+from fsagent.dirscan import DirScan, entry_limit, report, scan_directory
 from fsagent.errors import StateCorrupt
 from fsagent.journal import Change, Journal
 from fsagent.records import (
@@ -178,7 +178,7 @@ class DirStore(Journal):
             self._seen,
             saved=self._saved,
             after_read=self.after_read,
-            max_entries=MAX_ENTRIES if self.protected is None else AGENT_LOCAL_MAX_ENTRIES,
+            max_entries=entry_limit() if self.protected is None else AGENT_LOCAL_MAX_ENTRIES,
         )
         entry = self.protected
         if entry is not None and entry in self._saved:

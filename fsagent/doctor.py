@@ -8,7 +8,8 @@ own with the env file's variables but not its ``PATH``), ``sh``, ``tar``,
 where the collections are plain directories), the ``mode`` (what ``--mode``,
 default auto, resolves to here and why, decided as ``fsagent up`` decides:
 the modes the state dirs record, else a test FUSE mount; and the mode of
-each collection already served), a writable home, cache
+each collection already served; ``--mode fuse`` where the test mount
+fails is a ``FAIL``), a writable home, cache
 (``$XDG_CACHE_HOME`` or ``~/.cache``) and tmp (``$TMPDIR``, else ``/tmp``: a
 file is made there and removed), the controller (reachable, and the run token
 accepted; ``--controller`` and ``--token-file``, else ``FSAGENT_CONTROLLER``
@@ -42,7 +43,7 @@ from fsagent import tls
 from fsagent.client import open_client
 from fsagent.daemon import read_token
 from fsagent.errors import ControllerRefused, DoctorFailed, FsagentError
-from fsagent.fuseprobe import MODES, decide_all, default_mode, recorded_mode
+from fsagent.fuseprobe import MODES, decide_all, default_mode, probe_fuse, recorded_mode
 from fsagent.launch import (
     SHELLS,
     ContractUnmet,
@@ -126,6 +127,16 @@ def check_mode(requested: str, state_root: Path) -> tuple[Check, bool]:
         modes = decide_all(requested, {scope: state_root / scope for scope in SCOPES})
     except FsagentError as exc:
         return fail("mode", str(exc)), False
+    if requested == "fuse":
+        # up and mount take --mode fuse as given and fail where FUSE does not
+        # work: the test mount auto makes says so here, before they do.
+        found = probe_fuse()
+        if found.mode != "fuse":
+            return fail(
+                "mode",
+                f"fuse (--mode fuse), but {found.reason}: the mounts would fail "
+                "(--mode auto serves plain directories here)",
+            ), False
     in_use = {}
     for scope in SCOPES:
         recorded = recorded_mode(state_root / scope)

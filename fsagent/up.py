@@ -39,6 +39,7 @@ from fsagent.daemon import client_from_args, is_ready
 from fsagent.envfile import format_env, write_env_file
 from fsagent.errors import MountFailed
 from fsagent.fuseprobe import Decision, decide_all, dir_mode_line
+from fsagent.progress import ProgressView
 from fsagent.store import default_state_root
 from fsagent.tls import forwarded_argv, options_from
 
@@ -229,6 +230,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         if listing.repos:
             children["repos"] = start_repo_saver(args, home, state_root)
         children["bridge"], api_env = start_bridge(args, state_root)
+    # On a terminal, the directories' hydration progress is one line here for
+    # all of them (fsagent.progress): four daemons rewriting lines on one
+    # terminal would overwrite each other.
+    show_progress = sys.stderr.isatty()
+    progress_files: dict[str, Path] = {}
+    if show_progress:
+        ready_dir.mkdir(parents=True, exist_ok=True)
     for scope in SCOPES:
         mp = home / scope
         mp.mkdir(parents=True, exist_ok=True)
@@ -256,6 +264,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             ready = ready_dir / f"{scope}.ready"
             ready.unlink(missing_ok=True)
             argv += ["--ready-file", str(ready)]
+            if show_progress:
+                progress_files[scope] = ready_dir / f"{scope}.progress"
+                progress_files[scope].unlink(missing_ok=True)
+                argv += ["--progress-file", str(progress_files[scope])]
         if args.token_file:
             argv += ["--token-file", args.token_file]
         if args.allow_other:
@@ -267,7 +279,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     pending = set(SCOPES)
     failed: str | None = None
+    progress = ProgressView("fsagent up: filling ", progress_files)
     while pending and not stop and failed is None:
+        progress.refresh()
         for scope in list(pending):
             if served(
                 modes[scope].mode, home / scope, ready_dir / f"{scope}.ready", children[scope]
@@ -278,6 +292,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if time.monotonic() > deadline:
             failed = f"not mounted within {args.timeout}s: {', '.join(sorted(pending))}"
         time.sleep(0.05)
+    progress.finish()
     if failed is None and not stop:
         env_file = Path(args.env_file) if args.env_file else state_root / "env"
         write_env_file(env_file, {**env_for(home, run), **repo_env, **api_env})

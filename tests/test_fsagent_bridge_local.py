@@ -420,6 +420,13 @@ def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
             time.sleep(0.2)
             text = (base / "demo.out").read_text(errors="replace")
         check_demo_agent(text, base / "home")
+        # make demo serves the four collections as FUSE mounts, never plain directories.
+        fstypes = {}
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields, _, rest = line.partition(" - ")
+            fstypes[fields.split()[4]] = rest.split()[0]
+        for scope in ("task", "agent", "user", "project"):
+            assert fstypes.get(str(base / "home" / scope)) == "fuse.fsagent", (scope, fstypes)
         block = text.split("Inside the sandbox", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
         setup, put, get, launched = (line.strip() for line in block)
         assert setup.startswith("set -a; . ") and "Bearer" not in "".join(block)

@@ -12,10 +12,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pty
+import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +32,7 @@ from common.limits import MAX_FILE_BYTES
 from fsagent.client import open_client
 from fsagent.dirfs import open_root
 from fsagent.dirmode import DirShipper, hydrate_directory
+from fsagent.dirscan import ENTRY_LIMIT_ENV
 from fsagent.dirstore import DirStore
 from fsagent.store import Store
 from tests.support.agentfiles import run_receipts
@@ -107,6 +112,11 @@ def test_without_fuse_up_serves_plain_directories_that_save_and_restore(tenant: 
         with pytest.raises(OSError) as info:
             (home / "user" / "x").write_bytes(b"x")
         assert info.value.errno in (errno.EACCES, errno.EPERM)
+        [user] = fsagent_json("status", "--state-dir", str(base / "first" / "state" / "user"))[
+            "collections"
+        ]
+        assert user["unbound"] is True and user["state"] == "serving", user
+        assert user["warning"] is None  # immutable here: root's writes are stopped too
         (home / "task" / "result.txt").write_bytes(b"agent's work")
         (home / "agent" / "memory.md").write_bytes(b"remember this")
         (home / "task" / "notes" / "plan.md").write_bytes(b"the plan, revised")
@@ -115,6 +125,12 @@ def test_without_fuse_up_serves_plain_directories_that_save_and_restore(tenant: 
         assert task["mode"]["mode"] == "dir" and task["state"] == "serving"
         assert "a test FUSE mount failed" in task["mode"]["reason"]
         assert task["unsavedChanges"] == 2
+        text = subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "status", "--state-dir",
+             str(base / "first" / "state" / "task")],
+            capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
+        ).stdout  # fmt: skip
+        assert text.splitlines()[1] == f"  mode: dir ({task['mode']['reason']})", text
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=180) == 0, (base / "first.log").read_text()
     finally:
@@ -211,6 +227,7 @@ def test_refused_paths_are_named_by_flush_and_status_and_the_rest_is_saved(
         capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
     ).stdout  # fmt: skip
     assert "refused (never saved, never followed): 8 path(s)" in text
+    assert text.splitlines()[1] == "  mode: dir (--mode dir)", text
     assert "    fifo: special_file" in text and "    linked-dir: symlink" in text
     assert m.signal(signal.SIGTERM) == 0, m.stderr()
     assert "final save: 0 change(s) saved; 8 path(s) refused" in m.stderr()
@@ -234,6 +251,285 @@ def test_refused_paths_are_named_by_flush_and_status_and_the_rest_is_saved(
         named = {e["path"]: e["code"] for e in receipt["refusedEntries"] if e["by"] == "sandbox"}
         assert named == sandbox_named, receipt
         assert [(w["code"], w["count"]) for w in receipt["warnings"]] == [("SANDBOX_REFUSED", 8)]
+
+
+def test_entries_past_the_limit_are_refused_by_name_and_the_rest_is_saved(
+    mounts: MountFactory, tenant: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 100,000-entry limit, lowered to 5 (``$FSAGENT_TEST_MAX_ENTRIES``,
+    seen by the daemon and by ``status``): saved paths keep their place, new
+    ones are admitted in path order, a refused directory takes its subtree
+    along; the refused are named by flush, status, the final save and the
+    receipts, and a freed place admits the next one."""
+    monkeypatch.setenv(ENTRY_LIMIT_ENV, "5")
+    run = start_run(tenant)
+    folder = tenant.folder("task", run["task"])
+    with tenant.client() as c:
+        for path in ("a.txt", "b.txt"):
+            r = c.put(folder + "/content", params={"path": path}, content=b"saved " + path.encode(),
+                      headers=OCTET)  # fmt: skip
+            assert r.status_code == 201, r.text
+    m = mounts.mount(tenant.controller.url, scope="task", token_file=token_file(mounts, run))
+    root = m.mountpoint
+    for name in ("c.txt", "d.txt", "e.txt", "f.txt"):
+        (root / name).write_bytes(name.encode())
+    (root / "g").mkdir()
+    (root / "g" / "h.txt").write_bytes(b"h")
+    reply = m.fsagent("flush", "task")
+    assert reply["ok"] is True, reply
+    refused = {r["path"]: r["reason"] for r in reply["result"]["dir"]["refused"]}
+    assert refused == {"f.txt": "entry_limit", "g": "entry_limit", "g/h.txt": "entry_limit"}
+    saved = {"a.txt": b"saved a.txt", "b.txt": b"saved b.txt", "c.txt": b"c.txt",
+             "d.txt": b"d.txt", "e.txt": b"e.txt"}  # fmt: skip
+    assert server_files(tenant, "task", run["task"]) == saved
+    status = m.fsagent("status")["collections"][0]
+    assert {r["path"]: r["reason"] for r in status["scan"]["refused"]} == refused
+    text = subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "status", "--state-dir", str(m.state_dir)],
+        capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    assert "refused (never saved, never followed): 3 path(s)" in text, text
+    assert "    f.txt: entry_limit" in text and "    g/h.txt: entry_limit" in text
+
+    # A saved path keeps its place (b.txt, rewritten); a deleted one frees
+    # its place for the first refused path, f.txt.
+    (root / "c.txt").unlink()
+    (root / "b.txt").write_bytes(b"b, rewritten")
+    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+    assert "final save: 3 change(s) saved; 2 path(s) refused" in m.stderr(), m.stderr()
+    del saved["c.txt"]
+    assert server_files(tenant, "task", run["task"]) == {
+        **saved, "b.txt": b"b, rewritten", "f.txt": b"f.txt",
+    }  # fmt: skip
+    receipts = run_receipts(tenant, run["run_id"])
+    assert [(r["outcome"], r["filesChanged"], r["final"]) for r in receipts] == [
+        ("saved", 3, False),
+        ("saved", 3, True),
+    ]
+    named = [
+        {e["path"]: e["code"] for e in r["refusedEntries"] if e["by"] == "sandbox"}
+        for r in receipts
+    ]
+    assert named == [
+        {"f.txt": "entry_limit", "g": "entry_limit", "g/h.txt": "entry_limit"},
+        {"g": "entry_limit", "g/h.txt": "entry_limit"},
+    ]
+
+
+def test_an_unbound_directory_root_can_write_to_is_named_by_a_warning_and_status(
+    mounts: MountFactory,
+) -> None:
+    """As root, an unbound collection is made immutable, since its mode does not
+    stop root. On a filesystem without the flag (ramfs, in a mount namespace
+    of the daemon's own), a WARNING names the directory and ``status`` shows
+    the collection with that warning while it is served."""
+    if os.getuid() != 0:
+        pytest.skip("needs root: only root's writes get past the directory's mode")
+    src = mounts.source({"agent": {"a.txt": b"bound"}})  # the user folder is unbound
+    ramfs = mounts.base / "ramfs"
+    ramfs.mkdir()
+    directory, state = ramfs / "user", mounts.base / "state" / "user"
+    ready, log = mounts.base / "user.ready", mounts.base / "unbound.log"
+    on_ramfs = 'mount -t ramfs none "$0" && mkdir "$0/user" && exec "$@"'
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", on_ramfs, str(ramfs),
+             sys.executable, "-m", "fsagent.cli", "mount", "user", str(directory), "--controller",
+             f"dir:{src}", "--state-dir", str(state), "--mode", "dir", "--foreground",
+             "--ready-file", str(ready)],
+            cwd=REPO, stdout=out, stderr=out,
+        )  # fmt: skip
+    try:
+        wait_ready(proc, ready, log)
+        warning = json.loads(ready.read_text())["warning"]
+        assert warning.startswith(
+            f"{directory} is read-only by its mode alone: the immutable flag cannot be set there ("
+        ), warning
+        assert warning.endswith(
+            "), so a process running as root can still write into it, and nothing written "
+            "there is saved"
+        ), warning
+        logged = [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
+        assert [r["msg"] for r in logged if r["level"] == "WARNING"] == [warning], logged
+        # What it warns of: root writes into it (in the daemon's mount namespace).
+        wrote = subprocess.run(
+            ["nsenter", "-t", str(proc.pid), "-m", "sh", "-c", f'echo x > "{directory}/root-wrote"'],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert wrote.returncode == 0, wrote.stderr
+        [row] = fsagent_json("status", "--state-dir", str(state))["collections"]
+        assert row["unbound"] is True and row["warning"] == warning, row
+        assert (row["scope"], row["state"], row["pid"], row["mountpoint"], row["ownerId"]) == (
+            "user",
+            "serving",
+            proc.pid,
+            str(directory),
+            None,
+        )
+        assert row["mode"] == {"mode": "dir", "reason": "--mode dir", "path": str(directory)}
+        text = subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "status", "--state-dir", str(state)],
+            capture_output=True, text=True, cwd=REPO, check=True, timeout=120,
+        ).stdout  # fmt: skip
+        assert text.splitlines() == [
+            f"user: unbound (nothing is saved), read-only, serving at {directory} (pid {proc.pid})",
+            "  mode: dir (--mode dir)",
+            f"  warning: {warning}",
+        ], text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # The record lives only while the daemon serves; no state dir was made.
+    assert not (mounts.base / "state" / "user.unbound").exists()
+    assert not state.exists()
+
+
+class Terminal:
+    """A command whose stdout and stderr are a pseudo-terminal (output
+    post-processing off, so what it writes is read byte for byte)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.master, slave = pty.openpty()
+        attrs = termios.tcgetattr(slave)
+        attrs[1] &= ~termios.OPOST
+        termios.tcsetattr(slave, termios.TCSANOW, attrs)
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=slave,
+                                     stderr=slave)  # fmt: skip
+        os.close(slave)
+        self.out = b""
+
+    def read_until(self, text: str, timeout: float = 120) -> str:
+        """What it wrote until ``text`` (or, with ``text`` empty, until it closed)."""
+        deadline = time.monotonic() + timeout
+        while not text or text.encode() not in self.out:
+            assert time.monotonic() < deadline, self.out
+            ready, _, _ = select.select([self.master], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:  # EIO: every writer closed it
+                    chunk = b""
+                if not chunk:
+                    assert not text, self.out
+                    break
+                self.out += chunk
+        return self.out.decode()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # up stops its daemons on SIGTERM, not on a kill
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.close(self.master)
+
+
+def progress_frames(out: str, prefix: str) -> list[str]:
+    """The frames of the progress line (each ``\r``, the line, clear to its
+    end), which ends with a newline; nothing else is written into it."""
+    start = out.index("\r" + prefix)
+    line, _, _ = out[start:].partition("\n")
+    frames = line.split("\r")[1:]
+    assert all(f.startswith(prefix) and f.endswith("\x1b[K") for f in frames), frames
+    return [f[len(prefix) : -len("\x1b[K")] for f in frames]
+
+
+def test_hydration_progress_is_one_line_on_the_terminal_of_up_and_of_mount(
+    mounts: MountFactory,
+) -> None:
+    """On a terminal, ``up`` shows the hydration of all its plain directories
+    as one line rewritten in place (its daemons write no lines of their own
+    into it), a detaching ``mount`` shows its daemon's, whose stderr is the
+    log, and a daemon in the foreground shows its own."""
+    mib = 1 << 20
+    task = {f"t{i}.bin": bytes([i]) * mib for i in range(4)}
+    src = mounts.source({"task": task, "agent": {"a.txt": b"a", "b.txt": b"b"}},
+                        fetch_delay=0.3)  # fmt: skip
+    home, state = mounts.base / "home", mounts.base / "state"
+    up = Terminal(
+        [sys.executable, "-m", "fsagent.cli", "up", "--home", str(home), "--controller",
+         f"dir:{src}", "--state-root", str(state), "--env-file", str(mounts.base / "env"),
+         "--mode", "dir", "--prefetch", "1", "--checkpoint-interval", "600"]
+    )  # fmt: skip
+    try:
+        out = up.read_until("; environment in ")
+        frames = progress_frames(out, "fsagent up: filling ")
+        assert frames[-1] == "task: 4/4 files, 4.0/4.0 MiB; agent: 2/2 files, 0.0/0.0 MiB", out
+        assert len(frames) >= 2, frames  # 1.2 s of downloads: shown while they ran
+        # Each collection's figures as its daemon writes them, in the order of
+        # the scopes; the task folder's grow.
+        figures = re.compile(
+            r"(task: (\d)/4 files, \d\.0/4\.0 MiB)?(; )?(agent: \d/2 files, 0\.0/0\.0 MiB)?"
+        )
+        done = [figures.fullmatch(f) for f in frames]
+        assert all(done), frames
+        task_done = [int(m.group(2)) for m in done if m and m.group(2)]
+        assert task_done == sorted(task_done) and task_done[0] < 4, frames
+        after = out[out.index(frames[-1]) :].split("\n")[1:]
+        assert after[0].startswith("fsagent: ready (plain directories, dir mode): task, agent, "), (
+            out
+        )
+        # Nothing of the daemons' own: no line of theirs, ready or hydrated.
+        assert "fsagent: task" not in out and "hydrated" not in out and "ready at" not in out, out
+        assert (home / "task" / "t3.bin").read_bytes() == bytes([3]) * mib
+        up.proc.send_signal(signal.SIGTERM)
+        up.read_until("")
+        assert up.proc.wait(timeout=120) == 0, up.out
+    finally:
+        up.close()
+
+    directory = mounts.base / "detached"
+    directory.mkdir()
+    mount = Terminal(
+        [sys.executable, "-m", "fsagent.cli", "mount", "task", str(directory), "--controller",
+         f"dir:{src}", "--state-dir", str(mounts.base / "detached-state"), "--mode", "dir",
+         "--prefetch", "1"]
+    )  # fmt: skip
+    try:
+        out = mount.read_until("")
+        assert mount.proc.wait(timeout=60) == 0, out
+        frames = progress_frames(out, "fsagent: ")
+        assert frames[-1] == "task: 4/4 files, 4.0/4.0 MiB" and len(frames) >= 2, out
+        assert out.split("\n")[1].startswith(f"fsagent: task ready at {directory} (dir mode, pid ")
+        assert (directory / "t0.bin").read_bytes() == bytes([0]) * mib
+    finally:
+        mount.close()
+        stop_detached(mounts.base / "detached-state")
+
+    # In the foreground the daemon shows its own, on its own terminal.
+    directory, ready = mounts.base / "foreground", mounts.base / "foreground.ready"
+    directory.mkdir()
+    mount = Terminal(
+        [sys.executable, "-m", "fsagent.cli", "mount", "task", str(directory), "--controller",
+         f"dir:{src}", "--state-dir", str(mounts.base / "foreground-state"), "--mode", "dir",
+         "--prefetch", "1", "--foreground", "--ready-file", str(ready)]
+    )  # fmt: skip
+    try:
+        out = mount.read_until(f"fsagent: task ready at {directory} (dir mode: --mode dir)")
+        frames = progress_frames(out, "fsagent: ")
+        assert frames[-1] == "task: 4/4 files, 4.0/4.0 MiB" and len(frames) >= 2, out
+        assert out.split("\n")[1].startswith("fsagent: hydrated 4 entries in "), out
+        mount.proc.send_signal(signal.SIGTERM)
+        mount.read_until("")
+        assert mount.proc.wait(timeout=60) == 0, mount.out
+    finally:
+        mount.close()
+
+
+def stop_detached(state_dir: Path) -> None:
+    """Stop the daemon a detaching ``mount`` left running, if it is."""
+    daemon = state_dir / "daemon.json"
+    if daemon.exists():
+        os.kill(json.loads(daemon.read_text())["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while daemon.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
 
 def test_dir_mode_fills_only_an_empty_directory_and_needs_no_pyfuse3(mounts: MountFactory) -> None:

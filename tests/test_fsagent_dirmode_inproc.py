@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,11 @@ from typing import Any
 import pytest
 import trio
 
-from common.limits import MAX_FILE_BYTES
+from common.limits import MAX_ENTRIES, MAX_FILE_BYTES
 from common.types import Digest
 from fsagent.dirfs import open_root
 from fsagent.dirmode import DirShipper, hydrate_directory, take_incoming, warm_start
-from fsagent.dirscan import TICK_NS, scan_directory
+from fsagent.dirscan import ENTRY_LIMIT_ENV, TICK_NS, entry_limit, scan_directory
 from fsagent.dirstore import DirStore
 from fsagent.errors import ObjectUnavailable, StateModeMismatch
 from fsagent.memclient import MemoryBridgeClient, new_run
@@ -325,6 +326,18 @@ def test_the_entry_limit_keeps_saved_paths_and_admits_new_ones_in_path_order(
     assert scan.problems == {"new-dir": "entry_limit", "new-dir/child": "entry_limit"}
 
 
+@pytest.mark.parametrize(
+    ("value", "limit"),
+    [("7", 7), ("", MAX_ENTRIES), ("0", MAX_ENTRIES), ("-3", MAX_ENTRIES), ("many", MAX_ENTRIES),
+     (str(MAX_ENTRIES + 1), MAX_ENTRIES)],
+)  # fmt: skip
+def test_the_test_entry_limit_only_lowers_the_limit(
+    value: str, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENTRY_LIMIT_ENV, value)
+    assert entry_limit() == limit
+
+
 def test_a_file_moved_between_directories_during_the_walk_is_still_found(tmp_path: Path) -> None:
     root = tmp_path / "d"
     for d in ("a", "b"):
@@ -384,6 +397,59 @@ async def test_deletions_wait_for_a_scan_that_holds_still(
         assert {p for p in mem.files(SCOPE) if p.startswith("docs/churn-")} == {
             f"docs/churn-{i}" for i in range(count + 1)
         }
+    finally:
+        s.close()
+
+
+@pytest.mark.trio
+async def test_at_most_one_checkpoint_is_in_flight(tmp_path: Path, mem: MemoryBridgeClient) -> None:
+    """Checkpoints asked for at once (the periodic loop, a flush, the final
+    save) run one after the other: a scan never starts while another
+    checkpoint's scan or commit is in flight, and each ships what the
+    one before it left."""
+    s = await served(tmp_path, mem)
+    events: list[str] = []
+    in_flight = peak = 0
+    rescan, commit = s.store.rescan, mem.commit_checkpoint
+
+    def slow_scan(*, record: bool = True) -> Any:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        events.append("scan")
+        time.sleep(0.05)  # in the worker thread: the others would start now, if they could
+        return rescan(record=record)
+
+    async def slow_commit(scope: str, body: dict[str, Any]) -> dict[str, Any]:
+        nonlocal in_flight
+        await trio.sleep(0.05)
+        receipt = await commit(scope, body)
+        events.append("commit " + ",".join(sorted(e["path"] for e in body["entries"])))
+        # Written while this checkpoint is still in flight: the next one's to ship.
+        (s.root / f"after-{len(events)}.txt").write_bytes(b"later")
+        in_flight -= 1
+        return receipt
+
+    s.store.rescan = slow_scan  # type: ignore[method-assign]
+    mem.commit_checkpoint = slow_commit  # type: ignore[method-assign]
+    try:
+        (s.root / "first.txt").write_bytes(b"first")
+        results = []
+
+        async def save(final: bool) -> None:
+            results.append(await s.shipper.ship_checkpoint(final=final))
+
+        async with trio.open_nursery() as nursery:
+            for final in (False, False, True):
+                nursery.start_soon(save, final)
+        assert peak == 1, events
+        assert events == [
+            "scan", "commit first.txt", "scan", "commit after-2.txt", "scan", "commit after-4.txt",
+        ]  # fmt: skip
+        assert [r.entries for r in results] == [1, 1, 1]
+        assert {p for p in mem.files(SCOPE) if p.startswith(("first", "after"))} == {
+            "first.txt", "after-2.txt", "after-4.txt",
+        }  # fmt: skip
     finally:
         s.close()
 
@@ -561,3 +627,43 @@ async def test_the_agents_instruction_entry_is_never_deleted_by_a_save(tmp_path:
     finally:
         store.close()
         os.close(fd)
+
+
+@pytest.mark.trio
+async def test_the_agent_folder_saves_entries_past_the_scan_limit_for_the_controller_to_judge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its 100,000 entries are a limit of the save (spec/agent-files.md): the
+    scan admits what another collection refuses by name (``entry_limit``)."""
+    monkeypatch.setenv(ENTRY_LIMIT_ENV, "3")
+    shipped: dict[str, dict[str, bytes]] = {}
+    for scope, entry in (("agent", "AGENTS.md"), ("task", None)):
+        mem = MemoryBridgeClient(new_run(agent_entry=entry))
+        if entry is not None:
+            mem.put_file(scope, entry, b"# how to work")
+        root = tmp_path / scope
+        root.mkdir()
+        fd = open_root(root)
+        store = DirStore.open(tmp_path / f"state-{scope}")
+        try:
+            store.attach(fd)
+            store.protected = entry
+            await hydrate_directory(store, mem, scope, fd, 2)
+            for i in range(5):
+                (root / f"f{i}.md").write_bytes(b"%d" % i)
+            shipper = DirShipper(store, mem, scope, 1)
+            await shipper.ship_checkpoint()
+            shipped[scope] = mem.files(scope)
+            refused = (shipper.last_report or {}).get("refused", [])
+            if entry is None:
+                assert [(r["path"], r["reason"]) for r in refused] == [
+                    ("f3.md", "entry_limit"),
+                    ("f4.md", "entry_limit"),
+                ]
+            else:
+                assert refused == []
+        finally:
+            store.close()
+            os.close(fd)
+    assert sorted(shipped["agent"]) == ["AGENTS.md", "f0.md", "f1.md", "f2.md", "f3.md", "f4.md"]
+    assert sorted(shipped["task"]) == ["f0.md", "f1.md", "f2.md"]

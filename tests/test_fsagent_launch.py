@@ -235,14 +235,19 @@ ROW = re.compile(r"(ok|FAIL|skip) +(\S+(?: \S+)?) {2,}(.*)")
 
 
 def doctor(
-    box: Sandbox, *args: str, path: str | None = None, tmpdir: str | None = None
+    box: Sandbox,
+    *args: str,
+    path: str | None = None,
+    tmpdir: str | None = None,
+    wrap: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Doctor in the box; the units' configuration is the box's (none unless
-    a test writes it), so the machine's /etc/fsagent never matters."""
+    """Doctor in the box (run by ``wrap``, if given); the units' configuration
+    is the box's (none unless a test writes it), so the machine's /etc/fsagent
+    never matters."""
     env = {"PATH": path or f"{box.bin}:/usr/bin:/bin", "HOME": str(box.home), "LANG": "C.UTF-8",
            "TMPDIR": tmpdir or os.environ.get("TMPDIR", "/tmp")}  # fmt: skip
     return subprocess.run(
-        [sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(box.home),
+        [*wrap, sys.executable, "-m", "fsagent.cli", "doctor", "--home", str(box.home),
          "--env-file", str(box.env_file), "--config", str(box.units_config), *args],
         capture_output=True, text=True, cwd=REPO, env=env, check=False, timeout=120,
     )  # fmt: skip
@@ -278,6 +283,63 @@ def test_doctor_healthy_sandbox_without_controller(sandbox: Sandbox) -> None:
         "node",
         str(sandbox.bin / "node"),
     ]
+
+
+NO_FUSE = ("/usr/bin/unshare", "-m", "--propagation", "private", "/bin/sh", "-c",
+           '/bin/mount --bind /dev/null /dev/fuse && exec "$0" "$@"')  # fmt: skip
+"""Where /dev/fuse is /dev/null: it opens, and no FUSE mount can be made, as
+in a container without FUSE (absolute paths: the box's PATH has no mount)."""
+
+
+@pytest.mark.fuse
+def test_doctor_without_fuse_shows_dir_mode_and_why(tmp_path: Path) -> None:
+    """In a sandbox where FUSE does not work, doctor says the collections are
+    plain directories and why (the test mount failed), and shows the FUSE
+    checks as not needed, whatever they find: no fusermount3 is no failure.
+    ``--mode fuse`` there fails the mode check, as the mounts would fail."""
+    box = Sandbox(tmp_path)  # its PATH has no fusermount3
+    box.env_file.write_text(f"AGENT_HOME={box.home}/agent\n")  # no local endpoint to check
+    res = doctor(box, "--json", path=str(box.bin), wrap=NO_FUSE)
+    assert res.returncode == 0, res.stdout + res.stderr
+    checks = doctor_checks(res)
+    assert checks["mode"]["status"] == "ok", checks["mode"]
+    assert re.fullmatch(r"dir \(a test FUSE mount failed \(.+\)\)", checks["mode"]["detail"])
+    assert checks["fusermount3"] == {
+        "name": "fusermount3", "status": "skip", "detail": "not on PATH (not needed: dir mode)",
+    }  # fmt: skip
+    assert checks["/dev/fuse"] == {
+        "name": "/dev/fuse", "status": "skip", "detail": "present (not needed: dir mode)",
+    }  # fmt: skip
+    text = doctor(box, path=str(box.bin), wrap=NO_FUSE)
+    assert text.returncode == 0, text.stdout + text.stderr
+    rows = {m[2]: (m[1], m[3]) for m in map(ROW.fullmatch, text.stdout.splitlines()) if m}
+    assert rows["mode"] == ("ok", checks["mode"]["detail"]), text.stdout
+    assert rows["fusermount3"] == ("skip", "not on PATH (not needed: dir mode)")
+
+    res = doctor(box, "--json", "--mode", "fuse", path=str(box.bin), wrap=NO_FUSE)
+    assert res.returncode == 6, res.stdout + res.stderr
+    checks = doctor_checks(res)
+    assert checks["mode"]["status"] == "fail"
+    assert checks["mode"]["detail"].startswith("fuse (--mode fuse), but a test FUSE mount failed (")
+    assert checks["mode"]["detail"].endswith(
+        ": the mounts would fail (--mode auto serves plain directories here)"
+    )
+    assert checks["fusermount3"] == {
+        "name": "fusermount3",
+        "status": "fail",
+        "detail": "not on PATH",
+    }
+    assert res.stderr.splitlines() == ["fsagent: 2 check(s) failed: fusermount3, mode"], res.stderr
+
+    # Where FUSE works: --mode dir needs neither; --mode fuse passes its test mount.
+    checks = doctor_checks(doctor(box, "--json", "--mode", "dir", path=str(box.bin)))
+    assert checks["mode"] == {"name": "mode", "status": "ok", "detail": "dir (--mode dir)"}
+    assert checks["fusermount3"]["status"] == checks["/dev/fuse"]["status"] == "skip"
+    res = doctor(box, "--json", "--mode", "fuse")
+    assert res.returncode == 0, res.stdout + res.stderr
+    checks = doctor_checks(res)
+    assert checks["mode"] == {"name": "mode", "status": "ok", "detail": "fuse (--mode fuse)"}
+    assert checks["fusermount3"]["status"] == checks["/dev/fuse"]["status"] == "ok"
 
 
 def test_doctor_names_exactly_what_is_broken(tmp_path: Path) -> None:

@@ -118,6 +118,7 @@ def test_status_reports_owner_unsaved_changes_and_state(mounts: MountFactory) ->
     assert status["mountpoint"] == str(m.mountpoint)
     text = fsagent("status", "--state-dir", str(m.state_dir)).stdout
     assert text.startswith(f"agent: owner {owner}, 2 unsaved change(s), mounted at")
+    assert text.splitlines()[1] == "  mode: fuse (--mode fuse)", text
     assert m.signal(signal.SIGTERM) == 0
     assert m.fsagent("status")["collections"][0]["state"] == "stopped"
 
@@ -157,6 +158,28 @@ def test_up_mounts_all_four_and_writes_the_env_file(mounts: MountFactory) -> Non
         res = fsagent("status", "--state-dir", str(state_root / "task"), "--json")
         status = json.loads(res.stdout)["collections"][0]
         assert status["unsavedChanges"] == 1
+        fuse_env = env_file.read_bytes()
+        # The same sandbox served as plain directories (dir mode, a state root
+        # of its own, the same home, empty once unmounted): the same env file.
+        assert os.listdir(home / "task") == []
+        dir_env = mounts.base / "agent-dir.env"
+        with open(mounts.base / "up-dir.log", "wb") as dir_log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fsagent.cli", "up", "--home", str(home), "--controller",
+                 f"dir:{src}", "--state-root", str(mounts.base / "state-root-dir"),
+                 "--env-file", str(dir_env), "--mode", "dir"],
+                cwd=REPO, stdout=dir_log, stderr=dir_log,
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not dir_env.exists():
+            assert proc.poll() is None, (mounts.base / "up-dir.log").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert (home / "agent" / "a.txt").read_bytes() == b"agent file"
+        assert not os.path.ismount(home / "agent")
+        assert dir_env.read_bytes() == fuse_env
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (mounts.base / "up-dir.log").read_text()
     finally:
         log.close()
         if proc.poll() is None:
