@@ -26,6 +26,8 @@ class DropRule:
     method: str
     path: re.Pattern[str]
     remaining: int
+    passing: int = 0
+    """Matching requests let through untouched before the rule applies."""
 
 
 @dataclass
@@ -48,15 +50,25 @@ class LossyProxy:
         with self._lock:
             self.rules.append(DropRule(method, re.compile(path_regex), count))
 
-    def fail_next(self, method: str, path_regex: str, count: int = 1) -> None:
-        """The next ``count`` matching requests get 503 without reaching the controller."""
+    def fail_next(self, method: str, path_regex: str, count: int = 1, after: int = 0) -> None:
+        """The next ``count`` matching requests get 503 without reaching the
+        controller, once ``after`` of them have passed."""
         with self._lock:
-            self.fail_rules.append(DropRule(method, re.compile(path_regex), count))
+            self.fail_rules.append(DropRule(method, re.compile(path_regex), count, after))
+
+    def clear_rules(self) -> None:
+        """Forward every later request untouched."""
+        with self._lock:
+            self.rules.clear()
+            self.fail_rules.clear()
 
     def _should_fail(self, method: str, path: str) -> bool:
         with self._lock:
             for rule in self.fail_rules:
                 if rule.remaining > 0 and rule.method == method and rule.path.search(path):
+                    if rule.passing > 0:
+                        rule.passing -= 1
+                        continue
                     rule.remaining -= 1
                     self.failed.append(f"{method} {path}")
                     return True
