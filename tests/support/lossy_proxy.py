@@ -39,6 +39,9 @@ class LossyProxy:
     dropped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
+    record_rules: list[tuple[str, re.Pattern[str]]] = field(default_factory=list)
+    bodies: list[tuple[str, bytes]] = field(default_factory=list)
+    """``("METHOD path", request body)`` of each request a record rule matched."""
     _server: ThreadedServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -55,6 +58,15 @@ class LossyProxy:
         controller, once ``after`` of them have passed."""
         with self._lock:
             self.fail_rules.append(DropRule(method, re.compile(path_regex), count, after))
+
+    def record_bodies(self, method: str, path_regex: str) -> None:
+        """Keep the body of every later matching request in :attr:`bodies`."""
+        with self._lock:
+            self.record_rules.append((method, re.compile(path_regex)))
+
+    def _should_record(self, method: str, path: str) -> bool:
+        with self._lock:
+            return any(m == method and rx.search(path) for m, rx in self.record_rules)
 
     def clear_rules(self) -> None:
         """Forward every later request untouched."""
@@ -91,13 +103,21 @@ class LossyProxy:
         query = scope.get("query_string", b"").decode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"connection")]
 
+        kept: bytearray | None = bytearray() if self._should_record(method, path) else None
+
         async def body() -> AsyncIterator[bytes]:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
                     return
-                yield msg.get("body", b"")
+                chunk = msg.get("body", b"")
+                if kept is not None:
+                    kept.extend(chunk)
+                yield chunk
                 if not msg.get("more_body"):
+                    if kept is not None:
+                        with self._lock:
+                            self.bodies.append((f"{method} {path}", bytes(kept)))
                     return
 
         if self._should_fail(method, path):
