@@ -39,6 +39,8 @@ class LossyProxy:
     dropped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
+    queries: list[tuple[str, str, str]] = field(default_factory=list)
+    """(method, path, query string) of every request, in arrival order."""
     record_rules: list[tuple[str, re.Pattern[str]]] = field(default_factory=list)
     bodies: list[tuple[str, bytes]] = field(default_factory=list)
     """``("METHOD path", request body)`` of each request a record rule matched."""
@@ -101,6 +103,8 @@ class LossyProxy:
             return
         method, path = scope["method"], scope["path"]
         query = scope.get("query_string", b"").decode()
+        with self._lock:
+            self.queries.append((method, path, query))
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"connection")]
 
         kept: bytearray | None = bytearray() if self._should_record(method, path) else None
