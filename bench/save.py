@@ -13,6 +13,9 @@ the same helpers as ``bench.checkpoint`` and ``tests/support``. Rows:
 * ``changed``: 10 changed files in a 99,900-file collection (median of
   ``--changed-rounds`` saves), and ``mount``: a fresh fsagent mounting that
   100,000-entry collection through the controller;
+* ``manifest``: the controller's side of that mount, a 100,000-entry
+  manifest paged through the bridge (5,000 per page; median of three full
+  listings, and the slowest page);
 * ``rest1`` / ``rest8``: REST ``PUT /content`` of 4 KiB with 1 and 8 clients
   on one folder;
 * ``probe`` (issue 14): p99 of open + read + close of a cached 4 KiB file,
@@ -23,12 +26,19 @@ the same helpers as ``bench.checkpoint`` and ``tests/support``. Rows:
 the very same measurement there (this file, with the working directory and
 ``PYTHONPATH`` pointed at that checkout, in the same venv): each round runs
 this tree and the baseline one after the other, alternating which goes first,
-and each row reports the median over the rounds. ``--provider s3`` runs the
+and each row reports the median over the rounds. ``--baseline before-issue``
+is the code before issue 15 (:data:`BASELINES`). ``--provider s3`` runs the
 large-file rows against the test S3 server behind a counting proxy and
-reports the S3 requests per file. ``--quick`` shrinks every row for a smoke
-test (its figures mean nothing).
+reports the S3 requests per file; ``--provider all`` runs the local_disk rows,
+then the S3 ones, in the same run (one table each). ``--batch-sweep`` runs
+this tree once per small-file batch threshold (16, 64 and 256 KiB, through
+``BENCH_BATCH_MEMBER_KIB`` for the controller and fsagent alike; rows small
+and mixed, the mixed sizes up to 256 KiB unless ``--mixed-max-kib`` says
+otherwise). ``--quick`` shrinks every row for a smoke test (its figures mean
+nothing).
 
-    python -m bench.save [--baseline main] [--rounds 3] [--provider local_disk|s3] [--quick]
+    python -m bench.save [--baseline before-issue|REV] [--rounds 3]
+        [--provider local_disk|s3|all] [--batch-sweep] [--quick]
 """
 
 from __future__ import annotations
@@ -53,12 +63,20 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
+BATCH_MEMBER_ENV = "BENCH_BATCH_MEMBER_KIB"
+"""common.bridge's batch threshold override (not imported: the baseline tree may lack it)."""
 HERE = Path(__file__).resolve()
 TREE = HERE.parent.parent
+
+BASELINES = {"before-issue": "cd25a5b"}
+"""Named baselines: ``before-issue`` is the last commit before issue 15's work
+(the ``main`` of its first recorded runs)."""
+SWEEP_KIB = ("16", "64", "256")
 
 FULL = {
     "small_files": 3000,
     "mixed_files": 50_000,
+    "mixed_max_kib": 64,
     "large_mib": 1024,
     "ten_mib": 64,
     "collection": 99_900,
@@ -69,6 +87,7 @@ FULL = {
 QUICK = {
     "small_files": 200,
     "mixed_files": 1000,
+    "mixed_max_kib": 64,
     "large_mib": 32,
     "ten_mib": 4,
     "collection": 2000,
@@ -76,19 +95,26 @@ QUICK = {
     "rest_files": 80,
     "probe_mib": 8,
 }
-ROWS = ("small", "mixed", "large", "ten", "changed", "rest", "probe")
+ROWS = ("small", "mixed", "large", "ten", "changed", "manifest", "rest", "probe")
 S3_ROWS = ("large", "ten")
 
 # (key, label, unit, target, higher is better)
 TABLE = [
     ("small_fps", "checkpoint of {small_files:,} new 4 KiB files", "files/s", 2000, True),
-    ("mixed_s", "checkpoint of {mixed_files:,} new files, mixed small sizes", "s", 30, False),
+    (
+        "mixed_s",
+        "checkpoint of {mixed_files:,} new files, mixed sizes up to {mixed_max_kib} KiB",
+        "s",
+        30,
+        False,
+    ),
     ("large_mbs", "one {large_mib} MiB file", "MB/s", 300, True),
     ("ten_mbs", "ten {ten_mib} MiB files", "MB/s", 300, True),
     ("changed_ms", "10 changed files in a {collection:,}-file collection", "ms", 150, False),
     ("rest1_ps", "REST 4 KiB PUT, 1 client, one folder", "files/s", None, True),
     ("rest8_ps", "REST 4 KiB PUT, 8 clients, one folder", "files/s", 500, True),
     ("mount_s", "mount of a {collection_entries:,}-entry collection", "s", 3, False),
+    ("manifest_s", "its manifest paged through the bridge", "s", 1, False),
     ("probe_ratio", "open+read+close p99 during a checkpoint, × idle p99", "x", 2, False),
 ]
 
@@ -96,19 +122,23 @@ TABLE = [
 # --- one measurement, run inside the tree under test --------------------------
 
 
-def mixed_sizes(n: int, seed: int = 15) -> list[int]:
+def mixed_sizes(n: int, max_kib: int = 64, seed: int = 15) -> list[int]:
+    """``n`` sizes from 100 B to ``max_kib`` KiB, log-uniform."""
     rng = random.Random(seed)
-    return [int(math.exp(rng.uniform(math.log(100), math.log(64 * 1024)))) for _ in range(n)]
+    top = math.log(max_kib * 1024)
+    return [int(math.exp(rng.uniform(math.log(100), top))) for _ in range(n)]
 
 
 def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) -> dict[str, Any]:
     """Measure ``rows`` against the code this process imports; returns the figures."""
     from bench.checkpoint import (
         Controller,
+        bridge,
         bridge_manifest,
         mount,
         scenario_changed,
         scenario_large,
+        seed_collection,
         timed_flush,
         write_large,
     )
@@ -141,7 +171,8 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
             out["small_commit_s"] = r["save_s"] - r["upload_s"]
         if "mixed" in rows:
             n = sizes["mixed_files"]
-            r = scenario_files(work, ctl, "mixed", mixed_sizes(n), max(1, n // 100), helpers)
+            spread = mixed_sizes(n, sizes["mixed_max_kib"])
+            r = scenario_files(work, ctl, "mixed", spread, max(1, n // 100), helpers)
             out["mixed_s"] = r["save_s"]
             out["mixed_workload_s"] = r["workload_s"]
             out["mixed_upload_s"] = r["upload_s"]
@@ -167,6 +198,8 @@ def run_rows(sizes: dict[str, Any], rows: list[str], provider: str, base: Path) 
             if r.get("daemon_s") is not None:
                 out["changed_daemon_ms"] = r["daemon_s"] * 1000
             out["mount_s"] = r["mount_s"]
+        if "manifest" in rows:
+            out.update(scenario_manifest(ctl, sizes["collection"], seed_collection, bridge))
         if "rest" in rows:
             out.update(scenario_rest(ctl, sizes["rest_files"]))
         if "probe" in rows:
@@ -249,6 +282,38 @@ def scenario_ten(
     finally:
         m.stop(timeout=60)
     return {"save_s": seconds, "rss_kib": rss}
+
+
+def scenario_manifest(ctl: Any, files: int, seed: Any, bridge: Any) -> dict[str, float]:
+    """A ``files``-file folder (seeded as the changed row's) listed through the
+    bridge's manifest pages, as a mount reads it: median of three listings,
+    the slowest page of all and the pages per listing."""
+    from common.bridge import PREFIX
+
+    run = ctl.new_run(f"manifest-{files}")
+    seed(ctl, run, files, 100, 50)
+    listings: list[float] = []
+    slowest, pages = 0.0, 0
+    with bridge(ctl, run) as c:
+        for _ in range(3):
+            started, since, entries, pages = time.perf_counter(), 0, 0, 0
+            while True:
+                t = time.perf_counter()
+                r = c.get(f"{PREFIX}/folders/task/manifest", params={"since": since})
+                r.raise_for_status()
+                body = r.json()
+                slowest = max(slowest, time.perf_counter() - t)
+                entries, pages = entries + len(body["entries"]), pages + 1
+                if body["nextSince"] is None:
+                    break
+                since = body["nextSince"]
+            listings.append(time.perf_counter() - started)
+            assert entries >= files, entries
+    return {
+        "manifest_s": statistics.median(listings),
+        "manifest_page_max_ms": slowest * 1000,
+        "manifest_pages": float(pages),
+    }
 
 
 def scenario_rest(ctl: Any, files: int) -> dict[str, float]:
@@ -357,11 +422,20 @@ def cpu_seconds(pid: int, *, thread: int | None = None) -> float:
 # --- the driver ---------------------------------------------------------------
 
 
-def run_side(tree: Path, sizes: dict[str, Any], rows: list[str], args: argparse.Namespace) -> Any:
-    """This file in a fresh interpreter whose imports come from ``tree``."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def run_side(
+    side: tuple[Path, dict[str, str]],
+    sizes: dict[str, Any],
+    rows: list[str],
+    provider: str,
+    base: Path,
+) -> Any:
+    """This file in a fresh interpreter whose imports come from the side's
+    tree, with the side's environment (inherited by the controller and the
+    daemons it starts)."""
+    tree, extra = side
+    env = {**os.environ, **extra, "PYTHONPATH": str(tree)}
     argv = [sys.executable, str(HERE), "--child", json.dumps(sizes), ",".join(rows)]
-    argv += [args.provider, str(args.base)]
+    argv += [provider, str(base)]
     proc = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"measurement in {tree} failed ({proc.returncode}):\n{proc.stderr}")
@@ -405,7 +479,9 @@ def median_of(results: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any]) -> str:
+def report(
+    args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any], provider: str
+) -> str:
     from bench.machine import load_line, machine_line
 
     labels = {**sizes, "collection_entries": sizes["collection"] + 100}
@@ -415,7 +491,7 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
     names = list(sides)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"\n## Save throughput, issue 15 ({args.provider}) ({stamp})\n",
+        f"\n## Save throughput, issue 15 ({provider}) ({stamp})\n",
         f"Machine: {machine_line()}. Command: `python -m bench.save --provider {args.provider}"
         f" --rounds {args.rounds}"
         + (f" --baseline {args.baseline}" if args.baseline else "")
@@ -423,10 +499,12 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         + (f" --mixed-files {args.mixed_files}" if args.mixed_files else "")
         + (f" --large-mib {args.large_mib}" if args.large_mib else "")
         + (f" --rows {args.rows}" if args.rows else "")
+        + (f" --mixed-max-kib {args.mixed_max_kib}" if args.mixed_max_kib else "")
+        + (" --batch-sweep" if args.batch_sweep else "")
         + f"` ({args.elapsed:.0f} s, load average after:"
         f" {load_line()}). This tree: {head}"
         + (f"; baseline: {args.baseline} ({args.baseline_sha})" if args.baseline else "")
-        + ". Each round runs both trees in turn (alternating which goes first); medians of "
+        + ". Each round runs every column in turn (alternating which goes first); medians of "
         f"{args.rounds} round(s). Saves are `fsagent flush` wall time, from after the last "
         'close() to the controller\'s receipt; "in the daemon" rows are the same save '
         "without the flush process (its start, the control socket), from the daemon's "
@@ -452,6 +530,8 @@ def report(args: argparse.Namespace, sizes: dict[str, Any], sides: dict[str, Any
         ("mixed_upload_s", "mixed files: flush start to the last upload registered", "s"),
         ("mixed_commit_s", "mixed files: from there to the receipt (the commit)", "s"),
         ("mixed_workload_s", "workload of the mixed row (writes through the mount)", "s"),
+        ("manifest_page_max_ms", "manifest: the slowest page", "ms"),
+        ("manifest_pages", "manifest: pages per listing", "pages"),
         ("large_requests_per_file", "S3 requests for the {large_mib} MiB file", "requests"),
         ("ten_requests_per_file", "S3 requests per {ten_mib} MiB file", "requests"),
         ("large_rss_mib", "daemon peak RSS, large file", "MiB"),
@@ -482,39 +562,69 @@ def main(argv: list[str] | None = None) -> int:
     from bench.machine import add_output_options, record
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", help="git revision to measure in the same run (e.g. main)")
+    ap.add_argument(
+        "--baseline",
+        help="git revision to measure in the same run (e.g. main), or before-issue"
+        f" ({BASELINES['before-issue']}, the code before issue 15)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--provider", choices=["local_disk", "s3"], default="local_disk")
+    ap.add_argument("--provider", choices=["local_disk", "s3", "all"], default="local_disk")
     ap.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     ap.add_argument("--large-mib", type=int, help="size of the one large file")
     ap.add_argument("--mixed-files", type=int, help="files of the mixed row")
+    ap.add_argument("--mixed-max-kib", type=int, help="largest file of the mixed row (64)")
+    ap.add_argument(
+        "--batch-sweep",
+        action="store_true",
+        help=f"this tree once per batch threshold ({', '.join(SWEEP_KIB)} KiB)",
+    )
     add_output_options(ap)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     sizes = dict(QUICK if args.quick else FULL)
     if args.large_mib:
         sizes["large_mib"] = args.large_mib
     if args.mixed_files:
         sizes["mixed_files"] = args.mixed_files
-    rows = (args.rows or ",".join(S3_ROWS if args.provider == "s3" else ROWS)).split(",")
+    if args.mixed_max_kib or args.batch_sweep:
+        sizes["mixed_max_kib"] = args.mixed_max_kib or int(SWEEP_KIB[-1])
+    providers = ["local_disk", "s3"] if args.provider == "all" else [args.provider]
+    plan: list[tuple[str, list[str]]] = []
+    for provider in providers:
+        default = S3_ROWS if provider == "s3" else ("small", "mixed") if args.batch_sweep else ROWS
+        rows = args.rows.split(",") if args.rows else list(default)
+        if unknown := [r for r in rows if r not in ROWS]:
+            ap.error(f"unknown rows {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
+        plan.append((provider, rows))
+    rev = BASELINES.get(args.baseline, args.baseline) if args.baseline else None
     started = time.monotonic()
-    with baseline_tree(args.baseline) as base_tree:
-        trees = {"this tree": TREE}
+    tables: list[tuple[str, dict[str, list[dict[str, Any]]]]] = []
+    with baseline_tree(rev) as base_tree:
+        trees: dict[str, tuple[Path, dict[str, str]]] = {}
+        if args.batch_sweep:
+            for kib in SWEEP_KIB:
+                trees[f"this tree, {kib} KiB batches"] = (TREE, {BATCH_MEMBER_ENV: kib})
+        else:
+            trees["this tree"] = (TREE, {})
         if base_tree is not None:
-            trees[f"baseline {args.baseline}"] = base_tree
+            trees[f"baseline {args.baseline}"] = (base_tree, {})
             args.baseline_sha = subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], cwd=base_tree, capture_output=True,
                 text=True,
             ).stdout.strip()  # fmt: skip
-        sides: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-        for r in range(args.rounds):
-            order = list(trees) if r % 2 == 0 else list(reversed(trees))
-            for name in order:
-                result = run_side(trees[name], sizes, rows, args)
-                print(f"round {r + 1} {name}: {json.dumps(result)}", file=sys.stderr)
-                sides[name].append(result)
+        for provider, rows in plan:
+            sides: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+            for r in range(args.rounds):
+                order = list(trees) if r % 2 == 0 else list(reversed(trees))
+                for name in order:
+                    result = run_side(trees[name], sizes, rows, provider, args.base)
+                    print(f"round {r + 1} {provider} {name}: {json.dumps(result)}", file=sys.stderr)
+                    sides[name].append(result)
+            tables.append((provider, sides))
     args.elapsed = time.monotonic() - started
-    text = report(args, sizes, sides)
+    text = "".join(report(args, sizes, sides, provider) for provider, sides in tables)
     print(text)
     record(text, args)
     return 0

@@ -44,8 +44,10 @@ taken from the run's binding, never from the client.
 """
 
 import hashlib
+import os
 import struct
 import threading
+from collections.abc import Mapping
 from typing import Final
 
 import xxhash
@@ -136,7 +138,26 @@ BATCH_HEADER: Final = struct.Struct(">4sI")
 MEMBER_HEADER: Final = struct.Struct(">Q32s")
 """(raw byte size, SHA-256) before each member's frames."""
 
-BATCH_MEMBER_MAX: Final = 64 << 10
+BATCH_MEMBER_SIZES_KIB: Final = ("16", "64", "256")
+BATCH_MEMBER_ENV: Final = "BENCH_BATCH_MEMBER_KIB"
+
+
+def batch_member_max(env: Mapping[str, str] = os.environ) -> int:
+    """64 KiB, or the size :data:`BATCH_MEMBER_ENV` names in KiB (16, 64 or
+    256): ``bench.save --batch-sweep`` sets it for the controller and fsagent
+    alike to measure the threshold. (A sender whose members a receiver's
+    smaller bound refuses gets 413 and keeps its files unsaved.)"""
+    raw = env.get(BATCH_MEMBER_ENV)
+    if raw is None:
+        return 64 << 10
+    if raw not in BATCH_MEMBER_SIZES_KIB:
+        raise ValueError(
+            f"{BATCH_MEMBER_ENV} must be one of {', '.join(BATCH_MEMBER_SIZES_KIB)}, not {raw!r}"
+        )
+    return int(raw) << 10
+
+
+BATCH_MEMBER_MAX: Final = batch_member_max()
 """Largest file sent in a batch; bigger files go up one per request."""
 
 BATCH_MAX_MEMBERS: Final = 1024

@@ -426,6 +426,9 @@ def test_a_300_mib_file_is_written_and_refused_only_at_save(
 
 @pytest.fixture
 def proxy(controller: ControllerProcess) -> Iterator[LossyProxy]:
+    """Request it before the mounts: it is then torn down after them, so a
+    daemon's last save on stop reaches the controller instead of retrying
+    against a closed port until its deadline."""
     p = LossyProxy(controller.url).start()
     try:
         yield p
@@ -439,7 +442,7 @@ COMMITS = r"/folders/agent/checkpoints$"
 @pytest.mark.fuse
 @pytest.mark.parametrize("failures", [2, 100])
 def test_transient_failures_get_three_attempts_then_a_failure_receipt(
-    mode_mounts: MountFactory, tenant: Tenant, proxy: LossyProxy, failures: int
+    proxy: LossyProxy, mode_mounts: MountFactory, tenant: Tenant, failures: int
 ) -> None:
     mounts = mode_mounts  # a FUSE mount, then a plain directory: the same contract
     agent = new_agent(tenant)

@@ -23,6 +23,7 @@ from tests.support.checkpoints import (
     journal,
     receipts,
     reply_of,
+    status,
     wait_for,
 )
 from tests.support.controller import (
@@ -120,6 +121,9 @@ def test_controller_killed_mid_batches_publishes_nothing_and_the_replay_converge
 
 @pytest.fixture
 def proxy(controller: ControllerProcess) -> Iterator[LossyProxy]:
+    """Request it before the mounts: it is then torn down after them, so a
+    daemon's last save on stop reaches the controller instead of retrying
+    against a closed port until its deadline."""
     p = LossyProxy(controller.url).start()
     try:
         yield p
@@ -128,7 +132,7 @@ def proxy(controller: ControllerProcess) -> Iterator[LossyProxy]:
 
 
 def test_lost_batch_answers_are_retried_and_register_each_object_once(
-    mounts: MountFactory, tenant: Tenant, proxy: LossyProxy
+    proxy: LossyProxy, mounts: MountFactory, tenant: Tenant
 ) -> None:
     ctl = tenant.controller
     run = start_run(tenant)
@@ -175,3 +179,52 @@ def test_a_batch_body_cut_off_mid_stream_registers_and_keeps_nothing(tenant: Ten
     assert r.status_code == 200, r.text
     got: list[Any] = r.json()["objects"]
     assert [o["digest"] for o in got] == [hashlib.sha256(m).hexdigest() for m in members]
+
+
+def test_fsagent_killed_mid_batches_publishes_nothing_and_the_warm_start_converges(
+    proxy: LossyProxy, mounts: MountFactory, tenant: Tenant
+) -> None:
+    """kill -9 of the daemon with two batches registered and the rest being
+    retried: nothing is published, and the warm start commits the pending
+    checkpoint once with every file's bytes."""
+    ctl = tenant.controller
+    run = start_run(tenant)
+    m = mounts.mount(proxy.url, scope="task", token_file=token_file(mounts, run))
+    files = write_many(m, 800, dirs=4)
+    # Two batches get through, every later one is refused until the kill.
+    proxy.fail_next("PUT", BATCHES, count=1_000_000, after=2)
+    flusher = flush_in_background(m)
+    wait_for(
+        lambda: len(proxy.failed) >= 2 and len(uploads(ctl, run["run_id"])) > 0,
+        60,
+        "a batch to be registered and later ones to be refused and retried",
+    )
+    pending = status(m)["pendingCheckpoint"]
+    m.kill9()
+    assert reply_of(flusher, 30)[0] != 0
+    registered = uploads(ctl, run["run_id"])
+    assert 0 < len(registered) < len(files), "the kill must land while batches are streaming"
+    assert receipts(ctl, tenant.company_id, "task", run["task"]) == []
+    assert live_digests(ctl, tenant.company_id, run["task"]) == {}
+    assert pending is not None and pending.startswith("cp-")
+
+    proxy.clear_rules()
+    m2 = mounts.mount(
+        proxy.url,
+        scope=m.scope,
+        state_dir=m.state_dir,
+        mountpoint=m.mountpoint,
+        token_file=m.token_file,
+        extra=m.extra,
+    )
+    assert receipts(ctl, tenant.company_id, "task", run["task"]) == [pending]
+    assert live_digests(ctl, tenant.company_id, run["task"]) == expected_digests(files)
+    assert sorted(uploads(ctl, run["run_id"])) == sorted(set(expected_digests(files).values()))
+    assert journal(m2) == set()
+    assert status(m2)["pendingCheckpoint"] is None
+    # The bytes behind the digests, through the API, for a sample of files.
+    folder = tenant.folder("task", run["task"])
+    with tenant.client() as c:
+        for path in list(files)[::80]:
+            got = c.get(folder + "/content", params={"path": path})
+            assert got.status_code == 200 and got.content == files[path]

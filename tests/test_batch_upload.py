@@ -9,15 +9,18 @@ import os
 import random
 
 import httpx
+import pytest
 import zstandard
 
 from common.bridge import (
     BATCH_HEADER,
     BATCH_MAGIC,
     BATCH_MAX_MEMBERS,
+    BATCH_MEMBER_ENV,
     BATCH_MEMBER_MAX,
     END_FRAME,
     MEMBER_HEADER,
+    batch_member_max,
     encode_batch,
     encode_frame,
     encode_member,
@@ -149,6 +152,15 @@ def test_batch_bounds_and_malformed_bodies_are_clear_errors(tenant: Tenant) -> N
         assert r.status_code == status, (name, r.status_code, r.text)
         assert r.json()["code"] in ("bad_frame", "payload_too_large"), (name, r.text)
     assert registered(run) == set()
+
+
+def test_the_batch_threshold_is_64_kib_unless_the_benchmark_names_another() -> None:
+    assert BATCH_MEMBER_MAX == batch_member_max({}) == 64 << 10
+    assert batch_member_max({BATCH_MEMBER_ENV: "16"}) == 16 << 10
+    assert batch_member_max({BATCH_MEMBER_ENV: "256"}) == 256 << 10
+    for bad in ("100", "", "64k", "-1"):
+        with pytest.raises(ValueError, match="must be one of 16, 64, 256"):
+            batch_member_max({BATCH_MEMBER_ENV: bad})
 
 
 def test_the_batch_reader_gives_the_same_items_whatever_the_body_is_cut_into() -> None:

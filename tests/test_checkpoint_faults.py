@@ -67,6 +67,9 @@ def spool_empty(ctl: ControllerProcess) -> bool:
 
 @pytest.fixture
 def proxy(controller: ControllerProcess) -> Iterator[LossyProxy]:
+    """Request it before the mounts: it is then torn down after them, so a
+    daemon's last save on stop reaches the controller instead of retrying
+    against a closed port until its deadline."""
     p = LossyProxy(controller.url).start()
     try:
         yield p
@@ -151,7 +154,7 @@ def test_kill9_mid_upload_reuses_the_operation_id(mounts: MountFactory, tenant: 
 
 
 def test_kill9_after_commit_before_the_answer_replays_the_receipt(
-    mounts: MountFactory, tenant: Tenant, proxy: LossyProxy
+    proxy: LossyProxy, mounts: MountFactory, tenant: Tenant
 ) -> None:
     ctl = tenant.controller
     run = start_run(tenant)
@@ -201,7 +204,7 @@ def test_kill9_after_commit_before_the_answer_replays_the_receipt(
 
 
 def test_lost_commit_answer_retry_is_idempotent_and_spares_a_later_writer(
-    mounts: MountFactory, tenant: Tenant, proxy: LossyProxy
+    proxy: LossyProxy, mounts: MountFactory, tenant: Tenant
 ) -> None:
     ctl = tenant.controller
     run = start_run(tenant)

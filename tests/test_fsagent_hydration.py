@@ -11,13 +11,17 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import httpx
 import pytest
 
+from common.bridge import MANIFEST_PAGE_MAX
 from common.limits import MAX_ENTRIES
-from tests.support.controller import Tenant
+from tests.support.controller import ControllerProcess, Tenant
+from tests.support.lossy_proxy import LossyProxy
 from tests.support.mount import MountError, MountFactory, sha256
 
 pytestmark = pytest.mark.fuse
@@ -156,10 +160,22 @@ def test_ended_run_is_refused_with_a_clear_error(mounts: MountFactory, tenant: T
         assert c.get(tenant.controller.url + "/healthz").status_code == 200
 
 
+@pytest.fixture
+def proxy(controller: ControllerProcess) -> Iterator[LossyProxy]:
+    """Requested before the mounts, so it outlives them (tests/test_batch_faults.py)."""
+    p = LossyProxy(controller.url).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
 def test_hydrates_100k_entries_from_controller_in_seconds(
-    mounts: MountFactory, tenant: Tenant
+    proxy: LossyProxy, mounts: MountFactory, tenant: Tenant
 ) -> None:
-    """The controller pages the manifest (5,000 per page); the mount is ready in seconds."""
+    """The controller pages the manifest by keyset, 5,000 per page: the mount
+    asks for each page once, from the last version of the one before, and
+    fetches no content."""
     agent, run = start_run(tenant)
     with tenant.client() as c:
         r = c.put(tenant.folder("agent", agent) + "/content", params={"path": "template.txt"},
@@ -190,13 +206,25 @@ def test_hydrates_100k_entries_from_controller_in_seconds(
             " live_entries = live_entries + 99999 WHERE id = %s",
             (row[0],),
         )
+        versions = [
+            int(v)
+            for (v,) in conn.execute(
+                "SELECT version FROM files WHERE folder_id = %s ORDER BY version", (row[0],)
+            ).fetchall()
+        ]
     token_file = mounts.base / "token"
     token_file.write_text(str(run["token"]))
     started = time.monotonic()
-    m = mounts.mount(tenant.controller.url, token_file=token_file)
+    m = mounts.mount(proxy.url, token_file=token_file)
     seconds = time.monotonic() - started
     print(f"\n100,000 entries from the controller: mounted in {seconds:.2f}s")
     assert seconds < 60, f"mount took {seconds:.1f}s"
+    pages = [parse_qs(q) for _, path, q in proxy.queries if path.endswith("/agent/manifest")]
+    assert len(versions) > 100_000
+    # One request per page, each from the last version of the page before.
+    cursors = [0, *versions[MANIFEST_PAGE_MAX - 1 :: MANIFEST_PAGE_MAX]]
+    assert pages == [{"since": [str(c)], "limit": [str(MANIFEST_PAGE_MAX)]} for c in cursors]
+    assert not [p for _, p, _ in proxy.queries if "/objects/" in p]
     assert len(os.listdir(m.mountpoint / "bulk")) == 100
     assert (
         sum(len(os.listdir(m.mountpoint / "bulk" / d)) for d in os.listdir(m.mountpoint / "bulk"))

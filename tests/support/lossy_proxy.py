@@ -26,6 +26,8 @@ class DropRule:
     method: str
     path: re.Pattern[str]
     remaining: int
+    passing: int = 0
+    """Matching requests let through untouched before the rule applies."""
 
 
 @dataclass
@@ -37,6 +39,11 @@ class LossyProxy:
     dropped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
+    queries: list[tuple[str, str, str]] = field(default_factory=list)
+    """(method, path, query string) of every request, in arrival order."""
+    record_rules: list[tuple[str, re.Pattern[str]]] = field(default_factory=list)
+    bodies: list[tuple[str, bytes]] = field(default_factory=list)
+    """``("METHOD path", request body)`` of each request a record rule matched."""
     _server: ThreadedServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -48,15 +55,34 @@ class LossyProxy:
         with self._lock:
             self.rules.append(DropRule(method, re.compile(path_regex), count))
 
-    def fail_next(self, method: str, path_regex: str, count: int = 1) -> None:
-        """The next ``count`` matching requests get 503 without reaching the controller."""
+    def fail_next(self, method: str, path_regex: str, count: int = 1, after: int = 0) -> None:
+        """The next ``count`` matching requests get 503 without reaching the
+        controller, once ``after`` of them have passed."""
         with self._lock:
-            self.fail_rules.append(DropRule(method, re.compile(path_regex), count))
+            self.fail_rules.append(DropRule(method, re.compile(path_regex), count, after))
+
+    def record_bodies(self, method: str, path_regex: str) -> None:
+        """Keep the body of every later matching request in :attr:`bodies`."""
+        with self._lock:
+            self.record_rules.append((method, re.compile(path_regex)))
+
+    def _should_record(self, method: str, path: str) -> bool:
+        with self._lock:
+            return any(m == method and rx.search(path) for m, rx in self.record_rules)
+
+    def clear_rules(self) -> None:
+        """Forward every later request untouched."""
+        with self._lock:
+            self.rules.clear()
+            self.fail_rules.clear()
 
     def _should_fail(self, method: str, path: str) -> bool:
         with self._lock:
             for rule in self.fail_rules:
                 if rule.remaining > 0 and rule.method == method and rule.path.search(path):
+                    if rule.passing > 0:
+                        rule.passing -= 1
+                        continue
                     rule.remaining -= 1
                     self.failed.append(f"{method} {path}")
                     return True
@@ -77,15 +103,25 @@ class LossyProxy:
             return
         method, path = scope["method"], scope["path"]
         query = scope.get("query_string", b"").decode()
+        with self._lock:
+            self.queries.append((method, path, query))
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"connection")]
+
+        kept: bytearray | None = bytearray() if self._should_record(method, path) else None
 
         async def body() -> AsyncIterator[bytes]:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
                     return
-                yield msg.get("body", b"")
+                chunk = msg.get("body", b"")
+                if kept is not None:
+                    kept.extend(chunk)
+                yield chunk
                 if not msg.get("more_body"):
+                    if kept is not None:
+                        with self._lock:
+                            self.bodies.append((f"{method} {path}", bytes(kept)))
                     return
 
         if self._should_fail(method, path):
