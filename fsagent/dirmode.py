@@ -45,10 +45,11 @@ import struct
 import sys
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -590,12 +591,17 @@ def _control(shipper: DirShipper, stop: DirStop) -> tuple[FlushHandler, StatsHan
     return flush, live
 
 
-async def _wait_for_signal(stop: DirStop) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("signal %d: saving and stopping", signum)
-            stop.requested.set()
-            return
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+async def _wait_for_signal(signals: AsyncIterator[int], stop: DirStop) -> None:
+    """Ask the daemon to save and stop at the first of ``signals``: a receiver
+    of :data:`STOP_SIGNALS` opened before the daemon said it is ready, so a
+    stop asked for right after that line is a save, not the default action."""
+    async for signum in signals:
+        log.info("signal %d: saving and stopping", signum)
+        stop.requested.set()
+        return
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -746,15 +752,16 @@ async def _serve_bound(
     control_path = opts.state_dir / "control.sock"
     control = open_control_socket(control_path) if shipper is not None else None
     try:
-        _announce(opts, unbound=False)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_wait_for_signal, stop)
-            if shipper is not None and control is not None:
-                nursery.start_soon(checkpoint_loop, shipper, opts.checkpoint_interval)
-                flush, live = _control(shipper, stop)
-                nursery.start_soon(serve_control, control, control_path, flush, live)
-            await stop.requested.wait()
-            nursery.cancel_scope.cancel()
+        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            _announce(opts, unbound=False)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_wait_for_signal, signals, stop)
+                if shipper is not None and control is not None:
+                    nursery.start_soon(checkpoint_loop, shipper, opts.checkpoint_interval)
+                    flush, live = _control(shipper, stop)
+                    nursery.start_soon(serve_control, control, control_path, flush, live)
+                await stop.requested.wait()
+                nursery.cancel_scope.cancel()
         await _final_save(shipper, stop)
         if shipper is not None and stop.saved and store.protected is None:
             await refresh_after_stop(store, shipper.client, opts.scope)
@@ -800,8 +807,9 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
             _write_json(record, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
                                  "reason": opts.reason, "path": str(opts.directory),
                                  "warning": warning})  # fmt: skip
-            _announce(opts, unbound=True, warning=warning)
-            await _wait_for_signal(stop)
+            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+                _announce(opts, unbound=True, warning=warning)
+                await _wait_for_signal(signals, stop)
         finally:
             record.unlink(missing_ok=True)
             _set_immutable(root_fd, False)

@@ -50,10 +50,10 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pyfuse3
 import trio
@@ -240,14 +240,21 @@ async def _final_save(shipper: Checkpoints | None, stop: StopState) -> None:
             log.warning("could not report the failed final save: %s", report_exc)
 
 
-async def _stop_on_signal(mountpoint: Path, shipper: Checkpoints | None, stop: StopState) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("signal %d: flushing dirty pages, saving and unmounting", signum)
-            await _flush_kernel(mountpoint)
-            await _final_save(shipper, stop)
-            pyfuse3.terminate()
-            return
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+async def _stop_on_signal(
+    signals: AsyncIterator[int], mountpoint: Path, shipper: Checkpoints | None, stop: StopState
+) -> None:
+    """Save and unmount at the first of ``signals``: a receiver of
+    :data:`STOP_SIGNALS` opened before the mount appeared, so a stop asked
+    for as soon as it is seen is a save, not the default action."""
+    async for signum in signals:
+        log.info("signal %d: flushing dirty pages, saving and unmounting", signum)
+        await _flush_kernel(mountpoint)
+        await _final_save(shipper, stop)
+        pyfuse3.terminate()
+        return
 
 
 async def _flush_kernel(mountpoint: Path) -> None:
@@ -484,6 +491,7 @@ async def _serve_store(
     # to save.
     control_path = opts.state_dir / "control.sock"
     control = open_control_socket(control_path) if shipper is not None else None
+    signals = threads.enter_context(trio.open_signal_receiver(*STOP_SIGNALS))
     try:
         pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
     except RuntimeError as exc:
@@ -512,7 +520,7 @@ async def _serve_store(
     )
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, opts.mountpoint, shipper, stop)
+            nursery.start_soon(_stop_on_signal, signals, opts.mountpoint, shipper, stop)
             nursery.start_soon(fs.spinner.run)
             nursery.start_soon(fs.write_behind)
             nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
