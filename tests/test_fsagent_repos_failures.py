@@ -1,0 +1,133 @@
+"""Repository saves and restores that must fail, or wait, without harm: real
+Git, a real controller (PostgreSQL, local-disk storage) and fsagent's HTTP
+bridge client, with ``fsagent repos`` processes where a second saver is
+another process.
+
+The in-process twins (tests/test_fsagent_repos_inproc.py) pin the same
+decisions against the fake; here the controller's own answers drive them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from fsagent.repos import RepoSavers, prepare_all, repos_state_root
+from tests.support.constants import REPO
+from tests.support.controller import Tenant
+from tests.support.gitrepos import (
+    RepoTask,
+    Sandbox,
+    make_origin,
+    new_repo_task,
+)
+
+
+@pytest.fixture
+def origin(tmp_path: Path) -> Path:
+    return make_origin(tmp_path / "origin")
+
+
+@pytest.fixture
+def repo_task(tenant: Tenant) -> RepoTask:
+    return new_repo_task(tenant)
+
+
+def holds_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open (a directory it locks, say)."""
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        names = os.listdir(fds)
+    except FileNotFoundError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(fds / name) == str(path):
+                return True
+        except OSError:
+            continue  # closed meanwhile
+    return False
+
+
+@pytest.mark.trio
+async def test_two_savers_of_one_checkout_never_checkpoint_at_once(
+    tmp_path: Path, origin: Path, repo_task: RepoTask
+) -> None:
+    """A save held mid-scan keeps another process's ``fsagent repos
+    checkpoint`` waiting on the sandbox's save lock: it sends nothing until
+    the first save has committed, then finds the checkout saved by it."""
+    repo_task.add_workspace(str(origin), primary=True)
+    run = repo_task.start_run()
+    box = Sandbox(tmp_path / "box", repo_task)
+    box.start(run)
+    client = repo_task.client(run)
+    other: subprocess.Popen[str] | None = None
+    try:
+        await prepare_all(client, box.home)
+        checkout = box.home / "repos" / "app"
+        savers = RepoSavers(client, await client.get_run(), box.home, box.state)
+        assert await savers.save_all() == 0
+        (saver,) = savers.savers.values()
+        first = saver.status["lastSave"]["checkpointId"]
+
+        (checkout / "held.txt").write_text("read while the other saver waits\n")
+        reading, release = threading.Event(), threading.Event()
+
+        def hold(full: str) -> None:
+            if full.endswith("/held.txt") and not reading.is_set():
+                reading.set()
+                assert release.wait(120), "never released"
+
+        saver.after_read = hold
+        failed: list[int] = []
+        async with trio.open_nursery() as nursery:
+
+            async def save() -> None:
+                failed.append(await savers.save_all())
+
+            nursery.start_soon(save)
+            try:
+                assert await trio.to_thread.run_sync(reading.wait, 120)
+                other = await trio.to_thread.run_sync(
+                    lambda: subprocess.Popen(
+                        box.argv("checkpoint", "--json"),
+                        cwd=REPO,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+                lock_dir = repos_state_root(box.state)
+                deadline = time.monotonic() + 120
+                while not holds_open(other.pid, lock_dir):  # at the lock now
+                    assert other.poll() is None, other.communicate()
+                    assert time.monotonic() < deadline
+                    await trio.sleep(0.05)
+                await trio.sleep(1.5)
+                assert other.poll() is None  # still waiting for the first save
+                assert repo_task.people_repos()["app"]["checkpointId"] == first
+            finally:
+                release.set()
+        assert failed == [0]
+        second = saver.status["lastSave"]
+        assert second["committed"] and not second["full"] and second["changed"] == 1
+        assert second["checkpointId"] != first
+        assert other is not None
+        out, err = await trio.to_thread.run_sync(lambda: other.communicate(timeout=120))
+    finally:
+        await client.aclose()
+        if other is not None and other.poll() is None:
+            other.kill()
+            other.communicate()
+    assert other.returncode == 0, out + err
+    (result,) = json.loads(out)["repos"]
+    # The waiting saver ran after the commit: nothing left to send.
+    assert result["ok"] and not result["committed"]
+    assert result["checkpointId"] == second["checkpointId"]
+    assert repo_task.people_repos()["app"]["checkpointId"] == second["checkpointId"]
