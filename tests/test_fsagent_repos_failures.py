@@ -9,18 +9,21 @@ decisions against the fake; here the controller's own answers drive them."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
-from fsagent.repos import RepoSavers, prepare_all, repos_state_root
+from fsagent.errors import ControllerRefused
+from fsagent.repos import RepoSavers, prepare_all, repo_status, repos_state_root
 from tests.support.constants import REPO
-from tests.support.controller import Tenant
+from tests.support.controller import PgCluster, Tenant, bootstrap_tenant, private_controller
 from tests.support.gitrepos import (
     RepoTask,
     Sandbox,
@@ -131,3 +134,62 @@ async def test_two_savers_of_one_checkout_never_checkpoint_at_once(
     assert result["ok"] and not result["committed"]
     assert result["checkpointId"] == second["checkpointId"]
     assert repo_task.people_repos()["app"]["checkpointId"] == second["checkpointId"]
+
+
+@pytest.mark.trio
+async def test_a_save_whose_uploads_expired_is_refused_visibly_then_uploads_again(
+    tmp_path: Path, origin: Path, pg_cluster: PgCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Uploads pin their objects for --repo-upload-ttl: a commit sent after
+    that is refused 422 unknown_content, which the repository shows as its
+    error; the next save asks again what is missing, uploads it all again and
+    commits."""
+    with private_controller(pg_cluster, "fsa-repottl-", "--repo-upload-ttl", "3") as ctl:
+        task = new_repo_task(bootstrap_tenant(ctl))
+        task.add_workspace(str(origin), primary=True)
+        run = task.start_run()
+        home, state = tmp_path / "home", tmp_path / "state"
+        client = task.client(run)
+        commit = client.commit_repo_checkpoint
+        answers: list[str] = []
+
+        async def late_once(workspace: str, body: dict[str, Any]) -> dict[str, Any]:
+            if not answers:
+                await trio.sleep(3.5)  # the uploads' pins expire meanwhile
+            try:
+                receipt = await commit(workspace, body)
+            except ControllerRefused as exc:
+                answers.append(f"{exc.status} {exc.code}")
+                raise
+            answers.append("200")
+            return receipt
+
+        client.commit_repo_checkpoint = late_once  # type: ignore[method-assign]
+        try:
+            await prepare_all(client, home)
+            savers = RepoSavers(client, await client.get_run(), home, state)
+            with caplog.at_level(logging.WARNING):
+                assert await savers.save_all() == 1
+            assert answers == ["422 unknown_content"]
+            row = task.people_repos()["app"]
+            assert row["state"] == "failed" and row["checkpointId"] is None
+            assert "unknown_content" in row["error"], row["error"]
+            (status,) = repo_status(home, state)
+            assert (
+                status["state"] == "failed" and "unknown_content" in status["lastError"]["message"]
+            )
+            assert "lastSave" not in status or status["lastSave"] is None
+
+            (saver,) = savers.savers.values()
+            outcome = await saver.checkpoint()
+            assert answers == ["422 unknown_content", "200"]
+            manifest = await client.repo_manifest(saver.workspace_id)
+        finally:
+            await client.aclose()
+        assert outcome.committed and outcome.full
+        digests = {m["digest"] for m in manifest.members if m["kind"] == "file"}
+        assert outcome.uploaded == len(digests)  # every expired upload sent again
+        assert manifest.checkpoint_id == outcome.checkpoint_id
+        row = task.people_repos()["app"]
+        assert row["state"] == "saved" and row["error"] is None
+        assert row["checkpointId"] == outcome.checkpoint_id
