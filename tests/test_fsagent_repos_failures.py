@@ -27,6 +27,8 @@ from tests.support.controller import PgCluster, Tenant, bootstrap_tenant, privat
 from tests.support.gitrepos import (
     RepoTask,
     Sandbox,
+    checkout_snapshot,
+    make_local_state,
     make_origin,
     new_repo_task,
 )
@@ -193,3 +195,84 @@ async def test_a_save_whose_uploads_expired_is_refused_visibly_then_uploads_agai
         row = task.people_repos()["app"]
         assert row["state"] == "saved" and row["error"] is None
         assert row["checkpointId"] == outcome.checkpoint_id
+
+
+def checkpoint_count(task: RepoTask) -> int:
+    with task.tenant.controller.db() as db:
+        row = db.execute(
+            "SELECT count(*) FROM repo_checkpoints WHERE task_id = %s", (task.task,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.trio
+async def test_a_refused_checkpoint_leaves_the_checkout_and_the_saved_one_as_they_were(
+    tmp_path: Path, origin: Path, repo_task: RepoTask, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The controller refuses a checkpoint with an unsafe member (here the
+    escaping link this saver leaves out, sent as a saver with laxer rules
+    would send it): not a byte, mode or mtime of the checkout changes, the
+    previous checkpoint stays current, and the refusal names the member and
+    the rule. The next save, with the link left out, commits its delta."""
+    ws = repo_task.add_workspace(str(origin), primary=True)
+    run = repo_task.start_run()
+    home, state = tmp_path / "home", tmp_path / "state"
+    client = repo_task.client(run)
+    commit = client.commit_repo_checkpoint
+    refused: list[dict[str, Any]] = []
+
+    async def laxer_once(workspace: str, body: dict[str, Any]) -> dict[str, Any]:
+        if refused:
+            return await commit(workspace, body)
+        unsafe = {"path": "outside", "kind": "symlink", "target": "../../elsewhere"}
+        body = {**body, "members": [*body["members"], unsafe]}
+        try:
+            return await commit(workspace, body)
+        except ControllerRefused as exc:
+            refused.append({"status": exc.status, "code": exc.code, "message": str(exc)})
+            raise
+
+    try:
+        await prepare_all(client, home)
+        checkout = home / "repos" / "app"
+        savers = RepoSavers(client, await client.get_run(), home, state)
+        assert await savers.save_all() == 0
+        (saver,) = savers.savers.values()
+        first = saver.status["lastSave"]["checkpointId"]
+        saved_first = {m["path"]: m for m in (await client.repo_manifest(ws)).members}
+        make_local_state(checkout)
+        (checkout / "outside").symlink_to("../../elsewhere")
+        count = checkpoint_count(repo_task)
+
+        before = checkout_snapshot(checkout)
+        client.commit_repo_checkpoint = laxer_once  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING):
+            assert await savers.save_all() == 1
+        assert checkout_snapshot(checkout) == before
+        (answer,) = refused
+        assert (answer["status"], answer["code"]) == (422, "unsafe_repo_member")
+        assert "outside" in answer["message"] and "symlink_escapes_checkout" in answer["message"]
+        row = repo_task.people_repos()["app"]
+        assert row["state"] == "failed" and row["checkpointId"] == first
+        assert "symlink_escapes_checkout" in row["error"], row["error"]
+        assert checkpoint_count(repo_task) == count
+        current = await client.repo_manifest(ws)
+        assert current.checkpoint_id == first
+        assert {m["path"]: m for m in current.members} == saved_first
+        (status,) = repo_status(home, state)
+        assert status["state"] == "failed"
+        assert status["lastSave"]["checkpointId"] == first
+
+        outcome = await saver.checkpoint()
+        assert checkout_snapshot(checkout) == before
+        saved = {m["path"] for m in (await client.repo_manifest(ws)).members}
+    finally:
+        await client.aclose()
+    assert outcome.committed and not outcome.full and outcome.checkpoint_id != first
+    assert {(p.path, p.reason) for p in outcome.problems} == {
+        ("outside", "symlink_escapes_checkout")
+    }
+    assert "outside" not in saved and "results/result.txt" in saved
+    assert repo_task.people_repos()["app"]["checkpointId"] == outcome.checkpoint_id
+    assert checkpoint_count(repo_task) == count + 1
