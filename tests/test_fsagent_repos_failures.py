@@ -8,6 +8,7 @@ decisions against the fake; here the controller's own answers drive them."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -20,6 +21,8 @@ from typing import Any
 import pytest
 import trio
 
+from controller.storage.base import object_key
+from fsagent.client import HttpBridgeClient
 from fsagent.errors import ControllerRefused
 from fsagent.repos import RepoSavers, prepare_all, repo_status, repos_state_root
 from tests.support.constants import REPO
@@ -27,6 +30,7 @@ from tests.support.controller import PgCluster, Tenant, bootstrap_tenant, privat
 from tests.support.gitrepos import (
     RepoTask,
     Sandbox,
+    assert_restored,
     checkout_snapshot,
     make_local_state,
     make_origin,
@@ -276,3 +280,78 @@ async def test_a_refused_checkpoint_leaves_the_checkout_and_the_saved_one_as_the
     assert "outside" not in saved and "results/result.txt" in saved
     assert repo_task.people_repos()["app"]["checkpointId"] == outcome.checkpoint_id
     assert checkpoint_count(repo_task) == count + 1
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("damage", ["other-bytes", "truncated"])
+async def test_a_restore_meeting_a_corrupt_stored_object_publishes_nothing(
+    tmp_path: Path,
+    origin: Path,
+    repo_task: RepoTask,
+    damage: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stored object damaged on the controller's disk (other bytes of the
+    same size, which the controller serves as they are, or cut short, which
+    ends its stream early) fails the restore: no checkout and no temporary
+    directory are left in ``repos/``. With the object repaired, the same
+    sandbox restores."""
+    ws = repo_task.add_workspace(str(origin), primary=True)
+    client = repo_task.client(repo_task.start_run(sandbox="sandbox-a"))
+    try:
+        await prepare_all(client, tmp_path / "a" / "home")
+        local = make_local_state(tmp_path / "a" / "home" / "repos" / "app")
+        savers = RepoSavers(client, await client.get_run(), tmp_path / "a" / "home", tmp_path / "a")
+        assert await savers.save_all() == 0
+        (saver,) = savers.savers.values()
+        saved = saver.status["lastSave"]["checkpointId"]
+        members = (await client.repo_manifest(ws)).members
+    finally:
+        await client.aclose()
+    (result,) = [m for m in members if m["path"] == local.untracked_path]
+    tenant = repo_task.tenant
+    stored = (
+        tenant.controller.data_dir / "objects" / object_key(tenant.company_id, result["digest"])
+    )
+    original = stored.read_bytes()
+    assert hashlib.sha256(original).hexdigest() == result["digest"]  # stored as it is
+    mode = stored.stat().st_mode
+    stored.chmod(0o600)
+    if damage == "other-bytes":
+        stored.write_bytes(bytes(b ^ 0x20 for b in original))
+    else:
+        stored.write_bytes(original[:-3])
+
+    home = tmp_path / "b" / "home"
+    run = repo_task.start_run(sandbox="sandbox-b")
+    # A stream cut short looks like a network failure, so it is retried: briefly here.
+    client = HttpBridgeClient(tenant.controller.url, run.token, retry_deadline=2)
+    try:
+        with caplog.at_level(logging.WARNING):
+            _, _, results = await prepare_all(client, home)
+        (failed,) = results
+        assert (failed.mode, failed.ok) == ("failed", False)
+        if damage == "other-bytes":
+            assert failed.message and failed.message.startswith(
+                f"ObjectUnavailable: object {result['digest'][:12]} for {local.untracked_path} "
+                "did not match its digest"
+            ), failed.message
+        else:
+            assert failed.message and "gave up after" in failed.message, failed.message
+            assert f"object {result['digest']} has {len(original) - 3} bytes" in (
+                tenant.controller.log()
+            )
+        assert sorted(os.listdir(home / "repos")) == []  # nothing published, no temp dir
+        row = repo_task.people_repos()["app"]
+        assert row["state"] == "saved" and row["checkpointId"] == saved
+
+        stored.write_bytes(original)
+        stored.chmod(mode)
+        _, _, results = await prepare_all(client, home)
+    finally:
+        stored.write_bytes(original)  # the shared controller's store is left whole
+        stored.chmod(mode)
+        await client.aclose()
+    assert [(r.mode, r.ok) for r in results] == [("restore", True)]
+    assert sorted(os.listdir(home / "repos")) == ["app"]
+    assert_restored(home / "repos" / "app", local, str(origin))
