@@ -355,3 +355,66 @@ async def test_a_restore_meeting_a_corrupt_stored_object_publishes_nothing(
     assert [(r.mode, r.ok) for r in results] == [("restore", True)]
     assert sorted(os.listdir(home / "repos")) == ["app"]
     assert_restored(home / "repos" / "app", local, str(origin))
+
+
+@pytest.mark.trio
+async def test_a_tree_that_keeps_changing_fails_visibly_after_three_retries(
+    tmp_path: Path, origin: Path, repo_task: RepoTask, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file rewritten every time the scan reads it: four scans (the first
+    and three retries), then a failure people see; nothing is committed and
+    the previous checkpoint stays current. Once the file settles, it saves."""
+    ws = repo_task.add_workspace(str(origin), primary=True)
+    run = repo_task.start_run()
+    home, state = tmp_path / "home", tmp_path / "state"
+    client = repo_task.client(run)
+    commit = client.commit_repo_checkpoint
+    commits: list[str] = []
+
+    async def counted(workspace: str, body: dict[str, Any]) -> dict[str, Any]:
+        commits.append(str(body["base"]))
+        return await commit(workspace, body)
+
+    client.commit_repo_checkpoint = counted  # type: ignore[method-assign]
+    try:
+        await prepare_all(client, home)
+        checkout = home / "repos" / "app"
+        savers = RepoSavers(client, await client.get_run(), home, state)
+        assert await savers.save_all() == 0
+        (saver,) = savers.savers.values()
+        first = saver.status["lastSave"]["checkpointId"]
+        count = checkpoint_count(repo_task)
+        (checkout / "busy.txt").write_text("0")
+        reads = [0]
+
+        def rewrite(full: str) -> None:
+            if full.endswith("/busy.txt"):
+                reads[0] += 1
+                time.sleep(0.02)
+                (checkout / "busy.txt").write_text(str(reads[0]))
+
+        saver.after_read = rewrite
+        with caplog.at_level(logging.WARNING):
+            assert await savers.save_all() == 1
+        assert reads[0] == 4 and commits == ["None"]  # only the first save's commit
+        assert "kept changing during 4 scans (busy.txt)" in caplog.text
+        row = repo_task.people_repos()["app"]
+        assert row["state"] == "failed" and row["checkpointId"] == first
+        assert "kept changing during 4 scans" in row["error"], row["error"]
+        assert checkpoint_count(repo_task) == count
+        (status,) = repo_status(home, state)
+        assert status["state"] == "failed" and "busy.txt" in status["lastError"]["message"]
+        assert (await client.repo_manifest(ws)).checkpoint_id == first
+
+        saver.after_read = None
+        outcome = await saver.checkpoint()
+        manifest = await client.repo_manifest(ws)
+        (busy,) = [m for m in manifest.members if m["path"] == "busy.txt"]
+        dest = tmp_path / "fetched"
+        ((digest, _),) = await client.fetch_repo_objects(ws, [busy["digest"]], lambda i: dest)
+    finally:
+        await client.aclose()
+    assert outcome.committed and not outcome.full and outcome.attempts == 1
+    assert commits == ["None", first]
+    assert digest == busy["digest"] and dest.read_text() == "4"
+    assert repo_task.people_repos()["app"]["state"] == "saved"
