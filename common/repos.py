@@ -111,6 +111,7 @@ import posixpath
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 from common.errors import InvalidPath
@@ -439,6 +440,99 @@ def tree_problem(members: Mapping[str, RepoMember]) -> tuple[str | None, str] | 
             problem = _resolve_problem(members, member, budget)
             if problem is not None:
                 return member.path, problem
+    return None
+
+
+@dataclass
+class TreeIndex:
+    """What :func:`tree_problem` needs to judge a delta on a complete
+    checkpoint without walking it whole (:func:`delta_tree_problem`): how
+    many members lie below each directory path, and the symlinks. Built once
+    per checkpoint (linear), then copied and updated by each delta."""
+
+    below: dict[str, int] = field(default_factory=dict)
+    """Directory path -> number of members strictly below it."""
+    links: dict[str, RepoMember] = field(default_factory=dict)
+    """Path -> member, for every symlink."""
+
+    @classmethod
+    def of(cls, members: Mapping[str, RepoMember]) -> TreeIndex:
+        index = cls()
+        below = index.below
+        for path, member in members.items():
+            parent = parent_of(path)
+            while parent is not None:
+                below[parent] = below.get(parent, 0) + 1
+                parent = parent_of(parent)
+            if member.kind == "symlink":
+                index.links[path] = member
+        return index
+
+    def copy(self) -> TreeIndex:
+        return TreeIndex(dict(self.below), dict(self.links))
+
+    def added(self, path: str) -> None:
+        """A path that was not in the checkpoint now is."""
+        parent = parent_of(path)
+        while parent is not None:
+            self.below[parent] = self.below.get(parent, 0) + 1
+            parent = parent_of(parent)
+
+    def removed(self, path: str) -> None:
+        """A path of the checkpoint is gone."""
+        parent = parent_of(path)
+        while parent is not None:
+            left = self.below[parent] - 1
+            if left:
+                self.below[parent] = left
+            else:
+                del self.below[parent]
+            parent = parent_of(parent)
+
+
+def delta_tree_problem(
+    members: Mapping[str, RepoMember],
+    index: TreeIndex,
+    changed: Iterable[RepoMember],
+    links_changed: bool,
+) -> tuple[str | None, str] | None:
+    """:func:`tree_problem` of ``members``, a complete checkpoint made by a
+    delta (``changed``: its added or changed members) on a checkpoint that
+    passed it, with ``index`` already describing ``members``. The same
+    verdict at the cost of the delta:
+
+    - a member can only come to lie below a file or a symlink when it or
+      that ancestor is one of the changed members (a removal frees space,
+      never fills it): each changed member's ancestors are looked up, and a
+      changed member that is not a directory must have nothing below it;
+    - a symlink resolves through the checkpoint's symlinks only, so when no
+      symlink was added, changed or removed (``links_changed``) every one
+      resolves as it did; otherwise all of them are resolved again, with the
+      whole checkpoint's budget.
+    """
+    if len(members) > MAX_REPO_ENTRIES:
+        return None, "too_many_members"
+    head = members.get(GIT_DIR + "/HEAD")
+    if head is None or head.kind != "file":
+        return GIT_DIR + "/HEAD", "git_head_missing"
+    for member in changed:
+        path = member.path
+        parent = parent_of(path)
+        while parent is not None:
+            above = members.get(parent)
+            if above is not None and above.kind != "dir":
+                return path, "parent_not_directory"
+            parent = parent_of(parent)
+        if member.kind != "dir" and index.below.get(path):
+            prefix = path + "/"
+            # Refused: naming the member below costs one walk, on this path only.
+            return next(p for p in members if p.startswith(prefix)), "parent_not_directory"
+    if links_changed:
+        budget = [MAX_RESOLVE_STEPS]
+        for link in index.links.values():
+            problem = _resolve_problem(members, link, budget)
+            if problem is not None:
+                return link.path, problem
     return None
 
 

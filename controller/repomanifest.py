@@ -2,16 +2,25 @@
 complete checkpoint planned against its base, and the manifest objects.
 
 No SQL here (that is :mod:`controller.repos`). A manifest is an ordinary
-content-addressed object of the company: zstd-compressed JSON
-``{"members": [Member...], "config": [[key, value]...]}``, members sorted by
-path. It is written once, before the commit that makes it current, and never
-changed, so parsed manifests are cached by digest: a delta commit's base is
-usually the previous commit's result and costs no storage read.
+content-addressed object of the company: zstd-compressed JSON, either full,
+``{"members": [Member...], "config": [[key, value]...]}`` (members sorted by
+path), or a delta on the manifest object of its base checkpoint,
+``{"base": digest, "members": [changed...], "removed": [path...], "config"}``.
+A delta commit stores a delta, so its cost follows the delta; a chain is at
+most :data:`MAX_CHAIN` objects (a full one, then deltas) and its deltas
+carry at most a quarter of the members (:data:`MIN_CARRIED` at least), then
+the next commit stores a full manifest again. A checkpoint references every
+object of its chain (``repo_refs``), so GC keeps them while it is current.
+Objects are written once, before the commit that makes them current, and
+never changed, so parsed manifests are cached by digest: a delta commit's
+base is usually the previous commit's result and costs no storage read.
 
 Validation is :mod:`common.repos`'s rule book, applied here on the host
 whatever the sandbox claims: every member a request carries
 (:func:`common.repos.member_problem`), and the complete resulting checkpoint
-(:func:`common.repos.tree_problem`) at every commit, delta or not.
+at every commit, delta or not: :func:`common.repos.tree_problem` for a whole
+checkpoint, :func:`common.repos.delta_tree_problem` (the same verdict, at
+the cost of the delta) for a delta.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +40,8 @@ from common.repos import (
     MAX_CONFIG_PAIRS,
     MAX_REPO_ENTRIES,
     RepoMember,
+    TreeIndex,
+    delta_tree_problem,
     member_problem,
     parse_member,
     portable_config,
@@ -51,18 +62,45 @@ def member_json(member: RepoMember) -> bytes:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A complete checkpoint: path -> member, and its portable config."""
+    """A complete checkpoint: path -> member, and its portable config, with
+    what a delta on it needs to cost only the delta (:func:`apply_delta`)."""
 
     members: Mapping[str, RepoMember]
     config: tuple[tuple[str, str], ...]
-    encoded: dict[str, bytes] | None = field(default=None, compare=False, repr=False)
+    encoded: dict[str, bytes] | None = field(compare=False, repr=False)
     """Path -> the member's JSON, when known (filled by :meth:`fragments`)."""
-    sizes: dict[str, int] = field(init=False, compare=False, repr=False)
+    sizes: dict[str, int] = field(compare=False, repr=False)
     """Digest -> byte size of every file member."""
+    counts: dict[str, int] = field(compare=False, repr=False)
+    """Digest -> how many file members have it."""
+    index: TreeIndex = field(compare=False, repr=False)
+    files: int
+    byte_size: int
+    chain: tuple[str, ...] = ()
+    """The manifest objects this one's object is stored on, oldest first: a
+    full manifest, then each delta up to this one's base. Empty when this
+    one's object is a full manifest (or it is not stored)."""
+    carried: int = 0
+    """Members and removed paths the deltas of the chain and this one carry."""
 
-    def __post_init__(self) -> None:
-        sizes = {m.digest: m.byte_size for m in self.members.values() if m.digest is not None}
-        object.__setattr__(self, "sizes", sizes)
+    @classmethod
+    def whole(
+        cls,
+        members: Mapping[str, RepoMember],
+        config: tuple[tuple[str, str], ...],
+        encoded: dict[str, bytes] | None = None,
+    ) -> Manifest:
+        """A manifest of ``members``, its bookkeeping built by one walk."""
+        sizes: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        byte_size = files = 0
+        for m in members.values():
+            if m.digest is not None:
+                sizes[m.digest] = m.byte_size
+                counts[m.digest] = counts.get(m.digest, 0) + 1
+                files += 1
+                byte_size += m.byte_size
+        return cls(members, config, encoded, sizes, counts, TreeIndex.of(members), files, byte_size)
 
     def fragments(self) -> dict[str, bytes]:
         """Every member's JSON by path: encoded once per manifest, so a delta
@@ -75,7 +113,92 @@ class Manifest:
         return self.encoded
 
 
-EMPTY = Manifest({}, ())
+@dataclass(frozen=True)
+class Delta:
+    """A delta applied (:func:`apply_delta`): the complete result, and what it changed."""
+
+    manifest: Manifest
+    added_digests: frozenset[str]
+    """File digests the result has and its base had not."""
+    dropped_digests: frozenset[str]
+    """File digests its base had and the result has not."""
+    links_changed: bool
+    """A symlink was added, changed or removed."""
+
+
+def apply_delta(
+    base: Manifest,
+    changed: Mapping[str, RepoMember],
+    removed: Sequence[str],
+    config: tuple[tuple[str, str], ...],
+) -> Delta:
+    """``base`` with ``removed`` gone and ``changed`` put: copies of the base's
+    tables (C loops), then work in proportion to the delta. Refuses a removed
+    path not in the base (400) and a member whose digest the result already
+    has, or its base had, under another size (``size_mismatch``). The tree
+    rules are the caller's (:func:`common.repos.delta_tree_problem`)."""
+    members = dict(base.members)
+    encoded = None if base.encoded is None else dict(base.encoded)
+    sizes, counts, index = dict(base.sizes), dict(base.counts), base.index.copy()
+    files, byte_size = base.files, base.byte_size
+    added: set[str] = set()
+    dropped: set[str] = set()
+    links_changed = False
+
+    def drop(old: RepoMember) -> None:
+        nonlocal files, byte_size, links_changed
+        if old.digest is not None:
+            files -= 1
+            byte_size -= old.byte_size
+            left = counts[old.digest] - 1
+            if left:
+                counts[old.digest] = left
+            else:
+                del counts[old.digest], sizes[old.digest]
+                dropped.add(old.digest)
+        elif old.kind == "symlink":
+            links_changed = True
+            del index.links[old.path]
+
+    for i, path in enumerate(removed):
+        old = members.pop(path, None)
+        if old is None:
+            raise ValidationError.single(
+                f"removed[{i}]", "not_in_base", f"{path!r} is not in the base checkpoint"
+            )
+        if encoded is not None:
+            del encoded[path]
+        drop(old)
+        index.removed(path)
+    for path, member in changed.items():
+        old = members.get(path)
+        if old is None:
+            index.added(path)
+        else:
+            drop(old)
+        members[path] = member
+        if encoded is not None:
+            encoded[path] = member_json(member)
+        if member.digest is not None:
+            known = sizes.get(member.digest, base.sizes.get(member.digest))
+            if known is not None and known != member.byte_size:
+                raise UnsafeRepoMember(path, "size_mismatch")
+            files += 1
+            byte_size += member.byte_size
+            seen = counts.get(member.digest, 0)
+            if not seen:
+                sizes[member.digest] = member.byte_size
+                added.add(member.digest)
+            counts[member.digest] = seen + 1
+        elif member.kind == "symlink":
+            links_changed = True
+            index.links[path] = member
+    both = added & dropped  # dropped by one member, taken again by another
+    manifest = Manifest(members, config, encoded, sizes, counts, index, files, byte_size)
+    return Delta(manifest, frozenset(added - both), frozenset(dropped - both), links_changed)
+
+
+EMPTY = Manifest.whole({}, ())
 
 
 # --- the request ---------------------------------------------------------------
@@ -197,67 +320,111 @@ def parse_request(body: dict[str, Any]) -> CheckpointRequest:
 # --- the plan -------------------------------------------------------------------
 
 
+MAX_CHAIN = 16
+"""Manifest objects a checkpoint's manifest may be read from (a full one and
+the deltas on it); the commit after that stores a full manifest again."""
+MIN_CARRIED = 2000
+"""Members and removed paths a chain's deltas may carry in all, whatever the
+checkpoint's size; beyond that, at most a quarter of its members."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """The complete checkpoint a request makes of ``current_id``'s manifest."""
 
     current_id: str | None
     """The current checkpoint the plan was made against."""
+    current: Manifest
+    current_objects: tuple[str, ...]
+    """The manifest objects the current checkpoint is read from (its chain
+    and its own), which the binding references."""
     manifest: Manifest
-    old_digests: frozenset[str]
-    """File digests of the current checkpoint (which this binding references)."""
-    new_digests: frozenset[str]
-    """File digests of the planned checkpoint."""
-    entries: int
-    files: int
-    byte_size: int
+    added_digests: frozenset[str]
+    """File digests of the planned checkpoint that the current one lacks."""
+    dropped_digests: frozenset[str]
+    """File digests of the current checkpoint that the planned one lacks."""
+    changed: tuple[RepoMember, ...]
+    removed: tuple[str, ...]
+    delta_of: str | None
+    """Store the manifest as a delta on this manifest object (the current
+    one's); None: store it whole."""
+
+    @property
+    def entries(self) -> int:
+        return len(self.manifest.members)
+
+    @property
+    def files(self) -> int:
+        return self.manifest.files
+
+    @property
+    def byte_size(self) -> int:
+        return self.manifest.byte_size
 
 
-def plan_checkpoint(req: CheckpointRequest, current_id: str | None, current: Manifest) -> Plan:
-    """Apply the request to ``current`` and validate the result whole.
+def plan_checkpoint(
+    req: CheckpointRequest,
+    current_id: str | None,
+    current: Manifest,
+    current_digest: str | None = None,
+) -> Plan:
+    """Apply the request to ``current`` (stored as ``current_digest``) and
+    validate the result as the whole checkpoint it is.
 
-    A delta's ``base`` must be ``current_id`` (the caller checks). Every
-    member of a delta that reuses a digest of the current checkpoint must
-    declare that digest's size; new digests are checked when claimed.
+    A delta's ``base`` must be ``current_id`` (the caller checks); it costs
+    the delta (:func:`apply_delta`, :func:`common.repos.delta_tree_problem`),
+    and its manifest is stored as a delta on the current one's object while
+    the chain stays within :data:`MAX_CHAIN` objects and its deltas carry at
+    most :data:`MIN_CARRIED` or a quarter of the members. Every member that
+    reuses a digest of the current checkpoint must declare that digest's
+    size; new digests are checked when claimed.
     """
-    encoded = None
+    current_objects = current.chain + ((current_digest,) if current_digest else ())
     if req.base is not None:
-        members = dict(current.members)
-        encoded = dict(current.fragments())
-        for i, path in enumerate(req.removed):
-            if members.pop(path, None) is None:
-                raise ValidationError.single(
-                    f"removed[{i}]", "not_in_base", f"{path!r} is not in the base checkpoint"
-                )
-            del encoded[path]
-        members.update(req.changed)
-        encoded.update((p, member_json(m)) for p, m in req.changed.items())
+        delta = apply_delta(current, req.changed, req.removed, req.config)
+        manifest = delta.manifest
+        problem = delta_tree_problem(
+            manifest.members, manifest.index, req.changed.values(), delta.links_changed
+        )
+        added, dropped = delta.added_digests, delta.dropped_digests
+        carried = current.carried + len(req.changed) + len(req.removed)
+        if (
+            current_digest is not None
+            and len(current_objects) < MAX_CHAIN
+            and carried <= max(MIN_CARRIED, len(manifest.members) // 4)
+        ):
+            object.__setattr__(manifest, "chain", current_objects)
+            object.__setattr__(manifest, "carried", carried)
+            delta_of: str | None = current_digest
+        else:
+            delta_of = None
     else:
-        members = req.changed
-    problem = tree_problem(members)
+        sizes: dict[str, int] = {}
+        for member in req.changed.values():
+            if member.digest is None:
+                continue
+            known = sizes.setdefault(
+                member.digest, current.sizes.get(member.digest, member.byte_size)
+            )
+            if known != member.byte_size:
+                raise UnsafeRepoMember(member.path, "size_mismatch")
+        manifest = Manifest.whole(req.changed, req.config)
+        problem = tree_problem(manifest.members)
+        added = frozenset(manifest.counts.keys() - current.counts.keys())
+        dropped = frozenset(current.counts.keys() - manifest.counts.keys())
+        delta_of = None
     if problem is not None:
         raise UnsafeRepoMember(*problem)
-    sizes: dict[str, int] = {}
-    byte_size = files = 0
-    for member in req.changed.values():
-        if member.digest is None:
-            continue
-        known = sizes.setdefault(member.digest, current.sizes.get(member.digest, member.byte_size))
-        if known != member.byte_size:
-            raise UnsafeRepoMember(member.path, "size_mismatch")
-    manifest = Manifest(members, req.config, encoded)
-    for member in members.values():
-        if member.kind == "file":
-            files += 1
-            byte_size += member.byte_size
     return Plan(
         current_id,
+        current,
+        current_objects,
         manifest,
-        frozenset(current.sizes),
-        frozenset(manifest.sizes),
-        len(members),
-        files,
-        byte_size,
+        added,
+        dropped,
+        tuple(req.changed.values()),
+        req.removed,
+        delta_of,
     )
 
 
@@ -269,29 +436,72 @@ def member_with(manifest: Manifest, digest: str) -> str:
 # --- manifest objects -----------------------------------------------------------
 
 
-def encode(manifest: Manifest) -> bytes:
-    """The manifest object's bytes (compressed JSON, members sorted by path)."""
-    fragments = manifest.fragments()
-    config = json.dumps([list(pair) for pair in manifest.config], ensure_ascii=False)
-    raw = b"".join(
-        (
-            b'{"members":[',
-            b",".join([fragments[p] for p in sorted(fragments)]),
-            b'],"config":',
-            config.encode(),
-            b"}",
-        )
-    )
+def _compress(raw: bytes) -> bytes:
     # Level 1: digests do not compress further at higher levels, and it is the fastest.
     return zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw)
 
 
-def decode(data: bytes) -> Manifest:
-    """A manifest object this controller wrote."""
+def _config_json(config: tuple[tuple[str, str], ...]) -> bytes:
+    return json.dumps([list(pair) for pair in config], ensure_ascii=False).encode()
+
+
+def encode(manifest: Manifest) -> bytes:
+    """A full manifest object's bytes (compressed JSON, members sorted by path)."""
+    fragments = manifest.fragments()
+    return _compress(
+        b"".join(
+            (
+                b'{"members":[',
+                b",".join([fragments[p] for p in sorted(fragments)]),
+                b'],"config":',
+                _config_json(manifest.config),
+                b"}",
+            )
+        )
+    )
+
+
+def encode_plan(plan: Plan) -> bytes:
+    """The planned manifest's object: whole, or as a delta on the current
+    one's object, ``{"base": digest, "members": [changed...], "removed":
+    [path...], "config": [...]}`` (the members and paths sorted)."""
+    if plan.delta_of is None:
+        return encode(plan.manifest)
+    changed = sorted(plan.changed)
+    return _compress(
+        b"".join(
+            (
+                b'{"base":',
+                json.dumps(plan.delta_of).encode(),
+                b',"members":[',
+                b",".join([member_json(m) for m in changed]),
+                b'],"removed":',
+                json.dumps(sorted(plan.removed), ensure_ascii=False).encode(),
+                b',"config":',
+                _config_json(plan.manifest.config),
+                b"}",
+            )
+        )
+    )
+
+
+def decode(data: bytes, base: Callable[[str], Manifest] | None = None) -> Manifest:
+    """A manifest object this controller wrote; a delta's base manifest comes
+    from ``base`` (by the digest the delta names)."""
     raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MANIFEST_MAX_RAW)
     body = json.loads(raw)
+    config = tuple((k, v) for k, v in body["config"])
     members = {m["path"]: parse_member(m) for m in body["members"]}
-    return Manifest(members, tuple((k, v) for k, v in body["config"]))
+    if "base" not in body:
+        return Manifest.whole(members, config)
+    if base is None:
+        raise ValueError("a delta manifest needs its base")
+    base_digest = str(body["base"])
+    under = base(base_digest)
+    manifest = apply_delta(under, members, list(body["removed"]), config).manifest
+    object.__setattr__(manifest, "chain", (*under.chain, base_digest))
+    object.__setattr__(manifest, "carried", under.carried + len(members) + len(body["removed"]))
+    return manifest
 
 
 class ManifestCache:
@@ -329,12 +539,14 @@ CACHE = ManifestCache()
 
 
 def load(storage: StorageProvider, company_id: str, digest: str) -> Manifest:
-    """The manifest stored under ``digest`` (blocking: run in a thread)."""
+    """The manifest stored under ``digest``, a delta applied to its base (read
+    the same way, at most :data:`MAX_CHAIN` objects deep). Blocking: run in a
+    thread."""
     cached = CACHE.get(company_id, digest)
     if cached is not None:
         return cached
     data = b"".join(storage.read_chunks(object_key(company_id, digest)))
-    manifest = decode(data)
+    manifest = decode(data, lambda base: load(storage, company_id, base))
     CACHE.put(company_id, digest, manifest)
     return manifest
 
@@ -343,19 +555,17 @@ def manifest_json(
     storage: StorageProvider, company_id: str, digest: str, checkpoint_id: str
 ) -> Iterator[bytes]:
     """The manifest route's body, ``{"checkpointId", "members", "config"}``,
-    decompressed from storage as it streams. Blocking: the object is opened
-    here (ObjectMissing before any byte is sent), the rest as it is read."""
-    chunks = storage.read_chunks(object_key(company_id, digest))
-    return _manifest_json(chunks, checkpoint_id)
+    members sorted by path. Blocking: the manifest is loaded here
+    (ObjectMissing before any byte is sent), then encoded as it streams."""
+    manifest = load(storage, company_id, digest)
+    return _manifest_json(manifest, checkpoint_id)
 
 
-def _manifest_json(chunks: Iterator[bytes], checkpoint_id: str) -> Iterator[bytes]:
-    dobj = zstandard.ZstdDecompressor().decompressobj()
-    yield json.dumps({"checkpointId": checkpoint_id})[:-1].encode() + b","
-    first = True
-    for chunk in chunks:
-        out = dobj.decompress(chunk)
-        if first and out:
-            out, first = out[1:], False  # the stored object's own "{"
-        if out:
-            yield out
+def _manifest_json(manifest: Manifest, checkpoint_id: str) -> Iterator[bytes]:
+    fragments = manifest.fragments()
+    yield json.dumps({"checkpointId": checkpoint_id})[:-1].encode() + b',"members":['
+    paths = sorted(fragments)
+    for start in range(0, len(paths), 1000):
+        part = b",".join([fragments[p] for p in paths[start : start + 1000]])
+        yield part if start == 0 else b"," + part
+    yield b'],"config":' + _config_json(manifest.config) + b"}"

@@ -2,7 +2,9 @@
 
 A task's binding of a workspace (``task_repos``) points at its current
 repository checkpoint; ``repo_refs`` holds every digest that checkpoint
-references (its file objects and its manifest object). What the sandbox may
+references (its file objects and its manifest objects: the manifest's own
+and, for a manifest stored as a delta, the chain it is read from; see
+:mod:`controller.repomanifest`). What the sandbox may
 reference is what the task already references (any of its bindings' current
 checkpoints) plus what this run uploaded and still pins, the same rule as
 folder checkpoints (``checkpoint.claim_contents``), with the task in place
@@ -24,8 +26,9 @@ A commit (:func:`commit`) is one transaction:
 6. the manifest object registered (its object lock, its row, its bytes
    re-stored if a sweep removed them);
 7. the checkpoint row, ``repo_refs`` changed by the difference of the old and
-   the new digest sets (rows for the changes only), the dropped digests and
-   the old manifest journaled for GC, the binding pointed at the new
+   the new digest sets, computed from the plan's delta (rows for the changes
+   only), the dropped digests and manifest objects journaled for GC (an old
+   chain once a manifest is stored whole), the binding pointed at the new
    checkpoint.
 
 The manifest object and every file object are durable before step 1 starts.
@@ -318,7 +321,7 @@ async def commit(
         if req.base is not None and req.base != current_id:
             raise BaseMismatch(details=[{"base": req.base, "current": current_id}])
         raise PlanOutdated()
-    new = plan.new_digests - plan.old_digests
+    new = plan.added_digests
     claimed = await _claim(conn, run, task_id, new)
     declared = plan.manifest.sizes
     for digest, size in claimed.items():
@@ -358,14 +361,23 @@ async def commit(
             json.dumps(result),
         ),
     )
-    old_refs = set(plan.old_digests)
+    # The references change by the delta: file digests taken or let go, and
+    # the manifest objects (the new one; the old chain when it is stored whole).
+    old_objects = set(plan.current_objects)
     if row["manifest_digest"] is not None:
-        old_refs.add(row["manifest_digest"])
-    new_sizes = {d: declared[d] for d in new}
-    new_sizes[manifest.digest] = manifest.byte_size
-    new_refs = set(plan.new_digests) | {manifest.digest}
-    added = sorted(new_refs - old_refs)
-    dropped = sorted(old_refs - new_refs)
+        old_objects.add(row["manifest_digest"])
+    new_objects = {*plan.manifest.chain, manifest.digest}
+    old_files, new_files = plan.current.counts, plan.manifest.counts
+    added = sorted(
+        d
+        for d in plan.added_digests | (new_objects - old_objects)
+        if d not in old_files and d not in old_objects
+    )
+    dropped = sorted(
+        d
+        for d in plan.dropped_digests | (old_objects - new_objects)
+        if d not in new_files and d not in new_objects
+    )
     if dropped:
         await conn.execute(
             "DELETE FROM repo_refs WHERE task_id = %s AND workspace_id = %s AND digest = ANY(%s)",
@@ -383,7 +395,7 @@ async def commit(
                 workspace_id,
                 bound.company_id,
                 added,
-                [new_sizes[d] for d in added],
+                [manifest.byte_size if d == manifest.digest else declared[d] for d in added],
             ),
         )
     await conn.execute(

@@ -379,7 +379,12 @@ async def copy_hashing(chunks: AsyncIterator[bytes], dest: Path) -> tuple[str, i
 
 
 class BadBatch(ObjectUnavailable):
-    """A batch answer that does not follow :func:`common.bridge.encode_batch`."""
+    """A batch answer that does not follow :func:`common.bridge.encode_batch`.
+    ``digest``: the object whose bytes did not match it, when one did not."""
+
+    def __init__(self, message: str, digest: str | None = None) -> None:
+        super().__init__(message)
+        self.digest = digest
 
 
 _MAX_COMPRESSED_FRAME = CHUNK_MAX + 1024
@@ -426,7 +431,10 @@ class _BatchWriter:
                 index, size, declared = self._member
                 if self._written != size or self._sha.digest() != declared:
                     raise BadBatch(
-                        f"batch member {index} does not match its declared size and SHA-256"
+                        f"batch member {index}, object {declared.hex()[:12]}, does not match "
+                        f"its declared size and SHA-256 ({self._written} of {size} bytes, "
+                        f"SHA-256 {self._sha.hexdigest()[:12]})",
+                        declared.hex(),
                     )
                 self.results.append((self._sha.hexdigest(), self._written))
 

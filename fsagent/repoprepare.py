@@ -54,7 +54,7 @@ from typing import Any, Final
 import trio
 
 from common.repos import FETCH_BATCH_MAX, GIT_DIR, checkout_name_problem
-from fsagent.client import BridgeClient, RepoBinding, RunInfo
+from fsagent.client import BadBatch, BridgeClient, RepoBinding, RunInfo
 from fsagent.errors import (
     FsagentError,
     ObjectUnavailable,
@@ -343,9 +343,17 @@ async def _fetch_files(
     async def fetch(chunk: list[str]) -> None:
         async with limiter:
             firsts = [paths_by_digest[d][0] for d in chunk]
-            got = await client.fetch_repo_objects(
-                workspace_id, chunk, lambda i: root / str(firsts[i]["path"])
-            )
+            try:
+                got = await client.fetch_repo_objects(
+                    workspace_id, chunk, lambda i: root / str(firsts[i]["path"])
+                )
+            except BadBatch as exc:
+                if exc.digest not in paths_by_digest:
+                    raise
+                where = paths_by_digest[exc.digest][0]["path"]
+                raise ObjectUnavailable(
+                    f"object {exc.digest[:12]} for {where} did not match its digest: {exc}"
+                ) from exc
         for digest, first, (sha, size) in zip(chunk, firsts, got, strict=True):
             if sha != digest or size != int(first["byteSize"]):
                 raise ObjectUnavailable(

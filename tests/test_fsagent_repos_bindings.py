@@ -7,8 +7,6 @@ are left alone."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +15,10 @@ import trio
 
 from fsagent.repoprepare import BINDING_RECORD, SETUP_RECORD
 from tests.support.bridge import Run
-from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.gitrepos import (
     RepoTask,
+    Sandbox,
     checkout_snapshot,
     git,
     make_local_state,
@@ -29,43 +27,6 @@ from tests.support.gitrepos import (
 )
 
 SETUP = 'echo ran >> "$SETUP_COUNT"'
-
-
-class Sandbox:
-    """One sandbox's home and state root, and the token file of its current run."""
-
-    def __init__(self, root: Path, task: RepoTask) -> None:
-        self.root = root
-        self.task = task
-        self.home = root / "home"
-        self.state = root / "state"
-        root.mkdir(parents=True, exist_ok=True)
-
-    def start(self, run: Run) -> None:
-        """A new run of the sandbox: its token replaces the last one."""
-        (self.root / "token").write_text(run.token)
-        (self.root / "token").chmod(0o600)
-
-    def repos(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        """``fsagent repos ...`` in a process of its own."""
-        return subprocess.run(
-            [sys.executable, "-m", "fsagent.cli", "repos", *args, "--home", str(self.home),
-             "--state-root", str(self.state), "--controller", self.task.tenant.controller.url,
-             "--token-file", str(self.root / "token")],
-            capture_output=True, text=True, cwd=REPO, timeout=timeout, check=False,
-        )  # fmt: skip
-
-    def prepare(self) -> dict[str, tuple[str, str]]:
-        """``fsagent repos prepare``; (mode, setup) by checkout name."""
-        done = self.repos("prepare", "--json")
-        assert done.returncode == 0, done.stderr
-        return {r["name"]: (r["mode"], r["setup"]) for r in json.loads(done.stdout)["repos"]}
-
-    def checkpoint(self) -> dict[str, dict[str, Any]]:
-        """``fsagent repos checkpoint`` of every prepared checkout; results by name."""
-        done = self.repos("checkpoint", "--json")
-        assert done.returncode == 0, done.stdout + done.stderr
-        return {r["name"]: r for r in json.loads(done.stdout)["repos"]}
 
 
 @pytest.fixture

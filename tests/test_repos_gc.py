@@ -5,12 +5,15 @@ few seconds, sweeps on demand), PostgreSQL and local-disk storage."""
 
 from __future__ import annotations
 
+import io
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from controller.repomanifest import MAX_CHAIN
 from controller.storage.base import object_key
 from tests.support.controller import (
     ControllerProcess,
@@ -22,6 +25,7 @@ from tests.support.repos import (
     RepoRun,
     decode_batch,
     file_member,
+    members_of,
     repo_run,
     restart,
     sha,
@@ -84,11 +88,12 @@ def test_superseded_objects_go_after_the_delay_and_the_current_ones_stay(
             ).fetchall()
         )
     deleted = {d for d, outcome in outcomes.items() if outcome == "deleted"}
-    assert deleted == {sha(v1), old_manifest}, outcomes
+    assert deleted == {sha(v1)}, outcomes
     assert set(outcomes.values()) == {"deleted", "referenced"}
-    assert not stored(run, sha(v1)) and not stored(run, old_manifest)
+    assert not stored(run, sha(v1))
     current = [sha(c) for c in {**small_repo(), "y.txt": shared}.values() if isinstance(c, bytes)]
-    for digest in [*current, sha(v2), new_manifest]:
+    # The delta's manifest is stored on the first one's: both stay while current.
+    for digest in [*current, sha(v2), new_manifest, old_manifest]:
         assert stored(run, digest), digest
 
     # A new sandbox restores the current checkpoint whole.
@@ -132,3 +137,71 @@ def test_a_removed_workspaces_checkpoint_stays_protected(gc_controller: Controll
     with tenant.client() as c:
         r = c.get(f"/api/companies/{tenant.company_id}/tasks/{run.task}/repos/{ws}/archive")
         assert r.status_code == 200 and len(r.content) > 1200
+
+
+def referenced(run: RepoRun, ws: str) -> set[str]:
+    with run.tenant.controller.db() as db:
+        rows = db.execute(
+            "SELECT digest FROM repo_refs WHERE task_id = %s AND workspace_id = %s",
+            (run.task, ws),
+        ).fetchall()
+    return {str(r[0]) for r in rows}
+
+
+def test_a_chain_of_delta_manifests_is_read_cold_and_goes_once_stored_whole(
+    gc_controller: ControllerProcess,
+) -> None:
+    """Delta commits store their manifests as deltas, each on the last: the
+    checkpoint references the whole chain, a restarted controller (nothing
+    cached) reads it back for the manifest route, the archive and the next
+    delta, and the commit after MAX_CHAIN objects stores a full manifest,
+    after which GC deletes the old chain."""
+    tenant = bootstrap_tenant(gc_controller)
+    run = repo_run(tenant)
+    ws = run.ws()
+    tree: dict[str, bytes | str | None] = dict(small_repo())
+    saved = run.save(ws, tree)
+    chain = [manifests(run)[saved["checkpointId"]]]
+    base = saved["checkpointId"]
+    for i in range(1, MAX_CHAIN + 1):
+        content = f"file {i}\n".encode()
+        run.upload_all(ws, [content])
+        removed = ["README.md"] if i == 3 else []
+        r = run.commit(
+            ws, [file_member(f"notes/f{i:02d}.txt", content)], base=base, removed=removed
+        )
+        assert r.status_code == 200, r.text
+        base = r.json()["checkpointId"]
+        tree[f"notes/f{i:02d}.txt"] = content
+        if removed:
+            del tree["README.md"]
+        chain.append(manifests(run)[base])
+        files = {sha(c) for c in tree.values() if isinstance(c, bytes)}
+        if i < MAX_CHAIN:
+            assert referenced(run, ws) == files | set(chain), i  # the chain so far
+        else:
+            assert referenced(run, ws) == files | {chain[-1]}  # stored whole again
+        if i == 5:
+            gc_controller.stop()  # a cold start: no manifest is cached
+            gc_controller.start()
+        if i in (5, MAX_CHAIN):
+            body = run.manifest(ws).json()
+            assert body["checkpointId"] == base
+            assert body["members"] == sorted(members_of(tree), key=lambda m: m["path"])
+            with tenant.client() as c:
+                r = c.get(f"/api/companies/{tenant.company_id}/tasks/{run.task}/repos/{ws}/archive")
+            assert r.status_code == 200
+            with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+                names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+            assert names >= {p for p, c in tree.items() if c is not None}
+            assert "README.md" not in names
+    gc_controller.admin("end-run", run.run_id)
+    time.sleep(DELAY + 0.5)
+    gc_controller.gc_now()
+    for digest in chain[:-1]:
+        assert not stored(run, digest), digest
+    for digest in {sha(c) for c in tree.values() if isinstance(c, bytes)} | {chain[-1]}:
+        assert stored(run, digest), digest
+    assert restart(run).manifest(ws).json()["members"] == sorted(
+        members_of(tree), key=lambda m: m["path"]
+    )

@@ -4,6 +4,8 @@ The same rules over HTTP, with nothing published, are in test_repos_unsafe.py.""
 
 from __future__ import annotations
 
+import random
+import uuid
 from typing import Any
 
 import pytest
@@ -14,12 +16,22 @@ from common.repos import (
     RepoMember,
     checkout_name,
     checkout_name_problem,
+    delta_tree_problem,
     is_dotgit_name,
     member_problem,
     parse_member,
     portable_config,
     ref_problem,
     tree_problem,
+)
+from controller.repomanifest import (
+    MAX_CHAIN,
+    MIN_CARRIED,
+    Manifest,
+    Plan,
+    apply_delta,
+    parse_request,
+    plan_checkpoint,
 )
 from tests.support.repos import dir_member, file_member, link_member, members_of, small_repo
 
@@ -255,3 +267,83 @@ def test_checkout_names_and_refs() -> None:
         "a/.b",
     ):
         assert ref_problem(bad) is not None, bad
+
+
+NAMES = ("a", "b", "c")
+TARGETS = ("a", "b/c", "..", "../..", "../a", "b/../..", "a/../b", ".git", "c/../.git", "../../x")
+
+
+def random_member(rng: random.Random) -> RepoMember:
+    path = "/".join(rng.choice(NAMES) for _ in range(rng.randint(1, 3)))
+    kind = rng.choice(("file", "file", "dir", "symlink"))
+    if kind == "file":
+        content = rng.choice((b"1", b"22", b"333", b"4444"))  # one size per digest
+        return parse_member(file_member(path, content, rng.random() < 0.3))
+    if kind == "symlink":
+        return parse_member(link_member(path, rng.choice(TARGETS)))
+    return RepoMember(path, "dir")
+
+
+def test_a_delta_is_judged_and_counted_as_its_whole_checkpoint() -> None:
+    """Random deltas on random valid checkpoints: the delta's verdict
+    (delta_tree_problem on apply_delta's index) is tree_problem's on the
+    whole result, and the delta's bookkeeping is the whole result's."""
+    rng = random.Random(20261204)
+    judged = refused = 0
+    while judged < 3000:
+        members = tree([])
+        for _ in range(rng.randint(0, 8)):
+            member = random_member(rng)
+            trial = {**members, member.path: member}
+            if tree_problem(trial) is None:
+                members = trial
+        base = Manifest.whole(members, ())
+        paths = list(members)
+        removed = rng.sample(paths, rng.randint(0, min(3, len(paths))))
+        changed: dict[str, RepoMember] = {}
+        for _ in range(rng.randint(0, 4)):
+            member = random_member(rng)
+            if member.path not in removed:
+                changed[member.path] = member
+        delta = apply_delta(base, changed, removed, ())
+        result = delta.manifest
+        verdict = delta_tree_problem(
+            result.members, result.index, changed.values(), delta.links_changed
+        )
+        whole = tree_problem(result.members)
+        assert (verdict is None) == (whole is None), (members, removed, changed, verdict, whole)
+        judged += 1
+        refused += whole is not None
+        again = Manifest.whole(result.members, ())
+        assert (result.sizes, result.counts, result.files, result.byte_size) == (
+            again.sizes,
+            again.counts,
+            again.files,
+            again.byte_size,
+        )
+        assert result.index.below == again.index.below
+        assert result.index.links == again.index.links
+        assert delta.added_digests == again.counts.keys() - base.counts.keys()
+        assert delta.dropped_digests == base.counts.keys() - again.counts.keys()
+    assert 300 < refused < 2700  # both verdicts were exercised
+
+
+def test_a_delta_manifest_is_stored_as_one_until_the_chain_is_long_or_carries_much() -> None:
+    base = Manifest.whole(tree([]), ())
+    digest = "ab" * 32
+
+    def plan_of(on: Manifest, count: int) -> Plan:
+        members = [dir_member(f"d/{i}") for i in range(count)]
+        body = {"operationId": "op", "leaseEpoch": 1, "base": str(uuid.UUID(int=1))}
+        req = parse_request({**body, "members": members, "removed": [], "config": []})
+        return plan_checkpoint(req, body["base"], on, digest)
+
+    small = plan_of(base, 10)
+    assert small.delta_of == digest and small.manifest.chain == (digest,)
+    assert small.manifest.carried == 10
+    assert plan_of(base, MIN_CARRIED + 1).delta_of is None  # carries too much: whole
+    long = Manifest.whole(tree([]), ())
+    object.__setattr__(long, "chain", tuple(f"{i:064x}" for i in range(MAX_CHAIN - 1)))
+    whole = plan_of(long, 1)
+    assert whole.delta_of is None and whole.manifest.chain == ()
+    assert whole.current_objects == (*long.chain, digest)  # all let go at its commit

@@ -139,7 +139,7 @@ async def upload_batch(request: Request) -> Response:
 
 def _encode(plan: repomanifest.Plan) -> tuple[bytes, str]:
     """The manifest object's bytes and their SHA-256 (CPU work: in a thread)."""
-    data = repomanifest.encode(plan.manifest)
+    data = repomanifest.encode_plan(plan)
     return data, hashlib.sha256(data).hexdigest()
 
 
@@ -174,7 +174,9 @@ async def _commit_once(
         current = await asyncio.to_thread(
             repomanifest.load, st.storage, bound.company_id, bound.manifest_digest
         )
-    plan = await asyncio.to_thread(repomanifest.plan_checkpoint, req, bound.current_id, current)
+    plan = await asyncio.to_thread(
+        repomanifest.plan_checkpoint, req, bound.current_id, current, bound.manifest_digest
+    )
     data, digest = await asyncio.to_thread(_encode, plan)
     fd, spool = await open_spool(st.settings.spool_dir, "manifest-")
     created = False

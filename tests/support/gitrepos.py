@@ -4,14 +4,18 @@ checks a restored checkout must pass."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsagent.client import HttpBridgeClient
 from tests.support.bridge import Run
+from tests.support.constants import REPO
 from tests.support.controller import Tenant
 
 GIT_IDENTITY = {
@@ -191,6 +195,13 @@ class RepoTask:
     def client(self, run: Run) -> HttpBridgeClient:
         return HttpBridgeClient(self.tenant.controller.url, run.token, retry_deadline=30)
 
+    def people_repos(self) -> dict[str, dict[str, Any]]:
+        """The task's repositories as people see them (last save, state, error), by name."""
+        with self.tenant.client() as c:
+            r = c.get(f"/api/companies/{self.tenant.company_id}/tasks/{self.task}/repos")
+        assert r.status_code == 200, r.text
+        return {row["name"]: row for row in r.json()["repos"]}
+
 
 def new_repo_task(tenant: Tenant) -> RepoTask:
     ctl = tenant.controller
@@ -221,3 +232,44 @@ def path_state(path: Path) -> tuple[str, int, int, bytes]:
     if path.is_dir():
         return "dir", st.st_mode, st.st_mtime_ns, b""
     return "file", st.st_mode, st.st_mtime_ns, path.read_bytes()
+
+
+class Sandbox:
+    """One sandbox's home and state root, and the token file of its current run."""
+
+    def __init__(self, root: Path, task: RepoTask) -> None:
+        self.root = root
+        self.task = task
+        self.home = root / "home"
+        self.state = root / "state"
+        root.mkdir(parents=True, exist_ok=True)
+
+    def start(self, run: Run) -> None:
+        """A new run of the sandbox: its token replaces the last one."""
+        (self.root / "token").write_text(run.token)
+        (self.root / "token").chmod(0o600)
+
+    def argv(self, *args: str) -> list[str]:
+        """The command line of ``fsagent repos ...`` for this sandbox."""
+        return [sys.executable, "-m", "fsagent.cli", "repos", *args, "--home", str(self.home),
+                "--state-root", str(self.state), "--controller", self.task.tenant.controller.url,
+                "--token-file", str(self.root / "token")]  # fmt: skip
+
+    def repos(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """``fsagent repos ...`` in a process of its own."""
+        return subprocess.run(
+            self.argv(*args), capture_output=True, text=True, cwd=REPO, timeout=timeout,
+            check=False,
+        )  # fmt: skip
+
+    def prepare(self) -> dict[str, tuple[str, str]]:
+        """``fsagent repos prepare``; (mode, setup) by checkout name."""
+        done = self.repos("prepare", "--json")
+        assert done.returncode == 0, done.stderr
+        return {r["name"]: (r["mode"], r["setup"]) for r in json.loads(done.stdout)["repos"]}
+
+    def checkpoint(self) -> dict[str, dict[str, Any]]:
+        """``fsagent repos checkpoint`` of every prepared checkout; results by name."""
+        done = self.repos("checkpoint", "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        return {r["name"]: r for r in json.loads(done.stdout)["repos"]}
