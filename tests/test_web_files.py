@@ -1,6 +1,7 @@
 """The Files page's second pass in headless Chromium, against a real
 controller and PostgreSQL: overwrite prompts, rename and move, restore as
-another name, the keyboard, preview addresses and live listings.
+another name, the keyboard, preview addresses, live listings and a run's
+warnings in the sync panel.
 
 Every check looks at what a person sees and at the API state behind it.
 """
@@ -10,14 +11,23 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from playwright.sync_api import Page, expect
 
-from tests.support.bridge import start_run
+from tests.support.agentfiles import new_agent, operate, put, run_detail, start_agent_run
+from tests.support.bridge import api_client, start_run
 from tests.support.browser import BROWSER_TESTS
-from tests.support.controller import Tenant
+from tests.support.controller import (
+    ControllerProcess,
+    PgCluster,
+    Tenant,
+    bootstrap_tenant,
+    private_controller,
+)
 from tests.support.web import (
     ViewRecorder,
     api_entries,
@@ -412,3 +422,67 @@ def test_an_agent_save_appears_in_an_open_listing_without_a_reload(
     expect(item.locator(".run-reason")).to_have_text(
         "The run saved its other folders, never this one."
     )
+
+
+AGENT_FILE_MAX = 1000
+
+
+@pytest.fixture(scope="module")
+def small_agent_folders(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+    """A controller whose agent folders hold files of at most 1000 bytes."""
+    with private_controller(
+        pg_cluster, "fsa-websync-", "--agent-max-file-bytes", str(AGENT_FILE_MAX)
+    ) as ctl:
+        yield ctl
+
+
+def test_a_runs_agent_folder_limit_warnings_show_in_the_sync_panel(
+    page: Page, small_agent_folders: ControllerProcess, views: ViewRecorder
+) -> None:
+    tenant = bootstrap_tenant(small_agent_folders)
+    agent = new_agent(tenant, "Archivist")
+    run = start_agent_run(tenant, agent, user=tenant.user_id)
+    # Sandbox code writes the run's agent folder through the API bridge: a file
+    # right at the per-file limit is saved with a warning, one over it is
+    # refused (422) with a warning of its own, and the run goes on.
+    with api_client(tenant, run.token) as c:
+        at = put(c, tenant, "agent", agent, "index.bin", b"i" * AGENT_FILE_MAX)
+        assert at.status_code == 201, at.text
+        over = put(c, tenant, "agent", agent, "dump.bin", b"d" * (AGENT_FILE_MAX + 1))
+        assert over.status_code == 422, over.text
+        assert over.json()["code"] == "agent_files_limit_exceeded"
+    detail = run_detail(tenant, run.run_id).json()
+    assert [(w["code"], w["path"]) for w in detail["warnings"]] == [
+        ("AGENT_FILES_LIMIT_EXCEEDED", "dump.bin"),
+        ("AGENT_FILES_AT_LIMIT", "index.bin"),
+    ], detail
+    assert detail["state"] != "failed", detail
+
+    sign_in(page, small_agent_folders.url, tenant.token, folder_url(tenant, "agent", agent))
+    item = page.locator(f'.runs li[data-run-id="{run.run_id}"]')
+    expect(item.locator(".run-head strong")).to_have_text("Archivist")
+    warnings = item.get_by_role("list", name="Warnings for Archivist")
+    expect(warnings.get_by_role("listitem")).to_have_text(
+        [
+            "Warning: None of this save's agent-folder changes were saved: dump.bin is"
+            f" {AGENT_FILE_MAX + 1} bytes; an agent folder's files are limited to"
+            f" {AGENT_FILE_MAX} bytes",
+            f"Warning: index.bin ({AGENT_FILE_MAX} bytes) is at or over the"
+            f" {AGENT_FILE_MAX}-byte limit per file of the agent folder",
+        ]
+    )
+    # Warnings are not errors: the run is not shown as failed.
+    expect(item.locator(".run-error")).to_have_count(0)
+    expect(item.locator(".state")).not_to_have_class(re.compile(r"state-failed"))
+    expect(listing_row(page, "index.bin")).to_be_visible()
+    expect(listing_row(page, "dump.bin")).to_have_count(0)
+    views.snap("sync-warnings")
+
+    # The agent removes the big file: the folder is under every limit again and
+    # the open panel drops the warnings without a reload.
+    with api_client(tenant, run.token) as c:
+        gone = operate(c, tenant, "agent", agent, action="delete", path="index.bin")
+        assert gone.status_code == 200, gone.text
+    assert run_detail(tenant, run.run_id).json()["warnings"] == []
+    expect(listing_row(page, "index.bin")).to_have_count(0, timeout=8000)
+    expect(item.locator(".run-warnings")).to_have_count(0, timeout=8000)

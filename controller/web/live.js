@@ -45,6 +45,9 @@ export class LiveUpdates {
     const trash = folder.view === "trash";
     const view = trash ? folder.trash : folder.listing;
     if (!trash && view.loadedFor === null) return;
+    // The sync panel was loaded with the page: a change made before the first
+    // poll is one it has not seen yet.
+    if (!this.seen) this.seen = view.version;
     const changes = await folder.api.changes(view.version, trash ? null : view.loadedFor);
     if (folder.destroyed) return;
     if (changes.changed) {
@@ -54,7 +57,7 @@ export class LiveUpdates {
     // Nothing changed here up to this version: later polls can start from it.
     view.version = Math.max(view.version, changes.version);
     if (changes.version > this.seen) {
-      if (this.seen) folder.refreshSync();
+      folder.refreshSync();
       this.seen = changes.version;
     }
   }
