@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
@@ -424,6 +425,10 @@ def test_an_agent_save_appears_in_an_open_listing_without_a_reload(
     )
 
 
+def run_client(base_url: str, token: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=30, headers={"Authorization": f"Bearer {token}"})
+
+
 AGENT_FILE_MAX = 1000
 
 
@@ -486,3 +491,40 @@ def test_a_runs_agent_folder_limit_warnings_show_in_the_sync_panel(
     assert run_detail(tenant, run.run_id).json()["warnings"] == []
     expect(listing_row(page, "index.bin")).to_have_count(0, timeout=8000)
     expect(item.locator(".run-warnings")).to_have_count(0, timeout=8000)
+
+
+def test_the_sync_panel_names_an_agent_newer_than_the_pages_directory(
+    page: Page, tenant: Tenant
+) -> None:
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, "Night work")["id"]
+    task = ctl.admin("create-task", tenant.company_id, project, "Overnight batch")["id"]
+    directories: list[str] = []
+    page.on("request", lambda r: directories.append(r.url) if "/directory" in r.url else None)
+    sign_in(page, ctl.url, tenant.token, folder_url(tenant, "task", task))
+    expect(page.locator(".runs")).to_have_text("No agent runs have used this folder.")
+    fetched = len(directories)
+
+    # The agent and its run come after the page loaded the company directory;
+    # the run's save reaches the open page, which names the agent.
+    agent = new_agent(tenant, "Night Shift")
+    run = start_agent_run(tenant, agent, task=task)
+    with run_client(ctl.url, run.token) as bridge:
+        resp = bridge.post(
+            "/bridge/v1/folders/task/checkpoints",
+            json={
+                "operationId": "cp-late",
+                "leaseEpoch": run.lease_epoch,
+                "entries": [{"op": "mkdir", "path": "batch"}],
+            },
+        )
+        assert resp.status_code == 200, resp.text
+    with tenant.client() as client:
+        sync = client.get(tenant.folder("task", task) + "/sync").json()
+    assert [(r["runId"], r["agentName"]) for r in sync["runs"]] == [(run.run_id, "Night Shift")]
+    item = page.locator(f'.runs li[data-run-id="{run.run_id}"]')
+    expect(item.locator(".run-head strong")).to_have_text("Night Shift", timeout=8000)
+    expect(item.get_by_role("button", name="Request refresh for Night Shift")).to_be_visible()
+    expect(page.locator(".agent-updated")).to_contain_text(" by Night Shift")
+    expect(listing_row(page, "batch")).to_be_visible()
+    assert len(directories) == fetched, directories
