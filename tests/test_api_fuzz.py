@@ -168,11 +168,14 @@ def test_the_files_pages_answers_match_their_schemas(world: World) -> None:
         assert purged.json()["purged"] == 1
 
         listing = c.get(task_folder, params={"limit": 5})
-        changes = c.get(task_folder + "/changes", params={"since": 0, "dir": top})
+        changes = c.get(
+            task_folder + "/changes", params={"since": 0, "dir": top, "entries": "true"}
+        )
         for resp, route in ((listing, folder_path), (changes, folder_path + "/changes")):
             assert resp.status_code == 200, resp.text
             assert_conforms(resp, route)
         assert listing.json()["entries"] and changes.json()["changed"] is True
+        assert changes.json()["complete"] is True and changes.json()["entries"]
 
         refresh = c.post(task_folder + "/refresh", json={"runId": run["run_id"]})
         assert refresh.status_code == 202, refresh.text

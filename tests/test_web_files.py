@@ -528,3 +528,69 @@ def test_the_sync_panel_names_an_agent_newer_than_the_pages_directory(
     expect(page.locator(".agent-updated")).to_contain_text(" by Night Shift")
     expect(listing_row(page, "batch")).to_be_visible()
     assert len(directories) == fetched, directories
+
+
+def test_a_live_change_fetches_only_what_changed_never_an_unchanged_page(
+    page: Page, tenant: Tenant
+) -> None:
+    """Two pages of entries; changes to either reach the page through the
+    poll's own answer: no listing page is fetched again, only the page not
+    loaded yet when the user turns to it."""
+    folder = tenant.my_folder
+    with tenant.client() as client:
+        for i in range(230):
+            resp = client.post(
+                folder + "/operations", json={"action": "mkdir", "path": f"many/d{i:04d}"}
+            )
+            assert resp.status_code == 200, resp.text
+    listings: list[str] = []
+    changes: list[str] = []
+
+    def count(request: Any) -> None:
+        if "/changes?" in request.url:
+            changes.append(request.url)
+        elif re.search(r"/work-folders/user/[^/]+/\?", request.url):
+            listings.append(request.url)
+
+    page.on("request", count)
+    open_my_files(page, tenant, "?dir=many")
+    rows = page.locator(".files-view tbody tr")
+    summary = page.locator(".files-view .list-summary")
+    expect(summary).to_have_text("Showing 1–200 of 230 entries.")
+    expect(rows).to_have_count(200)
+    assert len(listings) == 1, listings
+
+    # A file written on the loaded page and a folder past it (on page 2, not
+    # fetched yet): the first shows up in place, the second only in the total.
+    put_file(tenant, folder, "many/d0005.txt", b"next to d0005")
+    with tenant.client() as client:
+        resp = client.post(folder + "/operations", json={"action": "mkdir", "path": "many/d0250"})
+        assert resp.status_code == 200, resp.text
+    expect(listing_row(page, "many/d0005.txt")).to_be_visible(timeout=8000)
+    expect(summary).to_have_text("Showing 1–200 of 232 entries.")
+    assert rows.nth(6).get_attribute("data-path") == "many/d0005.txt"
+    assert len(listings) == 1 and changes, (listings, changes)
+    answered = [u for u in changes if "entries=true" in u]
+    assert answered and all("dir=many" in u for u in answered), changes
+
+    # Page 2 is fetched once, when the user turns to it, with the new folder.
+    page.get_by_role("button", name="Next page").click()
+    expect(listing_row(page, "many/d0250")).to_be_visible()
+    expect(summary).to_have_text("Showing 201–232 of 232 entries.")
+    assert len(listings) == 2, listings
+
+    # A change on page 2 (a trashed folder, a moved-out one) reaches it with no
+    # listing fetch, and the unchanged page 1 is not fetched again either.
+    with tenant.client() as client:
+        for body in (
+            {"action": "delete", "path": "many/d0210"},
+            {"action": "move", "path": "many/d0220", "to": "moved-d0220"},
+        ):
+            resp = client.post(folder + "/operations", json=body)
+            assert resp.status_code == 200, resp.text
+    expect(listing_row(page, "many/d0210")).to_have_count(0, timeout=8000)
+    expect(listing_row(page, "many/d0220")).to_have_count(0, timeout=8000)
+    expect(summary).to_have_text("Showing 201–230 of 230 entries.")
+    page.get_by_role("button", name="Previous page").click()
+    expect(listing_row(page, "many/d0005.txt")).to_be_visible()
+    assert len(listings) == 2, listings

@@ -1121,17 +1121,41 @@ def document() -> dict[str, Any]:
                             "schema": {"type": "integer", "minimum": 0},
                         },
                         {"name": "dir", "in": "query", "schema": {"type": "string"}},
+                        {
+                            "name": "entries",
+                            "in": "query",
+                            "description": "with dir: when it changed, also what changed there",
+                            "schema": {"type": "boolean"},
+                        },
+                        {
+                            "name": "name",
+                            "in": "query",
+                            "description": "with entries: the listing's name filter",
+                            "schema": {"type": "string", "maxLength": 255},
+                        },
                     ],
                     "responses": {
                         "200": _resp(
-                            "The newest version and whether anything changed",
-                            {
-                                "type": "object",
-                                "properties": {
+                            "The newest version and whether anything changed; with entries"
+                            " and a change, the directory's changed entries (trashed ones"
+                            " have deletedAt), the paths moved out of it, its total and"
+                            " complete (false: more than 200 changed, list it again)",
+                            _object(
+                                {
                                     "version": {"type": "integer"},
                                     "changed": {"type": "boolean"},
+                                    "entries": {"type": "array", "items": _ref("Entry")},
+                                    "gone": {"type": "array", "items": {"type": "string"}},
+                                    "complete": {"type": "boolean"},
+                                    "total": {"type": "integer"},
+                                    "lastOperationAt": _MAYBE_TIME,
                                 },
-                            },
+                                "entries",
+                                "gone",
+                                "complete",
+                                "total",
+                                "lastOperationAt",
+                            ),
                         ),
                         **_ERRORS,
                     },
