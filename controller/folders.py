@@ -47,6 +47,14 @@ async def last_operation_at(conn: AsyncConnection[Any], folder: Folder | None) -
     return row["last_operation_at"] if row else None
 
 
+# An entry whose last segment contains %(name)s, case-insensitively; strpos,
+# not LIKE: '%' and '_' are ordinary characters in names.
+_NAME_MATCH = (
+    "strpos(lower(substr(path, length(parent) + CASE WHEN parent = '' THEN 1"
+    " ELSE 2 END)), lower(%(name)s)) > 0"
+)
+
+
 async def list_entries(
     conn: AsyncConnection[Any],
     folder: Folder | None,
@@ -74,11 +82,7 @@ async def list_entries(
             where.append("parent = %(parent)s")
             params["parent"] = parent
         if name:
-            # strpos, not LIKE: '%' and '_' are ordinary characters in names.
-            where.append(
-                "strpos(lower(substr(path, length(parent) + CASE WHEN parent = '' THEN 1"
-                " ELSE 2 END)), lower(%(name)s)) > 0"
-            )
+            where.append(_NAME_MATCH)
             params["name"] = name
         where.append("deleted_at IS NOT NULL" if trash else "deleted_at IS NULL")
         cur = await conn.execute(
@@ -137,6 +141,61 @@ async def changes_since(
     )
     row = await cur.fetchone()
     return Changes(high_water, bool(row and row["changed"]))
+
+
+@dataclass(frozen=True)
+class DirChanges:
+    """What changed in one directory after a version, for a listing on screen."""
+
+    rows: list[Row]
+    """Its entries written, trashed, restored or moved in after the version, in
+    version order (trashed ones have ``deleted_at``), name-filtered like the listing."""
+    gone: list[str]
+    """Paths a move took out of it after the version."""
+    complete: bool
+    """False when more than the limit changed: the caller lists the directory again."""
+    total: int
+    """Its live entries matching the name filter, as a listing counts them."""
+
+
+async def dir_changes(
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    *,
+    since: int,
+    parent: str,
+    name: str | None,
+    limit: int,
+) -> DirChanges:
+    """The changes of directory ``parent`` after ``since`` (at most ``limit``
+    rows and ``limit`` moved-out paths), so a listing on screen patches only
+    what changed instead of fetching its pages again."""
+    params: dict[str, Any] = {"fid": folder.id, "v": since, "p": parent, "limit": limit + 1}
+    named = ""
+    if name:
+        named = " AND " + _NAME_MATCH
+        params["name"] = name
+    cur = await conn.execute(
+        "SELECT * FROM files WHERE folder_id = %(fid)s AND version > %(v)s AND parent = %(p)s"
+        f"{named} ORDER BY version LIMIT %(limit)s",
+        params,
+    )
+    rows = list(await cur.fetchall())
+    cur = await conn.execute(
+        "SELECT path FROM path_tombstones WHERE folder_id = %(fid)s AND version > %(v)s"
+        " AND parent = %(p)s ORDER BY version LIMIT %(limit)s",
+        params,
+    )
+    gone = [str(r["path"]) for r in await cur.fetchall()]
+    cur = await conn.execute(
+        "SELECT count(*) AS n FROM files WHERE folder_id = %(fid)s AND parent = %(p)s"
+        f" AND deleted_at IS NULL{named}",
+        params,
+    )
+    counted = await cur.fetchone()
+    complete = len(rows) <= limit and len(gone) <= limit
+    total = 0 if counted is None else int(counted["n"])
+    return DirChanges(rows[:limit], gone[:limit], complete, total)
 
 
 async def folder_saves(conn: AsyncConnection[Any], folder: Folder | None) -> dict[str, datetime]:

@@ -44,7 +44,8 @@ class SyncStatus:
 async def bound_runs(
     conn: AsyncConnection[Any], company_id: str, scope: str, owner_id: str
 ) -> list[Row]:
-    """The runs bound to the folder's owner, newest first. The owner is
+    """The runs bound to the folder's owner, newest first, each with its agent's
+    name (``agent_name``: the agent exists as long as its runs do). The owner is
     compared as a uuid, so the owner column's index (migration 0012) serves
     it; a user folder's owner that is not a uuid's canonical text has no runs."""
     try:
@@ -54,8 +55,9 @@ async def bound_runs(
     if str(owner) != owner_id:
         return []
     cur = await conn.execute(
-        f"SELECT * FROM runs WHERE company_id = %s AND {_OWNER_COLUMN[scope]} = %s"
-        " ORDER BY started_at DESC, id",
+        "SELECT r.*, a.name AS agent_name FROM runs r JOIN agents a ON a.id = r.agent_id"
+        f" WHERE r.company_id = %s AND r.{_OWNER_COLUMN[scope]} = %s"
+        " ORDER BY r.started_at DESC, r.id",
         (company_id, owner),
     )
     return list(await cur.fetchall())

@@ -1,15 +1,19 @@
-"""The OpenAPI document covers every route, and a property-based fuzz run driven
-by it (schemathesis) against a real ``controller serve``: no route answers 5xx,
-and no route but the public ones answers 2xx without credentials."""
+"""The OpenAPI document covers every route, the Files page's answers match its
+response schemas field for field, and a property-based fuzz run driven by it
+(schemathesis) against a real ``controller serve``: no route answers 5xx, and
+no route but the public ones answers 2xx without credentials."""
 
 from __future__ import annotations
 
 import os
 import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -58,6 +62,29 @@ class World:
     workspace: str
 
 
+def _strict(node: Any) -> Any:
+    """The schema with every object closed unless it says otherwise, so an
+    answer's undocumented field fails as a missing one does."""
+    if isinstance(node, list):
+        return [_strict(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _strict(v) for k, v in node.items()}
+    if "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+STRICT = _strict(document())
+
+
+def assert_conforms(resp: httpx.Response, path: str, method: str = "get") -> None:
+    """The JSON answer matches the document's schema for its route and status."""
+    responses = STRICT["paths"][path][method]["responses"]
+    schema = responses[str(resp.status_code)]["content"]["application/json"]["schema"]
+    jsonschema.validate(resp.json(), {**schema, "components": STRICT["components"]})
+
+
 @pytest.fixture(scope="module")
 def world(controller: ControllerProcess) -> World:
     tenant = bootstrap_tenant(controller)
@@ -78,6 +105,105 @@ def world(controller: ControllerProcess) -> World:
         "user": tenant.user_id,
     }
     return World(tenant, token, owners, workspace)
+
+
+def test_the_files_pages_answers_match_their_schemas(world: World) -> None:
+    """/sync (a run with its agent's name and a warning), the writes, refresh,
+    the directory (a person's and a run's), the session and a task's
+    repositories answer exactly what the document says."""
+    t = world.tenant
+    ctl = t.controller
+    run = ctl.admin(
+        "start-run", t.company_id, "--agent", world.owners["agent"], "--task", world.owners["task"],
+        "--user", t.user_id,
+    )  # fmt: skip
+    with httpx.Client(
+        base_url=ctl.url, timeout=30, headers={"Authorization": f"Bearer {run['token']}"}
+    ) as bridge:
+        saved = bridge.post(
+            PREFIX + "/folders/task/checkpoints",
+            json={
+                "operationId": f"schema-{run['run_id']}",
+                "leaseEpoch": run["lease_epoch"],
+                "entries": [{"op": "mkdir", "path": f"schema-{run['run_id']}"}],
+                "localRefusals": [{"path": "a-link", "code": "symlink"}],
+            },
+        )
+        assert saved.status_code == 200, saved.text
+        run_directory = bridge.get(PREFIX + f"/api/companies/{t.company_id}/directory")
+    folder_path = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}"
+    task_folder = t.folder("task", world.owners["task"])
+    top = f"schema-{uuid.uuid4().hex[:8]}"
+    with t.client() as c:
+        sync = c.get(task_folder + "/sync")
+        assert sync.status_code == 200, sync.text
+        assert_conforms(sync, folder_path + "/sync")
+        mine = next(r for r in sync.json()["runs"] if r["runId"] == run["run_id"])
+        assert mine["agentName"] and mine["folderSavedAt"]
+        assert [w["code"] for w in mine["warnings"]] == ["SANDBOX_REFUSED"]
+
+        octet = {"Content-Type": "application/octet-stream"}
+        created = c.put(task_folder + "/content", params={"path": f"{top}/a.txt"},
+                        content=b"a", headers=octet)  # fmt: skip
+        replaced = c.put(task_folder + "/content", params={"path": f"{top}/a.txt"},
+                         content=b"b", headers=octet)  # fmt: skip
+        assert (created.status_code, replaced.status_code) == (201, 200)
+        for resp in (created, replaced):
+            assert_conforms(resp, folder_path + "/content", "put")
+        ops = folder_path + "/operations"
+        moved = c.post(task_folder + "/operations",
+                       json={"action": "move", "path": f"{top}/a.txt", "to": f"{top}/b.txt"})  # fmt: skip
+        deleted = c.post(task_folder + "/operations",
+                         json={"action": "delete", "path": f"{top}/b.txt"})  # fmt: skip
+        file_id = deleted.json()["files"][0]["id"]
+        restored = c.post(
+            task_folder + "/operations", json={"action": "restore", "fileId": file_id}
+        )
+        deleted_again = c.post(task_folder + "/operations",
+                               json={"action": "delete", "path": f"{top}/b.txt"})  # fmt: skip
+        purged = c.post(task_folder + "/operations", json={"action": "purge", "fileId": file_id})
+        for resp in (moved, deleted, restored, deleted_again, purged):
+            assert resp.status_code == 200, resp.text
+            assert_conforms(resp, ops, "post")
+        assert purged.json()["purged"] == 1
+
+        listing = c.get(task_folder, params={"limit": 5})
+        changes = c.get(
+            task_folder + "/changes", params={"since": 0, "dir": top, "entries": "true"}
+        )
+        for resp, route in ((listing, folder_path), (changes, folder_path + "/changes")):
+            assert resp.status_code == 200, resp.text
+            assert_conforms(resp, route)
+        assert listing.json()["entries"] and changes.json()["changed"] is True
+        assert changes.json()["complete"] is True and changes.json()["entries"]
+
+        refresh = c.post(task_folder + "/refresh", json={"runId": run["run_id"]})
+        assert refresh.status_code == 202, refresh.text
+        assert_conforms(refresh, folder_path + "/refresh", "post")
+
+        directory = c.get(f"/api/companies/{t.company_id}/directory")
+        repos = c.get(f"/api/companies/{t.company_id}/tasks/{world.owners['task']}/repos")
+    for resp in (directory, run_directory):
+        assert resp.status_code == 200, resp.text
+        assert_conforms(resp, "/api/companies/{companyId}/directory")
+    assert "hasFiles" in directory.json()["tasks"][0]
+    assert set(run_directory.json()["members"][0]) == {"userId"}
+    assert repos.status_code == 200 and repos.json()["repos"], repos.text
+    assert_conforms(repos, "/api/companies/{companyId}/tasks/{taskId}/repos")
+
+    with httpx.Client(base_url=ctl.url, timeout=30) as browser:
+        signed_in = browser.post("/files/api/session", json={"token": t.token})
+        current = browser.get("/files/api/session")
+    for resp, method in ((signed_in, "post"), (current, "get")):
+        assert resp.status_code == 200, resp.text
+        assert_conforms(resp, "/files/api/session", method)
+
+    # The check has teeth: a field the document does not name fails it.
+    with pytest.raises(jsonschema.ValidationError, match="agentNickname"):
+        jsonschema.validate(
+            {**sync.json(), "runs": [{**mine, "agentNickname": "x"}]},
+            {**STRICT["components"]["schemas"]["Sync"], "components": STRICT["components"]},
+        )
 
 
 EXAMPLES = int(os.environ.get("FSA_FUZZ_EXAMPLES", "12"))

@@ -301,6 +301,51 @@ def test_changes_since_is_cheap_and_per_directory(tenant: Tenant) -> None:
         assert r.status_code == 400
 
 
+def test_changes_with_entries_are_what_a_listing_on_screen_needs(tenant: Tenant) -> None:
+    """entries=true: a changed directory's written, trashed and moved-in
+    entries, the paths moved out, its total under the name filter; other
+    directories' changes are not in it."""
+    f = tenant.my_folder
+    with tenant.client() as c:
+        put(c, f, "docs/keep.md", b"k")
+        put(c, f, "docs/old.md", b"o")
+        put(c, f, "docs/gone.md", b"g")
+        put(c, f, "docs/leaving.md", b"l")
+        v = c.get(f + "/", params={"dir": "docs"}).json()["version"]
+
+        def delta(**params: str) -> dict[str, Any]:
+            r = c.get(f + "/changes", params={"since": str(v), "dir": "docs",
+                                              "entries": "true", **params})  # fmt: skip
+            assert r.status_code == 200, r.text
+            answer: dict[str, Any] = r.json()
+            return answer
+
+        assert delta() == {"version": v, "changed": False}
+        put(c, f, "docs/new.md", b"n")
+        put(c, f, "docs/old.md", b"o2")
+        op(c, f, {"action": "delete", "path": "docs/gone.md"})
+        op(c, f, {"action": "move", "path": "docs/leaving.md", "to": "elsewhere/left.md"})
+        put(c, f, "elsewhere/unrelated.md", b"u")
+        got = delta()
+        assert got["changed"] is True and got["complete"] is True and got["version"] > v
+        by_path = {e["path"]: e for e in got["entries"]}
+        assert set(by_path) == {"docs/new.md", "docs/old.md", "docs/gone.md"}
+        assert by_path["docs/gone.md"]["deletedAt"] is not None
+        assert (
+            by_path["docs/old.md"]["byteSize"] == 2 and by_path["docs/new.md"]["deletedAt"] is None
+        )
+        assert got["gone"] == ["docs/leaving.md"]
+        assert got["total"] == 3  # keep, old, new
+        assert got["lastOperationAt"]
+        # The name filter narrows the entries and the total, as in the listing.
+        named = delta(name="NEW")
+        assert [e["path"] for e in named["entries"]] == ["docs/new.md"]
+        assert named["total"] == 1 and named["gone"] == ["docs/leaving.md"]
+        # entries=true needs the directory it is about.
+        r = c.get(f + "/changes", params={"since": str(v), "entries": "true"})
+        assert r.status_code == 400 and r.json()["details"][0]["field"] == "dir", r.text
+
+
 def test_sync_shows_each_runs_last_save_of_this_folder(tenant: Tenant) -> None:
     run = start_run(tenant)
     assert run.save("task", {"t.txt": b"t"}).status_code == 200

@@ -1,6 +1,7 @@
 """The Files page's second pass in headless Chromium, against a real
 controller and PostgreSQL: overwrite prompts, rename and move, restore as
-another name, the keyboard, preview addresses and live listings.
+another name, the keyboard, preview addresses, live listings and a run's
+warnings in the sync panel.
 
 Every check looks at what a person sees and at the API state behind it.
 """
@@ -10,14 +11,24 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
 from playwright.sync_api import Page, expect
 
-from tests.support.bridge import start_run
+from tests.support.agentfiles import new_agent, operate, put, run_detail, start_agent_run
+from tests.support.bridge import api_client, start_run
 from tests.support.browser import BROWSER_TESTS
-from tests.support.controller import Tenant
+from tests.support.controller import (
+    ControllerProcess,
+    PgCluster,
+    Tenant,
+    bootstrap_tenant,
+    private_controller,
+)
 from tests.support.web import (
     ViewRecorder,
     api_entries,
@@ -412,3 +423,174 @@ def test_an_agent_save_appears_in_an_open_listing_without_a_reload(
     expect(item.locator(".run-reason")).to_have_text(
         "The run saved its other folders, never this one."
     )
+
+
+def run_client(base_url: str, token: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=30, headers={"Authorization": f"Bearer {token}"})
+
+
+AGENT_FILE_MAX = 1000
+
+
+@pytest.fixture(scope="module")
+def small_agent_folders(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+    """A controller whose agent folders hold files of at most 1000 bytes."""
+    with private_controller(
+        pg_cluster, "fsa-websync-", "--agent-max-file-bytes", str(AGENT_FILE_MAX)
+    ) as ctl:
+        yield ctl
+
+
+def test_a_runs_agent_folder_limit_warnings_show_in_the_sync_panel(
+    page: Page, small_agent_folders: ControllerProcess, views: ViewRecorder
+) -> None:
+    tenant = bootstrap_tenant(small_agent_folders)
+    agent = new_agent(tenant, "Archivist")
+    run = start_agent_run(tenant, agent, user=tenant.user_id)
+    # Sandbox code writes the run's agent folder through the API bridge: a file
+    # right at the per-file limit is saved with a warning, one over it is
+    # refused (422) with a warning of its own, and the run goes on.
+    with api_client(tenant, run.token) as c:
+        at = put(c, tenant, "agent", agent, "index.bin", b"i" * AGENT_FILE_MAX)
+        assert at.status_code == 201, at.text
+        over = put(c, tenant, "agent", agent, "dump.bin", b"d" * (AGENT_FILE_MAX + 1))
+        assert over.status_code == 422, over.text
+        assert over.json()["code"] == "agent_files_limit_exceeded"
+    detail = run_detail(tenant, run.run_id).json()
+    assert [(w["code"], w["path"]) for w in detail["warnings"]] == [
+        ("AGENT_FILES_LIMIT_EXCEEDED", "dump.bin"),
+        ("AGENT_FILES_AT_LIMIT", "index.bin"),
+    ], detail
+    assert detail["state"] != "failed", detail
+
+    sign_in(page, small_agent_folders.url, tenant.token, folder_url(tenant, "agent", agent))
+    item = page.locator(f'.runs li[data-run-id="{run.run_id}"]')
+    expect(item.locator(".run-head strong")).to_have_text("Archivist")
+    warnings = item.get_by_role("list", name="Warnings for Archivist")
+    expect(warnings.get_by_role("listitem")).to_have_text(
+        [
+            "Warning: None of this save's agent-folder changes were saved: dump.bin is"
+            f" {AGENT_FILE_MAX + 1} bytes; an agent folder's files are limited to"
+            f" {AGENT_FILE_MAX} bytes",
+            f"Warning: index.bin ({AGENT_FILE_MAX} bytes) is at or over the"
+            f" {AGENT_FILE_MAX}-byte limit per file of the agent folder",
+        ]
+    )
+    # Warnings are not errors: the run is not shown as failed.
+    expect(item.locator(".run-error")).to_have_count(0)
+    expect(item.locator(".state")).not_to_have_class(re.compile(r"state-failed"))
+    expect(listing_row(page, "index.bin")).to_be_visible()
+    expect(listing_row(page, "dump.bin")).to_have_count(0)
+    views.snap("sync-warnings")
+
+    # The agent removes the big file: the folder is under every limit again and
+    # the open panel drops the warnings without a reload.
+    with api_client(tenant, run.token) as c:
+        gone = operate(c, tenant, "agent", agent, action="delete", path="index.bin")
+        assert gone.status_code == 200, gone.text
+    assert run_detail(tenant, run.run_id).json()["warnings"] == []
+    expect(listing_row(page, "index.bin")).to_have_count(0, timeout=8000)
+    expect(item.locator(".run-warnings")).to_have_count(0, timeout=8000)
+
+
+def test_the_sync_panel_names_an_agent_newer_than_the_pages_directory(
+    page: Page, tenant: Tenant
+) -> None:
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, "Night work")["id"]
+    task = ctl.admin("create-task", tenant.company_id, project, "Overnight batch")["id"]
+    directories: list[str] = []
+    page.on("request", lambda r: directories.append(r.url) if "/directory" in r.url else None)
+    sign_in(page, ctl.url, tenant.token, folder_url(tenant, "task", task))
+    expect(page.locator(".runs")).to_have_text("No agent runs have used this folder.")
+    fetched = len(directories)
+
+    # The agent and its run come after the page loaded the company directory;
+    # the run's save reaches the open page, which names the agent.
+    agent = new_agent(tenant, "Night Shift")
+    run = start_agent_run(tenant, agent, task=task)
+    with run_client(ctl.url, run.token) as bridge:
+        resp = bridge.post(
+            "/bridge/v1/folders/task/checkpoints",
+            json={
+                "operationId": "cp-late",
+                "leaseEpoch": run.lease_epoch,
+                "entries": [{"op": "mkdir", "path": "batch"}],
+            },
+        )
+        assert resp.status_code == 200, resp.text
+    with tenant.client() as client:
+        sync = client.get(tenant.folder("task", task) + "/sync").json()
+    assert [(r["runId"], r["agentName"]) for r in sync["runs"]] == [(run.run_id, "Night Shift")]
+    item = page.locator(f'.runs li[data-run-id="{run.run_id}"]')
+    expect(item.locator(".run-head strong")).to_have_text("Night Shift", timeout=8000)
+    expect(item.get_by_role("button", name="Request refresh for Night Shift")).to_be_visible()
+    expect(page.locator(".agent-updated")).to_contain_text(" by Night Shift")
+    expect(listing_row(page, "batch")).to_be_visible()
+    assert len(directories) == fetched, directories
+
+
+def test_a_live_change_fetches_only_what_changed_never_an_unchanged_page(
+    page: Page, tenant: Tenant
+) -> None:
+    """Two pages of entries; changes to either reach the page through the
+    poll's own answer: no listing page is fetched again, only the page not
+    loaded yet when the user turns to it."""
+    folder = tenant.my_folder
+    with tenant.client() as client:
+        for i in range(230):
+            resp = client.post(
+                folder + "/operations", json={"action": "mkdir", "path": f"many/d{i:04d}"}
+            )
+            assert resp.status_code == 200, resp.text
+    listings: list[str] = []
+    changes: list[str] = []
+
+    def count(request: Any) -> None:
+        if "/changes?" in request.url:
+            changes.append(request.url)
+        elif re.search(r"/work-folders/user/[^/]+/\?", request.url):
+            listings.append(request.url)
+
+    page.on("request", count)
+    open_my_files(page, tenant, "?dir=many")
+    rows = page.locator(".files-view tbody tr")
+    summary = page.locator(".files-view .list-summary")
+    expect(summary).to_have_text("Showing 1–200 of 230 entries.")
+    expect(rows).to_have_count(200)
+    assert len(listings) == 1, listings
+
+    # A file written on the loaded page and a folder past it (on page 2, not
+    # fetched yet): the first shows up in place, the second only in the total.
+    put_file(tenant, folder, "many/d0005.txt", b"next to d0005")
+    with tenant.client() as client:
+        resp = client.post(folder + "/operations", json={"action": "mkdir", "path": "many/d0250"})
+        assert resp.status_code == 200, resp.text
+    expect(listing_row(page, "many/d0005.txt")).to_be_visible(timeout=8000)
+    expect(summary).to_have_text("Showing 1–200 of 232 entries.")
+    assert rows.nth(6).get_attribute("data-path") == "many/d0005.txt"
+    assert len(listings) == 1 and changes, (listings, changes)
+    answered = [u for u in changes if "entries=true" in u]
+    assert answered and all("dir=many" in u for u in answered), changes
+
+    # Page 2 is fetched once, when the user turns to it, with the new folder.
+    page.get_by_role("button", name="Next page").click()
+    expect(listing_row(page, "many/d0250")).to_be_visible()
+    expect(summary).to_have_text("Showing 201–232 of 232 entries.")
+    assert len(listings) == 2, listings
+
+    # A change on page 2 (a trashed folder, a moved-out one) reaches it with no
+    # listing fetch, and the unchanged page 1 is not fetched again either.
+    with tenant.client() as client:
+        for body in (
+            {"action": "delete", "path": "many/d0210"},
+            {"action": "move", "path": "many/d0220", "to": "moved-d0220"},
+        ):
+            resp = client.post(folder + "/operations", json=body)
+            assert resp.status_code == 200, resp.text
+    expect(listing_row(page, "many/d0210")).to_have_count(0, timeout=8000)
+    expect(listing_row(page, "many/d0220")).to_have_count(0, timeout=8000)
+    expect(summary).to_have_text("Showing 201–230 of 230 entries.")
+    page.get_by_role("button", name="Previous page").click()
+    expect(listing_row(page, "many/d0005.txt")).to_be_visible()
+    assert len(listings) == 2, listings

@@ -6,6 +6,8 @@ test-artifacts/)."""
 
 from __future__ import annotations
 
+import base64
+import uuid
 from typing import Any
 
 import pytest
@@ -230,18 +232,92 @@ def test_axe_finds_no_serious_problems_on_the_main_views(
     page.get_by_role("link", name="Open notes.txt").click()
     expect(page.locator(".preview pre")).to_be_visible()
     scan("preview")
-    page.keyboard.press("Escape")
+    page.locator(".preview").get_by_role("link", name="Edit notes.txt").click()
+    expect(page.get_by_label("Your text of notes.txt")).to_be_visible()
+    scan("editor")
+    page.get_by_role("button", name="Close editor").click()
+    expect(page.locator(".editor")).to_be_hidden()
     tab(page, "Trash").click()
     expect(trash_row(page, "gone.txt")).to_be_visible()
     scan("trash")
     trash_row(page, "gone.txt").get_by_role("button", name="Restore gone.txt as…").click()
     expect(page.get_by_role("dialog")).to_be_visible()
     scan("restore-as-dialog")
+    page.keyboard.press("Escape")
+    page.goto(tenant.controller.url + folder_url(tenant, "user", str(uuid.uuid4())))
+    expect(page.get_by_role("alert")).to_contain_text("doesn't exist")
+    scan("not-found")
     assert found == {}, found
     # The scan can fail: a button without a name is a critical violation.
-    page.keyboard.press("Escape")
     page.evaluate("() => document.querySelector('main').append(document.createElement('button'))")
     assert any("button-name" in p for p in axe_violations(page))
+
+
+_PIXELS_JS = """
+async (b64) => {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const bitmap = await createImageBitmap(new Blob([bytes], { type: "image/png" }));
+  const canvas = new OffscreenCanvas(bitmap.width, bitmap.height);
+  const ctx = canvas.getContext("2d");
+  ctx.drawImage(bitmap, 0, 0);
+  const { data } = ctx.getImageData(0, 0, bitmap.width, bitmap.height);
+  return { width: bitmap.width, height: bitmap.height, rgba: Array.from(data) };
+}
+"""
+
+Pixel = tuple[int, int, int]
+
+
+def _pixels(page: Page, box: dict[str, float], pad: int) -> tuple[int, int, list[list[Pixel]]]:
+    """What the screen shows around ``box`` (``pad`` px of its surroundings),
+    decoded by the browser itself: width, height and rows of RGB pixels."""
+    clip = {
+        "x": box["x"] - pad,
+        "y": box["y"] - pad,
+        "width": box["width"] + 2 * pad,
+        "height": box["height"] + 2 * pad,
+    }
+    shot = base64.b64encode(page.screenshot(clip=clip)).decode()
+    got = page.evaluate(_PIXELS_JS, shot)
+    w, rgba = got["width"], got["rgba"]
+    rows = [
+        [tuple(rgba[(y * w + x) * 4 : (y * w + x) * 4 + 3]) for x in range(w)]
+        for y in range(got["height"])
+    ]
+    return w, got["height"], rows  # type: ignore[return-value]
+
+
+def test_the_file_icon_is_a_page_not_a_checkbox(page: Page, tenant: Tenant) -> None:
+    """A file's icon is taller than wide with its top right corner folded off
+    and text lines inside; the row's checkbox beside it is a plain square."""
+    put_file(tenant, tenant.my_folder, "letter.txt", b"Dear reader\n")
+    sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
+    row = listing_row(page, "letter.txt")
+    expect(row).to_be_visible()
+    icon = row.locator(".icon")
+    box = icon.bounding_box()
+    check = row.get_by_role("checkbox", name="Select letter.txt").bounding_box()
+    assert box is not None and check is not None
+    assert abs(check["width"] - check["height"]) < 1, check
+    assert box["height"] >= box["width"] * 1.2, box
+
+    pad = 3
+    _, _, px = _pixels(page, box, pad)
+    outside = px[0][0]
+    top, left = pad, pad
+    right = pad + round(box["width"]) - 1
+    bottom = pad + round(box["height"]) - 1
+    # Border at the top left and bottom right; the folded corner is background.
+    assert px[top][left] != outside and px[bottom][right] != outside, (px[top], outside)
+    assert px[top][right] == outside, (px[top], outside)
+    # Inside, between the borders: paper and at least two darker text lines.
+    column = [px[y][left + 3] for y in range(top + 3, bottom - 2)]
+    paper = max(column, key=sum)
+    lines = 0
+    for above, here in zip([paper, *column], column, strict=False):
+        if sum(here) < sum(paper) - 90 and sum(above) >= sum(paper) - 90:
+            lines += 1
+    assert lines >= 2, column
 
 
 def _page_top(page: Page, path: str) -> float:

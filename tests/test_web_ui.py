@@ -447,6 +447,26 @@ def test_previews_of_pdf_binary_and_oversized_files(
     assert blob_url is not None and blob_url.startswith("blob:")
     views.snap("pdf-preview")
 
+    # The PDF viewer keeps every key press while it has focus, Escape too; the
+    # page says so, and once the pointer is back over the page focus is too,
+    # so Escape closes the preview.
+    expect(preview.locator("#pdf-keys")).to_have_text(
+        "Keys go to the PDF while it has focus: move the pointer off it, or Tab out of it,"
+        " and Escape closes the preview."
+    )
+    frame.click()
+    assert page.evaluate("() => document.activeElement.tagName") == "IFRAME"
+    page.keyboard.press("Escape")
+    expect(frame).to_be_visible()
+    head = preview.locator(".preview-head").bounding_box()
+    assert head is not None
+    page.mouse.move(head["x"] + 4, head["y"] + 4, steps=4)
+    expect(preview.get_by_role("heading", name="Preview: hello.pdf")).to_be_focused()
+    page.keyboard.press("Escape")
+    expect(preview).to_be_hidden()
+    expect(page).not_to_have_url(re.compile("preview="))
+    expect(page.get_by_role("link", name="Open hello.pdf")).to_be_focused()
+
     # Headless Chromium's PDF viewer takes clicks meant for the page below
     # it once the page scrolls, so the next name is opened from the keyboard.
     page.get_by_role("link", name="Open blob.bin").press("Enter")

@@ -275,7 +275,13 @@ def _repo_paths() -> dict[str, Any]:
         },
         people: {
             "parameters": [company, task],
-            "get": _op("The task's repositories: last save, size, files, state, error", "200"),
+            "get": {
+                "summary": "The task's repositories: last save, size, files, state, error",
+                "responses": {
+                    "200": _resp("The task's repositories", _ref("TaskRepos")),
+                    **_ERRORS,
+                },
+            },
         },
         people + "/{workspaceId}/archive": {
             "parameters": [company, task, ws],
@@ -365,6 +371,169 @@ _OPERATOR_OK = (
     " (`controller admin create-operator-token`)."
 )
 _PEOPLE_ONLY = "Owners and admins of the company only; an operator token is refused (401)."
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _object(properties: dict[str, Any], *optional: str) -> dict[str, Any]:
+    """An answer object: every property but ``optional`` is always there."""
+    return {
+        "type": "object",
+        "required": [p for p in properties if p not in optional],
+        "properties": properties,
+    }
+
+
+_TIME = {"type": "string", "format": "date-time"}
+_MAYBE_TIME = {"type": ["string", "null"], "format": "date-time"}
+_MAYBE_TEXT = {"type": ["string", "null"]}
+_MAYBE_BOOL = {"type": ["boolean", "null"]}
+
+
+def _files_page_schemas() -> dict[str, Any]:
+    """Answers of the routes the Files page reads (controller/api/serialize.py)."""
+    owner = {"id": {"type": "string", "format": "uuid"}}
+    # hasFiles and activeRun: for people only (a run's directory has names and
+    # ids); hasFiles is null for an agent whose folder the person may not open.
+    activity = {"hasFiles": _MAYBE_BOOL, "activeRun": {"type": "boolean"}}
+    return {
+        "Warning": {
+            "type": "object",
+            "required": ["scope", "code", "message"],
+            "additionalProperties": True,
+            "description": "A run's current warning: a diagnostic, never an error on the"
+            " folder's files; limit warnings add limit, max, value and path, others"
+            " fields of their own",
+            "properties": {
+                "scope": {"type": "string", "enum": ["task", "agent", "user", "project"]},
+                "code": {"type": "string"},
+                "message": {"type": "string"},
+                "limit": {"type": "string", "enum": ["entries", "fileBytes", "totalBytes"]},
+                "max": {"type": "integer"},
+                "value": {"type": "integer"},
+                "path": {"type": "string"},
+            },
+        },
+        "SyncRun": _object(
+            {
+                "runId": {"type": "string", "format": "uuid"},
+                "agentId": {"type": "string", "format": "uuid"},
+                "agentName": {"type": "string"},
+                "state": {"type": "string", "enum": ["starting", "saving", "saved", "failed"]},
+                "lastSavedAt": {**_MAYBE_TIME, "description": "last save of any folder"},
+                "folderSavedAt": {**_MAYBE_TIME, "description": "last save of this folder"},
+                "error": _MAYBE_TEXT,
+                "finalCheckpointAt": _MAYBE_TIME,
+                "refreshRequested": {"type": "boolean"},
+                "active": {"type": "boolean"},
+                "startedAt": _TIME,
+                "endedAt": _MAYBE_TIME,
+                "warnings": {"type": "array", "items": _ref("Warning")},
+            }
+        ),
+        "Sync": _object(
+            {
+                "runs": {"type": "array", "items": _ref("SyncRun")},
+                "lastOperationAt": {
+                    **_MAYBE_TIME,
+                    "description": "the newest direct file operation, never an agent save",
+                },
+            }
+        ),
+        "WriteResult": {
+            "type": "object",
+            "required": ["applied"],
+            "description": "applied is false for an idempotent replay; file for a PUT,"
+            " files for the entries an operation wrote, purged for a purge",
+            "properties": {
+                "applied": {"type": "boolean"},
+                "file": _ref("Entry"),
+                "files": {"type": "array", "items": _ref("Entry")},
+                "purged": {"type": "integer"},
+            },
+        },
+        "Directory": _object(
+            {
+                "agents": {
+                    "type": "array",
+                    "items": _object({**owner, "name": {"type": "string"}, **activity}, *activity),
+                },
+                "projects": {
+                    "type": "array",
+                    "items": _object({**owner, "name": {"type": "string"}, **activity}, *activity),
+                },
+                "tasks": {
+                    "type": "array",
+                    "items": _object(
+                        {
+                            **owner,
+                            "title": {"type": "string"},
+                            "projectId": {"type": "string", "format": "uuid"},
+                            **activity,
+                        },
+                        *activity,
+                    ),
+                },
+                "members": {
+                    "type": "array",
+                    "description": "email and role for people only",
+                    "items": _object(
+                        {
+                            "userId": {"type": "string", "format": "uuid"},
+                            "email": {"type": "string"},
+                            "role": _ROLE,
+                        },
+                        "email",
+                        "role",
+                    ),
+                },
+            }
+        ),
+        "Session": _object(
+            {
+                "userId": {"type": "string", "format": "uuid"},
+                "email": {"type": "string"},
+                "csrfToken": {"type": "string"},
+                "companies": {
+                    "type": "array",
+                    "items": _object(
+                        {
+                            "id": {"type": "string", "format": "uuid"},
+                            "name": {"type": "string"},
+                            "role": _ROLE,
+                        }
+                    ),
+                },
+            }
+        ),
+        "TaskRepos": _object(
+            {
+                "repos": {
+                    "type": "array",
+                    "items": _object(
+                        {
+                            "workspaceId": {"type": "string", "format": "uuid"},
+                            "name": {"type": "string"},
+                            "repoUrl": {"type": "string"},
+                            "state": {
+                                "type": "string",
+                                "enum": ["unsaved", "saving", "saved", "failed"],
+                            },
+                            "lastSavedAt": _MAYBE_TIME,
+                            "byteSize": {"type": "integer"},
+                            "fileCount": {"type": "integer"},
+                            "entries": {"type": "integer"},
+                            "error": _MAYBE_TEXT,
+                            "checkpointId": {"type": ["string", "null"]},
+                            "removed": {"type": "boolean"},
+                        }
+                    ),
+                }
+            }
+        ),
+    }
 
 
 def _admin_op(summary: str, who: str, *codes: str, **extra: Any) -> dict[str, Any]:
@@ -735,6 +904,7 @@ def document() -> dict[str, Any]:
             "trashRoot": {"type": ["string", "null"]},
         },
     }
+    entry["required"] = list(entry["properties"])  # every entry has every field
     base = "/api/companies/{companyId}/work-folders/{scope}/{ownerId}"
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -755,6 +925,7 @@ def document() -> dict[str, Any]:
                     },
                 },
                 "Entry": entry,
+                **_files_page_schemas(),
             },
         },
         "security": [{"bearer": []}, {"session": []}],
@@ -861,8 +1032,11 @@ def document() -> dict[str, Any]:
                         },
                     },
                     "responses": {
-                        "200": _resp("Replaced, or an idempotent replay (applied: false)"),
-                        "201": _resp("Created"),
+                        "200": _resp(
+                            "Replaced, or an idempotent replay (applied: false)",
+                            _ref("WriteResult"),
+                        ),
+                        "201": _resp("Created", _ref("WriteResult")),
                         "409": _resp("Parent is a file, kind change, or key reused", _ERROR),
                         "412": _resp(
                             "If-Match or If-None-Match does not hold (a stale editor save);"
@@ -924,7 +1098,7 @@ def document() -> dict[str, Any]:
                         },
                     },
                     "responses": {
-                        "200": _resp("Applied (or idempotent replay)"),
+                        "200": _resp("Applied (or idempotent replay)", _ref("WriteResult")),
                         "409": _resp(
                             "Conflict (kind, parent is file, restore collision, move target"
                             " exists or lies under the source, the agent's instruction"
@@ -947,17 +1121,41 @@ def document() -> dict[str, Any]:
                             "schema": {"type": "integer", "minimum": 0},
                         },
                         {"name": "dir", "in": "query", "schema": {"type": "string"}},
+                        {
+                            "name": "entries",
+                            "in": "query",
+                            "description": "with dir: when it changed, also what changed there",
+                            "schema": {"type": "boolean"},
+                        },
+                        {
+                            "name": "name",
+                            "in": "query",
+                            "description": "with entries: the listing's name filter",
+                            "schema": {"type": "string", "maxLength": 255},
+                        },
                     ],
                     "responses": {
                         "200": _resp(
-                            "The newest version and whether anything changed",
-                            {
-                                "type": "object",
-                                "properties": {
+                            "The newest version and whether anything changed; with entries"
+                            " and a change, the directory's changed entries (trashed ones"
+                            " have deletedAt), the paths moved out of it, its total and"
+                            " complete (false: more than 200 changed, list it again)",
+                            _object(
+                                {
                                     "version": {"type": "integer"},
                                     "changed": {"type": "boolean"},
+                                    "entries": {"type": "array", "items": _ref("Entry")},
+                                    "gone": {"type": "array", "items": {"type": "string"}},
+                                    "complete": {"type": "boolean"},
+                                    "total": {"type": "integer"},
+                                    "lastOperationAt": _MAYBE_TIME,
                                 },
-                            },
+                                "entries",
+                                "gone",
+                                "complete",
+                                "total",
+                                "lastOperationAt",
+                            ),
                         ),
                         **_ERRORS,
                     },
@@ -967,7 +1165,13 @@ def document() -> dict[str, Any]:
                 "parameters": _FOLDER_PARAMS,
                 "get": {
                     "summary": "Runs bound to this folder and their save state",
-                    "responses": {"200": _resp("Sync state"), **_ERRORS},
+                    "responses": {
+                        "200": _resp(
+                            "Each run with its agent's name, save state and warnings",
+                            _ref("Sync"),
+                        ),
+                        **_ERRORS,
+                    },
                 },
             },
             base + "/refresh": {
@@ -975,7 +1179,10 @@ def document() -> dict[str, Any]:
                 "post": {
                     "summary": "Queue a refresh for a running run",
                     "responses": {
-                        "202": _resp("Queued"),
+                        "202": _resp(
+                            "Queued",
+                            _object({"queued": {"type": "boolean", "const": True}}),
+                        ),
                         "409": _resp("Run is not running", _ERROR),
                         **_ERRORS,
                     },
@@ -986,7 +1193,7 @@ def document() -> dict[str, Any]:
                 "get": {
                     "summary": "Agents, projects, tasks and members of a company (for people:"
                     " whether each folder has files and an active run)",
-                    "responses": {"200": _resp("Directory"), **_ERRORS},
+                    "responses": {"200": _resp("Directory", _ref("Directory")), **_ERRORS},
                 },
             },
             "/files/api/session": {
@@ -1007,12 +1214,15 @@ def document() -> dict[str, Any]:
                         },
                     },
                     "responses": {
-                        "200": _resp("Signed in"),
+                        "200": _resp("Signed in", _ref("Session")),
                         "400": _resp("Malformed body", _ERROR),
                         "401": _resp("Bad token", _ERROR),
                     },
                 },
-                "get": {"summary": "Current session", "responses": {"200": _resp("Session")}},
+                "get": {
+                    "summary": "Current session",
+                    "responses": {"200": _resp("Session", _ref("Session"))},
+                },
                 "delete": {
                     "summary": "Sign out",
                     "responses": {"204": {"description": "Signed out"}},

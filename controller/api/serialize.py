@@ -55,6 +55,7 @@ def run_json(row: Row, *, folder_saved_at: datetime | None = None) -> dict[str, 
     return {
         "runId": str(row["id"]),
         "agentId": str(row["agent_id"]),
+        "agentName": row["agent_name"],
         "state": row["state"],
         "lastSavedAt": iso(row["last_saved_at"]),
         "error": row["error"],

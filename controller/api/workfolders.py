@@ -254,10 +254,26 @@ def query_name(request: Request) -> str | None:
 async def get_changes(request: Request) -> Response:
     since = query_int(request, "since", 0, minimum=0, maximum=2**63 - 1, code="invalid_integer")
     parent = query_dir(request)
+    with_entries = query_bool(request, "entries")
+    name = query_name(request)
+    if with_entries and parent is None:
+        raise ValidationError.single("dir", "required", "entries=true needs a dir")
     async with connection(request) as conn:
         _, folder, _ = await open_folder(request, conn, write=False)
         changes = await folders.changes_since(conn, folder, since=since, parent=parent)
-    return JSONResponse({"version": changes.version, "changed": changes.changed})
+        answer: dict[str, Any] = {"version": changes.version, "changed": changes.changed}
+        if with_entries and changes.changed and folder is not None and parent is not None:
+            found = await folders.dir_changes(
+                conn, folder, since=since, parent=parent, name=name, limit=DEFAULT_PAGE_LIMIT
+            )
+            answer.update(
+                entries=[entry_json(r) for r in found.rows],
+                gone=found.gone,
+                complete=found.complete,
+                total=found.total,
+                lastOperationAt=iso(await folders.last_operation_at(conn, folder)),
+            )
+    return JSONResponse(answer)
 
 
 # --- GET /content ----------------------------------------------------------

@@ -175,10 +175,16 @@ export class FolderApi {
     return page.entries.find((e) => e.path === path) || null;
   }
 
-  /** {version, changed}: whether `dir` (or, with null, anything) changed after `since`. */
-  changes(since, dir = null) {
+  /**
+   * {version, changed}: whether `dir` (or, with null, anything) changed after
+   * `since`; with `entries` (and a dir), when it changed, also its changed
+   * entries, the paths moved out, its total under `name` and `complete`.
+   */
+  changes(since, dir = null, { entries = false, name = "" } = {}) {
     const q = new URLSearchParams({ since: String(since) });
     if (dir !== null) q.set("dir", dir);
+    if (entries) q.set("entries", "true");
+    if (name) q.set("name", name);
     return request("GET", `${this.base}/changes?${q}`);
   }
 

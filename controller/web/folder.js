@@ -278,7 +278,7 @@ export class FolderPage {
     );
   }
 
-  /** Display names for the owner and the agents in the sync panel. */
+  /** The owner's display name (the sync panel has its agents' names from /sync). */
   async resolveNames() {
     const { scope, ownerId, companyId } = this.route;
     let directory = null;
@@ -288,7 +288,6 @@ export class FolderPage {
       if (!(err instanceof ApiError)) throw err;
     }
     if (this.destroyed) return;
-    if (directory) this.sync.addAgentNames(directory.agents);
     let name = null;
     if (scope === "user") {
       name = ownerId === this.session.userId ? "My files" : "User files";
@@ -302,7 +301,6 @@ export class FolderPage {
     this.ownerName = name;
     this.renderTitle();
     this.listing.renderBreadcrumbs();
-    this.sync.rerender();
   }
 
   // --- layout ---------------------------------------------------------------

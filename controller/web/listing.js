@@ -1,7 +1,8 @@
 // The files view: breadcrumbs, the toolbar (uploads, new folder, name
 // filter), the selection bar and the listing of one directory's direct
 // children. Rows are built in rows.js, keyboard work is keys.js, rename and
-// move are moveops.js.
+// move are moveops.js, and delta.js merges writes and changes into the
+// loaded entries.
 //
 // At most PAGE_SIZE rows are in the document at any time, whatever the
 // folder holds: laying out a table of ten thousand rows takes seconds, two
@@ -14,10 +15,11 @@
 
 import { ApiError, PAGE_SIZE } from "./api.js";
 import { confirmAction } from "./dialog.js";
-import { baseName, clear, h, isWithin, parentDir, plural } from "./dom.js";
+import { baseName, clear, h, isWithin, plural } from "./dom.js";
 import { RowKeys } from "./keys.js";
 import { MoveOps } from "./moveops.js";
 import { NewFolderForm } from "./newfolder.js";
+import { applyChanges, upsertInto } from "./delta.js";
 import { buildRow, rowLink } from "./rows.js";
 import { SORT_LABEL, sortEntries } from "./sorting.js";
 import { Pager, clampStart, countText } from "./table.js";
@@ -30,6 +32,7 @@ export class Listing {
     this.entries = [];
     this.rowCache = new Map(); // path -> {entry, tr}: rows are rebuilt only when their entry changes
     this.cursor = null;
+    this.loadedUpTo = null; // the last path of the last page fetched
     this.total = 0; // entries the server has for this directory and filter
     this.version = 0; // the folder version the loaded entries show
     this.loadedFor = null; // dir whose listing is in this.entries
@@ -230,7 +233,7 @@ export class Listing {
     this.wantedPage = 1;
     if (wanted <= 1) return;
     const target = (wanted - 1) * PAGE_SIZE;
-    while (this.entries.length <= target && this.cursor) {
+    while (this.entries.length < target + PAGE_SIZE && this.cursor) {
       if (!(await this.fetchMore({ render: false }))) break;
     }
     this.start = clampStart(target, this.entries.length);
@@ -238,11 +241,49 @@ export class Listing {
   }
 
   /**
-   * Load the pages on screen again (the folder changed, or this page moved
-   * or deleted something) and keep the current page, sort and focus. Rows
-   * whose entry did not change keep their elements.
+   * Bring the loaded pages up to date (the folder changed, or this page
+   * moved or deleted something), keeping the current page, sort and focus:
+   * only what changed in the directory is fetched, and rows whose entry did
+   * not change keep their elements.
    */
   async reloadKeepingPlace() {
+    if (this.loadedFor !== this.folder.dir) return this.reload();
+    try {
+      await this.refreshChanged();
+    } catch (err) {
+      if (!(err instanceof ApiError)) throw err;
+      this.error.textContent = `Could not refresh: ${this.folder.explain(err)}`;
+    }
+  }
+
+  /**
+   * What changed in the directory since the version on screen (one
+   * GET /changes with its entries), merged in; when more changed than one
+   * answer holds, the loaded pages are listed again. The folder version the
+   * server answered with, or null when this answer was superseded.
+   */
+  async refreshChanged() {
+    const { dir } = this.folder;
+    if (this.loadedFor !== dir) return null;
+    // A poll does not supersede a page being fetched; a new listing supersedes it.
+    const seq = this.seq;
+    const delta = await this.folder.api.changes(this.version, dir, { entries: true, name: this.name });
+    if (seq !== this.seq || this.folder.destroyed) return null;
+    if (delta.changed && !delta.complete) {
+      await this.refetchPages();
+      return delta.version;
+    }
+    if (delta.changed) {
+      applyChanges(this, delta);
+      this.folder.sync.showFilesUpdated(delta.lastOperationAt);
+      this.renderRows();
+    }
+    this.version = Math.max(this.version, delta.version);
+    return delta.version;
+  }
+
+  /** List the loaded pages of the directory again. */
+  async refetchPages() {
     const { dir } = this.folder;
     const seq = ++this.seq;
     const pages = Math.max(1, Math.ceil(this.entries.length / PAGE_SIZE));
@@ -264,6 +305,7 @@ export class Listing {
     }
     this.entries = fresh;
     this.cursor = cursor;
+    if (fresh.length) this.loadedUpTo = fresh[fresh.length - 1].path;
     this.total = last.total;
     this.version = Math.max(this.version, last.version);
     this.loadedFor = dir;
@@ -296,7 +338,10 @@ export class Listing {
     if (target < 0) return;
     this.pager.disable();
     try {
-      if (target >= this.entries.length && this.cursor && !(await this.fetchMore())) return;
+      // Entries merged in may fill part of the next page: fetch until it is full.
+      if (this.cursor && target + PAGE_SIZE > this.entries.length) {
+        if (!(await this.fetchMore()) && target >= this.entries.length) return;
+      }
       if (target >= this.displayOrder().length) return;
       this.start = target;
     } finally {
@@ -330,6 +375,8 @@ export class Listing {
     const known = new Set(this.entries.map((e) => e.path));
     for (const entry of page.entries) if (!known.has(entry.path)) this.entries.push(entry);
     this.cursor = page.nextCursor;
+    if (reset) this.loadedUpTo = null;
+    if (page.entries.length) this.loadedUpTo = page.entries[page.entries.length - 1].path;
     this.total = page.total;
     this.version = Math.max(this.version, page.version || 0);
     this.loadedFor = dir;
@@ -505,28 +552,7 @@ export class Listing {
 
   /** Insert or replace entries returned by a write, if they belong on screen. */
   upsertEntries(entries) {
-    let changed = false;
-    for (const entry of entries) {
-      if (entry.deletedAt || parentDir(entry.path) !== this.loadedFor) continue;
-      if (this.name && !baseName(entry.path).toLowerCase().includes(this.name.toLowerCase())) {
-        continue;
-      }
-      const i = this.entries.findIndex((e) => e.path === entry.path);
-      if (i >= 0) this.entries[i] = entry;
-      else if (!this.sort) {
-        // Server order: place it by name, or leave it to a page not fetched yet.
-        const at = this.entries.findIndex((e) => e.path > entry.path);
-        if (at >= 0) this.entries.splice(at, 0, entry);
-        else if (!this.cursor) this.entries.push(entry);
-        else continue;
-        this.total += 1;
-      } else {
-        this.entries.push(entry);
-        this.total += 1;
-      }
-      changed = true;
-    }
-    if (changed) {
+    if (upsertInto(this, entries)) {
       this.sorted = null;
       this.renderRows();
     }

@@ -1,9 +1,12 @@
 // Live updates: while the tab is visible, ask the folder every LIVE_POLL_MS
-// whether anything changed since the version on screen (GET /changes, two
-// index lookups on the server). Only when the directory shown (or, in the
-// trash view, the folder) changed are its loaded pages fetched again; rows
-// whose entry is unchanged keep their elements. Agent saves, other tabs and
-// API clients all show up this way, and the sync panel follows.
+// what changed since the version on screen (GET /changes, index lookups on
+// the server). In the files view the answer carries the shown directory's
+// changed entries, which are merged into the loaded pages (listing.js
+// refreshChanged, delta.js): no listing page is fetched again unless more
+// changed than one answer holds. In the trash view a change in the folder
+// lists the trash again. Rows whose entry is unchanged keep their elements.
+// Agent saves, other tabs and API clients all show up this way, and the sync
+// panel follows.
 
 import { ApiError } from "./api.js";
 
@@ -44,18 +47,24 @@ export class LiveUpdates {
     const { folder } = this;
     const trash = folder.view === "trash";
     const view = trash ? folder.trash : folder.listing;
-    if (!trash && view.loadedFor === null) return;
-    const changes = await folder.api.changes(view.version, trash ? null : view.loadedFor);
-    if (folder.destroyed) return;
-    if (changes.changed) {
-      if (trash) await view.reload();
-      else await view.reloadKeepingPlace();
+    if (!trash && view.loadedFor !== folder.dir) return;
+    // The sync panel was loaded with the page: a change made before the first
+    // poll is one it has not seen yet.
+    if (!this.seen) this.seen = view.version;
+    let version = null;
+    if (trash) {
+      const changes = await folder.api.changes(view.version, null);
+      if (folder.destroyed) return;
+      if (changes.changed) await view.reload();
+      view.version = Math.max(view.version, changes.version);
+      version = changes.version;
+    } else {
+      version = await view.refreshChanged();
     }
-    // Nothing changed here up to this version: later polls can start from it.
-    view.version = Math.max(view.version, changes.version);
-    if (changes.version > this.seen) {
-      if (this.seen) folder.refreshSync();
-      this.seen = changes.version;
+    if (folder.destroyed || version === null) return;
+    if (version > this.seen) {
+      folder.refreshSync();
+      this.seen = version;
     }
   }
 }

@@ -2,6 +2,9 @@
 // fetched as bytes (at most PREVIEW_LIMIT) and shown from a blob: URL. It
 // has its own address (?preview=path), spans the content column, and
 // "Expand" gives it the whole window; Escape or "Close preview" goes back.
+// The browser's PDF viewer keeps every key press while it has focus, Escape
+// too: focus comes back to the preview once the pointer moves over the page
+// again, so Escape closes it from then on.
 
 import { ApiError, EDITOR_LIMIT, PREVIEW_LIMIT } from "./api.js";
 import { baseName, clear, formatSize, h, isWithin } from "./dom.js";
@@ -49,6 +52,7 @@ export class Preview {
     this.seq = 0; // discards answers for a preview that was closed or replaced
     this.url = null; // the blob: URL on screen, revoked when it goes
     this.path = null;
+    this.releaseFrame = null; // stops watching the PDF frame's focus
     this.section = this.build(ids);
   }
 
@@ -96,6 +100,33 @@ export class Preview {
   revokeUrl() {
     if (this.url) URL.revokeObjectURL(this.url);
     this.url = null;
+    this.releaseFrame?.();
+    this.releaseFrame = null;
+  }
+
+  /**
+   * A PDF in the browser's viewer. Its key presses never reach the page, so
+   * while the frame has focus a pointer move over the page (outside the
+   * frame) puts focus back on the preview's heading, where Escape works.
+   */
+  pdfFrame(name) {
+    const frame = h("iframe", {
+      src: this.url,
+      title: `Preview of ${name}`,
+      class: "pdf",
+      "aria-describedby": "pdf-keys",
+    });
+    const onMove = () => {
+      if (document.activeElement === frame) this.heading.focus({ preventScroll: true });
+    };
+    document.addEventListener("pointermove", onMove);
+    this.releaseFrame = () => document.removeEventListener("pointermove", onMove);
+    const hint = h("p", {
+      id: "pdf-keys",
+      class: "muted small-text",
+      text: "Keys go to the PDF while it has focus: move the pointer off it, or Tab out of it, and Escape closes the preview.",
+    });
+    return [frame, hint];
   }
 
   close() {
@@ -198,9 +229,7 @@ export class Preview {
       clear(this.body).append(img);
     } else if (kind === "pdf") {
       this.url = URL.createObjectURL(new Blob([bytes], { type: "application/pdf" }));
-      clear(this.body).append(
-        h("iframe", { src: this.url, title: `Preview of ${name}`, class: "pdf" }),
-      );
+      clear(this.body).append(...this.pdfFrame(name));
     } else {
       const text = decodeText(bytes);
       this.edit.hidden = text === null || this.folder.readOnly || bytes.byteLength > EDITOR_LIMIT;

@@ -43,8 +43,6 @@ function runState(run) {
 export class SyncPanel {
   constructor(folder, ids) {
     this.folder = folder;
-    this.agentNames = new Map();
-    this.last = null; // the last /sync answer, re-rendered when names arrive
     this.runItems = null; // runId -> {key, li}
     this.timer = null;
     this.section = this.build(ids);
@@ -93,15 +91,6 @@ export class SyncPanel {
     clearInterval(this.timer);
   }
 
-  /** Names for agent ids from the company directory; shown from the next render. */
-  addAgentNames(agents) {
-    for (const agent of agents) this.agentNames.set(agent.id, agent.name);
-  }
-
-  rerender() {
-    if (this.last) this.render(this.last);
-  }
-
   showFilesUpdated(iso) {
     this.filesUpdated.replaceChildren(timeElement(iso, "none yet"));
   }
@@ -121,8 +110,9 @@ export class SyncPanel {
     );
   }
 
+  /** /sync names each run's agent (the agent outlives its runs). */
   agentName(run) {
-    return this.agentNames.get(run.agentId) || `Agent ${run.agentId.slice(0, 8)}`;
+    return run.agentName || "Unnamed agent";
   }
 
   async refresh() {
@@ -132,7 +122,6 @@ export class SyncPanel {
       const data = await folder.api.sync();
       if (folder.destroyed) return;
       this.error.textContent = "";
-      this.last = data;
       this.render(data);
     } catch (err) {
       if (folder.destroyed) return;
@@ -149,7 +138,7 @@ export class SyncPanel {
     const previous = this.runItems || new Map();
     this.runItems = new Map();
     const items = data.runs.map((run) => {
-      const key = JSON.stringify(run) + (this.agentNames.get(run.agentId) || "");
+      const key = JSON.stringify(run);
       const old = previous.get(run.runId);
       const note = old ? old.li.querySelector(".refresh-note").textContent : "";
       const li = old && old.key === key ? old.li : this.runItem(run, note);
