@@ -263,9 +263,10 @@ def test_a_periodic_save_over_a_limit_is_retried_once_the_agent_cleans_up(
 
 @pytest.mark.fuse
 def test_the_final_save_refused_over_a_limit_answers_flush_with_a_warning(
-    mounts: MountFactory, st: Tenant
+    mode_mounts: MountFactory, st: Tenant
 ) -> None:
     """`fsagent flush --final --json` says what happened: not saved, not failed."""
+    mounts = mode_mounts  # a FUSE mount, then a plain directory: the same contract
     agent = new_agent(st)
     run = start_agent_run(st, agent, user=st.user_id)
     m = mount_agent(mounts, run)
