@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import termios
 import time
 from collections.abc import Iterator
@@ -804,3 +805,35 @@ def test_a_torn_write_is_never_saved_and_saves_whole_later(tenant: Tenant, tmp_p
         "calm.txt": b"calm",
         "busy.bin": busy.read_bytes(),
     }
+
+
+@pytest.mark.fuse
+def test_the_fuse_probe_says_dir_when_the_device_refuses_or_the_test_mount_hangs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The two ways ``auto`` falls back besides a failed mount: /dev/fuse
+    that does not open, and a test mount that does not finish in time (the
+    probe process is killed and its mountpoint lazily unmounted and removed)."""
+    from fsagent import fuseprobe
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    works = fuseprobe.probe_fuse()
+    assert (works.mode, works.reason) == ("fuse", "/dev/fuse opens and a test mount works")
+    slow = fuseprobe.probe_fuse(timeout=0.001)
+    assert slow.mode == "dir" and slow.reason.startswith("a test FUSE mount did not finish")
+    assert list(tmp_path.iterdir()) == []  # the probe's mountpoint is gone
+    assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
+
+    real_open = os.open
+
+    def refusing_open(path: Any, flags: int, *args: Any) -> int:
+        if str(path) == "/dev/fuse":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(fuseprobe.os, "open", refusing_open)
+    refused = fuseprobe.probe_fuse()
+    assert (refused.mode, refused.reason) == (
+        "dir",
+        "/dev/fuse cannot be opened (Permission denied)",
+    )
