@@ -25,10 +25,11 @@ the next calls and then raises, as when the answer is lost on the way back.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -259,11 +260,15 @@ class MemoryBridgeClient(BridgeClient):
             raise ObjectUnavailable(f"object {digest[:12]} not served (404)")
         data = self.objects[digest]
 
-        async def chunks() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncGenerator[bytes, None]:
             for i in range(0, len(data), CHUNK):
                 yield data[i : i + CHUNK]
 
-        return await copy_hashing(chunks(), dest)
+        # Closed here even when the copy is cancelled part way (a sibling
+        # download failed): an async generator left to the garbage collector
+        # is a ResourceWarning.
+        async with contextlib.aclosing(chunks()) as stream:
+            return await copy_hashing(stream, dest)
 
     async def refresh_requested(self) -> bool:
         self._call("refresh_requested")
@@ -595,7 +600,7 @@ class MemoryBridgeClient(BridgeClient):
                 raise ControllerRefused(f"object {digest[:12]} not served", 404, "not_found")
         body = encode_batch([self.objects[d] for d in digests])
 
-        async def chunks() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncGenerator[bytes, None]:
             for i in range(0, len(body), CHUNK):
                 yield body[i : i + CHUNK]
 

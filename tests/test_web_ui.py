@@ -461,6 +461,7 @@ def test_previews_of_pdf_binary_and_oversized_files(
     head = preview.locator(".preview-head").bounding_box()
     assert head is not None
     page.mouse.move(head["x"] + 4, head["y"] + 4, steps=4)
+    page.mouse.move(head["x"] + 24, head["y"] + 8, steps=4)  # over the page, not the frame
     expect(preview.get_by_role("heading", name="Preview: hello.pdf")).to_be_focused()
     page.keyboard.press("Escape")
     expect(preview).to_be_hidden()

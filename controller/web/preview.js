@@ -119,8 +119,14 @@ export class Preview {
     const onMove = () => {
       if (document.activeElement === frame) this.heading.focus({ preventScroll: true });
     };
-    document.addEventListener("pointermove", onMove);
-    this.releaseFrame = () => document.removeEventListener("pointermove", onMove);
+    // pointerover too: the first event once the pointer leaves the frame,
+    // which a viewer busy drawing may not follow with moves at once.
+    for (const type of ["pointermove", "pointerover"]) document.addEventListener(type, onMove);
+    this.releaseFrame = () => {
+      for (const type of ["pointermove", "pointerover"]) {
+        document.removeEventListener(type, onMove);
+      }
+    };
     const hint = h("p", {
       id: "pdf-keys",
       class: "muted small-text",
