@@ -4,11 +4,14 @@ A request matching a drop rule is forwarded and fully processed upstream, and
 then its answer is replaced by 504: the client sees a lost response (as behind
 a load balancer that timed out) although the server applied the request. A
 request matching a fail rule is never forwarded: it is answered 503 at once,
-as a controller that cannot reach its database would.
+as a controller that cannot reach its database would. A request matching a
+hold rule waits, before it is forwarded, until the test releases it: a
+controller slow to answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 from collections.abc import AsyncIterator
@@ -29,11 +32,26 @@ class DropRule:
 
 
 @dataclass
+class Hold:
+    """A held request: ``reached`` when one arrived, forwarded after ``release``."""
+
+    method: str
+    path: re.Pattern[str]
+    reached: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+    used: bool = False
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@dataclass
 class LossyProxy:
     upstream: str
     port: int = field(default_factory=free_port)
     rules: list[DropRule] = field(default_factory=list)
     fail_rules: list[DropRule] = field(default_factory=list)
+    holds: list[Hold] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
@@ -52,6 +70,21 @@ class LossyProxy:
         """The next ``count`` matching requests get 503 without reaching the controller."""
         with self._lock:
             self.fail_rules.append(DropRule(method, re.compile(path_regex), count))
+
+    def hold_next(self, method: str, path_regex: str) -> Hold:
+        """The next matching request waits until ``release()`` (released at stop too)."""
+        hold = Hold(method, re.compile(path_regex))
+        with self._lock:
+            self.holds.append(hold)
+        return hold
+
+    def _hold_for(self, method: str, path: str) -> Hold | None:
+        with self._lock:
+            for hold in self.holds:
+                if not hold.used and hold.method == method and hold.path.search(path):
+                    hold.used = True
+                    return hold
+        return None
 
     def _should_fail(self, method: str, path: str) -> bool:
         with self._lock:
@@ -88,6 +121,10 @@ class LossyProxy:
                 if not msg.get("more_body"):
                     return
 
+        hold = self._hold_for(method, path)
+        if hold is not None:
+            hold.reached.set()
+            await asyncio.to_thread(hold.released.wait)  # set from the test's thread
         if self._should_fail(method, path):
             async for _ in body():  # read the request, as a server would
                 pass
@@ -149,5 +186,7 @@ class LossyProxy:
         return self
 
     def stop(self) -> None:
+        for hold in self.holds:
+            hold.release()
         if self._server is not None:
             self._server.stop()
