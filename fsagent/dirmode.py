@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import stat
 import struct
@@ -82,7 +81,7 @@ from fsagent.errors import (
 from fsagent.hydrate import manifest_row
 from fsagent.records import EMPTY_DIGEST, BaseEntry, Binding, Kind, LocalEntry, ManifestRow
 from fsagent.ship import SaveResult, Shipper, checkpoint_loop, raise_first_failure
-from fsagent.statedir import MARKER, StateDir
+from fsagent.statedir import MARKER, StateDir, discard_state_dir
 
 log = logging.getLogger(__name__)
 
@@ -654,11 +653,7 @@ def discard_local_copy(root_fd: int, state_dir: Path) -> None:
         names = [e.name for e in it]
     for name in names:
         remove_path(root_fd, name)
-    for child in state_dir.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink(missing_ok=True)
+    discard_state_dir(state_dir)
 
 
 async def _serve_bound(
