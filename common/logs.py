@@ -14,12 +14,15 @@ import argparse
 import contextvars
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 FORMATS = ("json", "text")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+"""An ``X-Request-Id`` the controller takes as its own (else it makes one)."""
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,7 +27,7 @@ from starlette.routing import BaseRoute, Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.bridge import BATCH_MAX_MEMBERS, PREFIX
-from common.logs import RequestContext, current_request
+from common.logs import REQUEST_ID, RequestContext, current_request
 from controller.db import SharedPool
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,6 @@ BATCH_ANSWER_CAPTURE_BYTES = 1024 + BATCH_MAX_MEMBERS * 128
 """A batch upload's answer lists every member (``{"digest": …, "byteSize": …}``,
 under 100 bytes each): all of it is read, or the batch would count nothing."""
 SCRAPE_QUERY_TIMEOUT = 5.0
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
 class Metrics:
@@ -234,7 +232,7 @@ def request_id(scope: Scope) -> str:
     for name, value in scope.get("headers", []):
         if name == b"x-request-id":
             text = bytes(value).decode("latin-1")
-            if _REQUEST_ID.match(text):
+            if REQUEST_ID.fullmatch(text):
                 return text
     return uuid.uuid4().hex[:16]
 

@@ -56,6 +56,7 @@ from fsagent.errors import (
     ControllerUnavailable,
     ObjectUnavailable,
 )
+from fsagent.requestlog import event_hooks, request_fields
 from fsagent.tls import TransportOptions, check_url, ssl_context, untrusted_certificate
 
 log = logging.getLogger(__name__)
@@ -605,7 +606,13 @@ async def with_retries(
                 ) from exc
             level = logging.INFO if attempt < 3 else logging.WARNING
             log.log(
-                level, "%s failed (attempt %d, retrying in %.2fs): %s", what, attempt, delay, exc
+                level,
+                "%s failed (attempt %d, retrying in %.2fs): %s",
+                what,
+                attempt,
+                delay,
+                exc,
+                extra=request_fields(),
             )
             await trio.sleep(delay)
 
@@ -633,6 +640,7 @@ class HttpBridgeClient(BridgeClient):
             headers={"Authorization": f"Bearer {token}", "User-Agent": "fsagent"},
             timeout=httpx.Timeout(30.0, connect=10.0),
             transport=transport,
+            event_hooks=event_hooks(),
         )
         self.retry_deadline = retry_deadline
 

@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import stat
 import struct
@@ -94,7 +93,7 @@ from fsagent.ship import (
     limit_warning,
     raise_first_failure,
 )
-from fsagent.statedir import MARKER, StateDir
+from fsagent.statedir import MARKER, StateDir, discard_state_dir
 
 log = logging.getLogger(__name__)
 
@@ -691,11 +690,7 @@ def discard_local_copy(root_fd: int, state_dir: Path) -> None:
         names = [e.name for e in it]
     for name in names:
         remove_path(root_fd, name)
-    for child in state_dir.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink(missing_ok=True)
+    discard_state_dir(state_dir)
 
 
 async def _serve_bound(

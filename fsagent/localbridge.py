@@ -43,10 +43,12 @@ from urllib.parse import unquote
 
 import httpx
 
+from common import logs
 from common.bridge import PREFIX
 from fsagent import tls
 from fsagent.daemon import read_token
 from fsagent.errors import FsagentError
+from fsagent.requestlog import event_hooks, request_fields
 from fsagent.store import default_state_root
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,7 @@ class LocalBridge:
                 headers={"Accept-Encoding": "identity"},
                 timeout=UPSTREAM_TIMEOUT,
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=16),
+                event_hooks=event_hooks(),
             )
         return self._client
 
@@ -220,13 +223,15 @@ class LocalBridge:
         except ClientGone:
             return
         except httpx.TimeoutException as exc:
-            log.warning("controller did not answer %s %s: %r", scope["method"], scope["path"], exc)
+            log.warning("controller did not answer %s %s: %r", scope["method"], scope["path"], exc,
+                        extra=request_fields())  # fmt: skip
             await _answer(
                 send, *_error_body(504, "controller_timeout", "controller did not answer")
             )
             return
         except httpx.HTTPError as exc:
-            log.warning("controller unreachable for %s %s: %r", scope["method"], scope["path"], exc)
+            log.warning("controller unreachable for %s %s: %r", scope["method"], scope["path"], exc,
+                        extra=request_fields())  # fmt: skip
             await _answer(
                 send, *_error_body(502, "controller_unreachable", "controller unreachable")
             )
@@ -254,7 +259,7 @@ class LocalBridge:
         except httpx.HTTPError as exc:
             # Too late for an error answer: the caller sees the answer cut short.
             log.warning("controller's answer to %s %s broke off: %r", scope["method"],
-                        scope["path"], exc)  # fmt: skip
+                        scope["path"], exc, extra=request_fields())  # fmt: skip
         finally:
             watcher.cancel()
             await response.aclose()
@@ -427,4 +432,8 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--ready-file", help="write the endpoint as JSON here once listening")
     b.add_argument("--retry-deadline", type=float, default=60.0, help=argparse.SUPPRESS)
     tls.add_arguments(b)
+    logs.add_argument(b)
+    b.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO"
+    )
     b.set_defaults(func=cmd_bridge)

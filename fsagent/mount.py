@@ -74,6 +74,7 @@ from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
 from fsagent.ship import Checkpoints, FinalSave, Shipper, checkpoint_loop, limit_warning
 from fsagent.shipthread import ShipThread
+from fsagent.statedir import discard_state_dir
 from fsagent.store import MARKER, Binding, ManifestRow, Store
 
 log = logging.getLogger(__name__)
@@ -556,9 +557,7 @@ def discard_local_copy(state_dir: Path) -> None:
     the journal, the upper layer and the content cache. The next run of the
     agent hydrates the folder as last saved: no retained archive, no partial
     save. (A daemon killed before its stop boundary discards nothing, and its
-    next start ships what it kept, as for every collection.)"""
-    for child in state_dir.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink(missing_ok=True)
+    next start ships what it kept, as for every collection; one killed during
+    the discard leaves the whole state dir or none, see
+    :func:`fsagent.statedir.discard_state_dir`.)"""
+    discard_state_dir(state_dir)

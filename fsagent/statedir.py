@@ -27,6 +27,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Final, Self
@@ -140,6 +141,31 @@ class GuardedEnv:
             log.warning("cannot reserve %d bytes for %s: %s", HEADROOM, self._data_file, exc)
         finally:
             os.close(fd)
+
+
+def discard_state_dir(root: Path) -> None:
+    """Empty the state dir ``root`` (closed) so that no interruption leaves
+    half of one behind: its contents leave in one rename, into a sibling
+    ``.NAME.discarded`` that is then removed (one an interrupted discard left
+    goes first), and ``root`` is made again, empty. A daemon killed meanwhile
+    (systemd's SIGTERM right after the final save answered) leaves either the
+    whole state dir or an empty one, never one without its marker that the
+    next start refuses as foreign."""
+    trash = root.with_name(f".{root.name}.discarded")
+    shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.rename(root, trash)
+    except FileNotFoundError:
+        pass
+    except OSError:  # the parent is not ours to change: in place, the marker last
+        for child in sorted(root.iterdir(), key=lambda c: c.name == MARKER):
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink(missing_ok=True)
+        return
+    root.mkdir(mode=0o700, exist_ok=True)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _write_marker(root: Path) -> None:

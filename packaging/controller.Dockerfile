@@ -6,30 +6,60 @@
 #       -e AWS_ACCESS_KEY_ID=... -e AWS_SECRET_ACCESS_KEY=... \
 #       workfolders-controller --storage s3 --s3-bucket B --s3-region R
 #
-# Arguments after the image name are added to `controller serve`. The image has
-# no PostgreSQL server: CONTROLLER_DATABASE_URL is required. It has the
-# PostgreSQL client tools for `controller admin backup|restore` (the database
-# half; S3 is backed up by the bucket's versioning or replication).
-FROM python:3.11-slim
+# Arguments after the image name are added to `controller serve` (for TLS:
+# --tls-cert /run/secrets/cert.pem --tls-key /run/secrets/key.pem, mounted in).
+# The image has no PostgreSQL server: CONTROLLER_DATABASE_URL is required. It
+# has the PostgreSQL client tools of major version PG_MAJOR (from the
+# PostgreSQL project's apt repository) for `controller admin backup|restore`
+# (the database half; S3 is backed up by the bucket's versioning or
+# replication): pg_dump refuses a server newer than itself, so build with
+# --build-arg PG_MAJOR=<the server's major version>.
+#
+# Two stages. The builder compiles what has no wheel for this platform
+# (pyfuse3, a required dependency of the package, from its sdist with
+# fsagent's patch: gcc, pkg-config and libfuse3-dev) into a virtualenv under
+# /opt/controller; the runtime stage copies that virtualenv onto the same
+# base image and adds only runtime libraries, so no compiler ships.
 
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends postgresql-client \
-    && rm -rf /var/lib/apt/lists/* \
-    && useradd --system --uid 10001 --home-dir /var/lib/controller --create-home \
-        --shell /usr/sbin/nologin controller
-
+    && apt-get install -y --no-install-recommends gcc libc6-dev pkg-config libfuse3-dev patch \
+    && rm -rf /var/lib/apt/lists/*
+RUN python -m venv /opt/controller/venv
+ENV PATH=/opt/controller/venv/bin:$PATH
 WORKDIR /src
+COPY packaging/pyfuse3 ./packaging/pyfuse3
+RUN packaging/pyfuse3/build.sh --python /opt/controller/venv/bin/python \
+        --wheel-dir /tmp/wheels --install
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY controller ./controller
 COPY fsagent ./fsagent
-RUN pip install --no-cache-dir . && rm -rf /src
+RUN pip install --no-cache-dir . \
+    && pip check \
+    && python -c "import pyfuse3, controller.cli, controller.healthcheck"
+
+FROM ${PYTHON_IMAGE} AS runtime
+ARG PG_MAJOR=17
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libfuse3-3 ca-certificates postgresql-common \
+    && /usr/share/postgresql-common/pgdg/apt.postgresql.org.sh -y \
+    && apt-get install -y --no-install-recommends "postgresql-client-${PG_MAJOR}" \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --home-dir /var/lib/controller --create-home \
+        --shell /usr/sbin/nologin controller
+COPY --from=builder /opt/controller/venv /opt/controller/venv
+ENV PATH=/opt/controller/venv/bin:$PATH \
+    CONTROLLER_DATA_DIR=/var/lib/controller \
+    PYTHONUNBUFFERED=1
 
 USER controller
 WORKDIR /var/lib/controller
-ENV CONTROLLER_DATA_DIR=/var/lib/controller \
-    PYTHONUNBUFFERED=1
 EXPOSE 8750
+# Reads serve's command line (PID 1) and asks /readyz over HTTPS when it was
+# given --tls-cert, plain HTTP otherwise (controller/healthcheck.py).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8750/readyz', timeout=4).status != 200)"]
+    CMD ["python", "-m", "controller.healthcheck"]
 ENTRYPOINT ["controller", "serve", "--listen", "0.0.0.0:8750", "--log-format", "json"]

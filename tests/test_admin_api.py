@@ -6,7 +6,9 @@ result for the same operation (they share one domain layer)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +18,10 @@ import httpx
 import pytest
 
 from common.bridge import PREFIX
+from controller.api.openapi import document
+from controller.cli import build_parser
 from tests.support.bridge import Run, api_client, start_run
+from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, Tenant, bootstrap_tenant
 
 
@@ -933,3 +938,52 @@ def test_the_command_line_and_the_api_give_the_same_result(controller: Controlle
         assert err == f"controller: user {c_gone} is not a member of company {cli_t.company_id}\n"
         assert r.json()["error"] == f"user {a_gone} is not a member of company {api_t.company_id}"
         assert company_rows(cli_t.company_id) == company_rows(api_t.company_id)
+
+
+COMMAND_ROUTES = {
+    "add-member": ("put", "/members/{userId}"),
+    "remove-member": ("delete", "/members/{userId}"),
+    "end-sessions": ("delete", "/members/{userId}/sessions"),
+    "list-tokens": ("get", "/tokens"),
+    "revoke-token": ("delete", "/tokens/{tokenId}"),
+    "create-operator-token": ("post", "/operator-tokens"),
+    "create-agent": ("post", "/agents"),
+    "set-agent-entry": ("put", "/agents/{agentId}/entry"),
+    "grant": ("put", "/agents/{agentId}/grants/{userId}"),
+    "revoke": ("delete", "/agents/{agentId}/grants/{userId}"),
+    "create-project": ("post", "/projects"),
+    "create-task": ("post", "/tasks"),
+    "add-workspace": ("post", "/projects/{projectId}/workspaces"),
+    "remove-workspace": ("delete", "/workspaces/{workspaceId}"),
+    "set-task-branch": ("put", "/tasks/{taskId}/branch"),
+    "start-run": ("post", "/runs"),
+    "end-run": ("post", "/runs/{runId}/end"),
+    "audit": ("get", "/runs/{runId}/audit"),
+}
+"""Each company-scoped ``controller admin`` command and its REST route
+(under ``/api/companies/{companyId}``)."""
+
+
+def test_every_admin_command_has_a_route_or_a_documented_reason() -> None:
+    """The commands are exactly those with a route here plus those the
+    README's "why no route" table names; each route is in the OpenAPI
+    document, and the two sets do not overlap."""
+
+    def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return dict(action.choices)
+
+    commands = set(subcommands(subcommands(build_parser())["admin"]))
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("| command | why no route |\n| --- | --- |\n", 1)[1].split("\n\n", 1)[0]
+    cli_only = set()
+    for row in table.splitlines():
+        first = row.split(" | ", 1)[0]
+        if "not `admin` commands" not in first:
+            cli_only |= set(re.findall(r"`([a-z-]+)`", first))
+    assert cli_only == {"bootstrap", "create-user", "import-agent-files", "backup", "restore"}
+    assert not cli_only & set(COMMAND_ROUTES)
+    assert commands == cli_only | set(COMMAND_ROUTES)
+    paths = document()["paths"]
+    for command, (method, path) in COMMAND_ROUTES.items():
+        assert method in paths.get("/api/companies/{companyId}" + path, {}), command

@@ -35,6 +35,7 @@ from fsagent.errors import (
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher
 from fsagent.memclient import MemoryBridgeClient
+from fsagent.statedir import discard_state_dir
 from fsagent.store import (
     MARKER,
     ROOT_INODE,
@@ -381,3 +382,26 @@ def test_client_pages_manifests_and_streams_objects(tmp_path: Path) -> None:
         await client.aclose()
 
     trio.run(main)
+
+
+def test_a_discarded_state_dir_is_whole_or_empty(tmp_path: Path) -> None:
+    """The agent folder's discard: the state dir leaves in one rename (one an
+    interrupted discard left is removed first), an empty one stays, and a
+    fresh store opens there."""
+    root = tmp_path / "agent"
+    store = Store.open(root)
+    store.bind(
+        Binding("c1", "agent", "a1", {"task": None, "agent": "a1", "user": None, "project": None})
+    )
+    store.close()
+    assert (root / MARKER).is_file() and (root / "db").is_dir()
+    left_over = tmp_path / ".agent.discarded"
+    (left_over / "db").mkdir(parents=True)
+    discard_state_dir(root)
+    assert root.is_dir() and list(root.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["agent"]
+    fresh = Store.open(root)
+    try:
+        assert fresh.binding() is None
+    finally:
+        fresh.close()

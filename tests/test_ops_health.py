@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import psycopg
@@ -11,6 +13,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from tests.support.controller import ControllerProcess, PgCluster, world_searchable_tmpdir
+from tests.support.s3server import FAKE_CREDENTIALS, S3Server
+from tests.support.storage import s3_client
 
 
 @pytest.fixture
@@ -71,3 +75,48 @@ def test_storage_failure_fails_readiness(own_controller: ControllerProcess) -> N
         objects.unlink()
         moved.rename(objects)
     assert httpx.get(own_controller.url + "/readyz").status_code == 200
+
+
+def test_s3_outage_fails_readiness_not_liveness(pg_cluster: PgCluster) -> None:
+    """On S3: ready while the bucket answers; with the S3 server stopped, and
+    then back but without the bucket, 503 ``not_ready`` naming storage (the
+    database still ok) while ``/healthz`` answers; ready again once the bucket
+    is back."""
+    server = S3Server().start()
+    bucket = f"ready-{uuid.uuid4().hex[:16]}"
+    ctl = ControllerProcess(
+        pg_cluster.create_database(),
+        world_searchable_tmpdir("fsa-ctl-s3ready-"),
+        ["--storage", "s3", "--s3-endpoint", server.endpoint_url, "--s3-bucket", bucket,
+         "--s3-region", "us-east-1"],
+        env=FAKE_CREDENTIALS,
+    )  # fmt: skip
+    try:
+        s3_client(server).create_bucket(Bucket=bucket)
+        ctl.start()
+        r = httpx.get(ctl.url + "/readyz", timeout=30)
+        assert (r.status_code, r.json()) == (
+            200,
+            {"ok": True, "checks": {"database": "ok", "storage": "ok"}},
+        )
+
+        def not_ready() -> dict[str, Any]:
+            r = httpx.get(ctl.url + "/readyz", timeout=30)
+            assert r.status_code == 503, r.text
+            body: dict[str, Any] = r.json()
+            assert body["code"] == "not_ready" and body["failing"] == ["storage"], body
+            assert body["checks"]["database"] == "ok"
+            assert httpx.get(ctl.url + "/healthz").status_code == 200
+            return body
+
+        server.stop()
+        assert "unreachable" in not_ready()["checks"]["storage"]
+        server = S3Server(server.port).start()  # an empty server: the bucket is gone
+        assert "is not usable" in not_ready()["checks"]["storage"]
+        s3_client(server).create_bucket(Bucket=bucket)
+        r = httpx.get(ctl.url + "/readyz", timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        ctl.stop()
+        server.stop()
+        shutil.rmtree(ctl.data_dir, ignore_errors=True)

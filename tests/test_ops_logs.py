@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from common import logs
+from common.bridge import PREFIX
 from tests.support.bridge import start_run
 from tests.support.constants import REPO
 from tests.support.controller import (
@@ -24,6 +26,7 @@ from tests.support.controller import (
     bootstrap_tenant,
     world_searchable_tmpdir,
 )
+from tests.support.endpoint import start_endpoint
 from tests.support.mount import MountFactory
 
 
@@ -86,7 +89,11 @@ def test_fsagent_json_lines(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
     plain = [line for line in out.stderr.splitlines() if not line.startswith("{")]
     assert plain == ["fsagent: 1 check(s) failed: controller"]  # the command's own error line
-    assert any("GET run failed" in x["msg"] and x["level"] == "INFO" for x in lines), out.stderr
+    retries = [x for x in lines if "GET run failed" in x["msg"]]
+    assert retries and retries[0]["level"] == "INFO", out.stderr  # louder from the third
+    # Each attempt's line names that attempt's request id.
+    ids = [x["requestId"] for x in retries]
+    assert all(re.fullmatch(r"fsa-[0-9a-f]{16}", i) for i in ids) and len(set(ids)) == len(ids)
 
 
 @pytest.mark.fuse
@@ -104,6 +111,77 @@ def test_fsagent_mount_lines_name_run_and_scope(tenant: Tenant, mounts: MountFac
     saved = [x for x in lines if "saved" in x["msg"] and x["logger"] == "fsagent.ship"]
     assert saved, m.stderr()
     assert all(x["runId"] == run.run_id and x["scope"] == "task" for x in saved)
+
+
+def template_matches(route: str, path: str) -> bool:
+    """Whether the controller's route template names this URL path."""
+    pattern = re.escape(route.removesuffix("/…")).replace(r"\{", "{").replace(r"\}", "}")
+    pattern = re.sub(r"\{[A-Za-z]+:path\}", ".+", pattern)
+    pattern = re.sub(r"\{[A-Za-z]+\}", "[^/]+", pattern)
+    return re.fullmatch(pattern + ("(/.*)?" if route.endswith("/…") else ""), path) is not None
+
+
+@pytest.mark.fuse
+def test_fsagent_and_controller_lines_share_request_ids(
+    json_controller: ControllerProcess, mounts: MountFactory
+) -> None:
+    """Every request fsagent sends carries an ``X-Request-Id``; fsagent's line
+    about the answer and the controller's line about the same request name
+    it, with the same status, and the controller's route names fsagent's
+    path. The local API endpoint passes a caller's id on and makes one for a
+    caller that sends none."""
+    ctl = json_controller
+    ctl.start()
+    tenant = bootstrap_tenant(ctl)
+    run = start_run(tenant)
+    assert run.task is not None
+    token = mounts.base / "token"
+    token.write_text(run.token)
+    m = mounts.mount(ctl.url, "task", token_file=token, extra=["--log-format", "json", "-v"])
+    (m.mountpoint / "a.txt").write_bytes(b"logged")
+    assert m.fsagent("flush")["ok"]
+    assert m.stop() == 0
+    ep = start_endpoint(ctl.url, run.token, "--log-format", "json", "-v")
+    try:
+        listing = tenant.folder("task", run.task) + "/"
+        with ep.tcp() as tcp:
+            assert tcp.get(listing, headers={"X-Request-Id": "caller-req-7"}).status_code == 200
+            assert tcp.get(listing).status_code == 200
+        assert ep.stop() == 0
+        bridge_lines = [json.loads(x) for x in ep.stderr().splitlines() if x.startswith("{")]
+    finally:
+        ep.stop()
+        shutil.rmtree(ep.dir, ignore_errors=True)
+    ctl.stop()
+    served: dict[str, list[dict[str, Any]]] = {}
+    for line in json_lines(ctl.log()):
+        if line["logger"] == "uvicorn.access":
+            served.setdefault(line["requestId"], []).append(line)
+
+    mount_lines = [json.loads(x) for x in m.stderr().splitlines() if x.startswith("{")]
+    sent = [x for x in mount_lines if x["logger"] == "fsagent.http"]
+    paths = {(x["method"], x["path"]) for x in sent}
+    assert ("GET", "/bridge/v1/run") in paths, m.stderr()
+    assert ("POST", "/bridge/v1/folders/task/checkpoints") in paths, m.stderr()
+    for x in sent:
+        assert re.fullmatch(r"fsa-[0-9a-f]{16}", x["requestId"]), x
+        if x["path"] != "/bridge/v1/run":  # the run is known once it answered
+            assert x["runId"] == run.run_id and x["scope"] == "task", x
+        (theirs,) = served[x["requestId"]]
+        assert (theirs["method"], theirs["status"]) == (x["method"], x["status"])
+        assert template_matches(theirs["route"], x["path"]), (theirs, x)
+        assert theirs["runId"] == run.run_id
+    assert len({x["requestId"] for x in sent}) == len(sent)
+
+    forwarded = [x for x in bridge_lines if x["logger"] == "fsagent.http"]
+    (given, made) = [x["requestId"] for x in forwarded]
+    assert given == "caller-req-7", ep.stderr()
+    assert re.fullmatch(r"fsa-[0-9a-f]{16}", made)
+    for x in forwarded:
+        (theirs,) = served[x["requestId"]]
+        assert x["path"] == PREFIX + "/api" + listing.removeprefix("/api")
+        assert x["status"] == theirs["status"] == 200
+        assert template_matches(theirs["route"], x["path"]), (theirs, x)
 
 
 class Tty(io.StringIO):

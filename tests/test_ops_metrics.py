@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.bridge import BATCH_MAX_MEMBERS, encode_batch
+from controller.storage.base import object_key
 from tests.support.bridge import start_run
 from tests.support.constants import REPO
 from tests.support.controller import (
@@ -310,3 +311,66 @@ def test_a_busy_metrics_address_stops_the_start(pg_cluster: PgCluster) -> None:
     assert out.stderr.strip() == (
         f"controller: cannot listen on --metrics-listen 127.0.0.1:{port}: Address already in use"
     )
+
+
+def test_a_gc_object_that_cannot_be_deleted_is_counted_failed_then_retried(
+    metered: tuple[ControllerProcess, str],
+) -> None:
+    """An unreferenced object whose bytes storage cannot remove (a directory
+    stands at its path) counts as ``failed`` on each sweep, keeps its journal
+    entry and its row; once storage can remove it, the next sweep deletes it."""
+    ctl, url = metered
+    tenant = bootstrap_tenant(ctl)
+    run = start_run(tenant)
+    body = b"undeletable " * 40
+    folder = tenant.folder("task", str(run.task))
+    with tenant.client() as c:
+        put = c.put(f"{folder}/content", params={"path": "stuck.bin"}, content=body,
+                    headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+        assert put.status_code == 201, put.text
+        with ctl.db() as db:
+            row = db.execute(
+                "SELECT digest FROM files WHERE id = %s", (put.json()["file"]["id"],)
+            ).fetchone()
+            assert row is not None
+            digest = str(row[0])
+        path = ctl.data_dir / "objects" / object_key(tenant.company_id, digest)
+        assert path.read_bytes() == body
+        path.unlink()
+        path.mkdir()
+        (path / "blocker").write_bytes(b"")
+        before = scrape(url)
+        ops = f"{folder}/operations"
+        assert c.post(ops, json={"action": "delete", "path": "stuck.bin"}).status_code == 200
+        purge = c.post(ops, json={"action": "purge", "fileId": put.json()["file"]["id"]})
+        assert purge.status_code == 200, purge.text
+    failed = "controller_gc_objects_total"
+    try:
+        wait_for_sample(url, failed, value(before, failed, outcome="failed") + 2, 30,
+                        outcome="failed")  # fmt: skip
+        with ctl.db() as db:
+            rows = db.execute(
+                "SELECT done_at, outcome FROM deletion_journal"
+                " WHERE company_id = %s AND digest = %s", (tenant.company_id, digest),
+            ).fetchall()  # fmt: skip
+            assert rows and all(done_at is None for done_at, _ in rows), rows
+            kept = db.execute(
+                "SELECT 1 FROM objects WHERE company_id = %s AND digest = %s",
+                (tenant.company_id, digest),
+            ).fetchone()
+            assert kept is not None
+        assert f"GC of {tenant.company_id}/{digest} failed; will retry" in ctl.log()
+    finally:
+        shutil.rmtree(path)
+        path.write_bytes(body)
+    deadline = time.monotonic() + 30
+    while path.exists():
+        assert time.monotonic() < deadline, "the retried sweep did not delete the object"
+        time.sleep(0.1)
+    with ctl.db() as db:
+        outcomes = db.execute(
+            "SELECT outcome FROM deletion_journal WHERE company_id = %s AND digest = %s",
+            (tenant.company_id, digest),
+        ).fetchall()  # fmt: skip
+    assert outcomes and [o for (o,) in outcomes] == ["deleted"] * len(outcomes)
+    tenant.controller.admin("end-run", run.run_id)

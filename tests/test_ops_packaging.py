@@ -3,19 +3,30 @@ scripts install and enable (booting one is tests/test_sandbox_boot.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from controller.healthcheck import ProbeError, Target, is_serve, target_of
 from tests.support.constants import REPO
+from tests.support.controller import ControllerProcess, PgCluster
+from tests.support.pki import Pki, TlsControllerProcess, made_pki, running_tls_controller
+from tests.support.procs import free_port
 
 UNIT = REPO / "packaging" / "systemd" / "controller.service"
 DOCKERFILE = REPO / "packaging" / "controller.Dockerfile"
+DOCKERIGNORE = REPO / "packaging" / "controller.Dockerfile.dockerignore"
+PYPROJECT = REPO / "pyproject.toml"
 SANDBOX_IMAGE = REPO / "packaging" / "sandbox-image"
 VENV_CONTROLLER = Path(sys.executable).parent / "controller"
 
@@ -75,12 +86,244 @@ def container_engine() -> str | None:
     return None
 
 
-def test_dockerfile_is_slim_non_root_and_external_services() -> None:
-    text = DOCKERFILE.read_text()
-    assert "FROM python:3.11-slim" in text
-    assert "\nUSER controller\n" in text
-    assert "CONTROLLER_DATABASE_URL" in text
-    assert "postgresql-client" in text  # pg_dump for admin backup, no server
+@dataclass
+class Stage:
+    name: str | None
+    base: str
+    instructions: list[tuple[str, str]]
+
+    def all(self, keyword: str) -> list[str]:
+        return [rest for kw, rest in self.instructions if kw == keyword]
+
+    def apt_packages(self) -> set[str]:
+        """What the stage's ``apt-get install`` commands install (its ARGs substituted)."""
+        args = {}
+        for arg in self.all("ARG"):
+            name, _, default = arg.partition("=")
+            args[name] = default
+        found: set[str] = set()
+        for run in self.all("RUN"):
+            for cmd in re.findall(r"apt-get install ([^&;]+)", run):
+                for word in cmd.split():
+                    word = re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], word.strip('"'))
+                    if not word.startswith("-"):
+                        found.add(word)
+        return found
+
+
+def dockerfile(text: str) -> tuple[dict[str, str], list[Stage]]:
+    """The global ARGs and the stages of a Dockerfile: each instruction on one
+    line (continuations joined, comments dropped)."""
+    lines: list[str] = []
+    buf = ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        if (buf + line).strip():
+            lines.append(" ".join((buf + line).split()))
+        buf = ""
+    assert buf == "", "a continuation runs off the end"
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for line in lines:
+        keyword, _, rest = line.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            m = re.fullmatch(r"(\S+)(?: AS (\S+))?", rest, re.IGNORECASE)
+            assert m, line
+            stages.append(Stage(m[2], m[1], []))
+        elif not stages:
+            assert keyword == "ARG", line
+            name, _, default = rest.partition("=")
+            global_args[name] = default
+        else:
+            stages[-1].instructions.append((keyword, rest))
+    return global_args, stages
+
+
+def ignored_by(dockerignore: str, path: str) -> bool:
+    """Whether the build context leaves ``path`` out (the ``*`` then ``!keep``
+    form this repository's ignore file uses)."""
+    rules = [r for r in dockerignore.splitlines() if r and not r.startswith("#")]
+    assert rules[0] == "*", "the ignore file lets in only what it names"
+    kept = [r[1:].rstrip("/") for r in rules if r.startswith("!")]
+    return not any(path == k or path.startswith(k + "/") for k in kept)
+
+
+def test_dockerfile_builds_in_a_builder_stage_and_runs_slim_and_non_root() -> None:
+    global_args, stages = dockerfile(DOCKERFILE.read_text())
+    assert [s.name for s in stages] == ["builder", "runtime"]
+    builder, runtime = stages
+    # One base image for both, so the virtualenv's interpreter paths hold.
+    base = global_args["PYTHON_IMAGE"]
+    assert re.fullmatch(r"python:3\.\d+-slim-\w+", base), base
+    assert builder.base == runtime.base == "${PYTHON_IMAGE}"
+    (minimum,) = re.findall(r'^requires-python = ">=(3\.\d+)"$', PYPROJECT.read_text(), re.M)
+    image_python = base.split(":")[1].split("-")[0]
+    assert tuple(map(int, image_python.split("."))) >= tuple(map(int, minimum.split(".")))
+
+    # The builder compiles pyfuse3 (no wheel on the package index) with the patch.
+    assert {"gcc", "pkg-config", "libfuse3-dev"} <= builder.apt_packages()
+    assert any("packaging/pyfuse3/build.sh" in r for r in builder.all("RUN"))
+    assert any(r.startswith("pip install --no-cache-dir . ") for r in builder.all("RUN"))
+
+    # The runtime has libraries and client tools, no compiler, no headers.
+    shipped = runtime.apt_packages()
+    assert "libfuse3-3" in shipped
+    assert any(re.fullmatch(r"postgresql-client-\d+", p) for p in shipped), shipped
+    assert not {p for p in shipped if p.endswith("-dev") or p in ("gcc", "pkg-config", "make")}
+    assert "postgresql" not in shipped  # no server: CONTROLLER_DATABASE_URL is external
+    assert runtime.all("COPY") == ["--from=builder /opt/controller/venv /opt/controller/venv"]
+    assert any("PATH=/opt/controller/venv/bin:$PATH" in e for e in runtime.all("ENV"))
+
+    # Non-root: the last USER is a system user the stage creates, with a uid.
+    (useradd,) = [r for r in runtime.all("RUN") if "useradd" in r]
+    uid = re.search(r"useradd --system --uid (\d+) .* controller$", useradd)
+    assert uid and int(uid[1]) != 0, useradd
+    assert runtime.all("USER") == ["controller"]
+    keywords = [kw for kw, _ in runtime.instructions]
+    assert keywords.index("USER") > max(i for i, kw in enumerate(keywords) if kw == "RUN")
+    assert "CONTROLLER_DATABASE_URL" in DOCKERFILE.read_text()  # documented, never baked in
+    assert not any("CONTROLLER_DATABASE_URL" in e for e in runtime.all("ENV"))
+
+    (entrypoint,) = runtime.all("ENTRYPOINT")
+    assert json.loads(entrypoint)[:2] == ["controller", "serve"]
+    (healthcheck,) = runtime.all("HEALTHCHECK")
+    assert json.loads(healthcheck.partition(" CMD ")[2]) == HEALTHCHECK
+
+    # Everything the builder copies exists and is in the build context.
+    ignore = DOCKERIGNORE.read_text()
+    for copy in builder.all("COPY"):
+        *sources, _ = copy.split()
+        for src in sources:
+            assert (REPO / src).exists(), src
+            assert not ignored_by(ignore, src), f"{src} is left out of the build context"
+    assert ignored_by(ignore, "tests/test_ops_packaging.py")  # the check can fail
+
+
+HEALTHCHECK = ["python", "-m", "controller.healthcheck"]
+"""The image's HEALTHCHECK command (asserted against the Dockerfile above)."""
+
+
+def entrypoint_args() -> list[str]:
+    _, stages = dockerfile(DOCKERFILE.read_text())
+    (entrypoint,) = stages[-1].all("ENTRYPOINT")
+    args: list[str] = json.loads(entrypoint)
+    return args[1:]
+
+
+def test_the_healthcheck_reads_how_serve_was_started(tmp_path: Path) -> None:
+    """The image's command line, with and without TLS arguments added after
+    the image name, and the ways ``--listen`` is spelled."""
+    image = entrypoint_args()
+    assert target_of(image, tmp_path) == Target("127.0.0.1", 8750, None)
+    assert target_of(image, tmp_path).url == "http://127.0.0.1:8750/readyz"
+    tls = target_of([*image, "--tls-cert", "/run/secrets/c.pem", "--tls-key", "k"], tmp_path)
+    assert tls == Target("127.0.0.1", 8750, Path("/run/secrets/c.pem"))
+    assert tls.url == "https://127.0.0.1:8750/readyz"
+    relative = target_of([*image, "--tls-cert=c.pem", "--tls-key=k", "--listen=[::]:9"], tmp_path)
+    assert relative == Target("::1", 9, tmp_path / "c.pem")
+    assert relative.url == "https://[::1]:9/readyz"
+    assert target_of(["serve", "--listen", "10.1.2.3:80"], tmp_path).host == "10.1.2.3"
+    with pytest.raises(ProbeError, match="unusable --listen"):
+        target_of(["serve", "--listen", "nowhere"], tmp_path)
+
+
+def test_the_healthcheck_knows_a_serve_command_line() -> None:
+    assert is_serve(["/opt/controller/venv/bin/python", "/opt/controller/venv/bin/controller",
+                     *entrypoint_args()])  # fmt: skip
+    assert is_serve(["python3", "-m", "controller.cli", "serve", "--listen", "x:1"])
+    assert not is_serve(["controller", "migrate"])
+    assert not is_serve(["controller"])
+    assert not is_serve(["python3", "-m", "pytest", "-k", "serve"])
+    assert not is_serve(["/sbin/docker-init", "--", "controller", "-h", "serve"])
+
+
+def test_the_healthcheck_finds_serve_under_an_init(pg_cluster: PgCluster, tmp_path: Path) -> None:
+    """PID 1 is an init that started ``controller serve`` as its child. In a
+    PID namespace of its own (PID 1 a shell script) the probe without
+    ``--pid`` finds the server and its answer; ``--pid 1`` is refused."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root for a PID namespace")
+    serve = [sys.executable, "-m", "controller.cli", "serve", "--database-url",
+             pg_cluster.create_database(), "--data-dir", str(tmp_path / "data"),
+             "--listen", f"0.0.0.0:{free_port()}"]  # fmt: skip
+    py, err = shlex.quote(sys.executable), shlex.quote(str(tmp_path / "probe.err"))
+    init = tmp_path / "init.sh"
+    init.write_text(
+        f"{shlex.join(serve)} >{shlex.quote(str(tmp_path / 'serve.log'))} 2>&1 & server=$!\n"
+        "for _ in $(seq 150); do\n"
+        f"  if {py} -m controller.healthcheck 2>{err}; then\n"
+        f'    {py} -m controller.healthcheck --pid 1 2>&1; echo "pid1=$?"\n'
+        "    kill -TERM $server; wait $server; exit 0\n"
+        "  fi\n"
+        "  sleep 0.2\n"
+        "done\n"
+        f"cat {err}; kill -TERM $server; wait $server; exit 1\n"
+    )
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", str(init)],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr + (tmp_path / "serve.log").read_text()
+    assert out.stdout == f"healthcheck: process 1 is not `controller serve`: sh {init}\npid1=1\n"
+
+
+def probe(pid: int) -> subprocess.CompletedProcess[str]:
+    """The image's HEALTHCHECK command, run on this host against process ``pid``."""
+    return subprocess.run(
+        [sys.executable, *HEALTHCHECK[1:], "--pid", str(pid)],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pki() -> Iterator[Pki]:
+    yield from made_pki()
+
+
+@pytest.fixture(scope="module")
+def tls_controller(pg_cluster: PgCluster, pki: Pki) -> Iterator[TlsControllerProcess]:
+    yield from running_tls_controller(pg_cluster, pki)
+
+
+def test_the_healthcheck_probes_serve_over_http(controller: ControllerProcess) -> None:
+    assert controller.proc is not None
+    out = probe(controller.proc.pid)
+    assert (out.returncode, out.stderr) == (0, "")
+    # Not a serve process: unhealthy, with the reason.
+    out = probe(os.getpid())
+    assert out.returncode == 1
+    assert (
+        out.stderr.startswith("healthcheck: process ") and "is not `controller serve`" in out.stderr
+    )
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_the_healthcheck_probes_serve_over_tls(tls_controller: TlsControllerProcess) -> None:
+    """With ``--tls-cert`` the probe speaks HTTPS, trusting that certificate,
+    and a not-ready answer (storage gone) makes it fail."""
+    assert tls_controller.proc is not None
+    pid = tls_controller.proc.pid
+    out = probe(pid)
+    assert (out.returncode, out.stderr) == (0, "")
+    objects = tls_controller.data_dir / "objects"
+    moved = tls_controller.data_dir / "objects-away"
+    objects.rename(moved)
+    objects.write_bytes(b"not a directory")
+    try:
+        out = probe(pid)
+        assert out.returncode == 1
+        port = tls_controller.port
+        assert out.stderr.startswith(f"healthcheck: https://127.0.0.1:{port}/readyz answered 503")
+        assert '"failing":["storage"]' in out.stderr
+    finally:
+        objects.unlink()
+        moved.rename(objects)
+    assert probe(pid).returncode == 0
 
 
 @pytest.mark.slow
@@ -104,6 +347,15 @@ def test_container_image_builds_and_runs_as_non_root() -> None:
             [engine, "run", "--rm", tag, "--help"], capture_output=True, text=True, timeout=120
         )
         assert "--metrics-listen" in help_.stdout
+        # The compiled dependency loads against the runtime library, and the
+        # client tools for backups are there.
+        tools = subprocess.run(
+            [engine, "run", "--rm", "--entrypoint", "sh", tag, "-c",
+             "python -c 'import pyfuse3, controller.healthcheck' && pg_dump --version"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert tools.returncode == 0, tools.stderr
+        assert tools.stdout.startswith("pg_dump (PostgreSQL) ")
     finally:
         subprocess.run([engine, "rmi", "-f", tag], capture_output=True, timeout=120)
 

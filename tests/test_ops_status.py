@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from fsagent import control
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant
-from tests.support.mount import MountFactory
+from tests.support.lossy_proxy import LossyProxy
+from tests.support.mount import FsagentMount, MountFactory
 
 pytestmark = pytest.mark.fuse
 
@@ -51,3 +55,45 @@ def test_stats_is_a_control_command() -> None:
     assert control.parse_request(b'{"cmd": "stats"}') == ("stats", False)
     with pytest.raises(control.BadRequest, match="flush, ping, stats"):
         control.parse_request(b'{"cmd": "nope"}')
+
+
+def live_queue_depth(m: FsagentMount) -> int:
+    (row,) = m.fsagent("status")["collections"]
+    return int(row["live"]["queueDepth"])
+
+
+def test_queue_depth_counts_a_held_checkpoint_and_the_one_waiting(
+    tenant: Tenant, mounts: MountFactory
+) -> None:
+    """While the controller holds a checkpoint's commit, status shows it in
+    flight (1), a second flush waiting behind it (2), and 0 once both saved."""
+    proxy = LossyProxy(tenant.controller.url).start()
+    try:
+        run = start_run(tenant)
+        token = mounts.base / "token"
+        token.write_text(run.token)
+        m = mounts.mount(proxy.url, "task", token_file=token)
+        (m.mountpoint / "a.txt").write_bytes(b"first")
+        hold = proxy.hold_next("POST", r"/checkpoints$")
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(m.fsagent, "flush")
+            assert hold.reached.wait(60), proxy.seen
+            assert live_queue_depth(m) == 1
+            (m.mountpoint / "b.txt").write_bytes(b"second")
+            second = pool.submit(m.fsagent, "flush")
+            deadline = time.monotonic() + 60
+            while (depth := live_queue_depth(m)) != 2:
+                assert depth == 1 and time.monotonic() < deadline, depth
+                time.sleep(0.05)
+            assert not first.done() and not second.done()
+            hold.release()
+            assert first.result(timeout=120)["ok"] and second.result(timeout=120)["ok"]
+        (row,) = m.fsagent("status")["collections"]
+        assert row["live"]["queueDepth"] == 0 and row["unsavedFiles"] == 0
+        with tenant.client() as c:
+            folder = tenant.folder("task", run.task or "")
+            for name, body in (("a.txt", b"first"), ("b.txt", b"second")):
+                got = c.get(f"{folder}/content", params={"path": name})
+                assert (got.status_code, got.content) == (200, body)
+    finally:
+        proxy.stop()

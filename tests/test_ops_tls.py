@@ -12,7 +12,6 @@ import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -21,13 +20,9 @@ import pytest
 from fsagent.tls import EXIT_INSECURE, InsecureController, TransportOptions, check_url
 from tests.support.bridge import start_run
 from tests.support.constants import REPO
-from tests.support.controller import (
-    ControllerProcess,
-    PgCluster,
-    bootstrap_tenant,
-    world_searchable_tmpdir,
-)
+from tests.support.controller import ControllerProcess, PgCluster, bootstrap_tenant
 from tests.support.mount import MountFactory
+from tests.support.pki import Pki, TlsControllerProcess, made_pki, running_tls_controller
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 
@@ -36,69 +31,14 @@ def trusting(ca: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(ca))
 
 
-def openssl(*args: str | Path) -> None:
-    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
-
-
-def make_ca(d: Path, name: str) -> tuple[Path, Path]:
-    key, cert = d / f"{name}.key", d / f"{name}.pem"
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-            "-subj", f"/CN={name}", "-keyout", key, "-out", cert)  # fmt: skip
-    return key, cert
-
-
-def make_server_cert(d: Path, ca_key: Path, ca_cert: Path) -> tuple[Path, Path]:
-    key, csr, cert, ext = d / "server.key", d / "server.csr", d / "server.pem", d / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-            "-keyout", key, "-out", csr)  # fmt: skip
-    openssl("x509", "-req", "-in", csr, "-CA", ca_cert, "-CAkey", ca_key, "-CAcreateserial",
-            "-days", "2", "-extfile", ext, "-out", cert)  # fmt: skip
-    return cert, key
-
-
-@dataclass
-class TlsControllerProcess(ControllerProcess):
-    @property
-    def url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
-
-
-@dataclass
-class Pki:
-    ca: Path
-    other_ca: Path
-    cert: Path
-    key: Path
-
-
 @pytest.fixture(scope="module")
 def pki() -> Iterator[Pki]:
-    d = world_searchable_tmpdir("fsa-pki-")
-    try:
-        ca_key, ca = make_ca(d, "test-ca")
-        _, other_ca = make_ca(d, "other-ca")
-        cert, key = make_server_cert(d, ca_key, ca)
-        yield Pki(ca, other_ca, cert, key)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    yield from made_pki()
 
 
 @pytest.fixture(scope="module")
 def tls_controller(pg_cluster: PgCluster, pki: Pki) -> Iterator[TlsControllerProcess]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SSL_CERT_FILE", str(pki.ca))  # the readiness poll trusts the test CA
-    ctl = TlsControllerProcess(
-        pg_cluster.create_database(),
-        world_searchable_tmpdir("fsa-ctl-tls-"),
-        extra_args=["--tls-cert", str(pki.cert), "--tls-key", str(pki.key)],
-    )
-    try:
-        yield ctl.start()
-    finally:
-        ctl.stop()
-        mp.undo()
-        shutil.rmtree(ctl.data_dir, ignore_errors=True)
+    yield from running_tls_controller(pg_cluster, pki)
 
 
 def test_controller_serves_https_only_to_clients_trusting_its_ca(

@@ -97,41 +97,65 @@ def _debootstrap(tmp: Path) -> None:
                    stdout=subprocess.DEVNULL)  # fmt: skip
 
 
-def _dependency_wheels(tmp: Path) -> None:
+def _dependency_wheels(tmp: Path, python: str) -> None:
     """Wheels of the dependencies and of the build backend; the project itself is
     built from source inside the image (building it here would leave build/ in
     the checkout, whose stale files end up in the next wheel)."""
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     wanted = [*meta["build-system"]["requires"], *meta["project"]["dependencies"]]
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(tmp), *wanted],
+        [python, "-m", "pip", "wheel", "-q", "--wheel-dir", str(tmp), *wanted],
         check=True,
         stdout=subprocess.DEVNULL,
     )
 
 
-@pytest.fixture(scope="module")
+def _wheel_python(image_python: str) -> str | None:
+    """A host interpreter of the image's Python version with pip: this one, or
+    ``pythonX.Y`` on PATH (say a 3.12 venv on a host whose system Python is
+    the image's 3.11); None when there is none."""
+    if image_python == f"python{sys.version_info.major}.{sys.version_info.minor}":
+        return sys.executable
+    found = shutil.which(image_python)
+    if found is None:
+        return None
+    pip = subprocess.run([found, "-m", "pip", "--version"], capture_output=True, timeout=60)
+    return found if pip.returncode == 0 else None
+
+
+@pytest.fixture(scope="session")
 def base_rootfs() -> Path:
     """The minimal Debian rootfs, built once per recipe (about 70 s cold)."""
     return _cached(f"rootfs-{_digest(IMAGE / 'debootstrap-base.sh')}", _debootstrap)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dependency_wheels(base_rootfs: Path) -> Path:
-    """Wheels of fsagent's dependencies built with the host's pip index (and so
-    for the host's Python, which must be the image's)."""
+    """Wheels of fsagent's dependencies built on the host with its pip index,
+    by an interpreter of the image's Python version: pyfuse3 has no wheel and
+    is compiled here against that version's headers, since the minbase image
+    has no compiler."""
     image_python = os.readlink(base_rootfs / "usr/bin/python3")
-    host_python = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    if image_python != host_python:
-        pytest.skip(f"the image has {image_python}, wheels built here would be for {host_python}")
-    key = _digest(REPO / "pyproject.toml", extra=f"{sys.version} with build backend")
-    return _cached(f"wheels-{key}", _dependency_wheels)
+    python = _wheel_python(image_python)
+    if python is None:
+        pytest.skip(
+            f"the image has {image_python} and this host has no {image_python} with pip: "
+            "pyfuse3 (no wheel) must be compiled for the image's Python, which only an "
+            f"interpreter of that version can do here (install {image_python} and its pip)"
+        )
+    version = subprocess.run(
+        [python, "-c", "import sys; print(sys.version)"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    key = _digest(REPO / "pyproject.toml", extra=f"{version.strip()} with build backend")
+    return _cached(f"wheels-{key}", lambda tmp: _dependency_wheels(tmp, python))
 
 
-@pytest.fixture
-def image(base_rootfs: Path, dependency_wheels: Path, controller: ControllerProcess) -> Path:
-    """A fresh copy of the base rootfs made into a sandbox image by build-rootfs.sh."""
-    rootfs = private_tmpdir("fsa-boot-") / "rootfs"
+@pytest.fixture(scope="session")
+def built_image(base_rootfs: Path, dependency_wheels: Path, controller: ControllerProcess) -> Path:
+    """The base rootfs made into a sandbox image by build-rootfs.sh, once per
+    test session (its tests boot copies of it)."""
+    rootfs = private_tmpdir("fsa-boot-image-") / "rootfs"
     subprocess.run(["cp", "-a", "--reflink=auto", str(base_rootfs), str(rootfs)], check=True)
     subprocess.run(
         [str(IMAGE / "build-rootfs.sh"), str(rootfs), "--controller", controller.url,
@@ -139,6 +163,32 @@ def image(base_rootfs: Path, dependency_wheels: Path, controller: ControllerProc
         check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     return rootfs
+
+
+@pytest.fixture
+def image(built_image: Path) -> Path:
+    """A fresh copy of the built image: a test's boots and its state dirs are
+    its own."""
+    rootfs = private_tmpdir("fsa-boot-") / "rootfs"
+    subprocess.run(["cp", "-a", "--reflink=auto", str(built_image), str(rootfs)], check=True)
+    return rootfs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def file_started() -> float:
+    """When this file's first test began its setup (autouse: before the
+    session fixtures that build the rootfs, the wheels and the image)."""
+    return time.monotonic()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def wall_time(request: pytest.FixtureRequest, file_started: float) -> Iterator[None]:
+    """Prints how long this file took, image builds and boots included."""
+    yield
+    line = f"{Path(__file__).name}: {time.monotonic() - file_started:.1f} s wall time"
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print(f"\n{line}", file=sys.stderr)
 
 
 def _children(pid: int) -> list[int]:

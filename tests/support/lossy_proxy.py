@@ -4,11 +4,14 @@ A request matching a drop rule is forwarded and fully processed upstream, and
 then its answer is replaced by 504: the client sees a lost response (as behind
 a load balancer that timed out) although the server applied the request. A
 request matching a fail rule is never forwarded: it is answered 503 at once,
-as a controller that cannot reach its database would.
+as a controller that cannot reach its database would. A request matching a
+hold rule waits, before it is forwarded, until the test releases it: a
+controller slow to answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 from collections.abc import AsyncIterator
@@ -31,11 +34,26 @@ class DropRule:
 
 
 @dataclass
+class Hold:
+    """A held request: ``reached`` when one arrived, forwarded after ``release``."""
+
+    method: str
+    path: re.Pattern[str]
+    reached: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+    used: bool = False
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@dataclass
 class LossyProxy:
     upstream: str
     port: int = field(default_factory=free_port)
     rules: list[DropRule] = field(default_factory=list)
     fail_rules: list[DropRule] = field(default_factory=list)
+    holds: list[Hold] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
@@ -75,6 +93,21 @@ class LossyProxy:
         with self._lock:
             self.rules.clear()
             self.fail_rules.clear()
+
+    def hold_next(self, method: str, path_regex: str) -> Hold:
+        """The next matching request waits until ``release()`` (released at stop too)."""
+        hold = Hold(method, re.compile(path_regex))
+        with self._lock:
+            self.holds.append(hold)
+        return hold
+
+    def _hold_for(self, method: str, path: str) -> Hold | None:
+        with self._lock:
+            for hold in self.holds:
+                if not hold.used and hold.method == method and hold.path.search(path):
+                    hold.used = True
+                    return hold
+        return None
 
     def _should_fail(self, method: str, path: str) -> bool:
         with self._lock:
@@ -124,6 +157,10 @@ class LossyProxy:
                             self.bodies.append((f"{method} {path}", bytes(kept)))
                     return
 
+        hold = self._hold_for(method, path)
+        if hold is not None:
+            hold.reached.set()
+            await asyncio.to_thread(hold.released.wait)  # set from the test's thread
         if self._should_fail(method, path):
             async for _ in body():  # read the request, as a server would
                 pass
@@ -185,5 +222,7 @@ class LossyProxy:
         return self
 
     def stop(self) -> None:
+        for hold in self.holds:
+            hold.release()
         if self._server is not None:
             self._server.stop()
