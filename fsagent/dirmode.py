@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import stat
 import struct
 import sys
@@ -48,7 +47,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import trio
 
@@ -86,6 +85,7 @@ from fsagent.hydrate import manifest_row
 from fsagent.progress import describe, write_figures
 from fsagent.records import EMPTY_DIGEST, BaseEntry, Binding, Kind, LocalEntry, ManifestRow
 from fsagent.ship import (
+    STOP_SIGNALS,
     FinalSave,
     SaveResult,
     Shipper,
@@ -588,9 +588,6 @@ def _control(shipper: DirShipper, stop: DirStop) -> tuple[FlushHandler, StatsHan
         }
 
     return flush, live
-
-
-STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 async def _wait_for_signal(signals: AsyncIterator[int], stop: DirStop) -> None:

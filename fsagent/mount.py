@@ -46,14 +46,13 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import pyfuse3
 import trio
@@ -72,7 +71,14 @@ from fsagent.controlserver import (
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
-from fsagent.ship import Checkpoints, FinalSave, Shipper, checkpoint_loop, limit_warning
+from fsagent.ship import (
+    STOP_SIGNALS,
+    Checkpoints,
+    FinalSave,
+    Shipper,
+    checkpoint_loop,
+    limit_warning,
+)
 from fsagent.shipthread import ShipThread
 from fsagent.statedir import discard_state_dir
 from fsagent.store import MARKER, Binding, ManifestRow, Store
@@ -239,9 +245,6 @@ async def _final_save(shipper: Checkpoints | None, stop: StopState) -> None:
             )
         except FsagentError as report_exc:
             log.warning("could not report the failed final save: %s", report_exc)
-
-
-STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 async def _stop_on_signal(

@@ -37,11 +37,12 @@ without a request) and the state dir keeps every change.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, BinaryIO, NoReturn, Protocol, TypeVar
+from typing import Any, BinaryIO, Final, NoReturn, Protocol, TypeVar
 
 import trio
 import zstandard
@@ -620,6 +621,11 @@ async def checkpoint_loop(
             log.info(
                 "checkpoint of %d entries in %.2fs", result.entries, time.monotonic() - started
             )
+
+
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals a daemon answers with its final save and a clean stop, in
+both modes (a receiver of them is opened before the daemon says it is ready)."""
 
 
 @dataclass
