@@ -257,10 +257,14 @@ async def manifest_page(
     # Right after a large checkpoint, before autovacuum's ANALYZE, the planner
     # guesses a handful of rows and would rather read every row of the folder
     # with a bitmap scan and sort them, once per page; these settings (for
-    # this transaction only) leave it the ordered index scan.
+    # this transaction only) leave it the ordered index scan. A step it was
+    # told to avoid is costed at 10^10, far past jit_above_cost: JIT stays off
+    # (as on every pooled connection, controller.db.connection_options), or
+    # each page is compiled for about 250 ms.
     cur = await conn.execute(
         "SELECT version_counter, purge_floor, set_config('enable_bitmapscan', 'off', true),"
-        " set_config('enable_sort', 'off', true) FROM folders WHERE id = %s",
+        " set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
+        " FROM folders WHERE id = %s",
         (folder.id,),
     )
     head = await cur.fetchone()

@@ -14,7 +14,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from controller import apply, folders
-from controller.db import migrate
+from controller.db import connection_options, migrate
 from tests.support.bridge import start_run
 from tests.support.checkpoints import folder_id
 from tests.support.controller import PgCluster, Tenant
@@ -151,3 +151,57 @@ def test_a_page_reads_only_its_rows_before_the_table_is_analyzed(pg_cluster: PgC
     entries, reads = asyncio.run(page_reads())
     assert entries == 100
     assert reads <= 200, f"a page of 100 read {reads} rows"
+
+
+def test_a_changes_page_is_not_jit_compiled(pg_cluster: PgCluster) -> None:
+    """A page after the first (``since`` > 0) merges the folder's rows with
+    its move tombstones and sorts them; with sorting discouraged (see the
+    test above) the planner costs that step at 10^10, past jit_above_cost, and
+    PostgreSQL compiled every 5,000-entry page for about 250 ms. The
+    controller's connections (and the page's own transaction) keep JIT off."""
+    url = pg_cluster.create_database()
+    migrate(url)
+    company = str(uuid.uuid4())
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute("INSERT INTO companies (id, name) VALUES (%s, 'c')", (company,))
+        row = db.execute(
+            "INSERT INTO folders (company_id, scope, owner_id, version_counter)"
+            " VALUES (%s, 'task', 't', 20000) RETURNING id",
+            (company,),
+        ).fetchone()
+        assert row is not None
+        db.execute(
+            "INSERT INTO files (id, folder_id, path, parent, kind, version)"
+            " SELECT gen_random_uuid(), %s, 'd' || i, '', 'directory', i"
+            " FROM generate_series(1, 20000) AS i",
+            (row[0],),
+        )
+        db.execute("ANALYZE files")
+        fid = row[0]
+
+    sql = folders._MANIFEST_SQL.format(page=folders._CHANGES_PAGE)
+    params = {"fid": fid, "since": 5000, "limit": 5000}
+
+    def plan_of(**kwargs: Any) -> str:
+        with psycopg.connect(url, **kwargs) as conn, conn.transaction():
+            conn.execute("SELECT set_config('enable_sort', 'off', true)")
+            rows = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params).fetchall()
+            return json.dumps(rows[0][0])
+
+    # The database's own default compiles this page (what the fix is about)...
+    assert '"JIT"' in plan_of()
+    # ... the controller's connections do not.
+    assert '"JIT"' not in plan_of(options=connection_options(30.0))
+
+    async def page() -> tuple[int, str]:
+        conn = await psycopg.AsyncConnection.connect(url, row_factory=dict_row)
+        async with conn, conn.transaction():
+            folder = await apply.get_folder(conn, company, "task", "t", create=False)
+            got = await folders.manifest_page(conn, folder, since=5000, limit=5000)
+            cur = await conn.execute("SELECT current_setting('jit') AS jit")
+            setting = await cur.fetchone()
+            assert setting is not None
+            return len(json.loads(got.entries_json)), str(setting["jit"])
+
+    entries, jit = asyncio.run(page())
+    assert (entries, jit) == (5000, "off")
