@@ -44,6 +44,15 @@ def check_segment(segment: str) -> None:
         raise InvalidPath("reserved_segment", f"path segment {segment!r} is reserved")
     if "/" in segment:
         raise InvalidPath("invalid_segment", "path segment contains '/'")
+    if segment.isascii() and segment.isprintable() and "\\" not in segment:
+        # The common case, in C: printable ASCII holds none of the forbidden
+        # characters but the backslash, is its own UTF-8 and is always NFC.
+        if len(segment) > MAX_COMPONENT_BYTES:
+            raise InvalidPath(
+                "segment_too_long",
+                f"path segment is {len(segment)} bytes; at most {MAX_COMPONENT_BYTES} allowed",
+            )
+        return
     bad = next((ch for ch in segment if ch in _FORBIDDEN_CHARS), None)
     if bad is not None:
         raise InvalidPath(

@@ -44,6 +44,7 @@ from fsagent.records import (
     ino_of,
     now_ns,
     path_key,
+    process_owner,
 )
 from fsagent.statedir import ROOT_INODE
 
@@ -569,6 +570,7 @@ class Tree(Journal):
         of inodes created.
         """
         t = now_ns()
+        uid, gid = process_owner()  # hydrated entries are the daemon's, as Inode's default
         self._subdirs.clear()
         dirs: dict[str, InodeNo] = {"": ROOT_INODE}
         created = 0
@@ -592,7 +594,9 @@ class Tree(Journal):
                 created += 1
                 put(
                     ikey(ino),
-                    Inode(ino, "directory", 0o755, 0, t, t, parent, name, None, False, 0).encode(),
+                    Inode(
+                        ino, "directory", 0o755, 0, t, t, parent, name, None, False, 0, uid, gid, t
+                    ).encode(),
                     db=self._inodes,
                 )
                 put(ekey(parent, name), ikey(ino), db=self._entries)
@@ -620,8 +624,9 @@ class Tree(Journal):
                 created += 1
                 mode = 0o755 if row.executable else 0o644
                 inode = Inode(
-                    ino, "file", mode, row.byte_size, t, t, parent, name, row.digest, False, 0
-                )
+                    ino, "file", mode, row.byte_size, t, t, parent, name, row.digest, False, 0,
+                    uid, gid, t,
+                )  # fmt: skip
                 put(ikey(ino), inode.encode(), db=self._inodes)
                 put(ekey(parent, name), ikey(ino), db=self._entries)
                 put(

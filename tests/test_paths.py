@@ -180,3 +180,47 @@ def test_segment_checks_match_validate_path() -> None:
         except InvalidPath:
             seg_ok = False
         assert seg_ok == _is_valid(seg)
+
+
+def _full_rules(segment: str) -> str | None:
+    """check_segment's rules spelled out one by one (no shortcut): the reason, or None."""
+    if segment in ("", ".", "..") or "/" in segment:
+        return "invalid_segment"
+    if segment == RESERVED_SEGMENT:
+        return "reserved_segment"
+    for ch in segment:
+        c = ord(ch)
+        if c < 0x20 or ch in "\x7f\\" or 0x80 <= c < 0xA0 or 0x202A <= c < 0x202F:
+            return "forbidden_character"
+        if 0x2066 <= c < 0x206A:
+            return "forbidden_character"
+    try:
+        raw = segment.encode("utf-8")
+    except UnicodeEncodeError:
+        return "invalid_utf8"
+    if len(raw) > 255:
+        return "segment_too_long"
+    if not unicodedata.is_normalized("NFC", segment):
+        return "not_nfc"
+    return None
+
+
+def _verdict(segment: str) -> str | None:
+    try:
+        check_segment(segment)
+    except InvalidPath as exc:
+        return exc.reason
+    return None
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.one_of(
+        st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x7F), max_size=260),
+        st.text(max_size=140),
+        st.sampled_from(["x" * 255, "x" * 256, "a\\b", "\x7f", "e\u0301", "ok\u2067", "é" * 128]),
+    )
+)
+def test_check_segment_agrees_with_the_rules_spelled_out(segment: str) -> None:
+    """The printable-ASCII shortcut gives every segment the verdict the full rules give."""
+    assert _verdict(segment) == _full_rules(segment), repr(segment)
