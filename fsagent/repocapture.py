@@ -29,6 +29,8 @@ takes no lock and needs no disk space.
 
 from __future__ import annotations
 
+import bisect
+import operator
 import os
 import re
 import stat
@@ -151,15 +153,33 @@ def git_dir_members(checkout: Path) -> list[str]:
     return out
 
 
+def _ls_files(checkout: Path) -> bytes:
+    return git(checkout, "ls-files", "-z", "--cached", "--others", "--exclude-standard").stdout
+
+
 def worktree_paths(checkout: Path) -> tuple[list[str], list[Problem]]:
     """Tracked and non-ignored untracked paths; nested repositories reported."""
-    out = git(checkout, "ls-files", "-z", "--cached", "--others", "--exclude-standard").stdout
+    return _worktree_paths(_ls_files(checkout))
+
+
+def _worktree_paths(out: bytes) -> tuple[list[str], list[Problem]]:
     # One decode of the whole answer (as os.fsdecode would, name by name).
-    listed = out.decode("utf-8", "surrogateescape").split("\0")
+    text = out.decode("utf-8", "surrogateescape")
+    listed = text.split("\0")
+    if listed[-1] == "":
+        listed.pop()  # the answer ends with a NUL
+    git_prefix = GIT_DIR + "/"
+    if (
+        "/\0" not in text  # no nested repository (listed as "dir/")
+        and "\0\0" not in text  # no empty name
+        and not text.startswith(("\0", git_prefix))
+        and "\0" + git_prefix not in text
+        and len(set(listed)) == len(listed)  # no unmerged path (one line per stage)
+    ):
+        return listed, []
     paths: list[str] = []
     problems: list[Problem] = []
     seen: set[str] = set()
-    git_prefix = GIT_DIR + "/"
     for path in listed:
         if not path or path in seen:
             continue  # the end, or listed twice (the stages of an unmerged path)
@@ -171,6 +191,24 @@ def worktree_paths(checkout: Path) -> tuple[list[str], list[Problem]]:
         seen.add(path)
         paths.append(path)
     return paths, problems
+
+
+class WorktreeLister:
+    """:func:`worktree_paths` of one checkout, again and again: the same answer
+    from Git gives the same list (the same objects), so a scan recognizes an
+    unchanged listing at once and nothing is parsed twice."""
+
+    def __init__(self, checkout: Path) -> None:
+        self.checkout = checkout
+        self._out: bytes | None = None
+        self._answer: tuple[list[str], list[Problem]] = ([], [])
+
+    def __call__(self) -> tuple[list[str], list[Problem]]:
+        out = _ls_files(self.checkout)
+        if out != self._out:
+            self._answer = _worktree_paths(out)
+            self._out = out
+        return self._answer
 
 
 def list_members(checkout: Path) -> list[str]:
@@ -239,22 +277,40 @@ def checkpoint_members(
     """A scan of a checkout made into checkpoint members: directories only in
     ``.git`` (one in the working tree is a gitlink, i.e. a submodule). The
     problems are the scan's and the listing's (nested repositories)."""
-    members: list[Member] = []
+    members = result.members
     problems = list(result.problems) + listing_problems
-    for member in result.members:
-        if member.kind == "dir" and not (
-            member.path == GIT_DIR or member.path.startswith(GIT_DIR + "/")
-        ):
-            problems.append(Problem(member.path, "nested_repository"))
-            continue
-        members.append(member)
-    refused = link_tree_problems(members)
+    kinds = list(map(_kind_of, members))
+    # Directories are members in .git only: count those there (one run of the
+    # sorted members) before looking for others one by one.
+    lo = bisect.bisect_left(members, GIT_DIR + "/", key=_path_of)
+    hi = bisect.bisect_left(members, GIT_DIR + "0", key=_path_of)  # "0" follows "/"
+    top = bisect.bisect_left(members, GIT_DIR, key=_path_of)
+    in_git = kinds[lo:hi].count("dir") + (
+        top < len(members) and members[top].path == GIT_DIR and members[top].kind == "dir"
+    )
+    if kinds.count("dir") != in_git:
+        kept: list[Member] = []
+        for member in members:
+            if member.kind == "dir" and not (
+                member.path == GIT_DIR or member.path.startswith(GIT_DIR + "/")
+            ):
+                problems.append(Problem(member.path, "nested_repository"))
+                continue
+            kept.append(member)
+        members = kept
+    else:
+        members = list(members)
+    refused = link_tree_problems(members) if "symlink" in kinds else []
     if refused:
         gone = {p.path for p in refused}
         members = [m for m in members if m.path not in gone]
         problems += refused
     problems.sort(key=lambda p: p.path)
     return members, problems
+
+
+_kind_of = operator.itemgetter(1)
+_path_of = operator.itemgetter(0)
 
 
 def portable_config_pairs(checkout: Path) -> list[tuple[str, str]]:

@@ -35,10 +35,12 @@ quietly when the disk is full. A failed save changes nothing in the checkout.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
 import logging
+import operator
 import os
 import time
 from collections.abc import Iterable
@@ -67,6 +69,7 @@ from fsagent.repocapture import (
     GIT_OBJECTS,
     MAX_MEMBER_BYTES,
     MemberNames,
+    WorktreeLister,
     check_layout,
     checkpoint_members,
     git_dir_members,
@@ -74,7 +77,6 @@ from fsagent.repocapture import (
     held_locks,
     link_problem,
     portable_config_pairs,
-    worktree_paths,
 )
 from fsagent.scan import (
     HASH_THREADS,
@@ -124,17 +126,40 @@ class _Base:
     checkpoint_id: str
     members: dict[str, WireKey]
     config: list[tuple[str, str]]
-    scanned: dict[str, Member] | None = None
-    """The scanned members this process committed as the base: a member of
-    the next scan that is the same object (the scan reuses unchanged ones)
-    saves the same without building its key."""
+    scanned: list[Member] | None = None
+    """The scanned members (sorted by path) this process committed as the
+    base: a member of the next scan equal to one of them (the scan reuses
+    unchanged ones, so mostly the same object) saves the same."""
 
     def changed(self, members: list[Member]) -> list[Member]:
-        scanned = self.scanned or {}
+        """The members (sorted by path) that do not save as the base's."""
         keys = self.members
-        return [
-            m for m in members if scanned.get(m.path) is not m and keys.get(m.path) != member_key(m)
-        ]
+        last = self.scanned
+        if not last:
+            return [m for m in members if keys.get(m.path) != member_key(m)]
+        # Runs equal to the same run of the last scan's are unchanged: one
+        # comparison each (by identity first, in C); others member by member.
+        out: list[Member] = []
+        count = len(members)
+        for lo in range(0, count, COMPARE_RUN):
+            hi = min(lo + COMPARE_RUN, count)
+            at = bisect.bisect_left(last, members[lo].path, key=_path_of)
+            if last[at : at + hi - lo] != members[lo:hi]:
+                out.extend(m for m in members[lo:hi] if keys.get(m.path) != member_key(m))
+        return out
+
+    def removed(self, members: list[Member], changed: list[Member]) -> list[str]:
+        """The base's paths that ``members`` (unique paths) no longer hold."""
+        keys = self.members
+        added = sum(1 for m in changed if m.path not in keys)
+        if len(members) - added == len(keys):
+            return []  # every path of the base is still there
+        present = {m.path for m in members}
+        return sorted(p for p in keys if p not in present)
+
+
+COMPARE_RUN: Final = 128
+_path_of = operator.itemgetter(0)
 
 
 @dataclass
@@ -263,6 +288,7 @@ class RepoSaver:
         self._lock = trio.Lock()
         self._listing_problems: list[Problem] = []
         self._names = MemberNames()
+        self._worktree = WorktreeLister(checkout)
         self._last_paths: list[str] | None = None
         self._last_scan: TreeScan | None = None
         self._config: tuple[StatKey | None, list[tuple[str, str]]] | None = None
@@ -385,7 +411,7 @@ class RepoSaver:
 
     def _new_scan(self) -> TreeScan:
         def lister() -> list[str]:
-            paths, self._listing_problems = worktree_paths(self.checkout)
+            paths, self._listing_problems = self._worktree()
             return paths + git_dir_members(self.checkout)
 
         scan = TreeScan(
@@ -447,8 +473,7 @@ class RepoSaver:
         the controller lacks uploaded."""
         if base is not None:
             changed = base.changed(members)
-            present = {m.path for m in members}
-            removed = sorted(p for p in base.members if p not in present)
+            removed = base.removed(members, changed)
             if not changed and not removed and config == base.config:
                 return _Plan(base, [], [], refused, unchanged=True)
         else:
@@ -472,7 +497,7 @@ class RepoSaver:
         for _ in range(2):
             if plan.unchanged:
                 assert plan.base is not None
-                plan.base.scanned = {m.path: m for m in members}  # each saves as its base's
+                plan.base.scanned = members  # each saves as its base's
                 return RepoSaveOutcome(plan.base.checkpoint_id, False, len(members))
             body: dict[str, Any] = {
                 "leaseEpoch": self.run.lease_epoch,
@@ -503,7 +528,7 @@ class RepoSaver:
                 keys.update((m.path, member_key(m)) for m in plan.changed)
             else:
                 keys = {m.path: member_key(m) for m in members}
-            self._base = _Base(checkpoint_id, keys, config, {m.path: m for m in members})
+            self._base = _Base(checkpoint_id, keys, config, members)
             self._known_current = checkpoint_id
             return RepoSaveOutcome(
                 checkpoint_id,

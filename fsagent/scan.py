@@ -52,6 +52,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import operator
 import os
 import stat
 import struct
@@ -211,6 +212,10 @@ class MetadataCache:
     def __init__(self, file: Path | None = None) -> None:
         self.file = file
         self._entries: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._records: dict[str, bytes] = {}
+        """Each entry's record in the file, kept so a save encodes only what changed."""
+        self._unencoded: set[str] = set()
+        """Entries whose record is not in :attr:`_records` yet."""
         self._dirty = False
         self.degraded: str | None = None
         """Why the last save failed (the cache then lives in memory only); None when saved."""
@@ -229,6 +234,7 @@ class MetadataCache:
             return cache
         try:
             cache._entries = _decode_cache(data)
+            cache._unencoded = set(cache._entries)
         except ValueError as exc:
             log.warning("metadata cache %s is damaged (%s); starting empty", file, exc)
         return cache
@@ -251,6 +257,7 @@ class MetadataCache:
         entry = (tuple(key), digest)
         if self._entries.get(path) != entry:
             self._entries[path] = entry
+            self._unencoded.add(path)
             self._dirty = True
 
     def retain(self, paths: set[str]) -> None:
@@ -258,6 +265,8 @@ class MetadataCache:
         gone = [p for p in self._entries if p not in paths]
         for p in gone:
             del self._entries[p]
+            self._records.pop(p, None)
+            self._unencoded.discard(p)
         if gone:
             self._dirty = True
 
@@ -269,7 +278,7 @@ class MetadataCache:
         tmp = self.file.with_name(self.file.name + ".tmp")
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            data = _encode_cache(self._entries)
+            data = self._encode()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             # No fsync: a cache file torn by a power loss reads as damaged
             # (an empty cache), and a record that decodes but is stale never
@@ -293,15 +302,19 @@ class MetadataCache:
         self.degraded = None
         return True
 
+    def _encode(self) -> bytes:
+        """The file's contents: the records of new and changed entries encoded, the others kept."""
+        records, entries = self._records, self._entries
+        for path in self._unencoded:
+            key, digest = entries[path]
+            records[path] = _encode_record(path, key, digest)
+        self._unencoded.clear()
+        return b"".join((_CACHE_MAGIC, *records.values()))
 
-def _encode_cache(entries: dict[str, tuple[tuple[int, ...], str]]) -> bytes:
-    out = [_CACHE_MAGIC]
-    pack = _CACHE_RECORD.pack
-    for path, (key, digest) in entries.items():
-        raw = path.encode("utf-8", "surrogateescape")
-        out.append(pack(*key, bytes.fromhex(digest), len(raw)))
-        out.append(raw)
-    return b"".join(out)
+
+def _encode_record(path: str, key: tuple[int, ...], digest: str) -> bytes:
+    raw = path.encode("utf-8", "surrogateescape")
+    return _CACHE_RECORD.pack(*key, bytes.fromhex(digest), len(raw)) + raw
 
 
 def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -407,24 +420,64 @@ def _parents(paths: Iterable[str]) -> set[str]:
     return dirs
 
 
-@dataclass
+_IFMT = stat.S_IFMT(0o177777)
+_IFDIR = stat.S_IFDIR
+_IFREG = stat.S_IFREG
+_IFLNK = stat.S_IFLNK
+
+
+@dataclass(slots=True)
 class _Listing:
     paths: list[str]
     """What the lister named, sorted, without duplicates."""
-    stats: dict[str, StatKey]
-    """lstat of every listed path that exists (and whose parents are directories)."""
+    keys: list[StatKey | None]
+    """The lstat of each of :attr:`paths` (the same index); None for a path
+    that does not exist or lies below something that is not a directory."""
     hidden: dict[str, str]
     """Listed paths below something that is not a directory: path → the blocking parent."""
-    fingerprint: dict[str, tuple[int, ...]]
     parents: list[str]
     """Every directory above a listed path, sorted (a parent before its children)."""
+    parent_keys: list[StatKey | None]
+    """The lstat of each of :attr:`parents`; None when missing or below a non-directory."""
+    raw: list[str] | None = None
+    """What the lister returned, as it returned it: the same answer next time
+    means the same :attr:`paths` and :attr:`parents` (the same objects)."""
+
+    def key_of(self, path: str) -> StatKey | None:
+        paths = self.paths
+        i = bisect.bisect_left(paths, path)
+        return self.keys[i] if i < len(paths) and paths[i] == path else None
+
+    def fingerprint_of(self, name: str) -> tuple[int, ...] | None:
+        """The fingerprint of a path, or of a directory above them (``/dir``)."""
+        if name[:1] == "/":
+            parents, d = self.parents, name[1:]
+            i = bisect.bisect_left(parents, d)
+            key = self.parent_keys[i] if i < len(parents) and parents[i] == d else None
+            return None if key is None else (key[3], key[0], key[1])
+        key = self.key_of(name)
+        return None if key is None else _fingerprint_of(key)
+
+    def fingerprint(self) -> dict[str, tuple[int, ...]]:
+        """Every path's and every parent's (keyed ``/dir``) fingerprint."""
+        out: dict[str, tuple[int, ...]] = {
+            "/" + d: (key[3], key[0], key[1])
+            for d, key in zip(self.parents, self.parent_keys, strict=True)
+            if key is not None
+        }
+        out.update(
+            (path, _fingerprint_of(key))
+            for path, key in zip(self.paths, self.keys, strict=True)
+            if key is not None
+        )
+        return out
 
 
 def _fingerprint_of(key: StatKey) -> tuple[int, ...]:
-    if stat.S_ISDIR(key.mode):
+    if key[3] & _IFMT == _IFDIR:
         # A directory's own times change with its entries; its entries are in
         # the listing themselves, so only what it is counts.
-        return (key.mode, key.dev, key.ino)
+        return (key[3], key[0], key[1])
     return key
 
 
@@ -433,37 +486,55 @@ Trusted = Callable[[str], StatKey | None]
 
 _new_tuple = tuple.__new__
 
+_DIR_FLAGS: Final = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
 
-def _lstat_all(
-    base: str, paths: list[str], trusted: Trusted | None, trusted_prefix: str
-) -> dict[str, StatKey | None]:
-    """lstat each path (the hot loop of a scan: kept to the bare calls); the
-    trusted ones (all below ``trusted_prefix``: one run of the sorted paths)
-    are asked first."""
-    out: dict[str, StatKey | None] = {}
+
+def _lstat_list(base: str, paths: list[str]) -> list[StatKey | None]:
+    """lstat each path: the hot loop of a scan, kept to the bare calls, each
+    relative to the root opened once (the kernel walks the path below it
+    only: a third cheaper than the whole path). A second thread does not
+    pay: the GIL handed back and forth costs more than the calls it spreads."""
+    out: list[StatKey | None] = []
+    append = out.append
+    lstat = os.lstat
+    fd = os.open(base, _DIR_FLAGS)
+    try:
+        for path in paths:
+            try:
+                st = lstat(path, dir_fd=fd)
+            except (FileNotFoundError, NotADirectoryError):
+                append(None)
+                continue
+            append(
+                _new_tuple(
+                    StatKey,
+                    (st.st_dev, st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns),
+                )
+            )
+    finally:
+        os.close(fd)
+    return out
+
+
+def _lstat_many(
+    base: str, paths: list[str], trusted: Trusted | None = None, trusted_prefix: str = ""
+) -> list[StatKey | None]:
+    """The keys of ``paths`` (sorted), in their order: the trusted ones (all
+    below ``trusted_prefix``, one run of the sorted paths) asked first, the
+    rest lstat'ed."""
+    lo = hi = 0
+    middle: list[StatKey | None] = []
     if trusted is not None:
-        paths = sorted(paths)  # linear on a sorted list, as the callers' are
         lo = bisect.bisect_left(paths, trusted_prefix)
         hi = bisect.bisect_left(paths, trusted_prefix + "\U0010ffff")
-        rest = paths[:lo] + paths[hi:]
-        for path in paths[lo:hi]:
-            key = trusted(path)
-            if key is None:
-                rest.append(path)
-            else:
-                out[path] = key
-        paths = rest
-    lstat = os.lstat
-    for path in paths:
-        try:
-            st = lstat(f"{base}/{path}")
-        except (FileNotFoundError, NotADirectoryError):
-            out[path] = None
-            continue
-        out[path] = _new_tuple(
-            StatKey, (st.st_dev, st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns)
-        )
-    return out
+        middle = [trusted(paths[i]) for i in range(lo, hi)]
+    if not any(k is not None for k in middle):
+        return _lstat_list(base, paths)
+    untrusted = [p for p, k in zip(paths[lo:hi], middle, strict=True) if k is None]
+    keys = _lstat_list(base, paths[:lo] + untrusted + paths[hi:])
+    it = iter(keys[lo : lo + len(untrusted)])
+    middle = [next(it) if k is None else k for k in middle]
+    return keys[:lo] + middle + keys[lo + len(untrusted) :]
 
 
 def _list(
@@ -474,62 +545,84 @@ def _list(
     trusted_prefix: str = "",
     previous: _Listing | None = None,
 ) -> _Listing:
-    """List, then lstat what was listed. With a ``guess`` (the paths the
-    listing most likely names), the guessed paths are lstat'ed while the
-    lister runs in a thread (it is usually a subprocess), and only the
-    surprises are lstat'ed after it."""
+    """List, then lstat what was listed and the directories above it. With a
+    ``guess`` (the paths the listing most likely names, sorted: the last
+    listing's), the guessed paths (and, with the ``previous`` listing of
+    them, its directories) are lstat'ed while the lister runs in a thread
+    (it is usually a subprocess), and only the surprises after it. The
+    guessed paths are lstat'ed before the directories above them, as
+    before: a directory swapped for a link in between hides them."""
     base = os.fspath(root)
-    early: dict[str, StatKey | None] = {}
+    early: list[StatKey | None] | None = None
+    early_parents: list[StatKey | None] | None = None
     if guess:
+        guessed_parents = (
+            previous.parents
+            if previous is not None and (previous.paths is guess or previous.paths == guess)
+            else None
+        )
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="scan-list") as pool:
             listing = pool.submit(lambda: list(list_paths()))
-            early = _lstat_all(base, guess, trusted, trusted_prefix)
+            early = _lstat_many(base, guess, trusted, trusted_prefix)
+            if guessed_parents is not None:
+                early_parents = _lstat_many(base, guessed_parents)
             listed = listing.result()
     else:
         listed = list(list_paths())
-    wanted = sorted(set(listed))
-    if previous is not None and previous.paths == wanted:
-        parents = previous.parents  # the same listing: the same directories above it
+    if previous is not None and previous.raw is not None and listed == previous.raw:
+        wanted, parents = previous.paths, previous.parents  # the same objects
     else:
-        parents = sorted(_parents(wanted))
+        wanted = sorted(set(listed))
+        if previous is not None and previous.paths == wanted:
+            wanted, parents = previous.paths, previous.parents
+        else:
+            parents = sorted(_parents(wanted))
+    if early is not None and guess is not None and (wanted is guess or wanted == guess):
+        keys = early
+    else:
+        known = dict(zip(guess, early, strict=True)) if guess and early is not None else {}
+        surprises = [p for p in wanted if p not in known]
+        found = _lstat_many(base, surprises, trusted, trusted_prefix)
+        known.update(zip(surprises, found, strict=True))
+        keys = list(map(known.__getitem__, wanted))
+    if early_parents is not None and previous is not None and parents is previous.parents:
+        parent_keys = early_parents
+    else:
+        parent_keys = _lstat_many(base, parents)
+    hidden: dict[str, str] = {}
+    if any(key is None or key[3] & _IFMT != _IFDIR for key in parent_keys):
+        parent_keys, hidden = _block(wanted, keys, parents, parent_keys)
+        if hidden:
+            keys = [None if p in hidden else k for p, k in zip(wanted, keys, strict=True)]
+    return _Listing(wanted, keys, hidden, parents, parent_keys, listed)
+
+
+def _block(
+    paths: list[str],
+    keys: list[StatKey | None],
+    parents: list[str],
+    parent_keys: list[StatKey | None],
+) -> tuple[list[StatKey | None], dict[str, str]]:
+    """A parent that is missing or not a real directory (a symbolic link,
+    say) hides what is below it: the parents' keys with those below such a
+    parent dropped, and the listed paths it hides (path → the parent)."""
     blocked: dict[str, str] = {}
-    fingerprint: dict[str, tuple[int, ...]] = {}
-    for d in parents:  # sorted: a parent before its children
+    kept: list[StatKey | None] = []
+    for d, key in zip(parents, parent_keys, strict=True):  # sorted: a parent before its children
         up = d.rpartition("/")[0]
         if up and up in blocked:
             blocked[d] = blocked[up]
+            kept.append(None)  # not looked at: what is there is not in the tree
             continue
-        try:
-            st = os.lstat(f"{base}/{d}")
-        except FileNotFoundError:
+        kept.append(key)
+        if key is None or key[3] & _IFMT != _IFDIR:
             blocked[d] = d
-            continue
-        fingerprint["/" + d] = (st.st_mode, st.st_dev, st.st_ino)  # "/": parents apart
-        if not stat.S_ISDIR(st.st_mode):
-            blocked[d] = d
-    late = _lstat_all(base, [p for p in wanted if p not in early], trusted, trusted_prefix)
-    late.update(early)
-    stats: dict[str, StatKey] = {}
     hidden: dict[str, str] = {}
-    for path in wanted:
-        if blocked:
-            head = path.rpartition("/")[0]
-            if head and head in blocked:
-                hidden[path] = blocked[head]
-                continue
-        key = late[path]
-        if key is None:
-            continue
-        stats[path] = key
-        # A directory: what it is, not its times (see _fingerprint_of).
-        fingerprint[path] = (key[3], key[0], key[1]) if key[3] & _IFMT == _IFDIR else key
-    return _Listing(wanted, stats, hidden, fingerprint, parents)
-
-
-_IFMT = stat.S_IFMT(0o177777)
-_IFDIR = stat.S_IFDIR
-_IFREG = stat.S_IFREG
-_IFLNK = stat.S_IFLNK
+    for path in paths:
+        head = path.rpartition("/")[0]
+        if head and head in blocked:
+            hidden[path] = blocked[head]
+    return kept, hidden
 
 
 # --- the scan ------------------------------------------------------------------------
@@ -581,8 +674,11 @@ class TreeScan:
 
     ``previous``: the last scan of the same tree; the directories above an
     unchanged listing are taken from it rather than worked out again, and
-    its members of files with the same key and cached digest are used again
-    (the same objects, so a caller can compare them by identity).
+    its members that the cache confirmed (files whose digest the cache
+    holds for their key, directories) are used again for the same path with
+    the same key: the same objects, so a caller can compare them by
+    identity. Whole runs of the listing whose keys are all unchanged are
+    taken at once (:data:`REUSE_RUN`).
     """
 
     def __init__(
@@ -620,9 +716,19 @@ class TreeScan:
         self.recheck = recheck
         self.relist = relist
         self._previous_listing = previous._before if previous is not None else None
-        self._previous_members: list[Member] | None = (
-            previous._read.members if previous is not None and previous._read else None
-        )
+        self._reusable: _Reusable | None = None
+        self._retained: list[str] | None = None
+        """The listing (object) the cache was last trimmed to."""
+        if (
+            previous is not None
+            and previous.root == root
+            and previous.cache is cache
+            and previous.path_rule is path_rule
+            and previous.max_file_bytes == max_file_bytes
+            and previous.racy_margin_ns == racy_margin_ns
+        ):
+            self._reusable = previous._reusable
+            self._retained = previous._retained
         self.trusted: Trusted | None = None
         if immutable is not None and cache is not None:
             known = cache
@@ -654,62 +760,116 @@ class TreeScan:
             self._previous_listing,
         )
         self._previous_listing = None  # only its parents were wanted
-        # The last scan's member of a file whose key and digest are the same
-        # is used again: building 20,000 members costs more than their lstats.
-        last = {m.path: m for m in self._previous_members} if self._previous_members else {}
-        last_get = last.get
-        self._previous_members = None
-        stats = ScanStats(listed=len(before.stats) + len(before.hidden))
+        last, self._reusable = self._reusable, None
+        paths, keys = before.paths, before.keys
+        stats = ScanStats(listed=len(keys) - keys.count(None) + len(before.hidden))
         problems = [Problem(p, f"below_non_directory:{d}") for p, d in before.hidden.items()]
         members: list[Member] = []
-        to_hash: list[tuple[str, StatKey]] = []
+        reusable: list[Member | None] = []
+        """Aligned with ``paths``: what the next scan may use again."""
+        gaps: list[int] = []
+        """The indexes where ``reusable`` holds None, in order."""
+        to_hash: list[tuple[int, str, StatKey]] = []
         unstable: list[str] = []
         cache_get = cache.get if cache is not None else None
-        for path, key in before.stats.items():
+        add, keep, gap = members.append, reusable.append, gaps.append
+
+        def treat(i: int, path: str, key: StatKey | None) -> None:
+            """One path, looked at afresh."""
+            if key is None:  # absent, or hidden below a non-directory
+                keep(None)
+                gap(i)
+                return
             if path_rule is not None:
                 why = path_rule(path)
                 if why is not None:
                     problems.append(Problem(path, why))
-                    continue
+                    keep(None)
+                    gap(i)
+                    return
             mode = key[3]
             kind = mode & _IFMT
             if kind == _IFREG:
                 size = key[2]
                 if max_file_bytes is not None and size > max_file_bytes:
                     problems.append(Problem(path, "file_too_large"))
-                    continue
+                    keep(None)
+                    gap(i)
+                    return
                 digest = cache_get(path, key) if cache_get is not None else None
                 if digest is None:
-                    to_hash.append((path, key))
-                    continue
-                stats.cache_hits += 1
-                old = last_get(path)
-                if old is not None and old.key == key and old.digest == digest:
-                    members.append(old)
-                else:
-                    members.append(
-                        Member(path, "file", digest, size, bool(mode & stat.S_IXUSR), key=key)
-                    )
+                    to_hash.append((i, path, key))
+                    keep(None)  # filled in once read, when the cache keeps it
+                    return
+                member = Member(path, "file", digest, size, bool(mode & stat.S_IXUSR), key=key)
+                add(member)
+                keep(member)
             elif kind == _IFLNK:
+                keep(None)
+                gap(i)
                 try:
                     target = os.readlink(f"{base}/{path}")
                 except OSError:
                     unstable.append(path)  # replaced since the lstat
-                    continue
+                    return
                 why = link_rule(path, target) if link_rule is not None else None
                 if why is not None:
                     problems.append(Problem(path, why))
-                    continue
-                members.append(Member(path, "symlink", target=target))
+                    return
+                add(Member(path, "symlink", target=target))
             elif kind == _IFDIR:
-                members.append(Member(path, "dir"))
+                member = Member(path, "dir")
+                add(member)
+                keep(member)
             else:
                 problems.append(Problem(path, "special_file"))  # socket, FIFO, device
+                keep(None)
+                gap(i)
+
+        count = len(paths)
+        if last is None:
+            for i in range(count):
+                treat(i, paths[i], keys[i])
+        else:
+            # Runs of the listing that the last scan saw with the same keys and
+            # whose members it could use again are taken whole (C loops); a
+            # run with a change is looked at path by path.
+            lpaths, lkeys, lmembers, lgaps = last.paths, last.keys, last.members, last.gaps
+            same_listing = lpaths is paths
+            lcount = len(lpaths)
+            for lo in range(0, count, REUSE_RUN):
+                hi = min(lo + REUSE_RUN, count)
+                at = lo if same_listing else bisect.bisect_left(lpaths, paths[lo])
+                end = at + hi - lo
+                if (
+                    end <= lcount
+                    and (same_listing or lpaths[at:end] == paths[lo:hi])
+                    and lkeys[at:end] == keys[lo:hi]
+                ):
+                    g = bisect.bisect_left(lgaps, at)
+                    if g == len(lgaps) or lgaps[g] >= end:  # every member there reusable
+                        run = lmembers[at:end]
+                        members.extend(run)  # type: ignore[arg-type]  # no None there
+                        reusable.extend(run)
+                        continue
+                for i in range(lo, hi):
+                    path, key = paths[i], keys[i]
+                    while at < lcount and lpaths[at] < path:
+                        at += 1
+                    if at < lcount and lpaths[at] == path and key is not None:
+                        old = lmembers[at]
+                        if old is not None and lkeys[at] == key:
+                            add(old)
+                            keep(old)
+                            continue
+                    treat(i, path, key)
 
         after_read = self.after_read
 
-        def hash_group(group: list[tuple[str, StatKey]]) -> list[tuple[str, str | None]]:
-            return [(p, hash_stable(f"{base}/{p}", key, after_read)) for p, key in group]
+        def hash_group(
+            group: list[tuple[int, str, StatKey]],
+        ) -> list[tuple[str, str | None]]:
+            return [(p, hash_stable(f"{base}/{p}", key, after_read)) for _, p, key in group]
 
         groups = [to_hash[i : i + WORK_GROUP] for i in range(0, len(to_hash), WORK_GROUP)]
         if len(groups) > 1 and self.threads > 1:
@@ -717,21 +877,36 @@ class TreeScan:
                 hashed = [r for rs in pool.map(hash_group, groups) for r in rs]
         else:
             hashed = [r for g in groups for r in hash_group(g)]
-        self._hashed = [path for path, _ in to_hash]
-        for (path, key), (_, digest) in zip(to_hash, hashed, strict=True):
+        self._hashed = [path for _, path, _ in to_hash]
+        read: list[Member] = []
+        racy: list[int] = []
+        for (i, path, key), (_, digest) in zip(to_hash, hashed, strict=True):
             if digest is None:
                 unstable.append(path)
+                racy.append(i)
                 continue
             stats.hashed += 1
             stats.hashed_bytes += key.size
+            member = Member(path, "file", digest, key.size, bool(key.mode & stat.S_IXUSR), key=key)
+            read.append(member)
             if cache is not None and max(key.mtime_ns, key.ctime_ns) < not_after_ns:
                 cache.put(path, key, digest)
-            members.append(
-                Member(path, "file", digest, key.size, bool(key.mode & stat.S_IXUSR), key=key)
-            )
-        members.sort(key=lambda m: m.path)
-        problems.sort(key=lambda p: p.path)
+                reusable[i] = member
+            else:
+                racy.append(i)  # read again next time
+        if racy:
+            gaps = sorted(gaps + racy)
+        if len(read) > WORK_GROUP:
+            members += read
+            members.sort(key=_path_of)
+        else:
+            for member in read:  # members is sorted: put each where it belongs
+                bisect.insort(members, member, key=_path_of)
+        kinds = list(map(_kind_of, members))
+        stats.cache_hits = kinds.count("file") - stats.hashed
+        problems.sort(key=_path_of)
         stats.seconds = time.monotonic() - self._started
+        self._reusable = _Reusable(paths, keys, reusable, gaps)
         self._read = ScanResult(members, problems, sorted(unstable), stats, before.paths)
         return self._read
 
@@ -750,16 +925,21 @@ class TreeScan:
                 self.immutable_prefix,
                 before,
             )
-            changed = _differences(before.fingerprint, after.fingerprint)
+            changed = _differences(before.fingerprint(), after.fingerprint())
             paths = after.paths
         else:
             changed = self._narrow_differences(before)
             paths = before.paths
         unstable.extend(changed - set(unstable))
-        # A next scan (``previous``) needs only the paths and their parents.
-        self._before = _Listing(before.paths, {}, {}, {}, before.parents)
-        if self.cache is not None and not unstable:
+        # A next scan (``previous``) needs only the paths, their parents and
+        # the lister's answer (to know the same one again).
+        self._before = _Listing(before.paths, [], {}, before.parents, [], before.raw)
+        if self.cache is not None and not unstable and self._retained is not before.paths:
+            # Every cache entry not for a file of this scan goes. With the same
+            # listing (object) as when it was last trimmed, the cache holds
+            # entries for listed paths only (only those are put): nothing to do.
             self.cache.retain({m.path for m in first.members if m.kind == "file"})
+            self._retained = before.paths
         first.stats.seconds = time.monotonic() - self._started
         return ScanResult(first.members, first.problems, sorted(unstable), first.stats, paths)
 
@@ -777,16 +957,42 @@ class TreeScan:
             self.trusted,
             self.immutable_prefix,
         )
-        theirs = after.fingerprint
-        known = before.fingerprint
-        ours = {k: known[k] for k in (*theirs, *scoped) if k in known}
+        theirs = after.fingerprint()
+        ours: dict[str, tuple[int, ...]] = {}
+        for name in (*theirs, *scoped):
+            fingerprint = before.fingerprint_of(name)
+            if fingerprint is not None:
+                ours[name] = fingerprint
         for path in hashed:  # their first lstat (hash_stable checked the read against it)
-            key = before.stats.get(path)
+            key = before.key_of(path)
             if key is not None:
                 ours[path] = key
         changed = _differences(ours, theirs)
         changed.update(set(scoped).symmetric_difference(relisted))
         return changed
+
+
+REUSE_RUN: Final = 128
+"""Listed paths compared at once with the last scan's (see :class:`TreeScan`)."""
+
+
+@dataclass(slots=True)
+class _Reusable:
+    """What a scan's :meth:`TreeScan.read` leaves for the next one."""
+
+    paths: list[str]
+    keys: list[StatKey | None]
+    members: list[Member | None]
+    """Aligned with ``paths``: the member to use again for the same key, or None."""
+    gaps: list[int]
+    """The indexes of the Nones in ``members``, in order."""
+
+
+def _path_of(item: Member | Problem) -> str:
+    return item.path
+
+
+_kind_of = operator.itemgetter(1)
 
 
 def _below(paths: list[str], top: str) -> list[str]:

@@ -439,3 +439,103 @@ def test_a_parent_swapped_for_a_link_after_a_read_is_unstable(tmp_path: Path) ->
 def test_recheck_and_relist_go_together(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         TreeScan(tmp_path, lambda: [], recheck="meta")
+
+
+def reusing_scan(
+    root: Path, cache: MetadataCache, previous: TreeScan | None, **kw: Any
+) -> TreeScan:
+    scan = TreeScan(root, lambda: lister(root), cache, previous=previous, **kw)
+    scan.read()
+    return scan
+
+
+def test_a_scan_uses_the_last_scans_members_again_only_for_unchanged_keys(tmp_path: Path) -> None:
+    for i in range(300):  # several runs of REUSE_RUN paths
+        write(tmp_path, f"d{i % 7}/f{i:03}.txt", f"file {i}".encode())
+    cache = MetadataCache()
+    first = reusing_scan(tmp_path, cache, None, racy_margin_ns=0)
+    first_members = first.verify().members
+    second = reusing_scan(tmp_path, cache, first, racy_margin_ns=0)
+    result = second.verify()
+    assert result.stats.hashed == 0 and result.stats.cache_hits == 300
+    assert all(a is b for a, b in zip(result.members, first_members, strict=True))
+
+    time.sleep(0.02)
+    old = os.lstat(tmp_path / "d3/f150.txt")
+    write(tmp_path, "d3/f150.txt", b"FILE 150")  # same size, mtime put back
+    os.utime(tmp_path / "d3/f150.txt", ns=(old.st_atime_ns, old.st_mtime_ns))
+    write(tmp_path, "d0/f000.txt", b"now longer")
+    write(tmp_path, "d6/new.txt", b"new")  # the listing changes
+    (tmp_path / "d2/f002.txt").unlink()
+    (tmp_path / "d4/f004.txt").unlink()
+    (tmp_path / "d4/f004.txt").symlink_to("f011.txt")  # a file becomes a link
+    third = reusing_scan(tmp_path, cache, second, racy_margin_ns=0)
+    after = third.verify()
+    assert after.stable and after.stats.hashed == 3
+    by_path = {m.path: m for m in after.members}
+    assert by_path["d3/f150.txt"].digest == sha(b"FILE 150")
+    assert by_path["d0/f000.txt"].digest == sha(b"now longer")
+    assert by_path["d6/new.txt"].digest == sha(b"new")
+    assert by_path["d4/f004.txt"].kind == "symlink" and "d2/f002.txt" not in by_path
+    fresh = scan(tmp_path, MetadataCache())
+    assert [m.to_json() for m in after.members] == [m.to_json() for m in fresh.members]
+    unchanged = {m.path: m for m in result.members}
+    changed = {"d3/f150.txt", "d0/f000.txt", "d6/new.txt", "d4/f004.txt"}
+    files = [m for m in after.members if m.kind == "file" and m.path not in changed]
+    assert len(files) == 296 and all(m is unchanged[m.path] for m in files)
+
+
+def test_files_changed_just_before_a_scan_are_read_again_by_the_next(tmp_path: Path) -> None:
+    for i in range(200):
+        write(tmp_path, f"d/f{i:03}.txt", f"file {i}".encode())
+    cache = MetadataCache()
+    first = reusing_scan(tmp_path, cache, None)  # the default margin: nothing cached
+    assert first.verify().stats.hashed == 200
+    second = reusing_scan(tmp_path, cache, first)
+    assert second.verify().stats.hashed == 200  # not used again: not known to be whole
+    path = tmp_path / "d/f007.txt"
+    with open(path, "r+b") as fh:  # the same size, maybe the same timestamps
+        fh.write(b"FILE")
+    third = reusing_scan(tmp_path, cache, second)
+    digests = {m.path: m.digest for m in third.verify().members}
+    assert digests["d/f007.txt"] == sha(b"FILE 7")
+
+
+def test_a_parent_replaced_by_a_link_hides_what_the_last_scan_saw_below_it(
+    tmp_path: Path,
+) -> None:
+    for i in range(200):
+        write(tmp_path, f"work/f{i:03}.txt", f"file {i}".encode())
+    write(tmp_path, "outside/f000.txt", b"secret")
+    names = [f"work/f{i:03}.txt" for i in range(200)]
+    cache = MetadataCache()
+    first = TreeScan(tmp_path, lambda: names, cache, racy_margin_ns=0)
+    first.read()
+    first.verify()
+    (tmp_path / "work").rename(tmp_path / "work.old")
+    (tmp_path / "work").symlink_to("work.old")  # the same files, through a link
+    again = TreeScan(tmp_path, lambda: names, cache, racy_margin_ns=0, previous=first)
+    result = again.read()
+    assert result.members == []
+    assert {p.path for p in result.problems} == set(names)
+    assert {p.reason for p in result.problems} == {"below_non_directory:work"}
+
+
+def test_the_cache_file_keeps_unchanged_records_and_rewrites_changed_ones(tmp_path: Path) -> None:
+    file = tmp_path / "cache"
+    cache = MetadataCache(file)
+    key = StatKey(1, 2, 3, 0o100644, 4, 5)
+    cache.put("a", key, sha(b"a"))
+    cache.put("b", key, sha(b"b"))
+    assert cache.save()
+    cache.put("b", key._replace(ino=9), sha(b"B"))
+    cache.put("c", key, sha(b"c"))
+    cache.retain({"b", "c"})
+    assert cache.save()
+    loaded = MetadataCache.load(file)
+    assert len(loaded) == 2 and loaded.get("a", key) is None
+    assert loaded.get("b", key._replace(ino=9)) == sha(b"B") and loaded.get("c", key) == sha(b"c")
+    loaded.put("d", key, sha(b"d"))
+    assert loaded.save()
+    assert MetadataCache.load(file).get("b", key._replace(ino=9)) == sha(b"B")
+    assert len(MetadataCache.load(file)) == 3
