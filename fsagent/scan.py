@@ -497,7 +497,10 @@ def _lstat_list(base: str, paths: list[str]) -> list[StatKey | None]:
     out: list[StatKey | None] = []
     append = out.append
     lstat = os.lstat
-    fd = os.open(base, _DIR_FLAGS)
+    try:
+        fd = os.open(base, _DIR_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return [None] * len(paths)  # no root: nothing below it exists
     try:
         for path in paths:
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -539,3 +540,55 @@ def test_the_cache_file_keeps_unchanged_records_and_rewrites_changed_ones(tmp_pa
     assert loaded.save()
     assert MetadataCache.load(file).get("b", key._replace(ino=9)) == sha(b"B")
     assert len(MetadataCache.load(file)) == 3
+
+
+def test_a_chain_of_scans_using_the_last_one_sees_what_a_fresh_scan_sees(tmp_path: Path) -> None:
+    """Random changes between scans (contents of the same size with the mtime
+    put back, growth, removals, new files, a file made a link or a
+    directory, a directory renamed): each scan that uses the last one gives
+    the members a scan with an empty cache gives."""
+    rng = random.Random(1234)
+    root = tmp_path / "tree"
+    for i in range(400):
+        write(root, f"d{i % 9}/s{i % 4}/f{i:03}.txt", f"file {i:03}".encode())
+    cache = MetadataCache()
+    last: TreeScan | None = None
+    for _ in range(25):
+        scan = TreeScan(root, lambda: lister(root), cache, racy_margin_ns=0, previous=last)
+        scan.read()
+        result = scan.verify()
+        fresh = scan_tree(root, lambda: lister(root), MetadataCache())
+        assert result.stable
+        assert [m.to_json() for m in result.members] == [m.to_json() for m in fresh.members]
+        assert [(p.path, p.reason) for p in result.problems] == [
+            (p.path, p.reason) for p in fresh.problems
+        ]
+        last = scan
+        time.sleep(0.02)  # past the coarse clock's tick
+        files = sorted(
+            p for p in lister(root) if (root / p).is_file() and not (root / p).is_symlink()
+        )
+        for _ in range(rng.randint(0, 12)):
+            if not files:
+                break
+            path = root / rng.choice(files)
+            if not path.is_file() or path.is_symlink():
+                continue
+            op = rng.randrange(6)
+            if op == 0:
+                old = os.stat(path)
+                path.write_bytes(bytes(b ^ 1 for b in path.read_bytes()))
+                os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+            elif op == 1:
+                with open(path, "ab") as fh:
+                    fh.write(b"+")
+            elif op == 2:
+                path.unlink()
+            elif op == 3:
+                write(path.parent, f"new{rng.randrange(10**6)}.txt", b"new")
+            elif op == 4:
+                path.unlink()
+                path.symlink_to("elsewhere") if rng.random() < 0.5 else path.mkdir()
+            else:
+                parent = path.parent
+                parent.rename(parent.with_name(parent.name + "x"))
