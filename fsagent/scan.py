@@ -575,9 +575,14 @@ def _list(
     if previous is not None and previous.raw is not None and listed == previous.raw:
         wanted, parents = previous.paths, previous.parents  # the same objects
     else:
-        wanted = sorted(set(listed))
+        unique = set(listed)
+        wanted = sorted(unique)
         if previous is not None and previous.paths == wanted:
             wanted, parents = previous.paths, previous.parents
+        elif previous is not None and unique.issuperset(previous.paths):
+            # Only additions: the directories above them join the last ones.
+            added = unique.difference(previous.paths)
+            parents = sorted(_parents(added).union(previous.parents))
         else:
             parents = sorted(_parents(wanted))
     if early is not None and guess is not None and (wanted is guess or wanted == guess):

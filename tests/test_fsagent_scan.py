@@ -574,7 +574,7 @@ def test_a_chain_of_scans_using_the_last_one_sees_what_a_fresh_scan_sees(tmp_pat
             path = root / rng.choice(files)
             if not path.is_file() or path.is_symlink():
                 continue
-            op = rng.randrange(6)
+            op = rng.randrange(7)
             if op == 0:
                 old = os.stat(path)
                 path.write_bytes(bytes(b ^ 1 for b in path.read_bytes()))
@@ -589,6 +589,28 @@ def test_a_chain_of_scans_using_the_last_one_sees_what_a_fresh_scan_sees(tmp_pat
             elif op == 4:
                 path.unlink()
                 path.symlink_to("elsewhere") if rng.random() < 0.5 else path.mkdir()
-            else:
+            elif op == 5:
                 parent = path.parent
                 parent.rename(parent.with_name(parent.name + "x"))
+            else:
+                write(path.parent, f"n{rng.randrange(10**6)}/deep/new.txt", b"deep")
+
+
+def test_a_path_added_below_a_link_is_hidden_by_a_scan_using_the_last_one(tmp_path: Path) -> None:
+    for i in range(50):
+        write(tmp_path, f"work/f{i:02}.txt", f"file {i}".encode())
+    write(tmp_path, "outside/x.txt", b"secret")
+    (tmp_path / "new").symlink_to("outside")
+    names = [f"work/f{i:02}.txt" for i in range(50)]
+    cache = MetadataCache()
+    first = TreeScan(tmp_path, lambda: names, cache, racy_margin_ns=0)
+    first.read()
+    first.verify()
+    more = [*names, "new/x.txt", "work/sub/y.txt"]  # only additions
+    again = TreeScan(tmp_path, lambda: more, cache, racy_margin_ns=0, previous=first)
+    result = again.read()
+    assert "new/x.txt" not in {m.path for m in result.members}
+    assert [(p.path, p.reason) for p in result.problems] == [
+        ("new/x.txt", "below_non_directory:new"),
+        ("work/sub/y.txt", "below_non_directory:work/sub"),
+    ]
