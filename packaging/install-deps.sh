@@ -9,7 +9,8 @@
 #                                       (systemd-analyze, the environment.d generator),
 #                                       util-linux and mount (unshare, nsenter, runuser,
 #                                       mount), Chromium for the browser tests, npm for
-#                                       axe-core, debootstrap and systemd-nspawn
+#                                       axe-core, debootstrap and systemd-nspawn, podman
+#                                       and runc (build and run the controller's image)
 #   packaging/install-deps.sh --bench   also the FUSE peers bench.fsops compares with
 #                                       (bindfs, rclone)
 set -euo pipefail
@@ -23,10 +24,14 @@ cmds=()
 for opt in "$@"; do
     case "$opt" in
         # Chromium for the browser tests, npm for axe-core, debootstrap and
-        # systemd-nspawn for the sandbox image boot test, and the programs
-        # the other tests run (tests/test_ops_packaging.py checks the list).
+        # systemd-nspawn for the sandbox image boot test, podman (rootful:
+        # conmon and crun come with it; runc runs containers where crun
+        # refuses the host's cgroups; no uidmap, slirp4netns or fuse-overlayfs,
+        # which only rootless needs) and debootstrap for the controller image
+        # test, and the programs the other tests run (tests/test_ops_packaging.py
+        # checks the list).
         --test) pkgs+=(chromium chromium-driver fonts-dejavu-core debootstrap systemd-container
-                       systemd util-linux mount)
+                       systemd util-linux mount podman runc)
                 cmds+=(nodejs:node npm:npm curl:curl openssl:openssl) ;;
         # The demo's curl lines, and node, which `fsagent launch` requires.
         --demo) cmds+=(curl:curl nodejs:node) ;;

@@ -11,8 +11,6 @@ host network, so the container reaches the test's controller on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import os
 import re
 import shutil
@@ -21,7 +19,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ import pytest
 from tests.support.bridge import Run, start_run
 from tests.support.constants import REPO, SCOPES
 from tests.support.controller import ControllerProcess, Tenant
+from tests.support.rootfs import cached, digest
 from tests.support.tmp import private_tmpdir
 
 IMAGE = REPO / "packaging" / "sandbox-image"
@@ -55,41 +54,6 @@ pytestmark = [
     pytest.mark.fuse,
     pytest.mark.skipif(_missing() is not None, reason=str(_missing())),
 ]
-
-
-def _digest(*paths: Path, extra: str = "") -> str:
-    h = hashlib.sha256(extra.encode())
-    for p in paths:
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _cache_lock() -> Iterator[None]:
-    CACHE.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(CACHE / ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
-
-
-def _cached(name: str, build: Callable[[Path], None]) -> Path:
-    """``CACHE/name``, built by ``build(tmp_dir)`` when missing; older keys of
-    the same kind are removed."""
-    kind = name.split("-", 1)[0]
-    target = CACHE / name
-    with _cache_lock():
-        if not target.exists():
-            tmp = CACHE / f".{name}.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                build(tmp)
-                os.rename(tmp, target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        for old in CACHE.glob(f"{kind}-*"):
-            if old != target:
-                shutil.rmtree(old, ignore_errors=True)
-    return target
 
 
 def _debootstrap(tmp: Path) -> None:
@@ -126,7 +90,7 @@ def _wheel_python(image_python: str) -> str | None:
 @pytest.fixture(scope="session")
 def base_rootfs() -> Path:
     """The minimal Debian rootfs, built once per recipe (about 70 s cold)."""
-    return _cached(f"rootfs-{_digest(IMAGE / 'debootstrap-base.sh')}", _debootstrap)
+    return cached(CACHE, f"rootfs-{digest(IMAGE / 'debootstrap-base.sh')}", _debootstrap)
 
 
 @pytest.fixture(scope="session")
@@ -147,8 +111,8 @@ def dependency_wheels(base_rootfs: Path) -> Path:
         [python, "-c", "import sys; print(sys.version)"],
         capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
-    key = _digest(REPO / "pyproject.toml", extra=f"{version.strip()} with build backend")
-    return _cached(f"wheels-{key}", lambda tmp: _dependency_wheels(tmp, python))
+    key = digest(REPO / "pyproject.toml", extra=f"{version.strip()} with build backend")
+    return cached(CACHE, f"wheels-{key}", lambda tmp: _dependency_wheels(tmp, python))
 
 
 @pytest.fixture(scope="session")
