@@ -112,11 +112,9 @@ def test_empty_and_unknown_folders_page_as_empty(tenant: Tenant) -> None:
     assert r.headers["content-type"].startswith("application/json")
 
 
-def test_a_page_reads_only_its_rows_before_the_table_is_analyzed(pg_cluster: PgCluster) -> None:
-    """Right after a folder fills up (a fresh database, no ANALYZE yet), a
-    page of 100 must read about 100 rows. The planner, guessing a couple of
-    rows for "this folder, live", chose a bitmap scan of the whole folder and
-    a sort, once per page: a 100,000-entry manifest took seconds to page."""
+def _folder_of_20000_rows(pg_cluster: PgCluster) -> tuple[str, str, int]:
+    """A fresh database with one task folder of 20,000 directory rows at
+    versions 1 to 20,000 (not analyzed): (url, company id, folder id)."""
     url = pg_cluster.create_database()
     migrate(url)
     company = str(uuid.uuid4())
@@ -134,6 +132,15 @@ def test_a_page_reads_only_its_rows_before_the_table_is_analyzed(pg_cluster: PgC
             " FROM generate_series(1, 20000) AS i",
             (row[0],),
         )
+    return url, company, int(row[0])
+
+
+def test_a_page_reads_only_its_rows_before_the_table_is_analyzed(pg_cluster: PgCluster) -> None:
+    """Right after a folder fills up (a fresh database, no ANALYZE yet), a
+    page of 100 must read about 100 rows. The planner, guessing a couple of
+    rows for "this folder, live", chose a bitmap scan of the whole folder and
+    a sort, once per page: a 100,000-entry manifest took seconds to page."""
+    url, company, _ = _folder_of_20000_rows(pg_cluster)
 
     async def page_reads() -> tuple[int, int]:
         conn = await psycopg.AsyncConnection.connect(url, row_factory=dict_row)
@@ -159,25 +166,9 @@ def test_a_changes_page_is_not_jit_compiled(pg_cluster: PgCluster) -> None:
     test above) the planner costs that step at 10^10, past jit_above_cost, and
     PostgreSQL compiled every 5,000-entry page for about 250 ms. The
     controller's connections (and the page's own transaction) keep JIT off."""
-    url = pg_cluster.create_database()
-    migrate(url)
-    company = str(uuid.uuid4())
+    url, company, fid = _folder_of_20000_rows(pg_cluster)
     with psycopg.connect(url, autocommit=True) as db:
-        db.execute("INSERT INTO companies (id, name) VALUES (%s, 'c')", (company,))
-        row = db.execute(
-            "INSERT INTO folders (company_id, scope, owner_id, version_counter)"
-            " VALUES (%s, 'task', 't', 20000) RETURNING id",
-            (company,),
-        ).fetchone()
-        assert row is not None
-        db.execute(
-            "INSERT INTO files (id, folder_id, path, parent, kind, version)"
-            " SELECT gen_random_uuid(), %s, 'd' || i, '', 'directory', i"
-            " FROM generate_series(1, 20000) AS i",
-            (row[0],),
-        )
         db.execute("ANALYZE files")
-        fid = row[0]
 
     sql = folders._MANIFEST_SQL.format(page=folders._CHANGES_PAGE)
     params = {"fid": fid, "since": 5000, "limit": 5000}
