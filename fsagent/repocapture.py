@@ -30,7 +30,6 @@ takes no lock and needs no disk space.
 from __future__ import annotations
 
 import bisect
-import operator
 import os
 import re
 import stat
@@ -53,7 +52,7 @@ from common.repos import (
     tree_problem,
 )
 from fsagent.errors import CheckoutUnsupported, GitCommandFailed
-from fsagent.scan import Member, Problem, ScanResult
+from fsagent.scan import Member, Problem, ScanResult, member_kind, member_path
 
 LOCK_SUFFIX: Final = ".lock"
 GIT_TEMPORARY_PREFIXES: Final = ("tmp_", "incoming-")
@@ -279,12 +278,12 @@ def checkpoint_members(
     problems are the scan's and the listing's (nested repositories)."""
     members = result.members
     problems = list(result.problems) + listing_problems
-    kinds = list(map(_kind_of, members))
+    kinds = list(map(member_kind, members))
     # Directories are members in .git only: count those there (one run of the
     # sorted members) before looking for others one by one.
-    lo = bisect.bisect_left(members, GIT_DIR + "/", key=_path_of)
-    hi = bisect.bisect_left(members, GIT_DIR + "0", key=_path_of)  # "0" follows "/"
-    top = bisect.bisect_left(members, GIT_DIR, key=_path_of)
+    lo = bisect.bisect_left(members, GIT_DIR + "/", key=member_path)
+    hi = bisect.bisect_left(members, GIT_DIR + "0", key=member_path)  # "0" follows "/"
+    top = bisect.bisect_left(members, GIT_DIR, key=member_path)
     in_git = kinds[lo:hi].count("dir") + (
         top < len(members) and members[top].path == GIT_DIR and members[top].kind == "dir"
     )
@@ -307,10 +306,6 @@ def checkpoint_members(
         problems += refused
     problems.sort(key=lambda p: p.path)
     return members, problems
-
-
-_kind_of = operator.itemgetter(1)
-_path_of = operator.itemgetter(0)
 
 
 def portable_config_pairs(checkout: Path) -> list[tuple[str, str]]:

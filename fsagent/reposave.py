@@ -40,7 +40,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import operator
 import os
 import time
 from collections.abc import Iterable
@@ -88,6 +87,7 @@ from fsagent.scan import (
     ScanStats,
     StatKey,
     TreeScan,
+    member_path,
     open_member,
 )
 from fsagent.ship import UPLOAD_CONCURRENCY, batches, file_frames, raise_first_failure
@@ -143,7 +143,7 @@ class _Base:
         count = len(members)
         for lo in range(0, count, COMPARE_RUN):
             hi = min(lo + COMPARE_RUN, count)
-            at = bisect.bisect_left(last, members[lo].path, key=_path_of)
+            at = bisect.bisect_left(last, members[lo].path, key=member_path)
             if last[at : at + hi - lo] != members[lo:hi]:
                 out.extend(m for m in members[lo:hi] if keys.get(m.path) != member_key(m))
         return out
@@ -159,7 +159,6 @@ class _Base:
 
 
 COMPARE_RUN: Final = 128
-_path_of = operator.itemgetter(0)
 
 
 @dataclass

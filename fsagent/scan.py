@@ -905,13 +905,13 @@ class TreeScan:
             gaps = sorted(gaps + racy)
         if len(read) > WORK_GROUP:
             members += read
-            members.sort(key=_path_of)
+            members.sort(key=member_path)
         else:
             for member in read:  # members is sorted: put each where it belongs
-                bisect.insort(members, member, key=_path_of)
-        kinds = list(map(_kind_of, members))
+                bisect.insort(members, member, key=member_path)
+        kinds = list(map(member_kind, members))
         stats.cache_hits = kinds.count("file") - stats.hashed
-        problems.sort(key=_path_of)
+        problems.sort(key=operator.attrgetter("path"))
         stats.seconds = time.monotonic() - self._started
         self._reusable = _Reusable(paths, keys, reusable, gaps)
         self._read = ScanResult(members, problems, sorted(unstable), stats, before.paths)
@@ -995,11 +995,10 @@ class _Reusable:
     """The indexes of the Nones in ``members``, in order."""
 
 
-def _path_of(item: Member | Problem) -> str:
-    return item.path
-
-
-_kind_of = operator.itemgetter(1)
+member_path = operator.itemgetter(0)
+"""A :class:`Member`'s path (a sort and bisect key, in C)."""
+member_kind = operator.itemgetter(1)
+"""A :class:`Member`'s kind."""
 
 
 def _below(paths: list[str], top: str) -> list[str]:
