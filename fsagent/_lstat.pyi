@@ -1,0 +1,3 @@
+def lstat_keys(
+    dir_fd: int, paths: list[str], /
+) -> list[tuple[int, int, int, int, int, int] | None]: ...
