@@ -367,7 +367,7 @@ class RepoSaver:
                 )
                 continue
             try:
-                outcome = await self._commit(plan, members, config)
+                outcome = await self._commit_saving_cache(plan, members, config)
             except MemberChanged as exc:
                 unstable = [exc.path]
                 log.info("%s: %s; scanning again", self.binding.name, exc)
@@ -397,6 +397,19 @@ class RepoSaver:
         except BaseExceptionGroup as group:
             raise_first_failure(group)
         return plan, verified[0]
+
+    async def _commit_saving_cache(
+        self, plan: _Plan, members: list[Member], config: list[tuple[str, str]]
+    ) -> RepoSaveOutcome:
+        """Commit while the metadata cache is written in a thread: the file
+        holds digests of contents, right whatever the commit's answer, and
+        its write (the whole cache) then costs the checkpoint nothing."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, self.cache.save)
+                return await self._commit(plan, members, config)
+        except BaseExceptionGroup as group:
+            raise_first_failure(group)
 
     async def _wait_for_locks(self, lock_wait: float) -> None:
         deadline = time.monotonic() + lock_wait
@@ -634,7 +647,7 @@ class RepoSaver:
         )
         if outcome.committed or not self.status.get("lastSave"):
             self.status["lastSave"] = {"at": now_iso(), **outcome.to_json()}
-        saved = self.cache.save()
+        saved = self.cache.save()  # written during the commit; again only if that failed
         self.status["cache"] = {"entries": len(self.cache), "degraded": self.cache.degraded}
         if not saved:
             log.info("%s: metadata cache kept in memory only", self.binding.name)
