@@ -14,9 +14,11 @@ fsagent's own code (``fsagent.repos``, the HTTP bridge client):
   checkout (every file read and hashed, everything uploaded);
 * **10 changed files**: 10 tracked files get a line appended, then the
   saver (warm: base and cache in memory, as ``fsagent repos watch`` runs)
-  saves; ``--rounds`` times, the median. The same with a fresh saver (cache
-  loaded from its file, base fetched from the controller, as a one-shot
-  ``fsagent repos checkpoint``);
+  saves; ``--change-rounds`` times (15), a round of each size in turn with
+  the order alternating, so both sizes see the same machine; the median.
+  The same with a fresh saver (cache loaded from its file, base fetched
+  from the controller, as a one-shot ``fsagent repos checkpoint``),
+  ``--rounds`` times (5);
 * **restore**: ``fsagent repos prepare`` into an empty sandbox home (fetch,
   verify, build, publish; no setup command), ``--rounds`` times, the median.
 
@@ -31,7 +33,8 @@ The naive way, measured the same way (through the same controller):
 Targets: the 10-change checkpoint under 1 s and within 2x of the 2,000-file
 figure; the restore within 2x of the local ``git clone``.
 
-    python -m bench.repos [--files 20000 2000] [--rounds 5] [--quick] [--no-record]
+    python -m bench.repos [--files 20000 2000] [--rounds 5] [--change-rounds 15] [--quick]
+                          [--no-record]
 """
 
 from __future__ import annotations
@@ -197,9 +200,21 @@ async def naive_save(
     return sent
 
 
-async def measure(
-    ctl: Controller, work: Path, files: int, rounds: int, log: Callable[[str], None]
-) -> Figures:
+@dataclass
+class Sandbox:
+    """One repository size's sandbox: its checkout and its running saver."""
+
+    figures: Figures
+    client: HttpBridgeClient
+    run: Any
+    checkout: Path
+    state: Path
+    saver: RepoSaver
+    work: Path
+
+
+async def prepare(ctl: Controller, work: Path, files: int, log: Callable[[str], None]) -> Sandbox:
+    """Origin, binding, clone and the first checkpoint of one size."""
     figures = Figures(files)
     origin, figures.source_bytes = build_origin(work / "origin", files)
     log(f"{files} files: origin built ({figures.source_bytes / (1 << 20):.0f} MiB)")
@@ -212,76 +227,88 @@ async def measure(
     agent = ctl.admin("create-agent", ctl.company, f"repos-{files}")["id"]
     started = ctl.admin("start-run", ctl.company, "--agent", agent, "--task", task)
     client = HttpBridgeClient(ctl.url, started["token"], retry_deadline=300)
-    try:
-        run = await client.get_run()
-        (binding,) = (await client.list_repos()).repos
-        home = work / "sandbox-a"
-        figures.clone_s, result = await timed_async(
-            lambda: prepare_repo(client, run, binding, home / "repos")
-        )
-        assert result.mode == "clone", result
-        checkout = home / "repos" / "app"
-        await trio.sleep(1.1)  # past the metadata cache's racy margin, as after any real start
-        state = work / "state-a" / binding.workspace_id
-        saver = RepoSaver(client, run, binding, checkout, state)
-        figures.first_s, outcome = await timed_async(saver.checkpoint)
-        figures.members = outcome.entries
-        figures.first_parts = (outcome.scan.seconds, outcome.upload_seconds, outcome.commit_seconds)
-        figures.first_uploaded, figures.first_uploaded_bytes = (
-            outcome.uploaded,
-            outcome.uploaded_bytes,
-        )
-        log(f"{files} files: first checkpoint {figures.first_s:.2f}s ({outcome.entries} members)")
-        binding = (await client.list_repos()).repos[0]
-        for r in range(rounds):
-            change_files(checkout, r)
+    run = await client.get_run()
+    (binding,) = (await client.list_repos()).repos
+    home = work / "sandbox-a"
+    figures.clone_s, result = await timed_async(
+        lambda: prepare_repo(client, run, binding, home / "repos")
+    )
+    assert result.mode == "clone", result
+    checkout = home / "repos" / "app"
+    await trio.sleep(1.1)  # past the metadata cache's racy margin, as after any real start
+    state = work / "state-a" / binding.workspace_id
+    saver = RepoSaver(client, run, binding, checkout, state)
+    figures.first_s, outcome = await timed_async(saver.checkpoint)
+    figures.members = outcome.entries
+    figures.first_parts = (outcome.scan.seconds, outcome.upload_seconds, outcome.commit_seconds)
+    figures.first_uploaded, figures.first_uploaded_bytes = (
+        outcome.uploaded,
+        outcome.uploaded_bytes,
+    )
+    log(f"{files} files: first checkpoint {figures.first_s:.2f}s ({outcome.entries} members)")
+    return Sandbox(figures, client, run, checkout, state, saver, work)
+
+
+async def changed_rounds(boxes: list[Sandbox], rounds: int, log: Callable[[str], None]) -> None:
+    """The 10-change checkpoints of every size, a round of each in turn (the
+    order alternating), so that the sizes see the same machine."""
+    for r in range(rounds):
+        for box in boxes if r % 2 == 0 else boxes[::-1]:
+            figures = box.figures
+            change_files(box.checkout, r)
             cpu = time.process_time()
-            seconds, outcome = await timed_async(saver.checkpoint)
+            seconds, outcome = await timed_async(box.saver.checkpoint)
             figures.cpu_changed_s.append(time.process_time() - cpu)
             assert outcome.committed and outcome.changed >= CHANGED, outcome
             figures.changed_s.append(seconds)
             figures.scan_s.append(outcome.scan.seconds)
             figures.upload_s.append(outcome.upload_seconds)
             figures.commit_s.append(outcome.commit_seconds)
-        for r in range(rounds):
-            change_files(checkout, rounds + r)
-            binding = (await client.list_repos()).repos[0]
-            cold = RepoSaver(client, run, binding, checkout, state)
-            seconds, outcome = await timed_async(cold.checkpoint)
-            assert outcome.committed and not outcome.full, outcome
-            figures.changed_cold_s.append(seconds)
-        log(f"{files} files: 10-change checkpoints {figures.changed_s}")
-        binding = (await client.list_repos()).repos[0]
-        fresh = work / "sandbox-b"
-        for _ in range(rounds):
-            seconds, result = await timed_async(
-                lambda: prepare_repo(client, run, binding, fresh / "repos")
-            )
-            assert result.mode == "restore", result
-            figures.restore_s.append(seconds)
-            shutil.rmtree(fresh)
-        log(f"{files} files: restores {figures.restore_s}")
+    for box in boxes:
+        log(f"{box.figures.files} files: 10-change checkpoints {box.figures.changed_s}")
 
-        scratch = work / "naive"
-        scratch.mkdir()
-        figures.naive_first_s, figures.naive_bytes = await timed_async(
+
+async def finish(box: Sandbox, rounds: int, first_round: int, log: Callable[[str], None]) -> None:
+    """A fresh saver's checkpoints, the restores and the naive way, of one size."""
+    figures, client, run, checkout, work = box.figures, box.client, box.run, box.checkout, box.work
+    for r in range(rounds):
+        change_files(checkout, first_round + r)
+        (binding,) = (await client.list_repos()).repos
+        cold = RepoSaver(client, run, binding, checkout, box.state)
+        seconds, outcome = await timed_async(cold.checkpoint)
+        assert outcome.committed and not outcome.full, outcome
+        figures.changed_cold_s.append(seconds)
+    (binding,) = (await client.list_repos()).repos
+    fresh = work / "sandbox-b"
+    for _ in range(rounds):
+        seconds, result = await timed_async(
+            lambda: prepare_repo(client, run, binding, fresh / "repos")
+        )
+        assert result.mode == "restore", result
+        figures.restore_s.append(seconds)
+        shutil.rmtree(fresh)
+    log(f"{figures.files} files: restores {figures.restore_s}")
+
+    scratch = work / "naive"
+    scratch.mkdir()
+    figures.naive_first_s, figures.naive_bytes = await timed_async(
+        lambda: naive_save(client, binding.workspace_id, checkout, scratch)
+    )
+    for r in range(rounds):
+        change_files(checkout, first_round + rounds + r)
+        seconds, _ = await timed_async(
             lambda: naive_save(client, binding.workspace_id, checkout, scratch)
         )
-        for r in range(rounds):
-            change_files(checkout, 2 * rounds + r)
-            seconds, _ = await timed_async(
-                lambda: naive_save(client, binding.workspace_id, checkout, scratch)
-            )
-            figures.naive_changed_s.append(seconds)
-        dest = work / "local-clone"
-        for _ in range(rounds):
-            seconds, _ = timed(lambda: git(work, "clone", "-q", str(checkout), str(dest)))
-            figures.local_clone_s.append(seconds)
-            shutil.rmtree(dest)
-        log(f"{files} files: naive saves {figures.naive_changed_s}, clones {figures.local_clone_s}")
-    finally:
-        await client.aclose()
-    return figures
+        figures.naive_changed_s.append(seconds)
+    dest = work / "local-clone"
+    for _ in range(rounds):
+        seconds, _ = timed(lambda: git(work, "clone", "-q", str(checkout), str(dest)))
+        figures.local_clone_s.append(seconds)
+        shutil.rmtree(dest)
+    log(
+        f"{figures.files} files: naive saves {figures.naive_changed_s}, "
+        f"clones {figures.local_clone_s}"
+    )
 
 
 def med(values: list[float]) -> float:
@@ -361,13 +388,18 @@ async def run_all(args: argparse.Namespace, work: Path) -> list[Figures]:
         print(line, flush=True)
 
     ctl = Controller(None, work / "controller", [], {}, gc_args=["--gc-interval", "0"])
+    boxes: list[Sandbox] = []
     try:
         ctl.start_with_company()
-        out = []
         for n in args.files:
-            out.append(await measure(ctl, work / f"r{n}", n, args.rounds, log))
-        return out
+            boxes.append(await prepare(ctl, work / f"r{n}", n, log))
+        await changed_rounds(boxes, args.change_rounds, log)
+        for box in boxes:
+            await finish(box, args.rounds, args.change_rounds, log)
+        return [box.figures for box in boxes]
     finally:
+        for box in boxes:
+            await box.client.aclose()
         ctl.stop(timeout=60)
 
 
@@ -384,12 +416,18 @@ def work_dir(base: Path) -> Iterator[Path]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, nargs="+", default=[20_000, 2_000])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the slow measurements")
+    ap.add_argument(
+        "--change-rounds",
+        type=int,
+        default=15,
+        help="rounds of the 10-change checkpoint, the sizes in turn",
+    )
     ap.add_argument("--quick", action="store_true", help="1,000 and 200 files, 2 rounds")
     add_output_options(ap)
     args = ap.parse_args()
     if args.quick:
-        args.files, args.rounds = [1000, 200], 2
+        args.files, args.rounds, args.change_rounds = [1000, 200], 2, 2
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = load_line()
     with work_dir(args.base) as work:
@@ -400,7 +438,8 @@ def main() -> int:
     text = (
         f"\n## Repository checkpoints (issue 10), {when}\n\n"
         f"Machine: {machine_line()}. Command: `{command}` (`make bench-repos`), "
-        f"{args.rounds} rounds, medians; load average before {load}, run took {took:.0f} s.\n\n"
+        f"medians of {args.change_rounds} rounds of the 10-change checkpoint (the sizes in turn) "
+        f"and {args.rounds} of the others; load average before {load}, run took {took:.0f} s.\n\n"
         + table(results)
     )
     print(text)
