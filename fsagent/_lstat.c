@@ -11,7 +11,9 @@
  * fsagent/scan.py (_lstat_list_py) builds them: None for a path that does
  * not exist (ENOENT) or lies below a non-directory (ENOTDIR); any other
  * error raises OSError naming the path, as os.lstat would. Paths are str,
- * encoded as os.fsencode does; a NUL in one raises ValueError.
+ * encoded as os.fsencode does where the file system encoding is UTF-8 with
+ * surrogate escapes (the only place fsagent.scan uses it); a NUL raises
+ * ValueError.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,16 +53,48 @@ static PyObject *nanoseconds(long long s, long long ns)
     return out;
 }
 
-static PyObject *key_tuple(const struct key *k)
+/* The last device and mode built, used again: one device for a whole scan,
+ * a handful of modes. */
+struct reuse {
+    unsigned long long dev;
+    unsigned int mode;
+    PyObject *dev_obj, *mode_obj;
+};
+
+static PyObject *cached_dev(struct reuse *r, unsigned long long dev)
+{
+    if (r->dev_obj == NULL || r->dev != dev) {
+        PyObject *obj = PyLong_FromUnsignedLongLong(dev);
+        if (obj == NULL)
+            return NULL;
+        Py_XSETREF(r->dev_obj, obj);
+        r->dev = dev;
+    }
+    return Py_NewRef(r->dev_obj);
+}
+
+static PyObject *cached_mode(struct reuse *r, unsigned int mode)
+{
+    if (r->mode_obj == NULL || r->mode != mode) {
+        PyObject *obj = PyLong_FromUnsignedLong(mode);
+        if (obj == NULL)
+            return NULL;
+        Py_XSETREF(r->mode_obj, obj);
+        r->mode = mode;
+    }
+    return Py_NewRef(r->mode_obj);
+}
+
+static PyObject *key_tuple(const struct key *k, struct reuse *r)
 {
     PyObject *t = PyTuple_New(6);
     if (t == NULL)
         return NULL;
     PyObject *items[6] = {
-        PyLong_FromUnsignedLongLong(k->dev),
+        cached_dev(r, k->dev),
         PyLong_FromUnsignedLongLong(k->ino),
         PyLong_FromLongLong(k->size),
-        PyLong_FromUnsignedLong(k->mode),
+        cached_mode(r, k->mode),
         nanoseconds(k->mtime_s, k->mtime_ns),
         nanoseconds(k->ctime_s, k->ctime_ns),
     };
@@ -87,9 +121,10 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
     PyObject *out = PyList_New(count);
     if (out == NULL)
         return NULL;
-    PyObject *encoded[BATCH];
+    PyObject *encoded[BATCH]; /* a new bytes object, or NULL: the str's own UTF-8 */
     const char *names[BATCH];
     struct key keys[BATCH];
+    struct reuse reuse = {0, 0, NULL, NULL};
     for (Py_ssize_t start = 0; start < count; start += BATCH) {
         Py_ssize_t n = count - start < BATCH ? count - start : BATCH;
         Py_ssize_t got = 0;
@@ -100,21 +135,34 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
                              Py_TYPE(path)->tp_name);
                 break;
             }
-            PyObject *raw = PyUnicode_EncodeFSDefault(path);
-            if (raw == NULL)
-                break;
-            if ((size_t)PyBytes_GET_SIZE(raw) != strlen(PyBytes_AS_STRING(raw))) {
-                Py_DECREF(raw);
+            /* UTF-8 is the file system encoding (fsagent.scan uses this module
+             * only then); a str keeps its UTF-8 (free for ASCII). A name that
+             * is not UTF-8 (surrogate escapes) is encoded as os.fsencode does. */
+            Py_ssize_t size;
+            const char *utf8 = PyUnicode_AsUTF8AndSize(path, &size);
+            PyObject *raw = NULL;
+            if (utf8 == NULL) {
+                PyErr_Clear();
+                raw = PyUnicode_EncodeFSDefault(path);
+                if (raw == NULL)
+                    break;
+                utf8 = PyBytes_AS_STRING(raw);
+                size = PyBytes_GET_SIZE(raw);
+            }
+            if ((size_t)size != strlen(utf8)) {
+                Py_XDECREF(raw);
                 PyErr_SetString(PyExc_ValueError, "lstat_keys: embedded null byte");
                 break;
             }
             encoded[got] = raw;
-            names[got] = PyBytes_AS_STRING(raw);
+            names[got] = utf8;
         }
         if (got < n) {
             for (Py_ssize_t i = 0; i < got; i++)
-                Py_DECREF(encoded[i]);
+                Py_XDECREF(encoded[i]);
             Py_DECREF(out);
+            Py_XDECREF(reuse.dev_obj);
+            Py_XDECREF(reuse.mode_obj);
             return NULL;
         }
         Py_BEGIN_ALLOW_THREADS
@@ -146,18 +194,22 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
                                                      PyList_GET_ITEM(paths, start + i));
                 item = NULL;
             } else {
-                item = key_tuple(&keys[i]);
+                item = key_tuple(&keys[i], &reuse);
             }
             if (item == NULL) {
                 for (Py_ssize_t j = i; j < n; j++)
-                    Py_DECREF(encoded[j]);
+                    Py_XDECREF(encoded[j]);
                 Py_DECREF(out);
+                Py_XDECREF(reuse.dev_obj);
+                Py_XDECREF(reuse.mode_obj);
                 return NULL;
             }
             PyList_SET_ITEM(out, start + i, item);
-            Py_DECREF(encoded[i]);
+            Py_XDECREF(encoded[i]);
         }
     }
+    Py_XDECREF(reuse.dev_obj);
+    Py_XDECREF(reuse.mode_obj);
     return out;
 }
 

@@ -56,6 +56,7 @@ import operator
 import os
 import stat
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -514,6 +515,11 @@ LstatKeys = Callable[[int, list[str]], list[Key | None]]
 
 
 def _c_loop() -> LstatKeys | None:
+    if (sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()) != (
+        "utf-8",
+        "surrogateescape",
+    ):
+        return None  # the C loop passes names as their UTF-8
     try:
         from fsagent._lstat import lstat_keys as c_loop
     except ImportError:  # built without a C compiler: the same loop in Python
