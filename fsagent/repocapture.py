@@ -52,7 +52,15 @@ from common.repos import (
     tree_problem,
 )
 from fsagent.errors import CheckoutUnsupported, GitCommandFailed
-from fsagent.scan import Member, Problem, ScanResult, member_kind, member_path
+from fsagent.listing import ListingWitness, parse_config_list
+from fsagent.scan import (
+    RACY_MARGIN_NS,
+    Member,
+    Problem,
+    ScanResult,
+    member_kind,
+    member_path,
+)
 
 LOCK_SUFFIX: Final = ".lock"
 GIT_TEMPORARY_PREFIXES: Final = ("tmp_", "incoming-")
@@ -193,20 +201,46 @@ def _worktree_paths(out: bytes) -> tuple[list[str], list[Problem]]:
 
 
 class WorktreeLister:
-    """:func:`worktree_paths` of one checkout, again and again: the same answer
-    from Git gives the same list (the same objects), so a scan recognizes an
-    unchanged listing at once and nothing is parsed twice."""
+    """:func:`worktree_paths` of one checkout, again and again.
 
-    def __init__(self, checkout: Path) -> None:
+    Git runs only when something its listing depends on changed since it last
+    ran (:class:`fsagent.listing.ListingWitness`, observed before each run),
+    or with ``full``; otherwise the last answer is the answer. The same
+    answer from Git gives the same list (the same objects), so a scan
+    recognizes an unchanged listing at once and nothing is parsed twice."""
+
+    def __init__(self, checkout: Path, racy_margin_ns: int = RACY_MARGIN_NS) -> None:
         self.checkout = checkout
+        self.witness = ListingWitness(os.fspath(checkout), self._config, racy_margin_ns)
+        self.ran = 0
+        """How many times Git listed the checkout."""
         self._out: bytes | None = None
         self._answer: tuple[list[str], list[Problem]] = ([], [])
+        self._valid = False
+        """Whether :attr:`_answer` is Git's answer after the witness's last observation."""
 
-    def __call__(self) -> tuple[list[str], list[Problem]]:
+    def _config(self) -> list[tuple[str, str, str]] | None:
+        proc = git(
+            self.checkout, "config", "-z", "--list", "--show-origin", "--show-scope", check=False
+        )
+        if proc.returncode != 0:
+            return None  # Git will say what is wrong when it lists
+        try:
+            return parse_config_list(proc.stdout)
+        except ValueError:
+            return None
+
+    def __call__(self, full: bool = False) -> tuple[list[str], list[Problem]]:
+        unchanged = self.witness.unchanged(git_env())
+        if unchanged and self._valid and not full:
+            return self._answer
+        self._valid = False
         out = _ls_files(self.checkout)
+        self.ran += 1
         if out != self._out:
             self._answer = _worktree_paths(out)
             self._out = out
+        self._valid = True
         return self._answer
 
 

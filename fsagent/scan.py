@@ -57,9 +57,10 @@ import os
 import stat
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, NamedTuple
@@ -534,15 +535,39 @@ The C version (fsagent/_lstat.c) builds the same tuples at about a third of
 the cost, with the GIL released while it calls ``lstat``."""
 
 
+SPLIT_AT: Final = 8192
+"""Paths from which the C loop's calls are shared with a second thread."""
+_second: ThreadPoolExecutor | None = None
+_second_lock = threading.Lock()
+
+
+def _second_thread() -> ThreadPoolExecutor:
+    global _second
+    with _second_lock:
+        if _second is None:
+            _second = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lstat")
+        return _second
+
+
 def _lstat_list(base: str, paths: list[str]) -> list[Key | None]:
     """lstat each path relative to the root, opened once (the kernel walks
-    the path below it only: a third cheaper than the whole path)."""
+    the path below it only: a third cheaper than the whole path). Many paths
+    are split between this thread and a second one: the C loop holds the
+    GIL only to build its tuples (20,000 paths: 16 against 10 ms here)."""
     try:
         fd = os.open(base, _DIR_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
         return [None] * len(paths)  # no root: nothing below it exists
     try:
-        return lstat_keys(fd, paths)
+        if len(paths) < SPLIT_AT or lstat_keys is _lstat_list_py:
+            return lstat_keys(fd, paths)
+        half = len(paths) // 2
+        rest = _second_thread().submit(lstat_keys, fd, paths[half:])
+        try:
+            first = lstat_keys(fd, paths[:half])
+        finally:
+            wait([rest])  # it uses the descriptor
+        return first + rest.result()
     finally:
         os.close(fd)
 
