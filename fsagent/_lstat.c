@@ -6,14 +6,17 @@
  * and the GIL is taken back after every call. Here the calls run in batches
  * with the GIL released and only the six fields a scan keys on are built.
  *
- * lstat_keys(dir_fd, paths) -> list of (dev, ino, size, mode, mtime_ns,
- * ctime_ns) or None, one per path, exactly as the Python loop in
+ * lstat_keys(dir_fd, paths[, previous]) -> list of (dev, ino, size, mode,
+ * mtime_ns, ctime_ns) or None, one per path, exactly as the Python loop in
  * fsagent/scan.py (_lstat_list_py) builds them: None for a path that does
  * not exist (ENOENT) or lies below a non-directory (ENOTDIR); any other
  * error raises OSError naming the path, as os.lstat would. Paths are str,
  * encoded as os.fsencode does where the file system encoding is UTF-8 with
  * surrogate escapes (the only place fsagent.scan uses it); a NUL raises
- * ValueError.
+ * ValueError. ``previous`` (a list as long as ``paths``: the keys of the
+ * same paths last time) gives back its own tuple for a path whose key is
+ * unchanged: nothing is built for what did not change, and the caller
+ * compares unchanged keys by identity.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -108,16 +111,61 @@ static PyObject *key_tuple(const struct key *k, struct reuse *r)
         Py_DECREF(t);
         return NULL;
     }
+    /* Six ints cannot take part in a cycle: the collector need never visit
+     * the tuple (it would untrack it at its first pass anyway, after
+     * visiting it; a scan makes one per member). */
+    PyObject_GC_UnTrack(t);
     return t;
+}
+
+/* Whether ``prev`` is a key tuple of exactly these values. */
+static int same_key(PyObject *prev, const struct key *k)
+{
+    if (!PyTuple_CheckExact(prev) || PyTuple_GET_SIZE(prev) != 6)
+        return 0;
+    long long times[2], product;
+    if (__builtin_mul_overflow(k->mtime_s, 1000000000LL, &product) ||
+        __builtin_add_overflow(product, k->mtime_ns, &times[0]) ||
+        __builtin_mul_overflow(k->ctime_s, 1000000000LL, &product) ||
+        __builtin_add_overflow(product, k->ctime_ns, &times[1]))
+        return 0; /* past 2262: built afresh */
+    for (int i = 0; i < 6; i++) {
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(prev, i)))
+            return 0;
+    }
+    int overflow;
+    unsigned long long dev = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(prev, 0));
+    unsigned long long ino = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(prev, 1));
+    long long size = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(prev, 2), &overflow);
+    int bad = overflow;
+    long long mode = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(prev, 3), &overflow);
+    bad |= overflow;
+    long long mtime = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(prev, 4), &overflow);
+    bad |= overflow;
+    long long ctime = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(prev, 5), &overflow);
+    bad |= overflow;
+    if (PyErr_Occurred()) { /* a negative or huge device or inode: not ours */
+        PyErr_Clear();
+        return 0;
+    }
+    return !bad && dev == k->dev && ino == k->ino && size == k->size &&
+           mode == (long long)k->mode && mtime == times[0] && ctime == times[1];
 }
 
 static PyObject *lstat_keys(PyObject *self, PyObject *args)
 {
     int dir_fd;
-    PyObject *paths;
-    if (!PyArg_ParseTuple(args, "iO!:lstat_keys", &dir_fd, &PyList_Type, &paths))
+    PyObject *paths, *previous = Py_None;
+    if (!PyArg_ParseTuple(args, "iO!|O:lstat_keys", &dir_fd, &PyList_Type, &paths, &previous))
         return NULL;
     Py_ssize_t count = PyList_GET_SIZE(paths);
+    if (previous == Py_None) {
+        previous = NULL;
+    } else if (!PyList_Check(previous) || PyList_GET_SIZE(previous) != count) {
+        PyErr_SetString(PyExc_ValueError,
+                        "lstat_keys: previous must be a list as long as paths, or None");
+        return NULL;
+    }
     PyObject *out = PyList_New(count);
     if (out == NULL)
         return NULL;
@@ -193,6 +241,9 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
                 PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError,
                                                      PyList_GET_ITEM(paths, start + i));
                 item = NULL;
+            } else if (previous != NULL &&
+                       same_key(PyList_GET_ITEM(previous, start + i), &keys[i])) {
+                item = Py_NewRef(PyList_GET_ITEM(previous, start + i));
             } else {
                 item = key_tuple(&keys[i], &reuse);
             }
@@ -215,7 +266,8 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"lstat_keys", lstat_keys, METH_VARARGS,
-     "lstat_keys(dir_fd, paths) -> [(dev, ino, size, mode, mtime_ns, ctime_ns) | None]"},
+     "lstat_keys(dir_fd, paths, previous=None) -> [(dev, ino, size, mode, mtime_ns, ctime_ns)"
+     " | None]"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -169,3 +169,36 @@ def test_a_scan_gives_the_same_result_with_either_loop(
     assert with_c.members == with_py.members
     assert with_c.stable and with_py.stable
     assert len(with_c.members) == 51
+
+
+def test_unchanged_keys_come_back_as_the_previous_tuples(tmp_path: Path, root: int) -> None:
+    for name in ("a", "b", "c", "future"):
+        (tmp_path / name).write_bytes(b"x")
+    os.utime(tmp_path / "future", ns=(0, 13_000_000_000 * NS))  # past 2**63 ns: built again
+    paths = ["a", "b", "c", "future", "gone"]
+    first = c_lstat_keys(root, paths)
+    with open(tmp_path / "b", "ab") as f:
+        f.write(b"more")
+    again = c_lstat_keys(root, paths, first)
+    assert again == scan._lstat_list_py(root, paths)
+    assert again[0] is first[0] and again[2] is first[2]
+    assert again[1] is not first[1] and again[1] != first[1]
+    assert again[3] == first[3] and again[3] is not first[3]
+    assert again[4] is None
+    # Whatever the previous list holds, the answer is the fresh keys.
+    key_a = first[0]
+    assert key_a is not None
+    odd: list[object] = [
+        scan.StatKey(*key_a),  # equal, but not a plain tuple
+        (1, 2, 3),
+        None,
+        (-1, -2, 2**70, -5, 2**80, "x"),
+        "not a key",
+    ]
+    fresh = c_lstat_keys(root, paths, odd)  # type: ignore[arg-type]
+    assert fresh == scan._lstat_list_py(root, paths)
+    assert fresh[0] is not odd[0]
+    with pytest.raises(ValueError, match="as long as paths"):
+        c_lstat_keys(root, paths, first[:2])
+    with pytest.raises(ValueError, match="as long as paths"):
+        c_lstat_keys(root, paths, tuple(first))  # type: ignore[arg-type]
