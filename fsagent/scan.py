@@ -66,6 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, NamedTuple, Protocol
 
+import xxhash
+
 from fsagent.errors import MemberChanged
 
 log = logging.getLogger(__name__)
@@ -202,19 +204,33 @@ ReadHook = Callable[[str], None]
 
 # --- the metadata cache ----------------------------------------------------------
 
-_CACHE_MAGIC: Final = b"FSAMC1\n"
+_CACHE_MAGIC_V1: Final = b"FSAMC1\n"
+"""A whole file of records (read, never written)."""
+_CACHE_MAGIC: Final = b"FSAMC2\n"
 _CACHE_RECORD: Final = struct.Struct(">QQQIqq32sH")
 """dev, ino, size, mode, mtime_ns, ctime_ns, sha256, path length; then the path (UTF-8)."""
+_CACHE_FRAME: Final = struct.Struct(">4sIQ")
+"""b"MCF1", the records' length, their xxh64; then the records."""
+_FRAME_TAG: Final = b"MCF1"
+CACHE_SLACK: Final = 1 << 20
+"""Bytes of appended frames a cache file may carry beyond twice its size
+when last written whole; past that the next save writes it whole again."""
 
 
 class MetadataCache:
     """path → (StatKey, digest), in memory, saved to ``file`` when it can be.
 
     Loading a missing or unreadable file gives an empty cache (a cache is
-    never needed for correctness, only for speed). :meth:`save` writes a new
-    file beside the old one and renames it over, so a crash or a full disk
-    leaves the old file (whose entries are still right for the files they
-    name: a key that no longer matches is a miss).
+    never needed for correctness, only for speed). The file is a magic line
+    and frames of records, each frame with its length and checksum; a later
+    record of a path replaces an earlier one. :meth:`save` appends one frame
+    with the entries put since the last save (a few records after a small
+    checkpoint, where writing the whole file cost megabytes each time), and
+    writes the whole file beside the old one and renames it over when
+    entries were dropped, the file grew to twice its size, or the last
+    write failed. Nothing is synced: a frame torn by a crash fails its
+    checksum and it and what follows are ignored (the entries before it are
+    right for the files they name: a key that no longer matches is a miss).
     """
 
     def __init__(self, file: Path | None = None) -> None:
@@ -224,6 +240,14 @@ class MetadataCache:
         """Each entry's record in the file, kept so a save encodes only what changed."""
         self._unencoded: set[str] = set()
         """Entries whose record is not in :attr:`_records` yet."""
+        self._pending: set[str] = set()
+        """Entries put since the last save: the next frame."""
+        self._appendable = False
+        """Whether the file holds exactly the entries as of the last save, so
+        a frame of the pending ones brings it up to date."""
+        self._file_bytes = 0
+        self._whole_bytes = 0
+        """The file's size, and its size when last written whole."""
         self._dirty = False
         self.degraded: str | None = None
         """Why the last save failed (the cache then lives in memory only); None when saved."""
@@ -241,8 +265,12 @@ class MetadataCache:
             log.warning("metadata cache %s unreadable (%s); starting empty", file, exc)
             return cache
         try:
-            cache._entries = _decode_cache(data)
+            cache._entries, whole = _decode_cache(data)
             cache._unencoded = set(cache._entries)
+            cache._appendable = whole
+            cache._file_bytes = cache._whole_bytes = len(data)
+            if not whole and not data.startswith(_CACHE_MAGIC_V1):
+                log.warning("metadata cache %s is damaged at its end; kept what precedes", file)
         except ValueError as exc:
             log.warning("metadata cache %s is damaged (%s); starting empty", file, exc)
         return cache
@@ -266,6 +294,7 @@ class MetadataCache:
         if self._entries.get(path) != entry:
             self._entries[path] = entry
             self._unencoded.add(path)
+            self._pending.add(path)
             self._dirty = True
 
     def retain(self, paths: set[str]) -> None:
@@ -275,29 +304,40 @@ class MetadataCache:
             del self._entries[p]
             self._records.pop(p, None)
             self._unencoded.discard(p)
+            self._pending.discard(p)
         if gone:
             self._dirty = True
+            self._appendable = False  # a frame cannot drop entries
 
     def save(self) -> bool:
-        """Write the cache file if anything changed; False (and :attr:`degraded`
-        set) when the write failed. Never raises for lack of space."""
+        """Bring the cache file up to date if anything changed; False (and
+        :attr:`degraded` set) when the write failed. Never raises for lack
+        of space."""
         if self.file is None or not self._dirty:
             return True
         tmp = self.file.with_name(self.file.name + ".tmp")
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            data = self._encode()
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            # No fsync: a cache file torn by a power loss reads as damaged
-            # (an empty cache), and a record that decodes but is stale never
-            # matches a file's key. The save stays cheap on every checkpoint.
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.file)
+            frame = _frame([self._record(p) for p in self._pending]) if self._appendable else b""
+            if self._appendable and (
+                self._file_bytes + len(frame) <= 2 * self._whole_bytes + CACHE_SLACK
+            ):
+                self._appendable = False  # until the frame is wholly written
+                fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                try:
+                    _write_all(fd, frame)
+                finally:
+                    os.close(fd)
+                self._file_bytes += len(frame)
+            else:
+                data = _CACHE_MAGIC + _frame(list(self._encode_records().values()))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    _write_all(fd, data)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.file)
+                self._file_bytes = self._whole_bytes = len(data)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -306,18 +346,38 @@ class MetadataCache:
                 log.warning("metadata cache not saved (%s); using it in memory only", reason)
             self.degraded = reason
             return False
+        self._appendable = True
+        self._pending.clear()
         self._dirty = False
         self.degraded = None
         return True
 
-    def _encode(self) -> bytes:
-        """The file's contents: the records of new and changed entries encoded, the others kept."""
+    def _record(self, path: str) -> bytes:
+        if path in self._unencoded:
+            key, digest = self._entries[path]
+            self._records[path] = _encode_record(path, key, digest)
+            self._unencoded.discard(path)
+        return self._records[path]
+
+    def _encode_records(self) -> dict[str, bytes]:
+        """Every entry's record: the new and changed ones encoded, the others kept."""
         records, entries = self._records, self._entries
         for path in self._unencoded:
             key, digest = entries[path]
             records[path] = _encode_record(path, key, digest)
         self._unencoded.clear()
-        return b"".join((_CACHE_MAGIC, *records.values()))
+        return records
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _frame(records: list[bytes]) -> bytes:
+    body = b"".join(records)
+    return _CACHE_FRAME.pack(_FRAME_TAG, len(body), xxhash.xxh64_intdigest(body)) + body
 
 
 def _encode_record(path: str, key: tuple[int, ...], digest: str) -> bytes:
@@ -325,12 +385,10 @@ def _encode_record(path: str, key: tuple[int, ...], digest: str) -> bytes:
     return _CACHE_RECORD.pack(*key, bytes.fromhex(digest), len(raw)) + raw
 
 
-def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
-    if not data.startswith(_CACHE_MAGIC):
-        raise ValueError("not a metadata cache file")
-    entries: dict[str, tuple[tuple[int, ...], str]] = {}
-    pos = len(_CACHE_MAGIC)
-    end = len(data)
+def _decode_records(
+    data: bytes | memoryview, entries: dict[str, tuple[tuple[int, ...], str]]
+) -> None:
+    pos, end = 0, len(data)
     size = _CACHE_RECORD.size
     unpack = _CACHE_RECORD.unpack_from
     while pos < end:
@@ -341,12 +399,44 @@ def _decode_cache(data: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
         plen = record[7]
         if pos + plen > end:
             raise ValueError("truncated path")
-        entries[data[pos : pos + plen].decode("utf-8", "surrogateescape")] = (
+        entries[bytes(data[pos : pos + plen]).decode("utf-8", "surrogateescape")] = (
             record[:6],
             record[6].hex(),
         )
         pos += plen
-    return entries
+
+
+def _decode_cache(data: bytes) -> tuple[dict[str, tuple[tuple[int, ...], str]], bool]:
+    """The entries of a cache file, and whether every frame was whole (a
+    damaged frame ends the file: what follows it is not read)."""
+    entries: dict[str, tuple[tuple[int, ...], str]] = {}
+    if data.startswith(_CACHE_MAGIC_V1):
+        _decode_records(memoryview(data)[len(_CACHE_MAGIC_V1) :], entries)
+        return entries, False  # written whole next time, in frames
+    if not data.startswith(_CACHE_MAGIC):
+        raise ValueError("not a metadata cache file")
+    view = memoryview(data)
+    pos, end = len(_CACHE_MAGIC), len(data)
+    head = _CACHE_FRAME.size
+    while pos < end:
+        if pos + head > end:
+            break
+        tag, length, checksum = _CACHE_FRAME.unpack_from(data, pos)
+        body = view[pos + head : pos + head + length]
+        if tag != _FRAME_TAG or len(body) != length or xxhash.xxh64_intdigest(body) != checksum:
+            break
+        frame: dict[str, tuple[tuple[int, ...], str]] = {}
+        try:
+            _decode_records(body, frame)
+        except ValueError:
+            break
+        entries.update(frame)
+        pos += head + length
+    else:
+        return entries, True
+    if not entries:
+        raise ValueError("no whole frame")
+    return entries, False
 
 
 # --- reading one file -------------------------------------------------------------

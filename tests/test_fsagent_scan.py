@@ -5,6 +5,7 @@ stable-read rules, the before/after fingerprint, and the metadata cache
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import random
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from fsagent import scan as scan_module
 from fsagent.errors import MemberChanged
 from fsagent.scan import (
     MetadataCache,
@@ -614,3 +616,98 @@ def test_a_path_added_below_a_link_is_hidden_by_a_scan_using_the_last_one(tmp_pa
         ("new/x.txt", "below_non_directory:new"),
         ("work/sub/y.txt", "below_non_directory:work/sub"),
     ]
+
+
+def _cache_of(file: Path, count: int) -> MetadataCache:
+    cache = MetadataCache.load(file)
+    for i in range(count):
+        cache.put(
+            f"dir/file-{i}", (1, i, 10, 0o100644, i, i), hashlib.sha256(b"%d" % i).hexdigest()
+        )
+    return cache
+
+
+def _entries(cache: MetadataCache) -> dict[str, tuple[tuple[int, ...], str]]:
+    return dict(cache._entries)
+
+
+def test_cache_file_grows_by_a_frame_per_save_and_is_rewritten_when_entries_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "metacache"
+    cache = _cache_of(file, 100)
+    assert cache.save()
+    whole = file.stat().st_size
+    assert whole > 100 * 80
+    cache.put("dir/file-7", (1, 7, 11, 0o100644, 70, 70), "ab" * 32)  # changed
+    cache.put("new-0", (1, 500, 1, 0o100644, 5, 5), "cd" * 32)  # added
+    assert cache.save()
+    grown = file.stat().st_size
+    assert whole < grown < whole + 400  # one frame of two records, not the whole file
+    assert _entries(MetadataCache.load(file)) == _entries(cache)
+    assert MetadataCache.load(file).get("dir/file-7", (1, 7, 11, 0o100644, 70, 70)) == "ab" * 32
+    assert cache.save() and file.stat().st_size == grown  # nothing new: nothing written
+
+    cache.retain({f"dir/file-{i}" for i in range(50)})  # entries go: written whole
+    assert cache.save()
+    assert file.stat().st_size < whole
+    reloaded = MetadataCache.load(file)
+    assert len(reloaded) == 50 and _entries(reloaded) == _entries(cache)
+
+    # Appended frames are bounded: past twice the whole size, written whole again.
+    monkeypatch.setattr(scan_module, "CACHE_SLACK", 0)
+    sizes = []
+    for round_no in range(60):
+        cache.put(f"dir/file-{round_no % 50}", (2, round_no, 1, 0o100644, 9, 9), "ef" * 32)
+        assert cache.save()
+        sizes.append(file.stat().st_size)
+    assert max(sizes) <= 2 * sizes[0] + 200
+    assert any(b < a for a, b in itertools.pairwise(sizes))  # a rewrite happened
+    assert _entries(MetadataCache.load(file)) == _entries(cache)
+
+
+@pytest.mark.allow_warning_logs
+def test_a_torn_or_damaged_frame_keeps_what_precedes_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    file = tmp_path / "metacache"
+    cache = _cache_of(file, 100)
+    assert cache.save()
+    whole = file.read_bytes()
+    for i in range(3):
+        cache.put(f"new-{i}", (1, 900 + i, 1, 0o100644, i, i), "12" * 32)
+    assert cache.save()
+    full = file.read_bytes()
+    assert len(full) > len(whole)
+
+    for damaged in (full[:-5], full[:-1] + bytes([full[-1] ^ 1]), full + b"\0" * 4096):
+        file.write_bytes(damaged)
+        with caplog.at_level(logging.WARNING, logger="fsagent.scan"):
+            caplog.clear()
+            loaded = MetadataCache.load(file)
+        if damaged.startswith(full):  # zeros after whole frames: the frames are kept
+            assert len(loaded) == 103 and "damaged at its end" in caplog.text
+        else:
+            assert len(loaded) == 100 and "damaged at its end" in caplog.text
+            assert loaded.key_of("new-0") is None
+        # The next save writes the file whole: nothing is appended after damage.
+        loaded.put("later", (1, 999, 1, 0o100644, 1, 1), "34" * 32)
+        assert loaded.save()
+        again = MetadataCache.load(file)
+        assert len(again) == len(loaded) and again.get("later", (1, 999, 1, 0o100644, 1, 1))
+        assert not file.read_bytes().endswith(b"\0")
+
+
+def test_a_cache_file_of_the_first_format_is_read_and_then_rewritten(tmp_path: Path) -> None:
+    file = tmp_path / "metacache"
+    digest = hashlib.sha256(b"x").hexdigest()
+    records = [
+        scan_module._encode_record(f"p{i}", (1, i, 2, 0o100644, 3, 4), digest) for i in range(5)
+    ]
+    file.write_bytes(b"FSAMC1\n" + b"".join(records))
+    cache = MetadataCache.load(file)
+    assert len(cache) == 5 and cache.get("p3", (1, 3, 2, 0o100644, 3, 4)) == digest
+    cache.put("p9", (1, 9, 2, 0o100644, 3, 4), digest)
+    assert cache.save()
+    assert file.read_bytes().startswith(b"FSAMC2\n")
+    assert len(MetadataCache.load(file)) == 6
