@@ -534,7 +534,9 @@ class RepoSaver:
                 continue
             checkpoint_id = str(receipt["checkpointId"])
             if plan.base is not None and body["base"] is not None:
-                keys = dict(plan.base.members)  # the delta applied: no key built per member
+                # The delta applied to the base's table in place (it is this
+                # saver's own, and the old base is done with): no copy.
+                keys = plan.base.members
                 for path in plan.removed:
                     del keys[path]
                 keys.update((m.path, member_key(m)) for m in plan.changed)
