@@ -105,7 +105,17 @@ class ListingWitness:
     def unchanged(self, env: dict[str, str]) -> bool:
         """Observe everything now; True when it equals the last observation and
         that one was settled and could vouch (a listing taken after it still
-        holds). This observation becomes the last one: call it before listing."""
+        holds). This observation becomes the last one: call it before listing.
+        A witness that cannot be looked at (EACCES, ELOOP, ...) vouches for
+        nothing: Git lists, and the next observation starts from this one's
+        partial state, which it does not trust either."""
+        try:
+            return self._observe(env)
+        except OSError:
+            self._settled = False
+            return False
+
+    def _observe(self, env: dict[str, str]) -> bool:
         not_after = time.time_ns() - self.racy_margin_ns
         same = self._settled
         if env != self._env:

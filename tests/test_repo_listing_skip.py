@@ -773,3 +773,33 @@ def test_too_many_directories_to_watch(tmp_path: Path, monkeypatch: pytest.Monke
     assert lister.ran == 3
     write(checkout / "src" / "lib" / "deep" / "new.py", "new\n")
     assert "src/lib/deep/new.py" in check(lister, checkout)
+
+
+def test_a_witness_that_cannot_be_looked_at_makes_git_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An lstat refused (a directory readable but not searchable, as a user
+    other than root sees it) never fails the listing: Git lists, every time
+    until the witness can look again, and the answer stays right."""
+    checkout = repo(tmp_path)
+    lister = settled_lister(checkout)
+    ran = lister.ran
+    real = listing.lstat_keys
+
+    def refused(fd: int, paths: list[str]) -> list[Key | None]:
+        raise PermissionError(13, "Permission denied", paths[0] if paths else "")
+
+    monkeypatch.setattr(listing, "lstat_keys", refused)
+    (checkout / "src" / "while-blind.txt").write_text("x")
+    assert check(lister, checkout) == worktree_paths(checkout)[0]
+    assert "src/while-blind.txt" in lister()[0]
+    assert lister.ran == ran + 2
+    monkeypatch.setattr(listing, "lstat_keys", real)
+    (checkout / "src" / "after.txt").write_text("y")
+    assert "src/after.txt" in check(lister, checkout)
+    settle()
+    check(lister, checkout)
+    settle()
+    before = lister.ran
+    assert "src/after.txt" in lister()[0]
+    assert lister.ran == before  # looking again, it vouches again
