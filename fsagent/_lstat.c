@@ -169,6 +169,7 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
     PyObject *out = PyList_New(count);
     if (out == NULL)
         return NULL;
+    PyObject *held[BATCH];    /* the paths, held while the GIL is released */
     PyObject *encoded[BATCH]; /* a new bytes object, or NULL: the str's own UTF-8 */
     const char *names[BATCH];
     struct key keys[BATCH];
@@ -176,7 +177,13 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
     for (Py_ssize_t start = 0; start < count; start += BATCH) {
         Py_ssize_t n = count - start < BATCH ? count - start : BATCH;
         Py_ssize_t got = 0;
-        for (; got < n; got++) {
+        if (PyList_GET_SIZE(paths) != count ||
+            (previous != NULL && PyList_GET_SIZE(previous) != count)) {
+            /* another thread changed a list while the GIL was released */
+            PyErr_SetString(PyExc_RuntimeError, "lstat_keys: a list changed size during the call");
+            got = -1;
+        }
+        for (; got >= 0 && got < n; got++) {
             PyObject *path = PyList_GET_ITEM(paths, start + got);
             if (!PyUnicode_Check(path)) {
                 PyErr_Format(PyExc_TypeError, "lstat_keys: a path must be str, not %.100s",
@@ -202,12 +209,15 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
                 PyErr_SetString(PyExc_ValueError, "lstat_keys: embedded null byte");
                 break;
             }
+            held[got] = Py_NewRef(path);
             encoded[got] = raw;
             names[got] = utf8;
         }
         if (got < n) {
-            for (Py_ssize_t i = 0; i < got; i++)
+            for (Py_ssize_t i = 0; i < got; i++) {
+                Py_DECREF(held[i]);
                 Py_XDECREF(encoded[i]);
+            }
             Py_DECREF(out);
             Py_XDECREF(reuse.dev_obj);
             Py_XDECREF(reuse.mode_obj);
@@ -238,24 +248,26 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
                 item = Py_NewRef(Py_None);
             } else if (keys[i].error != 0) {
                 errno = keys[i].error;
-                PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError,
-                                                     PyList_GET_ITEM(paths, start + i));
+                PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, held[i]);
                 item = NULL;
-            } else if (previous != NULL &&
+            } else if (previous != NULL && PyList_GET_SIZE(previous) == count &&
                        same_key(PyList_GET_ITEM(previous, start + i), &keys[i])) {
                 item = Py_NewRef(PyList_GET_ITEM(previous, start + i));
             } else {
                 item = key_tuple(&keys[i], &reuse);
             }
             if (item == NULL) {
-                for (Py_ssize_t j = i; j < n; j++)
+                for (Py_ssize_t j = i; j < n; j++) {
+                    Py_DECREF(held[j]);
                     Py_XDECREF(encoded[j]);
+                }
                 Py_DECREF(out);
                 Py_XDECREF(reuse.dev_obj);
                 Py_XDECREF(reuse.mode_obj);
                 return NULL;
             }
             PyList_SET_ITEM(out, start + i, item);
+            Py_DECREF(held[i]);
             Py_XDECREF(encoded[i]);
         }
     }
