@@ -30,7 +30,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import zstandard
 
@@ -82,6 +82,10 @@ class Manifest:
     one's object is a full manifest (or it is not stored)."""
     carried: int = 0
     """Members and removed paths the deltas of the chain and this one carry."""
+    spare: dict[str, Tables] = field(default_factory=dict, compare=False, repr=False)
+    """Copies of the tables a delta on this manifest starts from, made ahead
+    (:func:`prepare_spare`, after the commit that made it current has been
+    answered) and taken by the first delta (:func:`apply_delta`)."""
 
     @classmethod
     def whole(
@@ -113,6 +117,35 @@ class Manifest:
         return self.encoded
 
 
+class Tables(NamedTuple):
+    """A manifest's tables, copied: what a delta on it modifies."""
+
+    members: dict[str, RepoMember]
+    encoded: dict[str, bytes] | None
+    sizes: dict[str, int]
+    counts: dict[str, int]
+    tree: TreeIndex
+
+
+def copy_tables(manifest: Manifest) -> Tables:
+    return Tables(
+        dict(manifest.members),
+        None if manifest.encoded is None else dict(manifest.encoded),
+        dict(manifest.sizes),
+        dict(manifest.counts),
+        manifest.index.copy(),
+    )
+
+
+def prepare_spare(manifest: Manifest) -> None:
+    """Copy the tables the next delta on ``manifest`` will change, now rather
+    than in that delta's request (at 20,000 members the copies are most of
+    a delta commit's work that grows with the checkout). Blocking: run in a
+    thread, with nothing waiting on it."""
+    if "tables" not in manifest.spare:
+        manifest.spare["tables"] = copy_tables(manifest)
+
+
 @dataclass(frozen=True)
 class Delta:
     """A delta applied (:func:`apply_delta`): the complete result, and what it changed."""
@@ -133,13 +166,16 @@ def apply_delta(
     config: tuple[tuple[str, str], ...],
 ) -> Delta:
     """``base`` with ``removed`` gone and ``changed`` put: copies of the base's
-    tables (C loops), then work in proportion to the delta. Refuses a removed
+    tables (C loops; made ahead by :func:`prepare_spare` when it ran), then
+    work in proportion to the delta. Refuses a removed
     path not in the base (400) and a member whose digest the result already
     has, or its base had, under another size (``size_mismatch``). The tree
     rules are the caller's (:func:`common.repos.delta_tree_problem`)."""
-    members = dict(base.members)
-    encoded = None if base.encoded is None else dict(base.encoded)
-    sizes, counts, index = dict(base.sizes), dict(base.counts), base.index.copy()
+    # The copies made ahead, if any (dict.pop is atomic: one delta takes them).
+    tables = base.spare.pop("tables", None) or copy_tables(base)
+    members, encoded, sizes, counts, index = tables
+    if encoded is None and base.encoded is not None:
+        encoded = dict(base.encoded)  # encoded after the copies were made
     files, byte_size = base.files, base.byte_size
     added: set[str] = set()
     dropped: set[str] = set()

@@ -32,6 +32,7 @@ from controller.repomanifest import (
     apply_delta,
     parse_request,
     plan_checkpoint,
+    prepare_spare,
 )
 from tests.support.repos import dir_member, file_member, link_member, members_of, small_repo
 
@@ -347,3 +348,48 @@ def test_a_delta_manifest_is_stored_as_one_until_the_chain_is_long_or_carries_mu
     whole = plan_of(long, 1)
     assert whole.delta_of is None and whole.manifest.chain == ()
     assert whole.current_objects == (*long.chain, digest)  # all let go at its commit
+
+
+def test_a_delta_from_copies_made_ahead_is_the_delta_from_fresh_copies() -> None:
+    """prepare_spare's copies (made after a commit is answered) give the same
+    result as copies made in the delta, leave the base as it was, and serve
+    one delta only."""
+    rng = random.Random(20261205)
+    for round_no in range(300):
+        members = tree([])
+        for _ in range(rng.randint(0, 8)):
+            member = random_member(rng)
+            trial = {**members, member.path: member}
+            if tree_problem(trial) is None:
+                members = trial
+        base = Manifest.whole(members, ())
+        if round_no % 3 == 0:
+            base.fragments()  # encoded before the copies
+        before = (dict(base.members), dict(base.sizes), dict(base.counts))
+        before_index = (dict(base.index.below), dict(base.index.links))
+        prepare_spare(base)
+        if round_no % 3 == 1:
+            base.fragments()  # encoded after the copies: the delta copies them then
+        paths = list(members)
+        removed = rng.sample(paths, rng.randint(0, min(3, len(paths))))
+        changed = {
+            m.path: m for m in (random_member(rng) for _ in range(4)) if m.path not in removed
+        }
+        ahead = apply_delta(base, changed, removed, ()).manifest
+        assert "tables" not in base.spare  # taken
+        fresh = apply_delta(base, changed, removed, ()).manifest  # copies made now
+        assert dict(ahead.members) == dict(fresh.members)
+        assert (ahead.sizes, ahead.counts, ahead.files, ahead.byte_size) == (
+            fresh.sizes,
+            fresh.counts,
+            fresh.files,
+            fresh.byte_size,
+        )
+        assert ahead.index.below == fresh.index.below and ahead.index.links == fresh.index.links
+        assert (ahead.encoded is None) == (base.encoded is None)
+        if base.encoded is not None:
+            assert ahead.encoded == fresh.encoded
+            assert ahead.fragments() == Manifest.whole(ahead.members, ()).fragments()
+        # The base is what it was: the delta changed copies only.
+        assert (dict(base.members), dict(base.sizes), dict(base.counts)) == before
+        assert (dict(base.index.below), dict(base.index.links)) == before_index

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from psycopg import AsyncConnection
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -154,9 +155,10 @@ def _write_spool(fd: int, data: bytes) -> None:
 
 async def _commit_once(
     request: Request, run: RunBinding, req: repomanifest.CheckpointRequest
-) -> dict[str, Any] | None:
-    """One plan and one commit; None when the plan went stale before it
-    committed (another commit of the binding landed first)."""
+) -> tuple[dict[str, Any], repomanifest.Manifest | None] | None:
+    """One plan and one commit: the receipt, and the new current manifest
+    (None for a replay); None when the plan went stale before it committed
+    (another commit of the binding landed first)."""
     st = state(request)
     async with connection(request) as conn:
         bound = await repos.binding_for_run(conn, run, request.path_params["workspaceId"])
@@ -164,9 +166,10 @@ async def _commit_once(
     gc_delay = st.settings.gc_delay
     if replay:
         # The lease is checked again before the receipt is answered.
-        return await write_transaction(
+        receipt = await write_transaction(
             request, lambda c: repos.commit(c, run, bound, req, None, None, gc_delay=gc_delay)
         )
+        return receipt, None
     if req.base is not None and req.base != bound.current_id:
         raise BaseMismatch(details=[{"base": req.base, "current": bound.current_id}])
     current = repomanifest.EMPTY
@@ -203,7 +206,7 @@ async def _commit_once(
     finally:
         spool.unlink(missing_ok=True)
     repomanifest.CACHE.put(bound.company_id, digest, plan.manifest)
-    return result
+    return result, plan.manifest
 
 
 @json_errors
@@ -215,9 +218,19 @@ async def commit_checkpoint(request: Request) -> Response:
         # Up to 100,000 members: too much work for the event loop.
         req = await asyncio.to_thread(repomanifest.parse_request, body)
         for _ in range(PLAN_ATTEMPTS):
-            result = await _commit_once(request, run, req)
-            if result is not None:
-                return JSONResponse(result)
+            done = await _commit_once(request, run, req)
+            if done is not None:
+                result, manifest = done
+                if manifest is None:
+                    return JSONResponse(result)
+                # The next delta's copies of this manifest's tables, made
+                # once the answer is sent rather than in that delta's request.
+                return JSONResponse(
+                    result,
+                    background=BackgroundTask(
+                        asyncio.to_thread, repomanifest.prepare_spare, manifest
+                    ),
+                )
     except (UnknownContent, UnsafeRepoMember) as exc:
         # The refusal is the binding's visible state until a save succeeds.
         async with connection(request) as conn:
