@@ -37,13 +37,20 @@ struct key {
     int error;
 };
 
-/* seconds * 10**9 + nanoseconds, exactly (ext4 keeps times past 2262, where
- * the product no longer fits in 64 bits). */
+/* seconds * 10**9 + nanoseconds in *out; 0 when that does not fit in 64
+ * bits (ext4 keeps times past 2262). */
+static int ns_fits(long long s, long long ns, long long *out)
+{
+    long long product;
+    return !__builtin_mul_overflow(s, 1000000000LL, &product) &&
+           !__builtin_add_overflow(product, ns, out);
+}
+
+/* seconds * 10**9 + nanoseconds, exactly. */
 static PyObject *nanoseconds(long long s, long long ns)
 {
-    long long product, sum;
-    if (!__builtin_mul_overflow(s, 1000000000LL, &product) &&
-        !__builtin_add_overflow(product, ns, &sum))
+    long long sum;
+    if (ns_fits(s, ns, &sum))
         return PyLong_FromLongLong(sum);
     PyObject *a = PyLong_FromLongLong(s), *b = NULL, *c = NULL, *d = NULL, *out = NULL;
     if (a && (b = PyLong_FromLongLong(1000000000LL)) && (c = PyNumber_Multiply(a, b)) &&
@@ -123,11 +130,9 @@ static int same_key(PyObject *prev, const struct key *k)
 {
     if (!PyTuple_CheckExact(prev) || PyTuple_GET_SIZE(prev) != 6)
         return 0;
-    long long times[2], product;
-    if (__builtin_mul_overflow(k->mtime_s, 1000000000LL, &product) ||
-        __builtin_add_overflow(product, k->mtime_ns, &times[0]) ||
-        __builtin_mul_overflow(k->ctime_s, 1000000000LL, &product) ||
-        __builtin_add_overflow(product, k->ctime_ns, &times[1]))
+    long long times[2];
+    if (!ns_fits(k->mtime_s, k->mtime_ns, &times[0]) ||
+        !ns_fits(k->ctime_s, k->ctime_ns, &times[1]))
         return 0; /* past 2262: built afresh */
     for (int i = 0; i < 6; i++) {
         if (!PyLong_CheckExact(PyTuple_GET_ITEM(prev, i)))

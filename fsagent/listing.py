@@ -41,11 +41,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Final
 
-from fsagent.scan import RACY_MARGIN_NS, Key, lstat_keys
+from common.repos import GIT_DIR
+from fsagent.scan import DIR_FLAGS, RACY_MARGIN_NS, Key, lstat_keys
 
-GIT_DIR: Final = ".git"
 IGNORE_FILE: Final = ".gitignore"
-_DIR_FLAGS: Final = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
 
 ConfigReader = Callable[[], list[tuple[str, str, str]] | None]
 """``(scope, origin, "key\\nvalue")`` of every configuration entry Git sees
@@ -189,7 +188,7 @@ class ListingWitness:
         """Look at every known directory and ignore file; read the directories
         that changed again (new ones whole). True when nothing changed."""
         try:
-            fd = os.open(self.root, _DIR_FLAGS)
+            fd = os.open(self.root, DIR_FLAGS)
         except OSError:
             self._dirs.clear()
             self._subdirs.clear()

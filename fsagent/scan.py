@@ -582,7 +582,8 @@ def _fingerprint_of(key: Key) -> tuple[int, ...]:
 Trusted = Callable[[str], Key | None]
 """The key to use instead of an lstat for a path, or None to lstat it."""
 
-_DIR_FLAGS: Final = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
+DIR_FLAGS: Final = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
+"""Open a directory only to name paths relative to it."""
 
 
 _paused = 0
@@ -682,7 +683,7 @@ def _lstat_list(
     are split between this thread and a second one: the C loop holds the
     GIL only to build its tuples (20,000 paths: 16 against 10 ms here)."""
     try:
-        fd = os.open(base, _DIR_FLAGS)
+        fd = os.open(base, DIR_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
         return [None] * len(paths)  # no root: nothing below it exists
     try:

@@ -285,6 +285,17 @@ def random_member(rng: random.Random) -> RepoMember:
     return RepoMember(path, "dir")
 
 
+def random_tree(rng: random.Random) -> dict[str, RepoMember]:
+    """A valid checkpoint of up to 8 random members beside small_repo's."""
+    members = tree([])
+    for _ in range(rng.randint(0, 8)):
+        member = random_member(rng)
+        trial = {**members, member.path: member}
+        if tree_problem(trial) is None:
+            members = trial
+    return members
+
+
 def test_a_delta_is_judged_and_counted_as_its_whole_checkpoint() -> None:
     """Random deltas on random valid checkpoints: the delta's verdict
     (delta_tree_problem on apply_delta's index) is tree_problem's on the
@@ -292,12 +303,7 @@ def test_a_delta_is_judged_and_counted_as_its_whole_checkpoint() -> None:
     rng = random.Random(20261204)
     judged = refused = 0
     while judged < 3000:
-        members = tree([])
-        for _ in range(rng.randint(0, 8)):
-            member = random_member(rng)
-            trial = {**members, member.path: member}
-            if tree_problem(trial) is None:
-                members = trial
+        members = random_tree(rng)
         base = Manifest.whole(members, ())
         paths = list(members)
         removed = rng.sample(paths, rng.randint(0, min(3, len(paths))))
@@ -356,12 +362,7 @@ def test_a_delta_from_copies_made_ahead_is_the_delta_from_fresh_copies() -> None
     one delta only."""
     rng = random.Random(20261205)
     for round_no in range(300):
-        members = tree([])
-        for _ in range(rng.randint(0, 8)):
-            member = random_member(rng)
-            trial = {**members, member.path: member}
-            if tree_problem(trial) is None:
-                members = trial
+        members = random_tree(rng)
         base = Manifest.whole(members, ())
         if round_no % 3 == 0:
             base.fragments()  # encoded before the copies
