@@ -84,6 +84,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if decision.mode == "dir":
         return _serve_dir(args, mountpoint, state_dir, decision)
     from fsagent.mount import MountOptions, serve
+    from fsagent.mountguard import MountGuard
+
+    # From here on, a write to the mountpoint's path fails until the mount
+    # serves it, instead of landing unseen underneath (fsagent.mountguard).
+    guard = MountGuard.take(mountpoint)
 
     opts = MountOptions(
         args.scope,
@@ -94,6 +99,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         args.checkpoint_interval,
         args.spin_us,
         decision.reason,
+        guard,
     )
 
     async def main() -> bool:
@@ -103,7 +109,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
         finally:
             await client.aclose()
 
-    saved = trio.run(main)
+    try:
+        saved = trio.run(main)
+    finally:
+        if guard is not None:
+            guard.close()
     return 0 if saved else EXIT_SAVE_FAILED
 
 

@@ -71,6 +71,7 @@ from fsagent.controlserver import (
 from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
 from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
+from fsagent.mountguard import MountGuard, adopt_strays
 from fsagent.ship import (
     STOP_SIGNALS,
     Checkpoints,
@@ -97,6 +98,9 @@ class MountOptions:
     spin_us: int = SPIN_US
     mode_reason: str = "--mode fuse"
     """Why FUSE serves this collection (``fsagent status`` shows it; fsagent.fuseprobe)."""
+    guard: MountGuard | None = None
+    """The guarded directory underneath the mountpoint (fsagent.mountguard):
+    what was written there while nothing served it is adopted once mounted."""
 
 
 @dataclass
@@ -145,6 +149,24 @@ async def _raise_readahead(fs: WorkFolderFS, mountpoint: Path) -> None:
     reply allows, and that is the value it offered, the default."""
     await fs.initialized.wait()
     _set_readahead(mountpoint)
+
+
+async def _adopt_strays(fs: WorkFolderFS, guard: MountGuard, mountpoint: Path) -> None:
+    """Once the mount serves: take in what was written underneath it while
+    nothing served the path (fsagent.mountguard), from a worker thread."""
+    await fs.initialized.wait()
+    try:
+        adopted = await trio.to_thread.run_sync(adopt_strays, guard, mountpoint)
+    except OSError as exc:
+        log.warning("%s: could not adopt what was written underneath the mount: %s",
+                    mountpoint, exc)  # fmt: skip
+        return
+    if adopted:
+        print(
+            f"fsagent: adopted {adopted} file(s) written under {mountpoint} while no "
+            "daemon served it",
+            file=sys.stderr,
+        )
 
 
 def _set_readahead(mountpoint: Path) -> None:
@@ -496,6 +518,8 @@ async def _serve_store(
     control_path = opts.state_dir / "control.sock"
     control = open_control_socket(control_path) if shipper is not None else None
     signals = threads.enter_context(trio.open_signal_receiver(*STOP_SIGNALS))
+    if opts.guard is not None:
+        opts.guard.open_for_mount()
     try:
         pyfuse3.init(fs, str(opts.mountpoint), _fuse_options(opts, owner is None))
     except RuntimeError as exc:
@@ -506,6 +530,9 @@ async def _serve_store(
             f"could not mount {opts.mountpoint}: {exc} (is /dev/fuse available, "
             "fusermount3 installed, and the mountpoint an existing, unused directory?)"
         ) from exc
+    finally:
+        if opts.guard is not None:
+            opts.guard.lock()  # underneath the mount now, or unserved again
     daemon_file = opts.state_dir / "daemon.json" if owner is not None else None
     if daemon_file is not None:
         daemon_file.write_text(
@@ -528,6 +555,8 @@ async def _serve_store(
             nursery.start_soon(fs.spinner.run)
             nursery.start_soon(fs.write_behind)
             nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
+            if opts.guard is not None and owner is not None:
+                nursery.start_soon(_adopt_strays, fs, opts.guard, opts.mountpoint)
             if owner is not None:
                 nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
             if shipper is not None and cadence is not None and control is not None:

@@ -23,7 +23,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from fsagent.mount import mount_device
 from tests.support.constants import REPO, SCOPES
 from tests.support.procs import ProcessError, run_module_json
 from tests.support.source import make_source, sha256
-from tests.support.tmp import private_tmpdir
+from tests.support.tmp import private_tmpdir, remove_tree
 
 
 class MountError(RuntimeError):
@@ -350,7 +349,7 @@ def mount_factory(prefix: str = "fsa-fuse-", mode: str = "fuse") -> Iterator[Mou
                 if m.mode == "dir":  # an unbound directory killed with -9 stays immutable
                     with contextlib.suppress(OSError):
                         release_directory(m.mountpoint)
-            shutil.rmtree(factory.base, ignore_errors=True)
+            remove_tree(factory.base)  # guarded mountpoints included (fsagent.mountguard)
 
 
 __all__ = [

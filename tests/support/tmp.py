@@ -9,11 +9,15 @@ made while a test runs is removed after the test's teardown. Outside pytest
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from fsagent.mountguard import release
 
 _claims: list[list[Path]] = []
 """The innermost active claim (a fixture's setup, a test's call) gets each new dir."""
@@ -64,4 +68,16 @@ def remove_tree(root: Path) -> None:
     for point in sorted(mounts_under(root), reverse=True):
         subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True, check=False)
         subprocess.run(["umount", "-l", point], capture_output=True, check=False)
-    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(root, onerror=_unguard_and_retry)
+
+
+def _unguard_and_retry(func: Any, path: str, exc_info: Any) -> None:
+    """A guarded mountpoint (fsagent.mountguard: immutable, no write bits)
+    refuses its removal: lift the guard and try once more; anything else
+    that cannot be removed stays, and the session's check reports it."""
+    if not isinstance(exc_info[1], PermissionError):
+        return
+    with contextlib.suppress(OSError):
+        release(Path(path))
+        if func in (os.rmdir, os.unlink):
+            func(path)
