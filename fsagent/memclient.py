@@ -6,9 +6,10 @@ upload frames are decoded and checked by the controller's own reader
 (:mod:`controller.frames`: xxh64, declared sizes, end frame), the digest and
 size of an upload are computed from its bytes, a put may reference only
 content the folder holds or this run uploaded (422 ``unknown_content``), an
-old lease epoch is 409 ``stale_lease``, and an operation id replayed with the
-same body returns the first receipt (``"replayed": true``) while another
-body is 409 ``idempotency_conflict``.
+old lease epoch is 409 ``stale_lease`` (checked first: a replay from a
+superseded lease gets no receipt), and an operation id replayed with the
+same body (the lease epoch aside) returns the first receipt (``"replayed":
+true``) while another body is 409 ``idempotency_conflict``.
 
 Repositories (:mod:`common.repos`): workspaces are added with
 :meth:`MemoryBridgeClient.add_repo`; a repository checkpoint is validated
@@ -389,6 +390,9 @@ class MemoryBridgeClient(BridgeClient):
                     folder.entries[p] = replace(e, deleted=True, version=folder.bump())
             return
         if entry["op"] == "mkdir":
+            existing = folder.entries.get(path)
+            if existing is not None and existing.kind == "directory" and not existing.deleted:
+                return  # as the controller: an mkdir of a directory there does nothing
             folder.entries[path] = ManifestEntry(
                 path, "directory", None, 0, False, folder.bump(), False
             )
@@ -407,7 +411,10 @@ class MemoryBridgeClient(BridgeClient):
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:
         self._call("commit_checkpoint")
         folder = self.folder(scope)
-        fingerprint = json.dumps(body, sort_keys=True)
+        if body.get("leaseEpoch") != self.run.lease_epoch or not self.run.active:
+            raise ControllerRefused("checkpoint: stale lease", 409, "stale_lease")
+        # The controller's fingerprint leaves the lease epoch out, as here.
+        fingerprint = json.dumps({**body, "leaseEpoch": None}, sort_keys=True)
         key = (scope, str(body.get("operationId")))
         if key in self.receipts:
             seen, stored = self.receipts[key]

@@ -6,6 +6,14 @@ One checkpoint, start to finish (:meth:`Shipper.ship_checkpoint`):
    record says ``committing``), send exactly that body again under the same
    operation id: the controller answers with the original receipt and applies
    nothing twice, so a lost response can never overwrite a later writer.
+   Only while the body can still succeed as stored: one stored under another
+   lease epoch (an earlier run of this sandbox whose final save was fenced,
+   or could not reach the controller at its stop) is met with ``stale_lease``
+   however often it is sent, so it is dropped and its changes, which nothing
+   acknowledged, are listed afresh (step 2) under a new operation id and this
+   run's lease; so is a body the controller refused for what it holds
+   (:data:`BODY_REFUSALS`: a limit, a malformed or too large body, content
+   the run may not reference), which the agent can change.
 2. List the coalesced change set since the baseline
    (:meth:`Store.changes_since_baseline`) and, before a single byte is sent,
    commit a fresh operation id to LMDB and sync it.
@@ -24,6 +32,25 @@ Everything the shipper reads or writes in the state dir goes through a
 is the mount's in tests and for sources without a network; a mount with a
 controller runs the shipper on a thread of its own (:mod:`fsagent.shipthread`),
 so that hashing, compression, HTTP and JSON never delay a FUSE request.
+
+If the dropped body was applied after all (an earlier run's commit whose
+answer was lost), the checkpoint listed afresh sends its changes once more,
+as a later save of the same changes, and the controller's rules make that
+harmless (:mod:`controller.changeset`): a put names the digest the sandbox
+holds, which is the one the lost commit wrote if the file has not changed
+since (the row gets a new version, with the same bytes), else the newer
+content; a delete of a path the lost commit deleted finds nothing live there
+and does nothing (no version, no second trash entry); an mkdir of a
+directory that exists does nothing. As for any later save, last writer wins:
+a person's write to one of those paths between the two saves is overwritten
+(a delete sends it to the trash). One case is not restated: a path the lost
+commit changed that the sandbox then put back as the baseline has it (a new
+file removed again; in a plain directory, a deleted file written again with
+its old bytes) lists no change, so the controller keeps the lost commit's
+version of it. Only a sandbox that changed such a path between a commit
+whose answer was lost and the end of its run, and never saved again in that
+run, gets there; at a stop, whose final save lists the state the agent left,
+it does not arise.
 
 At most one checkpoint is in flight (a trio lock). Transient failures
 (network, 5xx, 429) are retried with backoff and jitter up to a deadline;
@@ -56,7 +83,18 @@ from common.bridge import (
     compressible,
     encode_frame,
 )
-from common.errors import AgentFilesLimitExceeded, StaleLease
+from common.errors import (
+    AgentFilesLimitExceeded,
+    CheckpointRowLimit,
+    FolderEntryLimit,
+    IdempotencyConflict,
+    InvalidPath,
+    PayloadTooLarge,
+    StaleLease,
+    UnknownContent,
+    ValidationError,
+    WorkFolderError,
+)
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
@@ -78,6 +116,31 @@ BATCH_TARGET_MEMBERS = 256
 BATCH_TARGET_BYTES = 4 << 20
 """A batch closes at this many files or bytes (within the contract's bounds):
 several smaller batches keep both ends busy where one large one would not."""
+
+
+BODY_REFUSALS: Final[tuple[type[WorkFolderError], ...]] = (
+    AgentFilesLimitExceeded,
+    FolderEntryLimit,
+    CheckpointRowLimit,
+    ValidationError,
+    InvalidPath,
+    PayloadTooLarge,
+    UnknownContent,
+    IdempotencyConflict,
+)
+"""Refusals of what a checkpoint body holds: sent again as it is, it would be
+refused again, and it was not applied (the controller refuses these while
+parsing the body, or after finding no receipt of its operation id, or, for
+``idempotency_conflict``, because another request holds that id). The
+stored body is dropped; the next checkpoint lists the changes afresh, so an
+agent that removes files gets its next save through. A refusal of the run's
+authority (a stale lease, a revoked member) is no such refusal: the body is
+kept for the run that may still save it."""
+
+
+def drops_the_body(exc: ControllerRefused) -> bool:
+    """Whether the controller refused what the body holds (:data:`BODY_REFUSALS`)."""
+    return any(exc.means(refusal) for refusal in BODY_REFUSALS)
 
 
 T = TypeVar("T")
@@ -348,11 +411,12 @@ class Shipper:
                 over_limit = isinstance(exc, ControllerRefused) and exc.means(
                     AgentFilesLimitExceeded
                 )
-                if over_limit:
-                    # The controller checks storage limits only for an operation
-                    # it has no receipt of: this body was not applied and never
-                    # will be. The next checkpoint lists the changes afresh (the
-                    # agent may have cleaned up) under a new operation id.
+                if isinstance(exc, ControllerRefused) and drops_the_body(exc):
+                    # This body was not applied and never will be (a storage
+                    # limit, for one, is checked only for an operation the
+                    # controller has no receipt of). The next checkpoint lists
+                    # the changes afresh (the agent may have cleaned up) under
+                    # a new operation id.
                     await self.state.set_pending(None)
                 # A storage limit is a warning of the run, which the controller
                 # keeps with the refusal; it does not make the run a failed one.
@@ -370,12 +434,25 @@ class Shipper:
         pending = await self.state.pending()
         replayed: SaveResult | None = None
         if pending is not None and pending.get("state") == "committing":
-            # The answer to this body may have been lost: replay it verbatim.
-            receipt = await self._commit(pending)
-            if pending["body"].get("final"):
-                # It was a final save already: no second, empty one after it.
-                count = len(pending["body"]["entries"])
-                replayed = SaveResult(pending["operationId"], count, 0, receipt)
+            stored_epoch = pending["body"].get("leaseEpoch")
+            if stored_epoch != self.lease_epoch:
+                # Another run's body (module docstring, step 1): the controller
+                # fences it, so it is listed again below, never replayed.
+                log.info(
+                    "checkpoint %s was stored under lease epoch %s, this run holds %s:"
+                    " its changes are listed again under a new operation id",
+                    pending["operationId"],
+                    stored_epoch,
+                    self.lease_epoch,
+                )
+                await self.state.set_pending(None)
+            else:
+                # The answer to this body may have been lost: replay it verbatim.
+                receipt = await self._commit(pending)
+                if pending["body"].get("final"):
+                    # It was a final save already: no second, empty one after it.
+                    count = len(pending["body"]["entries"])
+                    replayed = SaveResult(pending["operationId"], count, 0, receipt)
             pending = None
         changes = await self.state.changes()
         if not changes and (not final or replayed is not None):
