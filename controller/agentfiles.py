@@ -39,7 +39,7 @@ from common.errors import (
 from common.limits import DEFAULT_AGENT_ENTRY, ENTRY_MAX_BYTES
 from common.paths import is_within, validate_path
 from controller import apply, receipts
-from controller.changeset import Entry
+from controller.changeset import Entry, live_on_their_own
 from controller.config import AgentLimits
 
 ReadSmall = Callable[[str], Awaitable[bytes]]
@@ -303,6 +303,25 @@ def limit_warnings(usage: Usage, limits: AgentLimits) -> list[dict[str, Any]]:
                             f" its limit is {top}"}
             )  # fmt: skip
     return found
+
+
+def check_checkpoint_entries(entries: Sequence[Entry], max_entries: int) -> None:
+    """A checkpoint too large to apply (more entries than one may name, or
+    rows than one may write: refused before any database work) whose own
+    entries leave the agent folder past its entry limit is refused as that
+    limit, 422 ``agent_files_limit_exceeded`` naming ``entries``: what the
+    agent did (too many files and folders in one interval) and can undo by
+    removing some, and a warning of the run rather than a malformed request
+    that fails it. ``value`` is what the entries leave on their own
+    (:func:`controller.changeset.live_on_their_own`): the folder would hold
+    at least that many."""
+    live = live_on_their_own(entries)
+    if live > max_entries:
+        raise AgentFilesLimitExceeded(
+            f"An agent folder holds at most {max_entries} files and folders;"
+            f" this save alone would leave {live}",
+            details=[{"limit": "entries", "max": max_entries, "value": live}],
+        )
 
 
 def refusal_warning(exc: AgentFilesLimitExceeded) -> dict[str, Any]:

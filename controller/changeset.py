@@ -175,6 +175,35 @@ class Plan:
         return sorted((n for n in self.nodes if n.seq), key=lambda n: (n.seq, n.path))
 
 
+def live_on_their_own(changes: Sequence[Entry]) -> int:
+    """The entries ``changes`` leave live when applied to an empty folder: each
+    put's and mkdir's path and the parents they create, less what later
+    entries send to the trash. No database work (before the folder lock).
+
+    A lower bound of the live entries they leave in any folder: applied to
+    existing rows, every entry does the same to the paths this change set
+    creates (a file in the way of a parent is replaced by a directory, a
+    delete or a kind conflict trashes the same subtree of them), so what was
+    there before can only come in addition."""
+    plan = Plan([], _NoSizes())
+    for c in changes:
+        if c.op == "put":
+            assert c.digest is not None
+            plan.put(c.path, c.digest, c.executable)
+        elif c.op == "mkdir":
+            plan.mkdir(c.path)
+        else:
+            plan.delete(c.path)
+    return len(plan.live)
+
+
+class _NoSizes(dict[str, int]):
+    """Sizes for a plan that counts entries only: every digest is 0 bytes."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
 def _trash_roots(changes: Sequence[Entry], rows: dict[str, Row]) -> list[str]:
     """Directories in the database whose subtree an entry may send to trash:
     the targets of deletes and puts. Nested roots are covered by their top."""

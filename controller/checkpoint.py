@@ -46,7 +46,7 @@ from controller.auth import (
 )
 from controller.changeset import Entry, apply_changes
 from controller.config import Quotas
-from controller.quotas import UNEXPIRED, check_checkpoint_rows
+from controller.quotas import UNEXPIRED, checkpoint_row_bound, raise_row_limit
 
 Screen = Callable[
     [AsyncConnection[Any], Sequence[Entry], dict[str, int]],
@@ -160,11 +160,27 @@ def parse_local_refusals(
     return out, int(more)
 
 
-def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Checkpoint:
+def parse_checkpoint(
+    body: dict[str, Any],
+    max_rows: int | None = None,
+    *,
+    max_entries: int = MAX_CHECKPOINT_ENTRIES,
+    agent_max_entries: int | None = None,
+) -> Checkpoint:
     """Shape and path validation; raises ValidationError listing every problem.
 
-    With ``max_rows``, also refuses (CheckpointRowLimit) a checkpoint that
-    could create more rows than that, counting every parent directory.
+    A checkpoint naming more than ``max_entries`` entries is refused
+    (``too_many``); with ``max_rows``, also one that could create more rows
+    than that, counting every parent directory (CheckpointRowLimit). Both
+    bound the work of one request, before any database work.
+
+    ``agent_max_entries``: the folder is an agent's, with that entry limit.
+    A checkpoint over either bound is then parsed in full (the body's size
+    bounds that) and, when its own entries leave the folder past the limit,
+    refused as the limit the agent can act on (AgentFilesLimitExceeded,
+    :func:`controller.agentfiles.check_checkpoint_entries`): an agent that
+    wrote more than 100,000 files in one interval is over its folder's limit,
+    which is a warning of its run, not a malformed request.
     """
     problems: list[dict[str, Any]] = []
 
@@ -195,8 +211,9 @@ def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Check
     if not isinstance(raw_entries, list):
         bad("entries", "invalid", "entries must be a list")
         raw_entries = []
-    if len(raw_entries) > MAX_CHECKPOINT_ENTRIES:
-        bad("entries", "too_many", f"at most {MAX_CHECKPOINT_ENTRIES} entries per checkpoint")
+    too_many = len(raw_entries) > max_entries
+    if too_many and agent_max_entries is None:
+        bad("entries", "too_many", f"at most {max_entries} entries per checkpoint")
         raw_entries = []
     local_refusals, local_more = parse_local_refusals(
         body.get("localRefusals", []), body.get("localRefusedMore", 0), bad
@@ -233,8 +250,17 @@ def parse_checkpoint(body: dict[str, Any], max_rows: int | None = None) -> Check
     if problems:
         raise ValidationError(problems[:100])
     assert isinstance(op_id, str) and isinstance(epoch, int)
-    if max_rows is not None:
-        check_checkpoint_rows((e.path for e in entries), max_rows)
+    rows = 0 if max_rows is None else checkpoint_row_bound(e.path for e in entries)
+    too_many_rows = max_rows is not None and rows > max_rows
+    if agent_max_entries is not None and (too_many or too_many_rows):
+        agentfiles.check_checkpoint_entries(entries, agent_max_entries)
+    if too_many:
+        raise ValidationError.single(
+            "entries", "too_many", f"at most {max_entries} entries per checkpoint"
+        )
+    if too_many_rows:
+        assert max_rows is not None
+        raise_row_limit(rows, max_rows)
     return Checkpoint(op_id, epoch, bool(final), entries, local_refusals, local_more)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from common.bridge import MAX_CHECKPOINT_ENTRIES
 from common.limits import (
     AGENT_MAX_ENTRIES,
     AGENT_MAX_FILE_BYTES,
@@ -134,6 +135,10 @@ class Quotas:
     """Live entries (files and directories) per folder; a write past it is 413."""
     max_checkpoint_rows: int = 200_000
     """Rows one checkpoint may create or change, parent directories included."""
+    max_checkpoint_entries: int = MAX_CHECKPOINT_ENTRIES
+    """Entries one checkpoint may name, refused before any database work (an
+    agent folder's checkpoint whose own entries would leave it past
+    ``agent_max_entries``: as that limit, 422)."""
     max_pending_upload_bytes: int = 8 * GiB
     """Per run: uploaded bytes no checkpoint has committed yet (429 beyond)."""
     pending_upload_ttl: float = 86400.0
@@ -167,6 +172,13 @@ class Quotas:
 _QUOTA_FLAGS: list[tuple[str, str, type, str, bool]] = [
     ("--max-folder-entries", "max_folder_entries", int, "live entries per folder", False),
     ("--max-checkpoint-rows", "max_checkpoint_rows", int, "rows one checkpoint may write", False),
+    (
+        "--max-checkpoint-entries",
+        "max_checkpoint_entries",
+        int,
+        "entries one checkpoint may name",
+        False,
+    ),
     (
         "--max-pending-upload-bytes",
         "max_pending_upload_bytes",

@@ -9,7 +9,7 @@ Defaults live in :class:`controller.config.Quotas`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from psycopg import AsyncConnection
 
@@ -34,14 +34,13 @@ def checkpoint_row_bound(paths: Iterable[str]) -> int:
     return len(seen)
 
 
-def check_checkpoint_rows(paths: Iterable[str], limit: int) -> None:
-    """Refuse, before any database work, a checkpoint that could write too many rows."""
-    bound = checkpoint_row_bound(paths)
-    if bound > limit:
-        raise CheckpointRowLimit(
-            f"A checkpoint may create at most {limit} rows; this one could create {bound}",
-            details=[{"limit": limit, "rows": bound}],
-        )
+def raise_row_limit(bound: int, limit: int) -> NoReturn:
+    """Refuse, before any database work, a checkpoint that could write ``bound``
+    rows (:func:`checkpoint_row_bound`), over ``limit``."""
+    raise CheckpointRowLimit(
+        f"A checkpoint may create at most {limit} rows; this one could create {bound}",
+        details=[{"limit": limit, "rows": bound}],
+    )
 
 
 UNEXPIRED = "expires_at > clock_timestamp()"

@@ -321,7 +321,14 @@ async def commit_checkpoint(request: Request) -> Response:
 
     try:
         # Up to MAX_CHECKPOINT_ENTRIES entries: too much work for the event loop.
-        cp = await asyncio.to_thread(parse_checkpoint, body, st.settings.quotas.max_checkpoint_rows)
+        quotas = st.settings.quotas
+        cp = await asyncio.to_thread(
+            parse_checkpoint,
+            body,
+            quotas.max_checkpoint_rows,
+            max_entries=quotas.max_checkpoint_entries,
+            agent_max_entries=quotas.agent_max_entries if scope == "agent" else None,
+        )
         result = await write_transaction(request, commit)
     except WorkFolderError as exc:
         await record_refusal(request, run, scope, op_id, final, exc)
