@@ -125,6 +125,9 @@ class WorkFolderFS(pyfuse3.Operations):
         self.store = store
         self.fetcher = fetcher
         self.readonly = readonly
+        self.frozen = False
+        """Set at the stop (:meth:`freeze`); unlike ``readonly`` it leaves the
+        attributes as they are."""
         self.lookups: dict[InodeNo, int] = {}
         self.content = Content(store, fetcher)
         self.files = self.content.files
@@ -154,8 +157,14 @@ class WorkFolderFS(pyfuse3.Operations):
         return self._attrs(inode)
 
     def _writable(self) -> None:
-        if self.readonly:
+        if self.readonly or self.frozen:
             raise fuse_err(errno.EROFS)
+
+    def freeze(self) -> None:
+        """The stop has begun: every later change is refused (EROFS), so the
+        final save holds every write that was answered. Called once the
+        kernel's dirty pages have been flushed to us."""
+        self.frozen = True
 
     def _new_name(self, parent: InodeNo, raw: bytes) -> str:
         """Validate a name about to be created under ``parent``."""

@@ -270,14 +270,18 @@ async def _final_save(shipper: Checkpoints | None, stop: StopState) -> None:
 
 
 async def _stop_on_signal(
-    signals: AsyncIterator[int], mountpoint: Path, shipper: Checkpoints | None, stop: StopState
+    signals: AsyncIterator[int],
+    fs: WorkFolderFS,
+    mountpoint: Path,
+    shipper: Checkpoints | None,
+    stop: StopState,
 ) -> None:
     """Save and unmount at the first of ``signals``: a receiver of
     :data:`STOP_SIGNALS` opened before the mount appeared, so a stop asked
     for as soon as it is seen is a save, not the default action."""
     async for signum in signals:
         log.info("signal %d: flushing dirty pages, saving and unmounting", signum)
-        await _flush_kernel(mountpoint)
+        await _freeze(fs, mountpoint)
         await _final_save(shipper, stop)
         pyfuse3.terminate()
         return
@@ -292,11 +296,27 @@ async def _flush_kernel(mountpoint: Path) -> None:
         log.warning("syncfs on %s failed: %s", mountpoint, exc)
 
 
-def _control_handler(mountpoint: Path, shipper: Checkpoints, stop: StopState) -> FlushHandler:
+async def _freeze(fs: WorkFolderFS, mountpoint: Path) -> None:
+    """The start of a stop: the kernel's dirty pages flushed to us, then every
+    later change refused (EROFS), so that the final save holds every write
+    that was answered. A write the agent makes after it fails and is not
+    acknowledged; without the freeze it was answered, missed by the final
+    save's listing, and lost with the agent folder's discarded copy or with
+    the sandbox."""
+    await _flush_kernel(mountpoint)
+    fs.freeze()
+
+
+def _control_handler(
+    fs: WorkFolderFS, mountpoint: Path, shipper: Checkpoints, stop: StopState
+) -> FlushHandler:
     """What a valid ``fsagent flush`` request does (protocol: fsagent.control)."""
 
     async def flush(final: bool) -> dict[str, Any]:
-        await _flush_kernel(mountpoint)
+        if final:
+            await _freeze(fs, mountpoint)
+        else:
+            await _flush_kernel(mountpoint)
         if final:
             await _final_save(shipper, stop)
             pyfuse3.terminate()
@@ -551,7 +571,7 @@ async def _serve_store(
     )
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, signals, opts.mountpoint, shipper, stop)
+            nursery.start_soon(_stop_on_signal, signals, fs, opts.mountpoint, shipper, stop)
             nursery.start_soon(fs.spinner.run)
             nursery.start_soon(fs.write_behind)
             nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
@@ -565,7 +585,7 @@ async def _serve_store(
                     serve_control,
                     control,
                     control_path,
-                    _control_handler(opts.mountpoint, shipper, stop),
+                    _control_handler(fs, opts.mountpoint, shipper, stop),
                     _stats_handler(shipper),
                 )
             await pyfuse3.main()
