@@ -12,21 +12,52 @@ are replaced by each receipt of that folder, and set for the agent folder
 when the run first asks who it is (``GET /bridge/v1/run``): a folder at or
 over a limit warns on each run until it is back under. They are diagnostics
 of the run, never errors on the current files.
+
+A run's *save state of a folder* (:func:`folder_saves`) is read from its
+receipts of that folder: a refusal or failure stands until a later receipt
+of the same folder says ``saved``, whatever the run's other folders did.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
 
 from psycopg import AsyncConnection
 
+from common.errors import (
+    MembershipRevoked,
+    NotFound,
+    StaleLease,
+    UnknownContent,
+    WorkFolderError,
+    WriteNotAllowed,
+)
 from controller.api.serialize import iso
 from controller.auth import Principal, membership_role
 from controller.grants import ALL_AGENTS_ROLES, may_configure_agent
 
 MAX_ERROR_CHARS = 2000
 RECEIPTS_PAGE_MAX = 1000
+
+LIMIT_REFUSED: Final = "AGENT_FILES_LIMIT_EXCEEDED"
+"""A refusal over an agent folder's storage limit: that save did not happen,
+but it is a warning of the run, which goes on (spec/agent-files.md)."""
+FAILS_THE_RUN: Final[tuple[type[WorkFolderError], ...]] = (
+    MembershipRevoked,
+    NotFound,
+    StaleLease,
+    UnknownContent,
+    WriteNotAllowed,
+)
+"""Refusals of a checkpoint that leave the run failed (the run's authority or
+its uploads are gone, so its next saves would be refused as well); other
+refusals fail that folder's save only."""
+RUN_FAILURE_CODES: Final = frozenset({cls.code.upper() for cls in FAILS_THE_RUN} | {"SAVE_FAILED"})
+"""Receipt codes of :data:`FAILS_THE_RUN`, and fsagent's own explicit failure."""
 
 _RECEIPT_COLUMNS = (
     "id, run_id, scope, owner_id, operation_id, outcome, code, error, details, warnings,"
@@ -163,3 +194,60 @@ async def may_read_run(
     return await may_configure_agent(
         conn, company_id, principal.user_id, str(run["agent_id"]), role
     )
+
+
+@dataclass(frozen=True)
+class FolderSave:
+    """A run's saves of one folder, as its receipts tell them."""
+
+    scope: str
+    owner_id: str
+    saved_at: datetime | None
+    """The newest receipt that says ``saved`` (a checkpoint, or an API write of
+    the agent folder)."""
+    failure: dict[str, Any] | None
+    """The newest receipt when it is a refusal or a failure (``outcome``,
+    ``code``, ``error``, ``at``): it stands until a later save of the folder
+    succeeds. None when the newest attempt saved."""
+
+    @property
+    def failed(self) -> bool:
+        """A save of the folder failed and none succeeded since."""
+        return self.failure is not None
+
+    @property
+    def over_limit(self) -> bool:
+        """The standing failure is a storage limit's refusal: a warning of the run."""
+        return self.failure is not None and self.failure["code"] == LIMIT_REFUSED
+
+    @property
+    def fails_the_run(self) -> bool:
+        """The standing failure makes the run a failed one (:data:`RUN_FAILURE_CODES`)."""
+        return self.failure is not None and self.failure["code"] in RUN_FAILURE_CODES
+
+
+async def folder_saves(
+    conn: AsyncConnection[Any], run_ids: Sequence[str]
+) -> dict[str, list[FolderSave]]:
+    """Each run's folders that have receipts, by run id: the newest receipt of
+    each folder and the time of its newest successful one."""
+    if not run_ids:
+        return {}
+    # One pass over the runs' receipts (index save_receipts_run), then each
+    # folder's newest receipt by its id.
+    cur = await conn.execute(
+        "WITH g AS (SELECT run_id, scope, owner_id, max(id) AS last_id,"
+        "  max(at) FILTER (WHERE outcome = 'saved') AS saved_at"
+        "  FROM save_receipts WHERE run_id = ANY(%s::uuid[]) GROUP BY run_id, scope, owner_id)"
+        " SELECT g.run_id, g.scope, g.owner_id, g.saved_at, s.outcome, s.code, s.error, s.at"
+        " FROM g JOIN save_receipts s ON s.id = g.last_id",
+        (list(run_ids),),
+    )
+    out: dict[str, list[FolderSave]] = {}
+    for r in await cur.fetchall():
+        failure = None
+        if r["outcome"] != "saved":
+            failure = {k: r[k] for k in ("outcome", "code", "error", "at")}
+        save = FolderSave(r["scope"], r["owner_id"], r["saved_at"], failure)
+        out.setdefault(str(r["run_id"]), []).append(save)
+    return out

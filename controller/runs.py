@@ -1,28 +1,59 @@
 """Runs as the controller records them: starting one (a new lease for its
 sandbox) and ending it, which runs use a folder, their save state, refresh
-requests and the objects they uploaded."""
+requests and the objects they uploaded.
+
+Save state. ``runs.state`` and ``runs.error`` are the run's last reported
+state; what people are shown is derived from it with the save receipts
+(:func:`controller.receipts.folder_saves`), so that each folder shows its
+own state (:func:`folder_state`) and a failure stands until a later save of
+the same thing succeeds (:func:`run_state`):
+
+- a folder's refusal or failure (its receipt) is that folder's, never
+  another's, and keeps the run failed while it stands (a storage limit is a
+  warning and does not);
+- a repository's failure is recorded on the run as ``repository <name>:
+  <error>`` (:func:`record_repository_failure`), cleared by a later save of
+  that repository, and is never a folder's;
+- a failure the run reported without naming its folder is shown on each of
+  its folders, unless a standing folder failure or a repository explains it;
+- a run of a sandbox that a newer run took over (``superseded``) that never
+  saved a folder shows that folder ``failed`` with ``STALE_LEASE``.
+"""
 
 from __future__ import annotations
 
+import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from psycopg import AsyncConnection
 
 from common.errors import MemberNotFound, RunNotActive, RunNotFound, ValidationError
-from controller import apply, folders, runprep, workspaces
+from controller import apply, folders, receipts, runprep, workspaces
+from controller.api.serialize import superseded
 from controller.apply import EnsureObject, Folder, Row, StoreMark
 from controller.auth import RUN_TOKEN_PREFIX, new_token, token_hash
 from controller.orgs import check_uuid, require_agent, require_project, task_project
+from controller.receipts import FolderSave
 from controller.storage.base import object_key
 
 T = TypeVar("T")
 
 MAX_ERROR_CHARS = 2000
+
+SUPERSEDED_CODE: Final = "STALE_LEASE"
+"""The code a superseded run's folders show: its saves are refused from the
+moment a newer run of its sandbox started (409 ``stale_lease``, or 401 for
+its token)."""
+SUPERSEDED_ERROR: Final = (
+    "superseded by a newer run of its sandbox; its saves are refused from then on"
+)
+_REPOSITORY_PREFIX: Final = "repository "
+_CODE_PREFIX: Final = re.compile(r"([a-z][a-z0-9_]*): ")
 
 LEASE_LOCK_CLASS = 0x6C6561
 """First key of the two-key advisory lock that serializes a sandbox's leases
@@ -39,13 +70,16 @@ class SyncStatus:
     runs: list[Row]
     """Runs bound to the folder's owner, newest first."""
     last_operation_at: datetime | None
+    saves: dict[str, list[FolderSave]]
+    """Each run's folders with save receipts, by run id."""
 
 
 async def bound_runs(
     conn: AsyncConnection[Any], company_id: str, scope: str, owner_id: str
 ) -> list[Row]:
     """The runs bound to the folder's owner, newest first, each with its agent's
-    name (``agent_name``: the agent exists as long as its runs do). The owner is
+    name (``agent_name``: the agent exists as long as its runs do) and the
+    newest lease of its sandbox (``newest_epoch``). The owner is
     compared as a uuid, so the owner column's index (migration 0012) serves
     it; a user folder's owner that is not a uuid's canonical text has no runs."""
     try:
@@ -55,7 +89,9 @@ async def bound_runs(
     if str(owner) != owner_id:
         return []
     cur = await conn.execute(
-        "SELECT r.*, a.name AS agent_name FROM runs r JOIN agents a ON a.id = r.agent_id"
+        "SELECT r.*, a.name AS agent_name, (SELECT max(lease_epoch) FROM runs o"
+        "  WHERE o.company_id = r.company_id AND o.sandbox_key = r.sandbox_key) AS newest_epoch"
+        " FROM runs r JOIN agents a ON a.id = r.agent_id"
         f" WHERE r.company_id = %s AND r.{_OWNER_COLUMN[scope]} = %s"
         " ORDER BY r.started_at DESC, r.id",
         (company_id, owner),
@@ -71,7 +107,8 @@ async def sync_status(
     owner_id: str,
 ) -> SyncStatus:
     runs = await bound_runs(conn, company_id, scope, owner_id)
-    return SyncStatus(runs, await folders.last_operation_at(conn, folder))
+    saves = await receipts.folder_saves(conn, [str(r["id"]) for r in runs])
+    return SyncStatus(runs, await folders.last_operation_at(conn, folder), saves)
 
 
 async def request_refresh(
@@ -119,6 +156,127 @@ async def mark_saving(conn: AsyncConnection[Any], run_id: str) -> None:
     await conn.execute(
         "UPDATE runs SET state = 'saving' WHERE id = %s AND state <> 'saving'", (run_id,)
     )
+
+
+async def record_repository_failure(
+    conn: AsyncConnection[Any], run_id: str, name: str, error: str
+) -> None:
+    """A failed save of the run's repository ``name``: the run is failed with
+    ``repository <name>: <error>`` until a later save of that repository
+    (:func:`clear_repository_failure`); no folder shows it as its own."""
+    await set_state(conn, run_id, "failed", f"{_REPOSITORY_PREFIX}{name}: {error}")
+
+
+async def clear_repository_failure(conn: AsyncConnection[Any], run_id: str, name: str) -> None:
+    """The run saved its repository ``name``: a failure of that repository's
+    no longer stands (another failure of the run is left as it is)."""
+    prefix = f"{_REPOSITORY_PREFIX}{name}: "
+    await conn.execute(
+        "UPDATE runs SET error = NULL,"
+        " state = CASE WHEN last_saved_at IS NULL THEN 'starting' ELSE 'saved' END"
+        " WHERE id = %s AND state = 'failed' AND left(error, %s) = %s",
+        (run_id, len(prefix), prefix),
+    )
+
+
+def repository_failure(row: Row, name: str) -> str | None:
+    """The run's failed save of its repository ``name`` while it stands."""
+    prefix = f"{_REPOSITORY_PREFIX}{name}: "
+    error = row["error"]
+    if row["state"] == "failed" and isinstance(error, str) and error.startswith(prefix):
+        return error[len(prefix) :]
+    return None
+
+
+def error_code(error: str | None) -> str | None:
+    """The stable code an error recorded as ``<code>: <message>`` starts with
+    (the controller's refusals are recorded so); None for other text."""
+    found = _CODE_PREFIX.match(error or "")
+    return found.group(1) if found else None
+
+
+@dataclass(frozen=True)
+class SaveState:
+    """One folder's save state as a run shows it."""
+
+    state: str
+    """``starting``, ``saving``, ``saved`` or ``failed``."""
+    code: str | None = None
+    """The failure's stable code (a receipt's, e.g. ``STALE_LEASE``)."""
+    error: str | None = None
+    failed_at: datetime | None = None
+
+
+def run_state(row: Row, saves: Sequence[FolderSave]) -> tuple[str, str | None]:
+    """The run's save state and error: as recorded, but failed while a
+    folder's failure that fails the run stands
+    (:data:`controller.receipts.FAILS_THE_RUN`): a later save of another
+    folder records ``saved`` on the run, which does not save the first."""
+    if row["state"] == "failed":
+        return "failed", row["error"]
+    for save in saves:
+        if save.fails_the_run and save.failure is not None:
+            failure = save.failure
+            return "failed", f"{save.scope} folder: {failure['code']}: {failure['error']}"
+    return row["state"], row["error"]
+
+
+def folder_state(
+    row: Row,
+    scope: str,
+    owner_id: str,
+    saves: Sequence[FolderSave],
+    baseline_at: datetime | None = None,
+) -> SaveState:
+    """The run's save state of one folder (see the module doc): its own
+    receipts first; ``baseline_at`` is its last checkpoint of the folder."""
+    own = next((s for s in saves if (s.scope, s.owner_id) == (scope, owner_id)), None)
+    if own is not None and own.failure is not None:
+        f = own.failure
+        return SaveState("failed", f["code"], f["error"], f["at"])
+    if row["state"] == "failed" and not _explained(row, saves):
+        return SaveState("failed", None, row["error"])
+    saved = baseline_at is not None or (own is not None and own.saved_at is not None)
+    if row["active"]:
+        if row["state"] == "saving":
+            return SaveState("saving")
+        return SaveState("saved" if saved else "starting")
+    if saved:
+        return SaveState("saved")
+    if superseded(row):
+        return SaveState("failed", SUPERSEDED_CODE, SUPERSEDED_ERROR)
+    return SaveState("failed")  # ended before it saved this folder
+
+
+def _explained(row: Row, saves: Sequence[FolderSave]) -> bool:
+    """Whether the run's recorded failure is another folder's or a repository's."""
+    error = row["error"]
+    if isinstance(error, str) and error.startswith(_REPOSITORY_PREFIX):
+        return True
+    # A storage limit's refusal is never reported as a failure by fsagent.
+    return any(s.failed and not s.over_limit for s in saves)
+
+
+async def run_folder_baselines(
+    conn: AsyncConnection[Any], run_id: str
+) -> dict[tuple[str, str], datetime]:
+    """When the run last saved a checkpoint of each folder, by (scope, owner)."""
+    cur = await conn.execute(
+        "SELECT f.scope, f.owner_id, b.updated_at FROM sync_baselines b"
+        " JOIN folders f ON f.id = b.folder_id WHERE b.run_id = %s",
+        (run_id,),
+    )
+    return {(r["scope"], r["owner_id"]): r["updated_at"] for r in await cur.fetchall()}
+
+
+async def run_repo_saves(conn: AsyncConnection[Any], run_id: str) -> dict[str, Row]:
+    """The run's newest checkpoint of each repository, by workspace id."""
+    cur = await conn.execute(
+        "SELECT DISTINCT ON (workspace_id) workspace_id, id, created_at FROM repo_checkpoints"
+        " WHERE run_id = %s ORDER BY workspace_id, created_at DESC",
+        (run_id,),
+    )
+    return {str(r["workspace_id"]): r for r in await cur.fetchall()}
 
 
 async def record_uploads(

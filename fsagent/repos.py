@@ -20,8 +20,10 @@ directory that exists creates no file, so it works on a full disk) for the
 duration of one checkpoint.
 
 State (``<state root>/repos/<workspaceId>/``): ``metacache`` (the scan's
-metadata cache) and ``status.json`` (last save, last error, problems), both
-optional. The checkouts' own records are in ``<checkout>/.git/fsagent/``.
+metadata cache) and ``status.json`` (state, last save, last error with its
+stable code, problems), both optional. A save that did not happen stays in
+the status file until a later one succeeds, also when it failed before any
+checkout was looked at (the task's repositories could not be listed). The checkouts' own records are in ``<checkout>/.git/fsagent/``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -51,8 +53,16 @@ from fsagent.repoprepare import (
     bound_checkout,
     prepare_repo,
     setup_state,
+    task_identity,
 )
-from fsagent.reposave import RepoSaver, now_iso, read_json, write_json_quietly
+from fsagent.reposave import (
+    RepoSaver,
+    failure_code,
+    failure_record,
+    now_iso,
+    read_json,
+    write_json_quietly,
+)
 from fsagent.statedir import default_state_root
 
 log = logging.getLogger(__name__)
@@ -173,19 +183,42 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 # --- saving -------------------------------------------------------------------
 
 
-def fence_status_files(state_root: Path, message: str, skip: Collection[str] = ()) -> None:
-    """Mark every saved repository's status file ``fenced`` with ``message``
-    (written quietly: nothing to do on a full disk), except the workspaces in
-    ``skip``, whose savers write their own."""
+def mark_status_files(
+    state_root: Path,
+    state: str,
+    message: str,
+    code: str,
+    skip: Collection[str] = (),
+    *,
+    checkouts: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """Show a save that did not happen in status files of the state root
+    (written quietly: nothing to do on a full disk): each says ``state``
+    (``failed`` or ``fenced``) with ``message`` and ``code`` as its last
+    error, except the workspaces in ``skip``, whose savers write their own,
+    and a status already ``fenced`` (that run can never save again).
+
+    Without ``checkouts``, every status file of the state root (fencing: the
+    run's token is refused, whatever the checkout). With ``checkouts``
+    (workspace id -> ``name`` and ``checkout``: this run's prepared
+    checkouts), only theirs, and one that has no status file yet gets one,
+    so ``fsagent repos status`` never calls a checkout whose save failed
+    ``never saved``."""
     saved_root = repos_state_root(state_root)
+    found: dict[str, dict[str, Any]] = {}
     with contextlib.suppress(OSError):
         for d in sorted(saved_root.iterdir()):
             status = read_json(d / "status.json")
-            if d.name in skip or status is None or status.get("state") == "fenced":
-                continue
-            status.update(state="fenced", lastAttempt=now_iso())
-            status["lastError"] = {"at": now_iso(), "message": message}
-            write_json_quietly(d / "status.json", status)
+            if status is not None and (checkouts is None or d.name in checkouts):
+                found[d.name] = status
+    for ws, names in (checkouts or {}).items():
+        found.setdefault(ws, {"workspaceId": ws, **names})
+    for ws, status in found.items():
+        if ws in skip or status.get("state") == "fenced":
+            continue
+        status.update(state=state, lastAttempt=now_iso())
+        status["lastError"] = failure_record(message, code)
+        write_json_quietly(saved_root / ws / "status.json", status)
 
 
 class RepoSavers:
@@ -201,23 +234,50 @@ class RepoSavers:
         """Why this run may never save again (it ended, or a newer run holds
         the lease); None while saving."""
 
-    def fence(self, message: str) -> None:
+    def fence(self, message: str, code: str) -> None:
         """Stop every saver of this run for good, and say so in each status file
         of the state root (also the checkouts no saver was made for yet)."""
         if self.fenced is None:
             self.fenced = message
             log.warning("repository saves stopped: %s", message)
         for saver in self.savers.values():
-            saver.fence(message)
-        fence_status_files(self.state_root, message, skip=set(self.savers))
+            saver.fence(message, code)
+        mark_status_files(self.state_root, "fenced", message, code, skip=set(self.savers))
+
+    def fail_unreached(self, exc: FsagentError) -> None:
+        """The save of every checkout failed before any saver was reached (the
+        task's repositories could not be listed: the controller unreachable,
+        say): each status file says ``failed`` with the reason, until a later
+        save succeeds. Nothing is reported to the controller, which did not
+        answer."""
+        message, code = f"{type(exc).__name__}: {exc}", failure_code(exc)
+        for saver in self.savers.values():
+            if saver.fenced is None:
+                saver.record_failure(message, code)
+        mine = task_identity(self.run)
+        checkouts = _status_names(
+            (path, record)
+            for path, record in _checkouts(self.home)
+            if all(record.get(k) == v for k, v in mine.items())
+        )
+        mark_status_files(
+            self.state_root, "failed", message, code, skip=set(self.savers), checkouts=checkouts
+        )
 
     async def refresh(self) -> list[RepoSaver]:
-        """The savers of the checkouts that exist and are this task's, in binding order."""
+        """The savers of the checkouts that exist and are this task's, in binding
+        order. When the listing fails, every status file says so (and the run
+        is fenced for good when the controller refused it for that)."""
         try:
             listing = await self.client.list_repos()
         except ControllerRefused as exc:
             if exc.fences_the_run:
-                self.fence(f"{type(exc).__name__}: {exc}")
+                self.fence(f"{type(exc).__name__}: {exc}", failure_code(exc))
+            else:
+                self.fail_unreached(exc)
+            raise
+        except FsagentError as exc:
+            self.fail_unreached(exc)
             raise
         root = repos_root(self.home, listing.repos_dir)
         out = []
@@ -254,7 +314,7 @@ class RepoSavers:
             if saver.fenced is not None:
                 # The lease and the token are the run's, not the checkout's:
                 # the other checkouts would be refused the same way.
-                self.fence(saver.fenced)
+                self.fence(saver.fenced, saver.fenced_code)
                 return failed + len(chosen) - done
         return failed
 
@@ -279,12 +339,17 @@ async def watch(
     fenced: str | None = None
     try:
         savers = RepoSavers(client, await client.get_run(), home, state_root)
-    except ControllerRefused as exc:
-        if not exc.fences_the_run:
+    except FsagentError as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, ControllerRefused) or not exc.fences_the_run:
+            # Not one checkout can be saved: each says so (the run is not
+            # known, so every prepared checkout in the home).
+            checkouts = _status_names(_checkouts(home))
+            mark_status_files(state_root, "failed", message, failure_code(exc), checkouts=checkouts)
             raise
-        fenced = f"{type(exc).__name__}: {exc}"
+        fenced = message
         log.warning("repository saves stopped: %s", fenced)
-        fence_status_files(state_root, fenced)
+        mark_status_files(state_root, "fenced", fenced, failure_code(exc))
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         stop = trio.Event()
 
@@ -397,9 +462,32 @@ def _checkouts(home: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
             yield path, record
 
 
+def _status_names(
+    checkouts: Iterable[tuple[Path, dict[str, Any]]],
+) -> dict[str, dict[str, Any]]:
+    """Workspace id -> the ``name`` and ``checkout`` a new status file of it holds."""
+    return {
+        str(record.get("workspaceId")): {"name": record.get("name"), "checkout": str(path)}
+        for path, record in checkouts
+    }
+
+
+def _restored_from(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint a restored checkout was built from (its binding record)."""
+    if record.get("prepared") != "restore" or not record.get("checkpointId"):
+        return None
+    return {"checkpointId": record["checkpointId"], "at": record.get("at")}
+
+
 def repo_status(home: Path, state_root: Path) -> list[dict[str, Any]]:
-    """Every known repository: its checkout's records and its saver's status file."""
+    """Every known repository: its checkout's records and its saver's status file.
+
+    A restored checkout names the checkpoint it was built from
+    (``restoredFrom``); until a save of it is attempted, its state is
+    ``restored`` (a status file older than the restore belongs to a checkout
+    that is gone). Only a checkout with neither is ``never saved``."""
     rows: dict[str, dict[str, Any]] = {}
+    restored_at: dict[str, str] = {}
     for path, record in _checkouts(home):
         ws = str(record.get("workspaceId"))
         rows[ws] = {
@@ -407,21 +495,29 @@ def repo_status(home: Path, state_root: Path) -> list[dict[str, Any]]:
             "name": record.get("name"),
             "checkout": str(path),
             "prepared": record.get("prepared"),
+            "restoredFrom": _restored_from(record),
             "setup": setup_state(path),
         }
+        if rows[ws]["restoredFrom"] is not None:
+            restored_at[ws] = str(record.get("at") or "")
     saved_root = repos_state_root(state_root)
     if saved_root.is_dir():
         for d in sorted(saved_root.iterdir()):
             status = read_json(d / "status.json")
             if status is None:
                 continue
+            if d.name in restored_at and str(status.get("lastAttempt") or "") < restored_at[d.name]:
+                continue  # about the checkout the restore replaced
             row = rows.setdefault(d.name, {"workspaceId": d.name, "name": status.get("name")})
             row.setdefault("checkout", status.get("checkout"))
             for key in ("state", "lastSave", "lastError", "lastAttempt", "problemCount", "cache"):
                 row[key] = status.get(key)
             row["problems"] = status.get("problems", [])
-    for row in rows.values():
-        row.setdefault("state", "never saved")
+    for ws, row in rows.items():
+        row.setdefault("state", "restored" if ws in restored_at else "never saved")
+        row.setdefault("lastSave", None)
+        row.setdefault("lastError", None)
+        row.setdefault("restoredFrom", None)
     return sorted(rows.values(), key=lambda r: str(r.get("name")))
 
 
@@ -442,9 +538,15 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"  last save: {last.get('at')} checkpoint {last.get('checkpointId')} "
                 f"({last.get('entries')} members)"
             )
+        restored = r.get("restoredFrom")
+        if restored:
+            print(
+                f"  restored from checkpoint {restored.get('checkpointId')} at {restored.get('at')}"
+            )
         err = r.get("lastError")
         if err:
-            print(f"  last error: {err.get('at')} {err.get('message')}")
+            code = f" [{err['code']}]" if err.get("code") else ""
+            print(f"  last error: {err.get('at')}{code} {err.get('message')}")
         setup = r.get("setup")
         if setup:
             print(f"  setup: {setup.get('state')} (exit {setup.get('exitCode', '-')})")

@@ -58,9 +58,12 @@ from fsagent.client import BridgeClient, RepoBinding, RunInfo
 from fsagent.errors import (
     CheckoutUnsupported,
     ControllerRefused,
+    ControllerUnavailable,
     FsagentError,
+    GitCommandFailed,
     GitLockHeld,
     MemberChanged,
+    ObjectUnavailable,
     RepoSaveFailed,
     TreeUnstable,
 )
@@ -226,6 +229,39 @@ def operation_id(run_id: str, workspace_id: str, body: dict[str, Any], refused: 
     return "rcp-" + digest.hexdigest()[:40]
 
 
+_LOCAL_CODES: Final[tuple[tuple[type[BaseException], str], ...]] = (
+    (ControllerUnavailable, "controller_unavailable"),
+    (ObjectUnavailable, "object_unavailable"),
+    (GitLockHeld, "git_lock_held"),
+    (TreeUnstable, "tree_unstable"),
+    (CheckoutUnsupported, "checkout_unsupported"),
+    (GitCommandFailed, "git_command_failed"),
+    (OSError, "os_error"),
+)
+
+
+def failure_code(exc: BaseException) -> str:
+    """The stable code of a failed save, as status files show it: the
+    controller's own code for a refusal (``stale_lease``, ``unknown_content``,
+    ``unauthenticated``: the README's error table), else fsagent's name for
+    what failed here (``controller_unavailable``, ``git_lock_held``,
+    ``tree_unstable``, ``checkout_unsupported``, ``git_command_failed``,
+    ``object_unavailable``, ``os_error``; ``save_failed`` for anything else)."""
+    if isinstance(exc, ControllerRefused):
+        if exc.code:
+            return exc.code
+        return "unauthenticated" if exc.status == 401 else f"http_{exc.status}"
+    for kind, code in _LOCAL_CODES:
+        if isinstance(exc, kind):
+            return code
+    return "save_failed"
+
+
+def failure_record(message: str, code: str) -> dict[str, Any]:
+    """A status file's ``lastError``."""
+    return {"at": now_iso(), "code": code, "message": message}
+
+
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -292,6 +328,7 @@ class RepoSaver:
         self._last_scan: TreeScan | None = None
         self._config: tuple[StatKey | None, list[tuple[str, str]]] | None = None
         self.fenced: str | None = None
+        self.fenced_code = "stale_lease"
         self.status: dict[str, Any] = (read_json(self.status_file) if state_dir else None) or {}
         self.status.update(
             workspaceId=binding.workspace_id, name=binding.name, checkout=str(checkout)
@@ -647,7 +684,11 @@ class RepoSaver:
             problems=problems[:PROBLEMS_SHOWN],
             problemCount=len(problems),
         )
-        if outcome.committed or not self.status.get("lastSave"):
+        last = self.status.get("lastSave") or {}
+        if outcome.committed or last.get("checkpointId") != outcome.checkpoint_id:
+            # Unchanged: the last save is still the one named, unless this
+            # status file names another (it came with the state root, the
+            # checkout was restored since).
             self.status["lastSave"] = {"at": now_iso(), **outcome.to_json()}
         saved = self.cache.save()  # written during the commit; again only if that failed
         self.status["cache"] = {"entries": len(self.cache), "degraded": self.cache.degraded}
@@ -667,28 +708,35 @@ class RepoSaver:
             )
         self._write_status()
 
-    def fence(self, message: str) -> None:
+    def fence(self, message: str, code: str = "stale_lease") -> None:
         """Stop saving for good: the run ended or a newer run holds the lease
-        (:attr:`fsagent.errors.ControllerRefused.fences_the_run`). Every later
+        (:attr:`fsagent.errors.ControllerRefused.fences_the_run`; ``code`` is
+        the refusal's, ``stale_lease`` or ``unauthenticated``). Every later
         checkpoint fails at once without a request; ``fsagent repos status``
-        shows ``fenced`` and why."""
+        shows ``fenced``, why and the code."""
         if self.fenced is None:
             self.fenced = message
-        self.status.update(state="fenced", lastAttempt=now_iso())
-        self.status["lastError"] = {"at": now_iso(), "message": self.fenced}
+            self.fenced_code = code
+        self.record_failure(self.fenced, self.fenced_code, state="fenced")
+
+    def record_failure(self, message: str, code: str, *, state: str = "failed") -> None:
+        """Show a save that did not happen in the status file (``failed``,
+        ``waiting`` or ``fenced``, with ``lastError``) until a later one
+        succeeds: also one that failed before this saver was reached (the
+        listing of the task's repositories, :mod:`fsagent.repos`)."""
+        self.status.update(state=state, lastAttempt=now_iso())
+        self.status["lastError"] = failure_record(message, code)
         self._write_status()
 
     async def _failed(self, exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, ControllerRefused) and exc.fences_the_run:
-            self.fence(message)
+            self.fence(message, failure_code(exc))
         if self.fenced is not None:
             log.warning("repository %s not saved: %s", self.binding.name, message)
             return  # the controller refuses this run's reports too
         state = "waiting" if isinstance(exc, GitLockHeld) else "failed"
-        self.status.update(state=state, lastAttempt=now_iso())
-        self.status["lastError"] = {"at": now_iso(), "message": message}
-        self._write_status()
+        self.record_failure(message, failure_code(exc), state=state)
         log.warning("repository %s not saved: %s", self.binding.name, message)
         with trio.move_on_after(10):
             try:

@@ -29,8 +29,6 @@ from common.errors import (
     AgentFilesLimitExceeded,
     MembershipRevoked,
     NotFound,
-    StaleLease,
-    UnknownContent,
     ValidationError,
     WorkFolderError,
     WriteNotAllowed,
@@ -192,11 +190,6 @@ async def writable_folder(
     return folder
 
 
-_FAILS_THE_RUN = (MembershipRevoked, NotFound, StaleLease, UnknownContent, WriteNotAllowed)
-"""Refusals that leave the run failed on /sync. A storage limit does not: it is
-a warning of the run, which goes on (spec/agent-files.md)."""
-
-
 async def record_refusal(
     request: Request,
     run: RunBinding,
@@ -225,7 +218,9 @@ async def record_refusal(
                 warnings=warnings,
                 final=final,
             )
-            if isinstance(exc, _FAILS_THE_RUN):
+            # A storage limit is a warning of the run, which goes on
+            # (spec/agent-files.md): it does not fail the run.
+            if isinstance(exc, receipts.FAILS_THE_RUN):
                 await runs.set_state(conn, run.run_id, "failed", f"{exc.code}: {exc.text}")
             elif isinstance(exc, AgentFilesLimitExceeded):
                 await runs.settle_saving(conn, run.run_id)

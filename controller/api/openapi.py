@@ -390,6 +390,7 @@ _TIME = {"type": "string", "format": "date-time"}
 _MAYBE_TIME = {"type": ["string", "null"], "format": "date-time"}
 _MAYBE_TEXT = {"type": ["string", "null"]}
 _MAYBE_BOOL = {"type": ["boolean", "null"]}
+_SAVE_STATE = {"type": "string", "enum": ["starting", "saving", "saved", "failed"]}
 
 
 def _files_page_schemas() -> dict[str, Any]:
@@ -421,13 +422,34 @@ def _files_page_schemas() -> dict[str, Any]:
                 "runId": {"type": "string", "format": "uuid"},
                 "agentId": {"type": "string", "format": "uuid"},
                 "agentName": {"type": "string"},
-                "state": {"type": "string", "enum": ["starting", "saving", "saved", "failed"]},
+                "state": {
+                    **_SAVE_STATE,
+                    "description": "the run's: failed while a save of any of its folders"
+                    " (not a storage limit's refusal) or repositories stands failed",
+                },
                 "lastSavedAt": {**_MAYBE_TIME, "description": "last save of any folder"},
                 "folderSavedAt": {**_MAYBE_TIME, "description": "last save of this folder"},
                 "error": _MAYBE_TEXT,
+                "folderState": {
+                    **_SAVE_STATE,
+                    "description": "the run's save state of this folder: a failed save"
+                    " of it stands until a later save of it succeeds; ended without"
+                    " saving it is failed",
+                },
+                "folderCode": {
+                    **_MAYBE_TEXT,
+                    "description": "the stable code of this folder's failed save"
+                    " (its receipt's, e.g. STALE_LEASE, AGENT_FILES_LIMIT_EXCEEDED)",
+                },
+                "folderError": _MAYBE_TEXT,
+                "folderFailedAt": _MAYBE_TIME,
                 "finalCheckpointAt": _MAYBE_TIME,
                 "refreshRequested": {"type": "boolean"},
                 "active": {"type": "boolean"},
+                "superseded": {
+                    "type": "boolean",
+                    "description": "a newer run of its sandbox holds the lease",
+                },
                 "startedAt": _TIME,
                 "endedAt": _MAYBE_TIME,
                 "warnings": {"type": "array", "items": _ref("Warning")},
@@ -712,9 +734,10 @@ def _admin_paths() -> dict[str, Any]:
         company + "/runs/{runId}": {
             "parameters": [company_p, id_p("runId")],
             "get": _admin_op(
-                "A run (never its token) with its current warnings and receipt counts; also"
-                " for its responsible user and members who may configure its agent"
-                " (others: 404 run_not_found)",
+                "A run (never its token) with its current warnings, receipt counts and"
+                " save state of each folder and repository; also for its responsible"
+                " user and members who may configure its agent (others: 404"
+                " run_not_found)",
                 _OPERATOR_OK,
                 "200",
             ),

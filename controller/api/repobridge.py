@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import re
 from typing import Any
@@ -27,12 +28,14 @@ from common.errors import (
     BaseMismatch,
     DatabaseUnavailable,
     NotFound,
+    StaleLease,
     UnknownContent,
     UnsafeRepoMember,
     ValidationError,
+    WorkFolderError,
 )
 from common.repos import FETCH_BATCH_MAX, MISSING_MAX
-from controller import repomanifest, repos
+from controller import repomanifest, repos, runs
 from controller.api.common import (
     bound_run,
     connection,
@@ -53,6 +56,8 @@ from controller.api.uploads import Confirm, receive_batch, receive_upload
 from controller.auth import RunBinding, confirm_run_lease
 from controller.repostream import batch_body
 from controller.storage.base import object_key
+
+log = logging.getLogger(__name__)
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 PLAN_ATTEMPTS = 3
@@ -221,6 +226,8 @@ async def commit_checkpoint(request: Request) -> Response:
             done = await _commit_once(request, run, req)
             if done is not None:
                 result, manifest = done
+                async with connection(request) as conn:
+                    await runs.clear_repository_failure(conn, run.run_id, bound.name)
                 if manifest is None:
                     return JSONResponse(result)
                 # The next delta's copies of this manifest's tables, made
@@ -231,12 +238,29 @@ async def commit_checkpoint(request: Request) -> Response:
                         asyncio.to_thread, repomanifest.prepare_spare, manifest
                     ),
                 )
-    except (UnknownContent, UnsafeRepoMember) as exc:
-        # The refusal is the binding's visible state until a save succeeds.
-        async with connection(request) as conn:
-            await repos.set_state(conn, bound, "failed", f"{exc.code}: {exc.text}")
+    except (UnknownContent, UnsafeRepoMember, StaleLease) as exc:
+        await _record_refusal(request, run, bound, exc)
         raise
     raise DatabaseUnavailable("the repository kept changing under this checkpoint; retry")
+
+
+async def _record_refusal(
+    request: Request, run: RunBinding, bound: repos.Bound, exc: WorkFolderError
+) -> None:
+    """A refused checkpoint fails the run's save of the repository until a
+    later one succeeds (its details show it, never a folder's /sync). A
+    checkpoint the run's content or members made unacceptable is also the
+    repository's visible state; a ``stale_lease`` is not: the repository is
+    the newer run's to save now, and its current checkpoint is as good as it
+    was. A failure to record is logged, never answered instead of the refusal."""
+    error = f"{exc.code}: {exc.text}"
+    try:
+        async with connection(request) as conn:
+            if not isinstance(exc, StaleLease):
+                await repos.set_state(conn, bound, "failed", error)
+            await runs.record_repository_failure(conn, run.run_id, bound.name, error)
+    except WorkFolderError as record_exc:
+        log.warning("could not record a refused repository checkpoint: %s", record_exc)
 
 
 @json_errors
@@ -295,8 +319,14 @@ async def report(request: Request) -> Response:
             "state", "invalid", 'body must be {"state": "saving"|"failed", "error"?: string}'
         )
     async with connection(request) as conn:
-        _, bound = await _bound(request, conn)
+        run, bound = await _bound(request, conn)
         await repos.set_state(conn, bound, new_state, error)
+        if new_state == "failed":
+            # fsagent gave up on this save: the run's details show it until
+            # a later save of the repository succeeds.
+            await runs.record_repository_failure(
+                conn, run.run_id, bound.name, error or "the save failed"
+            )
     return JSONResponse({"state": new_state})
 
 

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from common.errors import CompanyNotFound, RunNotFound, ValidationError
 from common.paths import validate_uuid
-from controller import receipts, runs
+from controller import receipts, repos, runs
 from controller.api.common import (
     authenticate,
     company_read,
@@ -42,7 +42,13 @@ from controller.api.params import (
     strict_query,
     string_fields,
 )
-from controller.api.serialize import run_record_json, run_warnings, started_run_json
+from controller.api.serialize import (
+    folder_state_json,
+    run_record_json,
+    run_repo_json,
+    run_warnings,
+    started_run_json,
+)
 from controller.auth import CompanyActor, authorize_company
 
 Conn = AsyncConnection[Any]
@@ -145,17 +151,57 @@ async def _readable_run(request: Request, conn: Conn) -> dict[str, Any]:
     return row
 
 
+def _repo_json(
+    run: dict[str, Any], repo: dict[str, Any], saved: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A repository in a run's details: the run's failed save of it while that
+    stands, else the repository's own state."""
+    failure = runs.repository_failure(run, repo["name"])
+    state, error = ("failed", failure) if failure is not None else (repo["state"], repo["error"])
+    return run_repo_json(repo, state, error, runs.error_code(error), saved)
+
+
 @company_route
 async def get_run(request: Request) -> Response:
-    """A run as the orchestrator sees it, with its warnings and the number of
-    its save receipts by outcome."""
+    """A run as the orchestrator sees it, with its warnings, the number of its
+    save receipts by outcome, and its save state of each of its folders and
+    repositories (a failure stands until a later save of the same thing
+    succeeds)."""
     async with connection(request) as conn:
         row = await _readable_run(request, conn)
-        record = await runs.get_run(conn, str(row["id"]), company=str(row["company_id"]))
-        counts = await receipts.receipt_counts(conn, str(row["id"]))
+        run_id = str(row["id"])
+        record = await runs.get_run(conn, run_id, company=str(row["company_id"]))
+        counts = await receipts.receipt_counts(conn, run_id)
+        saves = (await receipts.folder_saves(conn, [run_id])).get(run_id, [])
+        baselines = await runs.run_folder_baselines(conn, run_id)
+        repo_rows: list[dict[str, Any]] = []
+        repo_saves: dict[str, dict[str, Any]] = {}
+        if row["task_id"] is not None:
+            repo_rows = await repos.list_for_task(conn, str(row["company_id"]), str(row["task_id"]))
+            repo_saves = await runs.run_repo_saves(conn, run_id)
+    state, error = runs.run_state(record, saves)
+    bound = {
+        "task": row["task_id"],
+        "agent": row["agent_id"],
+        "user": row["user_id"],
+        "project": row["project_id"],
+    }
+    folders = []
+    for scope, owner in bound.items():
+        if owner is None:
+            continue
+        key = (scope, str(owner))
+        saved_at = baselines.get(key)
+        own = next((s for s in saves if (s.scope, s.owner_id) == key), None)
+        if own is not None and own.saved_at is not None:
+            saved_at = max(filter(None, (saved_at, own.saved_at)))
+        st = runs.folder_state(record, scope, str(owner), saves, baselines.get(key))
+        folders.append(folder_state_json(scope, str(owner), saved_at, st))
     return JSONResponse(
         {
             **run_record_json(record),
+            "state": state,
+            "error": error,
             "companyId": str(row["company_id"]),
             "agentId": str(row["agent_id"]),
             "taskId": None if row["task_id"] is None else str(row["task_id"]),
@@ -163,6 +209,10 @@ async def get_run(request: Request) -> Response:
             "userId": None if row["user_id"] is None else str(row["user_id"]),
             "warnings": run_warnings(row),
             "receipts": counts,
+            "folders": folders,
+            "repos": [
+                _repo_json(record, r, repo_saves.get(str(r["workspace_id"]))) for r in repo_rows
+            ],
         }
     )
 

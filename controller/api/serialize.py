@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from controller.companies import Directory
     from controller.orgs import NewUser
-    from controller.runs import StartedRun
+    from controller.runs import SaveState, StartedRun
     from controller.sessions import Session
     from controller.tokens import NewOperatorToken
 
@@ -40,6 +40,12 @@ def entry_json(row: Row) -> dict[str, Any]:
     }
 
 
+def superseded(row: Row) -> bool:
+    """A newer run of the same sandbox holds the lease (``newest_epoch`` read with the row)."""
+    newest = row.get("newest_epoch")
+    return newest is not None and int(newest) > int(row["lease_epoch"])
+
+
 def run_warnings(row: Row) -> list[dict[str, Any]]:
     """The run's current warnings (``controller.receipts``), folder by folder."""
     stored: dict[str, list[dict[str, Any]]] = row.get("warnings") or {}
@@ -49,23 +55,73 @@ def run_warnings(row: Row) -> list[dict[str, Any]]:
     return out
 
 
-def run_json(row: Row, *, folder_saved_at: datetime | None = None) -> dict[str, Any]:
-    """A run as /sync shows it; ``folderSavedAt`` is its last save of the folder asked
-    about, ``warnings`` its current warnings (never errors on the current files)."""
+def run_json(
+    row: Row,
+    *,
+    state: tuple[str, str | None],
+    folder: SaveState,
+    folder_saved_at: datetime | None = None,
+) -> dict[str, Any]:
+    """A run as /sync shows it: ``state`` and ``error`` are the run's
+    (:func:`controller.runs.run_state`), ``folderState``, ``folderCode``,
+    ``folderError`` and ``folderFailedAt`` its save state of the folder asked
+    about (:func:`controller.runs.folder_state`), ``folderSavedAt`` its last
+    save of that folder, ``warnings`` its current warnings (never errors on
+    the current files)."""
     return {
         "runId": str(row["id"]),
         "agentId": str(row["agent_id"]),
         "agentName": row["agent_name"],
-        "state": row["state"],
+        "state": state[0],
         "lastSavedAt": iso(row["last_saved_at"]),
-        "error": row["error"],
+        "error": state[1],
         "finalCheckpointAt": iso(row["final_checkpoint_at"]),
         "refreshRequested": bool(row["refresh_requested"]),
         "active": bool(row["active"]),
+        "superseded": superseded(row),
         "startedAt": iso(row["started_at"]),
         "endedAt": iso(row["ended_at"]),
         "folderSavedAt": iso(folder_saved_at),
+        "folderState": folder.state,
+        "folderCode": folder.code,
+        "folderError": folder.error,
+        "folderFailedAt": iso(folder.failed_at),
         "warnings": run_warnings(row),
+    }
+
+
+def folder_state_json(
+    scope: str, owner_id: str, saved_at: datetime | None, st: SaveState
+) -> dict[str, Any]:
+    """One folder of a run's details: the run's save state of it."""
+    return {
+        "scope": scope,
+        "ownerId": owner_id,
+        "state": st.state,
+        "code": st.code,
+        "error": st.error,
+        "failedAt": iso(st.failed_at),
+        "lastSavedAt": iso(saved_at),
+    }
+
+
+def run_repo_json(
+    repo: Row, state: str, error: str | None, code: str | None, saved: Row | None
+) -> dict[str, Any]:
+    """One repository of a run's details: its save state as the run shows it
+    (``state``, ``code``, ``error``), its current checkpoint, and this run's
+    newest checkpoint of it (``savedByRun``)."""
+    return {
+        "workspaceId": str(repo["workspace_id"]),
+        "name": repo["name"],
+        "state": state,
+        "code": code,
+        "error": error,
+        "lastSavedAt": iso(repo["last_saved_at"]),
+        "checkpointId": None if repo["checkpoint_id"] is None else str(repo["checkpoint_id"]),
+        "savedByRun": None
+        if saved is None
+        else {"checkpointId": str(saved["id"]), "savedAt": iso(saved["created_at"])},
     }
 
 
@@ -193,8 +249,7 @@ def run_record_json(row: Row) -> dict[str, Any]:
         "runId": str(row["id"]),
         "sandbox": row["sandbox_key"],
         "leaseEpoch": int(row["lease_epoch"]),
-        "superseded": row["newest_epoch"] is not None
-        and int(row["newest_epoch"]) > int(row["lease_epoch"]),
+        "superseded": superseded(row),
         "bindings": bindings_json(
             {
                 "task": _id(row["task_id"]),

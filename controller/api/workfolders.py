@@ -555,13 +555,22 @@ async def get_sync(request: Request) -> Response:
     async with connection(request) as conn:
         _, folder, address = await open_folder(request, conn, write=False)
         sync = await runs.sync_status(conn, folder, *address)
-        saves = await folders.folder_saves(conn, folder)
-    return JSONResponse(
-        {
-            "runs": [run_json(r, folder_saved_at=saves.get(str(r["id"]))) for r in sync.runs],
-            "lastOperationAt": iso(sync.last_operation_at),
-        }
-    )
+        baselines = await folders.folder_saves(conn, folder)
+    _, scope, owner_id = address
+    out = []
+    for row in sync.runs:
+        run_id = str(row["id"])
+        saves = sync.saves.get(run_id, [])
+        saved_at = baselines.get(run_id)
+        out.append(
+            run_json(
+                row,
+                state=runs.run_state(row, saves),
+                folder=runs.folder_state(row, scope, owner_id, saves, saved_at),
+                folder_saved_at=saved_at,
+            )
+        )
+    return JSONResponse({"runs": out, "lastOperationAt": iso(sync.last_operation_at)})
 
 
 @json_errors

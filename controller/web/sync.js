@@ -1,6 +1,6 @@
 // The sync panel: when the folder last changed directly and when an agent
-// last saved it, and each agent run bound to the folder with its state in
-// words that match the run, its own last save of this folder, and a
+// last saved it, and each agent run bound to the folder with its save state
+// of this folder in words, its own last save of this folder, and a
 // "Request refresh" button. Polled every SYNC_POLL_MS while the tab is
 // visible, and at once when live.js sees the folder change.
 
@@ -8,36 +8,59 @@ import { ApiError } from "./api.js";
 import { h, timeElement } from "./dom.js";
 
 const SYNC_POLL_MS = 15000;
-const RUN_STATE_LABEL = {
-  starting: "Starting",
-  saving: "Saving",
-  saved: "Saved",
-  failed: "Save failed",
-};
+/** A refusal over an agent folder's storage limit: a warning, the run goes on. */
+const LIMIT_CODE = "AGENT_FILES_LIMIT_EXCEEDED";
+/** What a run's saves meet once a newer run of its sandbox took over. */
+const SUPERSEDED_CODE = "STALE_LEASE";
 
 const PENDING_REFRESH =
   "Refresh requested: waiting for the agent. It takes this folder's new files at its next safe point, and the request clears once it has.";
 
 /**
- * {key, text, reason}: the run's state in words, for this folder. A run that
- * saved other folders but never this one does not read "Saved" here, and an
- * ended run that never saved this folder says why.
+ * {key, text, reason, error}: the run's save state of this folder in words,
+ * from /sync's folderState, folderCode and folderError. Each folder shows its
+ * own state, never another folder's failure, and a failed save stays shown
+ * until a later save of this folder succeeds. A run that saved other folders
+ * but never this one does not read "Saved" here, and an ended run that never
+ * saved this folder says why.
  */
 function runState(run) {
-  const savedHere = Boolean(run.folderSavedAt);
-  if (run.active) {
-    if (run.state === "saved" && !savedHere) return { key: "starting", text: "Running — not saved here yet" };
-    return { key: run.state, text: RUN_STATE_LABEL[run.state] || run.state };
+  const code = run.folderCode;
+  if (run.folderState === "saved") {
+    return { key: "saved", text: run.active ? "Saved" : "Ended — saved" };
   }
-  if (run.state === "failed") return { key: "failed", text: "Ended — save failed" };
-  if (run.state === "saving") return { key: "failed", text: "Ended while saving" };
-  if (!savedHere) {
+  if (run.folderState === "saving") return { key: "saving", text: "Saving" };
+  if (run.folderState === "starting") {
+    return run.lastSavedAt
+      ? { key: "starting", text: "Running — not saved here yet" }
+      : { key: "starting", text: "Starting" };
+  }
+  if (code === LIMIT_CODE) {
+    return {
+      key: "refused",
+      text: run.active ? "Not saved — over a storage limit" : "Ended — not saved (storage limit)",
+      reason: `The last save of this folder was refused (${code}); none of its changes were saved. The warnings say which limit; the run goes on.`,
+    };
+  }
+  if (code === SUPERSEDED_CODE && run.superseded) {
+    return {
+      key: "failed",
+      text: "Ended — superseded",
+      reason: `A newer run of the same sandbox took over (${code}): this run's saves of this folder are refused.`,
+    };
+  }
+  if (!run.active && !code && !run.folderError) {
     const reason = run.lastSavedAt
       ? "The run saved its other folders, never this one."
       : "The run ended before it saved anything.";
-    return { key: "failed", text: "Ended — not saved", reason: run.error || reason };
+    return { key: "failed", text: "Ended — not saved", reason };
   }
-  return { key: "saved", text: "Ended — saved" };
+  const message = run.folderError || "the save failed";
+  return {
+    key: "failed",
+    text: run.active ? "Save failed" : "Ended — save failed",
+    error: code ? `${code}: ${message}` : message,
+  };
 }
 
 export class SyncPanel {
@@ -171,7 +194,7 @@ export class SyncPanel {
         : null;
     return h(
       "li",
-      { class: "run", dataset: { runId: run.runId, state: run.state } },
+      { class: "run", dataset: { runId: run.runId, state: run.folderState } },
       h(
         "p",
         { class: "run-head" },
@@ -190,9 +213,7 @@ export class SyncPanel {
         ? h("p", { class: "muted small-text" }, "Last save of any of its folders: ", timeElement(run.lastSavedAt))
         : null,
       run.finalCheckpointAt ? h("p", {}, "Final save: ", timeElement(run.finalCheckpointAt)) : null,
-      run.error && !state.reason
-        ? h("p", { class: "error run-error", text: `Error: ${run.error}` })
-        : null,
+      state.error ? h("p", { class: "error run-error", text: `Error: ${state.error}` }) : null,
       // Warnings (a storage limit, a refused instruction entry) never block the
       // run and are not errors on the files now in the folder.
       run.warnings && run.warnings.length
