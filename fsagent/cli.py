@@ -424,7 +424,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     u.add_argument("--env-file", help="default STATE_ROOT/env")
     u.add_argument("--allow-other", action="store_true")
     u.add_argument("--prefetch", type=int, default=4)
-    u.add_argument("--timeout", type=float, default=300.0)
+    u.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds each process gets to serve after it starts or restarts (default %(default)s)",
+    )
     u.add_argument("--checkpoint-interval", type=float, default=CHECKPOINT_INTERVAL_SECONDS)
     u.add_argument("--spin-us", type=int, default=SPIN_US)
     u.add_argument(
