@@ -55,6 +55,18 @@ bench-repos: deps
 bench-dirmode: deps
 	$(PY) -m bench.dirmode
 
+# The lifecycle explorer (tests/support/explorer.py): random schedules of a
+# run's life against the real `fsagent up` and controller, each checked
+# against the model of what must be saved; one JSON line per schedule, also
+# appended to $(EXPLORE_RECORD). `make test` runs a few fixed seeds and one random.
+EXPLORE_SCHEDULES ?= 100
+EXPLORE_SECONDS ?= 0
+EXPLORE_RECORD ?= explore-record.jsonl
+.PHONY: explore
+explore: deps-test
+	$(PY) -m tests.support.explorer --schedules $(EXPLORE_SCHEDULES) \
+		--seconds $(EXPLORE_SECONDS) --record $(EXPLORE_RECORD) $(EXPLORE_ARGS)
+
 # Coverage-guided fuzzing of the upload frame reader and the checkpoint and
 # repository checkpoint parsers
 # (tests/fuzz/fuzz_upload.py); `make test` runs the same target for 5 s.

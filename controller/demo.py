@@ -309,6 +309,12 @@ Press Ctrl-C to stop (fsagent saves, then the controller stops).
             print(
                 f"demo: fsagent stopped (exit {code}{', saved' if code == 0 else ', SAVE FAILED'})"
             )
+            # The demo's sandbox is done: its folders' directories are given
+            # back (fsagent keeps a stopped mountpoint immutable), so the home
+            # can be deleted and restored by the next `make demo`.
+            subprocess.run([sys.executable, "-m", "fsagent.cli", "release",
+                            *(str(home / s) for s in ("task", "agent", "user", "project"))],
+                           check=False)  # fmt: skip
         if run_id is not None and controller.poll() is None:
             # The sandbox is gone: end the run so /sync shows it stopped.
             with database(Settings(data_dir=data_dir)) as url:

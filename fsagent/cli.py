@@ -270,6 +270,24 @@ def _print_scan(scan: dict[str, Any] | None, limit: int = 20) -> None:
         print(f"  changing while read, saved later: {', '.join(scan['retrying'][:limit])}")
 
 
+def cmd_release(args: argparse.Namespace) -> int:
+    """Give back mountpoint directories fsagent guarded (fsagent.mountguard):
+    their immutable flag cleared and the owner's write bit back. A directory
+    something is still mounted on is refused: its guard is what keeps a
+    write from vanishing under the mount."""
+    from fsagent.mountguard import release
+
+    for name in args.directories:
+        path = Path(name)
+        if os.path.ismount(path):
+            raise FsagentError(f"{path} is still mounted; stop its daemon first")
+        try:
+            release(path)
+        except OSError as exc:
+            raise FsagentError(f"cannot release {path}: {exc.strerror}") from None
+    return 0
+
+
 def cmd_changes(args: argparse.Namespace) -> int:
     changes, _ = change_set(Path(args.state_dir))
     if args.json:
@@ -446,6 +464,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
+    r = sub.add_parser(
+        "release", help="give back stopped mountpoints' directories (writable, not immutable)"
+    )
+    r.add_argument("directories", nargs="+")
+    r.set_defaults(func=cmd_release)
+
     c = sub.add_parser("changes", help="list the change set since the baseline")
     c.add_argument("--state-dir", required=True)
     c.add_argument("--json", action="store_true")
@@ -466,7 +490,7 @@ def _command_of(argv: list[str]) -> str | None:
     for arg in argv:
         if arg in ("-v", "--verbose"):
             continue
-        known = {"mount", "flush", "up", "status", "changes", *OWN_PARSERS}
+        known = {"mount", "flush", "up", "status", "changes", "release", *OWN_PARSERS}
         return arg if arg in known else None
     return None
 

@@ -56,6 +56,7 @@ from common.errors import InvalidPath, ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from common.paths import ancestors, validate_path
 from common.types import Digest
+from fsagent import lifecycle
 from fsagent.client import BridgeClient, ManifestEntry
 from fsagent.controlserver import (
     FlushHandler,
@@ -76,21 +77,18 @@ from fsagent.dirscan import TICK_NS, DirScan, local_refusals, report
 from fsagent.dirstore import DirStore
 from fsagent.errors import (
     ControllerRefused,
-    FsagentError,
     MountFailed,
     ObjectUnavailable,
-    SaveFailed,
 )
 from fsagent.hydrate import manifest_row
+from fsagent.lifecycle import StopBoundary, final_save
 from fsagent.progress import describe, write_figures
 from fsagent.records import EMPTY_DIGEST, BaseEntry, Binding, Kind, LocalEntry, ManifestRow
 from fsagent.ship import (
     STOP_SIGNALS,
-    FinalSave,
     SaveResult,
     Shipper,
     checkpoint_loop,
-    limit_warning,
     raise_first_failure,
 )
 from fsagent.statedir import MARKER, StateDir, discard_state_dir
@@ -121,10 +119,9 @@ class DirOptions:
 
 
 @dataclass
-class DirStop(FinalSave):
-    """How the daemon ended, as in FUSE mode (fsagent.ship.FinalSave): the
-    agent folder contract tries its final save three times, then reports an
-    explicit failure receipt; a refusal over a storage limit is a warning."""
+class DirStop(StopBoundary):
+    """How the daemon ended, as in FUSE mode (fsagent.lifecycle.StopBoundary),
+    and the stop asked for (a signal or ``flush --final``)."""
 
     requested: trio.Event = field(default_factory=trio.Event)
 
@@ -481,87 +478,29 @@ async def take_incoming(store: DirStore, client: BridgeClient, scope: str) -> in
 async def warm_start(
     store: DirStore, client: BridgeClient, shipper: DirShipper, scope: str
 ) -> None:
-    """Ship what changed here first, then take the server's newer changes."""
-    try:
-        result = await shipper.ship_checkpoint()
-        if result.entries:
-            print(f"fsagent: warm start saved {result.entries} earlier change(s)", file=sys.stderr)
-    except SaveFailed as exc:
-        # The local copy stays authoritative: incoming changes skip every path
-        # changed here anyway, and the error stays visible.
-        print(f"fsagent: warm start could not save earlier changes: {exc}", file=sys.stderr)
-    applied = await take_incoming(store, client, scope)
-    if applied:
-        print(
-            f"fsagent: warm start took {applied} newer change(s) from the server", file=sys.stderr
-        )
+    """Ship what changed here first, then take the server's newer changes
+    (fsagent.lifecycle)."""
+    await lifecycle.warm_start(shipper, partial(take_incoming, store, client, scope))
 
 
 async def refresh_after_stop(store: DirStore, client: BridgeClient, scope: str) -> None:
     """An explicit refresh waits for the run to stop and its final save to succeed."""
-    try:
-        if not await client.refresh_requested():
-            return
-        applied = await take_incoming(store, client, scope)
-        await client.refresh_applied()
-        print(f"fsagent: refresh applied ({applied} change(s) from the server)", file=sys.stderr)
-    except FsagentError as exc:
-        print(f"fsagent: refresh not applied, next start takes the changes: {exc}", file=sys.stderr)
+    await lifecycle.refresh_after_stop(client, partial(take_incoming, store, client, scope))
 
 
 # --- serving -----------------------------------------------------------------------------
 
 
 async def _final_save(shipper: DirShipper | None, stop: DirStop) -> None:
-    """The final save, as in FUSE mode: tried ``stop.attempts`` times while it
-    fails on the way (a refusal is final at once); under the agent folder
-    contract a given-up save gets an explicit failure receipt."""
-    if shipper is None or stop.final_done:
-        return
-    stop.final_done = True
-    refused = False
-    for attempt in range(1, stop.attempts + 1):
-        try:
-            result = await shipper.ship_checkpoint(final=True)
-        except SaveFailed as exc:
-            stop.saved, stop.error, refused = False, str(exc), exc.refused
-            stop.limit_warning = limit_warning(exc, stop.report_scope is not None)
-            if stop.limit_warning is not None:
-                print(f"fsagent: warning: {stop.limit_warning}", file=sys.stderr)
-                return  # the controller's refusal is its receipt already
-            if exc.refused or attempt == stop.attempts:
-                break
-            print(f"fsagent: final save attempt {attempt} failed, trying again: {exc}",
-                  file=sys.stderr)  # fmt: skip
-            await trio.sleep(min(30.0, 2.0**attempt))
-            continue
-        stop.saved, stop.error = True, None
-        count = (shipper.last_report or {}).get("refusedCount", 0)
-        print(
-            f"fsagent: final save: {result.entries} change(s) saved"
-            + (f"; {count} path(s) refused (fsagent status names them)" if count else ""),
-            file=sys.stderr,
+    """The final save (fsagent.lifecycle), naming what the scan refused."""
+
+    def saved_line(result: SaveResult) -> str:
+        count = (shipper.last_report or {}).get("refusedCount", 0) if shipper else 0
+        return f"final save: {result.entries} change(s) saved" + (
+            f"; {count} path(s) refused (fsagent status names them)" if count else ""
         )
-        return
-    if stop.report_scope is None:
-        print(f"fsagent: final save FAILED, directory and state kept: {stop.error}",
-              file=sys.stderr)  # fmt: skip
-        return
-    print(f"fsagent: final save FAILED: {stop.error}", file=sys.stderr)
-    if refused:
-        return  # the controller's refusal is its receipt already
-    pending = shipper.dir_store.pending_checkpoint() or {}
-    with trio.move_on_after(30):
-        try:
-            await shipper.client.report_state(
-                "failed",
-                f"final save given up after {attempt} attempt(s): {stop.error}",
-                scope=stop.report_scope,
-                operation_id=pending.get("operationId"),
-                final=True,
-            )
-        except FsagentError as report_exc:
-            log.warning("could not report the failed final save: %s", report_exc)
+
+    await final_save(shipper, stop, kept="directory and state kept", saved_line=saved_line)
 
 
 def _control(shipper: DirShipper, stop: DirStop) -> tuple[FlushHandler, StatsHandler]:
@@ -665,7 +604,7 @@ async def serve_dir(client: BridgeClient, opts: DirOptions) -> DirStop:
             await _serve_bound(client, opts, store, run.lease_epoch, root_fd, stop)
         finally:
             store.close()
-        if contract and stop.final_done:
+        if not stop.keeps_local_copy(contract):
             await trio.to_thread.run_sync(discard_local_copy, root_fd, state_dir)
             print(
                 "fsagent: agent folder's local copy discarded"
@@ -699,6 +638,8 @@ async def _serve_bound(
     stop: DirStop,
 ) -> None:
     shipper = DirShipper(store, client, opts.scope, lease_epoch) if client.writable else None
+    if stop.report_scope is not None:
+        stop.report_failed = lifecycle.failure_reporter(store, client, opts.scope)
     st = os.fstat(root_fd)
     known = store.directory_record()
     hydrated = store.baseline().hydrated and not store.hydrating()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.metadata
 import json
 import logging
@@ -49,7 +50,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ import trio
 from common import logs
 from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
-from fsagent import SPIN_US, stats
+from fsagent import SPIN_US, lifecycle, stats
 from fsagent.client import BridgeClient
 from fsagent.controlserver import (
     FlushHandler,
@@ -68,17 +69,16 @@ from fsagent.controlserver import (
     open_control_socket,
     serve_control,
 )
-from fsagent.errors import ControllerRefused, FsagentError, MountFailed, SaveFailed
+from fsagent.errors import ControllerRefused, MountFailed
 from fsagent.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.hydrate import ContentFetcher, hydrate_manifest, manifest_row
+from fsagent.lifecycle import StopBoundary, final_save
 from fsagent.mountguard import MountGuard, adopt_strays
 from fsagent.ship import (
     STOP_SIGNALS,
     Checkpoints,
-    FinalSave,
     Shipper,
     checkpoint_loop,
-    limit_warning,
 )
 from fsagent.shipthread import ShipThread
 from fsagent.statedir import discard_state_dir
@@ -103,13 +103,8 @@ class MountOptions:
     what was written there while nothing served it is adopted once mounted."""
 
 
-@dataclass
-class StopState(FinalSave):
-    """How the daemon ended (fsagent.ship.FinalSave), and how a given-up final
-    save of the agent folder gets its explicit failure receipt."""
-
-    report_failed: Callable[[str], Awaitable[None]] | None = None
-    """Records the explicit failure receipt of a given-up final save."""
+StopState = StopBoundary
+"""How the daemon ended (fsagent.lifecycle.StopBoundary)."""
 
 
 AGENT_FINAL_ATTEMPTS = 3
@@ -226,49 +221,6 @@ def syncfs(path: Path) -> None:
         os.close(fd)
 
 
-async def _final_save(shipper: Checkpoints | None, stop: StopState) -> None:
-    if shipper is None or stop.final_done:
-        return
-    stop.final_done = True
-    refused = False
-    for attempt in range(1, stop.attempts + 1):
-        try:
-            result = await shipper.ship_checkpoint(final=True)
-        except SaveFailed as exc:
-            stop.saved, stop.error, refused = False, str(exc), exc.refused
-            stop.limit_warning = limit_warning(exc, stop.report_scope is not None)
-            if stop.limit_warning is not None:
-                print(f"fsagent: warning: {stop.limit_warning}", file=sys.stderr)
-                return  # the controller's refusal is its receipt already
-            if exc.refused or attempt == stop.attempts:
-                break
-            print(
-                f"fsagent: final save attempt {attempt} failed, trying again: {exc}",
-                file=sys.stderr,
-            )
-            await trio.sleep(min(30.0, 2.0**attempt))
-            continue
-        stop.saved, stop.error = True, None
-        print(f"fsagent: final save: {result.entries} change(s) saved", file=sys.stderr)
-        return
-    if stop.report_scope is None:
-        print(f"fsagent: final save FAILED, state kept: {stop.error}", file=sys.stderr)
-        return
-    print(f"fsagent: final save FAILED: {stop.error}", file=sys.stderr)
-    if refused:
-        return  # the controller's refusal is its receipt already
-    if stop.report_failed is None:
-        return
-    with trio.move_on_after(30):
-        try:
-            # The explicit failure receipt; a refusal has its receipt already.
-            await stop.report_failed(
-                f"final save given up after {attempt} attempt(s): {stop.error}"
-            )
-        except FsagentError as report_exc:
-            log.warning("could not report the failed final save: %s", report_exc)
-
-
 async def _stop_on_signal(
     signals: AsyncIterator[int],
     fs: WorkFolderFS,
@@ -282,7 +234,7 @@ async def _stop_on_signal(
     async for signum in signals:
         log.info("signal %d: flushing dirty pages, saving and unmounting", signum)
         await _freeze(fs, mountpoint)
-        await _final_save(shipper, stop)
+        await final_save(shipper, stop)
         pyfuse3.terminate()
         return
 
@@ -318,7 +270,7 @@ def _control_handler(
         else:
             await _flush_kernel(mountpoint)
         if final:
-            await _final_save(shipper, stop)
+            await final_save(shipper, stop)
             pyfuse3.terminate()
             return stop.flush_reply()
         result = await shipper.ship_checkpoint()
@@ -341,20 +293,9 @@ def _stats_handler(shipper: Checkpoints) -> StatsHandler:
 
 
 async def warm_start(store: Store, client: BridgeClient, shipper: Checkpoints, scope: str) -> None:
-    """Ship what was never checkpointed, then take the server's newer changes."""
-    try:
-        result = await shipper.ship_checkpoint()
-        if result.entries:
-            print(f"fsagent: warm start saved {result.entries} earlier change(s)", file=sys.stderr)
-    except SaveFailed as exc:
-        # Keep the local copy authoritative: incoming changes are skipped for
-        # every path the journal lists anyway, and the error stays visible.
-        print(f"fsagent: warm start could not save earlier changes: {exc}", file=sys.stderr)
-    applied = await take_incoming(store, client, scope)
-    if applied:
-        print(
-            f"fsagent: warm start took {applied} newer change(s) from the server", file=sys.stderr
-        )
+    """Ship what was never checkpointed, then take the server's newer changes
+    (fsagent.lifecycle)."""
+    await lifecycle.warm_start(shipper, functools.partial(take_incoming, store, client, scope))
 
 
 async def take_incoming(store: Store, client: BridgeClient, scope: str) -> int:
@@ -382,14 +323,9 @@ async def take_incoming(store: Store, client: BridgeClient, scope: str) -> int:
 
 async def refresh_after_stop(store: Store, client: BridgeClient, scope: str) -> None:
     """An explicit refresh waits for the run to stop and its final save to succeed."""
-    try:
-        if not await client.refresh_requested():
-            return
-        applied = await take_incoming(store, client, scope)
-        await client.refresh_applied()
-        print(f"fsagent: refresh applied ({applied} change(s) from the server)", file=sys.stderr)
-    except FsagentError as exc:
-        print(f"fsagent: refresh not applied, next start takes the changes: {exc}", file=sys.stderr)
+    await lifecycle.refresh_after_stop(
+        client, functools.partial(take_incoming, store, client, scope)
+    )
 
 
 async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
@@ -439,7 +375,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
         store.close()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    if contract and stop.final_done:
+    if not stop.keeps_local_copy(contract):
         discard_local_copy(opts.state_dir)
         print(
             "fsagent: agent folder's local copy discarded"
@@ -493,18 +429,7 @@ async def _serve_store(
     shipper: Checkpoints | None = None
     cadence: Cadence | None = None
     if protected is not None:
-
-        async def report_failed(message: str) -> None:
-            pending = store.pending_checkpoint() or {}
-            await client.report_state(
-                "failed",
-                message,
-                scope=opts.scope,
-                operation_id=pending.get("operationId"),
-                final=True,
-            )
-
-        stop.report_failed = report_failed
+        stop.report_failed = lifecycle.failure_reporter(store, client, opts.scope)
     if owner is not None:
         store.bind(binding)
         store.claim_mode("fuse", opts.mode_reason, str(opts.mountpoint.absolute()))
@@ -599,7 +524,7 @@ async def _serve_store(
         if daemon_file is not None:
             daemon_file.unlink(missing_ok=True)
     # Unmounted from outside (fusermount3 -u): the run is stopping; save.
-    await _final_save(shipper, stop)
+    await final_save(shipper, stop)
     if shipper is not None and stop.saved and protected is None:
         await refresh_after_stop(store, client, opts.scope)
 

@@ -175,6 +175,11 @@ class ShipThread:
     def last_checkpoint(self) -> dict[str, Any] | None:
         return None if self._shipper is None else self._shipper.last_checkpoint
 
+    @property
+    def fenced(self) -> str | None:
+        """Why the controller fenced this run off (fsagent.ship.Shipper.fenced)."""
+        return None if self._shipper is None else self._shipper.fenced
+
     async def __aenter__(self) -> Self:
         mount = trio.lowlevel.current_trio_token()
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))

@@ -1,0 +1,606 @@
+"""The lifecycle explorer: random schedules of a run's life, checked against a model.
+
+One schedule drives the real ``fsagent up`` (FUSE or dir mode) and a real
+controller through events drawn from a seed: writes, overwrites, renames and
+deletes in all four work folders (each write fsynced, by path, as an agent
+writes), ``fsagent flush``, SIGTERM to ``up`` at any moment (while it starts,
+while it saves, during the final save), ``kill -9`` of ``up`` or of one of its
+mount daemons, the controller killed and restarted (also across a stop), a
+newer run for the same sandbox (fencing), a warm restart under a new run, and
+a replacement sandbox.
+
+The model (:class:`Model`) keeps, per folder and path, the contents that may
+be there: one value after an acknowledged operation (the call returned), the
+old and the new (or anything, for a write) after one that failed part way.
+After every schedule the controller is up, one last ``up`` stops cleanly, and:
+
+* every path's saved content is one the model allows (an acknowledged write
+  byte for byte; an acknowledged delete absent);
+* the last ``up`` exited 0 (its final saves succeeded: no folder stayed unable
+  to save once the cause was gone);
+* no process of the sandbox is left and no mount (alive or dead) under it;
+* a replacement sandbox, when the schedule made one, showed exactly what the
+  model allows.
+
+A schedule is reproducible from its seed (the events, not the timing of real
+processes). ``python -m tests.support.explorer --schedules N`` (``make
+explore``) runs many; ``tests/test_lifecycle_explorer.py`` runs fixed seeds
+and one random one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.constants import REPO
+from tests.support.controller import ControllerProcess, PgCluster, Tenant, bootstrap_tenant
+from tests.support.tmp import mounts_under, private_tmpdir, remove_tree, world_searchable_tmpdir
+
+SCOPES = ("task", "agent", "user", "project")
+ANY = b"\0any"
+"""A value the model allows when a write failed part way: any content."""
+START_SECONDS = 240.0
+STOP_SECONDS = 400.0
+RETRY_DEADLINE = "8"
+"""``up --retry-deadline``: a save meeting a down controller gives up soon."""
+
+EVENTS = (
+    "write",
+    "write",
+    "write",
+    "overwrite",
+    "rename",
+    "delete",
+    "flush",
+    "sigterm",
+    "sigterm_during_save",
+    "kill9_child",
+    "kill9_up",
+    "controller_bounce",
+    "controller_down_at_stop",
+    "newer_run",
+    "new_run_restart",
+    "replace_sandbox",
+)
+
+
+class Violation(AssertionError):
+    """A schedule broke an invariant; the message names the seed."""
+
+
+@dataclass
+class Model:
+    """What each folder may hold: scope -> path -> allowed contents (None: absent)."""
+
+    files: dict[str, dict[str, set[bytes | None]]] = field(
+        default_factory=lambda: {s: {} for s in SCOPES}
+    )
+
+    def allowed(self, scope: str, path: str) -> set[bytes | None]:
+        return self.files[scope].get(path, {None})
+
+    def acked(self, scope: str, path: str, value: bytes | None) -> None:
+        self.files[scope][path] = {value}
+
+    def maybe(self, scope: str, path: str, value: bytes | None) -> None:
+        self.files[scope][path] = self.allowed(scope, path) | {value}
+
+    def ok(self, scope: str, path: str, value: bytes | None) -> bool:
+        allowed = self.allowed(scope, path)
+        return value in allowed or (value is not None and ANY in allowed)
+
+    def live(self, scope: str) -> list[str]:
+        """Paths that may hold a file."""
+        return sorted(p for p, v in self.files[scope].items() if v != {None})
+
+
+@dataclass
+class Identity:
+    """Who a run is: the ids ``start-run`` takes."""
+
+    company: str
+    agent: str
+    task: str
+    user: str
+    project: str
+
+
+@dataclass
+class Sandbox:
+    """One sandbox: its home, state root and run token, and its ``up``."""
+
+    base: Path
+    sandbox_id: str
+    token: str
+    up: subprocess.Popen[bytes] | None = None
+    ups: int = 0
+
+    @property
+    def home(self) -> Path:
+        return self.base / "home"
+
+    def log(self) -> str:
+        try:
+            return (self.base / f"up{self.ups}.log").read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class Explorer:
+    """Runs one schedule from its seed."""
+
+    ctl: ControllerProcess
+    tenant: Tenant
+    seed: int
+    mode: str
+    events: int = 14
+    trace: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.model = Model()
+        ctl, company = self.ctl, self.tenant.company_id
+        project = ctl.admin("create-project", company, f"p{self.seed}")["id"]
+        task = ctl.admin("create-task", company, project, f"t{self.seed}")["id"]
+        agent = ctl.admin("create-agent", company, f"a{self.seed}")["id"]
+        self.who = Identity(company, agent, task, self.tenant.user_id, project)
+        self.bases: list[Path] = []
+        self.sandbox = self._new_sandbox()
+        self.counter = 0
+
+    # --- the system ---------------------------------------------------------------
+
+    def _start_run(self, sandbox_id: str) -> str:
+        w = self.who
+        out = self.ctl.admin("start-run", w.company, "--agent", w.agent, "--task", w.task,
+                             "--user", w.user, "--sandbox", sandbox_id)  # fmt: skip
+        return str(out["token"])
+
+    def _new_sandbox(self) -> Sandbox:
+        base = private_tmpdir("fsa-xp-")
+        self.bases.append(base)
+        sandbox_id = f"sb-{self.seed}-{len(self.bases)}"
+        return Sandbox(base, sandbox_id, self._start_run(sandbox_id))
+
+    def _launch(self) -> None:
+        sb = self.sandbox
+        assert sb.up is None or sb.up.poll() is not None
+        sb.ups += 1
+        (sb.base / "token").write_text(sb.token)
+        with open(sb.base / f"up{sb.ups}.log", "wb") as log:
+            sb.up = subprocess.Popen(
+                [sys.executable, "-m", "fsagent.cli", "up", "--home", str(sb.home),
+                 "--controller", self.ctl.url, "--token-file", str(sb.base / "token"),
+                 "--state-root", str(sb.base / "state"), "--env-file", str(sb.base / "env"),
+                 "--mode", self.mode, "--checkpoint-interval", "3600",
+                 "--retry-deadline", RETRY_DEADLINE],
+                cwd=REPO, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def _served(self) -> bool:
+        sb = self.sandbox
+        env = sb.base / "env"
+        return env.exists() and sb.up is not None and sb.up.poll() is None
+
+    def start(self) -> None:
+        """``up``, until it serves every folder (its env file is written)."""
+        (self.sandbox.base / "env").unlink(missing_ok=True)
+        self._launch()
+        self._wait("up to serve", self._served, fail_on_exit=True)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        sb = self.sandbox
+        if sb.up is None or sb.up.poll() is not None:
+            return sb.up.returncode if sb.up is not None else 0
+        sb.up.send_signal(sig)
+        try:
+            code = sb.up.wait(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            raise self.violation(f"up still runs {STOP_SECONDS:.0f}s after signal {sig}") from None
+        self._wait("every child of up to end", lambda: not self._processes(), timeout=STOP_SECONDS)
+        return code
+
+    def _processes(self) -> list[int]:
+        marker = str(self.sandbox.base)
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                raw = Path(f"/proc/{entry}/cmdline").read_bytes()
+                state = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if marker.encode() in raw and state[state.rindex(")") + 2] != "Z":
+                found.append(int(entry))
+        return found
+
+    def _wait(
+        self,
+        what: str,
+        cond: Callable[[], bool],
+        timeout: float = START_SECONDS,
+        fail_on_exit: bool = False,
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            up = self.sandbox.up
+            if fail_on_exit and up is not None and up.poll() is not None:
+                raise self.violation(f"up exited {up.returncode} waiting for {what}")
+            if time.monotonic() > deadline:
+                raise self.violation(f"no {what} within {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def violation(self, message: str) -> Violation:
+        return Violation(
+            f"seed {self.seed} ({self.mode}): {message}\nevents: {self.trace}\n"
+            f"up's log:\n{self.sandbox.log()}"
+        )
+
+    # --- agent operations ---------------------------------------------------------
+
+    def _path(self, scope: str) -> str:
+        self.counter += 1
+        d = self.rng.choice(["", "d0/", "d1/", "d1/e/"])
+        return f"{d}f{self.counter}"
+
+    def _data(self) -> bytes:
+        size = self.rng.choice([0, 1, 100, 4096, 70_000, 300_000])
+        return self.rng.randbytes(size)
+
+    def write(self, scope: str, path: str, data: bytes) -> None:
+        where = self.sandbox.home / scope / path
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(where, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            self.model.maybe(scope, path, ANY)
+            return
+        self.model.acked(scope, path, data)
+
+    def delete(self, scope: str, path: str) -> None:
+        try:
+            os.unlink(self.sandbox.home / scope / path)
+        except FileNotFoundError:
+            if self.model.allowed(scope, path) == {None}:
+                return
+            self.model.maybe(scope, path, None)
+            return
+        except OSError:
+            self.model.maybe(scope, path, None)
+            return
+        self.model.acked(scope, path, None)
+
+    def rename(self, scope: str, src: str, dst: str) -> None:
+        home = self.sandbox.home / scope
+        before = self.model.allowed(scope, src)
+        try:
+            (home / dst).parent.mkdir(parents=True, exist_ok=True)
+            os.rename(home / src, home / dst)
+        except OSError:
+            for value in before:
+                self.model.maybe(scope, dst, value)
+            self.model.maybe(scope, src, None)
+            return
+        self.model.files[scope][dst] = set(before)
+        self.model.acked(scope, src, None)
+
+    def agent_work(self, n: int) -> None:
+        for _ in range(n):
+            scope = self.rng.choice(SCOPES)
+            live = self.model.live(scope)
+            r = self.rng.random()
+            if r < 0.55 or not live:
+                self.write(scope, self._path(scope), self._data())
+            elif r < 0.75:
+                self.write(scope, self.rng.choice(live), self._data())
+            elif r < 0.88:
+                self.rename(scope, self.rng.choice(live), self._path(scope))
+            else:
+                self.delete(scope, self.rng.choice(live))
+
+    # --- events ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.start()
+        for _ in range(self.events):
+            event = self.rng.choice(EVENTS)
+            self.trace.append(event)
+            getattr(self, f"on_{event}")()
+        self.finish()
+
+    def on_write(self) -> None:
+        self.agent_work(self.rng.randint(1, 12))
+
+    on_overwrite = on_write
+
+    def on_rename(self) -> None:
+        self.agent_work(3)
+
+    on_delete = on_rename
+
+    def on_flush(self) -> None:
+        scope = self.rng.choice(SCOPES)
+        subprocess.run(
+            [sys.executable, "-m", "fsagent.cli", "flush", scope, "--state-dir",
+             str(self.sandbox.base / "state" / scope), "--timeout", "120"],
+            cwd=REPO, capture_output=True, check=False, timeout=300,
+        )  # fmt: skip
+
+    def _stop_and_restart(self, sig: int, *, during_save: bool = False, work: bool = True) -> None:
+        if work:
+            self.agent_work(self.rng.randint(0, 6))
+        if during_save:
+            self.agent_work(8)
+            time.sleep(self.rng.uniform(0.0, 0.4))
+        self.stop(sig)
+        self.start()
+
+    def on_sigterm(self) -> None:
+        if self.rng.random() < 0.4:
+            # A stop while up starts: somewhere in its first seconds.
+            self.stop()
+            self._launch()
+            time.sleep(self.rng.uniform(0.0, 3.0))
+            self.stop()
+            self.start()
+            return
+        self._stop_and_restart(signal.SIGTERM)
+
+    def on_sigterm_during_save(self) -> None:
+        self._stop_and_restart(signal.SIGTERM, during_save=True)
+
+    def on_kill9_up(self) -> None:
+        self._stop_and_restart(signal.SIGKILL)
+
+    def on_kill9_child(self) -> None:
+        if self.mode != "fuse":
+            return self.on_kill9_up()
+        self.agent_work(self.rng.randint(0, 6))
+        sb = self.sandbox
+        assert sb.up is not None
+        scope = self.rng.choice(SCOPES)
+        pid = self._child(scope)
+        if pid is None:
+            raise self.violation(f"no mount daemon of {scope} under up")
+        os.kill(pid, signal.SIGKILL)
+
+        # up restarts it: the folder is served again by another daemon.
+        def served_again() -> bool:
+            return self._child(scope) not in (None, pid) and os.path.ismount(sb.home / scope)
+
+        self._wait(f"{scope} served again", served_again, fail_on_exit=True)
+        self.agent_work(self.rng.randint(0, 4))
+
+    def _child(self, scope: str) -> int | None:
+        up = self.sandbox.up
+        assert up is not None
+        for pid in self._processes():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == up.pid and b"mount" in argv and scope.encode() in argv:
+                return pid
+        return None
+
+    def on_controller_bounce(self) -> None:
+        self.ctl.kill()
+        self.agent_work(self.rng.randint(0, 6))  # the mounts keep serving meanwhile
+        self.ctl.start()
+
+    def on_controller_down_at_stop(self) -> None:
+        self.agent_work(self.rng.randint(1, 6))
+        self.ctl.kill()
+        self.stop()  # its final saves fail: the state stays for the next run
+        self.ctl.start()
+        self.sandbox.token = self._start_run(self.sandbox.sandbox_id)
+        self.start()
+
+    def on_newer_run(self) -> None:
+        """A newer run for this sandbox while up serves the older one."""
+        self.agent_work(self.rng.randint(1, 6))
+        token = self._start_run(self.sandbox.sandbox_id)
+        self.agent_work(self.rng.randint(0, 4))  # the fenced run's writes: kept locally
+        self.stop()
+        self.sandbox.token = token
+        self.start()
+
+    def on_new_run_restart(self) -> None:
+        self.agent_work(self.rng.randint(0, 6))
+        self.stop()
+        self.sandbox.token = self._start_run(self.sandbox.sandbox_id)
+        self.start()
+
+    def on_replace_sandbox(self) -> None:
+        """The sandbox ends (a clean stop that saved) and a new one takes the
+        next run: it must show what the model allows."""
+        self.agent_work(self.rng.randint(0, 6))
+        code = self.stop()
+        if code != 0:
+            raise self.violation(f"a clean stop exited {code}")
+        self.check_no_leftovers()
+        self.sandbox = self._new_sandbox()
+        self.start()
+        self.check_visible()
+
+    # --- invariants -----------------------------------------------------------------
+
+    def finish(self) -> None:
+        if self.ctl.proc is None or self.ctl.proc.poll() is not None:
+            self.ctl.start()
+        if self.sandbox.up is None or self.sandbox.up.poll() is not None:
+            self.start()
+        code = self.stop()
+        if code != 0:
+            raise self.violation(f"the last clean stop exited {code}")
+        self.check_no_leftovers()
+        self.check_saved()
+
+    def check_no_leftovers(self) -> None:
+        left = self._processes()
+        if left:
+            raise self.violation(f"processes left: {left}")
+        mounts = mounts_under(self.sandbox.base)
+        if mounts:
+            raise self.violation(f"mounts left: {mounts}")
+
+    def check_saved(self) -> None:
+        bad = []
+        with self.tenant.client() as c:
+            for scope in SCOPES:
+                folder = self._folder(scope)
+                for path in sorted(self.model.files[scope]):
+                    r = c.get(folder + "/content", params={"path": path})
+                    value = r.content if r.status_code == 200 else None
+                    if r.status_code not in (200, 404):
+                        bad.append(f"{scope}/{path}: HTTP {r.status_code}")
+                    elif not self.model.ok(scope, path, value):
+                        bad.append(f"{scope}/{path}: {_describe(value)}, allowed "
+                                   f"{sorted(_describe(v) for v in self.model.allowed(scope, path))}")  # fmt: skip
+        if bad:
+            raise self.violation(f"{len(bad)} path(s) not as acknowledged: {bad[:8]}")
+
+    def _folder(self, scope: str) -> str:
+        w = self.who
+        owner = {"task": w.task, "agent": w.agent, "user": w.user, "project": w.project}[scope]
+        return self.tenant.folder(scope, owner)
+
+    def check_visible(self) -> None:
+        bad = []
+        for scope in SCOPES:
+            for path in sorted(self.model.files[scope]):
+                where = self.sandbox.home / scope / path
+                try:
+                    value: bytes | None = where.read_bytes()
+                except FileNotFoundError:
+                    value = None
+                except OSError as exc:
+                    bad.append(f"{scope}/{path}: {errno.errorcode.get(exc.errno or 0)}")
+                    continue
+                if not self.model.ok(scope, path, value):
+                    bad.append(f"{scope}/{path}: {_describe(value)}")
+        if bad:
+            raise self.violation(f"the replacement sandbox shows {len(bad)} wrong: {bad[:8]}")
+
+    def close(self) -> None:
+        sb = self.sandbox
+        if sb.up is not None and sb.up.poll() is None:
+            sb.up.kill()
+            sb.up.wait()
+        for base in self.bases:
+            for pid in _processes_under(base):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            remove_tree(base)
+
+
+def _processes_under(base: Path) -> list[int]:
+    marker = str(base).encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if marker in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    out.append(int(entry))
+    return out
+
+
+def _describe(value: bytes | None) -> str:
+    if value is None:
+        return "absent"
+    if value == ANY:
+        return "any"
+    return f"{len(value)} bytes {value[:4].hex()}"
+
+
+def run_schedule(ctl: ControllerProcess, tenant: Tenant, seed: int, mode: str,
+                 events: int = 14) -> list[str]:  # fmt: skip
+    """Run one schedule; returns its events; raises :class:`Violation`."""
+    explorer = Explorer(ctl, tenant, seed, mode, events)
+    try:
+        explorer.run()
+        return explorer.trace
+    finally:
+        explorer.close()
+
+
+@contextlib.contextmanager
+def explorer_controller() -> Iterator[tuple[ControllerProcess, Tenant]]:
+    """A PostgreSQL cluster and a controller of their own (for the long mode)."""
+    cluster = PgCluster()
+    try:
+        ctl = ControllerProcess(cluster.create_database(), world_searchable_tmpdir("fsa-xc-"))
+        ctl.start()
+        try:
+            yield ctl, bootstrap_tenant(ctl)
+        finally:
+            ctl.stop()
+            remove_tree(ctl.data_dir)
+    finally:
+        cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.support.explorer")
+    parser.add_argument("--schedules", type=int, default=20)
+    parser.add_argument(
+        "--seconds", type=float, default=0, help="stop after this long (0: no limit)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
+    parser.add_argument("--mode", choices=["fuse", "dir", "both"], default="both")
+    parser.add_argument("--events", type=int, default=14)
+    parser.add_argument("--record", type=Path, default=None, help="append a JSON line per schedule")
+    args = parser.parse_args(argv)
+    first = args.seed if args.seed is not None else random.randrange(1 << 30)
+    modes = ["fuse", "dir"] if args.mode == "both" else [args.mode]
+    started = time.monotonic()
+    failures = 0
+    done = 0
+    with explorer_controller() as (ctl, tenant):
+        for i in range(args.schedules):
+            if args.seconds and time.monotonic() - started > args.seconds:
+                break
+            seed, mode = first + i, modes[i % len(modes)]
+            t0 = time.monotonic()
+            try:
+                events = run_schedule(ctl, tenant, seed, mode, args.events)
+                outcome, detail = "ok", ""
+            except Violation as exc:
+                failures += 1
+                events, outcome, detail = [], "violation", str(exc)
+            done += 1
+            line = {"seed": seed, "mode": mode, "outcome": outcome,
+                    "seconds": round(time.monotonic() - t0, 1), "events": events}  # fmt: skip
+            print(json.dumps(line), flush=True)
+            if detail:
+                print(detail, file=sys.stderr, flush=True)
+            if args.record is not None:
+                with open(args.record, "a") as fh:
+                    fh.write(json.dumps({**line, "detail": detail[:4000]}) + "\n")
+    print(f"explorer: {done} schedules, {failures} violations (first seed {first})")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
