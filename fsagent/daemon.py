@@ -59,7 +59,9 @@ def detach_dead_mount(mountpoint: Path) -> None:
     the new mount then fails with a clear message.
     """
     try:
-        os.stat(mountpoint)
+        # statvfs, not stat: the kernel answers stat from its attribute cache,
+        # so a killed daemon's mount can look alive; statfs always asks it.
+        os.statvfs(mountpoint)
     except OSError as exc:
         if exc.errno != errno.ENOTCONN:
             return
