@@ -208,13 +208,25 @@ class Content:
         Synchronous on purpose: no other request may change the inline copy
         while it moves.  The file is complete before the inline copy is
         dropped; a crash in between leaves both and recovery keeps the inline one.
+        A failure (the disk full, a commit past the reserve) leaves the file
+        inline as it was, with no upper file taking the space; the backing is
+        opened before the inline copy goes, so an open file never reads an
+        inline copy that is gone.
         """
         self.upper.write_complete(inode.ino, lambda tmp: tmp.write_bytes(data))
-        self.store.drop_inline(inode)
         of = self.files.get(inode.ino)
+        fd = -1
+        try:
+            if of is not None:
+                fd = self.upper.open_rw(inode.ino)
+            self.store.drop_inline(inode)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            self.upper.remove(inode.ino)
+            raise
         if of is not None:
-            of.fd = self.upper.open_rw(inode.ino)
-            of.inline = False
+            of.fd, of.inline = fd, False
 
     async def truncate(self, node: Inode, size: int) -> bytes | None:
         """Set the file's length (copying it up first); the new inline

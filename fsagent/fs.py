@@ -8,7 +8,9 @@ Kernel caching: fsagent is the only writer while a run lasts, so entries,
 attributes and data can be cached for a long time (``TIMEOUT``, ``keep_cache``)
 and the writeback cache is enabled.  With the writeback cache the kernel owns
 file size and mtime while it holds dirty pages and sends them to us at close,
-fsync or under memory pressure; it also resolves O_APPEND offsets itself.
+fsync or under memory pressure; it also resolves O_APPEND offsets itself.  A
+WRITE we refuse (the disk full) leaves the kernel with pages and a size that
+nobody stored, so the file's entry is dropped from its cache (``_refuse``).
 
 Opens: with a pyfuse3 that has "no open" support (``pyfuse3.NO_OPEN_SUPPORT``,
 packaging/pyfuse3), :class:`WorkFolderFS` has no ``open`` or ``opendir``
@@ -58,6 +60,7 @@ from fsagent.content import Content, OpenFile
 from fsagent.fuseglue import (
     TIMEOUT,
     Spinner,
+    drop_kernel_entry,
     entry_attributes,
     existing_name,
     fuse_boundary,
@@ -135,6 +138,11 @@ class WorkFolderFS(pyfuse3.Operations):
         self._unreferenced: set[InodeNo] = set()
         self._times: set[InodeNo] = set()
         self._behind = trio.Event()
+        self._refused: set[InodeNo] = set()
+        """Files the kernel may show with bytes we refused (``_refuse``), until
+        it forgets them."""
+        self._entries_to_drop: set[InodeNo] = set()
+        self._drop_wake = trio.Event()
 
     def init(self) -> None:
         """FUSE INIT is being answered (called on the trio thread)."""
@@ -153,8 +161,17 @@ class WorkFolderFS(pyfuse3.Operations):
 
     def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new lookup reference."""
-        self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
+        self._count_lookup(inode.ino)
         return self._attrs(inode)
+
+    def _count_lookup(self, ino: InodeNo) -> None:
+        """One more kernel reference to ``ino``. A refused file the kernel still
+        holds (open somewhere) gets the new entry tied to its stale inode: that
+        entry is dropped too, until the kernel has let go of the inode."""
+        held = self.lookups.get(ino, 0)
+        self.lookups[ino] = held + 1
+        if held and ino in self._refused:
+            self._drop_entry_later(ino)
 
     def _writable(self) -> None:
         if self.readonly or self.frozen:
@@ -568,19 +585,77 @@ class WorkFolderFS(pyfuse3.Operations):
 
         The bytes, the new size and generation and the journal entry are
         committed before this returns, so they survive a crash of this
-        process.  EFBIG beyond 1 GiB, ENOSPC when the disk is full.
+        process.  EFBIG beyond 1 GiB, ENOSPC when the disk is full; a refused
+        write has the kernel drop the file's entry (``_refuse``).
         """
         self._writable()
         ino, of = await self._open_file(fh)
-        node = self._inode(ino)
-        end = off + len(buf)
-        if end > MAX_FILE_BYTES:
-            raise fuse_err(errno.EFBIG)
-        of.pins += 1  # a copy-up may wait: the backing stays attached meanwhile
         try:
-            return await self.content.write(node, of, off, buf)
-        finally:
-            self.content.unpin(of)
+            node = self._inode(ino)
+            if off + len(buf) > MAX_FILE_BYTES:
+                raise fuse_err(errno.EFBIG)
+            of.pins += 1  # a copy-up may wait: the backing stays attached meanwhile
+            try:
+                return await self.content.write(node, of, off, buf)
+            finally:
+                self.content.unpin(of)
+        except Exception:
+            self._refuse(ino)
+            raise
+
+    def _refuse(self, ino: InodeNo) -> None:
+        """A WRITE of ``ino`` is being refused (ENOSPC, EFBIG, EIO).
+
+        With the writeback cache the agent's write() went to the kernel's page
+        cache before this WRITE, and the kernel keeps those pages and the size
+        they gave the file after we refuse them: the file read back with bytes
+        and a length that no save holds (cut short by a full disk, it read back
+        whole and was saved empty). So the kernel is told to drop the file's
+        directory entry once this reply is out (``_drop_refused_entries``): as soon
+        as nothing holds the file open the kernel forgets its inode, and the
+        next lookup reads size and bytes from us, exactly what a save ships.
+        A file still open somewhere keeps the kernel's view until it is closed
+        (the kernel takes the size from us only for an inode it does not hold);
+        entries looked up meanwhile are dropped as well (``_count_lookup``).
+        """
+        if self.frozen:
+            return  # the stop: the kernel's cache goes with the mount
+        if ino not in self._refused:
+            self._refused.add(ino)
+            self._drop_entry_later(ino)
+
+    def _drop_entry_later(self, ino: InodeNo) -> None:
+        self._entries_to_drop.add(ino)
+        self._drop_wake.set()
+
+    async def _drop_refused_entries(self) -> None:
+        """Drop the kernel's entries of refused files (runs for the life of the
+        mount). Each one blocks until the kernel is done, which may wait for
+        our answer to a request on the same directory: from a worker thread,
+        never from a handler the kernel would be waiting for."""
+        while True:
+            await self._drop_wake.wait()
+            self._drop_wake = trio.Event()
+            inos, self._entries_to_drop = self._entries_to_drop, set()
+            for ino in sorted(inos):
+                if self.frozen:
+                    break
+                if ino not in self._refused:
+                    continue  # forgotten meanwhile: the kernel holds nothing of it
+                entry = self._entry_of(ino)
+                if entry is not None:
+                    await trio.to_thread.run_sync(drop_kernel_entry, *entry)
+
+    def _entry_of(self, ino: InodeNo) -> tuple[InodeNo, bytes] | None:
+        """The directory entry naming ``ino`` (parent, name); None for an orphan,
+        which no lookup can reach."""
+        try:
+            node = self.store.get(ino)
+        except KeyError:
+            return None
+        if node.parent == 0:
+            return None
+        return node.parent, node.name.encode("utf-8")
 
     async def flush(self, fh: pyfuse3.FileHandleT) -> None:
         """ENOSYS, so the kernel stops sending FLUSH (one round trip less per
@@ -640,8 +715,16 @@ class WorkFolderFS(pyfuse3.Operations):
             self.store.evict(ino)
 
     async def write_behind(self) -> None:
+        """The work done behind the requests, for the life of the mount: times
+        and orphans committed in batches, the kernel's entries of refused files
+        dropped."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._commit_behind)
+            nursery.start_soon(self._drop_refused_entries)
+
+    async def _commit_behind(self) -> None:
         """Commit what waits (times, orphans to free) ``WRITE_BEHIND_S`` after
-        the first of a batch, in one commit (runs for the life of the mount)."""
+        the first of a batch, in one commit."""
         while True:
             await self._behind.wait()
             await trio.sleep(WRITE_BEHIND_S)
@@ -695,6 +778,7 @@ class WorkFolderFS(pyfuse3.Operations):
         entries = self._listing(fh, start_id)
         get = self.store.get
         lookups = self.lookups
+        refused = self._refused
         for i in range(start_id, len(entries)):
             name, child = entries[i]
             try:
@@ -703,7 +787,10 @@ class WorkFolderFS(pyfuse3.Operations):
                 continue  # removed since the snapshot
             if not pyfuse3.readdir_reply(token, name, self._attrs(node), i + 1):
                 return
-            lookups[child] = lookups.get(child, 0) + 1
+            if refused and child in refused:
+                self._count_lookup(child)
+            else:
+                lookups[child] = lookups.get(child, 0) + 1
 
     @fuse_boundary
     async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
@@ -731,6 +818,7 @@ class WorkFolderFS(pyfuse3.Operations):
                     self.lookups[ino] = left
                     continue
                 self.lookups.pop(ino, None)
+                self._refused.discard(ino)  # a lookup now takes size and bytes from us
                 self._detach(ino)
                 self._maybe_free(ino)
             except Exception:

@@ -155,6 +155,27 @@ def entry_attributes(inode: Inode, readonly: bool, nlink: int) -> pyfuse3.EntryA
     return a
 
 
+def drop_kernel_entry(parent: int, name: bytes) -> None:
+    """Make the kernel drop its directory entry ``name`` in ``parent``: once
+    nothing holds the file open it forgets the inode, and the next lookup
+    takes the file's size and bytes from us.
+
+    Not the file's pages (``invalidate_inode``): that waits for pages under
+    writeback, that is for our answers to WRITEs, and a daemon killed
+    meanwhile leaves the thread in the kernel unkillable, holding the FUSE
+    device open, so the mount's requests are never aborted. Dropping an entry
+    waits only for requests in flight on ``parent`` (a lookup, a create), and
+    only while they are served. Blocks: call it from a worker thread while the
+    mount serves. An entry the kernel does not know (ENOENT) needs nothing;
+    another failure is logged, since nothing waits for the outcome.
+    """
+    try:
+        pyfuse3.invalidate_entry(pyfuse3.InodeT(parent), pyfuse3.FileNameT(name))
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.error("the kernel kept its entry %r in directory %d: %s", name, parent, exc)
+
+
 def kill_suid(mode: int) -> int:
     """``mode`` without setuid, and without setgid when group exec is set (a
     setgid bit without group exec means mandatory locking, which Linux keeps)."""
