@@ -389,6 +389,15 @@ class UploadQuotaExceeded(QuotaExceeded):
     message = "Too many uploaded bytes are not yet committed by a checkpoint"
 
 
+class UploadOverAllowance(QuotaExceeded):
+    """One upload request whose new bytes alone exceed the run's allowance of
+    uncommitted upload bytes: waiting for commits cannot make it fit, so it is
+    no 429 (``details``: ``[{"limit", "size"}]``)."""
+
+    code = "upload_over_allowance"
+    message = "The upload alone is larger than the run's allowance of uncommitted upload bytes"
+
+
 # --- the agent folder contract (controller/agentfiles.py) --------------------
 
 

@@ -16,6 +16,7 @@ from psycopg import AsyncConnection
 from common.errors import (
     CheckpointRowLimit,
     StorageQuotaExceeded,
+    UploadOverAllowance,
     UploadQuotaExceeded,
 )
 from common.paths import ancestors
@@ -50,23 +51,50 @@ clock, not the transaction's start, so a commit that waited for the sweeper
 sees the same expiry the sweeper saw or a later one."""
 
 PENDING_UPLOADS_SQL = (
-    "SELECT coalesce(sum(byte_size), 0) AS pending FROM run_uploads"
-    " WHERE run_id = %(run)s AND committed_at IS NULL AND " + UNEXPIRED
+    "SELECT (SELECT coalesce(sum(byte_size), 0) FROM run_uploads"
+    "  WHERE run_id = %(run)s AND committed_at IS NULL AND " + UNEXPIRED + ") AS pending,"
+    " (SELECT coalesce(array_agg(digest), '{}') FROM run_uploads"
+    "  WHERE run_id = %(run)s AND digest = ANY(%(d)s)"
+    "  AND (committed_at IS NOT NULL OR " + UNEXPIRED + ")) AS held"
 )
+"""The run's uncommitted, unexpired upload bytes, and which of the digests
+about to be uploaded the run holds already (committed, or uncommitted and
+unexpired): two index lookups (the pending rows' partial index, the key)."""
 
 
 async def check_pending_uploads(
-    conn: AsyncConnection[Any], run_id: str, size: int, *, limit: int
+    conn: AsyncConnection[Any], run_id: str, sizes: dict[str, int], *, limit: int
 ) -> None:
     """A run may keep at most ``limit`` uploaded bytes that no checkpoint has
-    committed yet; an upload stops counting when it expires."""
-    cur = await conn.execute(PENDING_UPLOADS_SQL, {"run": run_id})
+    committed yet; an upload stops counting when it expires.
+
+    Only new bytes count: an upload of content the run already holds
+    (committed, or uploaded and not yet expired) adds no row (its upload row
+    is renewed, :func:`controller.runs.record_uploads`), so it costs nothing
+    again. A sandbox that retries a save after a crash or a refused commit
+    sends the same files again; were they counted twice, the run's own
+    earlier attempt would exhaust its allowance for the uploads' lifetime.
+
+    A request whose new bytes alone exceed ``limit`` can never fit, whatever
+    is committed meanwhile: :class:`UploadOverAllowance` (413), not the
+    429 of an allowance that commits free again."""
+    if not sizes:
+        return
+    cur = await conn.execute(PENDING_UPLOADS_SQL, {"run": run_id, "d": sorted(sizes)})
     row = await cur.fetchone()
     pending = int(row["pending"]) if row else 0
-    if pending + size > limit:
+    held = set(row["held"]) if row else set()
+    size = sum(n for digest, n in sizes.items() if digest not in held)
+    if size > limit:
+        raise UploadOverAllowance(
+            f"This upload of {size} new bytes is larger than the run's allowance"
+            f" of {limit} uncommitted bytes",
+            details=[{"limit": limit, "size": size}],
+        )
+    if size and pending + size > limit:
         raise UploadQuotaExceeded(
             f"At most {limit} uploaded bytes may wait for a checkpoint",
-            details=[{"limit": limit, "pending": pending}],
+            details=[{"limit": limit, "pending": pending, "size": size}],
         )
 
 
@@ -109,9 +137,7 @@ async def check_uploads(
     number of objects, two queries): the company's storage quota and, for a
     run's bridge upload, its allowance of uncommitted bytes."""
     if run_id is not None:
-        await check_pending_uploads(
-            conn, run_id, sum(sizes.values()), limit=quotas.max_pending_upload_bytes
-        )
+        await check_pending_uploads(conn, run_id, sizes, limit=quotas.max_pending_upload_bytes)
     await check_company_storage(conn, company_id, sizes, limit=quotas.company_storage_bytes)
 
 

@@ -83,6 +83,10 @@ class RunInfo:
     renamed away, and the local copy of the agent folder is discarded at stop."""
     warnings: tuple[dict[str, Any], ...] = ()
     """The run's current warnings (e.g. an agent folder at a storage limit)."""
+    upload_allowance: int | None = None
+    """The run's allowance of uploaded bytes no checkpoint has committed yet
+    (``--max-pending-upload-bytes``); None from a controller that does not
+    say. The shipper commits a larger change set in parts (fsagent.ship)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunInfo:
@@ -98,7 +102,45 @@ class RunInfo:
             bindings,
             None if entry is None else str(entry),
             tuple(w for w in warnings if isinstance(w, dict)),
+            _positive_int(data.get("maxPendingUploadBytes")),
         )
+
+
+def _positive_int(value: object) -> int | None:
+    """An untrusted JSON number that must be a positive integer, else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+class UploadAllowanceRefused(ControllerRefused):
+    """A folder upload the run's allowance of uncommitted upload bytes refused
+    (``--max-pending-upload-bytes``): 429 ``upload_quota_exceeded`` while
+    uploads wait for a checkpoint (committing frees them), 413
+    ``upload_over_allowance`` for a request larger than the whole allowance.
+    Never retried by the client: the shipper commits what it uploaded and
+    goes on in parts (fsagent.ship). ``limit``, ``pending`` and ``size`` as
+    the controller's ``details`` name them, when it does."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int,
+        code: str,
+        *,
+        limit: int | None = None,
+        pending: int | None = None,
+        size: int | None = None,
+    ) -> None:
+        super().__init__(message, status, code)
+        self.limit = limit
+        self.pending = pending
+        self.size = size
+
+
+ALLOWANCE_CODES = frozenset({"upload_quota_exceeded", "upload_over_allowance"})
+"""Refusals of an upload by the run's allowance (common.errors.UploadQuotaExceeded,
+UploadOverAllowance), raised as :class:`UploadAllowanceRefused`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +279,9 @@ class BridgeClient(ABC):
     """
 
     writable: ClassVar[bool] = True
+    retry_deadline: float = 60.0
+    """Seconds a call retries transient failures before it gives up; the
+    shipper waits no longer for an upload allowance others hold."""
 
     # --- read side ---
 
@@ -620,6 +665,35 @@ async def with_retries(
 # --- HTTP --------------------------------------------------------------------
 
 
+def _check_allowance(resp: httpx.Response, what: str) -> None:
+    """Raise :class:`UploadAllowanceRefused` when ``resp`` is a refusal by the
+    run's upload allowance (by its code; a 429 of the request limits is not)."""
+    try:
+        body = resp.json()
+        code = body.get("code")
+    except (ValueError, AttributeError):
+        return
+    if code not in ALLOWANCE_CODES:
+        return
+    details = body.get("details")
+    first = details[0] if isinstance(details, list) and details else {}
+    first = first if isinstance(first, dict) else {}
+    raise UploadAllowanceRefused(
+        f"{what}: HTTP {resp.status_code} {code} {body.get('error', '')}".strip(),
+        resp.status_code,
+        str(code),
+        limit=_positive_int(first.get("limit")),
+        pending=_nonnegative_int(first.get("pending")),
+        size=_nonnegative_int(first.get("size")),
+    )
+
+
+def _nonnegative_int(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
 class HttpBridgeClient(BridgeClient):
     """The controller's bridge over HTTPS with the run token."""
 
@@ -654,9 +728,15 @@ class HttpBridgeClient(BridgeClient):
         )
 
     @staticmethod
-    def _check(resp: httpx.Response, what: str) -> None:
+    def _check(resp: httpx.Response, what: str, *, allowance: bool = False) -> None:
+        """Raise for a failed answer: ``_Transient`` for what a retry may cure
+        (network, 5xx, 429), ControllerRefused otherwise; with ``allowance``
+        (a folder upload), a refusal by the run's upload allowance is
+        :class:`UploadAllowanceRefused`, never retried here."""
         if resp.status_code < 400:
             return
+        if allowance and resp.status_code in (413, 429):
+            _check_allowance(resp, what)
         if resp.status_code == 429 or resp.status_code >= 500:
             retry_after = None
             if resp.status_code in (429, 503):
@@ -742,7 +822,9 @@ class HttpBridgeClient(BridgeClient):
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
-    async def _put_frames(self, url: str, what: str, frames: Frames) -> tuple[str, int]:
+    async def _put_frames(
+        self, url: str, what: str, frames: Frames, *, allowance: bool = False
+    ) -> tuple[str, int]:
         async def once() -> tuple[str, int]:
             try:
                 resp = await self._http.put(
@@ -750,13 +832,15 @@ class HttpBridgeClient(BridgeClient):
                 )
             except httpx.TransportError as exc:
                 raise _Transient(f"{type(exc).__name__}: {exc}") from exc
-            self._check(resp, what)
+            self._check(resp, what, allowance=allowance)
             body = resp.json()
             return str(body["digest"]), int(body["byteSize"])
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
-    async def _put_batch(self, url: str, what: str, members: list[bytes]) -> list[tuple[str, int]]:
+    async def _put_batch(
+        self, url: str, what: str, members: list[bytes], *, allowance: bool = False
+    ) -> list[tuple[str, int]]:
         # Compressing a batch is CPU work: off the trio thread (the FUSE loop).
         body = await trio.to_thread.run_sync(encode_batch, members)
 
@@ -767,14 +851,14 @@ class HttpBridgeClient(BridgeClient):
                 )
             except httpx.TransportError as exc:
                 raise _Transient(f"{type(exc).__name__}: {exc}") from exc
-            self._check(resp, what)
+            self._check(resp, what, allowance=allowance)
             return [(str(o["digest"]), int(o["byteSize"])) for o in resp.json()["objects"]]
 
         return await with_retries(what, once, deadline=self.retry_deadline)
 
     async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
         return await self._put_frames(
-            f"{PREFIX}/folders/{scope}/uploads", f"PUT {scope} upload", frames
+            f"{PREFIX}/folders/{scope}/uploads", f"PUT {scope} upload", frames, allowance=True
         )
 
     async def upload_batch(self, scope: str, members: list[bytes]) -> list[tuple[str, int]]:
@@ -782,6 +866,7 @@ class HttpBridgeClient(BridgeClient):
             f"{PREFIX}/folders/{scope}/uploads/batch",
             f"PUT {scope} batch of {len(members)}",
             members,
+            allowance=True,
         )
 
     async def commit_checkpoint(self, scope: str, body: dict[str, Any]) -> dict[str, Any]:

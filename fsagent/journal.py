@@ -227,10 +227,13 @@ class Journal(StateDir):
             txn.put(b"save_status", encode_json(status), db=self._meta)
         self._env.sync(True)
 
-    def record_save_error(self, message: str) -> None:
-        """Touches no in-memory state (safe from another thread)."""
+    def record_save_error(self, message: str, code: str | None = None) -> None:
+        """``code``: the controller's stable code of a refusal (or fsagent's
+        own use of one, e.g. ``upload_over_allowance``), shown by ``fsagent
+        status`` as ``lastError.code``. Touches no in-memory state (safe from
+        another thread)."""
         status = self.save_status()
-        status["lastError"] = {"at": time.time(), "message": message[:2000]}
+        status["lastError"] = {"at": time.time(), "message": message[:2000], "code": code}
         with self._env.begin(write=True) as txn:
             txn.put(b"save_status", encode_json(status), db=self._meta)
 

@@ -18,6 +18,15 @@ like the controller validates it (paths, kinds, link confinement, the
 referenceable digests, ``base_mismatch``, lease, replay), and objects are
 fetched in the batch format, read back by the client's own reader.
 
+With ``upload_allowance``, folder uploads are held to the run's allowance of
+uncommitted bytes as the controller holds them (:mod:`controller.quotas`):
+content the run holds already costs nothing again, a request whose new bytes
+alone exceed it is 413 ``upload_over_allowance``, one that would take the
+uncommitted bytes past it 429 ``upload_quota_exceeded`` (both
+:class:`fsagent.client.UploadAllowanceRefused`), and a commit that references
+an upload commits it. ``announce_allowance`` (default True): the run info
+names the allowance, as the controller's does.
+
 Fault injection: :meth:`MemoryBridgeClient.fail_next` makes the next calls
 raise (before doing anything); :meth:`MemoryBridgeClient.lose_next` applies
 the next calls and then raises, as when the answer is lost on the way back.
@@ -54,6 +63,7 @@ from fsagent.client import (
     RepoList,
     RepoManifest,
     RunInfo,
+    UploadAllowanceRefused,
     copy_hashing,
     manifest_pages,
     read_batch,
@@ -125,9 +135,20 @@ def new_run(
 class MemoryBridgeClient(BridgeClient):
     """A run, its folders and objects in memory; accepts uploads and checkpoints."""
 
-    def __init__(self, run: RunInfo | None = None, *, page_size: int = MANIFEST_PAGE_MAX) -> None:
+    def __init__(
+        self,
+        run: RunInfo | None = None,
+        *,
+        page_size: int = MANIFEST_PAGE_MAX,
+        upload_allowance: int | None = None,
+    ) -> None:
         self.run = run or new_run()
         self.page_size = page_size
+        self.upload_allowance = upload_allowance
+        self.announce_allowance = True
+        self.pending_uploads: dict[str, int] = {}
+        """Uncommitted folder uploads of the run: digest → bytes."""
+        self.committed_uploads: set[str] = set()
         self.folders: dict[str, MemoryFolder] = {
             s: MemoryFolder() for s, owner in self.run.bindings.items() if owner is not None
         }
@@ -237,6 +258,8 @@ class MemoryBridgeClient(BridgeClient):
 
     async def get_run(self) -> RunInfo:
         self._call("get_run")
+        if self.announce_allowance and self.upload_allowance is not None:
+            return replace(self.run, upload_allowance=self.upload_allowance)
         return self.run
 
     async def iter_manifest(self, scope: str, since: int = 0) -> AsyncIterator[ManifestPage]:
@@ -330,11 +353,39 @@ class MemoryBridgeClient(BridgeClient):
             self.objects[digest] = data
         return [(digest, len(data)) for digest, data in got]
 
+    def _admit(self, sizes: dict[str, int]) -> None:
+        """The run's upload allowance, as :func:`controller.quotas.check_pending_uploads`
+        checks it; then the uploads are the run's, uncommitted."""
+        limit = self.upload_allowance
+        held = self.committed_uploads | set(self.pending_uploads)
+        new = {d: n for d, n in sizes.items() if d not in held}
+        size = sum(new.values())
+        if limit is not None and size > limit:
+            raise UploadAllowanceRefused(
+                f"upload: {size} new bytes over the allowance of {limit}",
+                413,
+                "upload_over_allowance",
+                limit=limit,
+                size=size,
+            )
+        pending = sum(self.pending_uploads.values())
+        if limit is not None and size and pending + size > limit:
+            raise UploadAllowanceRefused(
+                f"upload: {pending} bytes wait for a checkpoint, {size} more is over {limit}",
+                429,
+                "upload_quota_exceeded",
+                limit=limit,
+                pending=pending,
+                size=size,
+            )
+        self.pending_uploads.update(new)
+        self.uploaded.update(sizes)
+
     async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
         self._call("upload_object")
         self.folder(scope)
         digest, size = await self._receive_frames(frames)
-        self.uploaded.add(digest)
+        self._admit({digest: size})
         self._fault("upload_object", after=True)
         return digest, size
 
@@ -342,7 +393,7 @@ class MemoryBridgeClient(BridgeClient):
         self._call("upload_batch")
         self.folder(scope)
         got = self._receive_batch(members)
-        self.uploaded.update(d for d, _ in got)
+        self._admit(dict(got))
         self._fault("upload_batch", after=True)
         return got
 
@@ -431,6 +482,10 @@ class MemoryBridgeClient(BridgeClient):
                 refused.append({"path": entry["path"], "code": problem, "message": problem})
                 continue
             self._apply(folder, entry)
+        for entry in body.get("entries", []):
+            if entry["op"] == "put" and entry["digest"] in self.pending_uploads:
+                del self.pending_uploads[entry["digest"]]  # committed: it counts no more
+                self.committed_uploads.add(entry["digest"])
         receipt: dict[str, Any] = {
             "operationId": body.get("operationId"),
             "applied": True,

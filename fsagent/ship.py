@@ -27,6 +27,29 @@ One checkpoint, start to finish (:meth:`Shipper.ship_checkpoint`):
    receipt fold what was saved into the baseline (:meth:`Store.acknowledge`)
    and clear the pending record in one LMDB transaction.
 
+Parts. The run may keep at most ``--max-pending-upload-bytes`` uploaded
+but uncommitted (the controller's 429 ``upload_quota_exceeded``), so a change
+set whose uploads exceed that allowance is committed in parts, steps 2 to 4
+once per part: each part has its own operation id (durable before its
+bytes), its own stored body and receipt, and is acknowledged before the
+next part uploads anything, so a crash between two parts loses nothing and
+sends nothing twice (the next listing holds only what no part saved). The
+shipper learns the allowance from the run info (``maxPendingUploadBytes``,
+asked once) and gives each part at most 1/:data:`PART_SHARE` of it, in path
+order, first fit (a larger file up to the whole allowance goes alone).
+Directories and references go with the first part, deletions with the last:
+each part is a valid checkpoint, and a file deleted by a rename stays on the
+controller until its new path is saved. Only the last part of a final save
+says ``final``. Whatever the plan, the controller decides: a refusal of an
+upload by the allowance (a controller that does not announce it, another
+folder of the run uploading too) is no failure, the part commits what was
+uploaded and the rest goes in the next part; when nothing fits (uploads that
+no checkpoint of this folder can commit hold the allowance) the shipper
+waits, with backoff, up to the client's retry deadline. A file larger than
+the whole allowance is never sent: the other changes are saved and the save
+fails with :data:`OVER_ALLOWANCE` (``fsagent status`` shows the code), at
+each checkpoint, without a retry loop.
+
 Everything the shipper reads or writes in the state dir goes through a
 :class:`ShipState`: this one runs each step on the shipper's own loop, which
 is the mount's in tests and for sources without a network; a mount with a
@@ -64,11 +87,12 @@ without a request) and the state dir keeps every change.
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Final, NoReturn, Protocol, TypeVar
 
 import trio
@@ -96,7 +120,7 @@ from common.errors import (
     WorkFolderError,
 )
 from common.types import Digest, FileVersion
-from fsagent.client import BridgeClient
+from fsagent.client import BridgeClient, UploadAllowanceRefused
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
 from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq
 
@@ -116,6 +140,27 @@ BATCH_TARGET_MEMBERS = 256
 BATCH_TARGET_BYTES = 4 << 20
 """A batch closes at this many files or bytes (within the contract's bounds):
 several smaller batches keep both ends busy where one large one would not."""
+
+PART_SHARE = 2
+"""A part of a checkpoint uploads at most 1/PART_SHARE of the run's upload
+allowance (a single larger file, up to the whole allowance, goes alone).
+The allowance is the run's, shared by its four folders' daemons, and
+uploads of an attempt that never committed (a crash, a refused commit)
+keep counting until they expire: a part of the whole allowance would meet
+429 whenever anything else waits."""
+
+ALLOWANCE_ASK_SECONDS = 10.0
+"""How long a checkpoint waits to learn the run's upload allowance (once
+per shipper): without it, the parts follow the controller's refusals."""
+
+OVER_ALLOWANCE: Final = "upload_over_allowance"
+"""The stable code of a file larger than the run's whole upload allowance
+(:class:`common.errors.UploadOverAllowance`): never saved by this run, the
+other changes are; ``fsagent status`` shows it in ``lastError.code``."""
+
+QUOTA_EXCEEDED: Final = "upload_quota_exceeded"
+"""The code of a save given up because the allowance stayed taken by uploads
+no checkpoint of this folder can commit (:class:`common.errors.UploadQuotaExceeded`)."""
 
 
 BODY_REFUSALS: Final[tuple[type[WorkFolderError], ...]] = (
@@ -166,6 +211,43 @@ def batches(items: list[T], size_of: Callable[[T], int]) -> list[list[T]]:
     return out
 
 
+def plan_part(uploads: list[Change], budget: int | None) -> tuple[list[Change], list[Change]]:
+    """The uploads of the next part of a checkpoint, and the rest: first fit in
+    listed (path) order within ``budget`` bytes (None: all of them); the first
+    upload goes whatever its size, so every part makes progress."""
+    if budget is None:
+        return list(uploads), []
+    part: list[Change] = []
+    rest: list[Change] = []
+    total = 0
+    for change in uploads:
+        if not part or total + change.size <= budget:
+            part.append(change)
+            total += change.size
+        else:
+            rest.append(change)
+    return part, rest
+
+
+def by_path(changes: Iterable[Change]) -> list[Change]:
+    """Sorted as the change set lists them (UTF-8 bytes): parents before children."""
+    return sorted(changes, key=lambda c: c.path.encode("utf-8"))
+
+
+@dataclass
+class Uploaded:
+    """What :meth:`Shipper._upload_all` did with a part's uploads."""
+
+    digests: dict[str, Digest] = field(default_factory=dict)
+    """Path → the digest the controller computed, for each file uploaded whole."""
+    deferred: list[Change] = field(default_factory=list)
+    """Refused by the run's allowance for now (or not started after such a
+    refusal): they go in a later part."""
+    over: list[Change] = field(default_factory=list)
+    """Larger than the whole allowance (the controller's 413): no part of this
+    save can take them."""
+
+
 async def file_frames(
     fh: BinaryIO, compressor: zstandard.ZstdCompressor, tally: Callable[[int], None]
 ) -> AsyncIterator[bytes]:
@@ -198,6 +280,12 @@ class SaveResult:
     seconds: float = 0.0
     """From the request to the receipt in the daemon, a wait for the checkpoint
     in flight included: what a save costs without the asking process's start."""
+    parts: int = 0
+    """Commits this save took: more than one when its uploads did not fit the
+    run's upload allowance at once (``operation_id`` and ``receipt`` are the
+    last part's; ``entries`` counts them all)."""
+    byte_size: int | None = None
+    """Bytes of the files saved, over all parts (the receipts' ``byteSize``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -206,6 +294,7 @@ class SaveResult:
             "skippedTorn": self.skipped_torn,
             "receipt": self.receipt,
             "seconds": round(self.seconds, 4),
+            "parts": self.parts,
         }
 
 
@@ -267,7 +356,7 @@ class ShipStore(Protocol):
         self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
     ) -> int: ...
 
-    def record_save_error(self, message: str) -> None: ...
+    def record_save_error(self, message: str, code: str | None = None) -> None: ...
 
 
 class ShipState:
@@ -318,8 +407,8 @@ class ShipState:
     async def finish(self, shipped: Shipped, receipt: dict[str, Any]) -> None:
         self.store.finish_checkpoint(shipped, receipt)
 
-    async def record_error(self, message: str) -> None:
-        self.store.record_save_error(message)
+    async def record_error(self, message: str, code: str | None = None) -> None:
+        self.store.record_save_error(message, code)
 
 
 class Checkpoints(Protocol):
@@ -370,6 +459,10 @@ class Shipper:
         ended); None while shipping."""
         self.last_checkpoint: dict[str, Any] | None = None
         """Duration, entries and bytes of the last checkpoint that committed."""
+        self.upload_allowance: int | None = None
+        """The run's allowance of uncommitted upload bytes, once known (the run
+        info's ``maxPendingUploadBytes``, or a refusal's ``limit``)."""
+        self._allowance_asked = False
 
     @property
     def busy(self) -> bool:
@@ -395,7 +488,7 @@ class Shipper:
                     self.last_checkpoint = {
                         "seconds": round(trio.current_time() - started, 3),
                         "entries": result.entries,
-                        "bytes": result.receipt.get("byteSize"),
+                        "bytes": result.byte_size,
                     }
                 return replace(result, seconds=trio.current_time() - asked)
             except (FsagentError, OSError) as exc:
@@ -407,7 +500,8 @@ class Shipper:
                         else "the run has ended or was superseded"
                     )
                     self.fenced = f"{why}: {message}"
-                await self.state.record_error(message)
+                code = exc.code if isinstance(exc, ControllerRefused) else None
+                await self.state.record_error(message, code)
                 over_limit = isinstance(exc, ControllerRefused) and exc.means(
                     AgentFilesLimitExceeded
                 )
@@ -426,9 +520,10 @@ class Shipper:
                             await self.client.report_state("failed", message)
                         except FsagentError as report_exc:
                             log.warning("could not report the failed save: %s", report_exc)
-                raise SaveFailed(
-                    message, refused=isinstance(exc, ControllerRefused), over_limit=over_limit
-                ) from exc
+                # A 429 (the run's upload allowance held by uploads not this
+                # save's to commit) may pass: a later attempt can succeed.
+                refused = isinstance(exc, ControllerRefused) and exc.status != 429
+                raise SaveFailed(message, refused=refused, over_limit=over_limit) from exc
 
     async def _ship(self, *, final: bool) -> SaveResult:
         pending = await self.state.pending()
@@ -448,27 +543,160 @@ class Shipper:
                 await self.state.set_pending(None)
             else:
                 # The answer to this body may have been lost: replay it verbatim.
+                # (A part of a larger save: the parts after it are listed below.)
                 receipt = await self._commit(pending)
                 if pending["body"].get("final"):
                     # It was a final save already: no second, empty one after it.
                     count = len(pending["body"]["entries"])
-                    replayed = SaveResult(pending["operationId"], count, 0, receipt)
+                    replayed = SaveResult(
+                        pending["operationId"], count, 0, receipt, 0, 1, receipt.get("byteSize")
+                    )
             pending = None
         changes = await self.state.changes()
         if not changes and (not final or replayed is not None):
             return replayed or SaveResult(None, 0, 0, None)
-        op_id = pending["operationId"] if pending else f"cp-{uuid.uuid4()}"
-        await self.state.set_pending({"operationId": op_id, "state": "uploading"})
-        uploaded = await self._upload_all([c for c in changes if c.action == "upload"])
+        op_id = pending["operationId"] if pending else new_operation_id()
+        return await self._ship_parts(changes, op_id, final=final)
+
+    async def _ship_parts(self, changes: list[Change], op_id: str, *, final: bool) -> SaveResult:
+        """Ship ``changes`` as one checkpoint, or in parts when their uploads do
+        not fit the run's upload allowance at once (module docstring, "Parts").
+
+        Each part is a checkpoint of its own: its operation id durable before
+        its bytes, its body stored before its commit, acknowledged before the
+        next part starts. Directories and references go with the first part,
+        deletions with the last, the uploads in between in path order."""
+        uploads = [c for c in changes if c.action == "upload"]
+        if uploads:
+            await self._learn_allowance()
+        remaining, over = self._within_allowance(uploads)
+        early = [c for c in changes if c.action in ("mkdir", "reference")]
+        deletes = [c for c in changes if c.action == "delete"]
+        parts: list[SaveResult] = []
+        torn = 0
+        stuck_since: float | None = None
+        waits = 0
+        while True:
+            budget = self._part_budget()
+            part, remaining = plan_part(remaining, budget)
+            await self.state.set_pending({"operationId": op_id, "state": "uploading"})
+            outcome = await self._upload_all(part)
+            remaining, newly_over = self._within_allowance(by_path([*outcome.deferred, *remaining]))
+            over += outcome.over + newly_over
+            uploaded = [c for c in part if c.path in outcome.digests]
+            unsent = {c.path for c in outcome.deferred} | {c.path for c in outcome.over}
+            torn += sum(1 for c in part if c.path not in outcome.digests and c.path not in unsent)
+            # Nothing of this part fit: the allowance is held by uploads this
+            # save cannot commit (another folder's, an earlier attempt's).
+            stuck = bool(outcome.deferred) and not uploaded
+            give_up = False
+            if stuck:
+                now = trio.current_time()
+                stuck_since = now if stuck_since is None else stuck_since
+                give_up = now - stuck_since >= self.client.retry_deadline
+            else:
+                stuck_since, waits = None, 0
+            last = not remaining or give_up
+            listed = by_path([*early, *uploaded, *(deletes if last else [])])
+            complete = last and not remaining and not over
+            if listed or (last and not parts and complete):
+                if len(parts) or not last:
+                    log.info(
+                        "checkpoint part %d: %d file(s), %d bytes, within the run's upload"
+                        " allowance of %s bytes",
+                        len(parts) + 1,
+                        len(uploaded),
+                        sum(c.size for c in uploaded),
+                        self.upload_allowance,
+                    )
+                parts.append(
+                    await self._commit_part(
+                        op_id, listed, outcome.digests, final=final and complete
+                    )
+                )
+                early = []
+                op_id = new_operation_id()
+            if last:
+                break
+            if stuck:
+                waits += 1
+                delay = random.uniform(0.5, 1.0) * min(5.0, 0.2 * 2**waits)
+                log.info(
+                    "the run's upload allowance is held by uploads waiting for other"
+                    " checkpoints; %d file(s) wait %.2fs",
+                    len(remaining),
+                    delay,
+                )
+                await trio.sleep(delay)
+        if over:
+            raise over_allowance(over, self.upload_allowance, waiting=len(remaining))
+        if remaining:
+            raise UploadAllowanceRefused(
+                f"{len(remaining)} file(s) not saved: the run's upload allowance"
+                f" ({self.upload_allowance} bytes) stayed taken by uploads no checkpoint"
+                f" of this folder can commit for {self.client.retry_deadline:.0f}s",
+                429,
+                QUOTA_EXCEEDED,
+                limit=self.upload_allowance,
+            )
+        sizes = [p.byte_size for p in parts if p.byte_size is not None]
+        last_part = parts[-1] if parts else SaveResult(None, 0, 0, None)
+        return SaveResult(
+            last_part.operation_id,
+            sum(p.entries for p in parts),
+            torn,
+            last_part.receipt,
+            parts=len(parts),
+            byte_size=sum(sizes) if sizes else None,
+        )
+
+    async def _learn_allowance(self) -> None:
+        """Ask the run for its upload allowance, once per shipper (the run
+        info's ``maxPendingUploadBytes``). A failure is no failure of the
+        save: without it, parts follow the controller's refusals."""
+        if self._allowance_asked:
+            return
+        with trio.move_on_after(ALLOWANCE_ASK_SECONDS):
+            try:
+                run = await self.client.get_run()
+            except FsagentError as exc:
+                log.info("the run's upload allowance is not known yet: %s", exc)
+                return
+            self._allowance_asked = True
+            if run.upload_allowance is not None:
+                self.upload_allowance = run.upload_allowance
+
+    def _part_budget(self) -> int | None:
+        if self.upload_allowance is None:
+            return None
+        return max(1, self.upload_allowance // PART_SHARE)
+
+    def _within_allowance(self, uploads: list[Change]) -> tuple[list[Change], list[Change]]:
+        """(uploads that fit the whole allowance, those larger): a file over it
+        is never sent, since no commit can make room for it."""
+        limit = self.upload_allowance
+        if limit is None:
+            return uploads, []
+        return [c for c in uploads if c.size <= limit], [c for c in uploads if c.size > limit]
+
+    def _learn_from(self, exc: UploadAllowanceRefused, sent: int) -> None:
+        """The allowance a refusal names; for a request over the whole allowance
+        without a figure, less than what was sent (parts then shrink)."""
+        if exc.limit is not None:
+            self.upload_allowance = exc.limit
+        elif exc.code == OVER_ALLOWANCE and sent > 1:
+            self.upload_allowance = min(self.upload_allowance or sent, sent - 1)
+
+    async def _commit_part(
+        self, op_id: str, changes: list[Change], digests: dict[str, Digest], *, final: bool
+    ) -> SaveResult:
+        """Build one part's body from ``changes`` (uploads with their digests),
+        store it (state ``committing``), send it and acknowledge its receipt."""
         entries: list[dict[str, Any]] = []
         shipped: list[list[Any]] = []
-        torn = 0
         for change in changes:
-            if change.action == "upload":
-                digest = uploaded.get(change.path)
-                if digest is None:
-                    torn += 1
-                    continue
+            if change.action in ("upload", "reference"):
+                digest = digests[change.path] if change.action == "upload" else change.digest
                 entries.append(
                     {
                         "op": "put",
@@ -478,16 +706,6 @@ class Shipper:
                     }
                 )
                 shipped.append([*change_to_json(change), digest])
-            elif change.action == "reference":
-                entries.append(
-                    {
-                        "op": "put",
-                        "path": change.path,
-                        "digest": change.digest,
-                        "executable": change.executable,
-                    }
-                )
-                shipped.append([*change_to_json(change), change.digest])
             else:
                 entries.append({"op": change.action, "path": change.path})
                 shipped.append([*change_to_json(change), None])
@@ -501,11 +719,12 @@ class Shipper:
         record = {"operationId": op_id, "state": "committing", "body": body, "shipped": shipped}
         await self.state.set_pending(record)
         receipt = await self._commit(record)
-        return SaveResult(op_id, len(entries), torn, receipt)
+        return SaveResult(op_id, len(entries), 0, receipt, 0, 1, receipt.get("byteSize"))
 
     def body_extras(self) -> dict[str, Any]:
-        """Fields a mode adds to each checkpoint body (dir mode: its scan's
-        refusals); none for a FUSE mount, whose kernel side refused at write time."""
+        """Fields a mode adds to each checkpoint body, each part of one included
+        (dir mode: its scan's refusals, which each receipt then names); none for
+        a FUSE mount, whose kernel side refused at write time."""
         return {}
 
     async def _commit(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -529,25 +748,53 @@ class Shipper:
         )
         return receipt
 
-    async def _upload_all(self, changes: list[Change]) -> dict[str, Digest]:
+    async def _upload_all(self, changes: list[Change]) -> Uploaded:
         """Upload several files at once: each answer waits for a durable store on
         the controller, so one at a time would leave the link idle. Small files
-        go up many per request (:meth:`_upload_batch`), the others one each."""
-        results: dict[str, Digest] = {}
+        go up many per request (:meth:`_upload_batch`), the others one each.
+
+        A refusal by the run's upload allowance fails no upload: the file (or
+        batch) is deferred to a later part, and so is every upload not started
+        yet once the allowance said no (those in flight finish)."""
+        out = Uploaded()
         limiter = trio.CapacityLimiter(UPLOAD_CONCURRENCY)
         streams = trio.CapacityLimiter(LARGE_UPLOAD_CONCURRENCY)
         small = [c for c in changes if c.size <= BATCH_MEMBER_MAX]
         large = [c for c in changes if c.size > BATCH_MEMBER_MAX]
+        full = False
+
+        def refused(exc: UploadAllowanceRefused, group: list[Change]) -> None:
+            nonlocal full
+            self._learn_from(exc, sum(c.size for c in group))
+            if exc.code == OVER_ALLOWANCE and len(group) == 1:
+                out.over.extend(group)  # this file alone is over the whole allowance
+                return
+            if exc.code != OVER_ALLOWANCE:
+                full = True
+            out.deferred.extend(group)
 
         async def one(change: Change) -> None:
             async with streams, limiter:
-                digest = await self._upload(change)
+                if full:
+                    out.deferred.append(change)
+                    return
+                try:
+                    digest = await self._upload(change)
+                except UploadAllowanceRefused as exc:
+                    refused(exc, [change])
+                    return
             if digest is not None:
-                results[change.path] = digest
+                out.digests[change.path] = digest
 
         async def batch(group: list[Change]) -> None:
             async with limiter:
-                results.update(await self._upload_batch(group))
+                if full:
+                    out.deferred.extend(group)
+                    return
+                try:
+                    out.digests.update(await self._upload_batch(group))
+                except UploadAllowanceRefused as exc:
+                    refused(exc, group)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -560,7 +807,7 @@ class Shipper:
                     nursery.start_soon(one, change)
         except BaseExceptionGroup as group:
             raise_first_failure(group)
-        return results
+        return out
 
     async def _upload_batch(self, group: list[Change]) -> dict[str, Digest]:
         """One request for many small files, with the same torn-read rule as
@@ -602,7 +849,14 @@ class Shipper:
                     continue
                 results[change.path] = Digest(digest)
         for change in grown:
-            single = await self._upload(change)
+            try:
+                single = await self._upload(change)
+            except UploadAllowanceRefused as exc:
+                # Planned by its listed size, refused at its new one: it changed
+                # since the listing, so it stays dirty and the next listing
+                # plans it (or refuses it) by what it is now.
+                log.info("%s grew while listed and stays dirty: %s", change.path, exc)
+                continue
             if single is not None:
                 results[change.path] = single
         return results
@@ -651,6 +905,30 @@ class Shipper:
             log.info("%s changed while it was uploaded; it stays dirty", change.path)
             return None
         return Digest(digest)
+
+
+def new_operation_id() -> str:
+    return f"cp-{uuid.uuid4()}"
+
+
+def over_allowance(files: list[Change], limit: int | None, *, waiting: int) -> ControllerRefused:
+    """The refusal of files larger than the run's whole upload allowance: the
+    controller's code (:data:`OVER_ALLOWANCE`), decided here without sending
+    their bytes once the allowance is known. ``waiting``: other files the
+    allowance had no room for (given up on meanwhile)."""
+    shown = ", ".join(f"{c.path} ({c.size} bytes)" for c in files[:5])
+    more = f" and {len(files) - 5} more" if len(files) > 5 else ""
+    rest = (
+        f"; {waiting} other file(s) found no room in the allowance and wait too"
+        if waiting
+        else "; the other changes were saved"
+    )
+    return ControllerRefused(
+        f"{OVER_ALLOWANCE}: {shown}{more} not saved: larger than the run's upload"
+        f" allowance of {limit} bytes (--max-pending-upload-bytes){rest}",
+        413,
+        OVER_ALLOWANCE,
+    )
 
 
 def raise_first_failure(group: BaseExceptionGroup[BaseException]) -> NoReturn:

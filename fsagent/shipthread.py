@@ -141,8 +141,8 @@ class ThreadState(ShipState):
             await call_on(self.mount, functools.partial(self.store.acknowledge, [], high_water))
         self.store.close_checkpoint(receipt)
 
-    async def record_error(self, message: str) -> None:
-        self.store.record_save_error(message)
+    async def record_error(self, message: str, code: str | None = None) -> None:
+        self.store.record_save_error(message, code)
 
 
 class ShipThread:

@@ -78,7 +78,8 @@ async def bound_folder(
 
 @json_errors
 async def get_run(request: Request) -> Response:
-    limits = state(request).settings.quotas.agent
+    quotas = state(request).settings.quotas
+    limits = quotas.agent
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         user_ok = await run_may_use_user_folder(conn, run)
@@ -111,6 +112,8 @@ async def get_run(request: Request) -> Response:
             },
             "agentEntry": entry,
             "warnings": run_warnings(row),
+            # fsagent commits a large change set in parts within it (fsagent.ship).
+            "maxPendingUploadBytes": quotas.max_pending_upload_bytes,
         }
     )
 
