@@ -46,6 +46,7 @@ from pathlib import Path
 
 from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, bootstrap_tenant
+from tests.support.gitrepos import make_origin
 from tests.support.tmp import mounts_under, private_tmpdir, remove_tree, world_searchable_tmpdir
 
 SCOPES = ("task", "agent", "user", "project")
@@ -73,6 +74,9 @@ EVENTS = (
     "newer_run",
     "new_run_restart",
     "replace_sandbox",
+    "repo_commit",
+    "repo_worktree",
+    "repo_branch",
 )
 
 
@@ -104,6 +108,17 @@ class Model:
     def live(self, scope: str) -> list[str]:
         """Paths that may hold a file."""
         return sorted(p for p, v in self.files[scope].items() if v != {None})
+
+
+@dataclass
+class RepoModel:
+    """The task's checkout: the commits its HEAD may be at, and what each
+    working-tree file the schedule wrote may hold."""
+
+    heads: set[str] = field(default_factory=set)
+    files: dict[str, set[bytes | None]] = field(default_factory=dict)
+    changed: bool = False
+    """Changed since the last replacement sandbox checked it."""
 
 
 @dataclass
@@ -158,6 +173,13 @@ class Explorer:
         agent = ctl.admin("create-agent", company, f"a{self.seed}")["id"]
         self.who = Identity(company, agent, task, self.tenant.user_id, project)
         self.bases: list[Path] = []
+        origin_base = private_tmpdir("fsa-xo-")
+        self.bases.append(origin_base)
+        origin = make_origin(origin_base)
+        ctl.admin("add-workspace", project, "--repo-url", str(origin), "--primary")
+        self.repo = RepoModel()
+        self.agent_saved: dict[str, set[bytes | None]] = {}
+        """The agent folder as of its last final save known to have succeeded."""
         self.sandbox = self._new_sandbox()
         self.counter = 0
 
@@ -212,6 +234,8 @@ class Explorer:
         except subprocess.TimeoutExpired:
             raise self.violation(f"up still runs {STOP_SECONDS:.0f}s after signal {sig}") from None
         self._wait("every child of up to end", lambda: not self._processes(), timeout=STOP_SECONDS)
+        if code == 0 and sig == signal.SIGTERM:
+            self.agent_saved = {p: set(v) for p, v in self.model.files["agent"].items()}
         return code
 
     def _processes(self) -> list[int]:
@@ -318,6 +342,67 @@ class Explorer:
             else:
                 self.delete(scope, self.rng.choice(live))
 
+    # --- repository work -------------------------------------------------------------
+
+    def _checkout(self) -> Path | None:
+        root = self.sandbox.home / "repos"
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            return None
+        return root / names[0] if names else None
+
+    def _git(self, *args: str) -> str | None:
+        checkout = self._checkout()
+        if checkout is None:
+            raise self.violation("no checkout of the task's repository under up")
+        done = subprocess.run(["git", "-C", str(checkout), *args], capture_output=True,
+                              text=True, check=False)  # fmt: skip
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    def _repo_write(self, path: str, *, stage: bool = False) -> None:
+        checkout = self._checkout()
+        assert checkout is not None
+        data = self.rng.randbytes(self.rng.choice([0, 10, 5000]))
+        (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / path).write_bytes(data)
+        self.repo.files[path] = {data}
+        self.repo.changed = True
+        if stage:
+            self._git("add", "--", path)
+
+    def _head(self) -> None:
+        head = self._git("rev-parse", "HEAD")
+        if head is None:
+            raise self.violation("git rev-parse HEAD failed in the checkout")
+        self.repo.heads = {head}
+
+    def on_repo_commit(self) -> None:
+        if not self.repo.heads:
+            self._head()  # as prepared (cloned or restored)
+        self.counter += 1
+        self._repo_write(f"src/c{self.counter}.txt", stage=True)
+        if self._git("commit", "-q", "-m", f"commit {self.counter}") is None:
+            raise self.violation("git commit failed in the checkout")
+        self._head()
+
+    def on_repo_worktree(self) -> None:
+        """Unstaged, staged and untracked work."""
+        if not self.repo.heads:
+            self._head()
+        self.counter += 1
+        self._repo_write("README.md")  # unstaged
+        self._repo_write(f"staged/s{self.counter}.txt", stage=True)
+        self._repo_write(f"untracked/u{self.counter}.txt")
+
+    def on_repo_branch(self) -> None:
+        if not self.repo.heads:
+            self._head()
+        self.counter += 1
+        if self._git("checkout", "-q", "-b", f"b{self.counter}") is None:
+            raise self.violation("git checkout -b failed in the checkout")
+        self.on_repo_commit()
+
     # --- events ---------------------------------------------------------------------
 
     def run(self) -> None:
@@ -412,7 +497,17 @@ class Explorer:
     def on_controller_down_at_stop(self) -> None:
         self.agent_work(self.rng.randint(1, 6))
         self.ctl.kill()
-        self.stop()  # its final saves fail: the state stays for the next run
+        # Its final saves fail: the state stays for the next run, and the
+        # exit status says so (a status never claims a save that did not happen).
+        code = self.stop()
+        if code == 0:
+            raise self.violation("up exited 0 though no final save could reach the controller")
+        # The agent folder, under its contract, gives up after three attempts
+        # with an explicit failure receipt and discards its local copy
+        # (spec/agent-files.md): what it held since its last save may be lost.
+        agent = self.model.files["agent"]
+        for path in list(agent):
+            agent[path] = agent[path] | self.agent_saved.get(path, {None})
         self.ctl.start()
         self.sandbox.token = self._start_run(self.sandbox.sandbox_id)
         self.start()
@@ -432,10 +527,11 @@ class Explorer:
         self.sandbox.token = self._start_run(self.sandbox.sandbox_id)
         self.start()
 
-    def on_replace_sandbox(self) -> None:
+    def on_replace_sandbox(self, work: bool = True) -> None:
         """The sandbox ends (a clean stop that saved) and a new one takes the
         next run: it must show what the model allows."""
-        self.agent_work(self.rng.randint(0, 6))
+        if work:
+            self.agent_work(self.rng.randint(0, 6))
         code = self.stop()
         if code != 0:
             raise self.violation(f"a clean stop exited {code}")
@@ -456,6 +552,14 @@ class Explorer:
             raise self.violation(f"the last clean stop exited {code}")
         self.check_no_leftovers()
         self.check_saved()
+        if self.repo.changed:
+            # The repository's save is checked the way a user meets it: a
+            # replacement sandbox restores the checkout.
+            self.trace.append("replace_sandbox (final check)")
+            self.on_replace_sandbox(work=False)
+            if self.stop() != 0:
+                raise self.violation("the replacement sandbox's clean stop failed")
+            self.check_no_leftovers()
 
     def check_no_leftovers(self) -> None:
         left = self._processes()
@@ -500,6 +604,20 @@ class Explorer:
                     continue
                 if not self.model.ok(scope, path, value):
                     bad.append(f"{scope}/{path}: {_describe(value)}")
+        if self.repo.heads:
+            head = self._git("rev-parse", "HEAD")
+            if head not in self.repo.heads:
+                bad.append(f"repository HEAD {head}, allowed {sorted(self.repo.heads)}")
+            checkout = self._checkout()
+            assert checkout is not None
+            for path, allowed in sorted(self.repo.files.items()):
+                try:
+                    got: bytes | None = (checkout / path).read_bytes()
+                except FileNotFoundError:
+                    got = None
+                if got not in allowed:
+                    bad.append(f"repository {path}: {_describe(got)}")
+            self.repo.changed = False
         if bad:
             raise self.violation(f"the replacement sandbox shows {len(bad)} wrong: {bad[:8]}")
 
@@ -512,7 +630,8 @@ class Explorer:
             for pid in _processes_under(base):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            remove_tree(base)
+            if not os.environ.get("EXPLORE_KEEP"):
+                remove_tree(base)
 
 
 def _processes_under(base: Path) -> list[int]:
