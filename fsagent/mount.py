@@ -16,8 +16,8 @@ socket in the state dir (``control.sock``).  With a controller, checkpoints
 run on a thread of their own (fsagent.shipthread), from warm start to the
 final save, so that the FUSE loop only serves requests.
 
-Stop: SIGTERM/SIGINT flush the kernel's dirty pages (``syncfs`` from a worker
-thread while the loop keeps serving the resulting writes), ship the final
+Stop: SIGTERM/SIGINT flush the kernel's dirty pages (``sync -f`` in a child
+process while the loop keeps serving the resulting writes), ship the final
 checkpoint, then end the FUSE loop and unmount.  ``fusermount3 -u`` ends the
 loop directly; the final checkpoint then ships after the unmount.  The daemon
 exits non-zero when the final save failed, and the state dir keeps every
@@ -47,6 +47,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -240,12 +241,27 @@ async def _stop_on_signal(
 
 
 async def _flush_kernel(mountpoint: Path) -> None:
-    """Push the kernel's dirty pages (mmap, writeback cache) to us before saving."""
-    try:
-        # Not pyfuse3.syncfs: it holds the GIL through the call and deadlocks (see syncfs).
-        await trio.to_thread.run_sync(syncfs, mountpoint)
-    except OSError as exc:
-        log.warning("syncfs on %s failed: %s", mountpoint, exc)
+    """Push the kernel's dirty pages (mmap, writeback cache) to us before saving.
+
+    From a child process (``sync -f``), not a thread of this one: a thread
+    waiting in the kernel for its own mount's answers cannot be killed, so a
+    ``kill -9`` during the stop left a daemon that never died, holding its
+    FUSE connection (and the mount) open for good. A child waiting on the
+    mount is freed when this process dies and the connection aborts.
+    """
+    sync = shutil.which("sync")
+    if sync is None:  # no coreutils: the system call from a worker thread
+        try:
+            # Not pyfuse3.syncfs: it holds the GIL through the call and deadlocks (see syncfs).
+            await trio.to_thread.run_sync(syncfs, mountpoint)
+        except OSError as exc:
+            log.warning("syncfs on %s failed: %s", mountpoint, exc)
+        return
+    done = await trio.run_process(
+        [sync, "-f", str(mountpoint)], check=False, capture_stderr=True, stdin=subprocess.DEVNULL
+    )
+    if done.returncode != 0:
+        log.warning("syncfs on %s failed: %s", mountpoint, done.stderr.decode(errors="replace"))
 
 
 async def _freeze(fs: WorkFolderFS, mountpoint: Path) -> None:
