@@ -178,8 +178,9 @@ class Explorer:
         origin = make_origin(origin_base)
         ctl.admin("add-workspace", project, "--repo-url", str(origin), "--primary")
         self.repo = RepoModel()
-        self.agent_saved: dict[str, set[bytes | None]] = {}
-        """The agent folder as of its last final save known to have succeeded."""
+        self.agent_since: dict[str, set[bytes | None]] = {}
+        """Every content each agent-folder path has had since the last final
+        save known to have succeeded: what a later successful save may hold."""
         self.sandbox = self._new_sandbox()
         self.counter = 0
 
@@ -235,7 +236,7 @@ class Explorer:
             raise self.violation(f"up still runs {STOP_SECONDS:.0f}s after signal {sig}") from None
         self._wait("every child of up to end", lambda: not self._processes(), timeout=STOP_SECONDS)
         if code == 0 and sig == signal.SIGTERM:
-            self.agent_saved = {p: set(v) for p, v in self.model.files["agent"].items()}
+            self.agent_since = {p: set(v) for p, v in self.model.files["agent"].items()}
         return code
 
     def _processes(self) -> list[int]:
@@ -329,6 +330,11 @@ class Explorer:
         self.model.acked(scope, src, None)
 
     def agent_work(self, n: int) -> None:
+        self._agent_work(n)
+        for path, allowed in self.model.files["agent"].items():
+            self.agent_since.setdefault(path, {None}).update(allowed)
+
+    def _agent_work(self, n: int) -> None:
         for _ in range(n):
             scope = self.rng.choice(SCOPES)
             live = self.model.live(scope)
@@ -507,7 +513,7 @@ class Explorer:
         # (spec/agent-files.md): what it held since its last save may be lost.
         agent = self.model.files["agent"]
         for path in list(agent):
-            agent[path] = agent[path] | self.agent_saved.get(path, {None})
+            agent[path] = agent[path] | self.agent_since.get(path, {None})
         self.ctl.start()
         self.sandbox.token = self._start_run(self.sandbox.sandbox_id)
         self.start()
