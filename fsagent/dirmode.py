@@ -32,14 +32,11 @@ Nothing here imports pyfuse3: a sandbox without libfuse runs this mode.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import logging
 import os
 import secrets
 import stat
-import struct
 import sys
 import time
 from collections import defaultdict
@@ -82,6 +79,7 @@ from fsagent.errors import (
 )
 from fsagent.hydrate import manifest_row
 from fsagent.lifecycle import StopBoundary, final_save
+from fsagent.mountguard import set_immutable
 from fsagent.progress import describe, write_figures
 from fsagent.records import EMPTY_DIGEST, BaseEntry, Binding, Kind, LocalEntry, ManifestRow
 from fsagent.ship import (
@@ -728,7 +726,7 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
         os.fchmod(root_fd, 0o555)
         record = unbound_record(opts.state_dir)
         try:
-            missing = _set_immutable(root_fd, True)
+            missing = set_immutable(root_fd, True)
             warning = None
             if missing is not None:
                 warning = (
@@ -745,36 +743,13 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
                 await _wait_for_signal(signals, stop)
         finally:
             record.unlink(missing_ok=True)
-            _set_immutable(root_fd, False)
+            set_immutable(root_fd, False)
             os.fchmod(root_fd, mode)
             if opts.ready_file is not None:
                 opts.ready_file.unlink(missing_ok=True)
     finally:
         os.close(root_fd)
     return stop
-
-
-# FS_IOC_GETFLAGS / FS_IOC_SETFLAGS and FS_IMMUTABLE_FL from linux/fs.h.
-_GETFLAGS, _SETFLAGS, _IMMUTABLE = 0x80086601, 0x40086602, 0x10
-
-
-def _set_immutable(fd: int, on: bool) -> str | None:
-    """Best effort, as root: mode bits do not stop root from writing, the
-    immutable flag does. A filesystem without it (or a runtime that withholds
-    CAP_LINUX_IMMUTABLE) keeps the mode alone: then, as root, why (the
-    caller warns, since root's writes are no longer stopped)."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        flags = struct.unpack("i", fcntl.ioctl(fd, _GETFLAGS, b"\0" * 4))[0]
-        new = flags | _IMMUTABLE if on else flags & ~_IMMUTABLE
-        if new != flags:
-            fcntl.ioctl(fd, _SETFLAGS, struct.pack("i", new))
-    except OSError as exc:
-        if exc.errno not in (errno.ENOTTY, errno.EOPNOTSUPP, errno.EPERM, errno.EINVAL):
-            raise
-        return exc.strerror or errno.errorcode.get(exc.errno or 0, "unsupported")
-    return None
 
 
 def unbound_record(state_dir: Path) -> Path:
@@ -787,7 +762,7 @@ def unbound_record(state_dir: Path) -> Path:
 
 def _clear_immutable(fd: int) -> None:
     """An unbound run killed with -9 leaves the flag behind."""
-    _set_immutable(fd, False)
+    set_immutable(fd, False)
 
 
 def release_directory(path: Path) -> None:
@@ -795,7 +770,7 @@ def release_directory(path: Path) -> None:
     immutable flag), e.g. after the daemon was killed."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        _set_immutable(fd, False)
+        set_immutable(fd, False)
         os.fchmod(fd, 0o755)
     finally:
         os.close(fd)

@@ -52,11 +52,13 @@ _WRITE_BITS: Final = 0o222
 
 
 def set_immutable(fd: int, on: bool) -> str | None:
-    """Set or clear the immutable flag of ``fd``'s inode; None on success (or
-    nothing to do), else why it could not be done. Only root (with
-    CAP_LINUX_IMMUTABLE) can; a file system without the flag says so."""
+    """Best effort, as root: mode bits do not stop root from writing, the
+    immutable flag does. None when done, or when not root (nothing to do:
+    the mode bits stop everyone else); else why a file system without the
+    flag, or a runtime that withholds CAP_LINUX_IMMUTABLE, refused (the
+    caller warns, since root's writes are no longer stopped)."""
     if os.geteuid() != 0:
-        return "not root"
+        return None
     try:
         flags = struct.unpack("i", fcntl.ioctl(fd, _GETFLAGS, b"\0" * 4))[0]
         new = flags | _IMMUTABLE if on else flags & ~_IMMUTABLE
@@ -99,7 +101,7 @@ class MountGuard:
         return guard
 
     def lock(self) -> None:
-        self.immutable = set_immutable(self.fd, True) is None
+        self.immutable = os.geteuid() == 0 and set_immutable(self.fd, True) is None
         # Another user's directory: its owner decides who writes there.
         with contextlib.suppress(PermissionError):
             os.fchmod(self.fd, self.mode & ~_WRITE_BITS)

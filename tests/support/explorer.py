@@ -240,19 +240,7 @@ class Explorer:
         return code
 
     def _processes(self) -> list[int]:
-        marker = str(self.sandbox.base)
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-                state = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if marker.encode() in raw and state[state.rindex(")") + 2] != "Z":
-                found.append(int(entry))
-        return found
+        return _processes_under(self.sandbox.base)
 
     def _wait(
         self,
@@ -641,14 +629,20 @@ class Explorer:
 
 
 def _processes_under(base: Path) -> list[int]:
+    """Live processes (zombies left out) whose command line names ``base``."""
     marker = str(base).encode()
-    out = []
+    found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if marker in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    out.append(int(entry))
-    return out
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if marker in raw and state[state.rindex(")") + 2] != "Z":
+            found.append(int(entry))
+    return found
 
 
 def _describe(value: bytes | None) -> str:
