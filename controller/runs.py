@@ -422,12 +422,13 @@ async def start_bound_run(
 
 def run_env(home: str, bindings: dict[str, str | None]) -> dict[str, str]:
     """The folder variables of the agent's environment: each bound folder's
-    mount point under the sandbox's ``$HOME``."""
+    mount point under the sandbox's ``$HOME`` (the repositories' variables
+    come from :func:`workspaces.run_env`, only when the task binds some, as
+    the env file fsagent writes has them)."""
     home_dir = PurePosixPath(home)
     env = {
         "AGENT_HOME": str(home_dir / "agent"),
         "PAPERCLIP_AGENT_DIR": str(home_dir / "agent"),
-        "PAPERCLIP_REPOS_DIR": str(home_dir / "repos"),
     }
     if bindings["task"]:
         env["PAPERCLIP_TASK_DIR"] = str(home_dir / "task")

@@ -271,8 +271,12 @@ async def bind_task(conn: AsyncConnection[Any], company_id: str, task_id: str) -
 
 
 def run_env(bindings: list[Binding], home: PurePosixPath) -> dict[str, str]:
-    """What a run's environment gains from its task's repositories."""
-    env = {}
+    """What a run's environment gains from its task's repositories: nothing
+    when it binds none (fsagent.up.repos_env, the env file's, agrees)."""
+    env: dict[str, str] = {}
+    if not bindings:
+        return env
+    env["PAPERCLIP_REPOS_DIR"] = str(home / "repos")
     primary = next((b for b in bindings if b.primary), None)
     if primary is not None:
         env["PAPERCLIP_PRIMARY_REPO"] = str(home / "repos" / primary.name)

@@ -7,8 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
+import httpx
+
+from fsagent.client import RepoList, RunInfo
+from fsagent.up import env_for, repos_env
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.repos import add_workspace, repo_run, restart, small_repo
@@ -74,6 +79,47 @@ def test_add_workspace_start_run_binds_and_sets_the_primary_repo(tenant: Tenant)
     agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
     bare = ctl.admin("start-run", tenant.company_id, "--agent", agent)
     assert "PAPERCLIP_PRIMARY_REPO" not in bare["env"] and bare["repos"] == []
+
+
+def test_start_run_env_is_the_env_file_fsagent_writes(tenant: Tenant) -> None:
+    """start-run's ``env`` and the env file fsagent writes from the same run
+    (fsagent.up.env_for of GET /bridge/v1/run, repos_env of /bridge/v1/repos)
+    name the same variables: a run without a task, or of a task that binds no
+    repository, has no PAPERCLIP_REPOS_DIR in either."""
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, "p")["id"]
+    agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
+    bare_task = ctl.admin("create-task", tenant.company_id, project, "t")["id"]
+    starts = {
+        "no task": ["--agent", agent],
+        "task, no repos": ["--agent", agent, "--task", bare_task],
+    }
+    envs: dict[str, dict[str, str]] = {}
+    for name, args in starts.items():
+        out = ctl.admin("start-run", tenant.company_id, *args, "--home", "/home/agent",
+                        "--sandbox", name.replace(" ", "-").replace(",", ""))  # fmt: skip
+        envs[name] = {"env": out["env"], "file": env_file_of(tenant, out["token"])}
+    with_repo = repo_run(tenant, {"app": "https://git.example/o/app.git"}, primary="app")
+    envs["task with a repo"] = {"env": with_repo.env, "file": env_file_of(tenant, with_repo.token)}
+    for name, got in envs.items():
+        assert got["env"] == got["file"], name
+    assert "PAPERCLIP_REPOS_DIR" not in envs["no task"]["env"]
+    assert "PAPERCLIP_REPOS_DIR" not in envs["task, no repos"]["env"]
+    assert envs["task with a repo"]["env"]["PAPERCLIP_REPOS_DIR"] == "/home/agent/repos"
+    assert envs["task with a repo"]["env"]["PAPERCLIP_PRIMARY_REPO"] == "/home/agent/repos/app"
+
+
+def env_file_of(tenant: Tenant, token: str) -> dict[str, str]:
+    """The folder and repository variables fsagent's env file holds for the
+    run of ``token`` (home /home/agent)."""
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=tenant.controller.url, headers=headers, timeout=120) as c:
+        run, repos = c.get("/bridge/v1/run"), c.get("/bridge/v1/repos")
+    assert run.status_code == 200 and repos.status_code == 200, (run.text, repos.text)
+    home = Path("/home/agent")
+    return env_for(home, RunInfo.from_json(run.json())) | repos_env(
+        home, RepoList.from_json(repos.json())
+    )
 
 
 def test_a_new_primary_takes_over_and_says_so(tenant: Tenant) -> None:
