@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import httpx
 
 from tests.support.bridge import api_client
+from tests.support.constants import REPO
 from tests.support.controller import Tenant
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -62,6 +64,55 @@ def test_viewer_reads_but_cannot_write(tenant: Tenant) -> None:
     with tenant.client() as owner:
         assert owner.get(folder + "/content", params={"path": "plan.md"}).content == b"plan"
         assert [e["path"] for e in owner.get(folder + "/").json()["entries"]] == ["plan.md"]
+
+
+def _readme_error_row(phrase: str) -> tuple[int, str]:
+    """The status and code of the README's error-table row whose "when" names ``phrase``."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("### Errors") :]
+    section = section[: section.index("\n### ", 1)]
+    rows = re.findall(r"^\| (\d{3}) \| `([a-z0-9_]+)` \| (.*) \|$", section, re.M)
+    [(status, code)] = [(int(s), c) for s, c, when in rows if phrase in when]
+    return status, code
+
+
+def test_a_viewers_write_answers_what_the_readme_says(tenant: Tenant) -> None:
+    """Every write route a viewer may see answers the README's error-table row
+    for a viewer's write (the spec: every authorization denial is the 404 of a
+    missing folder), and changes nothing."""
+    status, code = _readme_error_row("a viewer's write")
+    assert (status, code) == (404, "not_found")
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, "p")["id"]
+    task = ctl.admin("create-task", tenant.company_id, project, "t")["id"]
+    folder = tenant.folder("project", project)
+    with tenant.client() as owner:
+        assert put(owner, folder, "plan.md", b"plan").status_code == 201
+    _, viewer_token = tenant.new_member("viewer")
+    attachments = f"/api/companies/{tenant.company_id}/tasks/{task}/attachments"
+    with tenant.client(viewer_token) as viewer:
+        assert viewer.get(folder + "/content", params={"path": "plan.md"}).content == b"plan"
+        assert viewer.get(tenant.folder("task", task) + "/").status_code == 200
+        for method, url, kw in [
+            ("PUT", folder + "/content?path=plan.md", {"content": b"hacked", "headers": OCTET}),
+            ("PUT", folder + "/content?path=new.md", {"content": b"new", "headers": OCTET}),
+            ("POST", folder + "/operations", {"json": {"action": "delete", "path": "plan.md"}}),
+            ("POST", folder + "/operations", {"json": {"action": "mkdir", "path": "x"}}),
+            (
+                "POST",
+                folder + "/operations",
+                {"json": {"action": "move", "path": "plan.md", "to": "moved.md"}},
+            ),
+            ("POST", folder + "/refresh", {"json": {"runId": str(uuid.uuid4())}}),
+            ("POST", attachments + "?name=a.txt", {"content": b"a", "headers": OCTET}),
+        ]:
+            r = viewer.request(method, url, **kw)  # type: ignore[arg-type]
+            assert r.status_code == status, (method, url, r.text)
+            assert r.json() == {**NOT_FOUND, "code": code}, (method, url)
+    with tenant.client() as owner:
+        assert owner.get(folder + "/content", params={"path": "plan.md"}).content == b"plan"
+        assert [e["path"] for e in owner.get(folder + "/").json()["entries"]] == ["plan.md"]
+        assert owner.get(attachments).json()["attachments"] == []
 
 
 def test_revoked_membership_loses_access_immediately(tenant: Tenant) -> None:
