@@ -64,6 +64,17 @@ class InvalidPath(ValidationError):
         self.reason = reason
 
 
+class InvalidText(ValidationError):
+    """A free-text field (an operation id, a reported error, a name or a
+    title) broke :mod:`common.text`'s rule; ``details[0]`` names the field."""
+
+    code = "invalid_text"
+
+    def __init__(self, field: str, reason: str, message: str) -> None:
+        super().__init__([{"field": field, "code": reason, "message": message}])
+        self.reason = reason
+
+
 class Unauthenticated(WorkFolderError):
     code = "unauthenticated"
     status = 401

@@ -36,6 +36,7 @@ from common.bridge import (
 )
 from common.errors import StaleLease, UnknownContent, ValidationError
 from common.paths import validate_path
+from common.text import operation_id_problem
 from controller import agentfiles, apply, receipts
 from controller.api.serialize import iso
 from controller.auth import (
@@ -198,8 +199,8 @@ def parse_checkpoint(
     for f in sorted(extra):
         bad(f, "unexpected_field", f"{f} is not allowed")
     op_id = body.get("operationId")
-    if not isinstance(op_id, str) or not 1 <= len(op_id) <= 256 or not op_id.isprintable():
-        bad("operationId", "invalid", "operationId must be 1-256 printable characters")
+    if (problem := operation_id_problem(op_id)) is not None:
+        bad("operationId", problem[0], "operationId must be 1-256 printable characters")
     epoch = body.get("leaseEpoch")
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
         bad("leaseEpoch", "invalid", "leaseEpoch must be a positive integer")

@@ -47,6 +47,7 @@ from common.repos import (
     portable_config,
     tree_problem,
 )
+from common.text import operation_id_problem
 from controller import apply
 from controller.storage.base import StorageProvider, object_key
 
@@ -266,9 +267,9 @@ def parse_request(body: dict[str, Any]) -> CheckpointRequest:
     for extra in sorted(set(body) - fields):
         _problem(problems, extra, "unexpected_field", f"{extra} is not allowed")
     op_id = body.get("operationId")
-    if not isinstance(op_id, str) or not 1 <= len(op_id) <= 256 or not op_id.isprintable():
+    if (problem := operation_id_problem(op_id)) is not None:
         _problem(
-            problems, "operationId", "invalid", "operationId must be 1-256 printable characters"
+            problems, "operationId", problem[0], "operationId must be 1-256 printable characters"
         )
     epoch = body.get("leaseEpoch")
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:

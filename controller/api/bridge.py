@@ -35,6 +35,7 @@ from common.errors import (
 )
 from common.limits import ENTRY_MAX_BYTES
 from common.paths import validate_scope
+from common.text import check_operation_id, is_operation_id
 from controller import agentfiles, apply, folders, receipts, runs
 from controller.api.common import (
     bound_run,
@@ -296,9 +297,10 @@ async def commit_checkpoint(request: Request) -> Response:
         run = await bound_run(request, conn)
     scope = validate_scope(request.path_params["scope"])
     body = await read_json(request, MAX_CHECKPOINT_BODY)
-    # The receipt of a refused body names its operation id only when it is one.
+    # The receipt of a refused body names its operation id only when it is one
+    # (a NUL could not even be stored: PostgreSQL text holds none).
     raw_id = body.get("operationId")
-    op_id = raw_id if isinstance(raw_id, str) and 1 <= len(raw_id) <= 256 else None
+    op_id = raw_id if is_operation_id(raw_id) else None
     final = body.get("final") is True
     cp: Checkpoint | None = None
     screen = entry_screen(request, run) if scope == "agent" else None
@@ -360,12 +362,14 @@ async def report(request: Request) -> Response:
     if (
         set(body) - _REPORT_FIELDS
         or (scope is not None and (not isinstance(scope, str) or new_state != "failed"))
-        or not (op_id is None or (isinstance(op_id, str) and 1 <= len(op_id) <= 256))
+        or not (op_id is None or isinstance(op_id, str))
         or not isinstance(body.get("final", False), bool)
     ):
         raise ValidationError.single(
             "body", "invalid", "scope (with state failed), operationId and final are optional"
         )
+    if op_id is not None:
+        check_operation_id(op_id)
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         await runs.set_state(conn, run.run_id, new_state, error)
