@@ -83,6 +83,10 @@ class Principal:
     via_session: bool = False
     csrf_token: str | None = None
     operator: OperatorGrant | None = None
+    token_id: str | None = None
+    """The id of the API token a person's request presented."""
+    session_hash: bytes | None = None
+    """The Files page session a person's request presented (its stored hash)."""
 
 
 def _run_from_row(row: dict[str, Any]) -> RunBinding:
@@ -122,12 +126,13 @@ async def principal_from_bearer(conn: AsyncConnection[Any], token: str) -> Princ
         grant = OperatorGrant(str(row["id"]), str(row["company_id"]))
         return Principal(kind="operator", operator=grant)
     cur = await conn.execute(
-        "SELECT user_id FROM api_tokens WHERE token_hash = %s AND revoked_at IS NULL", (digest,)
+        "SELECT id, user_id FROM api_tokens WHERE token_hash = %s AND revoked_at IS NULL",
+        (digest,),
     )
     row = await cur.fetchone()
     if row is None:
         raise Unauthenticated()
-    return Principal(kind="user", user_id=str(row["user_id"]))
+    return Principal(kind="user", user_id=str(row["user_id"]), token_id=str(row["id"]))
 
 
 _NEWEST_EPOCH = (
@@ -152,17 +157,43 @@ async def principal_for_bridge(
 
 
 async def principal_from_session(conn: AsyncConnection[Any], secret: str) -> Principal:
+    digest = token_hash(secret)
     cur = await conn.execute(
         "SELECT user_id, csrf_token FROM web_sessions"
         " WHERE session_hash = %s AND expires_at > now()",
-        (token_hash(secret),),
+        (digest,),
     )
     row = await cur.fetchone()
     if row is None:
         raise Unauthenticated()
     return Principal(
-        kind="user", user_id=str(row["user_id"]), via_session=True, csrf_token=row["csrf_token"]
+        kind="user",
+        user_id=str(row["user_id"]),
+        via_session=True,
+        csrf_token=row["csrf_token"],
+        session_hash=digest,
     )
+
+
+async def confirm_credential(conn: AsyncConnection[Any], principal: Principal) -> None:
+    """The API token or Files page session a person's request presented is
+    still valid, its row locked ``FOR SHARE``: revoking the token (an update)
+    or ending the session (a delete) waits for this transaction, so a write
+    commits wholly before the revocation or not at all (401)."""
+    if principal.token_id is not None:
+        cur = await conn.execute(
+            "SELECT 1 FROM api_tokens WHERE id = %s AND revoked_at IS NULL FOR SHARE",
+            (principal.token_id,),
+        )
+        if await cur.fetchone() is None:
+            raise Unauthenticated("The token was revoked; nothing was saved")
+    if principal.session_hash is not None:
+        cur = await conn.execute(
+            "SELECT 1 FROM web_sessions WHERE session_hash = %s AND expires_at > now() FOR SHARE",
+            (principal.session_hash,),
+        )
+        if await cur.fetchone() is None:
+            raise Unauthenticated("The session has ended; nothing was saved")
 
 
 async def membership_role(conn: AsyncConnection[Any], company_id: str, user_id: str) -> str | None:
@@ -327,11 +358,13 @@ async def confirm_write(
     conn: AsyncConnection[Any], principal: Principal, company_id: str, scope: str, owner_id: str
 ) -> None:
     """Authority again, inside the transaction that commits a write (after the
-    folder lock): the token's run still active on the newest lease, the
-    responsible membership still present and still allowed to write, and for
-    an agent's folder the configure permission still held."""
+    folder lock): a person's API token or session still valid, the token's run
+    still active on the newest lease, the responsible membership still present
+    and still allowed to write, and for an agent's folder the configure
+    permission still held."""
     if principal.kind == "user":
         assert principal.user_id is not None
+        await confirm_credential(conn, principal)
         role = await confirm_member_writes(conn, company_id, principal.user_id)
         if scope == "agent":
             await confirm_configure(conn, company_id, principal.user_id, owner_id, role)
@@ -394,8 +427,9 @@ async def authorize_company(
     it. Everyone else (a member, a viewer, a stranger, another company's
     operator token, a run) gets :class:`CompanyNotFound`, exactly what a
     company that does not exist answers. For a write the membership or the
-    token row is locked ``FOR SHARE``: removing the member or revoking the
-    token waits for the write, which lands entirely before it.
+    token row is locked ``FOR SHARE`` (and a person's API token or session,
+    :func:`confirm_credential`): removing the member, revoking the token or
+    ending the session waits for the write, which lands entirely before it.
     """
     lock = " FOR SHARE" if write else ""
     if principal.kind == "operator":
@@ -409,6 +443,8 @@ async def authorize_company(
             if await cur.fetchone() is not None:
                 return CompanyActor(company_id, "operator", token_id=grant.token_id)
     elif principal.kind == "user" and principal.user_id is not None:
+        if write:
+            await confirm_credential(conn, principal)
         cur = await conn.execute(
             "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s" + lock,
             (company_id, principal.user_id),

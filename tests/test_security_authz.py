@@ -12,39 +12,56 @@ import httpx
 import pytest
 
 from tests.support.bridge import Run, api_client, framed, start_run
+from tests.support.checkpoints import wait_for
 from tests.support.controller import Tenant, bootstrap_tenant
 
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
+LARGE = 3 << 20
+"""A large upload body: the first MiB is sent, then the rest after the revocation."""
+
+
 def parked_put(
-    tenant: Tenant, token: str, folder: str, path: str, revoke: Callable[[], None]
-) -> httpx.Response:
-    """A chunked PUT /content that stalls mid-body while ``revoke`` runs, then finishes."""
-    first_sent, release = threading.Event(), threading.Event()
+    tenant: Tenant, client: Callable[[], httpx.Client], folder: str, path: str,
+    revoke: Callable[[], None],
+) -> httpx.Response:  # fmt: skip
+    """A chunked ``LARGE`` PUT /content that stalls mid-body while ``revoke``
+    runs (once the controller authorized it and spools its body), then finishes."""
+    release = threading.Event()
+    spool = tenant.controller.data_dir / "spool"
 
     def body() -> Iterator[bytes]:
-        yield b"a" * 4096
-        first_sent.set()
-        release.wait(30)
-        yield b"b" * 4096
+        yield b"a" * (1 << 20)
+        release.wait(60)
+        yield b"b" * (LARGE - (1 << 20))
 
     def send() -> httpx.Response:
-        with tenant.client(token) as c:
+        with client() as c:
             return c.put(f"{folder}/content", params={"path": path}, content=body(), headers=OCTET)
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(send)
-        assert first_sent.wait(30)
-        time.sleep(1.0)  # the controller has authorized and is reading the body
-        revoke()
-        release.set()
+        try:
+            # Authorized: the body is being spooled (a spool file exists only then).
+            wait_for(lambda: any(spool.glob("upload-*")), 60, "the upload to be spooled")
+            revoke()
+        finally:
+            release.set()
         return answer.result(60)
 
 
 def run_folder(tenant: Tenant, run: Run) -> str:
     assert run.task is not None
     return tenant.folder("task", run.task)
+
+
+def signed_in(tenant: Tenant, token: str) -> tuple[httpx.Client, str]:
+    """A client holding a Files page session of ``token``'s user, and its CSRF token."""
+    c = httpx.Client(base_url=tenant.controller.url, timeout=60)
+    r = c.post("/files/api/session", json={"token": token})
+    assert r.status_code == 200 and c.cookies, r.text
+    return c, str(r.json()["csrfToken"])
 
 
 @pytest.mark.parametrize(
@@ -54,15 +71,26 @@ def run_folder(tenant: Tenant, run: Run) -> str:
         ("run_superseded", 401, "unauthenticated"),
         ("member_removed", 403, "membership_revoked"),
         ("member_made_viewer", 403, "write_not_allowed"),
+        ("api_token_revoked", 401, "unauthenticated"),
+        ("session_ended", 401, "unauthenticated"),
+        ("signed_out", 401, "unauthenticated"),
     ],
 )
 def test_revocation_mid_upload_publishes_nothing(
     tenant: Tenant, case: str, status: int, code: str
 ) -> None:
+    """Each credential revoked while a large body is still arriving: the write
+    answers the refusal and publishes nothing (no file row, no version)."""
     ctl = tenant.controller
+    base = f"/api/companies/{tenant.company_id}"
+    browser: httpx.Client | None = None
     if case.startswith("run"):
         run = start_run(tenant, sandbox=f"box-{case}-{tenant.company_id}")
-        token, folder = run.token, run_folder(tenant, run)
+        folder = run_folder(tenant, run)
+
+        def client() -> httpx.Client:
+            return api_client(tenant, run.token)  # the bridge: a run's only way in
+
         if case == "run_ended":
 
             def revoke() -> None:
@@ -74,22 +102,65 @@ def test_revocation_mid_upload_publishes_nothing(
     else:
         member_id, token = tenant.new_member("member")
         folder = tenant.folder("project", ctl.admin("create-project", tenant.company_id, "p")["id"])
+
+        def client() -> httpx.Client:
+            return tenant.client(token)
+
         if case == "member_removed":
 
             def revoke() -> None:
                 ctl.admin("remove-member", tenant.company_id, member_id)
-        else:
+        elif case == "member_made_viewer":
 
             def revoke() -> None:
                 ctl.admin("add-member", tenant.company_id, member_id, "--role", "viewer")
+        elif case == "api_token_revoked":
 
-    r = parked_put(tenant, token, folder, "late.bin", revoke)
+            def revoke() -> None:
+                [mine] = ctl.admin("list-tokens", "--user", member_id)["tokens"]
+                with tenant.client() as owner:
+                    r = owner.delete(f"{base}/tokens/{mine['token_id']}")
+                    assert r.status_code == 200, r.text
+        else:
+            browser, csrf = signed_in(tenant, token)
+            cookies = dict(browser.cookies)
+
+            def client() -> httpx.Client:
+                return httpx.Client(
+                    base_url=ctl.url, cookies=cookies, headers={"X-CSRF-Token": csrf}, timeout=60
+                )
+
+            if case == "session_ended":
+
+                def revoke() -> None:
+                    with tenant.client() as owner:
+                        r = owner.delete(f"{base}/members/{member_id}/sessions")
+                        assert r.status_code == 200 and r.json()["ended"] == 1, r.text
+            else:
+
+                def revoke() -> None:
+                    assert browser is not None
+                    r = browser.delete("/files/api/session", headers={"X-CSRF-Token": csrf})
+                    assert r.status_code == 204, r.text
+
+    try:
+        r = parked_put(tenant, client, folder, "late.bin", revoke)
+    finally:
+        if browser is not None:
+            browser.close()
     assert r.status_code == status, r.text
     assert r.json()["code"] == code
     assert tenant.file_rows("late.bin", live=False) == 0
     with tenant.client() as owner:
         listing = owner.get(folder + "/")
         assert listing.status_code == 200 and listing.json()["entries"] == []
+    with ctl.db() as db:
+        versions = db.execute(
+            "SELECT coalesce(max(version_counter), 0) FROM folders"
+            " WHERE company_id = %s AND scope = %s AND owner_id = %s",
+            (tenant.company_id, *folder.rsplit("/", 2)[1:]),
+        ).fetchone()
+    assert versions is not None and versions[0] == 0  # no write drew a version
 
 
 def test_run_reads_only_its_bound_folders(tenant: Tenant) -> None:
