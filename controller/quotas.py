@@ -1,14 +1,19 @@
 """Controller-side quotas: what one tenant or run may cost, checked at commit.
 
 fsagent keeps its own limits, but the sandbox is untrusted: each rule here is
-enforced by the controller inside the transaction (or, for bytes, before the
-upload is accepted), so a modified agent gains nothing by skipping them.
+enforced by the controller inside the transaction (or, for bytes, reserved
+atomically before the upload is stored, :func:`reserved`), so a modified agent
+gains nothing by skipping them.
 Defaults live in :class:`controller.config.Quotas`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, NoReturn
 
 from psycopg import AsyncConnection
@@ -21,6 +26,9 @@ from common.errors import (
 )
 from common.paths import ancestors
 from controller.config import Quotas
+from controller.runs import Transact
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_row_bound(paths: Iterable[str]) -> int:
@@ -50,104 +58,191 @@ quota and may be committed (``expires_at`` is set when it is recorded). The
 clock, not the transaction's start, so a commit that waited for the sweeper
 sees the same expiry the sweeper saw or a later one."""
 
-PENDING_UPLOADS_SQL = (
+QUOTA_LOCK_CLASS = 0x71756F
+"""First key of the two-key advisory locks that serialize quota checks: one
+per run (its allowance) and one per company (its storage quota), taken in that
+order. Another class than the object and folder locks, so they never collide."""
+
+RESERVATION_TTL = timedelta(minutes=15)
+"""How long a reservation counts if its upload never settles or releases it
+(the process died between the check and the registration). Longer than any
+store of a checked upload takes (its bytes are already spooled on this host);
+a store that takes longer only lets one more upload through, never an
+unbounded number."""
+
+RESERVE_SQL = (
     "SELECT (SELECT coalesce(sum(byte_size), 0) FROM run_uploads"
-    "  WHERE run_id = %(run)s AND committed_at IS NULL AND " + UNEXPIRED + ") AS pending,"
+    "  WHERE run_id = %(run)s AND committed_at IS NULL AND " + UNEXPIRED + ")"
+    " + (SELECT coalesce(sum(run_bytes), 0) FROM quota_reservations"
+    "  WHERE run_id = %(run)s AND " + UNEXPIRED + ") AS pending,"
     " (SELECT coalesce(array_agg(digest), '{}') FROM run_uploads"
     "  WHERE run_id = %(run)s AND digest = ANY(%(d)s)"
-    "  AND (committed_at IS NOT NULL OR " + UNEXPIRED + ")) AS held"
+    "  AND (committed_at IS NOT NULL OR " + UNEXPIRED + ")) AS held,"
+    " (SELECT coalesce(sum(byte_size), 0) FROM objects WHERE company_id = %(company)s)"
+    " + (SELECT coalesce(sum(company_bytes), 0) FROM quota_reservations"
+    "  WHERE company_id = %(company)s AND " + UNEXPIRED + ") AS used,"
+    " (SELECT coalesce(array_agg(digest), '{}') FROM objects"
+    "  WHERE company_id = %(company)s AND digest = ANY(%(d)s)) AS present"
 )
-"""The run's uncommitted, unexpired upload bytes, and which of the digests
-about to be uploaded the run holds already (committed, or uncommitted and
-unexpired): two index lookups (the pending rows' partial index, the key)."""
+"""In one statement, so one snapshot: the run's uncommitted, unexpired upload
+bytes plus what its uploads in flight reserved, and which of the digests about
+to be uploaded the run holds already (committed, or uncommitted and
+unexpired); the company's stored bytes plus its reservations, and which of
+the digests it stores already. A registration swaps a reservation for its
+rows in one transaction, so a snapshot sees the bytes once."""
 
 
-async def check_pending_uploads(
-    conn: AsyncConnection[Any], run_id: str, sizes: dict[str, int], *, limit: int
-) -> None:
-    """A run may keep at most ``limit`` uploaded bytes that no checkpoint has
-    committed yet; an upload stops counting when it expires.
+@dataclass
+class Reservation:
+    """Bytes one upload holds between :func:`reserve_uploads` and the
+    transaction that registers it (:func:`settle`)."""
 
-    Only new bytes count: an upload of content the run already holds
-    (committed, or uploaded and not yet expired) adds no row (its upload row
-    is renewed, :func:`controller.runs.record_uploads`), so it costs nothing
-    again. A sandbox that retries a save after a crash or a refused commit
-    sends the same files again; were they counted twice, the run's own
-    earlier attempt would exhaust its allowance for the uploads' lifetime.
-
-    A request whose new bytes alone exceed ``limit`` can never fit, whatever
-    is committed meanwhile: :class:`UploadOverAllowance` (413), not the
-    429 of an allowance that commits free again."""
-    if not sizes:
-        return
-    cur = await conn.execute(PENDING_UPLOADS_SQL, {"run": run_id, "d": sorted(sizes)})
-    row = await cur.fetchone()
-    pending = int(row["pending"]) if row else 0
-    held = set(row["held"]) if row else set()
-    size = sum(n for digest, n in sizes.items() if digest not in held)
-    if size > limit:
-        raise UploadOverAllowance(
-            f"This upload of {size} new bytes is larger than the run's allowance"
-            f" of {limit} uncommitted bytes",
-            details=[{"limit": limit, "size": size}],
-        )
-    if size and pending + size > limit:
-        raise UploadQuotaExceeded(
-            f"At most {limit} uploaded bytes may wait for a checkpoint",
-            details=[{"limit": limit, "pending": pending, "size": size}],
-        )
-
-
-async def check_company_storage(
-    conn: AsyncConnection[Any], company_id: str, sizes: dict[str, int], *, limit: int
-) -> None:
-    """The optional per-company storage quota (``limit`` 0 = off) for new
-    objects of ``sizes`` (digest -> bytes), in one query. Bytes the company
-    already stores under a digest cost nothing again."""
-    if limit <= 0 or not sizes:
-        return
-    cur = await conn.execute(
-        "SELECT coalesce(sum(byte_size), 0) AS used,"
-        " coalesce(array_agg(digest) FILTER (WHERE digest = ANY(%s)), '{}') AS present"
-        " FROM objects WHERE company_id = %s",
-        (sorted(sizes), company_id),
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    present = set(row["present"])
-    new = sum(size for digest, size in sizes.items() if digest not in present)
-    if new and int(row["used"]) + new > limit:
-        raise StorageQuotaExceeded(details=[{"limit": limit, "used": int(row["used"])}])
+    id: int | None
+    """The ``quota_reservations`` row; None when the upload reserved nothing
+    (no new bytes, or no quota applies)."""
+    settled: bool = False
 
 
 def upload_checks_apply(run_id: str | None, quotas: Quotas) -> bool:
-    """Whether :func:`check_uploads` has anything to check: a person's upload
+    """Whether an upload has a quota to reserve against: a person's upload
     with the storage quota off has not, and needs no transaction for it."""
     return run_id is not None or quotas.company_storage_bytes > 0
 
 
-async def check_uploads(
+async def reserve_uploads(
     conn: AsyncConnection[Any],
     company_id: str,
     run_id: str | None,
     sizes: dict[str, int],
     quotas: Quotas,
-) -> None:
-    """Before uploaded bytes are stored (``sizes``: digest -> bytes, any
-    number of objects, two queries): the company's storage quota and, for a
-    run's bridge upload, its allowance of uncommitted bytes."""
+) -> Reservation:
+    """Check and reserve, before uploaded bytes are stored (``sizes``: digest
+    -> bytes, any number of objects), the company's storage quota and, for a
+    run's bridge upload, its allowance of uncommitted bytes.
+
+    The check and the reservation are one atomic step across replicas: under
+    the run's and the company's advisory locks (held to the end of this
+    transaction) the totals count every reservation not yet settled, so two
+    uploads checked at once on two replicas cannot both fit in room for one.
+
+    Run allowance: only new bytes count. An upload of content the run already
+    holds (committed, or uploaded and not yet expired) costs nothing again (its
+    upload row is renewed, :func:`controller.runs.record_uploads`). A sandbox
+    that retries a save after a crash or a refused commit sends the same files
+    again; were they counted twice, the run's own earlier attempt would exhaust
+    its allowance for the uploads' lifetime. A request whose new bytes alone
+    exceed the allowance can never fit, whatever is committed meanwhile:
+    :class:`UploadOverAllowance` (413), not the 429 of an allowance that
+    commits free again.
+
+    Company quota (``company_storage_bytes``, 0 = off): bytes the company
+    already stores under a digest cost nothing again."""
+    limit = quotas.max_pending_upload_bytes
+    company_limit = quotas.company_storage_bytes
+    if not sizes or not upload_checks_apply(run_id, quotas):
+        return Reservation(None)
     if run_id is not None:
-        await check_pending_uploads(conn, run_id, sizes, limit=quotas.max_pending_upload_bytes)
-    await check_company_storage(conn, company_id, sizes, limit=quotas.company_storage_bytes)
+        await conn.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (QUOTA_LOCK_CLASS, f"run:{run_id}")
+        )
+    if company_limit > 0:
+        await conn.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+            (QUOTA_LOCK_CLASS, f"company:{company_id}"),
+        )
+    # Rows of uploads whose process died; they count no more (UNEXPIRED).
+    await conn.execute(
+        "DELETE FROM quota_reservations WHERE company_id = %s AND expires_at <= clock_timestamp()",
+        (company_id,),
+    )
+    cur = await conn.execute(
+        RESERVE_SQL, {"run": run_id, "company": company_id, "d": sorted(sizes)}
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    run_bytes = 0
+    if run_id is not None:
+        pending = int(row["pending"])
+        held = set(row["held"])
+        run_bytes = sum(n for digest, n in sizes.items() if digest not in held)
+        if run_bytes > limit:
+            raise UploadOverAllowance(
+                f"This upload of {run_bytes} new bytes is larger than the run's allowance"
+                f" of {limit} uncommitted bytes",
+                details=[{"limit": limit, "size": run_bytes}],
+            )
+        if run_bytes and pending + run_bytes > limit:
+            raise UploadQuotaExceeded(
+                f"At most {limit} uploaded bytes may wait for a checkpoint",
+                details=[{"limit": limit, "pending": pending, "size": run_bytes}],
+            )
+    company_bytes = 0
+    if company_limit > 0:
+        used = int(row["used"])
+        present = set(row["present"])
+        company_bytes = sum(n for digest, n in sizes.items() if digest not in present)
+        if company_bytes and used + company_bytes > company_limit:
+            raise StorageQuotaExceeded(details=[{"limit": company_limit, "used": used}])
+    if not run_bytes and not company_bytes:
+        return Reservation(None)
+    cur = await conn.execute(
+        "INSERT INTO quota_reservations (company_id, run_id, run_bytes, company_bytes, expires_at)"
+        " VALUES (%s, %s, %s, %s, clock_timestamp() + %s) RETURNING id",
+        (company_id, run_id, run_bytes, company_bytes, RESERVATION_TTL),
+    )
+    inserted = await cur.fetchone()
+    assert inserted is not None
+    return Reservation(int(inserted["id"]))
 
 
-async def check_upload(
-    conn: AsyncConnection[Any],
+async def settle(conn: AsyncConnection[Any], reservation: Reservation) -> None:
+    """Drop the reservation inside the transaction that registers its upload:
+    from its commit the registered rows count the bytes instead."""
+    if reservation.id is not None:
+        await conn.execute("DELETE FROM quota_reservations WHERE id = %s", (reservation.id,))
+        reservation.settled = True
+
+
+async def release(conn: AsyncConnection[Any], reservation: Reservation) -> None:
+    """Give back the bytes of an upload that failed or was refused after
+    :func:`reserve_uploads` (a no-op once its registration committed)."""
+    if reservation.id is not None:
+        await conn.execute("DELETE FROM quota_reservations WHERE id = %s", (reservation.id,))
+
+
+@asynccontextmanager
+async def reserved(
+    transact: Transact,
     company_id: str,
     run_id: str | None,
-    digest: str,
-    size: int,
+    sizes: dict[str, int],
     quotas: Quotas,
-) -> None:
-    """:func:`check_uploads` for one object."""
-    await check_uploads(conn, company_id, run_id, {digest: size}, quotas)
+) -> AsyncIterator[Reservation]:
+    """:func:`reserve_uploads` in a transaction of its own; the block stores
+    the bytes and registers them, calling :func:`settle` in the registering
+    transaction. However the block ends without a committed registration
+    (an error, a refusal at commit, cancellation), the reservation is released
+    at once; if even that fails (the database is gone), it expires after
+    :data:`RESERVATION_TTL`."""
+    if not upload_checks_apply(run_id, quotas):
+        yield Reservation(None)
+        return
+    reservation = await transact(
+        lambda conn: reserve_uploads(conn, company_id, run_id, sizes, quotas)
+    )
+    try:
+        yield reservation
+    except BaseException:
+        reservation.settled = False  # a settle in a transaction that rolled back
+        raise
+    finally:
+        if reservation.id is not None and not reservation.settled:
+            try:
+                await transact(lambda conn: release(conn, reservation))
+            except Exception:
+                log.warning(
+                    "releasing quota reservation %s failed; it expires in %s",
+                    reservation.id,
+                    RESERVATION_TTL,
+                    exc_info=True,
+                )

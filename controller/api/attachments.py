@@ -19,7 +19,14 @@ from starlette.routing import Route
 from common.errors import AttachmentNotFound, ValidationError
 from common.paths import validate_uuid
 from controller import attachments, quotas
-from controller.api.common import authenticate, connection, json_errors, state, write_transaction
+from controller.api.common import (
+    authenticate,
+    connection,
+    json_errors,
+    state,
+    transact,
+    write_transaction,
+)
 from controller.api.objects import (
     journal_orphan,
     object_response,
@@ -106,29 +113,31 @@ async def post_attachment(request: Request) -> Response:
         return Response(status_code=400)
     created_blob = False
     try:
-        async with connection(request) as conn:
-            await quotas.check_upload(conn, company_id, None, digest, size, st.settings.quotas)
-        created_blob = await put_object(
-            request, object_key(company_id, digest), spool, size, digest
-        )
-        ensure = reupload_if_missing(request, spool, size, digest)
-
-        async def add(conn: AsyncConnection[Any]) -> tuple[dict[str, Any], bool]:
-            return await attachments.add(
-                conn,
-                company_id,
-                task_id,
-                filename=name,
-                digest=digest,
-                byte_size=size,
-                content_type=content_type,
-                created_by=principal.user_id,
-                ensure_object=ensure,
-                confirm=policy.confirm,  # authority again, inside the committing transaction
-                operation_id=op_id,
+        async with quotas.reserved(
+            transact(request), company_id, None, {digest: size}, st.settings.quotas
+        ) as reservation:
+            created_blob = await put_object(
+                request, object_key(company_id, digest), spool, size, digest
             )
+            ensure = reupload_if_missing(request, spool, size, digest)
 
-        row, applied = await write_transaction(request, add)
+            async def add(conn: AsyncConnection[Any]) -> tuple[dict[str, Any], bool]:
+                await quotas.settle(conn, reservation)
+                return await attachments.add(
+                    conn,
+                    company_id,
+                    task_id,
+                    filename=name,
+                    digest=digest,
+                    byte_size=size,
+                    content_type=content_type,
+                    created_by=principal.user_id,
+                    ensure_object=ensure,
+                    confirm=policy.confirm,  # authority again, inside the committing transaction
+                    operation_id=op_id,
+                )
+
+            row, applied = await write_transaction(request, add)
     except BaseException:
         if created_blob:
             await journal_orphan(request, company_id, digest)

@@ -43,6 +43,7 @@ from controller.auth import (
 from controller.config import Settings
 from controller.db import SharedPool
 from controller.db.retry import retrying
+from controller.runs import Transact
 from controller.storage.base import StorageProvider
 
 log = logging.getLogger("controller.api")
@@ -121,6 +122,16 @@ async def write_transaction(
     (bounded, with jitter) when PostgreSQL rolls it back for a serialization
     failure or a deadlock (:func:`controller.db.retry.retrying`)."""
     return await retrying(state(request).pool, work, share=share_key(request.scope))
+
+
+def transact(request: Request) -> Transact:
+    """:func:`write_transaction` for the caller, as a ``Transact`` for domain
+    code that runs transactions of its own."""
+
+    async def run(work: Callable[[AsyncConnection[Any]], Awaitable[T]]) -> T:
+        return await write_transaction(request, work)
+
+    return run
 
 
 def error_response(exc: WorkFolderError) -> JSONResponse:

@@ -7,8 +7,8 @@ upload is registered (:data:`Confirm`) and in how long an uncommitted upload
 pins its object.
 
 A single upload (:func:`receive_upload`) streams its frames into a spool
-file while hashing, checks the run's quotas, stores the object and registers
-it in one transaction.
+file while hashing, reserves its bytes against the run's quotas, stores the
+object and registers it in one transaction.
 
 The batch is a transport only: every member becomes its
 own object under its own digest, exactly as a single upload would store it.
@@ -18,10 +18,12 @@ own object under its own digest, exactly as a single upload would store it.
    member is decoded, hashed and appended in a worker thread, one thread hop
    per received piece of the body, never per member. A member whose bytes are
    not its declared size and SHA-256 refuses the whole batch (422).
-2. Only once every member is verified: the run's quotas, then
+2. Only once every member is verified: the run's quotas, reserved
+   atomically across replicas (:func:`controller.quotas.reserved`), then
    ``StorageProvider.put_spans`` stores every new object with one sync for
    the batch (local_disk: one ``syncfs``).
-3. One transaction registers every member (:func:`controller.runs.record_uploads`).
+3. One transaction registers every member (:func:`controller.runs.record_uploads`)
+   and settles the reservation; a failure anywhere releases it.
    It asks storage again only for members a GC sweep may have deleted since
    step 2 (the store mark taken before it, :func:`controller.apply.upsert_objects`),
    so a batch costs no storage request beyond its puts. If it fails, the
@@ -47,7 +49,7 @@ from starlette.requests import Request
 
 from common.errors import DigestMismatch, PayloadTooLarge, StorageUnavailable
 from controller import apply, quotas, runs
-from controller.api.common import connection, state, write_transaction
+from controller.api.common import connection, state, transact, write_transaction
 from controller.api.objects import (
     journal_orphan,
     journal_orphans,
@@ -109,35 +111,36 @@ async def receive_upload(
             hint_len is not None and hint_len != str(size)
         ):
             raise DigestMismatch(details=[{"digest": digest, "byteSize": size}])
-        async with connection(request) as conn:
-            await quotas.check_upload(
-                conn, run.company_id, run.run_id, digest, size, st.settings.quotas
-            )
-            mark = await apply.take_store_mark(conn)
-        key = object_key(run.company_id, digest)
-        created_blob = await put_object(request, key, spool, size, digest)
-        ensure = reupload_if_missing(request, spool, size, digest)
+        async with quotas.reserved(
+            transact(request), run.company_id, run.run_id, {digest: size}, st.settings.quotas
+        ) as reservation:
+            async with connection(request) as conn:
+                mark = await apply.take_store_mark(conn)
+            key = object_key(run.company_id, digest)
+            created_blob = await put_object(request, key, spool, size, digest)
+            ensure = reupload_if_missing(request, spool, size, digest)
 
-        async def register(conn: AsyncConnection[Any]) -> None:
-            await confirm(conn)
-            await runs.record_upload(
-                conn,
-                run.run_id,
-                run.company_id,
-                digest,
-                size,
-                ensure,
-                st.settings.gc_delay,
-                ttl,
-                stored_after=mark,
-            )
+            async def register(conn: AsyncConnection[Any]) -> None:
+                await confirm(conn)
+                await runs.record_upload(
+                    conn,
+                    run.run_id,
+                    run.company_id,
+                    digest,
+                    size,
+                    ensure,
+                    st.settings.gc_delay,
+                    ttl,
+                    stored_after=mark,
+                )
+                await quotas.settle(conn, reservation)
 
-        try:
-            await write_transaction(request, register)
-        except BaseException:
-            if created_blob:
-                await journal_orphan(request, run.company_id, digest)
-            raise
+            try:
+                await write_transaction(request, register)
+            except BaseException:
+                if created_blob:
+                    await journal_orphan(request, run.company_id, digest)
+                raise
     finally:
         # Unlinking one spool file is a single metadata update; a thread hop
         # here would also be skipped on cancellation, leaking the file.
@@ -215,34 +218,38 @@ async def _store_and_register(
     for offset, size, digest in members:
         first.setdefault(digest, (offset, size))
     sizes = {d: size for d, (_, size) in first.items()}
-    async with connection(request) as conn:
-        await quotas.check_uploads(conn, run.company_id, run.run_id, sizes, st.settings.quotas)
-        mark = await apply.take_store_mark(conn)
-    spans = {
-        d: Span(object_key(run.company_id, d), off, size, d) for d, (off, size) in first.items()
-    }
-    try:
-        created = await put_spans(st.storage, spool, list(spans.values()))
-    except BaseException:
-        # A provider may have stored some members before failing (S3 puts them
-        # one by one): every one is queued for GC, which keeps referenced ones.
-        await journal_orphans(request, run.company_id, list(spans))
-        raise
-    new = [span.sha256_hex for span, made in zip(spans.values(), created, strict=True) if made]
-    ensure = restore_swept_spans(st.storage, spool, spans)
+    async with quotas.reserved(
+        transact(request), run.company_id, run.run_id, sizes, st.settings.quotas
+    ) as reservation:
+        async with connection(request) as conn:
+            mark = await apply.take_store_mark(conn)
+        spans = {
+            d: Span(object_key(run.company_id, d), off, size, d) for d, (off, size) in first.items()
+        }
+        try:
+            created = await put_spans(st.storage, spool, list(spans.values()))
+        except BaseException:
+            # A provider may have stored some members before failing (S3 puts
+            # them one by one): every one is queued for GC, which keeps
+            # referenced ones.
+            await journal_orphans(request, run.company_id, list(spans))
+            raise
+        new = [span.sha256_hex for span, made in zip(spans.values(), created, strict=True) if made]
+        ensure = restore_swept_spans(st.storage, spool, spans)
 
-    async def register(conn: AsyncConnection[Any]) -> None:
-        await confirm(conn)
-        await runs.record_uploads(
-            conn, run.run_id, run.company_id, sizes, ensure, st.settings.gc_delay, ttl, mark
-        )
+        async def register(conn: AsyncConnection[Any]) -> None:
+            await confirm(conn)
+            await runs.record_uploads(
+                conn, run.run_id, run.company_id, sizes, ensure, st.settings.gc_delay, ttl, mark
+            )
+            await quotas.settle(conn, reservation)
 
-    try:
-        await write_transaction(request, register)
-    except BaseException:
-        if new:
-            await journal_orphans(request, run.company_id, new)
-        raise
+        try:
+            await write_transaction(request, register)
+        except BaseException:
+            if new:
+                await journal_orphans(request, run.company_id, new)
+            raise
 
 
 def restore_swept_spans(

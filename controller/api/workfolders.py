@@ -39,6 +39,7 @@ from controller.api.common import (
     json_errors,
     read_json,
     state,
+    transact,
     write_transaction,
 )
 from controller.api.objects import (
@@ -383,35 +384,36 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
             async def guard(conn: AsyncConnection[Any]) -> None:
                 await agentfiles.guard_entry_write(conn, company_id, owner_id, path, problem)
 
-        if quotas.upload_checks_apply(None, st.settings.quotas):
-            async with connection(request) as conn:
-                await quotas.check_upload(conn, address[0], None, digest, size, st.settings.quotas)
-        created_blob = await put_object(request, key, spool, size, digest)
-        ensure = reupload_if_missing(request, spool, size, digest)
+        async with quotas.reserved(
+            transact(request), address[0], None, {digest: size}, st.settings.quotas
+        ) as reservation:
+            created_blob = await put_object(request, key, spool, size, digest)
+            ensure = reupload_if_missing(request, spool, size, digest)
 
-        async def put(conn: AsyncConnection[Any]) -> dict[str, Any]:
-            written = await apply.put_file(
-                conn,
-                folder,
-                path=path,
-                digest=digest,
-                byte_size=size,
-                executable=executable,
-                content_type=file_ctype,
-                operation_id=op_id,
-                ensure_object=ensure,
-                gc_delay=st.settings.gc_delay,
-                policy=policy,
-                precondition=precondition,
-                guard=guard,
-                stored_after=mark,
-            )
-            if run is not None:
-                changed = 1 if written["applied"] else 0
-                await record_agent_save(request, run, op_id, conn, files_changed=changed)
-            return written
+            async def put(conn: AsyncConnection[Any]) -> dict[str, Any]:
+                await quotas.settle(conn, reservation)
+                written = await apply.put_file(
+                    conn,
+                    folder,
+                    path=path,
+                    digest=digest,
+                    byte_size=size,
+                    executable=executable,
+                    content_type=file_ctype,
+                    operation_id=op_id,
+                    ensure_object=ensure,
+                    gc_delay=st.settings.gc_delay,
+                    policy=policy,
+                    precondition=precondition,
+                    guard=guard,
+                    stored_after=mark,
+                )
+                if run is not None:
+                    changed = 1 if written["applied"] else 0
+                    await record_agent_save(request, run, op_id, conn, files_changed=changed)
+                return written
 
-        result = await write_transaction(request, put)
+            result = await write_transaction(request, put)
     except BaseException:
         if created_blob:
             await journal_orphan(request, address[0], digest)
