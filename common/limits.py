@@ -28,6 +28,10 @@ MAX_PAGE_LIMIT: Final = 1000
 CHECKPOINT_INTERVAL_SECONDS: Final = 180
 GC_DELAY_SECONDS: Final = 24 * 3600
 GC_SWEEP_INTERVAL_SECONDS: Final = 180
+GC_UPLOAD_GRACE_SECONDS: Final = 6 * 3600
+"""Age at which GC takes an unfinished write into storage (an S3 multipart
+upload, a local temp file) for abandoned: far longer than any live put takes
+(a body has at most ``--body-deadline``, 1 h by default, to arrive)."""
 
 RESERVED_SEGMENT: Final = ".fsagent"
 """Runtime segment reserved for fsagent's own use; never a user path segment."""

@@ -44,6 +44,16 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("CONTROLLER_DATA_DIR", "controller-data"))
 
 
+def add_upload_grace_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gc-upload-grace",
+        type=float,
+        metavar="SECONDS",
+        help="age at which GC removes an unfinished upload into storage (an S3 multipart "
+        "upload, a local temp file) (default 21600)",
+    )
+
+
 def add_db_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-dir",
@@ -69,6 +79,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         s.gc_delay = timedelta(seconds=args.gc_delay)
     if getattr(args, "gc_interval", None) is not None:
         s.gc_interval_seconds = args.gc_interval
+    if getattr(args, "gc_upload_grace", None) is not None:
+        s.gc_upload_grace = timedelta(seconds=args.gc_upload_grace)
     return s
 
 
@@ -225,9 +237,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         pool = make_pool(url, min_size=1, max_size=2)
         await pool.open(wait=True)
         try:
-            return (await gc.sweep_once(pool, make_storage(settings))).as_json()
+            storage = make_storage(settings)
+            report = (await gc.sweep_once(pool, storage)).as_json()
         finally:
             await pool.close()
+        report["abandoned"] = await gc.sweep_abandoned_writes(storage, settings.gc_upload_grace)
+        return report
 
     with database(settings) as url:
         report = asyncio.run(sweep(url))
@@ -416,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between GC sweeps, 0 disables (default 180)",
     )
+    add_upload_grace_argument(serve)
     add_limit_arguments(serve)
     add_quota_arguments(serve)
     add_bridge_arguments(serve)
@@ -433,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     gcp.add_argument("--s3-endpoint")
     gcp.add_argument("--s3-bucket")
     gcp.add_argument("--s3-region")
+    add_upload_grace_argument(gcp)
     gcp.add_argument("--json", action="store_true")
     gcp.set_defaults(func=cmd_gc)
 

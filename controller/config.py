@@ -14,6 +14,7 @@ from common.limits import (
     AGENT_MAX_TOTAL_BYTES,
     GC_DELAY_SECONDS,
     GC_SWEEP_INTERVAL_SECONDS,
+    GC_UPLOAD_GRACE_SECONDS,
     MAX_ENTRIES,
     MAX_FILE_BYTES,
     GiB,
@@ -352,6 +353,9 @@ class Settings:
     s3_region: str | None = None
     gc_delay: timedelta = field(default_factory=lambda: timedelta(seconds=GC_DELAY_SECONDS))
     gc_interval_seconds: float = GC_SWEEP_INTERVAL_SECONDS
+    gc_upload_grace: timedelta = field(
+        default_factory=lambda: timedelta(seconds=GC_UPLOAD_GRACE_SECONDS)
+    )
     max_file_bytes: int = MAX_FILE_BYTES
     limits: ServerLimits = field(default_factory=ServerLimits)
     quotas: Quotas = field(default_factory=Quotas)

@@ -30,19 +30,26 @@ sweeper:
   way (``repos.commit``), and the references it may also rely on, its task's
   ``repo_refs``, change only under the task's repository lock, which it
   holds; its manifest object is registered like a single write.
+
+Each sweep also removes the leftovers of puts that never finished (an S3
+multipart upload of a killed process, a local temp file) once they are older
+than ``--gc-upload-grace`` (:func:`sweep_abandoned_writes`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
+from common.limits import GC_UPLOAD_GRACE_SECONDS
 from controller.apply import lock_object
 from controller.quotas import UNEXPIRED
 from controller.storage.base import StorageProvider, object_key
@@ -172,15 +179,28 @@ async def _collect(
     return outcome
 
 
+async def sweep_abandoned_writes(storage: StorageProvider, grace: timedelta) -> int:
+    """Remove the leftovers of puts that never finished and started more than
+    ``grace`` ago (S3: incomplete multipart uploads; local disk: temp files);
+    how many. A failed put removes its own; these are what a killed process
+    or a failed abort left. No database work: nothing references them."""
+    started_before = time.time() - grace.total_seconds()
+    return await asyncio.to_thread(storage.sweep_abandoned_writes, started_before)
+
+
 async def run_sweeper(
     pool: AsyncConnectionPool[AsyncConnection[Any]],
     storage: StorageProvider,
     interval: float,
     on_sweep: Callable[[dict[str, int] | None], None] | None = None,
+    *,
+    upload_grace: timedelta = timedelta(seconds=GC_UPLOAD_GRACE_SECONDS),
 ) -> None:
     """Sweep every ``interval`` seconds until cancelled; a failed sweep is retried next time.
 
-    ``on_sweep`` gets each sweep's report, or None for a failed sweep (metrics).
+    Each sweep settles the due deletions, then removes abandoned writes
+    older than ``upload_grace``. ``on_sweep`` gets each sweep's report, or
+    None for a failed sweep (metrics).
     """
     while True:
         outcome: dict[str, int] | None = None
@@ -191,6 +211,15 @@ async def run_sweeper(
                 log.info("GC sweep: %s", outcome)
         except Exception:
             log.exception("GC sweep failed")
+        try:
+            abandoned = await sweep_abandoned_writes(storage, upload_grace)
+        except Exception:
+            # Its own step: a bucket policy that forbids listing uploads must
+            # not stop the deletions, and the failure is worth a line each time.
+            log.exception("GC could not sweep abandoned uploads")
+        else:
+            if abandoned:
+                log.info("GC removed %d abandoned uploads", abandoned)
         if on_sweep is not None:
             on_sweep(outcome)
         await asyncio.sleep(interval)

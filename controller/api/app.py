@@ -117,7 +117,13 @@ def create_app(settings: Settings, storage: StorageProvider, *, run_gc: bool = T
         sweeper = None
         if run_gc and settings.gc_interval_seconds > 0:
             sweeper = asyncio.create_task(
-                gc.run_sweeper(pool, storage, settings.gc_interval_seconds, metrics.sweep_done)
+                gc.run_sweeper(
+                    pool,
+                    storage,
+                    settings.gc_interval_seconds,
+                    metrics.sweep_done,
+                    upload_grace=settings.gc_upload_grace,
+                )
             )
         try:
             yield

@@ -226,5 +226,18 @@ class StorageProvider(abc.ABC):
         """
 
     @abc.abstractmethod
+    def sweep_abandoned_writes(self, started_before: float) -> int:
+        """Remove what puts that never finished left behind, if they started
+        before ``started_before`` (seconds since the epoch); return how many.
+
+        A put that fails cleans up after itself; one whose process died
+        (``kill -9``, a crash, a lost machine) cannot: its temp file or S3
+        multipart upload stays, invisible under any key but taking space.
+        Only the provider's own writes are touched (temp files of its root,
+        multipart uploads of object keys), and only old ones: a younger one
+        may be a live put of another replica.
+        """
+
+    @abc.abstractmethod
     def check(self) -> None:
         """Raise StorageUnavailable unless the backend is reachable and usable."""

@@ -325,23 +325,30 @@ class LocalDiskProvider(StorageProvider):
                 f"local storage under {self.root} is not writable: {exc}"
             ) from exc
 
-    def _sweep_stale_temps(self) -> None:
-        cutoff = time.time() - self.stale_temp_age
+    def sweep_abandoned_writes(self, started_before: float) -> int:
+        """Temp files of puts that died: a put's temp file lives for one put,
+        and an anonymous one (``O_TMPFILE``) vanishes with its process."""
         removed = 0
         try:
             with self._directory([_TMP_DIR], create=True) as tmp_fd:
                 for name in os.listdir(tmp_fd):
                     with contextlib.suppress(FileNotFoundError):
                         st = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
-                        if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                        if stat.S_ISREG(st.st_mode) and st.st_mtime < started_before:
                             os.unlink(name, dir_fd=tmp_fd)
                             removed += 1
         except OSError as exc:
-            # Leftover temps only waste space; not a reason to refuse to start.
-            log.warning("could not sweep stale temp files under %s: %s", self.root, exc)
-            return
+            raise StorageUnavailable(f"local storage: cannot sweep {self.root}/tmp: {exc}") from exc
         if removed:
             log.info("removed %d stale temp files under %s", removed, self.root)
+        return removed
+
+    def _sweep_stale_temps(self) -> None:
+        try:
+            self.sweep_abandoned_writes(time.time() - self.stale_temp_age)
+        except StorageUnavailable as exc:
+            # Leftover temps only waste space; not a reason to refuse to start.
+            log.warning("could not sweep stale temp files: %s", exc)
 
 
 def _lexists(name: str, dir_fd: int) -> bool:

@@ -4,9 +4,10 @@ Visibility rules the provider relies on: a single PUT and a completed
 multipart upload each make the whole object appear at once, and an
 incomplete multipart upload is never visible under its key. So a put that
 fails half way leaves nothing under the key; the provider aborts the upload so
-its parts stop costing storage. An abort that itself fails leaves parts behind,
-which is why buckets should also carry an ``AbortIncompleteMultipartUpload``
-lifecycle rule.
+its parts stop costing storage. An abort that itself fails, or a process
+killed mid-upload, leaves parts behind: GC aborts such uploads once they are
+old (``sweep_abandoned_writes``), and buckets should also carry an
+``AbortIncompleteMultipartUpload`` lifecycle rule (README, "Operating it").
 
 Creates are conditional (``If-None-Match: *``) so that of several controller
 replicas storing the same object only one reports having created it. Servers
@@ -64,6 +65,8 @@ MAX_PARTS = 10_000
 MAX_SINGLE_PUT = 5 * 1024 * MiB
 
 _BOTO_ERRORS = (BotoCoreError, ClientError)
+OBJECTS_PREFIX = "objects/"
+"""Every object key starts with it (``base.object_key``)."""
 _HASH_CHUNK = MiB
 SPAN_IN_MEMORY = 8 * MiB
 """A batch member up to this size is read into memory for its PUT."""
@@ -341,7 +344,8 @@ class S3Provider(StorageProvider):
             self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
         except _BOTO_ERRORS as exc:
             # The original failure is what the caller needs to see; the parts
-            # left behind are invisible and the lifecycle rule reclaims them.
+            # left behind are invisible, and GC's sweep of abandoned uploads
+            # (or the bucket's lifecycle rule) reclaims them.
             log.warning("could not abort multipart upload %s of %s: %s", upload_id, key, exc)
 
     # -- reading ---------------------------------------------------------
@@ -443,6 +447,42 @@ class S3Provider(StorageProvider):
                 key = entry.get("Key", "")
                 if is_object_key(key):
                     yield key
+
+    def sweep_abandoned_writes(self, started_before: float) -> int:
+        """Abort the multipart uploads of object keys initiated before
+        ``started_before``: those of a put whose process died, or whose abort
+        failed. Uploads of other keys (a bucket shared with other tools) are
+        left alone; so is one that another replica aborted first."""
+        pages = self._client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=OBJECTS_PREFIX
+        )
+        aborted = 0
+        try:
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    key, initiated = upload.get("Key", ""), upload.get("Initiated")
+                    if (
+                        not is_object_key(key)
+                        or initiated is None
+                        or initiated.timestamp() >= started_before
+                    ):
+                        continue
+                    try:
+                        self._client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=key, UploadId=upload["UploadId"]
+                        )
+                    except ClientError as exc:
+                        if _error_code(exc) != "NoSuchUpload" and _http_status(exc) != 404:
+                            raise
+                        continue
+                    aborted += 1
+                    log.info(
+                        "aborted abandoned multipart upload %s of %s (initiated %s)",
+                        upload["UploadId"], key, initiated.isoformat(),
+                    )  # fmt: skip
+        except _BOTO_ERRORS as exc:
+            raise self._unavailable("sweep multipart uploads under", OBJECTS_PREFIX, exc) from exc
+        return aborted
 
     def check(self) -> None:
         try:

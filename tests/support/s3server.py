@@ -1,4 +1,5 @@
-"""Start an S3-protocol server (moto in server mode) as a subprocess for tests.
+"""Start an S3-protocol server (moto in server mode, :mod:`tests.support.motoserver`)
+as a subprocess for tests.
 
 A real HTTP server rather than moto's in-process mocking: the provider then
 goes through botocore's whole stack (signing, retries, streaming bodies,
@@ -16,9 +17,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
 from tests.support.procs import free_port
+
+# moto's server, reporting real initiation times of multipart uploads.
+_MOTO_SERVER = Path(__file__).with_name("motoserver.py")
 
 # Fake credentials: moto accepts anything, and botocore refuses to sign without some.
 FAKE_CREDENTIALS = {
@@ -48,7 +53,7 @@ class S3Server:
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 -- lives as long as the server; stop() closes it
         env = {**os.environ, **FAKE_CREDENTIALS}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, str(_MOTO_SERVER), "-H", "127.0.0.1", "-p", str(self.port)],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
