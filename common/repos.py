@@ -117,6 +117,7 @@ from typing import Final, NamedTuple
 from common.errors import InvalidPath
 from common.limits import MAX_ENTRIES, MAX_FILE_BYTES
 from common.paths import parent_of, validate_path
+from common.text import char_problem
 
 MAX_REPO_ENTRIES: Final = MAX_ENTRIES
 """Members of one checkpoint (one scan)."""
@@ -305,12 +306,16 @@ def symlink_problem(path: str, target: str) -> str | None:
 
 def ref_problem(name: str) -> str | None:
     """Why ``name`` is not a branch or ref name this product accepts, or None:
-    Git's ref-name rules (``git check-ref-format``), and never a leading
-    ``-`` (it would read as an option on a command line)."""
+    Git's ref-name rules (``git check-ref-format``), never a leading ``-``
+    (it would read as an option on a command line), and none of the
+    characters :mod:`common.text` refuses."""
     if not 1 <= len(name) <= 255:
         return "a ref name has 1-255 characters"
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F or ch in " ~^:?*[\\" for ch in name):
         return "a ref name has no control characters, spaces or any of ~^:?*[\\"
+    if not name.isascii() and any(char_problem(ch) for ch in name):
+        # Git takes them; a person reading the branch's name would be misled.
+        return "a ref name has no C1 control, bidirectional control or invisible character"
     if name.startswith(("-", "/")) or name.endswith(("/", ".", ".lock")):
         return "a ref name does not start with - or /, nor end with /, . or .lock"
     if ".." in name or "@{" in name or "//" in name or name == "@":

@@ -48,6 +48,11 @@ BIDI_CONTROLS: Final = frozenset(
 )
 _JOINERS: Final = frozenset("\u200c\u200d")
 _MULTILINE: Final = frozenset("\n\t")
+_WHAT: Final = {
+    "control_character": "control characters",
+    "bidi_control": "bidirectional controls",
+    "invisible_character": "invisible characters",
+}
 
 
 def char_problem(ch: str, multiline: bool = False) -> str | None:
@@ -77,8 +82,7 @@ def text_problem(
     for ch in value:
         code = char_problem(ch, multiline)
         if code is not None:
-            what = "a bidirectional control" if code == "bidi_control" else "a control or invisible"
-            return code, f"must not contain {what} character (U+{ord(ch):04X})"
+            return code, f"must not contain {_WHAT[code]} (U+{ord(ch):04X} found)"
     return None
 
 
@@ -89,13 +93,15 @@ def check_text(
     *,
     multiline: bool = False,
     blank_ok: bool = False,
+    label: str | None = None,
 ) -> str:
     """``value`` unchanged when it follows the rule, else :class:`InvalidText`
-    (400 ``invalid_text``) naming ``field``."""
+    (400 ``invalid_text``) naming ``field`` (``label``: how the message names
+    it, for the command line)."""
     problem = text_problem(value, max_chars, multiline=multiline, blank_ok=blank_ok)
     if problem is not None:
         code, message = problem
-        raise InvalidText(field, code, f"{field} {message}")
+        raise InvalidText(field, code, f"{label or field} {message}")
     assert isinstance(value, str)
     return value
 

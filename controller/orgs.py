@@ -30,18 +30,13 @@ from common.errors import (
     ValidationError,
 )
 from common.limits import DEFAULT_AGENT_ENTRY
+from common.text import MAX_NAME_CHARS, check_text
 from controller.apply import Row
 from controller.auth import USER_TOKEN_PREFIX, CompanyActor, new_token, token_hash
 
 ROLES = ("owner", "admin", "member", "viewer")
 
-MAX_NAME_CHARS = 256
-"""Names of companies, agents and projects, and task titles."""
 MAX_EMAIL_CHARS = 320
-
-
-def _has_control(text: str) -> bool:
-    return any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text)
 
 
 def check_uuid(value: str, field: str) -> str:
@@ -58,28 +53,16 @@ def check_uuid(value: str, field: str) -> str:
 
 
 def check_name(value: str, field: str = "name") -> str:
-    """A display name: not blank, at most :data:`MAX_NAME_CHARS`, no control
-    characters (PostgreSQL text cannot hold NUL; the rest garble listings)."""
-    if not value.strip():
-        raise ValidationError.single(field, "required", f"{field} must not be empty")
-    if len(value) > MAX_NAME_CHARS:
-        raise ValidationError.single(
-            field, "too_long", f"{field} must be at most {MAX_NAME_CHARS} characters"
-        )
-    if _has_control(value):
-        raise ValidationError.single(
-            field, "forbidden_character", f"{field} must not contain control characters"
-        )
-    return value
+    """A display name or title: the text rule (:mod:`common.text`), one line
+    of at most :data:`MAX_NAME_CHARS`, not blank (400 ``invalid_text``):
+    PostgreSQL text cannot hold NUL, escapes garble listings, and a
+    bidirectional override shows one agent's name as another's."""
+    return check_text(value, field, MAX_NAME_CHARS)
 
 
 def check_email(email: str) -> str:
-    if (
-        "@" not in email
-        or len(email) > MAX_EMAIL_CHARS
-        or any(c.isspace() for c in email)
-        or _has_control(email)
-    ):
+    check_text(email, "email", MAX_EMAIL_CHARS)
+    if "@" not in email or any(c.isspace() for c in email):
         raise ValidationError.single("email", "invalid_email", f"not an email address: {email!r}")
     return email
 

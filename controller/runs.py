@@ -33,6 +33,7 @@ from typing import Any, Final, Protocol, TypeVar
 from psycopg import AsyncConnection
 
 from common.errors import MemberNotFound, RunNotActive, RunNotFound, ValidationError
+from common.text import check_text
 from controller import apply, folders, receipts, runprep, workspaces
 from controller.api.serialize import superseded
 from controller.apply import EnsureObject, Folder, Row, StoreMark
@@ -61,6 +62,7 @@ LEASE_LOCK_CLASS = 0x6C6561
 
 MAX_SANDBOX_KEY_CHARS = 256
 DEFAULT_HOME = "/home/agent"
+MAX_HOME_CHARS = 1024
 
 _OWNER_COLUMN = {"task": "task_id", "agent": "agent_id", "project": "project_id", "user": "user_id"}
 
@@ -392,6 +394,7 @@ async def start_bound_run(
     user = check_uuid(user, "user") if user else None
     if sandbox is not None:
         check_sandbox_key(sandbox)
+    check_home(home)
     repos: list[workspaces.Binding] = []
     if task is not None:
         task_id = task
@@ -439,16 +442,23 @@ def run_env(home: str, bindings: dict[str, str | None]) -> dict[str, str]:
     return env
 
 
+def check_home(value: str) -> str:
+    """The sandbox's ``$HOME``: an absolute path, one line under the text rule."""
+    if not value.startswith("/") or len(value) > MAX_HOME_CHARS:
+        raise ValidationError.single(
+            "home",
+            "invalid_home",
+            f"home must be an absolute path of at most {MAX_HOME_CHARS} characters",
+        )
+    return check_text(value, "home", MAX_HOME_CHARS)
+
+
 def check_sandbox_key(key: str) -> str:
     if not 1 <= len(key) <= MAX_SANDBOX_KEY_CHARS:
         raise ValidationError.single(
             "sandbox", "invalid_sandbox", "sandbox key must be 1-256 characters"
         )
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in key):
-        raise ValidationError.single(
-            "sandbox", "invalid_sandbox", "sandbox key must not contain control characters"
-        )
-    return key
+    return check_text(key, "sandbox", MAX_SANDBOX_KEY_CHARS)
 
 
 async def start_run(

@@ -50,6 +50,7 @@ from common.bridge import (
 )
 from common.limits import SCOPES
 from common.repos import FETCH_BATCH_MAX, MISSING_MAX
+from common.text import clean_text
 from common.types import Digest, FileVersion
 from fsagent.errors import (
     ControllerRefused,
@@ -891,7 +892,12 @@ class HttpBridgeClient(BridgeClient):
         operation_id: str | None = None,
         final: bool = False,
     ) -> None:
-        body: dict[str, Any] = {"state": state, "error": error}
+        # The error is built from exceptions and tool output: made to follow
+        # the controller's text rule, so the report is never refused for it.
+        body: dict[str, Any] = {
+            "state": state,
+            "error": None if error is None else clean_text(error),
+        }
         if scope is not None:
             body.update(scope=scope, operationId=operation_id, final=final)
         await self._send_json(PREFIX + "/run/report", f"report {state}", body)
@@ -977,7 +983,7 @@ class HttpBridgeClient(BridgeClient):
     ) -> None:
         body: dict[str, Any] = {"state": state}
         if error is not None:
-            body["error"] = error
+            body["error"] = clean_text(error)
         await self._send_json(
             f"{PREFIX}/repos/{workspace_id}/report", f"report repo {workspace_id} {state}", body
         )

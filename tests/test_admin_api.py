@@ -635,8 +635,8 @@ def test_runs_are_listed_newest_first_a_page_at_a_time(controller: ControllerPro
 def test_bad_input_is_a_400_that_names_the_field_and_changes_nothing(world: World) -> None:
     b = world.base
     cases = [
-        ("POST", b + "/agents", {"name": ""}, "name", "required"),
-        ("POST", b + "/agents", {"name": "a\x00b"}, "name", "forbidden_character"),
+        ("POST", b + "/agents", {"name": ""}, "name", "empty"),
+        ("POST", b + "/agents", {"name": "a\x00b"}, "name", "control_character"),
         ("POST", b + "/agents", {"name": "x" * 257}, "name", "too_long"),
         ("POST", b + "/agents", {"name": 3}, "name", "invalid_type"),
         ("POST", b + "/agents", {"name": "a", "owner": "me"}, "owner", "unknown_field"),

@@ -35,7 +35,7 @@ from common.errors import (
 )
 from common.limits import ENTRY_MAX_BYTES
 from common.paths import validate_scope
-from common.text import check_operation_id, is_operation_id
+from common.text import MAX_ERROR_CHARS, check_operation_id, check_text, is_operation_id
 from controller import agentfiles, apply, folders, receipts, runs
 from controller.api.common import (
     bound_run,
@@ -370,6 +370,9 @@ async def report(request: Request) -> Response:
         )
     if op_id is not None:
         check_operation_id(op_id)
+    if error is not None:
+        # Shown as the run's (and the receipt's) error: the text rule, lines allowed.
+        check_text(error, "error", MAX_ERROR_CHARS, multiline=True, blank_ok=True)
     async with connection(request) as conn:
         run = await bound_run(request, conn)
         await runs.set_state(conn, run.run_id, new_state, error)

@@ -35,6 +35,7 @@ from common.errors import (
     WorkFolderError,
 )
 from common.repos import FETCH_BATCH_MAX, MISSING_MAX
+from common.text import MAX_ERROR_CHARS, check_text
 from controller import repomanifest, repos, runs
 from controller.api.common import (
     bound_run,
@@ -318,6 +319,9 @@ async def report(request: Request) -> Response:
         raise ValidationError.single(
             "state", "invalid", 'body must be {"state": "saving"|"failed", "error"?: string}'
         )
+    if error is not None:
+        # Shown as the repository's and the run's error: the text rule, lines allowed.
+        check_text(error, "error", MAX_ERROR_CHARS, multiline=True, blank_ok=True)
     async with connection(request) as conn:
         run, bound = await _bound(request, conn)
         await repos.set_state(conn, bound, new_state, error)

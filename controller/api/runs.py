@@ -56,7 +56,6 @@ T = TypeVar("T")
 
 RUN_PAGE_MAX = 1000
 RUN_PAGE_DEFAULT = 200
-MAX_HOME_CHARS = 1024
 
 
 def _optional_uuid(value: str | None, field: str) -> str | None:
@@ -64,20 +63,7 @@ def _optional_uuid(value: str | None, field: str) -> str | None:
 
 
 def _home(value: str | None) -> str:
-    if value is None:
-        return runs.DEFAULT_HOME
-    if (
-        not value.startswith("/")
-        or len(value) > MAX_HOME_CHARS
-        or any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in value)
-    ):
-        raise ValidationError.single(
-            "home",
-            "invalid_home",
-            f"home must be an absolute path of at most {MAX_HOME_CHARS} characters"
-            " without control characters",
-        )
-    return value
+    return runs.DEFAULT_HOME if value is None else runs.check_home(value)
 
 
 @company_route
