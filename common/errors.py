@@ -348,6 +348,15 @@ class RequestHeadTooLarge(WorkFolderError):
     message = "Request line and headers are too large"
 
 
+class ServerBusy(WorkFolderError):
+    """The process holds as many request body bytes in memory as it may
+    (``--max-buffered-body-bytes``); answered with ``Retry-After``."""
+
+    code = "server_busy"
+    status = 503
+    message = "The controller is buffering as many request bodies as it may; retry later"
+
+
 class TooManyConnections(WorkFolderError):
     code = "too_many_connections"
     status = 503

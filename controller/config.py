@@ -19,6 +19,7 @@ from common.limits import (
     MAX_FILE_BYTES,
     GiB,
     KiB,
+    MiB,
 )
 from common.repos import REPO_UPLOAD_TTL_SECONDS
 
@@ -45,6 +46,10 @@ class ServerLimits:
     """Requests in flight per presented token or session; one more is 429 with Retry-After."""
     max_head_bytes: int = 32 * KiB
     """Request line plus headers; more is 431."""
+    max_buffered_body_bytes: int = 256 * MiB
+    """Bytes of request bodies read into memory at once by the process (JSON
+    bodies, held until answered); a body that does not fit waits for room up
+    to ``body_idle_timeout``, then is 503 ``server_busy`` with Retry-After."""
 
 
 # flag, field, type, help: one table so `controller serve --help` and the
@@ -77,6 +82,13 @@ _LIMIT_FLAGS: list[tuple[str, str, type, str, bool]] = [
         False,
     ),
     ("--max-request-head", "max_head_bytes", int, "bytes of request line and headers", False),
+    (
+        "--max-buffered-body-bytes",
+        "max_buffered_body_bytes",
+        int,
+        "bytes of request bodies held in memory at once by the process (503 beyond)",
+        False,
+    ),
 ]
 
 

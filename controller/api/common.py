@@ -21,13 +21,22 @@ from common.errors import (
     CsrfFailed,
     DatabaseUnavailable,
     PayloadTooLarge,
+    ServerBusy,
     Unauthenticated,
     ValidationError,
     WorkFolderError,
 )
 from common.logs import note_run
 from common.paths import validate_uuid
-from controller.api.limits import credential_key, is_authenticated, mark_authenticated
+from controller.api.limits import (
+    RETRY_AFTER_SECONDS,
+    BodyBudget,
+    BodyHold,
+    body_hold,
+    credential_key,
+    is_authenticated,
+    mark_authenticated,
+)
 from controller.api.params import declared_length
 from controller.auth import (
     RUN_TOKEN_PREFIX,
@@ -135,7 +144,8 @@ def transact(request: Request) -> Transact:
 
 
 def error_response(exc: WorkFolderError) -> JSONResponse:
-    return JSONResponse(exc.to_json(), status_code=exc.status)
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if isinstance(exc, ServerBusy) else None
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -374,18 +384,36 @@ async def read_json(
     declared = declared_length(request)
     if declared is not None and declared > max_bytes:
         raise PayloadTooLarge(f"JSON body is larger than {max_bytes} bytes")
-    raw = await _read_body(request, max_bytes)
-    if len(raw) <= JSON_INLINE_BYTES:
-        return parse_json_object(raw)
-    # Only the parse holds a slot: a slow sender must not keep others waiting.
-    async with _large_bodies:
-        return await asyncio.to_thread(parse_json_object, raw)
+    hold = body_hold(request)
+    own = hold is None
+    if hold is None:  # no RequestLimits in front: a budget of this body alone
+        hold = BodyHold(BodyBudget(max_bytes, 0.0))
+    try:
+        raw = await _read_body(request, max_bytes, hold, declared)
+        if len(raw) <= JSON_INLINE_BYTES:
+            return parse_json_object(raw)
+        # Only the parse holds a slot: a slow sender must not keep others waiting.
+        async with _large_bodies:
+            return await asyncio.to_thread(parse_json_object, raw)
+    finally:
+        if own:
+            hold.release()
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytearray:
+async def _read_body(
+    request: Request, max_bytes: int, hold: BodyHold, declared: int | None
+) -> bytearray:
+    """The body, its bytes taken from the process's body budget before they
+    are read (all at once when the length is declared, so two bodies never
+    each hold half of what both need; else as they arrive), and held until
+    the request is answered (:class:`controller.api.limits.BodyBudget`)."""
+    if declared is not None:
+        await hold.take(declared)
     raw = bytearray()
     async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_bytes:
+        if len(raw) + len(chunk) > max_bytes:
             raise PayloadTooLarge(f"JSON body is larger than {max_bytes} bytes")
+        if len(raw) + len(chunk) > hold.bytes:
+            await hold.take(len(raw) + len(chunk) - hold.bytes)
+        raw += chunk
     return raw

@@ -22,6 +22,17 @@ before the token was checked, and a stalled body was waited for forever.
   presented bearer token or session cookie (keyed by its hash, before the
   database is asked: a forged token only limits itself); one more is 429 with
   ``Retry-After``.
+* **Buffered body bytes.** A body read into memory whole (a JSON body,
+  ``controller.api.common.read_json``) first takes its bytes from one
+  :class:`BodyBudget` of ``max_buffered_body_bytes`` per process, and holds
+  them until its request is answered (the parsed body lives that long too).
+  The per-token cap and the parse slots bound requests, not bytes: 16
+  checkpoint bodies of 60 MiB from 4 run tokens took a controller from 57 to
+  910 MiB. A body that does not fit waits, unread (the client's send stalls
+  on TCP flow control), as long as it may wait for its next piece
+  (``body_idle_timeout``), for others to finish; then it is answered 503
+  ``server_busy`` with ``Retry-After``, which fsagent's client honours and
+  retries. Uploads stream to a spool file and take nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from common.errors import PayloadTooLarge, RequestTimeout, TooManyRequests
+from common.errors import PayloadTooLarge, RequestTimeout, ServerBusy, TooManyRequests
 from common.limits import KiB
 from controller.config import ServerLimits
 
@@ -50,6 +61,8 @@ PREAUTH_BODY_BYTES = 64 * KiB
 
 RETRY_AFTER_SECONDS = 1
 _GUARD_KEY = "controller.body_guard"
+_HOLD_KEY = "controller.body_hold"
+
 _SESSION_COOKIE = b"fsa_session="  # common.SESSION_COOKIE (common imports this module)
 
 
@@ -161,6 +174,82 @@ class BodyGuard:
         return guarded_send
 
 
+class BodyBudget:
+    """Bytes of request bodies buffered in memory at once, across every
+    request of the process (``--max-buffered-body-bytes``).
+
+    A request that finds nothing held always gets its bytes, so one body up
+    to its route's own limit can be read even under a budget smaller than
+    that. Waiters are woken on every release and take their bytes as soon as
+    they fit (a small body need not wait behind a large one)."""
+
+    def __init__(self, total: int, wait: float) -> None:
+        self.total = total
+        self.wait = wait
+        self.used = 0
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def _fits(self, n: int) -> bool:
+        return self.used == 0 or self.used + n <= self.total
+
+    async def take(self, n: int) -> None:
+        """Take ``n`` bytes, waiting up to :attr:`wait` seconds for them;
+        :class:`ServerBusy` if they never fit."""
+        if n <= 0:
+            return
+        deadline = time.monotonic() + self.wait
+        while not self._fits(n):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerBusy(
+                    f"{self.used} bytes of request bodies are buffered (at most {self.total});"
+                    f" retry in {RETRY_AFTER_SECONDS} s"
+                )
+            freed = asyncio.get_running_loop().create_future()
+            self._waiters.add(freed)
+            try:
+                async with asyncio.timeout(left):
+                    await freed
+            except TimeoutError:
+                pass
+            finally:
+                self._waiters.discard(freed)
+        self.used += n
+
+    def give(self, n: int) -> None:
+        """Return ``n`` bytes; synchronous, so a cancelled request frees them too."""
+        if n <= 0:
+            return
+        self.used -= n
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class BodyHold:
+    """What one request took from the :class:`BodyBudget`, given back whole
+    when its request is answered."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.bytes = 0
+
+    async def take(self, n: int) -> None:
+        await self.budget.take(n)
+        self.bytes += n
+
+    def release(self) -> None:
+        taken, self.bytes = self.bytes, 0
+        self.budget.give(taken)
+
+
+def body_hold(request: Request) -> BodyHold | None:
+    """The request's hold on the process's body budget (None outside
+    :class:`RequestLimits`, e.g. an app built without it in a unit test)."""
+    hold = request.scope.get(_HOLD_KEY)
+    return hold if isinstance(hold, BodyHold) else None
+
+
 class RequestLimits:
     """The middleware; one instance per application."""
 
@@ -168,6 +257,7 @@ class RequestLimits:
         self.app = app
         self.limits = limits
         self.in_flight: dict[str, int] = {}
+        self.bodies = BodyBudget(limits.max_buffered_body_bytes, limits.body_idle_timeout)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -181,9 +271,11 @@ class RequestLimits:
         if key is not None:
             self.in_flight[key] = self.in_flight.get(key, 0) + 1
         scope[_GUARD_KEY] = guard
+        hold = scope[_HOLD_KEY] = BodyHold(self.bodies)
         try:
             await self.app(scope, guard.receive, guard.wrap_send(send))
         finally:
+            hold.release()
             if key is not None:
                 left = self.in_flight[key] - 1
                 if left:
