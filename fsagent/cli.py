@@ -28,7 +28,8 @@ run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
 Exit codes: 0 ok, 1 unexpected error, 2 usage, 3 state dir corrupt/foreign/
 in use/bound elsewhere/served in the other mode, 4 controller unreachable or
 refusing (including a failed save: the state dir keeps every change; not
-the agent folder's final save refused over a storage limit, a warning), 5 mount
+the agent folder's save refused over a storage limit, by flush or at stop, a
+warning), 5 mount
 failed (or a dir-mode directory cannot be used), 6 doctor found problems, 7
 the sandbox does not meet the runtime contract (launch: a required CLI or the
 env file is missing), 8 ``repos prepare`` could not clone or restore a
@@ -331,6 +332,19 @@ def _describe_flush(reply: dict[str, Any]) -> str:
         return f"save failed: {reply.get('error')}"
     if reply.get("final") and reply.get("warning"):
         return f"final save refused, a warning of the run: {reply['warning']}; unmounting"
+    if reply.get("code") == control.LIMIT_CODE:
+        # Not a failed save (exit 0, as at stop): the agent removes or shrinks
+        # files and the next save takes the folder's changes.
+        limits = ", ".join(
+            f"{d.get('limit')} {d.get('value')} > {d.get('max')}"
+            + (f" ({d['path']})" if d.get("path") else "")
+            for d in reply.get("details") or []
+        )
+        return (
+            f"not saved ({control.LIMIT_CODE}{': ' + limits if limits else ''}),"
+            f" a warning of the run: {reply.get('warning')}; remove or shrink files"
+            " and flush again"
+        )
     if reply.get("final"):
         return "final save done; unmounting"
     result = reply.get("result") or {}

@@ -745,15 +745,20 @@ class HttpBridgeClient(BridgeClient):
             raise _Transient(f"HTTP {resp.status_code}", retry_after)
         code = None
         message = resp.reason_phrase
+        details: list[dict[str, Any]] = []
         try:
             body = resp.json()
             code, message = body.get("code"), body.get("error", message)
+            found = body.get("details")
+            if isinstance(found, list):
+                details = [d for d in found if isinstance(d, dict)]
         except (ValueError, AttributeError):
             pass
         raise ControllerRefused(
             f"{what}: HTTP {resp.status_code} {code or ''} {message}".strip(),
             resp.status_code,
             code,
+            details,
         )
 
     async def _get_json(self, url: str, what: str, params: dict[str, Any] | None = None) -> Any:

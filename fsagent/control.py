@@ -12,6 +12,10 @@ answers ``{"ok": true, "fuse": {...}, "queueDepth": N, "lastCheckpoint": {...}}`
 A final flush answers ``{"ok", "saved", "error", "warning", "final": true}``
 (fsagent.ship.FinalSave.flush_reply): ``ok`` is also true when the agent
 folder's final save was refused over a storage limit, which ``warning`` says.
+A flush that is not final and is refused over that limit answers the same
+way (:func:`limit_reply`): ``{"ok": true, "saved": false, "code":
+"AGENT_FILES_LIMIT_EXCEEDED", "warning", "details", "final": false}``, a
+warning of the run (spec/agent-files.md), not a failed save.
 
 Reply: ``{"ok": true, ...}`` or ``{"ok": false, "code": CODE, "error": TEXT}``
 with CODE ``bad_request`` (not JSON, not an object, unknown command or field,
@@ -35,6 +39,25 @@ READ_TIMEOUT = 10.0
 """Seconds a client has to send its request line."""
 
 COMMANDS = ("flush", "ping", "stats")
+
+LIMIT_CODE = "AGENT_FILES_LIMIT_EXCEEDED"
+"""The code of a save refused over an agent folder's storage limit: its
+receipt's (controller.receipts.LIMIT_REFUSED) and the run's warning's."""
+
+
+def limit_reply(error: str, details: list[dict[str, Any]], *, final: bool) -> dict[str, Any]:
+    """The answer to a flush the controller refused over the agent folder's
+    storage limit: nothing saved, and not a failure (``ok``); ``details``
+    name the limit (``limit``, ``max``, ``value``, ``path`` of an oversized
+    file)."""
+    return {
+        "ok": True,
+        "saved": False,
+        "code": LIMIT_CODE,
+        "warning": f"agent folder not saved, over its storage limit: {error}",
+        "details": details,
+        "final": final,
+    }
 
 
 class BadRequest(ValueError):

@@ -16,8 +16,15 @@ from typing import Any
 
 import trio
 
-from fsagent.control import MAX_REQUEST, READ_TIMEOUT, BadRequest, error_reply, parse_request
-from fsagent.errors import FsagentError
+from fsagent.control import (
+    MAX_REQUEST,
+    READ_TIMEOUT,
+    BadRequest,
+    error_reply,
+    limit_reply,
+    parse_request,
+)
+from fsagent.errors import FsagentError, SaveFailed
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,14 @@ async def _answer(conn: trio.SocketStream, flush: FlushHandler, stats: StatsHand
             reply = await flush(final)
     except BadRequest as exc:
         reply = error_reply("bad_request", str(exc))
+    except SaveFailed as exc:
+        # A storage limit's refusal is a warning of the run, as at stop
+        # (spec/agent-files.md): the controller recorded it; the agent cleans
+        # up and the next save takes its changes.
+        if exc.over_limit:
+            reply = limit_reply(str(exc), exc.details, final=final)
+        else:
+            reply = error_reply("save_failed", str(exc))
     except FsagentError as exc:
         reply = error_reply("save_failed", str(exc))
     except Exception as exc:

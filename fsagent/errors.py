@@ -8,8 +8,8 @@ Exit codes (also listed by ``fsagent --help``):
 2   usage error (argparse)
 3   state dir problem: corrupt, foreign, in use, or bound to another run
 4   controller unreachable, or it refused the run token / folder; a failed
-    final save (not the agent folder's refusal over a storage limit, which
-    is a warning: exit 0)
+    save (not the agent folder's refusal over a storage limit, by ``flush``
+    or at stop, which is a warning, AGENT_FILES_LIMIT_EXCEEDED: exit 0)
 5   the mount itself failed (no /dev/fuse, mountpoint busy, ...)
 6   ``fsagent doctor`` found something missing
 8   ``fsagent repos prepare``: a checkout could not be cloned or restored
@@ -18,7 +18,7 @@ Exit codes (also listed by ``fsagent --help``):
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from common.errors import AppError, StaleLease, WorkFolderError
 
@@ -73,10 +73,19 @@ class ControllerUnavailable(ControllerError):
 class ControllerRefused(ControllerError):
     """A permanent refusal (401/403/404/409/422): retrying cannot help."""
 
-    def __init__(self, message: str, status: int, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int,
+        code: str | None = None,
+        details: list[dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.details = details or []
+        """The answer's ``details`` (e.g. the storage limit and path of
+        ``agent_files_limit_exceeded``), empty when it had none."""
 
     def means(self, error: type[WorkFolderError]) -> bool:
         """Whether the controller refused with ``error``'s code (common.errors)."""
@@ -102,15 +111,25 @@ class SaveFailed(FsagentError):
     than it failing on the way (network, 5xx, an I/O error here).
     ``over_limit``: refused for an agent folder's storage limit
     (``agent_files_limit_exceeded``), which the agent folder contract makes a
-    recorded refusal and a warning of the run, not a failed save.
+    recorded refusal and a warning of the run, not a failed save; ``details``
+    then name the limit (``limit``, ``max``, ``value``, ``path`` for an
+    oversized file), as the controller's answer did.
     """
 
     exit_code = 4
 
-    def __init__(self, message: str, *, refused: bool = False, over_limit: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        refused: bool = False,
+        over_limit: bool = False,
+        details: list[dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.refused = refused
         self.over_limit = over_limit
+        self.details = details or []
 
 
 class MountFailed(FsagentError):

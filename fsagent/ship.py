@@ -121,6 +121,7 @@ from common.errors import (
 )
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient, UploadAllowanceRefused
+from fsagent.control import LIMIT_CODE
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
 from fsagent.store import BaseEntry, Change, InodeNo, JournalSeq
 
@@ -523,7 +524,10 @@ class Shipper:
                 # A 429 (the run's upload allowance held by uploads not this
                 # save's to commit) may pass: a later attempt can succeed.
                 refused = isinstance(exc, ControllerRefused) and exc.status != 429
-                raise SaveFailed(message, refused=refused, over_limit=over_limit) from exc
+                limit = exc.details if isinstance(exc, ControllerRefused) and over_limit else None
+                raise SaveFailed(
+                    message, refused=refused, over_limit=over_limit, details=limit
+                ) from exc
 
     async def _ship(self, *, final: bool) -> SaveResult:
         pending = await self.state.pending()
@@ -1020,14 +1024,19 @@ class FinalSave:
         return self.saved or self.limit_warning is not None
 
     def flush_reply(self) -> dict[str, Any]:
-        """The answer to ``fsagent flush --final`` (protocol: fsagent.control)."""
-        return {
+        """The answer to ``fsagent flush --final`` (protocol: fsagent.control);
+        a refusal over the storage limit carries its code, as a flush that is
+        not final does (fsagent.control.limit_reply)."""
+        reply: dict[str, Any] = {
             "ok": self.ok,
             "saved": self.saved,
             "error": None if self.ok else self.error,
             "warning": self.limit_warning,
             "final": True,
         }
+        if self.limit_warning is not None:
+            reply["code"] = LIMIT_CODE
+        return reply
 
 
 def limit_warning(exc: SaveFailed, contract: bool) -> str | None:

@@ -16,6 +16,8 @@ import errno
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -42,6 +44,7 @@ from tests.support.agentfiles import (
     unit_stop,
 )
 from tests.support.bridge import Run, api_client
+from tests.support.constants import REPO
 from tests.support.controller import (
     ControllerProcess,
     PgCluster,
@@ -52,7 +55,7 @@ from tests.support.controller import (
     world_searchable_tmpdir,
 )
 from tests.support.lossy_proxy import LossyProxy
-from tests.support.mount import MountFactory
+from tests.support.mount import FsagentMount, MountFactory
 
 FILE_MAX, TOTAL_MAX, ENTRIES_MAX = 1000, 5000, 10
 SMALL_LIMITS = (
@@ -73,6 +76,14 @@ def small(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
 @pytest.fixture
 def st(small: ControllerProcess) -> Tenant:
     return bootstrap_tenant(small)
+
+
+def flush_text(m: FsagentMount) -> subprocess.CompletedProcess[str]:
+    """``fsagent flush SCOPE`` against the mount, as a person runs it (no --json)."""
+    return subprocess.run(
+        [sys.executable, "-m", "fsagent.cli", "flush", m.scope, "--state-dir", str(m.state_dir)],
+        capture_output=True, text=True, check=False, cwd=REPO, timeout=600,
+    )  # fmt: skip
 
 
 def limit_detail(r: Any) -> dict[str, Any]:
@@ -216,16 +227,27 @@ def test_a_periodic_save_over_a_limit_is_retried_once_the_agent_cleans_up(
         (m.mountpoint / f"part{i}.bin").write_bytes(b"p" * 999)
     (m.mountpoint / "part5.bin").write_bytes(b"p" * 5)
     (m.mountpoint / "extra.bin").write_bytes(b"e" * 900)
+    # Refused over the limit: a warning of the run with its own code, not a
+    # failed save (exit 0, as at stop), naming the limit.
     code, reply = flush_reply(m)
-    assert code == EXIT_SAVE_FAILED and "agent_files_limit_exceeded" in reply["error"], reply
+    assert code == 0, reply
+    assert (reply["ok"], reply["saved"], reply["final"]) == (True, False, False), reply
+    assert reply["code"] == "AGENT_FILES_LIMIT_EXCEEDED", reply
+    assert reply["details"] == [{"limit": "totalBytes", "max": TOTAL_MAX, "value": 5900}], reply
+    assert "agent_files_limit_exceeded" in reply["warning"] and "error" not in reply, reply
     assert agent_files(st, agent) == {"AGENTS.md": b""}
+    said = flush_text(m)
+    assert said.returncode == 0, (said.stdout, said.stderr)
+    assert said.stdout.startswith(
+        "not saved (AGENT_FILES_LIMIT_EXCEEDED: totalBytes 5900 > 5000), a warning of the run"
+    ), said.stdout
     (m.mountpoint / "extra.bin").unlink()
     code, reply = flush_reply(m)
     assert code == 0 and reply["ok"] is True, reply
     assert len(agent_files(st, agent)) == 7  # AGENTS.md and part0-5
     receipts = run_receipts(st, run.run_id)
-    # The later success does not erase the earlier refusal.
-    assert [r["outcome"] for r in receipts] == ["refused", "saved"]
+    # The later success does not erase the earlier refusals (one per flush).
+    assert [r["outcome"] for r in receipts] == ["refused", "refused", "saved"]
     assert receipts[0]["details"][0]["limit"] == "totalBytes"
     # At the limit (5000 of 5000 bytes): the run's current warning says so.
     warnings = run_detail(st, run.run_id).json()["warnings"]
@@ -246,7 +268,7 @@ def test_a_periodic_save_over_a_limit_is_retried_once_the_agent_cleans_up(
     assert agent_files(st, agent) == saved
     receipts = run_receipts(st, run.run_id)
     assert [(r["outcome"], r["final"]) for r in receipts] == [
-        ("refused", False), ("saved", False), ("refused", True),
+        ("refused", False), ("refused", False), ("saved", False), ("refused", True),
     ]  # fmt: skip
     assert receipts[-1]["code"] == "AGENT_FILES_LIMIT_EXCEEDED"
     assert receipts[-1]["details"] == [{"limit": "totalBytes", "max": TOTAL_MAX, "value": 5004}]
@@ -275,6 +297,7 @@ def test_the_final_save_refused_over_a_limit_answers_flush_with_a_warning(
     assert code == 0, reply
     assert reply["ok"] is True and reply["saved"] is False and reply["error"] is None, reply
     assert reply["final"] is True and "agent_files_limit_exceeded" in reply["warning"], reply
+    assert reply["code"] == "AGENT_FILES_LIMIT_EXCEEDED", reply
     assert m.proc is not None and m.proc.wait(timeout=60) == 0, m.stderr()
     assert agent_files(st, agent) == {"AGENTS.md": b""}
     [receipt] = run_receipts(st, run.run_id)

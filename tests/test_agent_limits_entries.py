@@ -42,7 +42,6 @@ from tests.support.controller import (
 from tests.support.mount import MountFactory
 
 CAP = 20
-EXIT_SAVE_FAILED = 4
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,8 @@ def test_too_many_entries_for_one_checkpoint_is_the_entry_limit_and_cleaning_up_
     root = m.mountpoint
     files = write_many(root)
     code, reply = flush_reply(m)
-    assert code == EXIT_SAVE_FAILED and "agent_files_limit_exceeded" in reply["error"], reply
+    assert code == 0 and reply["ok"] is True and reply["saved"] is False, reply
+    assert (reply["code"], reply["details"]) == ("AGENT_FILES_LIMIT_EXCEEDED", [OVER]), reply
     assert agent_files(ct, agent) == {"AGENTS.md": b""}
     [refused] = run_receipts(ct, run.run_id)
     assert (refused["outcome"], refused["code"]) == ("refused", "AGENT_FILES_LIMIT_EXCEEDED")
