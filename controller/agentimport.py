@@ -2,7 +2,13 @@
 (``controller admin import-agent-files AGENT DIR [--dry-run]``).
 
 The directory is scanned on the controller's host without following links:
-symlinks and special files are reported, never followed or copied. Excluded
+symlinks, special files and files with more than one hard link (another
+name of the same file may lie anywhere on the host's filesystem: an agent
+that could write the directory could link ``/etc/shadow`` into it) are
+reported, never followed or copied. Each file is then read through a
+descriptor opened without following a link and checked to be the very file
+the scan saw (device and inode), still with one link, so a name swapped for
+a link or another file after the scan is refused, not read. Excluded
 by name at any depth: CLI homes, caches, Git metadata, conventional
 credential stores and reserved runtime names (:data:`EXCLUDED`,
 :data:`EXCLUDED_PATHS`). Refused, each with its reason: names that break the
@@ -69,6 +75,9 @@ EXCLUDED_PATHS: dict[str, str] = {
 """Relative paths excluded (credential stores under ``.config``)."""
 
 
+_HARD_LINKS = "{} hard links (the file has other names, perhaps outside the directory)"
+
+
 class ImportRefused(AppError):
     """The import as a whole cannot run (imported before, no such directory):
     an operator's refusal, printed as one line by the CLI."""
@@ -81,6 +90,8 @@ class SourceFile:
     src: Path
     size: int
     executable: bool
+    identity: tuple[int, int]
+    """(st_dev, st_ino) the scan saw: what is read must be that file."""
 
 
 @dataclass
@@ -140,6 +151,9 @@ def scan(source: Path, entry: str, limits: AgentLimits) -> Plan:
             if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
                 plan.refuse(shown, f"{_kind(st.st_mode)}: not imported")
                 continue
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                plan.refuse(shown, f"{_HARD_LINKS.format(st.st_nlink)}: not imported")
+                continue
             try:
                 validate_path(rel)
             except InvalidPath as exc:
@@ -159,7 +173,11 @@ def scan(source: Path, entry: str, limits: AgentLimits) -> Plan:
                 plan.refuse(rel, f"the instruction entry: {problem}")
             else:
                 executable = bool(st.st_mode & stat.S_IXUSR)
-                plan.files.append(SourceFile(rel, Path(child.path), st.st_size, executable))
+                plan.files.append(
+                    SourceFile(
+                        rel, Path(child.path), st.st_size, executable, (st.st_dev, st.st_ino)
+                    )
+                )
 
     walk(source, "")
     return plan
@@ -171,9 +189,24 @@ def _entry_problem(path: Path, size: int) -> str | None:
     return None if problem is None else problem.text
 
 
-def _hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
+class NotTheScannedFile(OSError):
+    """A planned file's name no longer leads to the file the scan saw, alone."""
+
+
+def _hash(f: SourceFile) -> str:
+    """The SHA-256 of the file the scan saw, read through a descriptor that
+    followed no link at its last step and is checked to be that very file
+    (an earlier step swapped for a link would lead to another inode). What
+    storage then stores is compared with this digest, so the bytes stored
+    are the bytes of that file, whatever its name leads to by then."""
+    fd = os.open(f.src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != f.identity:
+            raise NotTheScannedFile(f"{f.src} is no longer the file the scan saw")
+        if st.st_nlink > 1:
+            raise NotTheScannedFile(f"{f.src} now has {_HARD_LINKS.format(st.st_nlink)}")
+        h = hashlib.sha256()
         while chunk := fh.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
@@ -222,7 +255,7 @@ async def store_objects(
     kept: list[SourceFile] = []
     for f in plan.files:
         try:
-            digest = await asyncio.to_thread(_hash, f.src)
+            digest = await asyncio.to_thread(_hash, f)
             made = await asyncio.to_thread(
                 storage.put_file, object_key(company_id, digest), f.src, f.size, digest
             )

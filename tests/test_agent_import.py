@@ -7,15 +7,20 @@ PostgreSQL, local-disk storage."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from common.limits import AGENT_MAX_FILE_BYTES
+from controller.agentimport import scan, store_objects
+from controller.config import AgentLimits
+from controller.storage.local_disk import LocalDiskProvider
 from tests.support.agentfiles import agent_files, new_agent
 from tests.support.controller import Tenant
 from tests.support.tmp import private_tmpdir
@@ -160,3 +165,64 @@ def test_a_broken_entry_is_refused_and_the_summary_reads_as_text(
     )
     assert "AGENTS.md" not in {f["path"] for f in summary["imported"]}
     assert agent_files(tenant, agent)["AGENTS.md"] == b""  # the entry stays valid
+
+
+def test_a_file_with_other_hard_links_is_refused_and_reported(
+    tenant: Tenant, workspace: Path
+) -> None:
+    """A hard link in the directory to a file outside it (a host's secret, say)
+    is another name of that file: it is reported, and its bytes are never read."""
+    outside = private_tmpdir("fsa-import-outside-")
+    try:
+        secret = outside / "shadow"
+        secret.write_bytes(b"root:$6$secret")
+        os.link(secret, workspace / "notes" / "innocent.md")
+        os.link(workspace / "bin" / "tool.sh", workspace / "tool-again.sh")  # both names inside
+        agent = new_agent(tenant)
+        dry = import_json(tenant, agent, workspace, "--dry-run")
+        refused = {r["path"]: r["reason"] for r in dry["refused"]}
+        for name in ("notes/innocent.md", "bin/tool.sh", "tool-again.sh"):
+            assert refused[name].startswith("2 hard links"), refused
+            assert refused[name].endswith("not imported"), refused
+        done = import_json(tenant, agent, workspace)
+        assert {r["path"] for r in done["refused"]} == set(refused)
+        files = agent_files(tenant, agent)
+        assert "notes/innocent.md" not in files and "tool-again.sh" not in files
+        assert b"root:$6$secret" not in files.values()
+        assert files["notes/memory.md"] == b"remember this"
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+@pytest.mark.parametrize("swap", ["symlink", "hard link", "renamed over"])
+def test_a_name_swapped_after_the_scan_is_refused_not_read(swap: str) -> None:
+    """Between the scan and the read, a planned file's name is made to lead
+    elsewhere: nothing but the scanned file's bytes is ever stored."""
+    root = private_tmpdir("fsa-import-swap-")
+    try:
+        source, outside = root / "ws", root / "outside"
+        source.mkdir()
+        outside.mkdir()
+        secret = outside / "secret"
+        secret.write_bytes(b"host secret")
+        (source / "a.md").write_bytes(b"agent notes")
+        plan = scan(source, "AGENTS.md", AgentLimits())
+        assert [f.path for f in plan.files] == ["a.md"]
+        # Held open, the scanned inode cannot be reused by the file put in its place.
+        held = os.open(source / "a.md", os.O_RDONLY)
+        (source / "a.md").unlink()
+        if swap == "symlink":
+            (source / "a.md").symlink_to(secret)
+        elif swap == "hard link":
+            os.link(secret, source / "a.md")
+        else:
+            (source / "tmp").write_bytes(b"other bytes")
+            os.rename(source / "tmp", source / "a.md")
+        storage = LocalDiskProvider(root / "store")
+        stored, created = asyncio.run(store_objects(storage, str(uuid.uuid4()), plan))
+        assert stored == {} and created == [] and plan.files == []
+        assert [r["path"] for r in plan.refused] == ["a.md"]
+        assert list((root / "store").rglob("objects/**/*")) == []
+        os.close(held)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
