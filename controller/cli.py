@@ -129,6 +129,24 @@ def make_storage(settings: Settings) -> Any:
 # --- serve -------------------------------------------------------------------
 
 
+def warn_connection_headroom(url: str, settings: Settings) -> None:
+    """Log a warning when the replicas' pools would use (nearly) every
+    connection PostgreSQL allows: each pool is per process, so N replicas
+    open up to N x --pool-size (at 5 replicas the defaults exhaust 100)."""
+    import psycopg
+
+    from controller.db import connection_headroom
+
+    q = settings.quotas
+    try:
+        warning = connection_headroom(url, q.pool_size, q.replicas)
+    except psycopg.Error as exc:
+        log.warning("could not read PostgreSQL's max_connections: %s", exc)
+        return
+    if warning is not None:
+        log.warning(warning)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -168,6 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise admin.AdminError("--metrics-listen must differ from --listen")
     with database(settings) as url:
         settings.database_url = url
+        warn_connection_headroom(url, settings)
         storage = make_storage(settings)
         storage.check()
         app = create_app(settings, storage)

@@ -167,6 +167,10 @@ class Quotas:
     """Database connections of one controller process."""
     pool_share: int = 4
     """Connections one token may hold at once; more requests wait on this share."""
+    replicas: int = 1
+    """Controller processes sharing the database, this one included: only
+    for the check at start that ``replicas`` x ``pool_size`` connections fit
+    PostgreSQL's ``max_connections`` (:func:`controller.db.connection_headroom`)."""
     agent_max_entries: int = AGENT_MAX_ENTRIES
     """Files and folders of an agent folder; a save growing past it is 422."""
     agent_max_file_bytes: int = AGENT_MAX_FILE_BYTES
@@ -223,6 +227,13 @@ _QUOTA_FLAGS: list[tuple[str, str, type, str, bool]] = [
     ("--statement-timeout", "statement_timeout", float, "seconds per SQL statement", False),
     ("--pool-size", "pool_size", int, "database connections", False),
     ("--pool-share", "pool_share", int, "database connections one token may hold", False),
+    (
+        "--replicas",
+        "replicas",
+        int,
+        "controller processes sharing the database (checked against max_connections at start)",
+        False,
+    ),
     ("--agent-max-entries", "agent_max_entries", int, "files and folders per agent folder", False),
     (
         "--agent-max-file-bytes",
@@ -239,6 +250,23 @@ _QUOTA_FLAGS: list[tuple[str, str, type, str, bool]] = [
         False,
     ),
 ]
+
+
+PER_PROCESS_FLAGS = frozenset(
+    {
+        "--max-connections",
+        "--max-requests-per-token",
+        "--max-buffered-body-bytes",
+        "--pool-size",
+        "--pool-share",
+        "--bridge-max-concurrent",
+    }
+)
+"""Limits each controller process keeps in its own memory: with N replicas
+behind a load balancer the service allows N times each. README's "Sizing for
+N replicas" says how to set each (tests/test_replica_sizing.py checks that it
+names every one). Every other limit and quota is kept in PostgreSQL or is per
+request, and holds across replicas."""
 
 
 def add_quota_arguments(parser: argparse.ArgumentParser) -> None:

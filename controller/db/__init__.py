@@ -67,6 +67,49 @@ def migrate(url: str) -> list[str]:
     return applied_now
 
 
+HEADROOM_SHARE = 0.8
+"""Share of PostgreSQL's usable connections the controllers' pools may take
+before the check at start warns: the rest is for ``controller admin``,
+migrations, backups, monitoring and the pool's replacements of dead
+connections."""
+
+
+def headroom_warning(
+    max_connections: int, reserved: int, pool_size: int, replicas: int
+) -> str | None:
+    """The warning :func:`connection_headroom` logs, or None when ``replicas``
+    pools of ``pool_size`` fit the server's ``max_connections`` less its
+    ``reserved`` (superuser and other reserved) slots with room to spare."""
+    usable = max_connections - reserved
+    need = pool_size * replicas
+    if need <= HEADROOM_SHARE * usable:
+        return None
+    verdict = "more than" if need > usable else "close to"
+    return (
+        f"database connections: {replicas} replica(s) x --pool-size {pool_size} = {need},"
+        f" {verdict} the {usable} PostgreSQL accepts from ordinary users"
+        f" (max_connections {max_connections} less {reserved} reserved);"
+        f" requests will wait for connections and fail with 503 database_unavailable once"
+        f" they run out. Raise max_connections, or lower --pool-size so that --replicas x"
+        f" --pool-size stays under {int(HEADROOM_SHARE * 100)}% of it"
+        f" (README: Sizing for N replicas)"
+    )
+
+
+def connection_headroom(url: str, pool_size: int, replicas: int) -> str | None:
+    """Ask the server for its connection limit (``SHOW max_connections`` and
+    the reserved slots, ``reserved_connections`` from PostgreSQL 16) and
+    return :func:`headroom_warning`'s verdict for this deployment."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT current_setting('max_connections')::int,"
+            " current_setting('superuser_reserved_connections')::int"
+            " + coalesce(nullif(current_setting('reserved_connections', true), ''), '0')::int"
+        ).fetchone()
+    assert row is not None
+    return headroom_warning(int(row[0]), int(row[1]), pool_size, replicas)
+
+
 @dataclass
 class _Share:
     slots: asyncio.Semaphore
