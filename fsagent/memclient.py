@@ -354,7 +354,7 @@ class MemoryBridgeClient(BridgeClient):
         return [(digest, len(data)) for digest, data in got]
 
     def _admit(self, sizes: dict[str, int]) -> None:
-        """The run's upload allowance, as :func:`controller.quotas.check_pending_uploads`
+        """The run's upload allowance, as :func:`controller.quotas.reserve_uploads`
         checks it; then the uploads are the run's, uncommitted."""
         limit = self.upload_allowance
         held = self.committed_uploads | set(self.pending_uploads)
