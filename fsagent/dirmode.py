@@ -70,12 +70,13 @@ from fsagent.dirfs import (
     staging,
     syncfs,
 )
-from fsagent.dirscan import TICK_NS, DirScan, local_refusals, report
+from fsagent.dirscan import TICK_NS, DirScan, local_refusals, report, shown_name
 from fsagent.dirstore import DirStore
 from fsagent.errors import (
     ControllerRefused,
     MountFailed,
     ObjectUnavailable,
+    SaveFailed,
 )
 from fsagent.hydrate import manifest_row
 from fsagent.lifecycle import StopBoundary, final_save
@@ -151,7 +152,21 @@ class DirShipper(Shipper):
         self.refusals = local_refusals(scan)
         if scan.problems:
             log.info("%d path(s) refused by the scan: %s", len(scan.problems), _names(scan))
-        return await super()._ship(final=final)
+        result = await super()._ship(final=final)
+        if final and scan.unstable:
+            # What held still is saved; what kept changing is not, and while
+            # any directory kept changing no deletion could ship (a file moved
+            # into it may be in neither listing). A plain directory cannot
+            # refuse writes during the stop, so this final save is not whole:
+            # it must not be taken for one (the agent folder's local copy is
+            # discarded after a final save that succeeded).
+            shown = sorted(scan.unstable, key=lambda p: p.encode("utf-8", "surrogateescape"))
+            raise SaveFailed(
+                f"the folder kept changing during the final save: {len(shown)} path(s) "
+                f"still changing not saved{'' if scan.stable else ', nor any deletion'} "
+                f"({', '.join(shown_name(p) for p in shown[:5])}{', ...' if len(shown) > 5 else ''})"
+            )
+        return result
 
     def body_extras(self) -> dict[str, Any]:
         # The controller's receipt names what the scan refused (issue 13).

@@ -12,6 +12,7 @@ save holds everything answered before.
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.bridge import start_run
+from tests.support.checkpoints import try_flush
 from tests.support.controller import Tenant
 from tests.support.mount import MountFactory, mount_factory
 from tests.support.pyfuse3_patch import handles_env, patched_pyfuse3_env
@@ -91,3 +93,73 @@ def test_a_write_answered_before_the_stop_ends_is_in_the_final_save(
     assert not missing, (
         f"{len(missing)} of {len(acked)} acknowledged writes not saved: {missing[:10]}"
     )
+
+
+CHURNER = """
+import os, sys
+d = sys.argv[1]
+if os.geteuid() == 0:
+    os.nice(-15)  # it must run while the final save scans, on a busy machine too
+os.makedirs(d, exist_ok=True)
+i = 0
+while True:
+    p = os.path.join(d, "t%d" % (i % 4))
+    open(p, "wb").close()
+    os.unlink(p)
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("scope", ["agent", "task"])
+def test_a_dir_mode_stop_saves_deletions_while_another_directory_churns(
+    tenant: Tenant, scope: str
+) -> None:
+    """A rename and a delete made before the stop, while some process goes on
+    creating and removing files in another directory of the folder through the
+    final save: the final save holds the rename and the delete, or it says it
+    failed; it never claims a save that kept the old paths (for the agent
+    folder, whose local copy the stop discards, they would come back in the
+    next run)."""
+    with mount_factory(mode="dir") as mounts:
+        token = mounts.base / "token"
+        run = start_run(tenant)
+        token.write_text(run.token)
+        owner = run.agent if scope == "agent" else run.task
+        assert owner is not None
+        folder = tenant.folder(scope, owner)
+        m = mounts.mount(tenant.controller.url, scope, token_file=token)
+        (m.mountpoint / "keep").mkdir()
+        (m.mountpoint / "keep" / "a.txt").write_bytes(b"moved content")
+        (m.mountpoint / "keep" / "c.txt").write_bytes(b"deleted content")
+        code, reply = try_flush(m)
+        assert code == 0, reply
+        os.rename(m.mountpoint / "keep" / "a.txt", m.mountpoint / "keep" / "b.txt")
+        os.unlink(m.mountpoint / "keep" / "c.txt")
+        churners = [
+            subprocess.Popen([sys.executable, "-c", CHURNER, str(m.mountpoint / d)])
+            for d in ("churn", "keep/churn")
+        ]
+        try:
+            deadline = time.monotonic() + 60
+            while not (m.mountpoint / "keep" / "churn").is_dir():
+                assert time.monotonic() < deadline and churners[1].poll() is None
+                time.sleep(0.05)
+            code = m.signal(signal.SIGTERM, timeout=300)
+        finally:
+            for churner in churners:
+                churner.kill()
+                churner.wait()
+        with tenant.client() as c:
+            got = {
+                p: c.get(folder + "/content", params={"path": p})
+                for p in ("keep/a.txt", "keep/b.txt", "keep/c.txt")
+            }
+        saved = {p: r.content for p, r in got.items() if r.status_code == 200}
+        print(f"exit {code}, saved {sorted(saved)}:\n{m.stderr()}")
+        if code == 0:
+            assert saved == {"keep/b.txt": b"moved content"}, (saved, m.stderr())
+        else:
+            # Not whole: said so, with the acknowledged rename's new path saved.
+            assert "final save FAILED" in m.stderr(), m.stderr()
+            assert "kept changing during the final save" in m.stderr(), m.stderr()
+            assert saved.get("keep/b.txt") == b"moved content", saved
