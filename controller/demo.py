@@ -122,13 +122,19 @@ def fsagent_command() -> str:
 
 def sandbox_lines(env_file: Path, acc: dict[str, str], home: Path) -> list[str]:
     """Lines to paste into a shell "inside the sandbox": its env file, then the
-    API through the local endpoint (which adds the run token)."""
+    API through the local endpoint (which adds the run token). They say where
+    the API's write shows: on the controller at once, in the mounted task
+    folder only at the next run (spec/sandbox-work-folders.md: no incoming
+    refresh during a run; fsagent is the mount's only writer)."""
     task = f"/api/companies/{acc['company_id']}/work-folders/task/{acc['task_id']}"
     url = f'"$PAPERCLIP_API_URL{task}/content?path=notes.md"'
     env, where = shlex.quote(str(env_file)), shlex.quote(str(home))
     return [
         "",
-        "Inside the sandbox (its env file, then the API through the local endpoint; no token):",
+        "Inside the sandbox (its env file, then the API through the local endpoint; no token).",
+        "An API write is saved on the controller at once and reaches the mounted folders at",
+        f"the next run (no refresh during a run): `ls {where}/task` shows notes.md after",
+        "Ctrl-C and `make demo` again:",
         f"  set -a; . {env}; set +a",
         "  curl -sS -X PUT -H 'Content-Type: application/octet-stream'"
         f" --data-binary 'written from the sandbox' {url}",

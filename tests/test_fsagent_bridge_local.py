@@ -401,10 +401,9 @@ def test_up_serves_the_endpoint_and_doctor_finds_everything_healthy(tenant: Tena
                            check=False)  # fmt: skip
 
 
-@pytest.mark.fuse
-def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
-    base = world_searchable_tmpdir("fsa-demo-")
-    port = free_port()
+def start_demo(base: Path, port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """``make demo`` (controller.demo) on ``base``; its output once it says
+    how to stop it."""
     with open(base / "demo.out", "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "controller.demo", "--data-dir", str(base / "data"), "--home",
@@ -419,6 +418,33 @@ def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
             assert time.monotonic() < deadline, text
             time.sleep(0.2)
             text = (base / "demo.out").read_text(errors="replace")
+    except BaseException:
+        stop_demo(base, proc)
+        raise
+    return proc, text
+
+
+def stop_demo(base: Path, proc: subprocess.Popen[bytes]) -> int:
+    """Ctrl-C, as a person stops the demo; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for scope in ("task", "agent", "user", "project"):
+        subprocess.run(["fusermount3", "-u", "-z", str(base / "home" / scope)],
+                       capture_output=True, check=False)  # fmt: skip
+    return proc.returncode
+
+
+@pytest.mark.fuse
+def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
+    base = world_searchable_tmpdir("fsa-demo-")
+    port = free_port()
+    proc, text = start_demo(base, port)
+    try:
         check_demo_agent(text, base / "home")
         # make demo serves the four collections as FUSE mounts, never plain directories.
         fstypes = {}
@@ -427,8 +453,15 @@ def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
             fstypes[fields.split()[4]] = rest.split()[0]
         for scope in ("task", "agent", "user", "project"):
             assert fstypes.get(str(base / "home" / scope)) == "fuse.fsagent", (scope, fstypes)
-        block = text.split("Inside the sandbox", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
-        setup, put, get, launched = (line.strip() for line in block)
+        block = text.split("Inside the sandbox", 1)[1].split("\n\n", 1)[0].splitlines()
+        # Where the API's write shows is said before the lines that make it.
+        said = " ".join(line for line in block if not line.startswith("  "))
+        assert (
+            "An API write is saved on the controller at once and reaches the mounted folders at"
+            f" the next run (no refresh during a run): `ls {base / 'home'}/task` shows notes.md"
+            " after Ctrl-C and `make demo` again:"
+        ) in said, said
+        setup, put, get, launched = (line.strip() for line in block if line.startswith("  "))
         assert setup.startswith("set -a; . ") and "Bearer" not in "".join(block)
         assert get.startswith('curl -sS "$PAPERCLIP_API_URL/api/companies/')
         assert shlex.split(launched)[0].startswith("/"), launched
@@ -448,18 +481,18 @@ def test_demo_prints_curl_lines_that_work_inside_the_sandbox() -> None:
         assert via_launch.returncode == 0 and via_launch.stdout == "written from the sandbox", (
             via_launch
         )
+        # As printed: not in the mounted task folder during this run...
+        assert "notes.md" not in [p.name for p in (base / "home" / "task").iterdir()]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for scope in ("task", "agent", "user", "project"):
-            subprocess.run(["fusermount3", "-u", "-z", str(base / "home" / scope)],
-                           capture_output=True, check=False)  # fmt: skip
-    assert proc.returncode == 0, (base / "demo.out").read_text(errors="replace")
+        code = stop_demo(base, proc)
+    assert code == 0, (base / "demo.out").read_text(errors="replace")
+    # ...and there after Ctrl-C and `make demo` again.
+    proc, _ = start_demo(base, port)
+    try:
+        assert (base / "home" / "task" / "notes.md").read_bytes() == b"written from the sandbox"
+    finally:
+        code = stop_demo(base, proc)
+    assert code == 0, (base / "demo.out").read_text(errors="replace")
 
 
 def test_the_systemd_unit_command_line_serves_and_writes_the_env_file(upstream: Upstream) -> None:
