@@ -145,6 +145,11 @@ class TokenNotFound(NotFound):
     message = "Token not found"
 
 
+class InvitationNotFound(NotFound):
+    code = "invitation_not_found"
+    message = "Invitation not found"
+
+
 class OwnerRequired(WorkFolderError):
     """Only an owner gives, changes or takes away the owner role."""
 
@@ -267,6 +272,11 @@ class IdempotencyConflict(Conflict):
 class EmailTaken(Conflict):
     code = "email_taken"
     message = "A user with this email already exists"
+
+
+class AlreadyMember(Conflict):
+    code = "already_member"
+    message = "The user is already a member of this company"
 
 
 class LastOwner(Conflict):

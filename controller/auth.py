@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from psycopg import AsyncConnection
@@ -87,6 +88,9 @@ class Principal:
     """The id of the API token a person's request presented."""
     session_hash: bytes | None = None
     """The Files page session a person's request presented (its stored hash)."""
+    session_started: datetime | None = None
+    """When that session was signed in: a company that ended the member's
+    sessions since (``memberships.sessions_ended_at``) is closed to it."""
 
 
 def _run_from_row(row: dict[str, Any]) -> RunBinding:
@@ -159,7 +163,7 @@ async def principal_for_bridge(
 async def principal_from_session(conn: AsyncConnection[Any], secret: str) -> Principal:
     digest = token_hash(secret)
     cur = await conn.execute(
-        "SELECT user_id, csrf_token FROM web_sessions"
+        "SELECT user_id, csrf_token, created_at FROM web_sessions"
         " WHERE session_hash = %s AND expires_at > now()",
         (digest,),
     )
@@ -172,14 +176,36 @@ async def principal_from_session(conn: AsyncConnection[Any], secret: str) -> Pri
         via_session=True,
         csrf_token=row["csrf_token"],
         session_hash=digest,
+        session_started=row["created_at"],
     )
 
 
-async def confirm_credential(conn: AsyncConnection[Any], principal: Principal) -> None:
+async def session_ended_in(
+    conn: AsyncConnection[Any], principal: Principal, company_id: str, *, lock: bool = False
+) -> bool:
+    """Whether ``company_id`` ended the member's Files page sessions since the
+    principal's session was signed in: it no longer reaches that company
+    (and still reaches the others). ``lock`` takes the membership row
+    ``FOR SHARE``, so ending the sessions waits for the write."""
+    if principal.session_started is None:
+        return False
+    cur = await conn.execute(
+        "SELECT 1 FROM memberships WHERE company_id = %s AND user_id = %s"
+        " AND sessions_ended_at >= %s" + (" FOR SHARE" if lock else ""),
+        (company_id, principal.user_id, principal.session_started),
+    )
+    return await cur.fetchone() is not None
+
+
+async def confirm_credential(
+    conn: AsyncConnection[Any], principal: Principal, company_id: str | None = None
+) -> None:
     """The API token or Files page session a person's request presented is
-    still valid, its row locked ``FOR SHARE``: revoking the token (an update)
-    or ending the session (a delete) waits for this transaction, so a write
-    commits wholly before the revocation or not at all (401)."""
+    still valid (for a session, not ended by ``company_id`` either), its row
+    locked ``FOR SHARE``: revoking the token (an update) or ending the
+    session (a delete, or the company's update of the membership) waits for
+    this transaction, so a write commits wholly before the revocation or not
+    at all (401)."""
     if principal.token_id is not None:
         cur = await conn.execute(
             "SELECT 1 FROM api_tokens WHERE id = %s AND revoked_at IS NULL FOR SHARE",
@@ -194,6 +220,10 @@ async def confirm_credential(conn: AsyncConnection[Any], principal: Principal) -
         )
         if await cur.fetchone() is None:
             raise Unauthenticated("The session has ended; nothing was saved")
+        if company_id is not None and await session_ended_in(
+            conn, principal, company_id, lock=True
+        ):
+            raise Unauthenticated("The session was ended for this company; nothing was saved")
 
 
 async def membership_role(conn: AsyncConnection[Any], company_id: str, user_id: str) -> str | None:
@@ -364,7 +394,7 @@ async def confirm_write(
     permission still held."""
     if principal.kind == "user":
         assert principal.user_id is not None
-        await confirm_credential(conn, principal)
+        await confirm_credential(conn, principal, company_id)
         role = await confirm_member_writes(conn, company_id, principal.user_id)
         if scope == "agent":
             await confirm_configure(conn, company_id, principal.user_id, owner_id, role)
@@ -444,7 +474,7 @@ async def authorize_company(
                 return CompanyActor(company_id, "operator", token_id=grant.token_id)
     elif principal.kind == "user" and principal.user_id is not None:
         if write:
-            await confirm_credential(conn, principal)
+            await confirm_credential(conn, principal, company_id)
         cur = await conn.execute(
             "SELECT role FROM memberships WHERE company_id = %s AND user_id = %s" + lock,
             (company_id, principal.user_id),

@@ -218,13 +218,27 @@ async def set_member_role(
     role: str,
     *,
     actor: CompanyActor | None = None,
+    joining: bool = False,
 ) -> Membership:
-    """Add ``user`` to ``company`` with ``role``, or change their role."""
+    """Add ``user`` to ``company`` with ``role``, or change their role.
+
+    Through the API (``actor``) only a member's role changes: an existing
+    person joins a company by accepting its invitation
+    (:mod:`controller.invitations`) or through the host's operator
+    (``add-member``, no actor). Anyone else is :class:`MemberNotFound`,
+    whether or not such a user exists: a company reads and changes nothing of
+    people outside it. ``joining`` is :func:`add_new_member`'s user, made in
+    the same transaction."""
     company, user = check_uuid(company, "company"), check_uuid(user, "user")
     check_role(role)
     await require_company(conn, company)
-    await require_user(conn, user)
-    await _locked_role(conn, company, user, role, actor)
+    if actor is None or joining:
+        await require_user(conn, user)
+    current = await _locked_role(conn, company, user, role, actor)
+    if current is None and actor is not None and not joining:
+        raise MemberNotFound(
+            f"user {user} is not a member of company {company} (invite them to join)"
+        )
     await conn.execute(
         "INSERT INTO memberships (company_id, user_id, role) VALUES (%s, %s, %s)"
         " ON CONFLICT (company_id, user_id) DO UPDATE SET role = EXCLUDED.role",
@@ -242,7 +256,8 @@ async def add_new_member(
     if role == "owner" and not actor.is_owner:
         raise OwnerRequired()
     user = await create_user(conn, email)
-    return user, await set_member_role(conn, company, user.user_id, role, actor=actor)
+    member = await set_member_role(conn, company, user.user_id, role, actor=actor, joining=True)
+    return user, member
 
 
 async def remove_member(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from psycopg import AsyncConnection
@@ -21,13 +22,18 @@ class Session:
     """The user's memberships: company id, name and role, by name."""
 
 
-async def describe(conn: AsyncConnection[Any], user_id: str, csrf_token: str) -> Session:
+async def describe(
+    conn: AsyncConnection[Any], user_id: str, csrf_token: str, started: datetime | None = None
+) -> Session:
+    """The user and their companies; for a session signed in at ``started``,
+    not the companies that ended the member's sessions since."""
     cur = await conn.execute("SELECT email FROM users WHERE id = %s", (user_id,))
     user = await cur.fetchone()
     cur = await conn.execute(
         "SELECT c.id, c.name, m.role FROM memberships m JOIN companies c ON c.id = m.company_id"
-        " WHERE m.user_id = %s ORDER BY c.name, c.id",
-        (user_id,),
+        " WHERE m.user_id = %s AND (%s::timestamptz IS NULL OR m.sessions_ended_at IS NULL"
+        " OR m.sessions_ended_at < %s::timestamptz) ORDER BY c.name, c.id",
+        (user_id, started, started),
     )
     companies = list(await cur.fetchall())
     return Session(user_id, user["email"] if user else None, csrf_token, companies)

@@ -7,8 +7,10 @@ company's: its operator tokens, and its members' API tokens and sessions,
 under the owner rule (only an owner acts on an owner's credentials). A
 person's API token and sessions serve them in every company they belong to:
 a company revokes such a token only while the person belongs to no other
-company (:class:`~common.errors.TokenShared`); ending sessions only signs the
-person out, so a company may end them whatever else they belong to.
+company (:class:`~common.errors.TokenShared`). A company ends a member's
+Files page sessions for itself alone: they stop reaching that company and
+still reach the others (``memberships.sessions_ended_at``); the host's
+operator ends them everywhere.
 
 An **operator token** belongs to one company and opens only that company's
 orchestrator routes (``/api/companies/{companyId}/…``: reading members;
@@ -172,17 +174,37 @@ async def end_sessions(
 ) -> int:
     """End every Files page session of ``user``; their next request is 401.
     With ``actor`` (the admin API) only for a member of the actor's company,
-    an owner's only by an owner."""
+    an owner's only by an owner, and only there: the sessions signed in so
+    far stop reaching the actor's company (401 there from the next request,
+    and for a write not yet committed), not the user's other companies. The
+    count is of the sessions this ended."""
     user = check_uuid(user, "user")
     if actor is None:
         await require_user(conn, user)
-    else:
-        # Not a member and no such user answer alike: a company learns
-        # nothing of people outside it.
-        role = await _member_role(conn, actor.company_id, user)
-        if role is None:
-            raise MemberNotFound(f"user {user} is not a member of company {actor.company_id}")
-        if role == "owner" and not actor.is_owner:
-            raise OwnerRequired("Only an owner may end an owner's sessions")
-    cur = await conn.execute("DELETE FROM web_sessions WHERE user_id = %s", (user,))
-    return cur.rowcount
+        cur = await conn.execute("DELETE FROM web_sessions WHERE user_id = %s", (user,))
+        return cur.rowcount
+    # Not a member and no such user answer alike: a company learns nothing
+    # of people outside it. The row is locked for the update below (a write
+    # of the member in flight holds it FOR SHARE: this waits for it).
+    cur = await conn.execute(
+        "SELECT role, sessions_ended_at FROM memberships WHERE company_id = %s AND user_id = %s"
+        " FOR NO KEY UPDATE",
+        (actor.company_id, user),
+    )
+    member = await cur.fetchone()
+    if member is None:
+        raise MemberNotFound(f"user {user} is not a member of company {actor.company_id}")
+    if member["role"] == "owner" and not actor.is_owner:
+        raise OwnerRequired("Only an owner may end an owner's sessions")
+    cur = await conn.execute(
+        "SELECT count(*) AS n FROM web_sessions WHERE user_id = %s AND expires_at > now()"
+        " AND created_at <= now() AND (%s::timestamptz IS NULL OR created_at > %s::timestamptz)",
+        (user, member["sessions_ended_at"], member["sessions_ended_at"]),
+    )
+    counted = await cur.fetchone()
+    assert counted is not None
+    await conn.execute(
+        "UPDATE memberships SET sessions_ended_at = now() WHERE company_id = %s AND user_id = %s",
+        (actor.company_id, user),
+    )
+    return int(counted["n"])

@@ -48,6 +48,7 @@ from controller.auth import (
     principal_from_bearer,
     principal_from_session,
     same_secret,
+    session_ended_in,
 )
 from controller.config import Settings
 from controller.db import SharedPool
@@ -237,6 +238,16 @@ async def authenticate(request: Request, conn: AsyncConnection[Any]) -> Principa
     # rather than in every handler that reads a principal.
     if principal.kind == "operator" and not request.scope.get(OPERATOR_ROUTE):
         raise Unauthenticated("Operator tokens are not accepted on this route")
+    company = request.path_params.get("companyId")
+    if principal.session_started is not None and isinstance(company, str):
+        # A company that ended the member's sessions is closed to this one;
+        # the other companies it reaches stay open.
+        try:
+            company = validate_uuid(company, "companyId")
+        except ValidationError:
+            company = None  # the handler answers the 400
+        if company is not None and await session_ended_in(conn, principal, company):
+            raise Unauthenticated("The session was ended for this company; sign in again")
     mark_authenticated(request)
     if principal.run is not None:
         note_run(principal.run.run_id)

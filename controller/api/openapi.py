@@ -616,8 +616,9 @@ def _admin_paths() -> dict[str, Any]:
         company + "/members/{userId}": {
             "parameters": [company_p, id_p("userId")],
             "put": _admin_op(
-                "Add an existing user with a role, or change a member's role"
-                " (the owner role: owners only, 403 owner_required; 409 last_owner)",
+                "Change a member's role (the owner role: owners only, 403 owner_required;"
+                " 409 last_owner); anyone else, user or not, is 404 member_not_found:"
+                " a person joins by accepting an invitation",
                 _PEOPLE_ONLY,
                 "200",
                 "403",
@@ -635,11 +636,51 @@ def _admin_paths() -> dict[str, Any]:
         company + "/members/{userId}/sessions": {
             "parameters": [company_p, id_p("userId")],
             "delete": _admin_op(
-                "End every Files page session of a member (end-sessions): their next"
-                " request with one is 401; an owner's only by an owner (403 owner_required)",
+                "End a member's Files page sessions for this company (end-sessions): their"
+                " next request with one here is 401, their other companies stay open; an"
+                " owner's only by an owner (403 owner_required)",
                 _PEOPLE_ONLY,
                 "200",
                 "403",
+            ),
+        },
+        company + "/invitations": {
+            "parameters": [company_p],
+            "get": _admin_op(
+                "The company's pending invitations, oldest first (no emails)", _PEOPLE_ONLY, "200"
+            ),
+            "post": _admin_op(
+                "Invite an existing user (by id) with a role: they become a member only by"
+                " accepting (the owner role: owners only, 403 owner_required; 404"
+                " user_not_found; 409 already_member); inviting again changes the role",
+                _PEOPLE_ONLY,
+                "201",
+                "403",
+                "409",
+                requestBody=_json_body({"userId": _UUID, "role": _ROLE}, "userId", "role"),
+            ),
+        },
+        company + "/invitations/{invitationId}": {
+            "parameters": [company_p, id_p("invitationId")],
+            "delete": _admin_op(
+                "Withdraw a pending invitation (404 invitation_not_found)", _PEOPLE_ONLY, "200"
+            ),
+        },
+        "/api/invitations": {
+            "get": _op("The caller's own pending invitations, with each company's name", "200"),
+        },
+        "/api/invitations/{invitationId}": {
+            "parameters": [id_p("invitationId")],
+            "delete": _op(
+                "Decline one's own invitation (anyone else's: 404 invitation_not_found)", "200"
+            ),
+        },
+        "/api/invitations/{invitationId}/accept": {
+            "parameters": [id_p("invitationId")],
+            "post": _op(
+                "Accept one's own invitation: the caller becomes a member with its role"
+                " (anyone else's: 404 invitation_not_found)",
+                "200",
             ),
         },
         company + "/tokens": {

@@ -88,7 +88,9 @@ async def create_member(request: Request) -> Response:
 
 @json_errors
 async def put_member(request: Request) -> Response:
-    """Add an existing user with a role, or change a member's role."""
+    """Change a member's role. Anyone else, whether or not such a user exists,
+    is 404 ``member_not_found``: a person joins by accepting an invitation
+    (:mod:`controller.api.invitations`), or through the host's operator."""
     user_id = validate_uuid(request.path_params["userId"], "userId")
     path_company(request)
     role = str(string_fields(await read_json(request), required=("role",))["role"])
@@ -372,7 +374,8 @@ async def revoke_token(request: Request) -> Response:
 
 @json_errors
 async def end_sessions(request: Request) -> Response:
-    """``end-sessions``: every Files page session of the member ends."""
+    """``end-sessions`` for this company only: the member's Files page sessions
+    signed in so far stop reaching it; their other companies stay open."""
     user_id = validate_uuid(request.path_params["userId"], "userId")
 
     async def work(conn: Conn, actor: CompanyActor) -> int:

@@ -56,7 +56,9 @@ async def get_session(request: Request) -> Response:
         principal = await authenticate(request, conn)
         if principal.kind != "user" or principal.user_id is None:
             raise Unauthenticated()
-        session = await sessions.describe(conn, principal.user_id, principal.csrf_token or "")
+        session = await sessions.describe(
+            conn, principal.user_id, principal.csrf_token or "", principal.session_started
+        )
     return JSONResponse(session_json(session))
 
 
