@@ -18,7 +18,12 @@ Per binding, one of (:func:`prepare_repo`):
   credentials (``--branch`` the starting ref when one is set) into a
   temporary directory, then one rename. The primary workspace honours the
   task's branch: checked out if the remote has it, else created from the
-  starting point. Setup runs once.
+  starting point. Setup runs once. A remote whose HEAD names a branch it
+  does not have gives a clone with nothing checked out (Git only warns):
+  the clone is kept (every branch is in it) and the result carries a
+  warning, code :data:`REMOTE_HEAD_MISSING`, with Git's own message; the
+  binding record keeps it for ``fsagent repos status``. The spec's starting
+  ref policy names no fallback branch, so none is guessed.
 
 A directory at the path that is not this binding's checkout (another task's
 or workspace's, or anything without a record) is refused
@@ -75,6 +80,9 @@ SETUP_LOG: Final = f"{RECORD_DIR}/setup.log"
 FETCH_CONCURRENCY: Final = 4
 """Batch fetches in flight during a restore."""
 FETCH_BATCH_BYTES: Final = 32 << 20
+REMOTE_HEAD_MISSING: Final = "remote_head_missing"
+"""The warning of a clone whose remote HEAD names a branch the remote does not
+have: nothing is checked out."""
 
 
 @dataclass
@@ -88,6 +96,9 @@ class PrepareResult:
     """``done``, ``failed``, ``skipped`` (warm, already done), ``none`` (no command)."""
     message: str | None = None
     seconds: float = 0.0
+    warning: dict[str, str] | None = None
+    """``{"code", "message", "git"}`` of a checkout that is prepared but not as
+    asked (:data:`REMOTE_HEAD_MISSING`); None when there is nothing to say."""
 
     @property
     def ok(self) -> bool:
@@ -101,6 +112,7 @@ class PrepareResult:
             "mode": self.mode,
             "setup": self.setup,
             "message": self.message,
+            "warning": self.warning,
             "seconds": round(self.seconds, 3),
         }
 
@@ -173,7 +185,7 @@ async def prepare_repo(
                 await restore_checkout(client, run, binding, target)
                 mode = "restore"
             else:
-                await trio.to_thread.run_sync(clone_checkout, run, binding, target)
+                result.warning = await trio.to_thread.run_sync(clone_checkout, run, binding, target)
                 mode = "clone"
         result.mode = mode
         result.setup = await trio.to_thread.run_sync(
@@ -235,9 +247,11 @@ def _write_record(checkout: Path, rel: str, data: dict[str, Any]) -> None:
 # --- clone --------------------------------------------------------------------
 
 
-def clone_checkout(run: RunInfo, binding: RepoBinding, target: Path) -> None:
+def clone_checkout(run: RunInfo, binding: RepoBinding, target: Path) -> dict[str, str] | None:
     """``git clone`` into a temporary directory beside ``target``, check out the
-    task's branch (primary workspace), record the binding, publish."""
+    task's branch (primary workspace), record the binding, publish. The
+    warning of a clone with nothing checked out (:func:`unborn_head_warning`),
+    also kept in the binding record; else None."""
     tmp = _temporary_beside(target, "clone")
     try:
         args = ["git", "clone", "--quiet"]
@@ -251,13 +265,55 @@ def clone_checkout(run: RunInfo, binding: RepoBinding, target: Path) -> None:
             raise RepoPrepareFailed(
                 f"git clone {binding.repo_url} failed: {proc.stderr.decode(errors='replace').strip()}"
             )
+        cloned_head = git(tmp, "symbolic-ref", "--quiet", "HEAD", check=False)
         if binding.primary and binding.branch:
             _check_out_task_branch(tmp, binding.branch)
-        _write_record(tmp, BINDING_RECORD, binding_record(run, binding, "clone"))
+        warning = unborn_head_warning(
+            tmp, cloned_head.stdout.decode(errors="replace").strip(), proc.stderr
+        )
+        record = binding_record(run, binding, "clone")
+        if warning is not None:
+            record["warning"] = warning
+            log.warning("%s: %s", binding.name, warning["message"])
+        _write_record(tmp, BINDING_RECORD, record)
         _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return warning
+
+
+def unborn_head_warning(checkout: Path, cloned_head: str, stderr: bytes) -> dict[str, str] | None:
+    """A fresh clone whose HEAD names no commit while the remote has branches:
+    the remote's HEAD (``cloned_head``, what the clone's HEAD named before any
+    task branch) points at a branch it does not have, and Git, which only
+    warns, checked nothing out. The warning names that branch and the
+    remote's, and keeps Git's message. An empty remote (no branches at all)
+    is an ordinary empty clone: None."""
+    if git(checkout, "rev-parse", "--verify", "--quiet", "HEAD", check=False).returncode == 0:
+        return None
+    listed = git(checkout, "for-each-ref", "--format=%(refname:short)", "refs/remotes/origin")
+    branches = [
+        b.removeprefix("origin/")
+        for b in listed.stdout.decode(errors="replace").split()
+        if b not in ("origin", "origin/HEAD")
+    ]
+    if not branches:
+        return None
+    head = cloned_head.removeprefix("refs/heads/") or "(none)"
+    shown = ", ".join(branches[:5]) + (
+        f" and {len(branches) - 5} more" if len(branches) > 5 else ""
+    )
+    said = stderr.decode(errors="replace").strip()
+    return {
+        "code": REMOTE_HEAD_MISSING,
+        "message": (
+            f"the remote's HEAD names branch {head}, which the remote does not have:"
+            f" nothing is checked out (the remote has {shown};"
+            f" e.g. git checkout {branches[0]})"
+        ),
+        "git": said,
+    }
 
 
 def _check_out_task_branch(checkout: Path, branch: str) -> None:

@@ -152,7 +152,13 @@ async def prepare_all(
 
 def describe_prepare(result: PrepareResult) -> str:
     line = f"{result.name}: {result.mode} ({result.path}); setup {result.setup}"
-    return line + (f": {result.message}" if result.message else "")
+    line += f": {result.message}" if result.message else ""
+    return line + (_describe_warning(result.warning) if result.warning else "")
+
+
+def _describe_warning(warning: dict[str, Any]) -> str:
+    said = f" (git: {warning['git']})" if warning.get("git") else ""
+    return f"; warning [{warning.get('code')}]: {warning.get('message')}{said}"
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -497,6 +503,7 @@ def repo_status(home: Path, state_root: Path) -> list[dict[str, Any]]:
             "prepared": record.get("prepared"),
             "restoredFrom": _restored_from(record),
             "setup": setup_state(path),
+            "warning": record.get("warning"),
         }
         if rows[ws]["restoredFrom"] is not None:
             restored_at[ws] = str(record.get("at") or "")
@@ -550,6 +557,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         setup = r.get("setup")
         if setup:
             print(f"  setup: {setup.get('state')} (exit {setup.get('exitCode', '-')})")
+        warning = r.get("warning")
+        if warning:
+            print(f"  {_describe_warning(warning).removeprefix('; ')}")
         if r.get("problemCount"):
             print(f"  {r['problemCount']} path(s) not saved, e.g.:")
             for p in r.get("problems", [])[:5]:

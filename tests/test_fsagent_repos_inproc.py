@@ -31,7 +31,7 @@ from fsagent.errors import (
 )
 from fsagent.memclient import MemoryBridgeClient
 from fsagent.repoprepare import BINDING_RECORD, SETUP_RECORD, prepare_repo
-from fsagent.repos import RepoSavers, prepare_all, repo_status, watch
+from fsagent.repos import RepoSavers, describe_prepare, prepare_all, repo_status, watch
 from fsagent.reposave import RepoSaver
 from tests.support.gitrepos import assert_restored, git, make_local_state, make_origin
 
@@ -156,6 +156,49 @@ async def test_primary_checkout_honours_the_task_branch(tmp_path: Path, origin: 
     created = box.repos / "newbranch"
     assert git(created, "symbolic-ref", "--short", "HEAD").strip() == "task-42"
     assert git(created, "rev-parse", "HEAD") == git(created, "rev-parse", "origin/main")
+
+
+@pytest.mark.trio
+async def test_a_remote_head_naming_a_missing_branch_is_a_clone_with_a_warning(
+    tmp_path: Path, origin: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The remote's HEAD names refs/heads/missing: Git clones, checks nothing
+    out and only warns. The clone is kept (its branches are all there) and
+    says so with a stable code and Git's message, in prepare's result and
+    line and in ``repos status``; an empty remote is an ordinary clone."""
+    git(origin, "symbolic-ref", "HEAD", "refs/heads/missing")
+    empty = tmp_path / "empty.git"
+    git(tmp_path, "init", "-q", "--bare", str(empty))
+    mem = MemoryBridgeClient()
+    mem.add_repo(str(origin), "app", primary=True)
+    mem.add_repo(str(empty), "blank", primary=False)
+    box = Sandbox(tmp_path / "box")
+    _, _, results = await prepare_all(mem, box.home)
+    app, blank = sorted(results, key=lambda r: r.name)
+    assert (app.mode, app.setup, app.ok) == ("clone", "none", True)
+    assert app.warning is not None and app.warning["code"] == "remote_head_missing", app
+    assert app.warning["message"] == (
+        "the remote's HEAD names branch missing, which the remote does not have:"
+        " nothing is checked out (the remote has feature, main; e.g. git checkout feature)"
+    )
+    assert "remote HEAD refers to nonexistent ref" in app.warning["git"], app.warning
+    checkout = box.repos / "app"
+    assert git(checkout, "symbolic-ref", "HEAD").strip() == "refs/heads/missing"
+    assert sorted(p.name for p in checkout.iterdir()) == [".git"]  # nothing checked out
+    assert describe_prepare(app).endswith(
+        f"; warning [remote_head_missing]: {app.warning['message']} (git: {app.warning['git']})"
+    )
+    assert app.to_json()["warning"] == app.warning
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"app: {app.warning['message']}"
+    ]
+    [row] = [r for r in repo_status(box.home, box.state) if r["name"] == "app"]
+    assert row["warning"] == app.warning
+    # The agent checks out a branch: the clone had it all along.
+    git(checkout, "checkout", "-q", "main")
+    assert (checkout / "src" / "main.py").read_text() == "print('hello')\n"
+    # An empty remote has nothing to check out: no warning.
+    assert (blank.mode, blank.warning) == ("clone", None), blank
 
 
 @pytest.mark.trio
