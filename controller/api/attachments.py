@@ -32,6 +32,7 @@ from controller.api.objects import (
     object_response,
     put_object,
     reupload_if_missing,
+    served_type,
     spool_body,
 )
 from controller.api.params import idempotency_key, strict_query
@@ -175,7 +176,7 @@ async def get_attachment(request: Request) -> Response:
         "ETag": f'"{row["digest"]}"',
     }
     key = object_key(company_id, row["digest"])
-    media_type = row["content_type"] or "application/octet-stream"
+    media_type = served_type(row["content_type"])
     return await object_response(request, key, int(row["byte_size"]), headers, media_type)
 
 

@@ -34,6 +34,23 @@ SPOOL_WRITE_BYTES = 1 << 20
 
 # --- reads -----------------------------------------------------------------
 
+INLINE_TYPES = frozenset(
+    ("text/plain", "application/pdf", "image/png", "image/jpeg", "image/gif", "image/webp")
+)
+"""The content types a download keeps. The type is the uploader's word (a
+sandbox's, too), and the answer comes from the Files page's own origin:
+``text/javascript``, ``text/html`` or ``image/svg+xml`` served as such is
+script waiting for a browser that ignores ``attachment`` or a page that
+embeds the URL. These few are inert or rendered by the browser's own viewer."""
+
+
+def served_type(stored: str | None) -> str:
+    """The ``Content-Type`` of a stored file's download: its media type when
+    :data:`INLINE_TYPES` has it (parameters dropped; text gets UTF-8), else
+    ``application/octet-stream``."""
+    media = (stored or "").split(";", 1)[0].strip().lower()
+    return media if media in INLINE_TYPES else "application/octet-stream"
+
 
 async def in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
     """A blocking iterator (storage reads, a stream built from them) advanced

@@ -48,6 +48,7 @@ from controller.api.objects import (
     put_object,
     read_spool_prefix,
     reupload_if_missing,
+    served_type,
     spool_body,
 )
 from controller.api.params import (
@@ -307,7 +308,7 @@ async def get_content(request: Request) -> Response:
     if preview and size > MAX_PREVIEW_BYTES:
         raise PayloadTooLarge(f"Previews are limited to {MAX_PREVIEW_BYTES} bytes")
     key = object_key(address[0], row["digest"])
-    media_type = row["content_type"] or "application/octet-stream"
+    media_type = served_type(row["content_type"])
     return await object_response(request, key, size, content_headers(row), media_type)
 
 

@@ -5,6 +5,20 @@
 // The browser's PDF viewer keeps every key press while it has focus, Escape
 // too: focus comes back to the preview once the pointer moves over the page
 // again, so Escape closes it from then on.
+//
+// What is shown inline follows the controller's allowlist of download types
+// (controller/api/objects.py INLINE_TYPES): raster images, PDF, text. The blob
+// a preview makes has the page's origin, so its type is always one this file
+// chooses from that list, never the type the uploader declared: an SVG or
+// HTML blob opened on its own would be a document of the Files page's origin.
+//
+// The PDF frame has no `sandbox` attribute, on purpose: Chromium refuses to
+// show a PDF in a sandboxed frame, whatever the allow- tokens (measured with
+// Chromium 156: every sandbox value gave chrome-error://chromewebdata/, while
+// a text/plain blob loaded in the same frames). Its blob is typed
+// application/pdf by this file, so the bytes only ever reach the PDF viewer,
+// which runs them in its own process; the page's CSP allows frames only from
+// blob: URLs.
 
 import { ApiError, EDITOR_LIMIT, PREVIEW_LIMIT } from "./api.js";
 import { baseName, clear, formatSize, h, isWithin } from "./dom.js";
@@ -15,22 +29,24 @@ const IMAGE_EXTENSIONS = {
   jpeg: "image/jpeg",
   gif: "image/gif",
   webp: "image/webp",
-  bmp: "image/bmp",
-  svg: "image/svg+xml",
-  avif: "image/avif",
-  ico: "image/x-icon",
 };
+const IMAGE_TYPES = new Set(Object.values(IMAGE_EXTENSIONS));
 
 function extension(name) {
   const i = name.lastIndexOf(".");
   return i < 0 ? "" : name.slice(i + 1).toLowerCase();
 }
 
-/** "image" | "pdf" | "other", from the stored content type or the name. */
+/** The stored content type's media type, lower case. */
+function mediaType(entry) {
+  return (entry.contentType || "").split(";")[0].trim().toLowerCase();
+}
+
+/** "image" (raster only) | "pdf" | "other", from the stored content type or the name. */
 function previewKind(entry) {
-  const type = (entry.contentType || "").split(";")[0].trim().toLowerCase();
+  const type = mediaType(entry);
   const ext = extension(baseName(entry.path));
-  if (type.startsWith("image/") || IMAGE_EXTENSIONS[ext]) return "image";
+  if (IMAGE_TYPES.has(type) || IMAGE_EXTENSIONS[ext]) return "image";
   if (type === "application/pdf" || ext === "pdf") return "pdf";
   return "other";
 }
@@ -223,10 +239,8 @@ export class Preview {
   show(entry, name, bytes, say) {
     const kind = previewKind(entry);
     if (kind === "image") {
-      const declared = (entry.contentType || "").split(";")[0].trim();
-      const type = declared.startsWith("image/")
-        ? declared
-        : IMAGE_EXTENSIONS[extension(name)] || "";
+      const declared = mediaType(entry);
+      const type = IMAGE_TYPES.has(declared) ? declared : IMAGE_EXTENSIONS[extension(name)];
       this.url = URL.createObjectURL(new Blob([bytes], { type }));
       const img = h("img", { src: this.url, alt: `Preview of ${name}` });
       img.addEventListener("error", () =>
