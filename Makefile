@@ -59,12 +59,15 @@ bench-dirmode: deps
 # run's life against the real `fsagent up` and controller, each checked
 # against the model of what must be saved; one JSON line per schedule, also
 # appended to $(EXPLORE_RECORD). `make test` runs a few fixed seeds and one random.
+# EXPLORE_JOBS runs schedules side by side, each job with its own PostgreSQL
+# and controller.
 EXPLORE_SCHEDULES ?= 100
 EXPLORE_SECONDS ?= 0
+EXPLORE_JOBS ?= 1
 EXPLORE_RECORD ?= explore-record.jsonl
 .PHONY: explore
 explore: deps-test
-	$(PY) -m tests.support.explorer --schedules $(EXPLORE_SCHEDULES) \
+	$(PY) -m tests.support.explorer --schedules $(EXPLORE_SCHEDULES) --jobs $(EXPLORE_JOBS) \
 		--seconds $(EXPLORE_SECONDS) --record $(EXPLORE_RECORD) $(EXPLORE_ARGS)
 
 # Coverage-guided fuzzing of the upload frame reader and the checkpoint and

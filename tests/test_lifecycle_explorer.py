@@ -22,7 +22,7 @@ from tests.support.controller import (
     bootstrap_tenant,
     private_controller,
 )
-from tests.support.explorer import run_schedule
+from tests.support.explorer import CONTROLLER_ARGS, EVENTS_V1, run_schedule
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
@@ -30,15 +30,25 @@ REGRESSIONS = [
     # A newer run for the sandbox fenced the agent folder's final save, and
     # the stop discarded the agent folder's local copy: the fenced run's
     # acknowledged writes were lost instead of saved by the newer run.
-    (1, "fuse", 8),
+    (1, "fuse", 8, EVENTS_V1),
 ]
-FIXED = [(7, "dir", 8)]
+FIXED = [(7, "dir", 8, EVENTS_V1)]
 
 
 @pytest.fixture(scope="module")
-def xp_controller(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+def xp_cluster() -> Iterator[PgCluster]:
+    """A PostgreSQL cluster of the module's own: schedules kill it."""
+    cluster = PgCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def xp_controller(xp_cluster: PgCluster) -> Iterator[ControllerProcess]:
     """A controller of the module's own: schedules kill and restart it."""
-    with private_controller(pg_cluster, "fsa-xpc-") as ctl:
+    with private_controller(xp_cluster, "fsa-xpc-", *CONTROLLER_ARGS) as ctl:
         yield ctl
 
 
@@ -49,17 +59,23 @@ def xp_tenant(xp_controller: ControllerProcess) -> Tenant:
     return bootstrap_tenant(xp_controller)
 
 
-@pytest.mark.parametrize(("seed", "mode", "events"), REGRESSIONS + FIXED)
+@pytest.mark.parametrize(("seed", "mode", "events", "catalog"), REGRESSIONS + FIXED)
 def test_a_fixed_schedule_keeps_every_acknowledged_write(
-    xp_controller: ControllerProcess, xp_tenant: Tenant, seed: int, mode: str, events: int
+    xp_cluster: PgCluster,
+    xp_controller: ControllerProcess,
+    xp_tenant: Tenant,
+    seed: int,
+    mode: str,
+    events: int,
+    catalog: tuple[str, ...],
 ) -> None:
-    run_schedule(xp_controller, xp_tenant, seed, mode, events)
+    run_schedule(xp_controller, xp_tenant, seed, mode, events, xp_cluster, catalog)
 
 
 def test_a_random_schedule_keeps_every_acknowledged_write(
-    xp_controller: ControllerProcess, xp_tenant: Tenant
+    xp_cluster: PgCluster, xp_controller: ControllerProcess, xp_tenant: Tenant
 ) -> None:
     seed = int(os.environ.get("EXPLORE_SEED", random.randrange(1 << 30)))
     mode = random.Random(seed).choice(["fuse", "dir"])
     print(f"explorer: seed {seed}, mode {mode}")
-    run_schedule(xp_controller, xp_tenant, seed, mode, 8)
+    run_schedule(xp_controller, xp_tenant, seed, mode, 8, xp_cluster)

@@ -7,7 +7,10 @@ writes), ``fsagent flush``, SIGTERM to ``up`` at any moment (while it starts,
 while it saves, during the final save), ``kill -9`` of ``up`` or of one of its
 mount daemons, the controller killed and restarted (also across a stop), a
 newer run for the same sandbox (fencing), a warm restart under a new run, and
-a replacement sandbox.
+a replacement sandbox; ``kill -9`` of any child of ``up`` (a mount daemon, the
+bridge, the repository saver), PostgreSQL killed (also across a stop), the
+sandbox's disk full (each sandbox is a small tmpfs of its own), and the agent
+folder over its file-size limit, then cleaned up.
 
 The model (:class:`Model`) keeps, per folder and path, the contents that may
 be there: one value after an acknowledged operation (the call returned), the
@@ -44,9 +47,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsagent.daemon import is_ready
+from fsagent.localbridge import runtime_dir
 from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, bootstrap_tenant
 from tests.support.gitrepos import make_origin
+from tests.support.smallfs import fill, free_fill
 from tests.support.tmp import mounts_under, private_tmpdir, remove_tree, world_searchable_tmpdir
 
 SCOPES = ("task", "agent", "user", "project")
@@ -56,8 +62,14 @@ START_SECONDS = 240.0
 STOP_SECONDS = 400.0
 RETRY_DEADLINE = "8"
 """``up --retry-deadline``: a save meeting a down controller gives up soon."""
+AGENT_MAX_FILE_BYTES = 1 << 20
+"""The explorer's controller runs with this agent-folder file limit (see
+:data:`CONTROLLER_ARGS`): the ``agent_limit`` event writes past it."""
+CONTROLLER_ARGS = ("--agent-max-file-bytes", str(AGENT_MAX_FILE_BYTES))
+SANDBOX_DISK = "size=384m,nr_inodes=65536,mode=0700"
+"""Each sandbox's disk: a tmpfs this small, so that ``disk_full`` can fill it."""
 
-EVENTS = (
+EVENTS_V1 = (
     "write",
     "write",
     "write",
@@ -77,6 +89,13 @@ EVENTS = (
     "repo_commit",
     "repo_worktree",
     "repo_branch",
+)
+"""The events of the first explorer (its seeds replay with these)."""
+EVENTS = (
+    *EVENTS_V1,
+    "pg_kill",
+    "disk_full",
+    "agent_limit",
 )
 
 
@@ -137,6 +156,9 @@ class Sandbox:
     """One sandbox: its home, state root and run token, and its ``up``."""
 
     base: Path
+    """The sandbox's disk (a small tmpfs)."""
+    logs: Path
+    """Where ``up``'s output goes: not the sandbox's disk, as a journal would."""
     sandbox_id: str
     token: str
     up: subprocess.Popen[bytes] | None = None
@@ -148,7 +170,7 @@ class Sandbox:
 
     def log(self) -> str:
         try:
-            return (self.base / f"up{self.ups}.log").read_text(errors="replace")[-4000:]
+            return (self.logs / f"up{self.ups}.log").read_text(errors="replace")[-4000:]
         except OSError:
             return ""
 
@@ -162,6 +184,13 @@ class Explorer:
     seed: int
     mode: str
     events: int = 14
+    cluster: PgCluster | None = None
+    """The controller's PostgreSQL, for ``pg_kill`` (without it, that event
+    bounces the controller instead)."""
+    catalog: tuple[str, ...] = EVENTS
+    script: list[str] | None = None
+    """Events to run in this order instead of drawing them (the data and
+    every other choice still come from the seed)."""
     trace: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -193,17 +222,19 @@ class Explorer:
         return str(out["token"])
 
     def _new_sandbox(self) -> Sandbox:
-        base = private_tmpdir("fsa-xp-")
-        self.bases.append(base)
+        base, logs = private_tmpdir("fsa-xp-"), private_tmpdir("fsa-xl-")
+        self.bases += [base, logs]
+        subprocess.run(["mount", "-t", "tmpfs", "-o", SANDBOX_DISK, "tmpfs", str(base)],
+                       check=True, capture_output=True)  # fmt: skip
         sandbox_id = f"sb-{self.seed}-{len(self.bases)}"
-        return Sandbox(base, sandbox_id, self._start_run(sandbox_id))
+        return Sandbox(base, logs, sandbox_id, self._start_run(sandbox_id))
 
     def _launch(self) -> None:
         sb = self.sandbox
         assert sb.up is None or sb.up.poll() is not None
         sb.ups += 1
         (sb.base / "token").write_text(sb.token)
-        with open(sb.base / f"up{sb.ups}.log", "wb") as log:
+        with open(sb.logs / f"up{sb.ups}.log", "wb") as log:
             sb.up = subprocess.Popen(
                 [sys.executable, "-m", "fsagent.cli", "up", "--home", str(sb.home),
                  "--controller", self.ctl.url, "--token-file", str(sb.base / "token"),
@@ -281,7 +312,9 @@ class Explorer:
             where.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(where, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             try:
-                os.write(fd, data)
+                view = memoryview(data)
+                while view:  # a nearly full disk takes part of a write
+                    view = view[os.write(fd, view) :]
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -319,8 +352,20 @@ class Explorer:
 
     def agent_work(self, n: int) -> None:
         self._agent_work(n)
+        self._note_agent()
+
+    def _note_agent(self) -> None:
         for path, allowed in self.model.files["agent"].items():
             self.agent_since.setdefault(path, {None}).update(allowed)
+
+    def _agent_may_have_given_up(self) -> None:
+        """After a failed final save the agent folder, under its contract,
+        gives up after three attempts with an explicit failure receipt and
+        discards its local copy (spec/agent-files.md): what it held since its
+        last save may be lost."""
+        agent = self.model.files["agent"]
+        for path in list(agent):
+            agent[path] = agent[path] | self.agent_since.get(path, {None})
 
     def _agent_work(self, n: int) -> None:
         for _ in range(n):
@@ -401,8 +446,8 @@ class Explorer:
 
     def run(self) -> None:
         self.start()
-        for _ in range(self.events):
-            event = self.rng.choice(EVENTS)
+        for i in range(self.events if self.script is None else len(self.script)):
+            event = self.rng.choice(self.catalog) if self.script is None else self.script[i]
             self.trace.append(event)
             getattr(self, f"on_{event}")()
         self.finish()
@@ -418,11 +463,13 @@ class Explorer:
     on_delete = on_rename
 
     def on_flush(self) -> None:
-        scope = self.rng.choice(SCOPES)
-        subprocess.run(
+        self._flush(self.rng.choice(SCOPES))
+
+    def _flush(self, scope: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, "-m", "fsagent.cli", "flush", scope, "--state-dir",
              str(self.sandbox.base / "state" / scope), "--timeout", "120"],
-            cwd=REPO, capture_output=True, check=False, timeout=300,
+            cwd=REPO, capture_output=True, check=False, timeout=300, text=True,
         )  # fmt: skip
 
     def _stop_and_restart(self, sig: int, *, during_save: bool = False, work: bool = True) -> None:
@@ -452,36 +499,55 @@ class Explorer:
         self._stop_and_restart(signal.SIGKILL)
 
     def on_kill9_child(self) -> None:
-        if self.mode != "fuse":
+        """``kill -9`` of one child of ``up`` (a mount daemon, the bridge or the
+        repository saver): ``up`` restarts it, and it serves again."""
+        v1 = self.catalog is EVENTS_V1
+        if v1 and self.mode != "fuse":
             return self.on_kill9_up()
         self.agent_work(self.rng.randint(0, 6))
         sb = self.sandbox
-        assert sb.up is not None
-        scope = self.rng.choice(SCOPES)
-        pid = self._child(scope)
+        kinds = SCOPES if v1 else tuple(sorted(self._children()))
+        if not kinds:
+            raise self.violation("no child of up to kill")
+        kind = self.rng.choice(kinds)
+        pid = self._children().get(kind)
         if pid is None:
-            raise self.violation(f"no mount daemon of {scope} under up")
+            raise self.violation(f"no {kind} daemon under up")
         os.kill(pid, signal.SIGKILL)
 
-        # up restarts it: the folder is served again by another daemon.
         def served_again() -> bool:
-            return self._child(scope) not in (None, pid) and os.path.ismount(sb.home / scope)
+            now = self._children().get(kind)
+            if now in (None, pid):
+                return False
+            if kind == "bridge":
+                return is_ready(runtime_dir(sb.base / "state") / "bridge.json", now)
+            if kind not in SCOPES:
+                return True
+            if self.mode == "fuse":
+                return os.path.ismount(sb.home / kind)
+            return is_ready(sb.base / "state" / "run" / f"{kind}.ready", now)
 
-        self._wait(f"{scope} served again", served_again, fail_on_exit=True)
+        self._wait(f"{kind} served again", served_again, fail_on_exit=True)
         self.agent_work(self.rng.randint(0, 4))
 
-    def _child(self, scope: str) -> int | None:
+    def _children(self) -> dict[str, int]:
+        """``up``'s children by what they serve: a scope, ``bridge``, ``repos``."""
         up = self.sandbox.up
         assert up is not None
+        found = {}
         for pid in self._processes():
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == up.pid and b"mount" in argv and scope.encode() in argv:
-                return pid
-        return None
+            if ppid != up.pid or argv[1:3] != [b"-m", b"fsagent.cli"] or len(argv) < 5:
+                continue
+            if argv[3] == b"mount":
+                found[argv[4].decode()] = pid
+            elif argv[3] in (b"bridge", b"repos"):
+                found[argv[3].decode()] = pid
+        return found
 
     def on_controller_bounce(self) -> None:
         self.ctl.kill()
@@ -496,12 +562,7 @@ class Explorer:
         code = self.stop()
         if code == 0:
             raise self.violation("up exited 0 though no final save could reach the controller")
-        # The agent folder, under its contract, gives up after three attempts
-        # with an explicit failure receipt and discards its local copy
-        # (spec/agent-files.md): what it held since its last save may be lost.
-        agent = self.model.files["agent"]
-        for path in list(agent):
-            agent[path] = agent[path] | self.agent_since.get(path, {None})
+        self._agent_may_have_given_up()
         self.ctl.start()
         self.sandbox.token = self._start_run(self.sandbox.sandbox_id)
         self.start()
@@ -520,6 +581,75 @@ class Explorer:
         self.stop()
         self.sandbox.token = self._start_run(self.sandbox.sandbox_id)
         self.start()
+
+    def on_pg_kill(self) -> None:
+        """PostgreSQL killed with -9 (every server process) while the sandbox
+        works and saves, now and then across a stop; then restarted. The
+        controller recovers by itself, and so does saving."""
+        if self.cluster is None:
+            return self.on_controller_bounce()
+        pg = self.cluster.pg
+        for pid in pg.leftover_processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.agent_work(self.rng.randint(0, 6))
+        if self.rng.random() < 0.5:
+            self.on_flush()  # a save meets the database down
+        stopped = self.rng.random() < 0.3
+        if stopped and self.stop() != 0:
+            self._agent_may_have_given_up()
+        pg.start()  # crash recovery
+        self._wait("the controller to serve again after PostgreSQL restarted",
+                   self._controller_serves, timeout=120)  # fmt: skip
+        if stopped:
+            self.sandbox.token = self._start_run(self.sandbox.sandbox_id)
+            self.start()
+
+    def _controller_serves(self) -> bool:
+        with self.tenant.client() as c:
+            try:
+                return c.get(self._folder("task")).status_code == 200
+            except OSError:
+                return False
+
+    def on_disk_full(self) -> None:
+        """The sandbox's disk fills up while the agent works and saves, then
+        space comes back: a write refused meanwhile is the agent's to see,
+        nothing acknowledged before is lost, and saving resumes."""
+        self.agent_work(self.rng.randint(0, 3))
+        base = self.sandbox.base
+        fill(base)
+        try:
+            self.agent_work(self.rng.randint(1, 6))
+            if self.rng.random() < 0.5:
+                self.on_flush()
+        finally:
+            free_fill(base)
+        self.agent_work(self.rng.randint(0, 4))
+
+    def on_agent_limit(self) -> None:
+        """A file past the agent folder's size limit: the save is refused with
+        AGENT_FILES_LIMIT_EXCEEDED naming it; once it is gone, the next save
+        of the folder succeeds (spec/agent-files.md)."""
+        self.agent_work(self.rng.randint(0, 3))
+        self.counter += 1
+        path = f"d0/big{self.counter}"
+        self.write("agent", path, self.rng.randbytes(AGENT_MAX_FILE_BYTES + 4096))
+        self._note_agent()
+        refused = self._flush("agent")
+        said = refused.stdout + refused.stderr
+        if self.model.allowed("agent", path) != {ANY} and (
+            "AGENT_FILES_LIMIT_EXCEEDED" not in said or path not in said
+        ):
+            raise self.violation(f"a save over the agent folder's file limit said: {said[-800:]}")
+        self.delete("agent", path)
+        self.agent_work(self.rng.randint(0, 3))
+        again = self._flush("agent")
+        if again.returncode != 0:
+            raise self.violation(
+                f"the agent folder's save still fails once under its limit "
+                f"(exit {again.returncode}): {(again.stdout + again.stderr)[-800:]}"
+            )
 
     def on_replace_sandbox(self, work: bool = True) -> None:
         """The sandbox ends (a clean stop that saved) and a new one takes the
@@ -616,6 +746,8 @@ class Explorer:
             raise self.violation(f"the replacement sandbox shows {len(bad)} wrong: {bad[:8]}")
 
     def close(self) -> None:
+        if self.cluster is not None and not self.cluster.pg.running():
+            self.cluster.pg.start()  # a schedule that failed between kill and start
         sb = self.sandbox
         if sb.up is not None and sb.up.poll() is None:
             sb.up.kill()
@@ -626,6 +758,10 @@ class Explorer:
                     os.kill(pid, signal.SIGKILL)
             if not os.environ.get("EXPLORE_KEEP"):
                 remove_tree(base)
+                # A sandbox's disk: its tmpfs goes after what was below it.
+                subprocess.run(["umount", "-l", str(base)], capture_output=True, check=False)
+                with contextlib.suppress(OSError):
+                    base.rmdir()
 
 
 def _processes_under(base: Path) -> list[int]:
@@ -654,9 +790,11 @@ def _describe(value: bytes | None) -> str:
 
 
 def run_schedule(ctl: ControllerProcess, tenant: Tenant, seed: int, mode: str,
-                 events: int = 14) -> list[str]:  # fmt: skip
+                 events: int = 14, cluster: PgCluster | None = None,
+                 catalog: tuple[str, ...] = EVENTS,
+                 script: list[str] | None = None) -> list[str]:  # fmt: skip
     """Run one schedule; returns its events; raises :class:`Violation`."""
-    explorer = Explorer(ctl, tenant, seed, mode, events)
+    explorer = Explorer(ctl, tenant, seed, mode, events, cluster, catalog, script)
     try:
         explorer.run()
         return explorer.trace
@@ -665,14 +803,17 @@ def run_schedule(ctl: ControllerProcess, tenant: Tenant, seed: int, mode: str,
 
 
 @contextlib.contextmanager
-def explorer_controller() -> Iterator[tuple[ControllerProcess, Tenant]]:
+def explorer_controller() -> Iterator[tuple[ControllerProcess, Tenant, PgCluster]]:
     """A PostgreSQL cluster and a controller of their own (for the long mode)."""
     cluster = PgCluster()
     try:
-        ctl = ControllerProcess(cluster.create_database(), world_searchable_tmpdir("fsa-xc-"))
+        ctl = ControllerProcess(
+            cluster.create_database(), world_searchable_tmpdir("fsa-xc-"),
+            extra_args=list(CONTROLLER_ARGS),
+        )  # fmt: skip
         ctl.start()
         try:
-            yield ctl, bootstrap_tenant(ctl)
+            yield ctl, bootstrap_tenant(ctl), cluster
         finally:
             ctl.stop()
             remove_tree(ctl.data_dir)
@@ -689,21 +830,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
     parser.add_argument("--mode", choices=["fuse", "dir", "both"], default="both")
     parser.add_argument("--events", type=int, default=14)
+    parser.add_argument(
+        "--script", default=None, help="comma-separated events to run instead of drawn ones"
+    )
     parser.add_argument("--record", type=Path, default=None, help="append a JSON line per schedule")
+    parser.add_argument(
+        "--jobs", type=int, default=1,
+        help="schedules run side by side, each job with a PostgreSQL and a controller of its own",
+    )  # fmt: skip
+    parser.add_argument("--stride", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     first = args.seed if args.seed is not None else random.randrange(1 << 30)
+    if args.jobs > 1:
+        return _jobs(args, first)
     modes = ["fuse", "dir"] if args.mode == "both" else [args.mode]
     started = time.monotonic()
     failures = 0
     done = 0
-    with explorer_controller() as (ctl, tenant):
+    with explorer_controller() as (ctl, tenant, cluster):
         for i in range(args.schedules):
             if args.seconds and time.monotonic() - started > args.seconds:
                 break
-            seed, mode = first + i, modes[i % len(modes)]
+            seed, mode = first + i * args.stride, modes[i % len(modes)]
             t0 = time.monotonic()
             try:
-                events = run_schedule(ctl, tenant, seed, mode, args.events)
+                script = args.script.split(",") if args.script else None
+                events = run_schedule(ctl, tenant, seed, mode, args.events, cluster, EVENTS, script)
                 outcome, detail = "ok", ""
             except Violation as exc:
                 failures += 1
@@ -719,6 +871,27 @@ def main(argv: list[str] | None = None) -> int:
                     fh.write(json.dumps({**line, "detail": detail[:4000]}) + "\n")
     print(f"explorer: {done} schedules, {failures} violations (first seed {first})")
     return 1 if failures else 0
+
+
+def _jobs(args: argparse.Namespace, first: int) -> int:
+    """``--jobs N``: N explorers, job j taking seeds first + j, first + j + N, ..."""
+    each = -(-args.schedules // args.jobs)
+    common = ["--schedules", str(each), "--seconds", str(args.seconds), "--mode", args.mode,
+              "--events", str(args.events), "--stride", str(args.jobs)]  # fmt: skip
+    if args.script:
+        common += ["--script", args.script]
+    if args.record is not None:
+        common += ["--record", str(args.record)]
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.support.explorer", "--seed", str(first + j), *common],
+            cwd=REPO,
+        )
+        for j in range(args.jobs)
+    ]
+    codes = [job.wait() for job in jobs]
+    print(f"explorer: {args.jobs} jobs from first seed {first}, exit codes {codes}")
+    return 1 if any(codes) else 0
 
 
 if __name__ == "__main__":
