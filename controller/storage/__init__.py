@@ -41,5 +41,7 @@ def make_provider(
     if kind == "s3":
         if not s3_bucket:
             raise ValueError("the s3 storage provider needs a bucket name")
-        return S3Provider(s3_bucket, endpoint_url=s3_endpoint, region=s3_region)
+        return S3Provider(
+            s3_bucket, endpoint_url=s3_endpoint, region=s3_region, temp_dir=data_dir / "spool"
+        )
     raise ValueError(f"unknown storage provider {kind!r}; expected one of {PROVIDER_KINDS}")

@@ -6,6 +6,11 @@ write the same bytes. That is what lets ``put_file`` treat "already there" as
 success and lets the S3 provider fall back to an unconditional PUT when a
 server does not support conditional writes.
 
+What a provider stores under a key is the object's stored form
+(``packed.py``): compressed when that pays, else raw. Every method speaks
+of the logical bytes (sizes, ranges, digests); only the backend sees the
+stored form.
+
 The methods are synchronous on purpose. The controller runs them in worker
 threads (``asyncio.to_thread``) because boto3 blocks, and the local provider is
 plain file I/O; one calling convention keeps the providers interchangeable.
@@ -207,7 +212,7 @@ class StorageProvider(abc.ABC):
 
     @abc.abstractmethod
     def size(self, key: str) -> int | None:
-        """The object's size in bytes, or None if there is no object under ``key``."""
+        """The object's size in (logical) bytes, or None if there is no object under ``key``."""
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None

@@ -5,6 +5,9 @@ Layout under ``root``::
     objects/<company>/<first two hex digits>/<sha256>   one file per object
     tmp/<random>                                         uploads in progress
 
+An object's file holds its stored form (``packed``): compressed when that
+pays, else the bytes as they are.
+
 Durability and atomicity come from the classic sequence: write the bytes to a
 temporary file on the same filesystem, fsync it, hard-link it into place, fsync
 the directory. ``link`` (unlike ``rename``) fails when the target exists, so two
@@ -29,11 +32,13 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 from common.errors import StorageUnavailable
 
+from . import packed
 from .base import (
     DEFAULT_CHUNK_SIZE,
     ObjectMissing,
@@ -129,7 +134,9 @@ class LocalDiskProvider(StorageProvider):
                 if _lexists(name, dir_fd):
                     return False
                 with self._directory([_TMP_DIR], create=True) as tmp_fd:
-                    tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
+                    tmp_name = _write_packed_temp(src, size, sha256_hex, tmp_fd)
+                    if tmp_name is None:
+                        tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
                     try:
                         return _link_into_place(tmp_name, tmp_fd, name, dir_fd)
                     finally:
@@ -139,10 +146,11 @@ class LocalDiskProvider(StorageProvider):
             raise self._unavailable("store", key, exc) from exc
 
     def adopt_file(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
-        """Link the caller's synced spool file into place: no copy, no second hash.
+        """Store the caller's spool file packed when that pays (``packed``),
+        else link it into place: no copy, no second hash.
 
         One fsync of the data and one of the directory, as for a copied put;
-        a spool on another filesystem is copied (``put_file``).
+        a spool on another filesystem is copied.
         """
         check_put_arguments(key, size, sha256_hex)
         dirs, name = self._split(key)
@@ -155,8 +163,16 @@ class LocalDiskProvider(StorageProvider):
                 with self._directory(dirs, create=True) as dir_fd:
                     if _lexists(name, dir_fd):
                         return False
-                    if os.fstat(dir_fd).st_dev != st.st_dev:
-                        return self.put_file(key, src, size, sha256_hex)
+                    with self._directory([_TMP_DIR], create=True) as tmp_fd:
+                        tmp_name = _write_packed_temp(src, size, sha256_hex, tmp_fd)
+                        if tmp_name is None and os.fstat(dir_fd).st_dev != st.st_dev:
+                            tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
+                        if tmp_name is not None:
+                            try:
+                                return _link_into_place(tmp_name, tmp_fd, name, dir_fd)
+                            finally:
+                                with contextlib.suppress(FileNotFoundError):
+                                    os.unlink(tmp_name, dir_fd=tmp_fd)
                     os.fsync(fd)
                     return _link_into_place(str(src), None, name, dir_fd)
             finally:
@@ -165,10 +181,11 @@ class LocalDiskProvider(StorageProvider):
             raise self._unavailable("store", key, exc) from exc
 
     def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
-        """Write every new object as an anonymous file in its own directory
-        (``O_TMPFILE``), link each into place, then make them all durable with
-        one ``syncfs`` of the object filesystem. If that sync fails the
-        objects this call linked are removed again."""
+        """Write every new object (packed where that pays, streamed either
+        way) as an anonymous file in its own directory (``O_TMPFILE``), link
+        each into place, then make them all durable with one ``syncfs`` of the
+        object filesystem. If that sync fails the objects this call linked
+        are removed again."""
         for span in spans:
             check_put_arguments(span.key, span.size, span.sha256_hex)
         created: list[bool] = []
@@ -179,13 +196,6 @@ class LocalDiskProvider(StorageProvider):
                 tmp_fd = dirs_open.enter_context(self._directory([_TMP_DIR], create=True))
                 with open(src, "rb") as source:
                     for span in spans:
-                        source.seek(span.offset)
-                        data = source.read(span.size)
-                        if (
-                            len(data) != span.size
-                            or hashlib.sha256(data).hexdigest() != span.sha256_hex
-                        ):
-                            raise SourceMismatch(f"{src} at {span.offset} is not {span.sha256_hex}")
                         dirs, name = self._split(span.key)
                         dir_fd = dir_fds.get(tuple(dirs))
                         if dir_fd is None:
@@ -193,7 +203,9 @@ class LocalDiskProvider(StorageProvider):
                                 self._directory(dirs, create=True, sync_new=False)
                             )
                             dir_fds[tuple(dirs)] = dir_fd
-                        made = not _lexists(name, dir_fd) and _link_new(data, tmp_fd, name, dir_fd)
+                        made = not _lexists(name, dir_fd) and _link_new(
+                            _SpanWriter(source.fileno(), span), tmp_fd, name, dir_fd
+                        )
                         created.append(made)
                         if made:
                             linked.append((dir_fd, name))
@@ -213,7 +225,11 @@ class LocalDiskProvider(StorageProvider):
     ) -> Iterator[bytes]:
         dirs, name = self._split(key)
         check_range(start, end, chunk_size)
-        return open_stream(self._stream(key, dirs, name, start, end, chunk_size))
+
+        def open_raw(raw_start: int, raw_end: int | None) -> Iterator[bytes]:
+            return open_stream(self._stream(key, dirs, name, raw_start, raw_end, chunk_size))
+
+        return open_stream(packed.read_logical(open_raw, key, start, end, chunk_size))
 
     def _stream(
         self, key: str, dirs: list[str], name: str, start: int, end: int | None, chunk_size: int
@@ -251,17 +267,36 @@ class LocalDiskProvider(StorageProvider):
             os.close(fd)
 
     def size(self, key: str) -> int | None:
+        """The logical size: a packed object's header says it."""
+        dirs, name = self._split(key)
+        try:
+            with self._directory(dirs, create=False) as dir_fd:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise StorageUnavailable(f"local storage: {key} is not a regular file")
+                head = os.pread(fd, packed.HEADER_LEN, 0)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._unavailable("stat", key, exc) from exc
+        return packed.logical_size(head, st.st_size, name)
+
+    def exists(self, key: str) -> bool:
         dirs, name = self._split(key)
         try:
             with self._directory(dirs, create=False) as dir_fd:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
-            return None
+            return False
         except OSError as exc:
             raise self._unavailable("stat", key, exc) from exc
         if not stat.S_ISREG(st.st_mode):
             raise StorageUnavailable(f"local storage: {key} is not a regular file")
-        return st.st_size
+        return True
 
     def delete(self, key: str) -> None:
         dirs, name = self._split(key)
@@ -364,6 +399,33 @@ def _may_hold(dir_prefix: str, prefix: str) -> bool:
     return dir_prefix.startswith(prefix) or prefix.startswith(dir_prefix)
 
 
+def _write_packed_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> str | None:
+    """``src`` packed into a new, synced file in the temp directory; its name,
+    or None when packing does not pay (``packed``) and nothing is left."""
+    if not packed.worth_packing(size):
+        return None
+    tmp_name = f"put-{secrets.token_hex(16)}"
+    fd = os.open(
+        tmp_name,
+        os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=tmp_fd,
+    )
+    kept = False
+    try:
+        with open(fd, "w+b", closefd=True) as out, src.open("rb") as source:
+            if packed.pack(source.read, size, sha256_hex, out) is None:
+                return None
+            out.flush()
+            os.fsync(out.fileno())
+            kept = True
+    finally:
+        if not kept:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name, dir_fd=tmp_fd)
+    return tmp_name
+
+
 def _write_synced_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> str:
     """Copy ``src`` into a new file in the temp directory, verify it, fsync it; return its name.
 
@@ -401,19 +463,56 @@ def _write_synced_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> st
     return tmp_name
 
 
-def _link_new(data: bytes, tmp_fd: int, name: str, dir_fd: int) -> bool:
-    """Write ``data`` to a new file and link it into place as ``name``, unsynced
-    (the caller syncs the filesystem once for many). The file is anonymous
-    (``O_TMPFILE`` in the target directory) where the filesystem supports it,
-    else a named temp file in the temp directory."""
+class _SpanWriter:
+    """Writes a span of the source as the object's stored form: packed when
+    that pays, else a streamed copy; hashed either way (SourceMismatch)."""
+
+    def __init__(self, fd: int, span: Span) -> None:
+        self.fd, self.span = fd, span
+
+    def _reader(self) -> Callable[[int], bytes]:
+        pos, end = self.span.offset, self.span.offset + self.span.size
+
+        def read(n: int) -> bytes:
+            nonlocal pos
+            data = os.pread(self.fd, min(n, end - pos), pos) if pos < end else b""
+            pos += len(data)
+            return data
+
+        return read
+
+    def __call__(self, out: IO[bytes]) -> None:
+        span = self.span
+        if packed.worth_packing(span.size):
+            if packed.pack(self._reader(), span.size, span.sha256_hex, out) is not None:
+                return
+            out.seek(0)
+            out.truncate()
+        read, digest, left = self._reader(), hashlib.sha256(), span.size
+        while left:
+            chunk = read(min(_COPY_CHUNK, left))
+            if not chunk:
+                break
+            digest.update(chunk)
+            out.write(chunk)
+            left -= len(chunk)
+        if left or digest.hexdigest() != span.sha256_hex:
+            raise SourceMismatch(f"bytes at {span.offset} are not {span.sha256_hex}")
+
+
+def _link_new(fill: Callable[[IO[bytes]], None], tmp_fd: int, name: str, dir_fd: int) -> bool:
+    """Write a new file with ``fill`` and link it into place as ``name``,
+    unsynced (the caller syncs the filesystem once for many). The file is
+    anonymous (``O_TMPFILE`` in the target directory) where the filesystem
+    supports it, else a named temp file in the temp directory."""
     try:
-        fd = os.open(".", os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        fd = os.open(".", os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
             raise
-        return _link_named(data, tmp_fd, name, dir_fd)
-    with open(fd, "wb", closefd=True) as out:
-        out.write(data)
+        return _link_named(fill, tmp_fd, name, dir_fd)
+    with open(fd, "w+b", closefd=True) as out:
+        fill(out)
         out.flush()
         try:
             os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
@@ -422,17 +521,17 @@ def _link_new(data: bytes, tmp_fd: int, name: str, dir_fd: int) -> bool:
     return True
 
 
-def _link_named(data: bytes, tmp_fd: int, name: str, dir_fd: int) -> bool:
+def _link_named(fill: Callable[[IO[bytes]], None], tmp_fd: int, name: str, dir_fd: int) -> bool:
     tmp_name = f"put-{secrets.token_hex(16)}"
     fd = os.open(
         tmp_name,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
         0o600,
         dir_fd=tmp_fd,
     )
     try:
-        with open(fd, "wb", closefd=True) as out:
-            out.write(data)
+        with open(fd, "w+b", closefd=True) as out:
+            fill(out)
         try:
             os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:

@@ -22,6 +22,7 @@ import hashlib
 import io
 import logging
 import os
+import tempfile
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +34,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from common.errors import StorageUnavailable
 
+from . import packed
 from .base import (
     DEFAULT_CHUNK_SIZE,
     ObjectMissing,
@@ -116,6 +118,7 @@ class S3Provider(StorageProvider):
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         part_concurrency: int = 4,
+        temp_dir: Path | None = None,
     ) -> None:
         if not bucket:
             raise ValueError("an S3 bucket name is required")
@@ -129,6 +132,8 @@ class S3Provider(StorageProvider):
         self.part_concurrency = max(1, part_concurrency)
         """Parts of one object in flight at once (memory: that many parts)."""
         self._create_bucket = create_bucket
+        self.temp_dir = temp_dir
+        """Where an object is packed before it is sent (None: the system's)."""
         self._conditional_writes = True
         options: dict[str, Any] = {
             "retries": {"mode": "standard", "max_attempts": max_attempts},
@@ -165,25 +170,44 @@ class S3Provider(StorageProvider):
         was there); above it a HEAD first, then the multipart upload."""
         check_put_arguments(key, size, sha256_hex)
         try:
-            if size < self.multipart_threshold:
-                return self._put_single(key, src, size, sha256_hex)
-            # One HEAD beside the create, the parts and the completion is a
-            # small share of a large object's requests, and it spares sending
-            # every part of a copy the bucket already holds only to have the
-            # conditional completion refuse it. The condition settles races.
-            if self.exists(key):
-                return False
-            return self._put_multipart(key, src, size, sha256_hex)
+            if packed.worth_packing(size):
+                with self._temp_file() as tmp:
+                    with src.open("rb") as source:
+                        stored = packed.pack(source.read, size, sha256_hex, tmp)
+                    if stored is not None:
+                        tmp.flush()
+                        return self._put_stored(key, Path(tmp.name), stored, None)
+            return self._put_stored(key, src, size, sha256_hex)
         except (*_BOTO_ERRORS, OSError) as exc:
             # OSError: reading the local source failed; as much an
             # infrastructure fault as the bucket failing.
             raise self._unavailable("store", key, exc) from exc
 
-    def _put_single(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
+    def _temp_file(self) -> IO[bytes]:
+        """A file for an object's packed form, gone when closed."""
+        if self.temp_dir is not None:
+            self.temp_dir.mkdir(parents=True, exist_ok=True)
+        return tempfile.NamedTemporaryFile(dir=self.temp_dir, prefix="packed-")
+
+    def _put_stored(self, key: str, src: Path, size: int, sha256_hex: str | None) -> bool:
+        """Store the ``size`` bytes of ``src`` as they are: raw bytes verified
+        against ``sha256_hex``, or a packed form this process wrote (None)."""
+        if size < self.multipart_threshold:
+            return self._put_single(key, src, size, sha256_hex)
+        # One HEAD beside the create, the parts and the completion is a
+        # small share of a large object's requests, and it spares sending
+        # every part of a copy the bucket already holds only to have the
+        # conditional completion refuse it. The condition settles races.
+        if self.exists(key):
+            return False
+        return self._put_multipart(key, src, size, sha256_hex)
+
+    def _put_single(self, key: str, src: Path, size: int, sha256_hex: str | None) -> bool:
         with src.open("rb") as source:
             # Hash first and stream the file as the body afterwards, rather than
             # holding up to multipart_threshold bytes in memory per worker thread.
-            _verify_source(source, src, size, sha256_hex)
+            if sha256_hex is not None:
+                _verify_source(source, src, size, sha256_hex)
             return self._conditional_put(key, source, size)
 
     def _conditional_put(self, key: str, body: IO[bytes], size: int) -> bool:
@@ -238,12 +262,13 @@ class S3Provider(StorageProvider):
         data = os.pread(source.fileno(), span.size, span.offset)
         if len(data) != span.size or hashlib.sha256(data).hexdigest() != span.sha256_hex:
             raise SourceMismatch(f"bytes at {span.offset} do not hash to {span.sha256_hex}")
+        body = packed.pack_bytes(data, span.sha256_hex) or data
         try:
-            return self._conditional_put(span.key, io.BytesIO(data), span.size)
+            return self._conditional_put(span.key, io.BytesIO(body), len(body))
         except _BOTO_ERRORS as exc:
             raise self._unavailable("store", span.key, exc) from exc
 
-    def _put_multipart(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
+    def _put_multipart(self, key: str, src: Path, size: int, sha256_hex: str | None) -> bool:
         # Grow parts for huge objects so they fit in S3's part-count limit.
         part_size = max(self.part_size, -(-size // MAX_PARTS))
         upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
@@ -273,7 +298,13 @@ class S3Provider(StorageProvider):
                 self._abort_upload(key, upload_id)
 
     def _send_parts(
-        self, key: str, upload_id: str, src: Path, size: int, sha256_hex: str, part_size: int
+        self,
+        key: str,
+        upload_id: str,
+        src: Path,
+        size: int,
+        sha256_hex: str | None,
+        part_size: int,
     ) -> list[CompletedPartTypeDef]:
         """Read the parts in order (hashing them), upload up to ``part_concurrency``
         at once: memory stays at that many parts."""
@@ -310,7 +341,7 @@ class S3Provider(StorageProvider):
         # what would become visible on completion.
         if sent != size:
             raise SourceMismatch(f"{src} is not {size} bytes long (read {sent})")
-        if digest.hexdigest() != sha256_hex:
+        if sha256_hex is not None and digest.hexdigest() != sha256_hex:
             raise SourceMismatch(f"{src} does not hash to {sha256_hex}")
         return [{"ETag": e, "PartNumber": n} for n, e in zip(numbers, etags, strict=True)]
 
@@ -353,9 +384,15 @@ class S3Provider(StorageProvider):
     def read_chunks(
         self, key: str, start: int = 0, end: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE
     ) -> Iterator[bytes]:
+        """A whole object is one GET; a range one small GET of its head,
+        then one of the bytes (or packed frames) the range needs."""
         validate_key(key)
         check_range(start, end, chunk_size)
-        return open_stream(self._stream(key, start, end, chunk_size))
+
+        def open_raw(raw_start: int, raw_end: int | None) -> Iterator[bytes]:
+            return open_stream(self._stream(key, raw_start, raw_end, chunk_size))
+
+        return open_stream(packed.read_logical(open_raw, key, start, end, chunk_size))
 
     def _stream(
         self, key: str, start: int, end: int | None, chunk_size: int
@@ -406,6 +443,33 @@ class S3Provider(StorageProvider):
             body.close()
 
     def size(self, key: str) -> int | None:
+        """The logical size: one GET of the object's head (a packed object's
+        header says it, the ``Content-Range`` the stored size)."""
+        validate_key(key)
+        try:
+            response = self._client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes=0-{packed.HEADER_LEN - 1}"
+            )
+            try:
+                head = response["Body"].read()
+            finally:
+                response["Body"].close()
+        except ClientError as exc:
+            if _is_missing(exc):
+                return None
+            if _error_code(exc) == "InvalidRange" or _http_status(exc) == 416:
+                return self._stored_size(key)  # an empty object has no byte 0
+            raise self._unavailable("inspect", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._unavailable("inspect", key, exc) from exc
+        total = response.get("ContentRange", "").rpartition("/")[2]
+        stored = int(total) if total.isdigit() else response["ContentLength"]
+        return packed.logical_size(head, stored, key.rsplit("/", 1)[1])
+
+    def exists(self, key: str) -> bool:
+        return self._stored_size(key) is not None
+
+    def _stored_size(self, key: str) -> int | None:
         validate_key(key)
         try:
             response = self._client.head_object(Bucket=self.bucket, Key=key)

@@ -1,0 +1,177 @@
+"""Objects compressed at rest (``controller/storage/packed.py``), on both
+providers: what compresses by an eighth or more is stored packed, the rest
+raw; every read (whole, ranged, by span) gives the logical bytes; ``size`` is
+the logical size; an object stored raw before packing existed still reads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from controller.storage import LocalDiskProvider, S3Provider, StorageProvider, object_key
+from controller.storage.base import Span
+from controller.storage.packed import FRAME_BYTES, HEADER_LEN, MAGIC
+from tests.support.s3server import S3Server
+from tests.support.storage import (
+    COMPANY,
+    TEST_MULTIPART_THRESHOLD,
+    MiB,
+    make_s3_provider,
+    random_bytes,
+    read_all,
+    s3_client,
+    sha256,
+    store,
+)
+
+
+def text(size: int, seed: int = 0) -> bytes:
+    """Compressible, but not trivially: lines of numbered words."""
+    out = bytearray()
+    i = seed
+    while len(out) < size:
+        out += f"line {i}: the quick brown fox {i % 97} jumps over the lazy dog\n".encode()
+        i += 1
+    return bytes(out[:size])
+
+
+def stored_size(provider: StorageProvider, key: str) -> int:
+    """Bytes the backend holds for ``key``: the file, or the S3 object."""
+    if isinstance(provider, LocalDiskProvider):
+        return (provider.root / key).stat().st_size
+    assert isinstance(provider, S3Provider)
+    return int(provider._client.head_object(Bucket=provider.bucket, Key=key)["ContentLength"])
+
+
+def stored_bytes(provider: StorageProvider, key: str) -> bytes:
+    if isinstance(provider, LocalDiskProvider):
+        return (provider.root / key).read_bytes()
+    assert isinstance(provider, S3Provider)
+    return bytes(provider._client.get_object(Bucket=provider.bucket, Key=key)["Body"].read())
+
+
+def ranges(size: int) -> list[tuple[int, int | None]]:
+    f = FRAME_BYTES
+    return [
+        (0, None),
+        (0, 1),
+        (0, 100),
+        (1, 7),
+        (f - 3, f + 3),  # across a frame boundary
+        (f, 2 * f),  # exactly one frame
+        (f + 1, None),
+        (size - 10, None),
+        (size - 10, size + 100),  # past the end: cut there
+        (size, None),
+        (size + 5, None),
+        (7, 7),
+        (0, size),
+    ]
+
+
+def test_compressible_objects_are_stored_packed_and_read_back(
+    provider: StorageProvider, tmp_path: Path
+) -> None:
+    data = text(3 * FRAME_BYTES + 12345) + bytes(2 * MiB)
+    key, created = store(provider, tmp_path, data)
+    assert created is True
+    assert stored_size(provider, key) < len(data) // 8
+    assert stored_bytes(provider, key).startswith(MAGIC)
+    assert provider.size(key) == len(data)
+    assert provider.exists(key)
+    for start, end in ranges(len(data)):
+        assert read_all(provider, key, start, end) == data[start:end], (start, end)
+    chunks = list(provider.read_chunks(key, 5, None, chunk_size=100_000))
+    assert max(map(len, chunks)) <= 100_000 and b"".join(chunks) == data[5:]
+    assert store(provider, tmp_path, data) == (key, False)
+
+
+def test_incompressible_objects_are_stored_raw(provider: StorageProvider, tmp_path: Path) -> None:
+    data = random_bytes(2 * FRAME_BYTES + 5, seed=31)
+    key, _ = store(provider, tmp_path, data)
+    assert stored_bytes(provider, key) == data
+    assert provider.size(key) == len(data)
+    for start, end in ranges(len(data)):
+        assert read_all(provider, key, start, end) == data[start:end], (start, end)
+
+
+def test_an_object_saving_less_than_an_eighth_is_stored_raw(
+    provider: StorageProvider, tmp_path: Path
+) -> None:
+    """Nine parts random to one part zeros compresses by about a tenth: not
+    worth a second form; half and half is."""
+    tenth = random_bytes(9 * MiB, seed=32) + bytes(MiB)
+    key, _ = store(provider, tmp_path, tenth)
+    assert stored_size(provider, key) == len(tenth)
+    half = bytes(MiB) + random_bytes(MiB, seed=33)  # the random part last
+    key, _ = store(provider, tmp_path, half)
+    assert MiB < stored_size(provider, key) < 1.2 * MiB
+    assert read_all(provider, key) == half
+
+
+def test_small_and_empty_objects(provider: StorageProvider, tmp_path: Path) -> None:
+    for data in (b"", b"x", b"a" * 511, b"a" * 512, text(4096)):
+        key, _ = store(provider, tmp_path, data)
+        assert read_all(provider, key) == data
+        assert read_all(provider, key, 1, 3) == data[1:3]
+        assert provider.size(key) == len(data)
+    assert stored_size(provider, object_key(COMPANY, sha256(text(4096)))) < 4096 // 2
+
+
+def test_a_raw_object_that_looks_packed_is_read_raw(
+    provider: StorageProvider, tmp_path: Path
+) -> None:
+    """An object stored raw (before packing, or incompressible) whose bytes
+    begin with the magic is still raw: the header names its own digest,
+    which no raw object can contain."""
+    data = MAGIC + random_bytes(HEADER_LEN + 3 * MiB, seed=34)
+    key, _ = store(provider, tmp_path, data)
+    assert stored_bytes(provider, key) == data
+    assert read_all(provider, key) == data
+    assert read_all(provider, key, 2, 40) == data[2:40]
+    assert provider.size(key) == len(data)
+
+
+def test_batch_members_are_packed(provider: StorageProvider, tmp_path: Path) -> None:
+    members = [text(700, seed=1), random_bytes(5000, seed=35), text(3 * MiB, seed=2), b""]
+    members.append(text(10 * MiB, seed=3))  # past the S3 provider's in-memory span size
+    spool = tmp_path / "batch"
+    spool.write_bytes(b"".join(members))
+    spans, offset = [], 0
+    for data in members:
+        spans.append(Span(object_key(COMPANY, sha256(data)), offset, len(data), sha256(data)))
+        offset += len(data)
+    assert provider.put_spans(spool, spans) == [True] * len(members)
+    for span, data in zip(spans, members, strict=True):
+        assert read_all(provider, span.key) == data
+        assert read_all(provider, span.key, 3, 600) == data[3:600]
+    assert stored_size(provider, spans[2].key) < 3 * MiB // 8
+    assert stored_size(provider, spans[1].key) == 5000
+
+
+def test_s3_packed_multipart_object(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    """A packed form at or above the multipart threshold goes up in parts."""
+    provider = make_s3_provider(s3_server, s3_bucket, temp_dir=tmp_path / "packing")
+    provider.check()
+    data = random_bytes(TEST_MULTIPART_THRESHOLD + MiB, seed=36) + bytes(16 * MiB)
+    key, created = store(provider, tmp_path, data)
+    assert created is True
+    head = s3_client(s3_server).head_object(Bucket=s3_bucket, Key=key, PartNumber=1)
+    assert head["PartsCount"] == 2
+    assert TEST_MULTIPART_THRESHOLD < stored_size(provider, key) < len(data) // 2
+    for start, end in ranges(len(data)):
+        assert read_all(provider, key, start, end) == data[start:end], (start, end)
+    assert os.listdir(tmp_path / "packing") == []
+
+
+def test_a_short_read_of_a_packed_object_is_an_error(
+    local_provider: LocalDiskProvider, tmp_path: Path
+) -> None:
+    data = text(3 * MiB)
+    key, _ = store(local_provider, tmp_path, data)
+    path = local_provider.root / key
+    os.truncate(path, path.stat().st_size - 10)
+    with pytest.raises(Exception, match="ended early"):
+        read_all(local_provider, key)
