@@ -131,18 +131,26 @@ def check_operation_id(value: object, field: str = "operationId") -> str:
     return value
 
 
-def clean_text(value: str, max_chars: int = MAX_ERROR_CHARS, *, multiline: bool = True) -> str:
-    """``value`` made to follow the rule: each refused character becomes its
+def escape_text(value: str, *, multiline: bool = True) -> str:
+    """``value`` with each character the rule refuses replaced by its
     ``\\xNN``/``\\uNNNN`` escape (readable, and unlike U+FFFD it says what was
-    there), then cut to ``max_chars`` with a marker. For text the sender did
-    not choose (an exception, a tool's output)."""
+    there)."""
+    if value.isascii() and value.isprintable():
+        return value
     out = []
     for ch in value:
         if char_problem(ch, multiline) is None:
             out.append(ch)
         else:
             out.append(ch.encode("unicode_escape", "backslashreplace").decode("ascii"))
-    text = "".join(out)
+    return "".join(out)
+
+
+def clean_text(value: str, max_chars: int = MAX_ERROR_CHARS, *, multiline: bool = True) -> str:
+    """``value`` made to follow the rule: escaped (:func:`escape_text`), then
+    cut to ``max_chars`` with a marker. For text the sender did not choose
+    (an exception, a tool's output)."""
+    text = escape_text(value, multiline=multiline)
     if not text.strip():
         return "(no message)"
     marker = " ...(truncated)"

@@ -36,6 +36,7 @@ from common.errors import (
     WorkFolderError,
     WriteNotAllowed,
 )
+from common.text import escape_text
 from controller.api.serialize import iso
 from controller.auth import Principal, membership_role
 from controller.grants import ALL_AGENTS_ROLES, may_configure_agent
@@ -63,6 +64,20 @@ _RECEIPT_COLUMNS = (
     "id, run_id, scope, owner_id, operation_id, outcome, code, error, details, warnings,"
     " refused_entries, files_changed, final, at"
 )
+
+
+def _storable(value: Any) -> Any:
+    """A refusal's details may quote what the client sent (an unexpected
+    field's name): escaped under the text rule, so that PostgreSQL can store
+    them (jsonb holds no NUL: the receipt, and the answer, would fail with a
+    500) and a person reads them as sent."""
+    if isinstance(value, str):
+        return escape_text(value)
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    if isinstance(value, dict):
+        return {escape_text(str(k)): _storable(v) for k, v in value.items()}
+    return value
 
 
 async def record(
@@ -95,8 +110,8 @@ async def record(
             operation_id,
             outcome,
             code,
-            error[:MAX_ERROR_CHARS] if error else None,
-            None if details is None else json.dumps(details),
+            escape_text(error[:MAX_ERROR_CHARS]) if error else None,
+            None if details is None else json.dumps(_storable(details)),
             json.dumps(warnings or []),
             json.dumps(refused_entries or []),
             files_changed,

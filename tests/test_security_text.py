@@ -54,6 +54,28 @@ def test_nul_in_a_checkpoint_operation_id_is_400_not_500(tenant: Tenant) -> None
     assert ok.status_code == 200, ok.text
 
 
+def test_nul_in_a_field_name_is_400_and_its_receipt_is_kept_escaped(tenant: Tenant) -> None:
+    """A refusal's details quote the unexpected field's name; a NUL in it could
+    not be stored in the receipt's jsonb (500)."""
+    run = start_run(tenant)
+    r = run.commit("task", [{"op": "mkdir", "path": "d"}], **{"a\u0000\u202eb": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["details"][0]["field"] == "a\u0000\u202eb"
+    with tenant.controller.db() as db:
+        row = db.execute(
+            "SELECT details FROM save_receipts WHERE run_id = %s", (run.run_id,)
+        ).fetchone()
+    assert row is not None and row[0][0]["field"] == "a\\x00\\u202eb"
+    # The same through the API bridge, where sandbox code writes its agent folder.
+    agent_folder = tenant.folder("agent", run.agent)
+    with run.api_client() as c:
+        r = c.post(
+            agent_folder + "/operations", json={"action": "mkdir", "path": "x", "b\u0000": 1}
+        )
+    assert r.status_code == 400, r.text
+    assert receipts_of(tenant, run.run_id)[-1] == (None, "VALIDATION_ERROR")
+
+
 def test_nul_in_a_reported_operation_id_is_400(tenant: Tenant) -> None:
     run = start_run(tenant)
     with run.client() as c:
