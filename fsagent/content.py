@@ -269,7 +269,15 @@ class Content:
 
     async def write(self, node: Inode, of: OpenFile, off: int, buf: bytes) -> int:
         """Write ``buf`` at ``off``; bytes, size, generation and journal entry
-        are committed before this returns."""
+        are committed before this returns.
+
+        The mtime is left alone: with the writeback cache (fsagent.fs) the
+        kernel owns it. It stamps the time of the agent's write() or of the
+        first store to a mapped page and hands it over in a SETATTR, which
+        may reach us before this page write-back does (mmap's pages are
+        written back in the background). A stamp of our own clock here
+        replaced the kernel's time, and the file showed another mtime after
+        a remount than before it."""
         end = off + len(buf)
         if not node.upper:
             await self.make_upper(node, copy=True)
@@ -283,7 +291,6 @@ class Content:
                 if off > len(data):
                     data += bytes(off - len(data))
                 node.size = max(len(data), end)
-                node.mtime_ns = now_ns()
                 node.generation += 1
                 self.store.persist(node, touch="write", inline=data[:off] + buf + data[end:])
                 return len(buf)
@@ -301,7 +308,6 @@ class Content:
             of.unsynced += written
             if written:
                 node.size = max(node.size, off + written)
-                node.mtime_ns = now_ns()
                 node.generation += 1
                 self.store.persist(node, touch="write")
         return written

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import stat
 import subprocess
@@ -173,6 +174,33 @@ def test_times_are_committed_behind_and_by_fsync_before_a_crash(mounts: MountFac
         st = (again.mountpoint / f.name).stat()
         assert (st.st_atime_ns, st.st_mtime_ns) == times, f.name
         assert (again.mountpoint / f.name).read_bytes() == b"data of " + f.name.encode()
+
+
+@pytest.mark.fuse
+def test_mtimes_of_files_written_through_a_shared_mmap_survive_a_clean_remount(
+    mounts: MountFactory,
+) -> None:
+    """With the writeback cache the kernel owns a file's mtime: it stamps it
+    when a mapped page is first written, and its page write-back (WRITE)
+    may reach the daemon after the SETATTR carrying that mtime. The mtime
+    seen before a clean unmount is the one after the remount, to the ns."""
+    src = mounts.source()
+    m = mounts.mount(src)
+    paths = [m.mountpoint / f"mapped{k:02}.bin" for k in range(20)]
+    for k, p in enumerate(paths):
+        with open(p, "w+b") as fh:
+            fh.truncate(8192)
+            with mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_SHARED) as mapped:
+                mapped[:6] = b"mapped"
+                mapped[4096:4098] = b"%02d" % k
+    before = {p.name: p.stat().st_mtime_ns for p in paths}
+    assert m.signal(15) == 0, m.stderr()
+    again = mounts.mount(src, state_dir=m.state_dir, mountpoint=m.mountpoint)
+    after = {p.name: (again.mountpoint / p.name).stat().st_mtime_ns for p in paths}
+    assert after == before
+    for k, p in enumerate(paths):
+        data = (again.mountpoint / p.name).read_bytes()
+        assert (len(data), data[:6], data[4096:4098]) == (8192, b"mapped", b"%02d" % k)
 
 
 @pytest.mark.fuse
