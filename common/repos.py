@@ -251,7 +251,7 @@ def checkout_name_problem(name: str) -> str | None:
     an environment variable and a tar archive)."""
     if not 1 <= len(name) <= MAX_CHECKOUT_NAME:
         return f"a checkout name has 1-{MAX_CHECKOUT_NAME} characters"
-    if not _CHECKOUT_NAME.match(name):
+    if not _CHECKOUT_NAME.fullmatch(name):
         return (
             "a checkout name is letters, digits, '.', '_' and '-', starting with a letter or digit"
         )
@@ -377,7 +377,7 @@ def member_problem(member: object) -> str | None:
         return "nested_git_dir"
     if kind == "file":
         digest, size, executable = member["digest"], member["byteSize"], member["executable"]
-        if not isinstance(digest, str) or not _DIGEST.match(digest):
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
             return "member_malformed"
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             return "member_malformed"
@@ -597,7 +597,7 @@ def _split_key(key: str) -> tuple[str, str | None, str] | None:
         return None
     section, name = key[:first], key[last + 1 :]
     subsection = key[first + 1 : last] if last > first else None
-    if not _SECTION_NAME.match(section) or not _SECTION_NAME.match(name):
+    if not _SECTION_NAME.fullmatch(section) or not _SECTION_NAME.fullmatch(name):
         return None
     return section.lower(), subsection, name.lower()
 
@@ -630,7 +630,7 @@ def portable_config(pairs: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
             continue
         if section != "branch" or ref_problem(subsection) is not None:
             continue
-        if name == "remote" and (value == "." or _REMOTE_NAME.match(value)):
+        if name == "remote" and (value == "." or _REMOTE_NAME.fullmatch(value)):
             kept[f"branch.{subsection}.remote"] = value
         elif name == "merge" and value.startswith("refs/") and ref_problem(value) is None:
             kept[f"branch.{subsection}.merge"] = value

@@ -239,7 +239,7 @@ def parse_checkpoint(
             continue
         if raw["op"] == "put":
             digest, executable = raw["digest"], raw["executable"]
-            if not isinstance(digest, str) or not _DIGEST.match(digest):
+            if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
                 bad(f"{where}.digest", "invalid_digest", "digest must be lower-case hex SHA-256")
                 continue
             if not isinstance(executable, bool):

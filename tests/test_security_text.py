@@ -220,6 +220,16 @@ def test_run_and_workspace_text_follows_the_rule(tenant: Tenant) -> None:
         assert r.status_code == 201, r.text
         r = c.put(f"{b}/tasks/{task}/branch", json={"branch": "fix\u202e"})
         assert r.status_code == 400 and r.json()["details"][0]["field"] == "branch", r.text
+        # A pattern's "$" also matches before a final newline: names are matched whole.
+        r = c.post(ws, json={"repoUrl": "https://h/b.git", "name": "app\n"})
+        assert r.status_code == 400 and r.json()["details"][0]["field"] == "name", r.text
+
+
+def test_a_digest_with_a_final_newline_is_no_digest(tenant: Tenant) -> None:
+    run = start_run(tenant)
+    entry = {"op": "put", "path": "f", "digest": "a" * 64 + "\n", "executable": False}
+    r = run.commit("task", [entry])
+    assert r.status_code == 400 and r.json()["details"][0]["code"] == "invalid_digest", r.text
 
 
 # --- the sender's side: fsagent reports any error it has ----------------------------

@@ -146,7 +146,7 @@ async def get_manifest(request: Request) -> Response:
 @json_errors
 async def get_object(request: Request) -> Response:
     digest = request.path_params["digest"]
-    if not _DIGEST.match(digest):
+    if not _DIGEST.fullmatch(digest):
         raise ValidationError.single(
             "digest", "invalid_digest", "digest must be lower-case hex SHA-256"
         )

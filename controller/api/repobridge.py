@@ -78,7 +78,7 @@ def _digests(body: dict[str, Any], limit: int) -> list[str]:
         set(body) != {"digests"}
         or not isinstance(digests, list)
         or len(digests) > limit
-        or not all(isinstance(d, str) and _DIGEST.match(d) for d in digests)
+        or not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in digests)
     ):
         raise ValidationError.single(
             "digests",

@@ -323,7 +323,7 @@ def upload_headers(request: Request) -> tuple[str | None, bool]:
         )
     file_ctype = request.headers.get("x-file-content-type")
     if file_ctype is not None and (
-        not 1 <= len(file_ctype) <= MAX_CONTENT_TYPE_CHARS or not _PRINTABLE.match(file_ctype)
+        not 1 <= len(file_ctype) <= MAX_CONTENT_TYPE_CHARS or not _PRINTABLE.fullmatch(file_ctype)
     ):
         raise ValidationError.single(
             "X-File-Content-Type",
