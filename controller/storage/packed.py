@@ -31,6 +31,7 @@ all about the logical bytes and do not change.
 from __future__ import annotations
 
 import hashlib
+import io
 import struct
 import threading
 from collections.abc import Callable, Generator, Iterator
@@ -135,8 +136,6 @@ def pack(read: Callable[[int], bytes], size: int, sha256_hex: str, out: IO[bytes
 def pack_bytes(data: bytes, sha256_hex: str) -> bytes | None:
     """:func:`pack` of bytes in memory (a small batch member): the packed
     form, or None when it does not pay."""
-    import io
-
     if not worth_packing(len(data)):
         return None
     out = io.BytesIO()
