@@ -516,9 +516,15 @@ class Shipper:
                 # A storage limit is a warning of the run, which the controller
                 # keeps with the refusal; it does not make the run a failed one.
                 if not over_limit:
+                    # A refusal has its receipt on the controller already; a
+                    # failure on the way (network, 5xx, an I/O error here) is
+                    # reported for this folder, where it stands until the
+                    # folder saves again (another folder's save does not
+                    # clear it).
+                    scope = None if isinstance(exc, ControllerRefused) else self.scope
                     with trio.move_on_after(10):
                         try:
-                            await self.client.report_state("failed", message)
+                            await self.client.report_state("failed", message, scope=scope)
                         except FsagentError as report_exc:
                             log.warning("could not report the failed save: %s", report_exc)
                 # A 429 (the run's upload allowance held by uploads not this

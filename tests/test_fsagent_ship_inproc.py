@@ -117,6 +117,9 @@ async def test_failed_upload_is_recorded_reported_and_retried(
                 await shipper.ship_checkpoint()
         assert "injected" in store.save_status()["lastError"]["message"]
         assert [s for s, _ in mem.reports] == ["failed", "failed"]
+        # Each failure stands on its folder (a failure receipt, not final),
+        # not merely on the run, which another folder's save would clear.
+        assert [(s, f) for s, _, f, _ in mem.failure_receipts] == [(SCOPE, False)] * 2
         assert "commit_checkpoint" not in mem.calls
         assert [c.path for c in store.changes_since_baseline()] == ["a.txt"]
         result = await shipper.ship_checkpoint()
@@ -149,6 +152,7 @@ async def test_stale_lease_fences_the_shipper_and_nothing_is_applied(
                 await shipper.ship_checkpoint(final=final)
         assert len(mem.calls) == calls
         assert "newer run" in store.save_status()["lastError"]["message"]
+        assert mem.failure_receipts == []  # the refusal is its receipt already
     finally:
         store.close()
 
