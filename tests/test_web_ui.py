@@ -7,12 +7,14 @@ and at the API state behind it, read with a bearer token.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
-from playwright.sync_api import FilePayload, Page, expect
+from playwright.sync_api import FilePayload, Locator, Page, expect
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
@@ -34,6 +36,8 @@ from tests.support.web import (
 pytestmark = BROWSER_TESTS
 
 NOT_FOUND_TEXT = "This folder doesn't exist or you don't have access"
+BUSY_MS = 120_000
+"""How long a check waits for the page on a busy (shared, loaded) machine."""
 
 
 def test_sign_in_upload_preview_download_and_sign_out(
@@ -442,7 +446,7 @@ def test_previews_of_pdf_binary_and_oversized_files(
 
     page.get_by_role("link", name="Open hello.pdf").click()
     frame = preview.locator("iframe[title='Preview of hello.pdf']")
-    expect(frame).to_be_visible()
+    expect(frame).to_be_visible(timeout=BUSY_MS)
     blob_url = frame.get_attribute("src")
     assert blob_url is not None and blob_url.startswith("blob:")
     views.snap("pdf-preview")
@@ -454,36 +458,53 @@ def test_previews_of_pdf_binary_and_oversized_files(
         "Keys go to the PDF while it has focus: move the pointer off it, or Tab out of it,"
         " and Escape closes the preview."
     )
-    frame.click()
-    assert page.evaluate("() => document.activeElement.tagName") == "IFRAME"
+    click_into_pdf(page, frame)
     page.keyboard.press("Escape")
     expect(frame).to_be_visible()
     head = preview.locator(".preview-head").bounding_box()
     assert head is not None
     page.mouse.move(head["x"] + 4, head["y"] + 4, steps=4)
     page.mouse.move(head["x"] + 24, head["y"] + 8, steps=4)  # over the page, not the frame
-    expect(preview.get_by_role("heading", name="Preview: hello.pdf")).to_be_focused()
+    expect(preview.get_by_role("heading", name="Preview: hello.pdf")).to_be_focused(timeout=BUSY_MS)
     page.keyboard.press("Escape")
-    expect(preview).to_be_hidden()
+    expect(preview).to_be_hidden(timeout=BUSY_MS)
     expect(page).not_to_have_url(re.compile("preview="))
     expect(page.get_by_role("link", name="Open hello.pdf")).to_be_focused()
 
     # Headless Chromium's PDF viewer takes clicks meant for the page below
     # it once the page scrolls, so the next name is opened from the keyboard.
     page.get_by_role("link", name="Open blob.bin").press("Enter")
-    expect(preview).to_contain_text("blob.bin is not text, an image or a PDF")
+    expect(preview).to_contain_text("blob.bin is not text, an image or a PDF", timeout=BUSY_MS)
     expect(preview.get_by_role("link", name="Download blob.bin")).to_be_visible()
 
     page.get_by_role("link", name="Open huge.log").click()
-    expect(preview).to_contain_text("larger than the 8 MiB preview limit")
+    expect(preview).to_contain_text("larger than the 8 MiB preview limit", timeout=BUSY_MS)
     with page.expect_download() as download_info:
         preview.get_by_role("link", name="Download huge.log").click()
     assert Path(download_info.value.path()).stat().st_size == 8 * 1024 * 1024 + 1
 
     page.get_by_role("button", name="Close preview").click()
-    expect(preview).to_be_hidden()
+    expect(preview).to_be_hidden(timeout=BUSY_MS)
     # Focus returns to the file's row.
     expect(page.get_by_role("link", name="Open huge.log")).to_be_focused()
+
+
+def click_into_pdf(page: Page, frame: Locator) -> None:
+    """Click the PDF until it has focus. On a busy machine the viewer may
+    still be starting when a click lands, and that click leaves focus on the
+    page; a click once it runs must give it focus within the deadline."""
+    deadline = time.monotonic() + BUSY_MS / 1000
+    while True:
+        frame.click()
+        try:
+            page.wait_for_function(
+                "() => document.activeElement && document.activeElement.tagName === 'IFRAME'",
+                timeout=5_000,
+            )
+            return
+        except PlaywrightTimeoutError:
+            focused = page.evaluate("() => document.activeElement.tagName")
+            assert time.monotonic() < deadline, f"focus stayed on {focused}, not the PDF IFRAME"
 
 
 def test_viewer_gets_a_read_only_page_and_writes_need_the_csrf_header(
