@@ -555,7 +555,8 @@ def test_the_sandbox_image_has_git_and_enables_every_fsagent_unit() -> None:
     enables every unit install-fsagent.sh installs."""
     base = (SANDBOX_IMAGE / "debootstrap-base.sh").read_text()
     (packages,) = re.findall(r"^packages=(\S+)$", base, re.MULTILINE)
-    assert {"git", "fuse3", "python3-venv"} <= set(packages.split(","))
+    # nodejs: the runtime contract's node (fsagent launch and doctor require it).
+    assert {"git", "fuse3", "python3-venv", "nodejs"} <= set(packages.split(","))
     install = (REPO / "packaging" / "install-fsagent.sh").read_text()
     (needed,) = re.findall(r"^for p in (.+); do$", install, re.MULTILINE)
     assert "git" in needed.split()
@@ -566,7 +567,8 @@ def test_the_sandbox_image_has_git_and_enables_every_fsagent_unit() -> None:
     (enabled,) = re.findall(r"^for unit in (.+); do$", build, re.MULTILINE)
     assert sorted(enabled.split()) == sorted(services)
     assert 'systemctl enable "${units[@]}"' in build
-    for script in (SANDBOX_IMAGE / "debootstrap-base.sh", SANDBOX_IMAGE / "build-rootfs.sh"):
+    for script in (SANDBOX_IMAGE / "debootstrap-base.sh", SANDBOX_IMAGE / "build-rootfs.sh",
+                   SANDBOX_IMAGE / "source-files.sh"):  # fmt: skip
         syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert syntax.returncode == 0, syntax.stderr
 

@@ -11,6 +11,7 @@ host network, so the container reaches the test's controller on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -336,6 +338,27 @@ def _ids(rootfs: Path, user: str) -> tuple[int, int]:
     raise AssertionError(f"no user {user} in the image")
 
 
+def _doctor(box: Container) -> dict[str, Any]:
+    """``fsagent doctor --json`` as the agent, once the local endpoint's env
+    file is there (fsagent-bridge.service writes it after boot)."""
+    deadline = time.monotonic() + BOOT_TIMEOUT
+    env_file = f"{HOME}/.local/state/fsagent/env"
+    while "PAPERCLIP_API_SOCKET" not in box.run("cat", env_file, check=False):
+        assert time.monotonic() < deadline, box.run(
+            "systemctl", "status", "--no-pager", "fsagent-bridge.service", check=False
+        )
+        time.sleep(0.2)
+    out = box.run("/opt/fsagent/venv/bin/fsagent", "doctor", "--json", user=AGENT, check=False)
+    found: dict[str, Any] = json.loads(out[out.index("{") :])
+    return found
+
+
+def test_the_image_keeps_no_copy_of_the_source(built_image: Path) -> None:
+    """What build-rootfs.sh copied in to build fsagent from
+    (packaging/sandbox-image/source-files.sh) is gone from the image."""
+    assert not (built_image / "var/tmp/fsagent-src").exists()
+
+
 def test_boot_mounts_as_agent_and_shutdown_saves(image: Path, tenant: Tenant) -> None:
     run = start_run(tenant)
     _install_token(image, run.token)
@@ -348,6 +371,16 @@ def test_boot_mounts_as_agent_and_shutdown_saves(image: Path, tenant: Tenant) ->
             assert f"user_id={uid}" in opts, (scope, opts)
         env = box.run("env", user=AGENT)
         assert f"PAPERCLIP_TASK_DIR={HOME}/task" in env
+        # The image meets the runtime contract it checks, with no step of its own.
+        assert re.fullmatch(r"v\d+\.\d+\.\d+\n", box.run("node", "--version", user=AGENT))
+        assert "required CLI" not in box.run("sh", "-c", "'command -v node'", user=AGENT)
+        doctor = _doctor(box)
+        assert doctor["ok"] is True, doctor
+        assert {c["name"]: c["status"] for c in doctor["checks"]}["node"] == "ok", doctor
+        launched = box.run("/opt/fsagent/venv/bin/fsagent", "launch", "--home", HOME, "--",
+                           "'node -e \"console.log(process.env.PAPERCLIP_TASK_DIR)\"'",
+                           user=AGENT)  # fmt: skip
+        assert f"{HOME}/task\n" in launched, launched
         # The repository checkouts are the image's too: git, and their unit.
         assert box.run("git", "--version", user=AGENT).startswith("git version")
         enabled = box.run("systemctl", "is-enabled", "fsagent-repos.service", check=False)

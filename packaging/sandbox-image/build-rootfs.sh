@@ -19,7 +19,16 @@
 #     saves them every 180 s and once more at a clean shutdown (git comes with
 #     the base rootfs, else install-fsagent.sh installs it);
 #   - writes /etc/fsagent/agent.env (the folder variables an agent reads) and
-#     /etc/profile.d/fsagent.sh, which exports them in the agent's login shell.
+#     /etc/profile.d/fsagent.sh, which exports them in the agent's login shell;
+#   - makes sure the image meets the runtime contract `fsagent launch` and
+#     `fsagent doctor` check: `node` on the PATH (the base rootfs has Debian's
+#     nodejs; a rootfs without node gets it from Debian here, and the build
+#     fails, naming what to do, where it cannot: put the owner's own node on
+#     the image's PATH, e.g. /usr/local/bin, and build again), sh and tar.
+# Only the files fsagent is built from are copied in (source-files.sh: the
+# package, the units, the install script; never .demo/, demo-home/, a
+# virtualenv, tokens or databases), and they are removed again at the end,
+# also when the build fails.
 # --token-file is where the run token is read from inside the image (default
 # /etc/fsagent/run-token); whoever starts the sandbox puts the token there,
 # owned by the agent user, mode 0400. --token-from FILE copies it in now.
@@ -69,13 +78,6 @@ command -v systemd-nspawn >/dev/null || {
     exit 1
 }
 
-# The source tree goes in as a copy (pip builds in it); it is removed at the end.
-stage="$rootfs/var/tmp/fsagent-src"
-rm -rf "$stage"
-mkdir -p "$stage"
-tar -C "$src" --exclude=.git --exclude=.venv --exclude='*.egg-info' --exclude=build \
-    --exclude=__pycache__ --exclude='.*_cache' -cf - . | tar -C "$stage" -xf -
-
 package=/var/tmp/fsagent-src
 binds=()
 pip_env=()
@@ -88,6 +90,8 @@ if [[ -n "$wheelhouse" ]]; then
         [[ ! -f "$w" ]] || package="/run/fsagent-wheels/${w##*/}"
     done
 fi
+
+stage="$rootfs/var/tmp/fsagent-src"  # the copy fsagent is built from
 
 # Where PID 1 is not systemd, nspawn --keep-unit makes payload/ and supervisor/
 # cgroups below its caller's and leaves them behind: give it a cgroup of its
@@ -107,7 +111,18 @@ remove_cgroups() {
         [[ -d "$d" ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
     done
 }
-trap remove_cgroups EXIT
+clean_up() {
+    rm -rf "$stage"
+    remove_cgroups
+}
+trap clean_up EXIT
+
+# What fsagent is built from goes in as a copy (pip builds in it), and only
+# that (source-files.sh); it is removed at the end, whatever happens.
+rm -rf "$stage"
+mkdir -p "$stage"
+"$here/source-files.sh" "$src" | tar -C "$src" --null --no-recursion -T - -cf - \
+    | tar -C "$stage" -xf -
 
 # One offline container run (no boot) does the work inside the image.
 (
@@ -129,6 +144,22 @@ for unit in fsagent-bridge.service fsagent-repos.service; do
     [[ ! -f "/etc/systemd/system/$unit" ]] || units+=("$unit")
 done
 command -v git >/dev/null || { echo "build-rootfs.sh: git is missing in the image" >&2; exit 1; }
+# The runtime contract (spec: node on the PATH, sh, tar), probed as fsagent
+# launch probes it: a node the owner put in the image, else Debian nodejs.
+if ! sh -c "command -v node" >/dev/null; then
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends nodejs; } >/dev/null \
+        || true
+fi
+for cmd in node sh tar; do
+    sh -c "command -v $cmd" >/dev/null || {
+        echo "build-rootfs.sh: $cmd is not on the PATH of the image, which fsagent launch" \
+            "and fsagent doctor require, and the Debian package could not be installed:" \
+            "put your own $cmd on the PATH of the image (e.g. in /usr/local/bin) and build" \
+            "again" >&2
+        exit 1
+    }
+done
+node --version >/dev/null || { echo "build-rootfs.sh: node in the image does not run" >&2; exit 1; }
 systemctl enable "${units[@]}"
 ' build-rootfs "$user" "$home" "$controller" "$token_file" "$package"
 )
@@ -154,5 +185,4 @@ if [[ -n "$token_from" ]]; then
     uid="$(chroot "$rootfs" id -u "$user")" gid="$(chroot "$rootfs" id -g "$user")"
     chown "$uid:$gid" "$rootfs$token_file"
 fi
-rm -rf "$stage"
 echo "build-rootfs.sh: $rootfs is a sandbox image for $user ($home), controller $controller"
