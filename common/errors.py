@@ -301,6 +301,15 @@ class BaseMismatch(Conflict):
     message = "The checkpoint's base is not the current checkpoint; send the whole checkpoint"
 
 
+class StaleSave(Conflict):
+    """An editor's save whose ``X-Base-Digest`` (the version it read) is no
+    longer the file at its path: nothing was written, the draft is the
+    editor's to keep (spec/agent-files.md: a stale browser save is 409)."""
+
+    code = "stale_save"
+    message = "The file changed since the editor read it: nothing was saved"
+
+
 class PreconditionFailed(WorkFolderError):
     """``If-None-Match: *`` met an existing file, or ``If-Match`` a different digest."""
 

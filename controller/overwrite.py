@@ -1,6 +1,9 @@
 """What a person's upload over an existing file must respect and keep.
 
-``If-None-Match: *`` and ``If-Match`` are checked under the folder lock,
+``If-None-Match: *`` and ``If-Match`` (HTTP's conditions: 412 when they do
+not hold) and ``X-Base-Digest`` (the Files page editor's base version: 409
+``stale_save`` when it is stale, spec/agent-files.md) are checked under the
+folder lock,
 inside the transaction that writes, so no other writer can slip in between
 the check and the write. A replaced file's previous content is not lost: it
 goes to the trash as an entry of its own, in the same transaction, and can be
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg import AsyncConnection
 
-from common.errors import PreconditionFailed, ValidationError
+from common.errors import PreconditionFailed, StaleSave, ValidationError
 
 if TYPE_CHECKING:
     from controller.apply import Folder
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
 Row = dict[str, Any]
 
 _ETAG = re.compile(r'^"([0-9a-f]{64})"$')
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+BASE_NONE = "none"
+"""``X-Base-Digest: none``: the editor read no file at the path."""
 
 
 @dataclass(frozen=True)
@@ -33,13 +39,30 @@ class Precondition:
 
     exists: bool | None = None
     digest: str | None = None
+    editor_base: bool = False
+    """Sent as the editor's ``X-Base-Digest``: a stale one is 409 ``stale_save``."""
 
 
-def parse_precondition(if_match: str | None, if_none_match: str | None) -> Precondition | None:
-    if if_match is not None and if_none_match is not None:
+def parse_precondition(
+    if_match: str | None, if_none_match: str | None, base_digest: str | None = None
+) -> Precondition | None:
+    if (if_match is not None) + (if_none_match is not None) + (base_digest is not None) > 1:
         raise ValidationError.single(
-            "If-Match", "invalid_precondition", "send If-Match or If-None-Match, not both"
+            "If-Match",
+            "invalid_precondition",
+            "send one of If-Match, If-None-Match and X-Base-Digest",
         )
+    if base_digest is not None:
+        value = base_digest.strip()
+        if value == BASE_NONE:
+            return Precondition(exists=False, editor_base=True)
+        if _DIGEST.match(value) is None:
+            raise ValidationError.single(
+                "X-Base-Digest",
+                "invalid_precondition",
+                "X-Base-Digest must be the SHA-256 the editor read (64 hex digits) or none",
+            )
+        return Precondition(digest=value, editor_base=True)
     if if_none_match is not None:
         if if_none_match.strip() != "*":
             raise ValidationError.single(
@@ -62,7 +85,8 @@ def parse_precondition(if_match: str | None, if_none_match: str | None) -> Preco
 
 
 def check_precondition(existing: Row | None, path: str, pre: Precondition | None) -> None:
-    """PreconditionFailed unless the entry now at ``path`` satisfies ``pre``."""
+    """PreconditionFailed (StaleSave for the editor's base) unless the entry
+    now at ``path`` satisfies ``pre``."""
     if pre is None:
         return
     current = None if existing is None else existing["digest"]
@@ -75,7 +99,7 @@ def check_precondition(existing: Row | None, path: str, pre: Precondition | None
         detail: dict[str, Any] = {"path": path, "exists": existing is not None}
         if current is not None:
             detail["digest"] = current
-        raise PreconditionFailed(details=[detail])
+        raise (StaleSave if pre.editor_base else PreconditionFailed)(details=[detail])
 
 
 async def keep_replaced(

@@ -211,8 +211,49 @@ def test_the_mount_protects_the_entry_and_keeps_a_refused_entry_unsaved(
     assert list(m.state_dir.iterdir()) == []
 
 
-def test_a_stale_editor_save_is_412_and_changes_nothing(tenant: Tenant) -> None:
-    """The editor's save condition: If-Match of the digest it read."""
+def test_a_stale_editor_save_is_409_stale_save_and_changes_nothing(tenant: Tenant) -> None:
+    """The editor sends the digest it read as X-Base-Digest: a stale one is
+    409 ``stale_save`` (spec/agent-files.md), and nothing is written."""
+    agent = new_agent(tenant)
+    folder = tenant.folder("agent", agent)
+    with tenant.client() as c:
+        read = c.get(folder + "/content", params={"path": "AGENTS.md"})
+        base = read.headers["etag"].strip('"')
+        assert put(c, tenant, "agent", agent, "AGENTS.md", b"# theirs\n").status_code == 200
+        before = folder_counters(tenant, "agent", agent)
+        r = put(c, tenant, "agent", agent, "AGENTS.md", b"# mine\n", **{"X-Base-Digest": base})
+        assert r.status_code == 409 and r.json()["code"] == "stale_save", r.text
+        theirs = hashlib.sha256(b"# theirs\n").hexdigest()
+        assert r.json()["details"] == [{"path": "AGENTS.md", "exists": True, "digest": theirs}]
+        # "none": the editor read no file, and one is there now.
+        r = put(c, tenant, "agent", agent, "AGENTS.md", b"x", **{"X-Base-Digest": "none"})
+        assert r.status_code == 409 and r.json()["code"] == "stale_save", r.text
+        # A base naming a file that was deleted since.
+        r = put(c, tenant, "agent", agent, "GONE.md", b"x", **{"X-Base-Digest": theirs})
+        assert r.status_code == 409 and r.json()["details"][0]["exists"] is False
+        assert folder_counters(tenant, "agent", agent) == before
+        # Malformed, or sent with an HTTP condition: 400, nothing written.
+        for headers in (
+            {"X-Base-Digest": f'"{theirs}"'},
+            {"X-Base-Digest": "abc"},
+            {"X-Base-Digest": theirs, "If-Match": f'"{theirs}"'},
+            {"X-Base-Digest": "none", "If-None-Match": "*"},
+        ):
+            r = put(c, tenant, "agent", agent, "AGENTS.md", b"# mine\n", **headers)
+            assert r.status_code == 400, (headers, r.text)
+            assert r.json()["details"][0]["code"] == "invalid_precondition", r.text
+        assert folder_counters(tenant, "agent", agent) == before
+        # Based on the version it now sees, the save goes through; a new file with none.
+        r = put(c, tenant, "agent", agent, "AGENTS.md", b"# mine\n", **{"X-Base-Digest": theirs})
+        assert r.status_code == 200, r.text
+        r = put(c, tenant, "agent", agent, "NEW.md", b"new\n", **{"X-Base-Digest": "none"})
+        assert r.status_code == 201, r.text
+    assert agent_files(tenant, agent) == {"AGENTS.md": b"# mine\n", "NEW.md": b"new\n"}
+
+
+def test_a_failed_if_match_is_412_for_other_clients(tenant: Tenant) -> None:
+    """HTTP's conditions keep HTTP's status: If-Match (and If-None-Match) that
+    does not hold is 412 ``precondition_failed``, and nothing is written."""
     agent = new_agent(tenant)
     folder = tenant.folder("agent", agent)
     with tenant.client() as c:

@@ -1,6 +1,7 @@
 """The Files page's text editor in headless Chromium against a real controller:
-an agent's "Instructions" open its entry file; a save sends If-Match; a save
-over a newer version (another tab, an agent run) keeps the person's draft,
+an agent's "Instructions" open its entry file; a save sends the version it
+read (X-Base-Digest); a save over a newer version (another tab, an agent
+run) is 409 stale_save and keeps the person's draft,
 shows the newer text beside it and offers overwrite, discard and copy; binary
 and larger files are offered for download; the views reflow at phone width
 and pass an axe-core scan."""
@@ -47,24 +48,30 @@ def open_instructions(page: Page, tenant: Tenant, agent: str) -> None:
 
 
 def etag(data: bytes) -> str:
-    return f'"{hashlib.sha256(data).hexdigest()}"'
+    """The version of ``data`` as the editor's save names it (X-Base-Digest)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 class SaveConditions:
     """Intercepts the page's writes of file contents and keeps each one's
-    condition headers (the request then goes on to the controller unchanged)."""
+    base (X-Base-Digest) and the controller's status; the request goes to
+    the controller unchanged. HTTP's own conditions are never sent."""
 
     def __init__(self, page: Page) -> None:
-        self.seen: list[tuple[str | None, str | None]] = []
+        self.seen: list[tuple[str | None, int]] = []
         page.route("**/content?path=*", self.intercept)
 
     def intercept(self, route: Route) -> None:
-        if route.request.method == "PUT":
-            headers = route.request.headers
-            self.seen.append((headers.get("if-match"), headers.get("if-none-match")))
-        route.continue_()
+        if route.request.method != "PUT":
+            route.continue_()
+            return
+        headers = route.request.headers
+        assert "if-match" not in headers and "if-none-match" not in headers, headers
+        answer = route.fetch()
+        self.seen.append((headers.get("x-base-digest"), answer.status))
+        route.fulfill(response=answer)
 
-    def take(self) -> list[tuple[str | None, str | None]]:
+    def take(self) -> list[tuple[str | None, int]]:
         taken, self.seen = self.seen, []
         return taken
 
@@ -87,7 +94,7 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     expect(page.get_by_role("status").filter(has_text="Saved AGENTS.md.")).to_be_visible()
     assert saved(tenant, agent) == b"# Instructions v2\n"
     # The save was conditional on the version the editor loaded.
-    assert saves.take() == [(etag(b"# Instructions v1\n"), None)]
+    assert saves.take() == [(etag(b"# Instructions v1\n"), 200)]
 
     # Someone else saves; this editor's save is refused, nothing is written,
     # and the draft stays where it was, with the newer text beside it.
@@ -102,8 +109,8 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     expect(draft).to_have_value("# My careful draft\n")
     expect(page.get_by_label("Saved meanwhile (newer)")).to_have_value("# Written by a run\n")
     assert saved(tenant, agent) == b"# Written by a run\n"
-    # Refused because it still named the version this editor last saved.
-    assert saves.take() == [(etag(b"# Instructions v2\n"), None)]
+    # Refused (409) because it still named the version this editor last saved.
+    assert saves.take() == [(etag(b"# Instructions v2\n"), 409)]
     views.snap("conflict")
 
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
@@ -116,7 +123,7 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     expect(conflict).to_be_hidden()
     assert saved(tenant, agent) == b"# My careful draft\n"
     # Overwriting replaces only the newer version it showed.
-    assert saves.take() == [(etag(b"# Written by a run\n"), None)]
+    assert saves.take() == [(etag(b"# Written by a run\n"), 200)]
 
     # Again, and this time the draft is discarded for the newer version.
     save_elsewhere(tenant, agent, b"# Newest\n")
@@ -133,8 +140,8 @@ def test_a_stale_save_keeps_the_draft_and_offers_overwrite_discard_and_copy(
     expect(page.get_by_role("status").filter(has_text="Saved AGENTS.md.")).to_be_visible()
     assert saved(tenant, agent) == b"# After discarding\n"
     assert saves.take() == [
-        (etag(b"# My careful draft\n"), None),  # the refused one
-        (etag(b"# Newest\n"), None),  # after discarding, on the newest version
+        (etag(b"# My careful draft\n"), 409),  # the refused one
+        (etag(b"# Newest\n"), 200),  # after discarding, on the newest version
     ]
 
     # Closing with unsaved changes asks first.

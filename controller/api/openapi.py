@@ -1086,6 +1086,13 @@ def document() -> dict[str, Any]:
                             "description": '* or "<sha256>": replace only that content (412)',
                             "schema": {"type": "string"},
                         },
+                        {
+                            "name": "X-Base-Digest",
+                            "in": "header",
+                            "description": "the editor's base: <sha256> it read, or none"
+                            " (409 stale_save when the file changed since)",
+                            "schema": {"type": "string"},
+                        },
                     ],
                     "requestBody": {
                         "required": True,
@@ -1101,10 +1108,13 @@ def document() -> dict[str, Any]:
                             _ref("WriteResult"),
                         ),
                         "201": _resp("Created", _ref("WriteResult")),
-                        "409": _resp("Parent is a file, kind change, or key reused", _ERROR),
+                        "409": _resp(
+                            "Parent is a file, kind change, key reused, or a stale editor"
+                            " save (X-Base-Digest, stale_save); nothing was written",
+                            _ERROR,
+                        ),
                         "412": _resp(
-                            "If-Match or If-None-Match does not hold (a stale editor save);"
-                            " nothing was written",
+                            "If-Match or If-None-Match does not hold; nothing was written",
                             _ERROR,
                         ),
                         "413": _resp("Larger than 1 GiB", _ERROR),

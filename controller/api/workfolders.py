@@ -344,7 +344,9 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
     path = query_path(request)
     file_ctype, executable = upload_headers(request)
     precondition = parse_precondition(
-        request.headers.get("if-match"), request.headers.get("if-none-match")
+        request.headers.get("if-match"),
+        request.headers.get("if-none-match"),
+        request.headers.get("x-base-digest"),
     )
     op_id = idempotency_key(request)
 

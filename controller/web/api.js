@@ -33,6 +33,7 @@ const PLAIN_MESSAGES = {
   target_exists: "Something with that name is already there. Pick another name.",
   move_into_itself: "A folder cannot be moved into itself.",
   precondition_failed: "The file changed in the meantime.",
+  stale_save: "The file changed since you opened it.",
 };
 
 export class ApiError extends Error {
@@ -219,16 +220,15 @@ export class FolderApi {
   }
 
   /**
-   * Replace a file with `bytes` in one request: `condition` is "new" (only if
-   * nothing is there) or the digest the writer last saw (only if it is still
-   * that content); either way a change in between answers 412, never a silent
-   * overwrite.
+   * The editor's save: replace a file with `bytes` in one request, based on
+   * the version it read, `base` ("new": it read no file, else that version's
+   * digest), sent as X-Base-Digest. A change in between answers 409
+   * stale_save (spec/agent-files.md), never a silent overwrite.
    */
-  putBytes(path, bytes, { condition, contentType = null, key = newIdempotencyKey() }) {
+  saveEdit(path, bytes, { base, contentType = null, key = newIdempotencyKey() }) {
     const headers = { "Content-Type": "application/octet-stream", "Idempotency-Key": key };
     if (contentType) headers["X-File-Content-Type"] = contentType;
-    if (condition === "new") headers["If-None-Match"] = "*";
-    else headers["If-Match"] = `"${condition}"`;
+    headers["X-Base-Digest"] = base === "new" ? "none" : base;
     return request("PUT", this.contentUrl(path), { body: bytes, headers });
   }
 

@@ -3,11 +3,11 @@
 // "Instructions" (the agent's entry file). Larger or binary files are not
 // opened: the view offers their download instead.
 //
-// A save sends If-Match with the digest of the version the editor loaded
-// (If-None-Match: * for a file that did not exist), so it never replaces a
-// version the person has not seen. When someone saved meanwhile (another
-// tab, the API, an agent run: run saves are per-file last-sync-wins and do
-// not wait for an open editor), the answer is 412: the draft stays in the
+// A save sends X-Base-Digest, the digest of the version the editor loaded
+// ("none" for a file that did not exist), so it never replaces a version
+// the person has not seen. When someone saved meanwhile (another tab, the
+// API, an agent run: run saves are per-file last-sync-wins and do not wait
+// for an open editor), the answer is 409 stale_save: the draft stays in the
 // editor, the newer saved text is shown beside it, and the person chooses to
 // overwrite it with the draft, discard the draft, or copy the draft.
 
@@ -249,16 +249,16 @@ export class Editor {
     await this.put(bytes, this.digest ?? "new", draft);
   }
 
-  /** PUT `bytes` on condition `condition`; on 412 show the conflict, keeping the draft. */
-  async put(bytes, condition, draft) {
+  /** PUT `bytes` based on the version `base`; when stale (409) show the conflict, keeping the draft. */
+  async put(bytes, base, draft) {
     const seq = this.seq;
     const path = this.path;
     this.busy = true;
     this.saveButton.disabled = true;
     this.status.textContent = "Saving…";
     try {
-      const answer = await this.folder.api.putBytes(path, bytes, {
-        condition,
+      const answer = await this.folder.api.saveEdit(path, bytes, {
+        base,
         contentType: this.contentType,
       });
       if (seq !== this.seq) return;
@@ -272,7 +272,7 @@ export class Editor {
     } catch (err) {
       if (seq !== this.seq) return;
       this.status.textContent = "";
-      if (err instanceof ApiError && err.code === "precondition_failed") {
+      if (err instanceof ApiError && err.code === "stale_save") {
         await this.conflictFound(seq);
       } else {
         this.error.textContent = `Could not save ${baseName(path)}: ${this.folder.explain(err)}`;
