@@ -224,6 +224,10 @@ class FolderSave:
     """The newest receipt when it is a refusal or a failure (``outcome``,
     ``code``, ``error``, ``at``): it stands until a later save of the folder
     succeeds. None when the newest attempt saved."""
+    stopped_at: datetime | None = None
+    """When the sandbox stopped with this folder: the newest receipt is its
+    final save's (saved, refused, or the failure fsagent reports when it
+    gives up at the stop boundary). None while a later save may come."""
 
     @property
     def failed(self) -> bool:
@@ -254,7 +258,8 @@ async def folder_saves(
         "WITH g AS (SELECT run_id, scope, owner_id, max(id) AS last_id,"
         "  max(at) FILTER (WHERE outcome = 'saved') AS saved_at"
         "  FROM save_receipts WHERE run_id = ANY(%s::uuid[]) GROUP BY run_id, scope, owner_id)"
-        " SELECT g.run_id, g.scope, g.owner_id, g.saved_at, s.outcome, s.code, s.error, s.at"
+        " SELECT g.run_id, g.scope, g.owner_id, g.saved_at, s.outcome, s.code, s.error, s.at,"
+        " s.final"
         " FROM g JOIN save_receipts s ON s.id = g.last_id",
         (list(run_ids),),
     )
@@ -263,6 +268,7 @@ async def folder_saves(
         failure = None
         if r["outcome"] != "saved":
             failure = {k: r[k] for k in ("outcome", "code", "error", "at")}
-        save = FolderSave(r["scope"], r["owner_id"], r["saved_at"], failure)
+        stopped_at = r["at"] if r["final"] else None
+        save = FolderSave(r["scope"], r["owner_id"], r["saved_at"], failure, stopped_at)
         out.setdefault(str(r["run_id"]), []).append(save)
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
 from typing import Any, Final, Protocol, TypeVar
@@ -207,6 +207,10 @@ class SaveState:
     """The failure's stable code (a receipt's, e.g. ``STALE_LEASE``)."""
     error: str | None = None
     failed_at: datetime | None = None
+    stopped_at: datetime | None = None
+    """When the run's sandbox stopped with the folder (its final save's
+    receipt, :attr:`controller.receipts.FolderSave.stopped_at`), before the
+    orchestrator ends the run; None while the run may save it again."""
 
 
 def run_state(row: Row, saves: Sequence[FolderSave]) -> tuple[str, str | None]:
@@ -233,6 +237,22 @@ def folder_state(
     """The run's save state of one folder (see the module doc): its own
     receipts first; ``baseline_at`` is its last checkpoint of the folder."""
     own = next((s for s in saves if (s.scope, s.owner_id) == (scope, owner_id)), None)
+    st = _folder_save_state(row, own, saves, baseline_at)
+    return st if own is None else replace(st, stopped_at=own.stopped_at)
+
+
+def stopped_at(folders: Sequence[SaveState]) -> datetime | None:
+    """When the run's sandbox stopped: every folder it binds had its final
+    save (the last of them), else None."""
+    times = [f.stopped_at for f in folders]
+    if not times or any(t is None for t in times):
+        return None
+    return max(t for t in times if t is not None)
+
+
+def _folder_save_state(
+    row: Row, own: FolderSave | None, saves: Sequence[FolderSave], baseline_at: datetime | None
+) -> SaveState:
     if own is not None and own.failure is not None:
         f = own.failure
         return SaveState("failed", f["code"], f["error"], f["at"])

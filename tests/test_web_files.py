@@ -416,7 +416,7 @@ def test_an_agent_save_appears_in_an_open_listing_without_a_reload(
     page.goto(tenant.controller.url + folder_url(tenant, "user", tenant.user_id))
     expect(item.locator(".state")).to_have_text("Running — not saved here yet")
     expect(item.locator(".run-saved")).to_have_text("Last save of this folder: not yet")
-    expect(page.locator(".agent-updated")).to_have_text("Agent saves: none yet")
+    expect(page.locator(".agent-updated")).to_have_text("Last agent save: none yet")
     tenant.controller.admin("end-run", run.run_id)
     page.reload()
     expect(item.locator(".state")).to_have_text("Ended — not saved")

@@ -234,7 +234,10 @@ def test_sync_panel_shows_a_runs_save_state(
     expect(item).to_contain_text("Builder Bot")
     expect(item.locator(".state")).to_have_text("Starting")
     expect(item).to_contain_text("Last save of this folder: not yet")
-    expect(page.locator(".files-updated")).to_have_text("Direct changes: none yet")
+    expect(item.locator(".run-activity")).to_have_text("running")
+    # The spec's words: "Files updated", apart from the last agent save.
+    expect(page.locator(".files-updated")).to_have_text("Files updated: none yet")
+    expect(page.locator(".agent-updated")).to_have_text("Last agent save: none yet")
 
     # A direct change updates "Files updated" and is never shown as an agent save.
     drop_files(page, ".dropzone", [("draft.md", "text/markdown", b"# Draft\n")])
@@ -294,6 +297,34 @@ def test_sync_panel_shows_a_runs_save_state(
     expect(item.locator(".state")).to_have_text("Save failed")
     expect(item.locator(".run-error")).to_have_text("Error: disk quota exceeded")
     expect(save_time).to_have_attribute("datetime", saved["lastSavedAt"])
+    expect(item.locator(".run-activity")).to_have_text("running")
+
+    # The sandbox stops cleanly (its final save of the folder came): the run
+    # says so at once, before the orchestrator ends it, and takes no refresh.
+    with httpx.Client(base_url=ctl.url, timeout=30) as bridge:
+        bridge.headers["Authorization"] = f"Bearer {run['token']}"
+        resp = bridge.post(
+            "/bridge/v1/folders/task/checkpoints",
+            json={
+                "operationId": "cp-final",
+                "leaseEpoch": run["lease_epoch"],
+                "final": True,
+                "entries": [],
+            },
+        )
+        assert resp.status_code == 200, resp.text
+    with tenant.client() as client:
+        sync = client.get(tenant.folder("task", task) + "/sync").json()
+    stopped = next(r for r in sync["runs"] if r["runId"] == run["run_id"])
+    assert stopped["active"] is True and stopped["folderStoppedAt"], stopped
+    page.reload()
+    expect(item.locator(".state")).to_have_text("Saved")
+    expect(item.locator(".run-activity")).to_have_text(re.compile(r"^stopped, saved at \S"))
+    expect(item.locator(".run-activity time")).to_have_attribute(
+        "datetime", stopped["folderStoppedAt"]
+    )
+    expect(item.get_by_role("button", name=re.compile("refresh", re.I))).to_have_count(0)
+    views.snap("sync-stopped")
 
     # Back home, the search result now says the folder has files.
     page.get_by_role("banner").get_by_role("link", name="Files").click()

@@ -443,6 +443,11 @@ def _files_page_schemas() -> dict[str, Any]:
                 },
                 "folderError": _MAYBE_TEXT,
                 "folderFailedAt": _MAYBE_TIME,
+                "folderStoppedAt": {
+                    **_MAYBE_TIME,
+                    "description": "the sandbox stopped with this folder: its final save"
+                    " (saved, refused or given up), before the orchestrator ends the run",
+                },
                 "finalCheckpointAt": _MAYBE_TIME,
                 "refreshRequested": {"type": "boolean"},
                 "active": {"type": "boolean"},

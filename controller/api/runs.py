@@ -44,6 +44,7 @@ from controller.api.params import (
 )
 from controller.api.serialize import (
     folder_state_json,
+    iso,
     run_record_json,
     run_repo_json,
     run_warnings,
@@ -173,6 +174,7 @@ async def get_run(request: Request) -> Response:
         "project": row["project_id"],
     }
     folders = []
+    states = []
     for scope, owner in bound.items():
         if owner is None:
             continue
@@ -182,6 +184,7 @@ async def get_run(request: Request) -> Response:
         if own is not None and own.saved_at is not None:
             saved_at = max(filter(None, (saved_at, own.saved_at)))
         st = runs.folder_state(record, scope, str(owner), saves, baselines.get(key))
+        states.append(st)
         folders.append(folder_state_json(scope, str(owner), saved_at, st))
     return JSONResponse(
         {
@@ -194,6 +197,9 @@ async def get_run(request: Request) -> Response:
             "projectId": None if row["project_id"] is None else str(row["project_id"]),
             "userId": None if row["user_id"] is None else str(row["user_id"]),
             "warnings": run_warnings(row),
+            # The sandbox's final save of every folder it binds succeeded or
+            # was given up on: it stopped, whether or not the run has ended.
+            "stoppedAt": iso(runs.stopped_at(states)),
             "receipts": counts,
             "folders": folders,
             "repos": [

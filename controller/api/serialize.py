@@ -66,8 +66,9 @@ def run_json(
     (:func:`controller.runs.run_state`), ``folderState``, ``folderCode``,
     ``folderError`` and ``folderFailedAt`` its save state of the folder asked
     about (:func:`controller.runs.folder_state`), ``folderSavedAt`` its last
-    save of that folder, ``warnings`` its current warnings (never errors on
-    the current files)."""
+    save of that folder, ``folderStoppedAt`` when its sandbox stopped with
+    that folder (its final save, before the orchestrator ends the run),
+    ``warnings`` its current warnings (never errors on the current files)."""
     return {
         "runId": str(row["id"]),
         "agentId": str(row["agent_id"]),
@@ -86,6 +87,7 @@ def run_json(
         "folderCode": folder.code,
         "folderError": folder.error,
         "folderFailedAt": iso(folder.failed_at),
+        "folderStoppedAt": iso(folder.stopped_at),
         "warnings": run_warnings(row),
     }
 
@@ -102,6 +104,7 @@ def folder_state_json(
         "error": st.error,
         "failedAt": iso(st.failed_at),
         "lastSavedAt": iso(saved_at),
+        "stoppedAt": iso(st.stopped_at),
     }
 
 

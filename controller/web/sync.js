@@ -1,7 +1,9 @@
-// The sync panel: when the folder last changed directly and when an agent
-// last saved it, and each agent run bound to the folder with its save state
-// of this folder in words, its own last save of this folder, and a
-// "Request refresh" button. Polled every SYNC_POLL_MS while the tab is
+// The sync panel: when the folder's files were last updated directly
+// ("Files updated") and, apart from that, its last agent save, and each
+// agent run bound to the folder with its save state of this folder in words,
+// whether it is running, stopped (its sandbox's final save of this folder
+// came, before the orchestrator ends the run) or ended, its own last save of
+// this folder, and a "Request refresh" button. Polled every SYNC_POLL_MS while the tab is
 // visible, and at once when live.js sees the folder change.
 
 import { ApiError } from "./api.js";
@@ -63,6 +65,17 @@ function runState(run) {
   };
 }
 
+/**
+ * [words...]: running, stopped (the sandbox's final save of this folder came,
+ * /sync's folderStoppedAt; the orchestrator has not ended the run yet) or ended.
+ */
+function runActivity(run) {
+  if (!run.active) return ["ended"];
+  if (!run.folderStoppedAt) return ["running"];
+  if (run.folderState === "saved") return ["stopped, saved at ", timeElement(run.folderStoppedAt)];
+  return ["stopped, not saved"];
+}
+
 export class SyncPanel {
   constructor(folder, ids) {
     this.folder = folder;
@@ -84,18 +97,18 @@ export class SyncPanel {
       h(
         "p",
         { class: "files-updated" },
-        h("span", { class: "sync-label", text: "Direct changes: " }),
+        h("span", { class: "sync-label", text: "Files updated: " }),
         this.filesUpdated,
       ),
       h(
         "p",
         { class: "agent-updated" },
-        h("span", { class: "sync-label", text: "Agent saves: " }),
+        h("span", { class: "sync-label", text: "Last agent save: " }),
         this.agentUpdated,
       ),
       h("p", {
         class: "help",
-        text: "Direct changes are uploads, new folders, renames, moves, deletes, restores and purges made here or through the API. Agent saves are the checkpoints runs saved into this folder; each run is listed below.",
+        text: "Files updated: the last upload, new folder, rename, move, delete, restore or purge made here or through the API. Last agent save: the newest checkpoint a run saved into this folder; each run is listed below.",
       }),
       h("h3", { text: "Agent runs" }),
       this.runList,
@@ -188,8 +201,9 @@ export class SyncPanel {
     const pending = run.active && run.refreshRequested ? PENDING_REFRESH : "";
     const refreshNote = h("p", { class: "refresh-note", role: "status", text: note || pending });
     const refreshError = h("p", { class: "error", role: "alert" });
+    // A stopped run's sandbox takes no refresh until it runs again.
     const refresh =
-      run.active && !this.folder.readOnly
+      run.active && !run.folderStoppedAt && !this.folder.readOnly
         ? this.refreshButton(run, agent, refreshNote, refreshError)
         : null;
     return h(
@@ -200,7 +214,7 @@ export class SyncPanel {
         { class: "run-head" },
         h("strong", { text: agent }),
         h("span", { class: `state state-${state.key}`, text: state.text }),
-        h("span", { class: "muted", text: run.active ? "running" : "ended" }),
+        h("span", { class: "muted run-activity" }, ...runActivity(run)),
       ),
       state.reason ? h("p", { class: "run-reason", text: state.reason }) : null,
       h(
