@@ -22,17 +22,25 @@ from tests.support.controller import (
     bootstrap_tenant,
     private_controller,
 )
-from tests.support.explorer import CONTROLLER_ARGS, EVENTS_V1, run_schedule
+from tests.support.explorer import CONTROLLER_ARGS, EVENTS, EVENTS_V1, run_schedule
 
-pytestmark = [pytest.mark.fuse, pytest.mark.slow]
+# A schedule that kills PostgreSQL restarts it, which warns of its crash recovery.
+pytestmark = [pytest.mark.fuse, pytest.mark.slow, pytest.mark.allow_warning_logs]
 
-REGRESSIONS = [
+Schedule = tuple[int, str, int, tuple[str, ...], list[str] | None]
+"""Seed, mode, events drawn, the catalogue drawn from, or events given in order."""
+
+REGRESSIONS: list[Schedule] = [
     # A newer run for the sandbox fenced the agent folder's final save, and
     # the stop discarded the agent folder's local copy: the fenced run's
     # acknowledged writes were lost instead of saved by the newer run.
-    (1, "fuse", 8, EVENTS_V1),
+    (1, "fuse", 8, EVENTS_V1, None),
 ]
-FIXED = [(7, "dir", 8, EVENTS_V1)]
+FIXED: list[Schedule] = [
+    (7, "dir", 8, EVENTS_V1, None),
+    # The host's and the sandbox's faults, in order, every time.
+    (6, "fuse", 0, EVENTS, ["agent_limit", "disk_full", "pg_kill", "kill9_child", "rename"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +67,7 @@ def xp_tenant(xp_controller: ControllerProcess) -> Tenant:
     return bootstrap_tenant(xp_controller)
 
 
-@pytest.mark.parametrize(("seed", "mode", "events", "catalog"), REGRESSIONS + FIXED)
+@pytest.mark.parametrize(("seed", "mode", "events", "catalog", "script"), REGRESSIONS + FIXED)
 def test_a_fixed_schedule_keeps_every_acknowledged_write(
     xp_cluster: PgCluster,
     xp_controller: ControllerProcess,
@@ -68,8 +76,9 @@ def test_a_fixed_schedule_keeps_every_acknowledged_write(
     mode: str,
     events: int,
     catalog: tuple[str, ...],
+    script: list[str] | None,
 ) -> None:
-    run_schedule(xp_controller, xp_tenant, seed, mode, events, xp_cluster, catalog)
+    run_schedule(xp_controller, xp_tenant, seed, mode, events, xp_cluster, catalog, script)
 
 
 def test_a_random_schedule_keeps_every_acknowledged_write(
