@@ -94,6 +94,8 @@ export class SyncPanel {
       "section",
       { class: "card sync", "aria-labelledby": ids.sync },
       h("h2", { id: ids.sync, text: "Sync" }),
+      // First in the panel, so no run list pushes it out of sight.
+      this.error,
       h(
         "p",
         { class: "files-updated" },
@@ -112,7 +114,6 @@ export class SyncPanel {
       }),
       h("h3", { text: "Agent runs" }),
       this.runList,
-      this.error,
     );
   }
 
