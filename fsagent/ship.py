@@ -520,8 +520,13 @@ class Shipper:
                     # failure on the way (network, 5xx, an I/O error here) is
                     # reported for this folder, where it stands until the
                     # folder saves again (another folder's save does not
-                    # clear it).
-                    scope = None if isinstance(exc, ControllerRefused) else self.scope
+                    # clear it). The agent folder's final attempts are the
+                    # exception: its contract gives them one explicit failure
+                    # receipt, once they are given up (fsagent.lifecycle).
+                    own_receipt = isinstance(exc, ControllerRefused) or (
+                        final and self.scope == "agent"
+                    )
+                    scope = None if own_receipt else self.scope
                     with trio.move_on_after(10):
                         try:
                             await self.client.report_state("failed", message, scope=scope)
