@@ -24,7 +24,7 @@ import pytest
 from tests.support.bridge import start_run
 from tests.support.checkpoints import try_flush
 from tests.support.controller import Tenant
-from tests.support.mount import MountFactory, mount_factory
+from tests.support.mount import FsagentMount, MountFactory, mount_factory
 from tests.support.pyfuse3_patch import handles_env, patched_pyfuse3_env
 from tests.test_fsagent_crash import AGENT_WRITER, BUSY_LOOP, _acks
 
@@ -42,18 +42,22 @@ def stop_mounts(request: pytest.FixtureRequest) -> Iterator[MountFactory]:
         yield factory
 
 
-@pytest.mark.parametrize("scope", ["agent", "task"])
-def test_a_write_answered_before_the_stop_ends_is_in_the_final_save(
-    stop_mounts: MountFactory, tenant: Tenant, scope: str
-) -> None:
-    mounts = stop_mounts
+def mount_for_a_run(mounts: MountFactory, tenant: Tenant, scope: str) -> tuple[FsagentMount, str]:
+    """A new run's ``scope`` folder served by ``mounts``, and its API path."""
     token = mounts.base / "token"
     run = start_run(tenant)
     token.write_text(run.token)
     owner = run.agent if scope == "agent" else run.task
     assert owner is not None
-    folder = tenant.folder(scope, owner)
-    m = mounts.mount(tenant.controller.url, scope, token_file=token)
+    return mounts.mount(tenant.controller.url, scope, token_file=token), tenant.folder(scope, owner)
+
+
+@pytest.mark.parametrize("scope", ["agent", "task"])
+def test_a_write_answered_before_the_stop_ends_is_in_the_final_save(
+    stop_mounts: MountFactory, tenant: Tenant, scope: str
+) -> None:
+    mounts = stop_mounts
+    m, folder = mount_for_a_run(mounts, tenant, scope)
     log = mounts.base / "writer.log"
     busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP])]
     try:
@@ -121,13 +125,7 @@ def test_a_dir_mode_stop_saves_deletions_while_another_directory_churns(
     folder, whose local copy the stop discards, they would come back in the
     next run)."""
     with mount_factory(mode="dir") as mounts:
-        token = mounts.base / "token"
-        run = start_run(tenant)
-        token.write_text(run.token)
-        owner = run.agent if scope == "agent" else run.task
-        assert owner is not None
-        folder = tenant.folder(scope, owner)
-        m = mounts.mount(tenant.controller.url, scope, token_file=token)
+        m, folder = mount_for_a_run(mounts, tenant, scope)
         (m.mountpoint / "keep").mkdir()
         (m.mountpoint / "keep" / "a.txt").write_bytes(b"moved content")
         (m.mountpoint / "keep" / "c.txt").write_bytes(b"deleted content")
