@@ -6,7 +6,7 @@ Commands::
                   [--foreground] [--allow-other] [--prefetch N] [--checkpoint-interval S]
                   [--spin-us N] [--mode auto|fuse|dir] [--ready-file F]
     fsagent up --home DIR --controller URL --token-file F [--state-root D] [--env-file F]
-               [--mode auto|fuse|dir]
+               [--mode auto|fuse|dir] [--restart-delay S]
     fsagent flush [SCOPE] [--state-dir D] [--final] [--json]
     fsagent status [--state-dir D ...] [--json]
     fsagent changes --state-dir D [--json]
@@ -463,6 +463,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="seconds each process gets to serve after it starts or restarts (default %(default)s)",
     )
     u.add_argument("--checkpoint-interval", type=float, default=CHECKPOINT_INTERVAL_SECONDS)
+    u.add_argument(
+        "--restart-delay",
+        type=float,
+        default=1.0,  # fsagent.up.RESTART_FIRST_DELAY (not imported here: startup time)
+        help="seconds before restarting a process that died, doubling on each restart "
+        "up to 30 (default %(default)g)",
+    )
     u.add_argument("--spin-us", type=int, default=SPIN_US)
     u.add_argument(
         "--bridge-port", type=int, default=0, help="local API endpoint port (default: any free one)"

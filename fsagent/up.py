@@ -44,7 +44,7 @@ Supervision (:class:`Supervisor`), what it guarantees and why:
   never in a SIGKILL half-way; a dead mount left by a killed daemon is
   detached.
 - **A child that dies is restarted**, like systemd's ``Restart=on-failure``:
-  after 1 s, doubling up to 30 s; a mount daemon's dead mount (ENOTCONN) is
+  after 1 s (``--restart-delay``), doubling up to 30 s; a mount daemon's dead mount (ENOTCONN) is
   detached first. One that exits 0 stopped on purpose (``fsagent flush
   --final``, an unmount) and is not restarted. A child that fails before it
   first served, or dies a sixth time within five minutes, is reported and
@@ -113,6 +113,8 @@ RESEND_SECONDS = 5.0
 uvicorn took the signal over is swallowed by the bridge's own handler."""
 
 RESTART_FIRST_DELAY = 1.0
+"""The pause before a child's first restart (``up --restart-delay``); each
+further restart within :data:`RESTART_WINDOW` doubles it."""
 RESTART_MAX_DELAY = 30.0
 RESTART_LIMIT = 5
 RESTART_WINDOW = 300.0
@@ -408,8 +410,9 @@ class Supervisor:
     """``up``'s children: started in sessions of their own, watched, restarted
     after an unexpected death, stopped with their final saves (module docstring)."""
 
-    def __init__(self, stop: StopRequest) -> None:
+    def __init__(self, stop: StopRequest, restart_delay: float = RESTART_FIRST_DELAY) -> None:
         self.stop = stop
+        self.restart_delay = restart_delay
         self.children: list[Child] = []
         self.fatal: str | None = None
         """Why ``up`` gave up (a child that could not start or stay up)."""
@@ -570,7 +573,7 @@ class Supervisor:
                 f"{RESTART_WINDOW:g}s; not restarted again",
             )
             return
-        delay = min(RESTART_MAX_DELAY, RESTART_FIRST_DELAY * 2 ** len(child.restarts))
+        delay = min(RESTART_MAX_DELAY, self.restart_delay * 2 ** len(child.restarts))
         child.restarts.append(now)
         child.restart_at = now + delay
         say(
@@ -690,7 +693,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Start everything (module docstring), supervise it until stopped, stop
     it with its final saves; the exit status."""
     stop = StopRequest()  # first: from here on, a stop is a clean stop
-    supervisor = Supervisor(stop)
+    supervisor = Supervisor(stop, args.restart_delay)
     try:
         bring_up(args, supervisor)
         supervisor.supervise()

@@ -23,10 +23,13 @@ from pathlib import Path
 import pytest
 import trio
 
+from fsagent.cli import build_parser
 from fsagent.errors import EXIT_SAVE_FAILED
 from fsagent.up import (
     REQUEST_SECONDS,
+    RESTART_FIRST_DELAY,
     RESTART_LIMIT,
+    RESTART_MAX_DELAY,
     Child,
     describe_exit,
     stop_grace,
@@ -313,11 +316,13 @@ def test_a_kill_9_of_up_stops_every_child_with_its_final_save(
 @pytest.mark.fuse
 def test_a_restart_loop_is_bounded_and_reported(tenant: Tenant, ups: list[Up]) -> None:
     """A daemon that fails at once on every restart (its state dir replaced by
-    a foreign one) is restarted with a growing pause, five times, then up
+    a foreign one) is restarted with a doubling pause, five times, then up
     says so and stops everything else cleanly: exit 5."""
     run = start_run(tenant)
     assert run.task is not None
-    up = start_up(ups, tenant.controller.url, run)
+    # The pauses start at 0.05 s instead of 1 s: the same doubling and bound,
+    # without waiting 31 s through them (the default: the test above).
+    up = start_up(ups, tenant.controller.url, run, "--restart-delay", "0.05")
     wait_for("env file", up.env_file.exists, up)
     (up.home / "agent" / "kept.txt").write_bytes(b"saved at the stop")
     state = up.state / "task"
@@ -330,7 +335,7 @@ def test_a_restart_loop_is_bounded_and_reported(tenant: Tenant, ups: list[Up]) -
     assert code == 5, log
     delays = [line.split("restarting it in ")[1].split("s ")[0]
               for line in log.splitlines() if "task " in line and "restarting it in" in line]  # fmt: skip
-    assert delays == ["1", "2", "4", "8", "16"], log
+    assert delays == ["0.05", "0.1", "0.2", "0.4", "0.8"], log
     assert sum("is not an fsagent state dir" in line for line in log.splitlines()) == RESTART_LIMIT
     assert (
         f"fsagent: fsagent up: task exited with 3, after {RESTART_LIMIT} restarts within 300s; "
@@ -391,6 +396,12 @@ def test_a_final_save_that_cannot_finish_ends_in_a_failure_receipt_not_a_kill(
     assert receipt["outcome"] == "failed" and receipt["final"] is True, receipt
     assert "after 3 attempt(s)" in receipt["error"], receipt
     assert saved_file(tenant, "agent", run.agent, "work.md") is None
+
+
+def test_a_restart_waits_1s_by_default_doubling_up_to_30s() -> None:
+    args = build_parser("up").parse_args(["up", "--home", "h", "--controller", "http://x"])
+    assert args.restart_delay == RESTART_FIRST_DELAY == 1.0
+    assert RESTART_MAX_DELAY == 30.0
 
 
 def test_the_stop_grace_covers_the_final_saves_retry_budget() -> None:
