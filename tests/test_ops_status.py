@@ -96,4 +96,7 @@ def test_queue_depth_counts_a_held_checkpoint_and_the_one_waiting(
                 got = c.get(f"{folder}/content", params={"path": name})
                 assert (got.status_code, got.content) == (200, body)
     finally:
+        # The daemon's stop saves through the proxy: with the proxy gone first
+        # it would retry a dead address until the teardown's deadlines.
+        mounts.close()
         proxy.stop()
