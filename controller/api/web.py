@@ -101,12 +101,44 @@ _PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "same-origin",
-    # Everything the page needs comes from this origin; blob: for previews.
+    # Everything the page needs comes from this origin; blob: for image
+    # previews; the one frame is the PDF viewer below.
     "Content-Security-Policy": (
-        "default-src 'self'; img-src 'self' blob: data:; frame-src blob:; object-src blob:;"
+        "default-src 'self'; img-src 'self' blob: data:; frame-src 'self'; object-src 'none';"
         " style-src 'self'; script-src 'self'; connect-src 'self'; frame-ancestors 'none'"
     ),
 }
+
+PDF_VIEWER = "pdf-viewer.html"
+"""The document the Files page shows a PDF in: pdf.js in a sandboxed frame."""
+
+_VIEWER_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "SAMEORIGIN",
+    "Referrer-Policy": "no-referrer",
+    # A PDF is hostile input: the viewer's document has an opaque origin even
+    # when opened on its own (`sandbox`), reaches no network (the page hands it
+    # the bytes), and runs only this origin's scripts: its own module and
+    # pdf.js, whose worker starts from a blob: URL made in the frame.
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src blob: data:;"
+        " font-src data:; worker-src blob:; connect-src 'none'; form-action 'none';"
+        " base-uri 'none'; frame-ancestors 'self'; sandbox allow-scripts"
+    ),
+}
+
+_CORS_ASSETS = ("pdf-viewer.js", "vendor/pdfjs/")
+"""Scripts the viewer's opaque origin loads: a module script from another
+origin needs CORS. Public code, so any origin may read it."""
+
+
+def _asset_headers(name: str) -> dict[str, str]:
+    if name == PDF_VIEWER:
+        return _VIEWER_HEADERS
+    if name.startswith(_CORS_ASSETS):
+        return {**_PAGE_HEADERS, "Access-Control-Allow-Origin": "*"}
+    return _PAGE_HEADERS
 
 
 async def static_asset(request: Request) -> Response:
@@ -117,7 +149,7 @@ async def static_asset(request: Request) -> Response:
     target = (root / name).resolve()
     if root not in target.parents or not target.is_file():
         return JSONResponse({"error": "Not found", "code": "not_found"}, status_code=404)
-    return FileResponse(target, headers=_PAGE_HEADERS)
+    return FileResponse(target, headers=_asset_headers(target.relative_to(root).as_posix()))
 
 
 async def page(request: Request) -> Response:

@@ -1,24 +1,21 @@
 // The preview view: one file at a time, as an image, a PDF or UTF-8 text,
-// fetched as bytes (at most PREVIEW_LIMIT) and shown from a blob: URL. It
-// has its own address (?preview=path), spans the content column, and
-// "Expand" gives it the whole window; Escape or "Close preview" goes back.
-// The browser's PDF viewer keeps every key press while it has focus, Escape
-// too: focus comes back to the preview once the pointer moves over the page
-// again, so Escape closes it from then on.
+// fetched as bytes (at most PREVIEW_LIMIT). It has its own address
+// (?preview=path), spans the content column, and "Expand" gives it the
+// whole window; Escape or "Close preview" goes back.
 //
 // What is shown inline follows the controller's allowlist of download types
-// (controller/api/objects.py INLINE_TYPES): raster images, PDF, text. The blob
-// a preview makes has the page's origin, so its type is always one this file
-// chooses from that list, never the type the uploader declared: an SVG or
-// HTML blob opened on its own would be a document of the Files page's origin.
+// (controller/api/objects.py INLINE_TYPES): raster images, PDF, text. An
+// image is shown from a blob: URL, which has the page's origin, so its type
+// is always one this file chooses from that list, never the type the
+// uploader declared: an SVG or HTML blob opened on its own would be a
+// document of the Files page's origin.
 //
-// The PDF frame has no `sandbox` attribute, on purpose: Chromium refuses to
-// show a PDF in a sandboxed frame, whatever the allow- tokens (measured with
-// Chromium 156: every sandbox value gave chrome-error://chromewebdata/, while
-// a text/plain blob loaded in the same frames). Its blob is typed
-// application/pdf by this file, so the bytes only ever reach the PDF viewer,
-// which runs them in its own process; the page's CSP allows frames only from
-// blob: URLs.
+// A PDF is drawn by pdf.js in a frame of its own (pdf-viewer.html and .js),
+// sandboxed with "allow-scripts" only, so its document has an opaque origin:
+// no cookies, no access to this page, and its CSP allows no network. This
+// file hands it the bytes with postMessage (transferred) and takes back only
+// the messages of pdf-viewer.js's small protocol, from that frame's window.
+// (Chromium's own PDF viewer refuses any sandboxed frame, so it is not used.)
 
 import { ApiError, EDITOR_LIMIT, PREVIEW_LIMIT } from "./api.js";
 import { baseName, clear, formatSize, h, isWithin } from "./dom.js";
@@ -31,6 +28,18 @@ const IMAGE_EXTENSIONS = {
   webp: "image/webp",
 };
 const IMAGE_TYPES = new Set(Object.values(IMAGE_EXTENSIONS));
+const PDF_VIEWER = "/files/static/pdf-viewer.html";
+const VIEWER_START_MS = 60_000;
+const FAILURES = {
+  invalid: "could not be read as a PDF.",
+  password: "is protected by a password, which the preview does not ask for.",
+  failed: "could not be shown as a PDF.",
+};
+
+/** A page count from the viewer frame: a whole number from 1 up. */
+function pageCount(value) {
+  return Number.isSafeInteger(value) && value > 0;
+}
 
 function extension(name) {
   const i = name.lastIndexOf(".");
@@ -66,9 +75,9 @@ export class Preview {
   constructor(folder, ids) {
     this.folder = folder;
     this.seq = 0; // discards answers for a preview that was closed or replaced
-    this.url = null; // the blob: URL on screen, revoked when it goes
+    this.url = null; // an image's blob: URL on screen, revoked when it goes
     this.path = null;
-    this.releaseFrame = null; // stops watching the PDF frame's focus
+    this.releaseFrame = null; // stops listening to the PDF viewer frame
     this.section = this.build(ids);
   }
 
@@ -121,34 +130,49 @@ export class Preview {
   }
 
   /**
-   * A PDF in the browser's viewer. Its key presses never reach the page, so
-   * while the frame has focus a pointer move over the page (outside the
-   * frame) puts focus back on the preview's heading, where Escape works.
+   * A PDF, drawn in the sandboxed viewer frame from `bytes`. The frame keeps
+   * the keys while it has focus (arrows scroll it); Escape in it asks this
+   * page to close the preview.
    */
-  pdfFrame(name) {
+  pdfFrame(name, bytes) {
     const frame = h("iframe", {
-      src: this.url,
+      src: PDF_VIEWER,
+      sandbox: "allow-scripts",
       title: `Preview of ${name}`,
       class: "pdf",
-      "aria-describedby": "pdf-keys",
     });
-    const onMove = () => {
-      if (document.activeElement === frame) this.heading.focus({ preventScroll: true });
-    };
-    // pointerover too: the first event once the pointer leaves the frame,
-    // which a viewer busy drawing may not follow with moves at once.
-    for (const type of ["pointermove", "pointerover"]) document.addEventListener(type, onMove);
-    this.releaseFrame = () => {
-      for (const type of ["pointermove", "pointerover"]) {
-        document.removeEventListener(type, onMove);
+    const note = h("p", { class: "muted small-text", role: "status", text: "Loading the PDF…" });
+    const fail = (text) => clear(this.body).append(h("p", { class: "error", role: "alert", text }));
+    let pending = bytes;
+    // A frame that never says "ready" (its scripts refused, say) is not a blank preview.
+    const stuck = `${name} could not be shown: the PDF viewer did not start. Download it to open it.`;
+    const stalled = setTimeout(() => fail(stuck), VIEWER_START_MS);
+    const onMessage = (event) => {
+      if (event.source !== frame.contentWindow) return;
+      const msg = event.data;
+      if (!msg || typeof msg !== "object") return;
+      if (msg.type === "ready" && pending) {
+        clearTimeout(stalled);
+        frame.contentWindow.postMessage({ type: "pdf", bytes: pending }, "*", [pending]);
+        pending = null;
+      } else if (msg.type === "opened" && pageCount(msg.pages) && pageCount(msg.shown)) {
+        const pages = `${msg.pages} ${msg.pages === 1 ? "page" : "pages"}`;
+        note.textContent =
+          msg.shown < msg.pages
+            ? `${pages}; the first ${msg.shown} are shown here. Download it to see the rest.`
+            : pages;
+      } else if (msg.type === "failed" && Object.hasOwn(FAILURES, msg.reason)) {
+        fail(`${name} ${FAILURES[msg.reason]} Download it to open it.`);
+      } else if (msg.type === "close") {
+        this.folder.closePreview();
       }
     };
-    const hint = h("p", {
-      id: "pdf-keys",
-      class: "muted small-text",
-      text: "Keys go to the PDF while it has focus: move the pointer off it, or Tab out of it, and Escape closes the preview.",
-    });
-    return [frame, hint];
+    window.addEventListener("message", onMessage);
+    this.releaseFrame = () => {
+      clearTimeout(stalled);
+      window.removeEventListener("message", onMessage);
+    };
+    return [frame, note];
   }
 
   close() {
@@ -248,8 +272,7 @@ export class Preview {
       );
       clear(this.body).append(img);
     } else if (kind === "pdf") {
-      this.url = URL.createObjectURL(new Blob([bytes], { type: "application/pdf" }));
-      clear(this.body).append(...this.pdfFrame(name));
+      clear(this.body).append(...this.pdfFrame(name, bytes));
     } else {
       const text = decodeText(bytes);
       this.edit.hidden = text === null || this.folder.readOnly || bytes.byteLength > EDITOR_LIMIT;
