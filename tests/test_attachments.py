@@ -8,16 +8,32 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import shutil
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.support.agentfiles import OCTET, new_agent, start_agent_run
-from tests.support.controller import Tenant
+from tests.support.controller import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
 from tests.support.mount import MountFactory
 
 REPORT = b"%PDF-1.4 quarterly report\n" + bytes(range(256)) * 40
+
+
+@pytest.fixture(scope="module")
+def controller(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
+    """The module's own controller and database (``tenant`` uses it). ``gc
+    --now`` sweeps every due entry of its database, and re-examines each
+    upload still pinned by an active run: on the session's controller, late in
+    a run of the suite, that is thousands of other modules' entries (70 s)."""
+    ctl = ControllerProcess(pg_cluster.create_database(), world_searchable_tmpdir("fsa-ctl-att-"))
+    try:
+        yield ctl.start()
+    finally:
+        ctl.stop()
+        shutil.rmtree(ctl.data_dir, ignore_errors=True)
 
 
 def attachments_url(tenant: Tenant, task: str) -> str:
