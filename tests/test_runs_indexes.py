@@ -25,36 +25,38 @@ def seed(url: str) -> dict[str, str]:
     """Companies with agents, projects, tasks, members and their runs (the newest
     few running); one company's ids to look up."""
     with psycopg.connect(url, autocommit=True) as db:
-        for n in range(COMPANIES):
-            company = uuid.uuid4()
-            db.execute("INSERT INTO companies (id, name) VALUES (%s, 'c')", (company,))
-            agents = [uuid.uuid4() for _ in range(20)]
-            project = uuid.uuid4()
-            tasks = [uuid.uuid4() for _ in range(100)]
-            user = uuid.uuid4()
-            db.execute("INSERT INTO projects (id, company_id, name) VALUES (%s, %s, 'p')",
-                       (project, company))  # fmt: skip
-            for a in agents:
-                db.execute("INSERT INTO agents (id, company_id, name) VALUES (%s, %s, 'a')",
-                           (a, company))  # fmt: skip
-            for t in tasks:
-                db.execute("INSERT INTO tasks (id, company_id, project_id, title)"
-                           " VALUES (%s, %s, %s, 't')", (t, company, project))  # fmt: skip
-            db.execute("INSERT INTO users (id, email) VALUES (%s, %s)", (user, f"{user}@x"))
-            with db.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO runs (id, company_id, agent_id, task_id, project_id, user_id,"
-                    " sandbox_key, lease_epoch, token_hash, active, started_at)"
-                    " VALUES (%s, %s, %s, %s, %s, %s, %s, 1, %s, %s,"
-                    " now() - make_interval(mins => %s))",
-                    [
-                        (uuid.uuid4(), company, agents[i % 20], tasks[i % 100], project, user,
-                         f"box-{i}", os.urandom(32), i >= RUNS_EACH - ACTIVE_EACH, RUNS_EACH - i)
-                        for i in range(RUNS_EACH)
-                    ],
-                )  # fmt: skip
-            if n == 0:
-                mine = {"company": str(company), "agent": str(agents[0]), "task": str(tasks[0])}
+        # One commit for the whole seed, not one (and its WAL flush) per row.
+        with db.transaction():
+            for n in range(COMPANIES):
+                company = uuid.uuid4()
+                db.execute("INSERT INTO companies (id, name) VALUES (%s, 'c')", (company,))
+                agents = [uuid.uuid4() for _ in range(20)]
+                project = uuid.uuid4()
+                tasks = [uuid.uuid4() for _ in range(100)]
+                user = uuid.uuid4()
+                db.execute("INSERT INTO projects (id, company_id, name) VALUES (%s, %s, 'p')",
+                           (project, company))  # fmt: skip
+                for a in agents:
+                    db.execute("INSERT INTO agents (id, company_id, name) VALUES (%s, %s, 'a')",
+                               (a, company))  # fmt: skip
+                for t in tasks:
+                    db.execute("INSERT INTO tasks (id, company_id, project_id, title)"
+                               " VALUES (%s, %s, %s, 't')", (t, company, project))  # fmt: skip
+                db.execute("INSERT INTO users (id, email) VALUES (%s, %s)", (user, f"{user}@x"))
+                with db.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO runs (id, company_id, agent_id, task_id, project_id, user_id,"
+                        " sandbox_key, lease_epoch, token_hash, active, started_at)"
+                        " VALUES (%s, %s, %s, %s, %s, %s, %s, 1, %s, %s,"
+                        " now() - make_interval(mins => %s))",
+                        [
+                            (uuid.uuid4(), company, agents[i % 20], tasks[i % 100], project, user,
+                             f"box-{i}", os.urandom(32), i >= RUNS_EACH - ACTIVE_EACH, RUNS_EACH - i)
+                            for i in range(RUNS_EACH)
+                        ],
+                    )  # fmt: skip
+                if n == 0:
+                    mine = {"company": str(company), "agent": str(agents[0]), "task": str(tasks[0])}
         db.execute("VACUUM ANALYZE runs")
     return mine
 
