@@ -28,6 +28,7 @@ or into the plain directory while no agent runs). What is decided here, once:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,6 +41,30 @@ from fsagent.errors import FsagentError, SaveFailed
 from fsagent.ship import Checkpoints, FinalSave, SaveResult, limit_warning
 
 log = logging.getLogger(__name__)
+
+FINAL_PAUSE_SECONDS = 2.0
+"""The pause before the final save's second attempt; it doubles before each
+further one, up to :data:`FINAL_PAUSE_MAX_SECONDS`."""
+FINAL_PAUSE_MAX_SECONDS = 30.0
+FINAL_PAUSE_ENV = "FSAGENT_TEST_FINAL_PAUSE"
+"""Shortens the first of those pauses (tests: three attempts without 6 s of
+waiting); never lengthens it."""
+
+
+def final_pause(attempt: int) -> float:
+    """The pause after failed attempt ``attempt`` (1-based) of a final save:
+    2 s, 4 s, ... at most 30 s; the first is ``$FSAGENT_TEST_FINAL_PAUSE``
+    seconds instead where that names a shorter one (any other value is
+    ignored, so a stop can never be made to wait longer by it)."""
+    first = FINAL_PAUSE_SECONDS
+    try:
+        value = float(os.environ.get(FINAL_PAUSE_ENV, ""))
+    except ValueError:
+        value = first
+    if 0 <= value < first:
+        first = value
+    return min(FINAL_PAUSE_MAX_SECONDS, first * 2.0 ** (attempt - 1))
+
 
 TakeIncoming = Callable[[], Awaitable[int]]
 """Applies the server's changes since the baseline to paths not changed
@@ -147,7 +172,7 @@ async def final_save(
                 f"fsagent: final save attempt {attempt} failed, trying again: {exc}",
                 file=sys.stderr,
             )
-            await trio.sleep(min(30.0, 2.0**attempt))
+            await trio.sleep(final_pause(attempt))
             continue
         stop.saved, stop.error = True, None
         print(f"fsagent: {saved_line(result)}", file=sys.stderr)

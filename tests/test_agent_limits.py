@@ -29,6 +29,7 @@ import pytest
 
 from common.bridge import PREFIX
 from common.limits import AGENT_MAX_FILE_BYTES, GiB, MiB
+from fsagent.lifecycle import FINAL_PAUSE_ENV, final_pause
 from tests.support.agentfiles import (
     AgentRun,
     agent_files,
@@ -471,6 +472,9 @@ def test_transient_failures_get_three_attempts_then_a_failure_receipt(
     mounts = mode_mounts  # a FUSE mount, then a plain directory: the same contract
     agent = new_agent(tenant)
     run = start_agent_run(tenant, agent, user=tenant.user_id)
+    # The same three attempts, 0.05 s and 0.1 s apart instead of 2 s and 4 s
+    # (the default: test_the_final_save_pauses_2s_then_4s_unless_shortened).
+    mounts.env = {**(os.environ if mounts.env is None else mounts.env), FINAL_PAUSE_ENV: "0.05"}
     # One request per attempt (no retries within one): attempts are countable.
     m = mount_agent(mounts, run, controller=proxy.url, extra=["--retry-deadline", "0"])
     (m.mountpoint / "work.md").write_bytes(b"the run's work")
@@ -493,6 +497,18 @@ def test_transient_failures_get_three_attempts_then_a_failure_receipt(
     assert list(m.state_dir.iterdir()) == []  # discarded either way
     if m.mode == "dir":  # the directory itself is the local copy
         assert list(m.mountpoint.iterdir()) == []
+
+
+def test_the_final_save_pauses_2s_then_4s_unless_shortened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(FINAL_PAUSE_ENV, raising=False)
+    assert [final_pause(a) for a in (1, 2, 3, 5, 9)] == [2.0, 4.0, 8.0, 30.0, 30.0]
+    monkeypatch.setenv(FINAL_PAUSE_ENV, "0.05")
+    assert [final_pause(a) for a in (1, 2)] == [0.05, 0.1]
+    for never_longer in ("3", "60", "-1", "nan", "inf", "", "soon"):
+        monkeypatch.setenv(FINAL_PAUSE_ENV, never_longer)
+        assert [final_pause(a) for a in (1, 2)] == [2.0, 4.0], never_longer
 
 
 def test_a_runs_api_saves_of_its_agent_folder_each_leave_a_receipt(st: Tenant) -> None:

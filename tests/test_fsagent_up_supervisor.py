@@ -25,6 +25,7 @@ import trio
 
 from fsagent.cli import build_parser
 from fsagent.errors import EXIT_SAVE_FAILED
+from fsagent.lifecycle import FINAL_PAUSE_ENV
 from fsagent.up import (
     REQUEST_SECONDS,
     RESTART_FIRST_DELAY,
@@ -77,7 +78,9 @@ class Up:
             pytest.fail(f"fsagent up still runs after {timeout:.0f}s:\n{self.log()}")
 
 
-def start_up(ups: list[Up], controller: str, run: Run, *extra: str) -> Up:
+def start_up(
+    ups: list[Up], controller: str, run: Run, *extra: str, env: dict[str, str] | None = None
+) -> Up:
     base = private_tmpdir("fsa-sup-")
     (base / "token").write_text(run.token)
     with open(base / "up.log", "wb") as log:
@@ -87,7 +90,7 @@ def start_up(ups: list[Up], controller: str, run: Run, *extra: str) -> Up:
              "--state-root", str(base / "state"), "--env-file", str(base / "env"),
              "--checkpoint-interval", "600", *extra],
             cwd=REPO, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, env=env,
         )  # fmt: skip
     ups.append(Up(base, proc))
     return ups[-1]
@@ -382,7 +385,10 @@ def test_a_final_save_that_cannot_finish_ends_in_a_failure_receipt_not_a_kill(
     """The agent folder's final save fails on the way every time: up waits
     for all three attempts and the failure receipt, then exits 4."""
     run = start_run(tenant)
-    up = start_up(ups, proxy.url, run, "--retry-deadline", "1")
+    # The attempts 0.05 s and 0.1 s apart instead of 2 s and 4 s (the
+    # default: tests/test_agent_limits.py); up's children get its environment.
+    env = {**os.environ, FINAL_PAUSE_ENV: "0.05"}
+    up = start_up(ups, proxy.url, run, "--retry-deadline", "1", env=env)
     wait_for("env file", up.env_file.exists, up)
     (up.home / "agent" / "work.md").write_bytes(b"the run's work")
     proxy.fail_next("POST", r"/folders/agent/checkpoints$", 1_000_000)
