@@ -22,7 +22,7 @@ from controller.api.openapi import document
 from controller.cli import build_parser
 from tests.support.bridge import Run, api_client, start_run
 from tests.support.constants import REPO
-from tests.support.controller import ControllerProcess, Tenant, bootstrap_tenant
+from tests.support.controller import ControllerProcess, Tenant, bootstrap_tenant, client_tls
 
 
 def _email() -> str:
@@ -31,7 +31,9 @@ def _email() -> str:
 
 def _client(tenant: Tenant, token: str | None) -> httpx.Client:
     headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-    return httpx.Client(base_url=tenant.controller.url, headers=headers, timeout=60)
+    return httpx.Client(
+        base_url=tenant.controller.url, headers=headers, timeout=60, verify=client_tls()
+    )
 
 
 @dataclass
@@ -140,7 +142,7 @@ def token_ids(ctl: ControllerProcess, user_id: str) -> list[str]:
 @contextlib.contextmanager
 def sign_in(tenant: Tenant, token: str) -> Iterator[httpx.Client]:
     """A client holding a Files page session of ``token``'s user."""
-    with httpx.Client(base_url=tenant.controller.url, timeout=60) as c:
+    with httpx.Client(base_url=tenant.controller.url, timeout=60, verify=client_tls()) as c:
         r = c.post("/files/api/session", json={"token": token})
         assert r.status_code == 200 and c.cookies, r.text
         yield c

@@ -11,7 +11,7 @@ import httpx
 import zstandard
 
 from common.bridge import CHUNK_MAX, END_FRAME, PREFIX, encode_frame
-from tests.support.controller import Tenant
+from tests.support.controller import Tenant, client_tls
 
 
 def framed(data: bytes, chunk: int = CHUNK_MAX) -> bytes:
@@ -29,6 +29,7 @@ def api_client(tenant: Tenant, token: str) -> httpx.Client:
         base_url=tenant.controller.url + PREFIX,
         headers={"Authorization": f"Bearer {token}"},
         timeout=60,
+        verify=client_tls(),
     )
 
 
@@ -47,6 +48,7 @@ class Run:
             base_url=self.tenant.controller.url + PREFIX,
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=60,
+            verify=client_tls(),
         )
 
     def api_client(self) -> httpx.Client:

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import uuid
@@ -29,6 +31,16 @@ from tests.support.tmp import world_searchable_tmpdir
 
 GC_ON_DEMAND = ["--gc-delay", "0", "--gc-interval", "0"]
 """Tests sweep garbage only when they ask (``gc --now``), and then everything due."""
+
+
+@functools.cache
+def client_tls() -> ssl.SSLContext:
+    """One TLS context for the suite's HTTP clients (pass it as ``verify=``).
+    httpx builds a new one for every Client otherwise, loading the whole CA
+    bundle: about 20 ms of CPU each on a quiet machine, several times that on
+    a busy one, and tests make thousands of clients. It verifies as httpx's
+    default does (the clients speak plain HTTP to local servers anyway)."""
+    return httpx.create_ssl_context()
 
 
 def parse_api_time(value: str) -> datetime:
@@ -186,6 +198,7 @@ class Tenant:
             base_url=self.controller.url,
             headers={"Authorization": f"Bearer {token or self.token}"},
             timeout=60,
+            verify=client_tls(),
         )
 
     def folder(self, scope: str, owner_id: str) -> str:
@@ -266,6 +279,7 @@ __all__ = [
     "PgCluster",
     "Tenant",
     "bootstrap_tenant",
+    "client_tls",
     "free_port",
     "parse_api_time",
     "private_controller",

@@ -22,7 +22,7 @@ from common.bridge import (
 )
 from controller.frames import Frame, decode_frame
 from tests.support.bridge import framed
-from tests.support.controller import Tenant
+from tests.support.controller import Tenant, client_tls
 
 
 def sha(data: bytes) -> str:
@@ -125,6 +125,7 @@ class RepoRun:
             base_url=self.tenant.controller.url + PREFIX,
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=120,
+            verify=client_tls(),
         )
 
     def ws(self, name: str | None = None) -> str:
