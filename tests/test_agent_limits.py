@@ -55,6 +55,7 @@ from tests.support.controller import (
     private_controller,
     world_searchable_tmpdir,
 )
+from tests.support.fixtures import MODES
 from tests.support.lossy_proxy import LossyProxy
 from tests.support.mount import FsagentMount, MountFactory
 
@@ -305,76 +306,85 @@ def test_the_final_save_refused_over_a_limit_answers_flush_with_a_warning(
     assert (receipt["outcome"], receipt["final"]) == ("refused", True), receipt
 
 
+@pytest.fixture(scope="module")
+def over_limit(pg_cluster: PgCluster) -> Iterator[tuple[Tenant, dict[str, str]]]:
+    """A controller whose agent folders were saved under the default limits
+    (three 2000-byte files each, one agent per mode), then restarted with
+    :data:`SMALL_LIMITS`: each folder is over them. Started and restarted
+    once for both modes."""
+    tmp = world_searchable_tmpdir("fsa-overlimit-")
+    ctl = ControllerProcess(pg_cluster.create_database(), tmp)
+    try:
+        ctl.start()
+        tenant = bootstrap_tenant(ctl)
+        agents = {mode: new_agent(tenant, f"over-{mode}") for mode in MODES}
+        with tenant.client() as c:
+            for agent in agents.values():
+                for name in ("a.bin", "b.bin", "c.bin"):
+                    assert put(c, tenant, "agent", agent, name, b"z" * 2000).status_code == 201
+        ctl.stop()
+        ctl.extra_args = list(SMALL_LIMITS)
+        ctl.start()
+        yield tenant, agents
+    finally:
+        ctl.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.mark.fuse
 def test_an_over_limit_folder_restores_and_warns_on_each_run_until_back_under(
-    mode_mounts: MountFactory, pg_cluster: PgCluster
+    mode_mounts: MountFactory, over_limit: tuple[Tenant, dict[str, str]]
 ) -> None:
     """Saved under generous limits, the folder is over the lowered ones: every
     file is still restored, each run warns, and the agent can clean up. Over
     a limit, unsafe paths and links are refused as ever: a save that shrinks
     the folder is taken, never its unsafe part."""
     mounts = mode_mounts  # a FUSE mount, then a plain directory: the same contract
-    tmp = world_searchable_tmpdir("fsa-overlimit-")
-    ctl = ControllerProcess(pg_cluster.create_database(), tmp)
-    try:
-        ctl.start()
-        tenant = bootstrap_tenant(ctl)
-        agent = new_agent(tenant)
-        with tenant.client() as c:
-            for name in ("a.bin", "b.bin", "c.bin"):
-                assert put(c, tenant, "agent", agent, name, b"z" * 2000).status_code == 201
-        ctl.stop()
-        ctl.extra_args = list(SMALL_LIMITS)
-        ctl.start()
-
-        run = start_agent_run(tenant, agent, user=tenant.user_id)
-        m = mount_agent(mounts, run)
-        assert sorted(p.name for p in m.mountpoint.iterdir()) == [
-            "AGENTS.md", "a.bin", "b.bin", "c.bin",
-        ]  # fmt: skip
-        assert (m.mountpoint / "c.bin").read_bytes() == b"z" * 2000
-        warned = {
-            (w["code"], w["limit"]) for w in run_detail(tenant, run.run_id).json()["warnings"]
-        }
-        assert warned == {
-            ("AGENT_FILES_AT_LIMIT", "fileBytes"),
-            ("AGENT_FILES_AT_LIMIT", "totalBytes"),
-        }
-        refuses_unsafe_paths_over_a_limit(tenant, run)
-        # Cleaning up step by step: each save that shrinks the folder is taken.
-        secret = mounts.base / "secret"
-        secret.write_bytes(b"outside the folder")
-        if m.mode == "fuse":
-            with pytest.raises(OSError) as link_exc:
-                os.symlink(secret, m.mountpoint / "link")
-            assert link_exc.value.errno == errno.EPERM
-        else:  # a plain directory takes the link; the save never does
+    tenant, agents = over_limit
+    agent = agents[mounts.mode]
+    run = start_agent_run(tenant, agent, user=tenant.user_id)
+    m = mount_agent(mounts, run)
+    assert sorted(p.name for p in m.mountpoint.iterdir()) == [
+        "AGENTS.md", "a.bin", "b.bin", "c.bin",
+    ]  # fmt: skip
+    assert (m.mountpoint / "c.bin").read_bytes() == b"z" * 2000
+    warned = {(w["code"], w["limit"]) for w in run_detail(tenant, run.run_id).json()["warnings"]}
+    assert warned == {
+        ("AGENT_FILES_AT_LIMIT", "fileBytes"),
+        ("AGENT_FILES_AT_LIMIT", "totalBytes"),
+    }
+    refuses_unsafe_paths_over_a_limit(tenant, run)
+    # Cleaning up step by step: each save that shrinks the folder is taken.
+    secret = mounts.base / "secret"
+    secret.write_bytes(b"outside the folder")
+    if m.mode == "fuse":
+        with pytest.raises(OSError) as link_exc:
             os.symlink(secret, m.mountpoint / "link")
-        (m.mountpoint / "a.bin").unlink()
-        (m.mountpoint / "b.bin").unlink()
-        assert m.fsagent("flush", "agent")["ok"] is True
-        warnings = run_detail(tenant, run.run_id).json()["warnings"]
-        still = [w["limit"] for w in warnings if w["code"] == "AGENT_FILES_AT_LIMIT"]
-        assert still == ["fileBytes"]
-        assert agent_files(tenant, agent) == {"AGENTS.md": b"", "c.bin": b"z" * 2000}
-        shrunk = run_receipts(tenant, run.run_id)[-1]
-        assert shrunk["outcome"] == "saved", shrunk
-        if m.mode == "dir":
-            assert [(r["path"], r["code"], r.get("by")) for r in shrunk["refusedEntries"]] == [
-                ("link", "symlink", "sandbox")
-            ]
-            assert [w["code"] for w in warnings] == ["SANDBOX_REFUSED", "AGENT_FILES_AT_LIMIT"]
-            (m.mountpoint / "link").unlink()
-        (m.mountpoint / "c.bin").write_bytes(b"small now")
-        assert m.signal(signal.SIGTERM) == 0, m.stderr()
-        assert run_detail(tenant, run.run_id).json()["warnings"] == []
-        run.end()
-        again = start_agent_run(tenant, agent, user=tenant.user_id)
-        with ctl_bridge(tenant, again) as c:
-            assert c.get("/run").json()["warnings"] == []
-    finally:
-        ctl.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        assert link_exc.value.errno == errno.EPERM
+    else:  # a plain directory takes the link; the save never does
+        os.symlink(secret, m.mountpoint / "link")
+    (m.mountpoint / "a.bin").unlink()
+    (m.mountpoint / "b.bin").unlink()
+    assert m.fsagent("flush", "agent")["ok"] is True
+    warnings = run_detail(tenant, run.run_id).json()["warnings"]
+    still = [w["limit"] for w in warnings if w["code"] == "AGENT_FILES_AT_LIMIT"]
+    assert still == ["fileBytes"]
+    assert agent_files(tenant, agent) == {"AGENTS.md": b"", "c.bin": b"z" * 2000}
+    shrunk = run_receipts(tenant, run.run_id)[-1]
+    assert shrunk["outcome"] == "saved", shrunk
+    if m.mode == "dir":
+        assert [(r["path"], r["code"], r.get("by")) for r in shrunk["refusedEntries"]] == [
+            ("link", "symlink", "sandbox")
+        ]
+        assert [w["code"] for w in warnings] == ["SANDBOX_REFUSED", "AGENT_FILES_AT_LIMIT"]
+        (m.mountpoint / "link").unlink()
+    (m.mountpoint / "c.bin").write_bytes(b"small now")
+    assert m.signal(signal.SIGTERM) == 0, m.stderr()
+    assert run_detail(tenant, run.run_id).json()["warnings"] == []
+    run.end()
+    again = start_agent_run(tenant, agent, user=tenant.user_id)
+    with ctl_bridge(tenant, again) as c:
+        assert c.get("/run").json()["warnings"] == []
 
 
 UNSAFE_PATHS = ("../escape.bin", "notes/../a.bin", "./a.bin", "a.bin/", "/etc/passwd", "a//b")
