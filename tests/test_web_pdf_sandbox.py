@@ -20,7 +20,7 @@ from playwright.sync_api import Frame, Page, expect
 
 from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
-from tests.support.web import folder_url, put_file, sign_in
+from tests.support.web import axe_source, axe_violations, folder_url, put_file, sign_in
 
 pytestmark = BROWSER_TESTS
 
@@ -135,6 +135,34 @@ def test_a_pdf_is_drawn_by_pdfjs_in_the_sandboxed_frame(page: Page, tenant: Tena
     page.keyboard.press("Escape")
     expect(preview).to_be_hidden(timeout=BUSY_MS)
     expect(page).not_to_have_url(re.compile("preview="))
+    expect(page.get_by_role("link", name="Open report.pdf")).to_be_focused()
+
+
+def test_the_pdf_frame_is_reached_and_scrolled_from_the_keyboard(
+    page: Page, tenant: Tenant
+) -> None:
+    put_file(tenant, tenant.my_folder, "report.pdf", text_pdf(["One", "Two", "Three"]))
+    open_preview(page, tenant, "report.pdf")
+    preview = page.locator(".preview")
+    frame = viewer_frame(page, "report.pdf")
+    wait_for_pages(frame, 3)
+    assert axe_violations(page) == []
+    frame.evaluate(axe_source() + "\n;undefined")
+    inside = frame.evaluate(
+        "async () => (await axe.run(document, { resultTypes: ['violations'] })).violations"
+        ".filter(v => ['serious', 'critical'].includes(v.impact)).map(v => v.id)"
+    )
+    assert inside == []
+
+    # Tab from the preview's last button goes into the frame, whose pages
+    # scroll with the keys; Escape there closes the preview.
+    preview.get_by_role("button", name="Close preview").focus()
+    page.keyboard.press("Tab")
+    frame.wait_for_function("() => document.activeElement.id === 'pages'", timeout=BUSY_MS)
+    page.keyboard.press("PageDown")
+    frame.wait_for_function("() => window.scrollY > 0", timeout=BUSY_MS)
+    page.keyboard.press("Escape")
+    expect(preview).to_be_hidden(timeout=BUSY_MS)
     expect(page.get_by_role("link", name="Open report.pdf")).to_be_focused()
 
 
