@@ -35,11 +35,33 @@ from tests.support.controller import (
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
+@pytest.fixture(scope="module")
+def embedded_template() -> Iterator[Path]:
+    """The ``pg`` directory of a data dir whose embedded cluster one clean
+    `controller serve` initialized and migrated, then stopped (no rows, no
+    lock left). Each crash test's data dir starts as a copy of it: initdb and
+    the migrations run once per module; what each test kills and recovers is
+    its own cluster."""
+    data = world_searchable_tmpdir("fsa-crash-tpl-")
+    try:
+        ControllerProcess(None, data).start().stop()
+        pg = EmbeddedPostgres(data)
+        pg.stop()  # a no-op after the clean stop above
+        assert pg.initialized() and not (pg.pgdata / "postmaster.pid").exists()
+        yield data / "pg"
+    finally:
+        EmbeddedPostgres(data).stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
 @pytest.fixture
-def embedded_dir() -> Iterator[Path]:
-    """A data dir for a controller with its own cluster; no process of it survives."""
+def embedded_dir(embedded_template: Path) -> Iterator[Path]:
+    """A data dir for a controller with its own cluster (a copy of the
+    module's cleanly stopped one); no process of it survives."""
     data = world_searchable_tmpdir("fsa-crash-")
     try:
+        # -a keeps the postgres user's ownership and the 0700 modes.
+        subprocess.run(["cp", "-a", str(embedded_template), str(data / "pg")], check=True)
         yield data
     finally:
         pg = EmbeddedPostgres(data)
