@@ -166,6 +166,22 @@ def test_the_pdf_frame_is_reached_and_scrolled_from_the_keyboard(
     expect(page.get_by_role("link", name="Open report.pdf")).to_be_focused()
 
 
+def test_without_a_worker_pdfjs_draws_in_the_frames_thread(page: Page, tenant: Tenant) -> None:
+    # A browser that starts no worker in the frame: pdf.js's worker module
+    # then runs in the frame itself, under the same CSP.
+    page.add_init_script(
+        "if (location.pathname.endsWith('/pdf-viewer.html')) {"
+        " window.Worker = function () { throw new DOMException('no', 'SecurityError'); }; }"
+    )
+    put_file(tenant, tenant.my_folder, "report.pdf", text_pdf(["In thread"]))
+    open_preview(page, tenant, "report.pdf")
+    frame = viewer_frame(page, "report.pdf")
+    wait_for_pages(frame, 1)
+    assert frame.evaluate("() => typeof globalThis.pdfjsWorker.WorkerMessageHandler")
+    assert not [w.url for w in page.workers if w.url.startswith("blob:null/")], page.workers
+    expect(page.locator(".preview").get_by_role("status")).to_have_text("1 page")
+
+
 def test_only_the_first_pages_of_a_long_pdf_are_drawn(page: Page, tenant: Tenant) -> None:
     put_file(tenant, tenant.my_folder, "long.pdf", text_pdf([f"Page {n}" for n in range(1, 24)]))
     open_preview(page, tenant, "long.pdf")
