@@ -35,6 +35,7 @@ from tests.support.web import (
     drop_files,
     folder_url,
     listing_row,
+    operate_all,
     put_file,
     row_action,
     sign_in,
@@ -384,7 +385,11 @@ def test_an_agent_save_appears_in_an_open_listing_without_a_reload(
             listings.append(url)
 
     page.on("request", count)
-    page.wait_for_timeout(4500)
+    # Two polls answered (one every 2 s): whatever the first made the page
+    # fetch has been asked for before the second is sent.
+    for _ in range(2):
+        with page.expect_response(lambda r: "/changes?" in r.url, timeout=15_000):
+            pass
     assert changes and listings == [], (changes, listings)
 
     # The agent saves a checkpoint through the bridge with its run token.
@@ -537,12 +542,7 @@ def test_a_live_change_fetches_only_what_changed_never_an_unchanged_page(
     poll's own answer: no listing page is fetched again, only the page not
     loaded yet when the user turns to it."""
     folder = tenant.my_folder
-    with tenant.client() as client:
-        for i in range(230):
-            resp = client.post(
-                folder + "/operations", json={"action": "mkdir", "path": f"many/d{i:04d}"}
-            )
-            assert resp.status_code == 200, resp.text
+    operate_all(tenant, folder, [{"action": "mkdir", "path": f"many/d{i:04d}"} for i in range(230)])
     listings: list[str] = []
     changes: list[str] = []
 

@@ -25,6 +25,7 @@ from tests.support.web import (
     entry_by_path,
     folder_url,
     listing_row,
+    operate_all,
     png_bytes,
     put_file,
     row_action,
@@ -361,12 +362,7 @@ def test_large_folder_pages_and_a_failed_upload_can_be_retried(
     page: Page, tenant: Tenant, views: ViewRecorder
 ) -> None:
     folder = tenant.my_folder
-    with tenant.client() as client:
-        for i in range(230):
-            resp = client.post(
-                folder + "/operations", json={"action": "mkdir", "path": f"many/d{i:04d}"}
-            )
-            assert resp.status_code == 200, resp.text
+    operate_all(tenant, folder, [{"action": "mkdir", "path": f"many/d{i:04d}"} for i in range(230)])
     sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
     listing_row(page, "many").get_by_role("link", name="Open folder many").click()
     rows = page.locator(".files-view tbody tr")
@@ -561,18 +557,17 @@ def test_viewer_gets_a_read_only_page_and_writes_need_the_csrf_header(
 
 def test_trash_pages_keep_each_deleted_folder_whole(page: Page, tenant: Tenant) -> None:
     folder = tenant.my_folder
+    mkdirs = [f"big/d{i:03d}" for i in range(250)] + [f"small{i:03d}" for i in range(205)]
+    operate_all(tenant, folder, [{"action": "mkdir", "path": p} for p in mkdirs])
     with tenant.client() as client:
 
         def operate(action: str, path: str) -> None:
             resp = client.post(folder + "/operations", json={"action": action, "path": path})
             assert resp.status_code == 200, resp.text
 
-        for i in range(250):
-            operate("mkdir", f"big/d{i:03d}")
         operate("delete", "big")  # one batch of 251 entries, deleted first
         for i in range(205):
-            operate("mkdir", f"small{i:03d}")
-            operate("delete", f"small{i:03d}")  # 205 batches, newer than "big"
+            operate("delete", f"small{i:03d}")  # 205 batches, newer than "big", in order
     sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
     tab(page, "Trash").click()
     rows = page.locator(".trash-view tbody tr")
