@@ -21,7 +21,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from fsagent.lifecycle import FINAL_PAUSE_ENV
 from tests.support.bridge import start_run
 from tests.support.checkpoints import try_flush
 from tests.support.controller import Tenant
@@ -126,9 +125,6 @@ def test_a_dir_mode_stop_saves_deletions_while_another_directory_churns(
     folder, whose local copy the stop discards, they would come back in the
     next run)."""
     with mount_factory(mode="dir") as mounts:
-        # The agent folder's three attempts 0.05 s and 0.1 s apart, not 2 s
-        # and 4 s (the churn goes on through all of them either way).
-        mounts.env = {**os.environ, FINAL_PAUSE_ENV: "0.05"}
         m, folder = mount_for_a_run(mounts, tenant, scope)
         (m.mountpoint / "keep").mkdir()
         (m.mountpoint / "keep" / "a.txt").write_bytes(b"moved content")
