@@ -31,7 +31,12 @@
 #       --build-arg PYTHON_IMAGE=localhost/controller-base:bookworm \
 #       --build-arg PG_MAJOR=15 -t workfolders-controller .
 #
-# tests/test_ops_packaging.py builds and runs it that way.
+# tests/test_ops_packaging.py builds and runs it that way, with one more
+# option: podman's --volume of the patched pyfuse3 wheel `make deps` built on
+# the (bookworm) host into /tmp/wheels, where build.sh below finds and installs
+# it instead of compiling the sdist again (minutes on a small machine):
+#
+#       --volume build/pyfuse3-wheels/W.whl:/tmp/wheels/W.whl:ro
 #
 # Two stages. The builder compiles what has no wheel for this platform
 # (pyfuse3, a required dependency of the package, from its sdist with
