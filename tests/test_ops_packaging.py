@@ -23,6 +23,7 @@ import pytest
 
 from controller.healthcheck import ProbeError, Target, is_serve, target_of
 from controller.storage import object_key
+from tests.support import container
 from tests.support.constants import REPO
 from tests.support.container import (
     Engine,
@@ -530,6 +531,43 @@ def _build_and_serve(
         assert stopped.returncode == 0, stopped.stderr
         code = engine.run("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
         assert code == "0", logs()
+
+
+def test_the_image_test_hands_the_builder_the_hosts_pyfuse3_wheel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wheel of the current version and label (not an older label's) is
+    mounted where the Dockerfile's build.sh looks, under a name build.sh
+    takes as already built; never on a host of another Debian release."""
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    script = (REPO / "packaging" / "pyfuse3" / "build.sh").read_text()
+    (version,) = re.findall(r"^version=(\S+)$", script, re.MULTILINE)
+    (label,) = re.findall(r"^label=(\S+)$", script, re.MULTILINE)
+    wheels = tmp_path / "host-wheels"
+    wheels.mkdir()
+    current = wheels / f"pyfuse3-{version}+{label}-{tag}-{tag}-linux_x86_64.whl"
+    current.write_bytes(b"not really a wheel")
+    (wheels / f"pyfuse3-{version}+fsagent.0-{tag}-{tag}-linux_x86_64.whl").write_bytes(b"old")
+    monkeypatch.setattr(container, "HOST_PYFUSE3_WHEELS", wheels)
+    monkeypatch.setattr(container, "os_codename", lambda root: "bookworm")
+    ((wheel, target),) = container.host_pyfuse3_wheels()
+    assert (wheel, target) == (current, f"/tmp/wheels/{current.name}")
+    _, stages = dockerfile(DOCKERFILE.read_text())
+    (build,) = [r for r in stages[0].all("RUN") if "packaging/pyfuse3/build.sh" in r]
+    assert f"--wheel-dir {Path(target).parent} " in build + " ", build
+    # build.sh finds it there and builds nothing (no --install: nothing installed).
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    shutil.copy(wheel, mounted / Path(target).name)
+    found = subprocess.run(
+        [str(REPO / "packaging" / "pyfuse3" / "build.sh"), "--python", sys.executable,
+         "--wheel-dir", str(mounted)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (found.returncode, found.stdout) == (0, f"{mounted / current.name}\n"), found.stderr
+    # Another Debian release than the base's: no wheel is handed over.
+    monkeypatch.setattr(container, "os_codename", lambda root: str(root))
+    assert container.host_pyfuse3_wheels() == []
 
 
 def _wait_ready(
