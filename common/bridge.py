@@ -165,6 +165,14 @@ BATCH_MAX_BYTES: Final = 16 << 20
 """Raw bytes of all members of one batch."""
 
 MAX_CHECKPOINT_ENTRIES: Final = 100_000
+"""Entries one checkpoint may name (the controller's ``--max-checkpoint-entries``
+default; the run info announces the value in force as ``maxCheckpointEntries``)."""
+
+MAX_CHECKPOINT_ROWS: Final = 200_000
+"""Rows one checkpoint may create, each named path and each of its ancestors
+once (the controller's ``--max-checkpoint-rows`` default; announced as
+``maxCheckpointRows``). fsagent plans the parts of a large change set within
+both bounds (fsagent.ship), so no size of change set is refused for its size."""
 
 LOCAL_REFUSAL_CODES: Final = frozenset(
     {

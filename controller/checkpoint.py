@@ -176,13 +176,22 @@ def parse_checkpoint(
     bound the work of one request, before any database work.
 
     ``agent_max_entries``: the folder is an agent's, with that entry limit.
-    A checkpoint over either bound is then parsed in full (the body's size
-    bounds that) and, when its own entries leave the folder past the limit,
+    Both bounds are then at least twice that limit, so that one checkpoint
+    can replace every entry the folder may hold (a deletion for each old
+    path, a put for each new one): a stopped run's agent-folder changes are
+    saved whole or not at all (spec/agent-files.md), so fsagent never splits
+    an agent folder's save by entries. A checkpoint over either bound is
+    then parsed in full (the body's size bounds that) and, when its own
+    entries leave the folder past the limit,
     refused as the limit the agent can act on (AgentFilesLimitExceeded,
     :func:`controller.agentfiles.check_checkpoint_entries`): an agent that
     wrote more than 100,000 files in one interval is over its folder's limit,
     which is a warning of its run, not a malformed request.
     """
+    if agent_max_entries is not None:
+        max_entries = max(max_entries, 2 * agent_max_entries)
+        if max_rows is not None:
+            max_rows = max(max_rows, 2 * agent_max_entries)
     problems: list[dict[str, Any]] = []
 
     def bad(field: str, code: str, message: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from common.bridge import MAX_CHECKPOINT_ENTRIES
+from common.bridge import MAX_CHECKPOINT_ENTRIES, MAX_CHECKPOINT_ROWS
 from common.limits import (
     AGENT_MAX_ENTRIES,
     AGENT_MAX_FILE_BYTES,
@@ -146,7 +146,7 @@ class Quotas:
 
     max_folder_entries: int = MAX_ENTRIES
     """Live entries (files and directories) per folder; a write past it is 413."""
-    max_checkpoint_rows: int = 200_000
+    max_checkpoint_rows: int = MAX_CHECKPOINT_ROWS
     """Rows one checkpoint may create or change, parent directories included."""
     max_checkpoint_entries: int = MAX_CHECKPOINT_ENTRIES
     """Entries one checkpoint may name, refused before any database work (an

@@ -88,6 +88,11 @@ class RunInfo:
     """The run's allowance of uploaded bytes no checkpoint has committed yet
     (``--max-pending-upload-bytes``); None from a controller that does not
     say. The shipper commits a larger change set in parts (fsagent.ship)."""
+    checkpoint_entries: int | None = None
+    """Entries one checkpoint may name (``--max-checkpoint-entries``); None
+    from a controller that does not say (the shipper assumes the default)."""
+    checkpoint_rows: int | None = None
+    """Rows one checkpoint may create, ancestors counted (``--max-checkpoint-rows``)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunInfo:
@@ -104,6 +109,8 @@ class RunInfo:
             None if entry is None else str(entry),
             tuple(w for w in warnings if isinstance(w, dict)),
             _positive_int(data.get("maxPendingUploadBytes")),
+            _positive_int(data.get("maxCheckpointEntries")),
+            _positive_int(data.get("maxCheckpointRows")),
         )
 
 

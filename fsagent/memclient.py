@@ -141,8 +141,12 @@ class MemoryBridgeClient(BridgeClient):
         *,
         page_size: int = MANIFEST_PAGE_MAX,
         upload_allowance: int | None = None,
+        checkpoint_entries: int | None = None,
     ) -> None:
         self.run = run or new_run()
+        self.checkpoint_entries = checkpoint_entries
+        """Entries one checkpoint may name (the controller's 400 ``too_many``
+        past it), announced by :meth:`get_run`; None: no bound."""
         self.page_size = page_size
         self.upload_allowance = upload_allowance
         self.announce_allowance = True
@@ -258,9 +262,10 @@ class MemoryBridgeClient(BridgeClient):
 
     async def get_run(self) -> RunInfo:
         self._call("get_run")
+        run = replace(self.run, checkpoint_entries=self.checkpoint_entries)
         if self.announce_allowance and self.upload_allowance is not None:
-            return replace(self.run, upload_allowance=self.upload_allowance)
-        return self.run
+            return replace(run, upload_allowance=self.upload_allowance)
+        return run
 
     async def iter_manifest(self, scope: str, since: int = 0) -> AsyncIterator[ManifestPage]:
         self._call("iter_manifest")
@@ -400,6 +405,11 @@ class MemoryBridgeClient(BridgeClient):
     def _check_body(self, scope: str, body: dict[str, Any]) -> None:
         if body.get("leaseEpoch") != self.run.lease_epoch or not self.run.active:
             raise ControllerRefused("checkpoint: stale lease", 409, "stale_lease")
+        bound = self.checkpoint_entries
+        if bound is not None and len(body.get("entries", [])) > bound:
+            raise ControllerRefused(
+                f"at most {bound} entries per checkpoint", 400, "validation_error"
+            )
         for entry in body.get("entries", []):
             op = entry.get("op")
             if op not in ("put", "mkdir", "delete") or not isinstance(entry.get("path"), str):

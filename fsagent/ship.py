@@ -40,10 +40,22 @@ order, first fit (a larger file up to the whole allowance goes alone).
 Directories and references go with the first part, deletions with the last:
 each part is a valid checkpoint, and a file deleted by a rename stays on the
 controller until its new path is saved. Only the last part of a final save
-says ``final``. Whatever the plan, the controller decides: a refusal of an
-upload by the allowance (a controller that does not announce it, another
-folder of the run uploading too) is no failure, the part commits what was
-uploaded and the rest goes in the next part; when nothing fits (uploads that
+says ``final``. Each part also names at most the run info's
+``maxCheckpointEntries`` entries, creates at most ``maxCheckpointRows`` rows
+(each path and its ancestors once, as the controller counts) and holds at
+most :data:`PART_BODY_BYTES` of entries, so a change set of any size saves
+(the agent folder's save excepted: it is one checkpoint, saved whole or
+refused as a limit, spec/agent-files.md; the controller takes twice the
+folder's entry limit in one): a deletion under a deleted directory is not
+named (the directory's deletion takes its subtree to the trash) but is
+acknowledged with it, and when the entries still need more than one part,
+the deletions go first, so that no part leaves a folder holding more entries
+than the change set does (old and new trees at once would meet the folder's
+entry limit that the saved state is within). Whatever the plan, the
+controller decides: a refusal of an upload by the allowance (a controller
+that does not announce it, another folder of the run uploading too) is no
+failure, the part commits what was uploaded and the rest goes in the next
+part; when nothing fits (uploads that
 no checkpoint of this folder can commit hold the allowance) the shipper
 waits, with backoff, up to the client's retry deadline. A file larger than
 the whole allowance is never sent: the other changes are saved and the save
@@ -86,6 +98,7 @@ without a request) and the state dir keeps every change.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import signal
@@ -104,6 +117,9 @@ from common.bridge import (
     BATCH_MEMBER_MAX,
     CHUNK_MAX,
     END_FRAME,
+    MAX_CHECKPOINT_BODY,
+    MAX_CHECKPOINT_ENTRIES,
+    MAX_CHECKPOINT_ROWS,
     compressible,
     encode_frame,
 )
@@ -119,6 +135,7 @@ from common.errors import (
     ValidationError,
     WorkFolderError,
 )
+from common.paths import ancestors
 from common.types import Digest, FileVersion
 from fsagent.client import BridgeClient, UploadAllowanceRefused
 from fsagent.control import LIMIT_CODE
@@ -212,22 +229,98 @@ def batches(items: list[T], size_of: Callable[[T], int]) -> list[list[T]]:
     return out
 
 
-def plan_part(uploads: list[Change], budget: int | None) -> tuple[list[Change], list[Change]]:
+PART_BODY_BYTES: Final = MAX_CHECKPOINT_BODY // 2
+"""Estimated JSON bytes of one part's entries at most (:meth:`PartRoom.take`),
+well within the controller's body limit, whatever the paths' lengths."""
+
+ENTRY_JSON_BYTES: Final = 128
+"""An entry's JSON besides its path (op, digest, executable, separators)."""
+
+
+class PartRoom:
+    """What one part of a checkpoint may still name: ``entries`` entries that
+    create at most ``rows`` rows, counted as the controller counts them (each
+    path and each of its ancestors once, controller.quotas.checkpoint_row_bound),
+    in at most ``body`` bytes of JSON. The first entry always fits, so every
+    part makes progress. ``None``: no bound (an agent folder's save is one
+    checkpoint, whole or refused, and the controller takes twice its limit)."""
+
+    def __init__(self, entries: int | None, rows: int | None, body: int | None = None) -> None:
+        self.entries = entries
+        self.rows = rows
+        self.body = body
+        self.taken = 0
+        self._bytes = 0
+        self._seen: set[str] = set()
+
+    def take(self, path: str) -> bool:
+        """Count ``path`` in this part if it fits; False (nothing counted) if not."""
+        if self.entries is None:
+            self.taken += 1
+            return True
+        new = [p for p in (path, *ancestors(path)) if p not in self._seen]
+        size = len(json.dumps(path)) + ENTRY_JSON_BYTES
+        if self.taken and (
+            self.taken >= self.entries
+            or (self.rows is not None and len(self._seen) + len(new) > self.rows)
+            or (self.body is not None and self._bytes + size > self.body)
+        ):
+            return False
+        self._seen.update(new)
+        self._bytes += size
+        self.taken += 1
+        return True
+
+    def take_while(
+        self, items: list[list[Change]]
+    ) -> tuple[list[list[Change]], list[list[Change]]]:
+        """The leading units of ``items`` that fit (a unit is named by its
+        first change), and the rest."""
+        for i, unit in enumerate(items):
+            if not self.take(unit[0].path):
+                return items[:i], items[i:]
+        return items, []
+
+
+def plan_part(
+    uploads: list[Change], budget: int | None, room: PartRoom | None = None
+) -> tuple[list[Change], list[Change]]:
     """The uploads of the next part of a checkpoint, and the rest: first fit in
-    listed (path) order within ``budget`` bytes (None: all of them); the first
-    upload goes whatever its size, so every part makes progress."""
-    if budget is None:
-        return list(uploads), []
+    listed (path) order within ``budget`` bytes (None: all of them) and
+    ``room``; the first upload goes whatever its size, so every part makes
+    progress."""
     part: list[Change] = []
     rest: list[Change] = []
     total = 0
     for change in uploads:
-        if not part or total + change.size <= budget:
+        fits = budget is None or not part or total + change.size <= budget
+        if fits and (room is None or room.take(change.path)):
             part.append(change)
             total += change.size
         else:
             rest.append(change)
     return part, rest
+
+
+def delete_units(deletes: Iterable[Change]) -> list[list[Change]]:
+    """Deletions grouped under the deleted directory that covers them, in path
+    order: a unit's first change is the one the checkpoint names; the others
+    (its subtree, deleted too) are acknowledged with it, not named, since the
+    controller sends a deleted directory's whole subtree to the trash."""
+    units: list[list[Change]] = []
+    cover: str | None = None
+    for change in by_path(c for c in deletes if c.action == "delete"):
+        if cover is not None and change.path.startswith(cover + "/"):
+            units[-1].append(change)
+            continue
+        units.append([change])
+        is_dir = change.base is not None and change.base.kind == "directory"
+        cover = change.path if is_dir else None
+    return units
+
+
+def flat(units: Iterable[list[Change]]) -> list[Change]:
+    return [change for unit in units for change in unit]
 
 
 def by_path(changes: Iterable[Change]) -> list[Change]:
@@ -464,6 +557,9 @@ class Shipper:
         """The run's allowance of uncommitted upload bytes, once known (the run
         info's ``maxPendingUploadBytes``, or a refusal's ``limit``)."""
         self._allowance_asked = False
+        self.checkpoint_entries: int | None = None
+        self.checkpoint_rows: int | None = None
+        """The run info's bounds of one checkpoint, once known (module docstring, "Parts")."""
 
     @property
     def busy(self) -> bool:
@@ -580,20 +676,35 @@ class Shipper:
         Each part is a checkpoint of its own: its operation id durable before
         its bytes, its body stored before its commit, acknowledged before the
         next part starts. Directories and references go with the first part,
-        deletions with the last, the uploads in between in path order."""
+        deletions with the last (first when the entries alone need several
+        parts), the uploads in between in path order; no part names more
+        entries or rows than the run info allows."""
         uploads = [c for c in changes if c.action == "upload"]
-        if uploads:
+        early = [[c] for c in changes if c.action in ("mkdir", "reference")]
+        deletes = delete_units([c for c in changes if c.action == "delete"])
+        if uploads or len(early) + len(deletes) > 1:
             await self._learn_allowance()
         remaining, over = self._within_allowance(uploads)
-        early = [c for c in changes if c.action in ("mkdir", "reference")]
-        deletes = [c for c in changes if c.action == "delete"]
+        max_entries, max_rows = self._entry_bounds()
+        # Deletions first when the entries need several parts anyway (module
+        # docstring, "Parts"): otherwise with the last part.
+        lead: list[list[Change]] = []
+        if max_entries is not None and len(early) + len(uploads) + len(deletes) > max_entries:
+            lead, deletes = deletes, []
         parts: list[SaveResult] = []
         torn = 0
         stuck_since: float | None = None
         waits = 0
         while True:
             budget = self._part_budget()
-            part, remaining = plan_part(remaining, budget)
+            room = PartRoom(max_entries, max_rows, None if max_entries is None else PART_BODY_BYTES)
+            head, lead = room.take_while(lead)
+            if not lead:
+                more, early = room.take_while(early)
+                head += more
+            part: list[Change] = []
+            if not lead and not early:
+                part, remaining = plan_part(remaining, budget, room)
             await self.state.set_pending({"operationId": op_id, "state": "uploading"})
             outcome = await self._upload_all(part)
             remaining, newly_over = self._within_allowance(by_path([*outcome.deferred, *remaining]))
@@ -611,8 +722,12 @@ class Shipper:
                 give_up = now - stuck_since >= self.client.retry_deadline
             else:
                 stuck_since, waits = None, 0
-            last = not remaining or give_up
-            listed = by_path([*early, *uploaded, *(deletes if last else [])])
+            tail: list[list[Change]] = []
+            if not lead and not early and (not remaining or give_up):
+                tail, deletes = room.take_while(deletes)
+            last = not lead and not early and not deletes and (not remaining or give_up)
+            named = [*flat(head), *uploaded, *flat(tail)]
+            listed = by_path(named)
             complete = last and not remaining and not over
             if listed or (last and not parts and complete):
                 if len(parts) or not last:
@@ -629,7 +744,6 @@ class Shipper:
                         op_id, listed, outcome.digests, final=final and complete
                     )
                 )
-                early = []
                 op_id = new_operation_id()
             if last:
                 break
@@ -680,6 +794,19 @@ class Shipper:
             self._allowance_asked = True
             if run.upload_allowance is not None:
                 self.upload_allowance = run.upload_allowance
+            self.checkpoint_entries = run.checkpoint_entries
+            self.checkpoint_rows = run.checkpoint_rows
+
+    def _entry_bounds(self) -> tuple[int | None, int | None]:
+        """Entries one part may name and rows it may create: the run info's,
+        else the controller's defaults; no bound for the agent folder, whose
+        save is one checkpoint (:class:`PartRoom`)."""
+        if self.scope == "agent":
+            return None, None
+        return (
+            self.checkpoint_entries or MAX_CHECKPOINT_ENTRIES,
+            self.checkpoint_rows or MAX_CHECKPOINT_ROWS,
+        )
 
     def _part_budget(self) -> int | None:
         if self.upload_allowance is None:
@@ -709,8 +836,12 @@ class Shipper:
         store it (state ``committing``), send it and acknowledge its receipt."""
         entries: list[dict[str, Any]] = []
         shipped: list[list[Any]] = []
+        covered = {c.path for unit in delete_units(changes) for c in unit[1:]}
         for change in changes:
-            if change.action in ("upload", "reference"):
+            if change.path in covered:
+                # Deleted with its directory's subtree (delete_units).
+                shipped.append([*change_to_json(change), None])
+            elif change.action in ("upload", "reference"):
                 digest = digests[change.path] if change.action == "upload" else change.digest
                 entries.append(
                     {
@@ -752,7 +883,7 @@ class Shipper:
         shipped = [
             (change_from_json(raw[:-1]), raw[-1], FileVersion(int(receipt["highWater"])))
             for raw in record["shipped"]
-            if raw[0] not in refused
+            if not refused or (raw[0] not in refused and refused.isdisjoint(ancestors(raw[0])))
         ]
         await self.state.finish(shipped, receipt)
         log.info(

@@ -64,9 +64,9 @@ def mounts(mode_mounts: MountFactory) -> MountFactory:
     return mode_mounts
 
 
-def write_many(root: Path, count: int = 30) -> dict[str, bytes]:
+def write_many(root: Path, count: int = 45) -> dict[str, bytes]:
     """``count`` small files in a new directory ``many/``: with it, more
-    entries than one checkpoint may name."""
+    entries than one checkpoint of an agent folder may name (twice its limit)."""
     (root / "many").mkdir()
     files = {f"many/f{i:02}.txt": f"file {i}".encode() for i in range(count)}
     for path, data in files.items():
@@ -74,8 +74,8 @@ def write_many(root: Path, count: int = 30) -> dict[str, bytes]:
     return files
 
 
-OVER = {"limit": "entries", "max": CAP, "value": 31}
-"""The refusal's details: many/ and its 30 files."""
+OVER = {"limit": "entries", "max": CAP, "value": 46}
+"""The refusal's details: many/ and its 45 files."""
 
 
 def assert_warned_not_failed(tenant: Tenant, run_id: str) -> None:
@@ -106,7 +106,7 @@ def test_too_many_entries_for_one_checkpoint_is_the_entry_limit_and_cleaning_up_
     assert status(m)["pendingCheckpoint"] is None
 
     # The agent removes files with ordinary tools and goes on writing.
-    for i in range(10, 30):
+    for i in range(10, 45):
         (root / f"many/f{i:02}.txt").unlink()
         del files[f"many/f{i:02}.txt"]
     (root / "notes.md").write_bytes(b"what I learned")
@@ -159,15 +159,17 @@ def test_the_default_entry_limit_refuses_a_checkpoint_of_100001_new_entries(
     tenant: Tenant,
 ) -> None:
     """With the controller's defaults: an agent folder checkpoint that would
-    leave 100,001 entries is the entry limit at 100,000; another folder's
-    checkpoint of that size is still a malformed request."""
+    leave 100,001 entries and more is the entry limit at 100,000 (the folder
+    would hold them and AGENTS.md: an agent folder's checkpoint may name
+    twice its limit, so it is checked against the folder, whole); another
+    folder's checkpoint of that size is still a malformed request."""
     run = start_run(tenant)
     before = folder_counters(tenant, "agent", run.agent)
     entries = checkpoint_of(AGENT_MAX_ENTRIES + 1)
     r = run.commit("agent", entries)
     assert r.status_code == 422 and r.json()["code"] == "agent_files_limit_exceeded", r.text
     assert r.json()["details"] == [
-        {"limit": "entries", "max": AGENT_MAX_ENTRIES, "value": AGENT_MAX_ENTRIES + 1}
+        {"limit": "entries", "max": AGENT_MAX_ENTRIES, "value": AGENT_MAX_ENTRIES + 2}
     ]
     assert folder_counters(tenant, "agent", run.agent) == before
     [receipt] = run_receipts(tenant, run.run_id)
