@@ -608,6 +608,7 @@ async def serve_dir(client: BridgeClient, opts: DirOptions) -> DirStop:
     root_fd = _pin(directory)
     try:
         _clear_immutable(root_fd)
+        await trio.to_thread.run_sync(finish_discard, root_fd, state_dir)
         store = DirStore.open(state_dir)
         try:
             store.bind(binding)
@@ -618,28 +619,104 @@ async def serve_dir(client: BridgeClient, opts: DirOptions) -> DirStop:
         finally:
             store.close()
         if not stop.keeps_local_copy(contract):
-            await trio.to_thread.run_sync(discard_local_copy, root_fd, state_dir)
-            print(
-                "fsagent: agent folder's local copy discarded"
-                f"{'' if stop.saved else ' (not saved: the next run gets the last saved folder)'}",
-                file=sys.stderr,
-            )
+            left = await trio.to_thread.run_sync(discard_local_copy, root_fd, state_dir)
+            if left is None:
+                print(
+                    "fsagent: agent folder's local copy discarded"
+                    f"{'' if stop.saved else ' (not saved: the next run gets the last saved folder)'}",
+                    file=sys.stderr,
+                )
+            else:
+                print(
+                    f"fsagent: warning: agent folder's local copy not fully discarded: {left};"
+                    " the next start discards the rest before it fills the directory",
+                    file=sys.stderr,
+                )
     finally:
         os.close(root_fd)
     return stop
 
 
-def discard_local_copy(root_fd: int, state_dir: Path) -> None:
+DISCARDING = "discarding"
+"""A file in the state dir: its directory is being discarded (the agent folder
+at its stop boundary). Written, durably, before the first file goes, and
+gone with the state dir once the directory is empty; a start that finds it
+finishes the discard first (:func:`finish_discard`) and fills the directory
+afresh. Without it, a daemon killed halfway through (or stopped while
+something kept writing there) left its state dir beside a half-emptied
+directory, and the next start shipped every file removed as the agent's
+deletion."""
+
+DISCARD_ROUNDS = 12
+"""Passes over a directory that something keeps writing in (about 3.6 s in
+all) before the discard leaves the rest to the next start."""
+
+
+def discard_local_copy(root_fd: int, state_dir: Path) -> str | None:
     """The agent folder contract at the stop boundary: everything in the
     directory and in its state dir goes, saved or not; the next run fills the
     directory with the folder as last saved (no retained copy, no partial
     save). A daemon killed before its stop boundary discards nothing: its
-    next start ships what the directory holds, as for every collection."""
+    next start ships what the directory holds, as for every collection; one
+    killed during the discard leaves :data:`DISCARDING`, and its next start
+    finishes it. Returns None when done, else what is left and why (the
+    directory kept changing): the state dir then stays, marked, for the
+    next start."""
+    mark = state_dir / DISCARDING
+    fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    left = empty_directory(root_fd)
+    if left is None:
+        discard_state_dir(state_dir)
+    return left
+
+
+def empty_directory(root_fd: int, rounds: int = DISCARD_ROUNDS) -> str | None:
+    """Remove everything in the directory, in passes while something keeps
+    writing there; None once it is empty, else what was left and the last error."""
+    error: OSError | None = None
+    for attempt in range(rounds):
+        with os.scandir(root_fd) as it:
+            names = [e.name for e in it]
+        if not names:
+            return None
+        for name in names:
+            try:
+                remove_path(root_fd, name)
+            except OSError as exc:  # ENOTEMPTY: a file appeared meanwhile
+                error = exc
+        time.sleep(min(0.5, 0.01 * 2**attempt))
     with os.scandir(root_fd) as it:
-        names = [e.name for e in it]
-    for name in names:
-        remove_path(root_fd, name)
+        names = sorted(e.name for e in it)
+    if not names:
+        return None
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    why = f" ({error.strerror})" if error is not None and error.strerror else ""
+    return f"{len(names)} name(s) still there after {rounds} passes ({shown}){why}"
+
+
+def finish_discard(root_fd: int, state_dir: Path) -> bool:
+    """A discard that a stopped daemon left unfinished (:data:`DISCARDING`):
+    done now, before anything reads the state dir. True when there was one."""
+    if not (state_dir / DISCARDING).exists():
+        return False
+    left = empty_directory(root_fd)
+    if left is not None:
+        raise MountFailed(
+            f"the agent folder's local copy in {state_dir} was being discarded and"
+            f" cannot be: {left}; stop what writes there"
+        )
     discard_state_dir(state_dir)
+    print("fsagent: finished discarding the last run's local copy", file=sys.stderr)
+    return True
 
 
 async def _serve_bound(
