@@ -102,14 +102,19 @@ def test_folder_entry_limit_on_uploads_and_checkpoints(qt: Tenant) -> None:
 def test_checkpoint_row_limit_counts_parent_directories(qt: Tenant) -> None:
     run = start_run(qt)
     deep = "/".join(["d"] * MAX_ROWS + ["leaf"])
-    r = run.commit("agent", [{"op": "mkdir", "path": deep}])
+    r = run.commit("task", [{"op": "mkdir", "path": deep}])
     assert r.status_code == 413, r.text
     assert r.json()["code"] == "checkpoint_row_limit"
     # Two chains that share nothing add up.
     half = MAX_ROWS // 2 + 1
     chains = [{"op": "mkdir", "path": "/".join([c] * half)} for c in "ab"]
-    r = run.commit("agent", chains)
+    r = run.commit("task", chains)
     assert r.status_code == 413 and r.json()["code"] == "checkpoint_row_limit"
+    # An agent folder's checkpoint may create twice its entry limit in rows
+    # (its save is one checkpoint, whole or refused): the folder's own entry
+    # limit is what refuses this one.
+    r = run.commit("agent", [{"op": "mkdir", "path": deep}])
+    assert r.status_code == 413 and r.json()["code"] == "folder_entry_limit", r.text
     with qt.controller.db() as db:
         row = db.execute(
             "SELECT count(*) FROM files f JOIN folders d ON d.id = f.folder_id"
