@@ -230,15 +230,31 @@ class EmbeddedPostgres:
         self._ensure_database()
 
     def _ensure_database(self) -> None:
+        """Create the database if it is missing. A server still resetting
+        after one of its processes was killed (its postmaster alive, so not
+        started again here) closes or refuses connections until its crash
+        recovery ends: tried again, with backoff, for as long as a recovery
+        is given (:func:`_recovery_wait`)."""
         import psycopg  # local: keeps `controller --help` fast
 
         admin_url = f"postgresql://{DB_USER}@/postgres?host={quote(str(self.sockdir), safe='/')}"
-        with psycopg.connect(admin_url, autocommit=True, connect_timeout=30) as conn:
-            row = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)
-            ).fetchone()
-            if row is None:
-                conn.execute(f"CREATE DATABASE {DB_NAME}")
+        deadline = time.monotonic() + _recovery_wait()
+        delay = 0.05
+        while True:
+            try:
+                with psycopg.connect(admin_url, autocommit=True, connect_timeout=30) as conn:
+                    row = conn.execute(
+                        "SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)
+                    ).fetchone()
+                    if row is None:
+                        conn.execute(f"CREATE DATABASE {DB_NAME}")
+                return
+            except psycopg.OperationalError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.info("embedded PostgreSQL not ready yet (%s); trying again", exc)
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
 
     def stop(self) -> None:
         if self.initialized() and self.running():

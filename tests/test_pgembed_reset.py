@@ -1,0 +1,57 @@
+"""The embedded PostgreSQL's start while the server resets after one of its
+processes was killed with -9: the postmaster lives (so it is not started
+again), and until its crash recovery ends it closes or refuses connections.
+``start`` used to fail on the first of them (``server closed the connection
+unexpectedly``, seen by the lifecycle explorer after a ``pg_kill``); it now
+tries again until the recovery's time is up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import psycopg
+
+from controller.pgembed import DB_NAME, DB_USER, EmbeddedPostgres
+from tests.support.controller import world_searchable_tmpdir
+
+
+def children(pid: int) -> dict[int, str]:
+    """Child pids of ``pid`` and their command lines."""
+    out: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            out[int(entry.name)] = cmdline
+    return out
+
+
+def test_start_waits_out_a_reset_after_a_child_was_killed() -> None:
+    data = world_searchable_tmpdir("fsa-pgreset-")
+    pg = EmbeddedPostgres(data)
+    try:
+        pg.start()
+        postmaster = pg._postmaster_pid()
+        assert postmaster is not None
+        [checkpointer] = [p for p, cmd in children(postmaster).items() if "checkpointer" in cmd]
+        for attempt in range(3):
+            os.kill(checkpointer, signal.SIGKILL)  # the postmaster resets every process
+            pg.start()  # running: no new server, and the database must answer
+            url = f"postgresql://{DB_USER}@/{DB_NAME}?host={pg.sockdir}"
+            with psycopg.connect(url, connect_timeout=30) as conn:
+                assert conn.execute("SELECT 1").fetchone() == (1,)
+            assert pg._postmaster_pid() == postmaster, attempt
+            found = [p for p, cmd in children(postmaster).items() if "checkpointer" in cmd]
+            assert found and found[0] != checkpointer
+            checkpointer = found[0]
+    finally:
+        pg.stop()
+        shutil.rmtree(data, ignore_errors=True)
