@@ -205,49 +205,23 @@ class EmbeddedPostgres:
             stale.unlink(missing_ok=True)
 
     def start(self) -> None:
-        """Initialize if needed, start if not running, create the database."""
-        self.init()
-        if not self.running():
-            self._clear_crashed_cluster()
-            opts = (
-                # pg_ctl runs postgres through a shell: a data dir may hold spaces.
-                f"-k {shlex.quote(str(self.sockdir))} -c listen_addresses='' -c fsync=on "
-                "-c max_connections=200 -c shared_buffers=128MB"
-            )
-            self._run(
-                str(self.bindir / "pg_ctl"),
-                "start",
-                "-D",
-                str(self.pgdata),
-                "-w",
-                "-t",
-                "60",
-                "-l",
-                str(self.logfile),
-                "-o",
-                opts,
-            )
-        self._ensure_database()
+        """Initialize if needed, start if not running, create the database.
 
-    def _ensure_database(self) -> None:
-        """Create the database if it is missing. A server still resetting
-        after one of its processes was killed (its postmaster alive, so not
-        started again here) closes or refuses connections until its crash
-        recovery ends: tried again, with backoff, for as long as a recovery
-        is given (:func:`_recovery_wait`)."""
+        A server that was just killed can still look alive (its postmaster
+        not yet gone), and one that lost a child resets every process and
+        closes or refuses connections until its crash recovery ends: the
+        database is asked again, with backoff, and the server started once
+        it is gone, for as long as a recovery is given (:func:`_recovery_wait`)."""
         import psycopg  # local: keeps `controller --help` fast
 
-        admin_url = f"postgresql://{DB_USER}@/postgres?host={quote(str(self.sockdir), safe='/')}"
+        self.init()
         deadline = time.monotonic() + _recovery_wait()
         delay = 0.05
         while True:
+            if not self.running():
+                self._start_server()
             try:
-                with psycopg.connect(admin_url, autocommit=True, connect_timeout=30) as conn:
-                    row = conn.execute(
-                        "SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)
-                    ).fetchone()
-                    if row is None:
-                        conn.execute(f"CREATE DATABASE {DB_NAME}")
+                self._ensure_database()
                 return
             except psycopg.OperationalError as exc:
                 if time.monotonic() + delay > deadline:
@@ -255,6 +229,39 @@ class EmbeddedPostgres:
                 log.info("embedded PostgreSQL not ready yet (%s); trying again", exc)
                 time.sleep(delay)
                 delay = min(1.0, delay * 2)
+
+    def _start_server(self) -> None:
+        self._clear_crashed_cluster()
+        opts = (
+            # pg_ctl runs postgres through a shell: a data dir may hold spaces.
+            f"-k {shlex.quote(str(self.sockdir))} -c listen_addresses='' -c fsync=on "
+            "-c max_connections=200 -c shared_buffers=128MB"
+        )
+        self._run(
+            str(self.bindir / "pg_ctl"),
+            "start",
+            "-D",
+            str(self.pgdata),
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(self.logfile),
+            "-o",
+            opts,
+        )
+
+    def _ensure_database(self) -> None:
+        """Create the database if it is missing."""
+        import psycopg  # local: keeps `controller --help` fast
+
+        admin_url = f"postgresql://{DB_USER}@/postgres?host={quote(str(self.sockdir), safe='/')}"
+        with psycopg.connect(admin_url, autocommit=True, connect_timeout=30) as conn:
+            row = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)
+            ).fetchone()
+            if row is None:
+                conn.execute(f"CREATE DATABASE {DB_NAME}")
 
     def stop(self) -> None:
         if self.initialized() and self.running():

@@ -2,8 +2,10 @@
 processes was killed with -9: the postmaster lives (so it is not started
 again), and until its crash recovery ends it closes or refuses connections.
 ``start`` used to fail on the first of them (``server closed the connection
-unexpectedly``, seen by the lifecycle explorer after a ``pg_kill``); it now
-tries again until the recovery's time is up."""
+unexpectedly``, seen by the lifecycle explorer after a ``pg_kill``), or took a
+postmaster killed a moment ago for a live one and never started it; it now
+asks again, and starts the server once it is gone, until the recovery's time
+is up."""
 
 from __future__ import annotations
 
