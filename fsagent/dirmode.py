@@ -662,12 +662,7 @@ def discard_local_copy(root_fd: int, state_dir: Path) -> str | None:
     finishes it. Returns None when done, else what is left and why (the
     directory kept changing): the state dir then stays, marked, for the
     next start."""
-    mark = state_dir / DISCARDING
-    fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    (state_dir / DISCARDING).touch(mode=0o600)  # its name is the mark: the directory's fsync
     dfd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dfd)

@@ -726,8 +726,9 @@ class Shipper:
             if not lead and not early and (not remaining or give_up):
                 tail, deletes = room.take_while(deletes)
             last = not lead and not early and not deletes and (not remaining or give_up)
-            named = [*flat(head), *uploaded, *flat(tail)]
-            listed = by_path(named)
+            listed = by_path([*flat(head), *uploaded, *flat(tail)])
+            # Deleted with their directory's subtree (delete_units): acknowledged, not named.
+            covered = {c.path for unit in (*head, *tail) for c in unit[1:]}
             complete = last and not remaining and not over
             if listed or (last and not parts and complete):
                 if len(parts) or not last:
@@ -741,7 +742,7 @@ class Shipper:
                     )
                 parts.append(
                     await self._commit_part(
-                        op_id, listed, outcome.digests, final=final and complete
+                        op_id, listed, outcome.digests, final=final and complete, covered=covered
                     )
                 )
                 op_id = new_operation_id()
@@ -830,16 +831,22 @@ class Shipper:
             self.upload_allowance = min(self.upload_allowance or sent, sent - 1)
 
     async def _commit_part(
-        self, op_id: str, changes: list[Change], digests: dict[str, Digest], *, final: bool
+        self,
+        op_id: str,
+        changes: list[Change],
+        digests: dict[str, Digest],
+        *,
+        final: bool,
+        covered: frozenset[str] | set[str] = frozenset(),
     ) -> SaveResult:
         """Build one part's body from ``changes`` (uploads with their digests),
-        store it (state ``committing``), send it and acknowledge its receipt."""
+        store it (state ``committing``), send it and acknowledge its receipt.
+        The deletions at ``covered`` are acknowledged without being named:
+        a directory deleted in the same part takes them (:func:`delete_units`)."""
         entries: list[dict[str, Any]] = []
         shipped: list[list[Any]] = []
-        covered = {c.path for unit in delete_units(changes) for c in unit[1:]}
         for change in changes:
             if change.path in covered:
-                # Deleted with its directory's subtree (delete_units).
                 shipped.append([*change_to_json(change), None])
             elif change.action in ("upload", "reference"):
                 digest = digests[change.path] if change.action == "upload" else change.digest

@@ -69,6 +69,21 @@ def write_saved(root: Path) -> None:
         (root / path).write_bytes(data)
 
 
+def saved_agent_folder(
+    mounts: MountFactory, tenant: Tenant
+) -> tuple[FsagentMount, str, str, dict[str, bytes]]:
+    """A new agent's first run in dir mode with :data:`SAVED` written and
+    flushed: the mount, the agent, its sandbox and the controller's files."""
+    agent, sandbox = new_agent(tenant), f"sbx-{uuid.uuid4().hex[:8]}"
+    m = agent_run(mounts, tenant, agent, sandbox)
+    write_saved(m.mountpoint)
+    code, reply = try_flush(m)
+    assert code == 0, reply
+    saved = agent_files(tenant, agent)
+    assert {p: saved.get(p) for p in SAVED} == SAVED
+    return m, agent, sandbox, saved
+
+
 def local_files(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
@@ -79,13 +94,7 @@ def test_a_stop_while_something_keeps_writing_leaves_the_rest_for_the_next_start
     tenant: Tenant,
 ) -> None:
     with mount_factory(mode="dir") as mounts:
-        agent, sandbox = new_agent(tenant), f"sbx-{uuid.uuid4().hex[:8]}"
-        m = agent_run(mounts, tenant, agent, sandbox)
-        write_saved(m.mountpoint)
-        code, reply = try_flush(m)
-        assert code == 0, reply
-        saved = agent_files(tenant, agent)
-        assert {p: saved.get(p) for p in SAVED} == SAVED
+        m, agent, sandbox, _ = saved_agent_folder(mounts, tenant)
         writer = subprocess.Popen([sys.executable, "-c", WRITER, str(m.mountpoint / "late")])
         try:
             deadline = time.monotonic() + 60
@@ -125,13 +134,7 @@ def test_a_daemon_killed_during_the_discard_loses_no_saved_file(tenant: Tenant) 
     files are gone (made here as the discard makes them: the mark, durable,
     then files removed). The next start must not ship those as deletions."""
     with mount_factory(mode="dir") as mounts:
-        agent, sandbox = new_agent(tenant), f"sbx-{uuid.uuid4().hex[:8]}"
-        m = agent_run(mounts, tenant, agent, sandbox)
-        write_saved(m.mountpoint)
-        code, reply = try_flush(m)
-        assert code == 0, reply
-        saved = agent_files(tenant, agent)
-        assert {p: saved.get(p) for p in SAVED} == SAVED
+        m, agent, sandbox, saved = saved_agent_folder(mounts, tenant)
         m.kill9()
         (m.state_dir / "discarding").write_bytes(b"")
         for path in ("plan.md", "notes/n0.md", "notes/n1.md", "notes/n2.md"):

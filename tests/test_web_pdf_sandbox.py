@@ -20,30 +20,13 @@ from playwright.sync_api import Frame, Page, expect
 
 from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
-from tests.support.web import axe_source, axe_violations, folder_url, put_file, sign_in
+from tests.support.web import axe_source, axe_violations, build_pdf, folder_url, put_file, sign_in
 
 pytestmark = BROWSER_TESTS
 
 VENDOR = Path(__file__).resolve().parent.parent / "controller" / "web" / "vendor" / "pdfjs"
 BUSY_MS = 120_000
 """How long a check waits for the page on a busy (shared, loaded) machine."""
-
-
-def build_pdf(objects: list[bytes]) -> bytes:
-    """A PDF of `objects` (object 1 is the catalog) with a correct xref table."""
-    out = b"%PDF-1.4\n"
-    offsets = []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1,
-        xref,
-    )
-    return out
 
 
 def text_pdf(texts: list[str], catalog_extra: bytes = b"") -> bytes:

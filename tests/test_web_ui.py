@@ -21,6 +21,7 @@ from tests.support.controller import Tenant
 from tests.support.web import (
     ViewRecorder,
     api_entries,
+    build_pdf,
     drop_files,
     entry_by_path,
     folder_url,
@@ -435,19 +436,7 @@ def minimal_pdf(text: str) -> bytes:
         b"<< /Length %d >>\nstream\n%s\nendstream" % (len(stream), stream),
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
     ]
-    out = b"%PDF-1.4\n"
-    offsets = []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1,
-        xref,
-    )
-    return out
+    return build_pdf(objects)
 
 
 def test_previews_of_pdf_binary_and_oversized_files(

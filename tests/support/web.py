@@ -234,3 +234,20 @@ def axe_violations(page: Page, impacts: tuple[str, ...] = ("serious", "critical"
         for v in result
         if v["impact"] in impacts
     ]
+
+
+def build_pdf(objects: list[bytes]) -> bytes:
+    """A PDF of `objects` (object 1 is the catalog) with a correct xref table."""
+    out = b"%PDF-1.4\n"
+    offsets = []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+        len(objects) + 1,
+        xref,
+    )
+    return out
