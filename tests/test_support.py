@@ -114,3 +114,72 @@ def test_controller_helper_fails_fast_with_the_log() -> None:
     assert "exited" in str(info.value)
     assert bad.log_path is not None and bad.log_path.parent == data
     shutil.rmtree(data)
+
+
+WEDGED_DAEMON = r'''
+import errno, stat, sys
+import pyfuse3, trio
+
+class Wedged(pyfuse3.Operations):
+    """Answers lookups; takes every read and never answers it."""
+
+    async def getattr(self, inode, ctx=None):
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = inode
+        is_root = inode == pyfuse3.ROOT_INODE
+        attr.st_mode = (stat.S_IFDIR | 0o755) if is_root else (stat.S_IFREG | 0o644)
+        attr.st_size = 0 if is_root else 10
+        return attr
+
+    async def lookup(self, parent, name, ctx=None):
+        if name != b"stuck":
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return await self.getattr(2)
+
+    async def open(self, inode, flags, ctx):
+        return pyfuse3.FileInfo(fh=inode, direct_io=True)
+
+    async def read(self, fh, off, size):
+        await trio.sleep_forever()
+
+pyfuse3.init(Wedged(), sys.argv[1], set())
+trio.run(pyfuse3.main)
+'''
+
+
+def test_watchdog_unwedges_a_test_stuck_on_a_fuse_mount(pytester: pytest.Pytester) -> None:
+    """A read the daemon never answers is an uninterruptible wait: pytest-timeout
+    alone could not end that worker. The watchdog prints the stacks and the
+    processes, aborts the mount's FUSE connection, and the read fails."""
+    pytester.makepyfile(
+        daemon=WEDGED_DAEMON,
+        test_wedged=f"""
+        import os, subprocess, sys, tempfile, time
+        import pytest
+
+        @pytest.mark.timeout(30)
+        def test_reads_from_a_wedged_mount():
+            mnt = tempfile.mkdtemp(prefix="wedged-")
+            proc = subprocess.Popen([sys.executable, {str(pytester.path / "daemon.py")!r}, mnt])
+            try:
+                deadline = time.monotonic() + 60
+                while not os.path.ismount(mnt):
+                    assert proc.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.05)
+                with open(os.path.join(mnt, "stuck"), "rb") as fh:
+                    fh.read()
+            finally:
+                proc.kill()
+                proc.wait()
+                subprocess.run(["fusermount3", "-u", "-z", mnt], check=False)
+                os.rmdir(mnt)
+        """,
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "tests.support.watchdog", "-s")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*Errno 107*"])  # ENOTCONN: the connection was aborted
+    err = result.stderr.str()
+    assert "watchdog: test_wedged.py::test_reads_from_a_wedged_mount has run" in err
+    assert "in test_reads_from_a_wedged_mount" in err  # the stuck thread's stack
+    assert "daemon.py" in err  # the processes below the worker
+    assert "watchdog: aborting the FUSE connection of" in err

@@ -1,0 +1,143 @@
+"""A test that outlives its time must end, and say why.
+
+pytest-timeout ends a test that runs too long by exiting its worker. That
+exit cannot finish while a thread of the worker waits in the kernel on a FUSE
+mount whose daemon has read the request but never answers (the wait is
+uninterruptible), and then nothing ends the run but the CI's own deadline,
+with nothing printed. Shortly before pytest-timeout fires, this watchdog:
+
+1. prints which test it is, every thread's stack (``faulthandler``, which
+   needs no lock the stuck thread may hold) and every process below the
+   worker with its state and kernel wait channel;
+2. aborts the FUSE connections of the mounts below the session's temp root
+   (``/sys/fs/fuse/connections/N/abort``): a wait on such a mount returns
+   ``ENOTCONN``, so the test fails and its teardown runs, and pytest-timeout
+   can still end the worker if it does not.
+
+It runs in a thread of its own, which waits on nothing the test can hold.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Generator
+from pathlib import Path
+
+import pytest
+
+MARGIN = 60.0
+"""Seconds before the test's pytest-timeout that the watchdog acts."""
+
+_lock = threading.Lock()
+_current: tuple[str, float, float] | None = None
+"""(node id, start time, seconds it may run) of the test running now."""
+
+
+def _limit(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        seconds = float(marker.args[0])
+    else:
+        seconds = float(item.config.getini("timeout") or 0)
+    return max(seconds - MARGIN, seconds / 2) if seconds > 0 else 0.0
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    global _current
+    with _lock:
+        _current = (item.nodeid, time.monotonic(), _limit(item))
+    try:
+        return (yield)
+    finally:
+        with _lock:
+            _current = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    threading.Thread(target=_watch, args=(config,), name="test-watchdog", daemon=True).start()
+
+
+def _watch(config: pytest.Config) -> None:
+    handled: str | None = None
+    while True:
+        time.sleep(2.0)
+        with _lock:
+            current = _current
+        if current is None:
+            continue
+        nodeid, started, limit = current
+        key = f"{nodeid}@{started}"
+        if not limit or key == handled or time.monotonic() - started < limit:
+            continue
+        handled = key
+        _act(config, nodeid, time.monotonic() - started)
+
+
+def _act(config: pytest.Config, nodeid: str, seconds: float) -> None:
+    err = sys.__stderr__
+    if err is None:
+        return
+    print(f"\nwatchdog: {nodeid} has run {seconds:.0f}s (pid {os.getpid()})", file=err, flush=True)
+    faulthandler.dump_traceback(file=err, all_threads=True)
+    for line in describe_processes(os.getpid()):
+        print(f"watchdog:   {line}", file=err, flush=True)
+    from tests.support.session import session_temp_root
+
+    control = Path("/sys/fs/fuse/connections")
+    if control.is_dir() and not os.path.ismount(control):  # the FUSE control fs
+        subprocess.run(["mount", "-t", "fusectl", "none", str(control)], capture_output=True)
+    for point, conn in fuse_connections_under(session_temp_root(config)):
+        print(f"watchdog: aborting the FUSE connection of {point}", file=err, flush=True)
+        try:
+            Path(f"/sys/fs/fuse/connections/{conn}/abort").write_text("1")
+        except OSError as exc:
+            print(f"watchdog:   could not: {exc}", file=err, flush=True)
+
+
+def describe_processes(root: int) -> list[str]:
+    """Every process below ``root``: pid, state, kernel wait channel, command."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+    below, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == pid]
+        below += kids
+        frontier += kids
+    lines = []
+    for pid in below:
+        proc = Path(f"/proc/{pid}")
+        try:
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+            wchan = (proc / "wchan").read_text() or "-"
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        lines.append(f"{pid} {state} {wchan} {cmd[:200]}")
+    return lines
+
+
+def fuse_connections_under(root: Path) -> list[tuple[str, int]]:
+    """(mount point, FUSE connection number) of each FUSE mount below ``root``."""
+    prefix = str(root) + "/"
+    found = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            fields = line.split()
+            sep = fields.index("-")
+            point, fstype = fields[4].replace("\\040", " "), fields[sep + 1]
+            if point.startswith(prefix) and fstype.startswith("fuse"):
+                found.append((point, int(fields[2].split(":")[1])))
+    return found
