@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import ControllerProcess, parse_api_time
 from tests.support.tmp import world_searchable_tmpdir
 
@@ -175,7 +176,7 @@ def test_watchdog_unwedges_a_test_stuck_on_a_fuse_mount(pytester: pytest.Pyteste
                 os.rmdir(mnt)
         """,
     )
-    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "tests.support.watchdog", "-s")
+    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "tests.support.watchdog")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*Errno 107*"])  # ENOTCONN: the connection was aborted
     err = result.stderr.str()
@@ -183,3 +184,30 @@ def test_watchdog_unwedges_a_test_stuck_on_a_fuse_mount(pytester: pytest.Pyteste
     assert "in test_reads_from_a_wedged_mount" in err  # the stuck thread's stack
     assert "daemon.py" in err  # the processes below the worker
     assert "watchdog: aborting the FUSE connection of" in err
+
+
+@pytest.mark.browser
+@BROWSER_TESTS[1]  # skipped without Chromium, as the Files page tests are
+def test_watchdog_ends_a_browser_call_that_waits_forever(pytester: pytest.Pytester) -> None:
+    """``evaluate`` has no timeout of its own: a promise that never settles
+    held a worker until pytest-timeout ended it (and with it the run, under
+    xdist). The watchdog ends the browser and the call fails."""
+    pytester.makepyfile(
+        test_forever="""
+        import pytest
+
+        @pytest.mark.timeout(40)
+        def test_waits_on_a_promise_forever(page):
+            page.set_content("<p>hi</p>")
+            page.evaluate("() => new Promise(() => {})")
+        """,
+    )
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "-p", "tests.support.watchdog", "-p", "tests.support.browser"
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed") == 1 and "passed" not in outcomes, outcomes
+    result.stdout.fnmatch_lines(["*closed*"])  # Playwright: target or browser closed
+    err = result.stderr.str()
+    assert "watchdog: test_forever.py::test_waits_on_a_promise_forever has run" in err
+    assert "watchdog: ending the browser process" in err

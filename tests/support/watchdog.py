@@ -19,10 +19,11 @@ It runs in a thread of its own, which waits on nothing the test can hold.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
+import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Generator
@@ -79,29 +80,50 @@ def _watch(config: pytest.Config) -> None:
         _act(config, nodeid, time.monotonic() - started)
 
 
+def _terminal_fd(config: pytest.Config) -> int:
+    """The worker's real stderr: while a test runs, pytest's capture has fd 2
+    pointing at a temp file that nobody reads if the worker is ended."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    err = getattr(getattr(capman, "_global_capturing", None), "err", None)
+    saved = getattr(err, "targetfd_save", None)
+    return saved if isinstance(saved, int) else 2
+
+
 def _act(config: pytest.Config, nodeid: str, seconds: float) -> None:
-    err = sys.__stderr__
-    if err is None:
-        return
-    print(f"\nwatchdog: {nodeid} has run {seconds:.0f}s (pid {os.getpid()})", file=err, flush=True)
-    faulthandler.dump_traceback(file=err, all_threads=True)
-    for line in describe_processes(os.getpid()):
-        print(f"watchdog:   {line}", file=err, flush=True)
+    fd = _terminal_fd(config)
+
+    def say(line: str) -> None:
+        os.write(fd, f"watchdog: {line}\n".encode(errors="replace"))
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    say(f"{nodeid} has run {seconds:.0f}s ({worker}, pid {os.getpid()}); its stacks:")
+    faulthandler.dump_traceback(file=fd, all_threads=True)
+    below = describe_processes(os.getpid())
+    for _pid, line in below:
+        say(f"  {line}")
     from tests.support.session import session_temp_root
 
     control = Path("/sys/fs/fuse/connections")
     if control.is_dir() and not os.path.ismount(control):  # the FUSE control fs
         subprocess.run(["mount", "-t", "fusectl", "none", str(control)], capture_output=True)
     for point, conn in fuse_connections_under(session_temp_root(config)):
-        print(f"watchdog: aborting the FUSE connection of {point}", file=err, flush=True)
+        say(f"aborting the FUSE connection of {point}")
         try:
             Path(f"/sys/fs/fuse/connections/{conn}/abort").write_text("1")
         except OSError as exc:
-            print(f"watchdog:   could not: {exc}", file=err, flush=True)
+            say(f"  could not: {exc}")
+    # A Playwright call without a timeout of its own (evaluate, keyboard)
+    # waits on the browser forever: ended, the browser fails the call.
+    for pid, line in below:
+        if "chrom" in line.split(" ", 3)[-1].split(" ", 1)[0]:
+            say(f"ending the browser process {pid}")
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
-def describe_processes(root: int) -> list[str]:
-    """Every process below ``root``: pid, state, kernel wait channel, command."""
+def describe_processes(root: int) -> list[tuple[int, str]]:
+    """Every process below ``root``: its pid, and a line with its pid, state,
+    kernel wait channel and command."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -125,7 +147,7 @@ def describe_processes(root: int) -> list[str]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        lines.append(f"{pid} {state} {wchan} {cmd[:200]}")
+        lines.append((pid, f"{pid} {state} {wchan} {cmd[:200]}"))
     return lines
 
 
