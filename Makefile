@@ -26,10 +26,13 @@ demo: deps
 	$(PY) -m controller.demo --data-dir $(DEMO_DIR) --home demo-home --listen $(DEMO_LISTEN)
 
 # Two workers, each taking whole test files (module fixtures stay shared);
-# PYTEST_WORKERS=0 runs everything in one process.
+# PYTEST_WORKERS=0 runs everything in one process. A worker that dies ends the
+# run, naming its test: xdist would run that test again on the other worker and,
+# with --dist loadfile, then wait forever (tests/test_support.py).
 PYTEST_WORKERS ?= 2
+PYTEST_XDIST = --dist loadfile --max-worker-restart=0
 test: deps-test
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 lint: deps
 	$(VENV)/bin/ruff check .

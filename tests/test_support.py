@@ -211,3 +211,30 @@ def test_watchdog_ends_a_browser_call_that_waits_forever(pytester: pytest.Pytest
     err = result.stderr.str()
     assert "watchdog: test_forever.py::test_waits_on_a_promise_forever has run" in err
     assert "watchdog: ending the browser process" in err
+
+
+def make_test_xdist_args() -> list[str]:
+    """The xdist options ``make test`` passes (the Makefile's PYTEST_XDIST)."""
+    with open(os.path.join(REPO_ROOT, "Makefile")) as fh:
+        for line in fh:
+            if line.startswith("PYTEST_XDIST ="):
+                return line.split("=", 1)[1].split()
+    raise AssertionError("the Makefile names no PYTEST_XDIST")
+
+
+def test_a_worker_that_dies_ends_the_run_naming_its_test(pytester: pytest.Pytester) -> None:
+    """With --dist loadfile, xdist ran a crashed worker's test again on the
+    other worker, and once both had died the run waited forever (the last CI
+    run hung that way until its deadline). ``make test``'s options end the
+    run instead, naming the test."""
+    for name in "abd":
+        pytester.makepyfile(**{f"test_{name}": "def test_one():\n    pass\n"})
+    pytester.makepyfile(
+        test_c="import os\n\ndef test_first():\n    pass\n\ndef test_dies():\n    os._exit(1)\n"
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-n", "2", *make_test_xdist_args(), timeout=120
+    )  # fmt: skip
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*worker 'gw*' crashed while running 'test_c.py::test_dies'*"])
+    assert result.parseoutcomes()["failed"] == 1
