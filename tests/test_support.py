@@ -211,6 +211,8 @@ def test_watchdog_ends_a_browser_call_that_waits_forever(pytester: pytest.Pytest
     err = result.stderr.str()
     assert "watchdog: test_forever.py::test_waits_on_a_promise_forever has run" in err
     assert "watchdog: ending the browser process" in err
+    # The test's own stack, parked in a greenlet while Playwright waits.
+    assert 'in test_waits_on_a_promise_forever\n    page.evaluate("() => new Promise' in err
 
 
 def make_test_xdist_args() -> list[str]:

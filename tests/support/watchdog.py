@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import signal
 import subprocess
 import threading
 import time
+import traceback
 from collections.abc import Generator
 from pathlib import Path
 
@@ -98,6 +100,9 @@ def _act(config: pytest.Config, nodeid: str, seconds: float) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     say(f"{nodeid} has run {seconds:.0f}s ({worker}, pid {os.getpid()}); its stacks:")
     faulthandler.dump_traceback(file=fd, all_threads=True)
+    for stack in greenlet_stacks():
+        say("a suspended greenlet (a Playwright call waits in it):")
+        os.write(fd, stack.encode(errors="replace"))
     below = describe_processes(os.getpid())
     for _pid, line in below:
         say(f"  {line}")
@@ -119,6 +124,21 @@ def _act(config: pytest.Config, nodeid: str, seconds: float) -> None:
             say(f"ending the browser process {pid}")
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def greenlet_stacks() -> list[str]:
+    """The stacks of suspended greenlets: Playwright's sync API runs the test
+    in one, parked while its event loop waits for the browser, so the thread
+    stacks show only the loop."""
+    try:
+        import greenlet
+    except ImportError:
+        return []
+    stacks = []
+    for obj in gc.get_objects():
+        if isinstance(obj, greenlet.greenlet) and obj.gr_frame is not None:
+            stacks.append("".join(traceback.format_stack(obj.gr_frame)))
+    return stacks
 
 
 def describe_processes(root: int) -> list[tuple[int, str]]:
