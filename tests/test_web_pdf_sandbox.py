@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from playwright.sync_api import Frame, Page, expect
+from playwright.sync_api import Frame, Locator, Page, expect
 
 from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
@@ -88,6 +88,19 @@ def wait_for_pages(frame: Frame, count: int) -> list[dict[str, Any]]:
     return pages
 
 
+def escape_in_the_frame(page: Page, preview: Locator) -> None:
+    """Escape, pressed while the viewer frame has focus, closes the preview.
+
+    The key goes down in the frame and comes up in the page: closing the
+    preview removes the frame, and Chromium never acknowledges a key event
+    routed to a frame that is gone, so ``keyboard.press`` (down, then up)
+    waited forever for the key up (seen on a loaded machine, in 1 of about
+    10 runs)."""
+    page.keyboard.down("Escape")
+    expect(preview).to_be_hidden(timeout=BUSY_MS)
+    page.keyboard.up("Escape")
+
+
 def test_a_pdf_is_drawn_by_pdfjs_in_the_sandboxed_frame(page: Page, tenant: Tenant) -> None:
     put_file(tenant, tenant.my_folder, "report.pdf", text_pdf(["Hello sandbox", "Second page"]))
     open_preview(page, tenant, "report.pdf")
@@ -115,8 +128,7 @@ def test_a_pdf_is_drawn_by_pdfjs_in_the_sandboxed_frame(page: Page, tenant: Tena
     # The frame takes focus and keeps the keys; Escape in it closes the preview.
     page.locator(".preview iframe").click()
     frame.wait_for_function("() => document.hasFocus()", timeout=BUSY_MS)
-    page.keyboard.press("Escape")
-    expect(preview).to_be_hidden(timeout=BUSY_MS)
+    escape_in_the_frame(page, preview)
     expect(page).not_to_have_url(re.compile("preview="))
     expect(page.get_by_role("link", name="Open report.pdf")).to_be_focused()
 
@@ -144,8 +156,7 @@ def test_the_pdf_frame_is_reached_and_scrolled_from_the_keyboard(
     frame.wait_for_function("() => document.activeElement.id === 'pages'", timeout=BUSY_MS)
     page.keyboard.press("PageDown")
     frame.wait_for_function("() => window.scrollY > 0", timeout=BUSY_MS)
-    page.keyboard.press("Escape")
-    expect(preview).to_be_hidden(timeout=BUSY_MS)
+    escape_in_the_frame(page, preview)
     expect(page.get_by_role("link", name="Open report.pdf")).to_be_focused()
 
 
