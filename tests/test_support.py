@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -240,3 +241,31 @@ def test_a_worker_that_dies_ends_the_run_naming_its_test(pytester: pytest.Pytest
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*worker 'gw*' crashed while running 'test_c.py::test_dies'*"])
     assert result.parseoutcomes()["failed"] == 1
+
+
+def test_watchdog_acts_before_the_timeout_in_force_and_never_without_one(
+    pytester: pytest.Pytester,
+) -> None:
+    """``--timeout 0`` (the long kill -9 loops) means no timeout: the watchdog
+    once took the ini file's 600 s instead and ended a 30-minute loop."""
+    pytester.makepyfile(
+        test_limits="""
+        import pytest
+        from tests.support.watchdog import _limit
+
+        def test_given(request):
+            print("LIMIT", _limit(request.node))
+
+        @pytest.mark.timeout(100)
+        def test_marked(request):
+            print("LIMIT", _limit(request.node))
+        """,
+    )
+    limits = {}
+    for args in ([], ["--timeout", "0"], ["--timeout", "200"]):
+        result = pytester.runpytest_subprocess(
+            *PLUGIN, "-p", "tests.support.watchdog", "-s", "-o", "timeout=600", *args
+        )
+        result.assert_outcomes(passed=2)
+        limits[" ".join(args)] = [float(v) for v in re.findall(r"LIMIT (\S+)", result.stdout.str())]
+    assert limits == {"": [540.0, 50.0], "--timeout 0": [0.0, 50.0], "--timeout 200": [140.0, 50.0]}

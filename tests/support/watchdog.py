@@ -45,10 +45,9 @@ def _limit(item: pytest.Item) -> float:
     marker = item.get_closest_marker("timeout")
     if marker is not None and marker.args:
         seconds = float(marker.args[0])
-    else:  # --timeout, else the ini file's
-        seconds = float(
-            item.config.getoption("timeout", None) or item.config.getini("timeout") or 0
-        )
+    else:  # --timeout (0: none), else the ini file's
+        given = item.config.getoption("timeout", None)
+        seconds = float(item.config.getini("timeout") or 0) if given is None else float(given)
     return max(seconds - MARGIN, seconds / 2) if seconds > 0 else 0.0
 
 
