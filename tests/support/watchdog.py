@@ -1,20 +1,30 @@
 """A test that outlives its time must end, and say why.
 
-pytest-timeout ends a test that runs too long by exiting its worker. That
-exit cannot finish while a thread of the worker waits in the kernel on a FUSE
-mount whose daemon has read the request but never answers (the wait is
-uninterruptible), and then nothing ends the run but the CI's own deadline,
-with nothing printed. Shortly before pytest-timeout fires, this watchdog:
+pytest-timeout ends a test that runs too long by exiting its worker. Two
+kinds of hang defeat that. A thread waiting in the kernel on a FUSE mount
+whose daemon has read the request but never answers cannot be interrupted,
+and the worker cannot exit around it. A Playwright call without a timeout
+of its own (``evaluate``, ``keyboard``) waits on the browser forever, and
+under xdist the ended worker's test is then run again and the run waits
+with no worker (the Makefile passes ``--max-worker-restart=0`` against
+that). Either way the report is lost: while a test runs, the worker's fd 2
+is pytest's capture file. Sixty seconds before the test's timeout (the
+marker's, else ``--timeout``, else the ini file's; 0 means none), this
+watchdog:
 
-1. prints which test it is, every thread's stack (``faulthandler``, which
-   needs no lock the stuck thread may hold) and every process below the
-   worker with its state and kernel wait channel;
+1. writes to the worker's real stderr which test it is, every thread's
+   stack (``faulthandler``, which needs no lock the stuck thread may hold),
+   the stack of each suspended greenlet (Playwright parks the test in one),
+   and every process below the worker with its state and kernel wait channel;
 2. aborts the FUSE connections of the mounts below the session's temp root
    (``/sys/fs/fuse/connections/N/abort``): a wait on such a mount returns
-   ``ENOTCONN``, so the test fails and its teardown runs, and pytest-timeout
-   can still end the worker if it does not.
+   ``ENOTCONN``;
+3. ends the browser processes below the worker: a pending Playwright call
+   fails.
 
-It runs in a thread of its own, which waits on nothing the test can hold.
+The test then fails and its teardown runs; pytest-timeout still ends the
+worker if it does not. The watchdog runs in a thread of its own, which
+waits on nothing the test can hold.
 """
 
 from __future__ import annotations
