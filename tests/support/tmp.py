@@ -49,16 +49,25 @@ def world_searchable_tmpdir(prefix: str) -> Path:
     return d
 
 
-def mounts_under(root: Path) -> list[str]:
-    """Mount points (alive or dead) below ``root``, from this process's mount table."""
+def mount_entries(root: Path) -> list[tuple[str, str, int]]:
+    """(mount point, file system type, device minor) of each mount (alive or
+    dead) below ``root``, from this process's mount table. For a FUSE mount
+    the minor is its connection's number under /sys/fs/fuse/connections."""
     prefix = str(root) + "/"
     found = []
     with open("/proc/self/mountinfo") as fh:
         for line in fh:
-            point = line.split()[4].replace("\\040", " ")
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
             if point.startswith(prefix):
-                found.append(point)
+                fstype = fields[fields.index("-") + 1]
+                found.append((point, fstype, int(fields[2].split(":")[1])))
     return found
+
+
+def mounts_under(root: Path) -> list[str]:
+    """Mount points (alive or dead) below ``root``."""
+    return [point for point, _, _ in mount_entries(root)]
 
 
 def remove_tree(root: Path) -> None:

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.tmp import mount_entries
+
 MARGIN = 60.0
 """Seconds before the test's pytest-timeout that the watchdog acts."""
 
@@ -114,15 +116,17 @@ def _act(config: pytest.Config, nodeid: str, seconds: float) -> None:
     for stack in greenlet_stacks():
         say("a suspended greenlet (a Playwright call waits in it):")
         os.write(fd, stack.encode(errors="replace"))
-    below = describe_processes(os.getpid())
-    for _pid, line in below:
-        say(f"  {line}")
+    below = processes_below(os.getpid())
+    for pid, state, wchan, cmd in below:
+        say(f"  {pid} {state} {wchan} {cmd[:200]}")
     from tests.support.session import session_temp_root
 
     control = Path("/sys/fs/fuse/connections")
     if control.is_dir() and not os.path.ismount(control):  # the FUSE control fs
         subprocess.run(["mount", "-t", "fusectl", "none", str(control)], capture_output=True)
-    for point, conn in fuse_connections_under(session_temp_root(config)):
+    for point, fstype, conn in mount_entries(session_temp_root(config)):
+        if not fstype.startswith("fuse"):
+            continue
         say(f"aborting the FUSE connection of {point}")
         try:
             Path(f"/sys/fs/fuse/connections/{conn}/abort").write_text("1")
@@ -130,8 +134,8 @@ def _act(config: pytest.Config, nodeid: str, seconds: float) -> None:
             say(f"  could not: {exc}")
     # A Playwright call without a timeout of its own (evaluate, keyboard)
     # waits on the browser forever: ended, the browser fails the call.
-    for pid, line in below:
-        if "chrom" in line.split(" ", 3)[-1].split(" ", 1)[0]:
+    for pid, _, _, cmd in below:
+        if "chrom" in cmd.split(" ", 1)[0]:
             say(f"ending the browser process {pid}")
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -152,9 +156,8 @@ def greenlet_stacks() -> list[str]:
     return stacks
 
 
-def describe_processes(root: int) -> list[tuple[int, str]]:
-    """Every process below ``root``: its pid, and a line with its pid, state,
-    kernel wait channel and command."""
+def processes_below(root: int) -> list[tuple[int, str, str, str]]:
+    """Every process below ``root``: pid, state, kernel wait channel, command line."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -178,19 +181,5 @@ def describe_processes(root: int) -> list[tuple[int, str]]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        lines.append((pid, f"{pid} {state} {wchan} {cmd[:200]}"))
+        lines.append((pid, state, wchan, cmd))
     return lines
-
-
-def fuse_connections_under(root: Path) -> list[tuple[str, int]]:
-    """(mount point, FUSE connection number) of each FUSE mount below ``root``."""
-    prefix = str(root) + "/"
-    found = []
-    with open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            fields = line.split()
-            sep = fields.index("-")
-            point, fstype = fields[4].replace("\\040", " "), fields[sep + 1]
-            if point.startswith(prefix) and fstype.startswith("fuse"):
-                found.append((point, int(fields[2].split(":")[1])))
-    return found
