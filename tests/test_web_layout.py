@@ -7,11 +7,12 @@ test-artifacts/)."""
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 from typing import Any
 
 import pytest
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Page, Route, expect
 
 from tests.support.bridge import start_run
 from tests.support.browser import BROWSER_TESTS
@@ -339,10 +340,27 @@ def test_selection_uploads_and_messages_never_move_the_rows(
     for name in ("a.txt", "b.txt", "c.txt"):
         put_file(tenant, folder, name, name.encode())
     page.clock.install()
+    # The sync state comes after the listing, and on a phone its panel is
+    # above the rows: held back until the rows are measured, its answer must
+    # not move them either.
+    held: list[Route] = []
+
+    def hold(route: Route) -> None:
+        held.append(route)
+
+    page.route("**/sync", hold)
     sign_in(page, tenant.controller.url, tenant.token, folder_url(tenant, "user", tenant.user_id))
     expect(listing_row(page, "c.txt")).to_be_visible()
     width = viewport["width"]
     rows = {p: _page_top(page, p) for p in ("a.txt", "b.txt", "c.txt")}
+    deadline = time.monotonic() + 60
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(50)  # Playwright hands the request over while it waits
+    assert len(held) == 1, held
+    held[0].continue_()
+    page.unroute("**/sync", hold)
+    expect(page.locator(".runs")).to_have_text("No agent runs have used this folder.")
+    assert {p: _page_top(page, p) for p in rows} == rows
 
     box = page.get_by_role("checkbox", name="Select a.txt")
     box.tap() if width < 600 else box.click()

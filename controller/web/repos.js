@@ -20,7 +20,9 @@ export class RepoPanel {
     this.folder = folder;
     this.timer = null;
     this.shown = ""; // the last answer rendered, so an unchanged poll keeps focus
-    this.list = h("ul", { class: "repos" });
+    // A line held from the start, as in the sync panel: above the listing
+    // on one column, a list that grew on the first answer would move the rows.
+    this.list = h("ul", { class: "repos" }, h("li", { class: "muted", text: "loading…" }));
     this.error = h("p", { class: "error", role: "alert" });
     this.section = h(
       "section",

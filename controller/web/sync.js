@@ -88,7 +88,9 @@ export class SyncPanel {
     this.filesUpdated = h("span", { class: "files-updated-value" });
     // Filled from /sync, which the page asks for once the listing is there.
     this.agentUpdated = h("span", { class: "agent-updated-value muted", text: "loading…" });
-    this.runList = h("ul", { class: "runs" });
+    // A line held from the start: on one column the panel sits above the
+    // listing, and a list that grew when /sync answered would move the rows.
+    this.runList = h("ul", { class: "runs" }, h("li", { class: "muted", text: "loading…" }));
     this.error = h("p", { class: "error", role: "alert" });
     return h(
       "section",
