@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import socket
 import time
 
 import httpx
 import psycopg
+import pytest
 
 from tests.support.bridge import start_run
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
@@ -144,3 +147,64 @@ def test_checkpoint_retry_after_restart_is_not_applied_twice(pg_cluster: PgClust
         assert hashlib.sha256(data).hexdigest() == digest
     finally:
         ctl.stop()
+
+
+def _kill_postgres(cluster: PgCluster) -> None:
+    """Every server process of ``cluster`` killed with -9, as a crashed host would."""
+    for pid in cluster.pg.leftover_processes():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while cluster.pg.leftover_processes():
+        assert time.monotonic() < deadline, "PostgreSQL did not die"
+        time.sleep(0.05)
+
+
+@pytest.mark.allow_warning_logs
+def test_database_down_answers_503_at_once_and_recovers_when_it_returns() -> None:
+    """With PostgreSQL gone (not one connection lost: the server), a request
+    answers 503 database_unavailable in seconds rather than holding its
+    client for the pool's whole 30 s wait, and once the server is back the
+    next requests succeed without waiting out a reconnection backoff."""
+    cluster = PgCluster()
+    ctl = ControllerProcess(cluster.create_database(), world_searchable_tmpdir("fsa-pgdown-"))
+    try:
+        ctl.start()
+        boot = ctl.admin("bootstrap", "--email", "pgdown@example.com")
+        t = Tenant(ctl, boot["company_id"], boot["user_id"], boot["token"])
+        with t.client() as c:
+            put = c.put(t.my_folder + "/content", params={"path": "before"}, content=b"1",
+                        headers=OCTET)  # fmt: skip
+            assert put.status_code == 201, put.text
+            _kill_postgres(cluster)
+            waits = []
+            for i in range(4):
+                started = time.monotonic()
+                r = c.put(t.my_folder + "/content", params={"path": f"down-{i}"}, content=b"2",
+                          headers=OCTET, timeout=120)  # fmt: skip
+                waits.append(time.monotonic() - started)
+                assert r.status_code == 503, r.text
+                assert r.json()["code"] == "database_unavailable"
+            # The pool waits 30 s for a connection; with the server refusing
+            # them, a request gives up after DOWN_WAIT_SECONDS (2 s).
+            assert max(waits) < 15, waits
+            cluster.pg.start()
+            back = time.monotonic()
+            codes = []
+            while True:
+                r = c.put(t.my_folder + "/content", params={"path": "after"}, content=b"3",
+                          headers={**OCTET, "Idempotency-Key": "after-1"}, timeout=120)  # fmt: skip
+                codes.append(r.status_code)
+                if r.status_code == 201:
+                    break
+                assert r.status_code == 503 and r.json()["code"] == "database_unavailable", r.text
+                assert time.monotonic() - back < 120, codes
+                time.sleep(0.2)
+            recovered = time.monotonic() - back
+            assert recovered < 30, (recovered, codes)
+            paths = [e["path"] for e in c.get(t.my_folder + "/").json()["entries"]]
+            assert paths == ["after", "before"]
+            print(f"waits while down {[round(w, 2) for w in waits]}, recovered in {recovered:.1f}s")
+    finally:
+        ctl.stop()
+        cluster.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -110,6 +111,20 @@ def connection_headroom(url: str, pool_size: int, replicas: int) -> str | None:
     return headroom_warning(int(row[0]), int(row[1]), pool_size, replicas)
 
 
+DOWN_WAIT_SECONDS = 2.0
+"""How long a request waits for a connection while PostgreSQL refuses new
+ones (the pool's last attempt to connect failed): long enough to take one a
+reconnection makes meanwhile, short enough that a client hears 503
+``database_unavailable`` and retries on its own schedule instead of being
+held for the pool's whole 30 s wait."""
+
+RECONNECT_SECONDS = 10.0
+"""How long one of the pool's reconnection attempts backs off (1 s, 2 s,
+4 s...) before it gives up and the next request starts a new one at once.
+psycopg_pool's default of 300 s lets the delay grow past a minute in a long
+outage, and requests wait that long after the server is back."""
+
+
 @dataclass
 class _Share:
     slots: asyncio.Semaphore
@@ -126,10 +141,68 @@ class SharedPool(AsyncConnectionPool[AsyncConnection[Any]]):
     pool stays free for everyone else.
     """
 
-    def __init__(self, *args: Any, share_size: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        share_size: int,
+        down_wait: float = DOWN_WAIT_SECONDS,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.share_size = share_size
+        self.down_wait = down_wait
         self._shares: dict[str, _Share] = {}
+        self.down_since: float | None = None
+        """When the pool's attempts to connect began to fail (loop time), or None."""
+        self._waits: set[asyncio.Timeout] = set()
+        self.connection_class = _watched(self.connection_class, weakref.ref(self))
+
+    def _connect_failed(self, exc: BaseException) -> None:
+        """A connection attempt failed: the database is down. Waiting requests
+        get ``down_wait`` more, not the rest of the pool's timeout."""
+        loop = asyncio.get_running_loop()
+        if self.down_since is None:
+            self.down_since = loop.time()
+            log.warning(
+                "database unreachable (%s): requests answer 503 after %gs until it accepts"
+                " connections again",
+                " ".join(str(exc).split()) or type(exc).__name__,
+                self.down_wait,
+            )
+        cut = loop.time() + self.down_wait
+        for wait in self._waits:
+            when = wait.when()
+            if when is None or when > cut:
+                wait.reschedule(cut)
+
+    def _connected(self) -> None:
+        if self.down_since is not None:
+            outage = asyncio.get_running_loop().time() - self.down_since
+            self.down_since = None
+            log.warning("database reachable again after %.1fs", outage)
+
+    async def getconn(self, timeout: float | None = None) -> AsyncConnection[Any]:  # noqa: ASYNC109
+        """The pool's ``getconn``, cut to ``down_wait`` while the database is down."""
+        limit = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        if self.down_since is not None:
+            deadline = min(deadline, loop.time() + self.down_wait)
+        try:
+            async with asyncio.timeout_at(deadline) as wait:
+                self._waits.add(wait)
+                try:
+                    conn = await super().getconn(limit)
+                finally:
+                    self._waits.discard(wait)
+        except TimeoutError:
+            raise PoolTimeout(
+                "no database connection: the database is not accepting connections"
+            ) from None
+        # A checked connection is proof enough that the server answers (a
+        # failed attempt may have been one too many for its connection limit).
+        self._connected()
+        return conn
 
     @asynccontextmanager
     async def connection(
@@ -161,6 +234,29 @@ class SharedPool(AsyncConnectionPool[AsyncConnection[Any]]):
                 del self._shares[share]
 
 
+def _watched(
+    base: type[AsyncConnection[Any]], pool: weakref.ref[SharedPool]
+) -> type[AsyncConnection[Any]]:
+    """``base`` whose ``connect`` tells ``pool`` how each attempt went (the
+    pool's own attempts, in the background, are the ones that learn first
+    that the server is gone or back)."""
+
+    class Watched(base):  # type: ignore[valid-type,misc]
+        @classmethod
+        async def connect(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                conn = await super().connect(*args, **kwargs)
+            except Exception as exc:
+                if (owner := pool()) is not None:
+                    owner._connect_failed(exc)
+                raise
+            if (owner := pool()) is not None:
+                owner._connected()
+            return conn
+
+    return Watched
+
+
 def make_pool(
     url: str,
     *,
@@ -179,6 +275,7 @@ def make_pool(
         open=False,
         # A connection that died with the server is replaced, not handed out.
         check=AsyncConnectionPool.check_connection,
+        reconnect_timeout=RECONNECT_SECONDS,
         kwargs={
             "autocommit": False,
             "row_factory": dict_row,
