@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from fsagent.dirscan import entry_limit
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant
 from tests.support.mount import FsagentMount, MountFactory, mount_factory
@@ -229,11 +230,13 @@ def test_kill9_after_an_fsync_by_fdatasync_alone_keeps_the_bytes(
 
 AGENT_WRITER = r"""
 import hashlib, os, random, sys, time
-root, seed = sys.argv[1], int(sys.argv[2])
+root, seed, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rng = random.Random(seed)
 print("READY", flush=True)
 i = 0
 while True:
+    if i == cap:  # the folder's entry limit, shared by the kill points
+        time.sleep(3600)
     i += 1
     name = f"k{seed}-{i}"
     data = rng.randbytes(rng.choice([0, 10, 4096, 70000]))
@@ -302,6 +305,12 @@ def test_kill9_on_a_busy_machine_loses_no_fsynced_write(
     if mounts.mode == "dir" and "CRASH_KILLS" not in os.environ:
         kills = 2  # each restart saves the thousands of files written meanwhile
     rng = random.Random(int(os.environ.get("CRASH_SEED", "11")))
+    # Each point's writer makes at most ``cap`` files, so that the folder
+    # stays within its entry limit (fsagent.dirscan.entry_limit): past it,
+    # dir mode refuses new files by name at the next scan (still there,
+    # acknowledged, never saved). A 200-point dir run (seed 8201) wrote
+    # 424,499 files and failed at the controller on that alone.
+    cap = int(entry_limit() * 0.95) // kills
     token = mounts.base / "token"
     run = start_run(tenant)
     token.write_text(run.token)
@@ -316,7 +325,7 @@ def test_kill9_on_a_busy_machine_loses_no_fsynced_write(
             out_path = mounts.base / f"agent-writer{point}.log"
             with open(out_path, "wb") as out:
                 writer = subprocess.Popen(
-                    [sys.executable, "-c", AGENT_WRITER, str(m.mountpoint), str(point)],
+                    [sys.executable, "-c", AGENT_WRITER, str(m.mountpoint), str(point), str(cap)],
                     stdout=out,
                     stderr=out,
                 )
