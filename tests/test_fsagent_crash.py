@@ -228,15 +228,25 @@ def test_kill9_after_an_fsync_by_fdatasync_alone_keeps_the_bytes(
 
 # --- kill -9 on a busy machine, with a writer that keeps going ----------------
 
+WRITE_SECONDS = 2.0
+"""The kill comes 0.2-2 s after the writer is ready, and the writer spreads its
+files over that time (a writer capped at a few hundred files would otherwise
+be done long before the kill)."""
+
 AGENT_WRITER = r"""
 import hashlib, os, random, sys, time
-root, seed, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+root, seed, cap, spread = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 rng = random.Random(seed)
 print("READY", flush=True)
+start = time.monotonic()
 i = 0
 while True:
     if i == cap:  # the folder's entry limit, shared by the kill points
         time.sleep(3600)
+    # No faster than cap files in spread seconds: the kill comes while it writes.
+    ahead = start + i * spread / cap - time.monotonic()
+    if ahead > 0:
+        time.sleep(ahead)
     i += 1
     name = f"k{seed}-{i}"
     data = rng.randbytes(rng.choice([0, 10, 4096, 70000]))
@@ -324,10 +334,9 @@ def test_kill9_on_a_busy_machine_loses_no_fsynced_write(
         for point in range(kills):
             out_path = mounts.base / f"agent-writer{point}.log"
             with open(out_path, "wb") as out:
+                args = [str(m.mountpoint), str(point), str(cap), str(WRITE_SECONDS)]
                 writer = subprocess.Popen(
-                    [sys.executable, "-c", AGENT_WRITER, str(m.mountpoint), str(point), str(cap)],
-                    stdout=out,
-                    stderr=out,
+                    [sys.executable, "-c", AGENT_WRITER, *args], stdout=out, stderr=out
                 )
             try:
                 deadline = time.monotonic() + 120
