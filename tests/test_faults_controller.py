@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import signal
 import socket
 import time
 
@@ -149,17 +147,6 @@ def test_checkpoint_retry_after_restart_is_not_applied_twice(pg_cluster: PgClust
         ctl.stop()
 
 
-def _kill_postgres(cluster: PgCluster) -> None:
-    """Every server process of ``cluster`` killed with -9, as a crashed host would."""
-    for pid in cluster.pg.leftover_processes():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while cluster.pg.leftover_processes():
-        assert time.monotonic() < deadline, "PostgreSQL did not die"
-        time.sleep(0.05)
-
-
 @pytest.mark.allow_warning_logs
 def test_database_down_answers_503_at_once_and_recovers_when_it_returns() -> None:
     """With PostgreSQL gone (not one connection lost: the server), a request
@@ -176,7 +163,7 @@ def test_database_down_answers_503_at_once_and_recovers_when_it_returns() -> Non
             put = c.put(t.my_folder + "/content", params={"path": "before"}, content=b"1",
                         headers=OCTET)  # fmt: skip
             assert put.status_code == 201, put.text
-            _kill_postgres(cluster)
+            cluster.kill()
             waits = []
             for i in range(4):
                 started = time.monotonic()

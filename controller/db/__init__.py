@@ -141,16 +141,9 @@ class SharedPool(AsyncConnectionPool[AsyncConnection[Any]]):
     pool stays free for everyone else.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        share_size: int,
-        down_wait: float = DOWN_WAIT_SECONDS,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, share_size: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.share_size = share_size
-        self.down_wait = down_wait
         self._shares: dict[str, _Share] = {}
         self.down_since: float | None = None
         """When the pool's attempts to connect began to fail (loop time), or None."""
@@ -159,7 +152,7 @@ class SharedPool(AsyncConnectionPool[AsyncConnection[Any]]):
 
     def _connect_failed(self, exc: BaseException) -> None:
         """A connection attempt failed: the database is down. Waiting requests
-        get ``down_wait`` more, not the rest of the pool's timeout."""
+        get :data:`DOWN_WAIT_SECONDS` more, not the rest of the pool's timeout."""
         loop = asyncio.get_running_loop()
         if self.down_since is None:
             self.down_since = loop.time()
@@ -167,9 +160,9 @@ class SharedPool(AsyncConnectionPool[AsyncConnection[Any]]):
                 "database unreachable (%s): requests answer 503 after %gs until it accepts"
                 " connections again",
                 " ".join(str(exc).split()) or type(exc).__name__,
-                self.down_wait,
+                DOWN_WAIT_SECONDS,
             )
-        cut = loop.time() + self.down_wait
+        cut = loop.time() + DOWN_WAIT_SECONDS
         for wait in self._waits:
             when = wait.when()
             if when is None or when > cut:
@@ -182,12 +175,12 @@ class SharedPool(AsyncConnectionPool[AsyncConnection[Any]]):
             log.warning("database reachable again after %.1fs", outage)
 
     async def getconn(self, timeout: float | None = None) -> AsyncConnection[Any]:  # noqa: ASYNC109
-        """The pool's ``getconn``, cut to ``down_wait`` while the database is down."""
+        """The pool's ``getconn``, cut to :data:`DOWN_WAIT_SECONDS` while the database is down."""
         limit = self.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         if self.down_since is not None:
-            deadline = min(deadline, loop.time() + self.down_wait)
+            deadline = min(deadline, loop.time() + DOWN_WAIT_SECONDS)
         try:
             async with asyncio.timeout_at(deadline) as wait:
                 self._waits.add(wait)

@@ -589,9 +589,7 @@ class Explorer:
         if self.cluster is None:
             return self.on_controller_bounce()
         pg = self.cluster.pg
-        for pid in pg.leftover_processes():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self.cluster.kill()
         self.agent_work(self.rng.randint(0, 6))
         if self.rng.random() < 0.5:
             self.on_flush()  # a save meets the database down
