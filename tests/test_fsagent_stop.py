@@ -28,6 +28,10 @@ from tests.support.mount import FsagentMount, MountFactory, mount_factory
 from tests.support.pyfuse3_patch import handles_env, patched_pyfuse3_env
 from tests.test_fsagent_crash import AGENT_WRITER, BUSY_LOOP, _acks
 
+UNPACED = ["1000000", "0"]
+"""The crash test's writer, as fast as it can and without a cap: here the
+writes must still be arriving when the stop begins."""
+
 pytestmark = [pytest.mark.fuse]
 
 
@@ -63,7 +67,7 @@ def test_a_write_answered_before_the_stop_ends_is_in_the_final_save(
     try:
         with open(log, "wb") as out:
             writer = subprocess.Popen(
-                [sys.executable, "-c", AGENT_WRITER, str(m.mountpoint), "1"],
+                [sys.executable, "-c", AGENT_WRITER, str(m.mountpoint), "1", *UNPACED],
                 stdout=out,
                 stderr=out,
             )
