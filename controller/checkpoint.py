@@ -201,6 +201,7 @@ def parse_checkpoint(
         "operationId",
         "leaseEpoch",
         "final",
+        "finalSave",
         "entries",
         "localRefusals",
         "localRefusedMore",
@@ -216,6 +217,8 @@ def parse_checkpoint(
     final = body.get("final", False)
     if not isinstance(final, bool):
         bad("final", "invalid", "final must be a boolean")
+    if not isinstance(body.get("finalSave", False), bool):
+        bad("finalSave", "invalid", "finalSave must be a boolean")
     raw_entries = body.get("entries")
     entries: list[Entry] = []
     if not isinstance(raw_entries, list):

@@ -723,8 +723,7 @@ async def _serve_bound(
     stop: DirStop,
 ) -> None:
     shipper = DirShipper(store, client, opts.scope, lease_epoch) if client.writable else None
-    if stop.report_scope is not None:
-        stop.report_failed = lifecycle.failure_reporter(store, client, opts.scope)
+    stop.report_failed = lifecycle.failure_reporter(store, client, opts.scope)
     st = os.fstat(root_fd)
     known = store.directory_record()
     hydrated = store.baseline().hydrated and not store.hydrating()

@@ -86,6 +86,10 @@ class ControllerRefused(ControllerError):
         self.details = details or []
         """The answer's ``details`` (e.g. the storage limit and path of
         ``agent_files_limit_exceeded``), empty when it had none."""
+        self.recorded = False
+        """The controller keeps this refusal as a save receipt: it refused a
+        checkpoint commit (fsagent.ship sets it). A refusal of an upload, or
+        one decided here, has no receipt unless fsagent reports it."""
 
     def means(self, error: type[WorkFolderError]) -> bool:
         """Whether the controller refused with ``error``'s code (common.errors)."""
@@ -114,6 +118,8 @@ class SaveFailed(FsagentError):
     recorded refusal and a warning of the run, not a failed save; ``details``
     then name the limit (``limit``, ``max``, ``value``, ``path`` for an
     oversized file), as the controller's answer did.
+    ``recorded``: the controller kept the refusal as the save's receipt
+    (:attr:`ControllerRefused.recorded`); any other failure is reported.
     """
 
     exit_code = 4
@@ -125,11 +131,13 @@ class SaveFailed(FsagentError):
         refused: bool = False,
         over_limit: bool = False,
         details: list[dict[str, Any]] | None = None,
+        recorded: bool = False,
     ) -> None:
         super().__init__(message)
         self.refused = refused
         self.over_limit = over_limit
         self.details = details or []
+        self.recorded = recorded
 
 
 class MountFailed(FsagentError):

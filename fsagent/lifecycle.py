@@ -13,8 +13,10 @@ or into the plain directory while no agent runs). What is decided here, once:
   then takes the server's changes to paths not changed locally;
 * **final save** at the stop boundary: tried ``stop.attempts`` times while it
   fails on the way, once when refused; a refusal over the agent folder's
-  storage limit is a warning, not a failure; a given-up save of the agent
-  folder gets an explicit failure receipt;
+  storage limit is a warning, not a failure; every part of it says it is
+  part of the final save, so a refused part is the final save's receipt,
+  and a save given up for any other cause gets an explicit, final failure
+  receipt (the run's status then shows the folder stopped, with its failure);
 * **what the stop keeps**: every collection keeps its state dir when the
   final save did not succeed, except the agent folder under its contract,
   whose local copy goes at the stop boundary whatever the outcome
@@ -154,13 +156,13 @@ async def final_save(
     if shipper is None or stop.final_done:
         return
     stop.final_done = True
-    refused = False
+    recorded = False
     attempt = 0
     for attempt in range(1, stop.attempts + 1):
         try:
             result = await shipper.ship_checkpoint(final=True)
         except SaveFailed as exc:
-            stop.saved, stop.error, refused = False, str(exc), exc.refused
+            stop.saved, stop.error, recorded = False, str(exc), exc.recorded
             stop.fenced = getattr(shipper, "fenced", None)
             stop.limit_warning = limit_warning(exc, stop.report_scope is not None)
             if stop.limit_warning is not None:
@@ -186,13 +188,14 @@ async def final_save(
         return
     if stop.report_scope is None:
         print(f"fsagent: final save FAILED, {kept}: {stop.error}", file=sys.stderr)
-        return
-    print(f"fsagent: final save FAILED: {stop.error}", file=sys.stderr)
-    if refused or stop.report_failed is None:
-        return  # a refusal is its receipt already
+    else:
+        print(f"fsagent: final save FAILED: {stop.error}", file=sys.stderr)
+    if recorded or stop.report_failed is None:
+        return  # a refused commit is the final save's receipt already
     with trio.move_on_after(30):
         try:
-            # The explicit failure receipt; a refusal has its receipt already.
+            # The explicit failure receipt, final: the run's status shows the
+            # folder stopped with its final save failed.
             await stop.report_failed(
                 f"final save given up after {attempt} attempt(s): {stop.error}"
             )

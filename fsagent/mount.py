@@ -444,8 +444,7 @@ async def _serve_store(
     owner = binding.owner_id
     shipper: Checkpoints | None = None
     cadence: Cadence | None = None
-    if protected is not None:
-        stop.report_failed = lifecycle.failure_reporter(store, client, opts.scope)
+    stop.report_failed = lifecycle.failure_reporter(store, client, opts.scope)
     if owner is not None:
         store.bind(binding)
         store.claim_mode("fuse", opts.mode_reason, str(opts.mountpoint.absolute()))

@@ -611,17 +611,17 @@ class Shipper:
                     await self.state.set_pending(None)
                 # A storage limit is a warning of the run, which the controller
                 # keeps with the refusal; it does not make the run a failed one.
+                recorded = isinstance(exc, ControllerRefused) and exc.recorded
                 if not over_limit:
-                    # A refusal has its receipt on the controller already; a
-                    # failure on the way (network, 5xx, an I/O error here) is
+                    # A refused commit has its receipt on the controller
+                    # already; any other failure (network, 5xx, an I/O error
+                    # here, an upload refused, a file over the allowance) is
                     # reported for this folder, where it stands until the
                     # folder saves again (another folder's save does not
-                    # clear it). The agent folder's final attempts are the
-                    # exception: its contract gives them one explicit failure
-                    # receipt, once they are given up (fsagent.lifecycle).
-                    own_receipt = isinstance(exc, ControllerRefused) or (
-                        final and self.scope == "agent"
-                    )
+                    # clear it). A fenced run can report nothing. The final
+                    # save's attempts get one explicit, final failure
+                    # receipt once they are given up (fsagent.lifecycle).
+                    own_receipt = recorded or final or self.fenced is not None
                     scope = None if own_receipt else self.scope
                     with trio.move_on_after(10):
                         try:
@@ -633,7 +633,11 @@ class Shipper:
                 refused = isinstance(exc, ControllerRefused) and exc.status != 429
                 limit = exc.details if isinstance(exc, ControllerRefused) and over_limit else None
                 raise SaveFailed(
-                    message, refused=refused, over_limit=over_limit, details=limit
+                    message,
+                    refused=refused,
+                    over_limit=over_limit,
+                    details=limit,
+                    recorded=recorded,
                 ) from exc
 
     async def _ship(self, *, final: bool) -> SaveResult:
@@ -742,7 +746,12 @@ class Shipper:
                     )
                 parts.append(
                     await self._commit_part(
-                        op_id, listed, outcome.digests, final=final and complete, covered=covered
+                        op_id,
+                        listed,
+                        outcome.digests,
+                        final=final and complete,
+                        final_save=final,
+                        covered=covered,
                     )
                 )
                 op_id = new_operation_id()
@@ -837,12 +846,14 @@ class Shipper:
         digests: dict[str, Digest],
         *,
         final: bool,
+        final_save: bool = False,
         covered: frozenset[str] | set[str] = frozenset(),
     ) -> SaveResult:
         """Build one part's body from ``changes`` (uploads with their digests),
         store it (state ``committing``), send it and acknowledge its receipt.
         The deletions at ``covered`` are acknowledged without being named:
-        a directory deleted in the same part takes them (:func:`delete_units`)."""
+        a directory deleted in the same part takes them (:func:`delete_units`).
+        ``final``: the last part of a final save; ``final_save``: any part of one."""
         entries: list[dict[str, Any]] = []
         shipped: list[list[Any]] = []
         for change in changes:
@@ -869,6 +880,10 @@ class Shipper:
             "entries": entries,
             **self.body_extras(),
         }
+        if final_save:
+            # Every part of a final save says so: a refused part is the final
+            # save's receipt, whichever part it was (only the last is final).
+            body["finalSave"] = True
         record = {"operationId": op_id, "state": "committing", "body": body, "shipped": shipped}
         await self.state.set_pending(record)
         receipt = await self._commit(record)
@@ -881,7 +896,11 @@ class Shipper:
         return {}
 
     async def _commit(self, record: dict[str, Any]) -> dict[str, Any]:
-        receipt = await self.client.commit_checkpoint(self.scope, record["body"])
+        try:
+            receipt = await self.client.commit_checkpoint(self.scope, record["body"])
+        except ControllerRefused as exc:
+            exc.recorded = True  # the controller keeps a receipt of a refused commit
+            raise
         # Entries the folder refused one by one (the agent's instruction entry)
         # were not saved: they stay in the journal, unsaved, for the next checkpoint.
         refused = {str(r.get("path")) for r in receipt.get("refusedEntries") or []}

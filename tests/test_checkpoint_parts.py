@@ -36,6 +36,7 @@ from fsagent.errors import ControllerUnavailable, SaveFailed
 from fsagent.memclient import MemoryBridgeClient
 from fsagent.ship import OVER_ALLOWANCE, PART_SHARE, Shipper, plan_part
 from fsagent.store import ROOT_INODE, Change, InodeNo, JournalSeq, Store
+from tests.support.agentfiles import run_detail, run_receipts
 from tests.support.bridge import framed
 from tests.support.bridge import start_run as start_bridge_run
 from tests.support.checkpoints import (
@@ -63,6 +64,8 @@ ALLOWANCE = 50_000_000
 """The real controller's ``--max-pending-upload-bytes`` here."""
 FILES = 30
 FILE_SIZE = 4 << 20
+AGENT_MAX_FILE = 8 << 20
+"""The real controller's ``--agent-max-file-bytes`` here."""
 COMMITS = r"/folders/task/checkpoints$"
 UPLOADS = "PUT /bridge/v1/folders/task/uploads"
 
@@ -150,6 +153,8 @@ async def test_a_change_set_over_the_allowance_commits_in_valid_parts(
         deletes = [[e["path"] for e in b["entries"] if e["op"] == "delete"] for b in sent]
         assert deletes == [[]] * (len(sent) - 1) + [["gone.txt", "old.txt"]]
         assert [b["final"] for b in sent] == [False] * (len(sent) - 1) + [True]
+        # Every part says it is part of the final save: a refused one is its receipt.
+        assert [b.get("finalSave") for b in sent] == [True] * len(sent)
         assert len({b["operationId"] for b in sent}) == len(sent)
         for b in sent:
             paths = [e["path"].encode() for e in b["entries"]]
@@ -321,7 +326,12 @@ async def test_uploads_the_run_holds_cost_nothing_again(mem: MemoryBridgeClient)
 @pytest.fixture(scope="module")
 def small_allowance(pg_cluster: PgCluster) -> Iterator[ControllerProcess]:
     with private_controller(
-        pg_cluster, "fsa-parts-", "--max-pending-upload-bytes", str(ALLOWANCE)
+        pg_cluster,
+        "fsa-parts-",
+        "--max-pending-upload-bytes",
+        str(ALLOWANCE),
+        "--agent-max-file-bytes",
+        str(AGENT_MAX_FILE),
     ) as ctl:
         yield ctl
 
@@ -510,3 +520,66 @@ def test_a_file_over_the_allowance_is_refused_on_the_folder_and_wedges_nothing(
     assert server_files(lt, "task", run["task"])["huge.bin"] == huge[: 10 << 20]
     assert status(m)["lastError"] is None
     assert m.signal(signal.SIGTERM) == 0, m.stderr()
+
+
+def folder_stop(tenant: Tenant, run_id: str, scope: str) -> dict[str, Any]:
+    """The run's save state of ``scope`` as its details show it."""
+    r = run_detail(tenant, run_id)
+    assert r.status_code == 200, r.text
+    found: dict[str, Any] = next(f for f in r.json()["folders"] if f["scope"] == scope)
+    return found
+
+
+def final_receipts(tenant: Tenant, run_id: str, scope: str) -> list[dict[str, Any]]:
+    return [r for r in run_receipts(tenant, run_id) if r["scope"] == scope and r["final"]]
+
+
+def test_a_refused_first_part_of_a_final_save_shows_the_folder_stopped(
+    mounts: MountFactory, lt: Tenant
+) -> None:
+    """The agent folder's final save in three parts, the first refused over
+    the file limit: that refusal is the final save's receipt (the parts
+    after it are never sent), so the run shows the folder stopped, with the
+    limit's code and its warning, and the run is not failed."""
+    ctl = lt.controller
+    run = start_run(lt)
+    m = mounts.mount(ctl.url, scope="agent", token_file=token_file(mounts, run))
+    # One file per part (each part uploads at most half the allowance); the
+    # first in path order is over the agent folder's file limit.
+    (m.mountpoint / "a-over.bin").write_bytes(os.urandom(AGENT_MAX_FILE + (1 << 20)))
+    for name in ("b.bin", "c.bin"):
+        (m.mountpoint / name).write_bytes(os.urandom(ALLOWANCE // PART_SHARE - (1 << 20)))
+    # A refusal over a storage limit is a warning: the stop is clean.
+    assert m.signal(signal.SIGTERM, timeout=300) == 0, m.stderr()
+    got = final_receipts(lt, run["run_id"], "agent")
+    assert [(r["outcome"], r["code"]) for r in got] == [
+        ("refused", "AGENT_FILES_LIMIT_EXCEEDED")
+    ], got
+    folder = folder_stop(lt, run["run_id"], "agent")
+    assert folder["stoppedAt"] is not None, folder
+    assert folder["code"] == "AGENT_FILES_LIMIT_EXCEEDED", folder
+    detail = run_detail(lt, run["run_id"]).json()
+    assert detail["state"] != "failed", detail
+    assert any(w.get("code") == "AGENT_FILES_LIMIT_EXCEEDED" for w in detail["warnings"]), detail
+
+
+def test_a_final_save_given_up_on_a_file_over_the_allowance_shows_the_stop(
+    mounts: MountFactory, lt: Tenant
+) -> None:
+    """A file over the whole upload allowance is refused in the sandbox, so
+    the controller holds no receipt of it: the final save, given up, reports
+    its failure, final. The folder shows the failure and the stop, not the
+    part that saved."""
+    ctl = lt.controller
+    run = start_run(lt)
+    m = mounts.mount(ctl.url, scope="task", token_file=token_file(mounts, run))
+    (m.mountpoint / "huge.bin").write_bytes(os.urandom(ALLOWANCE + (1 << 20)))
+    (m.mountpoint / "small.txt").write_bytes(b"saved all the same")
+    assert m.signal(signal.SIGTERM, timeout=300) == 4, m.stderr()
+    assert server_files(lt, "task", run["task"]) == {"small.txt": b"saved all the same"}
+    got = final_receipts(lt, run["run_id"], "task")
+    assert [(r["outcome"], r["code"]) for r in got] == [("failed", "SAVE_FAILED")], got
+    assert OVER_ALLOWANCE in got[0]["error"] and "huge.bin" in got[0]["error"]
+    folder = folder_stop(lt, run["run_id"], "task")
+    assert folder["state"] == "failed" and folder["code"] == "SAVE_FAILED", folder
+    assert folder["stoppedAt"] is not None, folder

@@ -81,3 +81,28 @@ def test_a_run_that_stopped_cleanly_says_so_before_it_ends(tenant: Tenant) -> No
     assert sync_run(tenant, run, "task")["folderStoppedAt"] is None
     assert details(tenant, run)["stoppedAt"] is None
     tenant.controller.admin("end-run", run.run_id)
+
+
+def test_a_refused_part_of_a_final_save_is_its_receipt(tenant: Tenant) -> None:
+    """Only the last part of a final save is ``final``; every part says
+    ``finalSave``. A refused part (here one naming content never uploaded)
+    is the final save's receipt: the folder shows the stop. A refusal
+    without it does not, and ``finalSave`` must be a boolean."""
+    run = start_run(tenant)
+    unknown = {"op": "put", "path": "a.txt", "digest": "ab" * 32, "executable": False}
+    r = run.commit("task", [unknown])
+    assert r.status_code == 422, r.text
+    assert sync_run(tenant, run, "task")["folderStoppedAt"] is None
+    r = run.commit("task", [unknown], finalSave="yes")
+    assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
+    assert sync_run(tenant, run, "task")["folderStoppedAt"] is None
+
+    r = run.commit("task", [unknown], finalSave=True)
+    assert r.status_code == 422, r.text
+    task = sync_run(tenant, run, "task")
+    assert task["folderState"] == "failed" and task["folderStoppedAt"] is not None, task
+    # A part that saves is not the end of the final save unless it is the last.
+    assert run.save("task", {"b.txt": b"b"}, finalSave=True).status_code == 200
+    assert sync_run(tenant, run, "task")["folderStoppedAt"] is None
+    assert run.save("task", {"c.txt": b"c"}, final=True, finalSave=True).status_code == 200
+    assert sync_run(tenant, run, "task")["folderStoppedAt"] is not None

@@ -303,7 +303,9 @@ async def commit_checkpoint(request: Request) -> Response:
     # (a NUL could not even be stored: PostgreSQL text holds none).
     raw_id = body.get("operationId")
     op_id = raw_id if is_operation_id(raw_id) else None
-    final = body.get("final") is True
+    # A refusal of any part of the sandbox's final save is that save's
+    # receipt (only its last part is ``final``): the run shows the folder stopped.
+    final = body.get("final") is True or body.get("finalSave") is True
     cp: Checkpoint | None = None
     screen = entry_screen(request, run) if scope == "agent" else None
 
