@@ -78,6 +78,13 @@ class Up:
             pytest.fail(f"fsagent up still runs after {timeout:.0f}s:\n{self.log()}")
 
 
+def interruptible() -> None:
+    """``up`` takes SIGINT as from a terminal, however the tests were started:
+    a background job of a script ignores SIGINT, and ``up`` keeps an
+    inherited SIG_IGN (fsagent.up.StopRequest)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_up(
     ups: list[Up], controller: str, run: Run, *extra: str, env: dict[str, str] | None = None
 ) -> Up:
@@ -90,7 +97,7 @@ def start_up(
              "--state-root", str(base / "state"), "--env-file", str(base / "env"),
              "--checkpoint-interval", "600", *extra],
             cwd=REPO, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env,
+            start_new_session=True, env=env, preexec_fn=interruptible,
         )  # fmt: skip
     ups.append(Up(base, proc))
     return ups[-1]
