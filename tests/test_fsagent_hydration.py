@@ -219,7 +219,12 @@ def test_hydrates_100k_entries_from_controller_in_seconds(
     seconds = time.monotonic() - started
     print(f"\n100,000 entries from the controller: mounted in {seconds:.2f}s")
     assert seconds < 60, f"mount took {seconds:.1f}s"
-    pages = [parse_qs(q) for _, path, q in proxy.queries if path.endswith("/agent/manifest")]
+    # A request whose exchange broke on the way (a reset on a busy machine)
+    # is asked again, as it should be: only the others count.
+    answered = list(proxy.queries)
+    for broken in proxy.broken:
+        answered.remove(broken)
+    pages = [parse_qs(q) for _, path, q in answered if path.endswith("/agent/manifest")]
     assert len(versions) > 100_000
     # One request per page, each from the last version of the page before.
     cursors = [0, *versions[MANIFEST_PAGE_MAX - 1 :: MANIFEST_PAGE_MAX]]

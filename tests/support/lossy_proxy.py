@@ -59,6 +59,9 @@ class LossyProxy:
     seen: list[str] = field(default_factory=list)
     queries: list[tuple[str, str, str]] = field(default_factory=list)
     """(method, path, query string) of every request, in arrival order."""
+    broken: list[tuple[str, str, str]] = field(default_factory=list)
+    """The requests of :attr:`queries` whose exchange with the upstream broke
+    (a transport error: the connection reset, say), which a client retries."""
     record_rules: list[tuple[str, re.Pattern[str]]] = field(default_factory=list)
     bodies: list[tuple[str, bytes]] = field(default_factory=list)
     """``("METHOD path", request body)`` of each request a record rule matched."""
@@ -178,12 +181,28 @@ class LossyProxy:
                 }
             )
             return
+        try:
+            await self._forward(method, path, query, headers, body(), send)
+        except httpx.TransportError:
+            with self._lock:
+                self.broken.append((method, path, query))
+            raise
+
+    async def _forward(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        headers: list[tuple[bytes, bytes]],
+        content: AsyncIterator[bytes],
+        send: Any,
+    ) -> None:
         async with httpx.AsyncClient(timeout=300) as client:
             req = client.build_request(
                 method,
                 self.upstream + path + (f"?{query}" if query else ""),
                 headers=headers,
-                content=body(),
+                content=content,
             )
             resp = await client.send(req, stream=True)
             drop = self._should_drop(method, path)
