@@ -115,13 +115,17 @@ MANIFEST_PAGE_MAX: Final = 5000
 #     them in its ``refusedEntries`` with ``"by": "sandbox"`` and warns with
 #     code ``SANDBOX_REFUSED`` and their total ``count``. A bad list is 400
 #     ``validation_error`` and nothing of the checkpoint applies.
+#     Optional ``"finalSave": true`` on every part of a final save (``final``
+#     marks only its last part): a refused part's receipt is then final, the
+#     final save's own; it is not part of the fingerprint.
 #
 # ``POST /bridge/v1/run/report``
 #     ``{"state": "saving"|"failed", "error"?, "scope"?, "operationId"?, "final"?}``
 #     fsagent reports that a save started or that it gave up, so /sync shows it.
 #     With ``scope`` (state failed): fsagent gave up on that folder's save after
 #     its last attempt; the controller records an explicit ``failed`` receipt
-#     (code ``SAVE_FAILED``) with the operation id.
+#     (code ``SAVE_FAILED``) with the operation id, final with ``"final": true``
+#     (a final save given up).
 #
 # ``POST /bridge/v1/run/refresh-applied``
 #     After a successful final save fsagent took the server's changes because

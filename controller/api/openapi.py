@@ -150,7 +150,8 @@ def _bridge_paths() -> dict[str, Any]:
             "parameters": [_SCOPE_P],
             "post": _op(
                 "Apply a checkpoint all or nothing (localRefusals: the sandbox's own"
-                " refusals, listed in the save receipt only; common/bridge.py)",
+                " refusals, listed in the save receipt only; finalSave: a part of"
+                " the final save, whose refusal is then final; common/bridge.py)",
                 "200",
                 "403",
                 "409",
