@@ -22,6 +22,13 @@ After every schedule the controller is up, one last ``up`` stops cleanly, and:
 * the last ``up`` exited 0 (its final saves succeeded: no folder stayed unable
   to save once the cause was gone);
 * no process of the sandbox is left and no mount (alive or dead) under it;
+* every status tells the truth (:meth:`Explorer.check_status`, after every
+  SIGTERM stop, and :meth:`Explorer.check_flushed` after a flush): a stop
+  that exited 0 leaves ``fsagent status`` and ``fsagent repos status``
+  without an error or anything unsaved, and the controller's run details
+  with the run stopped, every folder and repository saved, and each
+  checkout's last save the repository's current checkpoint; a stop that
+  did not exit 0 shows a failed save in the sandbox's status;
 * a replacement sandbox, when the schedule made one, showed exactly what the
   model allows.
 
@@ -46,9 +53,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fsagent.daemon import is_ready
 from fsagent.localbridge import runtime_dir
+from fsagent.statedir import MARKER
 from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, bootstrap_tenant
 from tests.support.gitrepos import make_origin
@@ -202,6 +211,8 @@ class Explorer:
         agent = ctl.admin("create-agent", company, f"a{self.seed}")["id"]
         self.who = Identity(company, agent, task, self.tenant.user_id, project)
         self.bases: list[Path] = []
+        self.run_ids: dict[str, str] = {}
+        """Run token -> run id."""
         origin_base = private_tmpdir("fsa-xo-")
         self.bases.append(origin_base)
         origin = make_origin(origin_base)
@@ -219,7 +230,9 @@ class Explorer:
         w = self.who
         out = self.ctl.admin("start-run", w.company, "--agent", w.agent, "--task", w.task,
                              "--user", w.user, "--sandbox", sandbox_id)  # fmt: skip
-        return str(out["token"])
+        token = str(out["token"])
+        self.run_ids[token] = str(out["run_id"])
+        return token
 
     def _new_sandbox(self) -> Sandbox:
         base, logs = private_tmpdir("fsa-xp-"), private_tmpdir("fsa-xl-")
@@ -256,7 +269,10 @@ class Explorer:
         self._launch()
         self._wait("up to serve", self._served, fail_on_exit=True)
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
+    def stop(self, sig: int = signal.SIGTERM, *, controller_up: bool = True) -> int:
+        """Signal ``up`` and wait for it and its children to end. After a
+        SIGTERM, every status is checked against the controller
+        (:meth:`check_status`; ``controller_up=False``: the sandbox's side only)."""
         sb = self.sandbox
         if sb.up is None or sb.up.poll() is not None:
             return sb.up.returncode if sb.up is not None else 0
@@ -268,6 +284,8 @@ class Explorer:
         self._wait("every child of up to end", lambda: not self._processes(), timeout=STOP_SECONDS)
         if code == 0 and sig == signal.SIGTERM:
             self.agent_since = {p: set(v) for p, v in self.model.files["agent"].items()}
+        if sig == signal.SIGTERM:
+            self.check_status(code, controller_up=controller_up)
         return code
 
     def _processes(self) -> list[int]:
@@ -463,7 +481,9 @@ class Explorer:
     on_delete = on_rename
 
     def on_flush(self) -> None:
-        self._flush(self.rng.choice(SCOPES))
+        scope = self.rng.choice(SCOPES)
+        if self._flush(scope).returncode == 0:
+            self.check_flushed(scope)
 
     def _flush(self, scope: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -559,7 +579,7 @@ class Explorer:
         self.ctl.kill()
         # Its final saves fail: the state stays for the next run, and the
         # exit status says so (a status never claims a save that did not happen).
-        code = self.stop()
+        code = self.stop(controller_up=False)
         if code == 0:
             raise self.violation("up exited 0 though no final save could reach the controller")
         self._agent_may_have_given_up()
@@ -594,7 +614,7 @@ class Explorer:
         if self.rng.random() < 0.5:
             self.on_flush()  # a save meets the database down
         stopped = self.rng.random() < 0.3
-        if stopped and self.stop() != 0:
+        if stopped and self.stop(controller_up=False) != 0:
             self._agent_may_have_given_up()
         pg.start()  # crash recovery
         self._wait("the controller to serve again after PostgreSQL restarted",
@@ -682,6 +702,99 @@ class Explorer:
             if self.stop() != 0:
                 raise self.violation("the replacement sandbox's clean stop failed")
             self.check_no_leftovers()
+
+    def _fsagent_json(self, *args: str) -> Any:
+        out = subprocess.run([sys.executable, "-m", "fsagent.cli", *args, "--json"],
+                             cwd=REPO, capture_output=True, check=False, timeout=120,
+                             text=True)  # fmt: skip
+        if out.returncode != 0:
+            raise self.violation(f"fsagent {' '.join(args)} exited {out.returncode}: "
+                                 f"{out.stderr[-800:]}")  # fmt: skip
+        return json.loads(out.stdout)
+
+    def _collections_status(self) -> dict[str, dict[str, Any]]:
+        """``fsagent status`` of the sandbox's collections, by scope."""
+        state = self.sandbox.base / "state"
+        # A state dir without its marker was discarded (the agent folder's,
+        # after a final save given up on): it has no status to show.
+        dirs = [a for s in SCOPES if (state / s / MARKER).exists()
+                for a in ("--state-dir", str(state / s))]  # fmt: skip
+        if not dirs:
+            return {}
+        rows = self._fsagent_json("status", *dirs)["collections"]
+        return {str(r["scope"]): r for r in rows if r.get("scope")}
+
+    def _repos_status(self) -> list[dict[str, Any]]:
+        sb = self.sandbox
+        rows: list[dict[str, Any]] = self._fsagent_json(
+            "repos", "status", "--home", str(sb.home), "--state-root", str(sb.base / "state")
+        )["repos"]
+        return rows
+
+    def _run_details(self) -> dict[str, Any]:
+        run_id = self.run_ids[self.sandbox.token]
+        with self.tenant.client() as c:
+            r = c.get(f"/api/companies/{self.who.company}/runs/{run_id}")
+        if r.status_code != 200:
+            raise self.violation(f"run details: HTTP {r.status_code} {r.text[:400]}")
+        details: dict[str, Any] = r.json()
+        return details
+
+    def check_status(self, code: int, *, controller_up: bool = True) -> None:
+        """After a stop, every status tells the truth (a status never claims a
+        save that did not happen):
+
+        * a stop that exited 0 leaves ``fsagent status`` and ``fsagent repos
+          status`` with no error and nothing unsaved, and, on the controller,
+          the run stopped with every folder and repository saved and each
+          checkout's last save the repository's current checkpoint;
+        * a stop that did not exit 0 shows a failed save, with its message,
+          in the sandbox's status of some folder or repository.
+        """
+        collections, repos = self._collections_status(), self._repos_status()
+        failed = [f"{s}: {r['lastError']}" for s, r in collections.items() if r.get("lastError")]
+        failed += [f"repo {r.get('name')}: {r['lastError']}" for r in repos if r.get("lastError")]
+        if code != 0:
+            if not failed:
+                raise self.violation(f"up exited {code} but no status shows a failed save: "
+                                     f"{collections} {repos}")  # fmt: skip
+            return
+        bad = list(failed)
+        bad += [f"{s}: {r['unsavedChanges']} unsaved, pending {r['pendingCheckpoint']}"
+                for s, r in collections.items()
+                if r["unsavedChanges"] or r["pendingCheckpoint"]]  # fmt: skip
+        bad += [f"repo {r.get('name')}: {r.get('state')}" for r in repos
+                if r.get("state") not in ("saved", "restored")]  # fmt: skip
+        if controller_up:
+            run = self._run_details()
+            if run.get("stoppedAt") is None:
+                bad.append("the controller shows the run not stopped")
+            bad += [f"controller: {f['scope']} {f['state']} {f['code']} {f['error']}"
+                    for f in run["folders"] if f["state"] != "saved"]  # fmt: skip
+            shown = {str(r.get("name")): r for r in repos}
+            for r in run["repos"]:
+                mine = shown.get(r["name"])
+                said = mine and ((mine.get("lastSave") or mine.get("restoredFrom") or {})
+                                 .get("checkpointId"))  # fmt: skip
+                if r["state"] != "saved":
+                    bad.append(f"controller: repo {r['name']} {r['state']} {r['code']}")
+                elif mine is not None and str(said) != str(r["checkpointId"]):
+                    bad.append(f"repo {r['name']}: status names checkpoint {said}, "
+                               f"the controller's is {r['checkpointId']}")  # fmt: skip
+        if bad:
+            raise self.violation(f"a clean stop's status does not match: {bad[:8]}")
+
+    def check_flushed(self, scope: str) -> None:
+        """A flush that succeeded: the folder's status shows nothing unsaved
+        and no error, and the controller does not show this run's save of it
+        failed (a flush with nothing to send leaves a new run "starting")."""
+        row = self._collections_status().get(scope)
+        if row is None or row.get("lastError") or row["unsavedChanges"] or row["pendingCheckpoint"]:
+            raise self.violation(f"after a flush of {scope} that succeeded, status says {row}")
+        (folder,) = [f for f in self._run_details()["folders"] if f["scope"] == scope]
+        if folder["state"] not in ("saved", "starting"):
+            raise self.violation(f"after a flush of {scope} that succeeded, "
+                                 f"the controller shows {folder}")  # fmt: skip
 
     def check_no_leftovers(self) -> None:
         left = self._processes()
