@@ -40,12 +40,17 @@ address is refused with exit 2 unless ``--insecure-http`` is given.
 
 from __future__ import annotations
 
+import sys
+
+from fsagent import earlystop
+
+earlystop.install(sys.argv)  # before the imports below: see fsagent.earlystop
+
 import argparse
 import importlib
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any

@@ -21,7 +21,8 @@ Supervision (:class:`Supervisor`), what it guarantees and why:
 
 - **A stop is a save, from the first instruction.** SIGTERM, SIGINT and
   SIGHUP (the last two unless inherited as ignored, as under ``nohup``) are
-  handled before anything else: a stop while ``up`` starts lets what was
+  handled before anything else, from ``fsagent.cli``'s first import on
+  (:mod:`fsagent.earlystop`): a stop while ``up`` starts lets what was
   started stop with its final save, and starts nothing more. Once the
   checkouts are prepared the repository saver starts even when a stop is
   already pending: its final save is what keeps a commit made there.
@@ -76,6 +77,7 @@ from urllib.parse import urlsplit
 import trio
 
 from common.limits import SCOPES
+from fsagent import earlystop
 from fsagent.client import RepoList, RunInfo
 from fsagent.daemon import client_from_args, detach_dead_mount, is_ready
 from fsagent.dirmode import AGENT_FINAL_ATTEMPTS
@@ -292,11 +294,14 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for signum in earlystop.SIGNALS:
             # An inherited SIG_IGN (nohup, a background job of a script) stays.
             if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
                 continue
             signal.signal(signum, self._on_signal)
+        # One caught while ``up`` was still importing (after these handlers:
+        # a signal between the two is then recorded here or there, not lost).
+        self.signum = self.signum or earlystop.take()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
@@ -498,6 +503,8 @@ class Supervisor:
         running = [c for c in self.children if c.proc is not None]
         if running and self.stop.requested:
             say(f"{self.stop.name}: stopping; each process saves before it exits")
+        elif self.stop.requested:
+            say(f"{self.stop.name}: stopped before anything started")
         while any(c.proc is not None for c in self.children):
             self._deliver_stop()
             self.watch()

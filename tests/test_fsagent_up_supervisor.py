@@ -33,6 +33,7 @@ from fsagent.up import (
     RESTART_MAX_DELAY,
     Child,
     describe_exit,
+    handles_sigterm,
     stop_grace,
 )
 from tests.support.agentfiles import run_receipts
@@ -243,6 +244,50 @@ def test_a_stop_while_up_prepares_saves_the_commit_and_leaves_nothing_running(
     members = saved_members(repo_task, run)
     assert members["early.txt"] == hashlib.sha256(b"committed while up started\n").hexdigest()
     assert members[f".git/refs/heads/{branch}"] == hashlib.sha256(f"{head}\n".encode()).hexdigest()
+
+
+def test_a_stop_signal_while_up_imports_is_taken_over_by_its_stop_request() -> None:
+    """``up`` spends a few hundred milliseconds importing before its
+    StopRequest exists; a SIGTERM then is recorded (fsagent.earlystop) and
+    the StopRequest takes it over, instead of the default action killing
+    ``up`` with -15. SIGINT inherited as ignored stays ignored, and another
+    command records nothing."""
+    probe = (
+        "import os, signal, sys\n"
+        "from fsagent import earlystop\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "earlystop.install(['fsagent', 'mount'])\n"
+        "assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
+        "earlystop.install(['fsagent', 'up', '--home', 'h'])\n"
+        "assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "from fsagent.up import StopRequest\n"
+        "stop = StopRequest()\n"
+        "print(stop.requested, stop.name)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=False)  # fmt: skip
+    assert (out.returncode, out.stdout, out.stderr) == (0, "True SIGTERM\n", "")
+
+
+def test_a_stop_as_soon_as_up_handles_signals_is_a_clean_stop(
+    tenant: Tenant, ups: list[Up]
+) -> None:
+    """SIGTERM the moment ``up`` first handles it (SigCgt), while it is still
+    importing: up stops cleanly (exit 0, the stop named in its log) and
+    leaves nothing behind; it is never killed by the signal."""
+    run = start_run(tenant)
+    up = start_up(ups, tenant.controller.url, run)
+    deadline = time.monotonic() + START_SECONDS
+    while not handles_sigterm(up.proc.pid):
+        assert up.proc.poll() is None, up.log()
+        assert time.monotonic() < deadline, "up never handled SIGTERM"
+        time.sleep(0.001)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait() == 0, up.log()
+    assert "SIGTERM: stopped before anything started" in up.log(), up.log()
+    assert_nothing_left(up)
+    assert not up.env_file.exists()
 
 
 @pytest.mark.fuse

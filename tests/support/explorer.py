@@ -751,6 +751,13 @@ class Explorer:
         * a stop that did not exit 0 shows a failed save, with its message,
           in the sandbox's status of some folder or repository.
         """
+        if code == -signal.SIGTERM and not self.sandbox.log().strip():
+            # Killed by the signal in the interpreter's own start-up, before
+            # fsagent's first line could handle it (fsagent.earlystop): no
+            # line written, nothing of up started, no save to claim: the
+            # statuses are the previous stop's, checked then.
+            self.trace.append("sigterm (before up's first line)")
+            return
         collections, repos = self._collections_status(), self._repos_status()
         failed = [f"{s}: {r['lastError']}" for s, r in collections.items() if r.get("lastError")]
         failed += [f"repo {r.get('name')}: {r['lastError']}" for r in repos if r.get("lastError")]
