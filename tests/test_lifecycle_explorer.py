@@ -40,6 +40,14 @@ FIXED: list[Schedule] = [
     (7, "dir", 8, EVENTS_V1, None),
     # The host's and the sandbox's faults, in order, every time.
     (6, "fuse", 0, EVENTS, ["agent_limit", "disk_full", "pg_kill", "kill9_child", "rename"]),
+    # Empty directories made and removed across kill -9 and a stop mid-save.
+    (
+        9,
+        "fuse",
+        0,
+        EVENTS,
+        ["mkdir", "mkdir", "kill9_up", "mkdir", "sigterm_during_save", "mkdir", "replace_sandbox"],
+    ),
 ]
 
 

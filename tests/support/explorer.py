@@ -3,7 +3,7 @@
 One schedule drives the real ``fsagent up`` (FUSE or dir mode) and a real
 controller through events drawn from a seed: writes, overwrites, renames and
 deletes in all four work folders (each write fsynced, by path, as an agent
-writes), ``fsagent flush``, SIGTERM to ``up`` at any moment (while it starts,
+writes), empty directories made and removed there, ``fsagent flush``, SIGTERM to ``up`` at any moment (while it starts,
 while it saves, during the final save), ``kill -9`` of ``up`` or of one of its
 mount daemons, the controller killed and restarted (also across a stop), a
 newer run for the same sandbox (fencing), a warm restart under a new run, and
@@ -18,7 +18,8 @@ old and the new (or anything, for a write) after one that failed part way.
 After every schedule the controller is up, one last ``up`` stops cleanly, and:
 
 * every path's saved content is one the model allows (an acknowledged write
-  byte for byte; an acknowledged delete absent);
+  byte for byte; an acknowledged delete absent; an acknowledged ``mkdir`` a
+  directory);
 * the last ``up`` exited 0 (its final saves succeeded: no folder stayed unable
   to save once the cause was gone);
 * no process of the sandbox is left and no mount (alive or dead) under it;
@@ -67,6 +68,8 @@ from tests.support.tmp import mounts_under, private_tmpdir, remove_tree, world_s
 SCOPES = ("task", "agent", "user", "project")
 ANY = b"\0any"
 """A value the model allows when a write failed part way: any content."""
+DIR = b"\0dir"
+"""A value: the path is a directory (an empty one, made by ``mkdir``)."""
 START_SECONDS = 240.0
 STOP_SECONDS = 400.0
 RETRY_DEADLINE = "8"
@@ -100,12 +103,14 @@ EVENTS_V1 = (
     "repo_branch",
 )
 """The events of the first explorer (its seeds replay with these)."""
-EVENTS = (
+EVENTS_V2 = (
     *EVENTS_V1,
     "pg_kill",
     "disk_full",
     "agent_limit",
 )
+"""The second catalogue (the seeds recorded before ``mkdir`` replay with these)."""
+EVENTS = (*EVENTS_V2, "mkdir")
 
 
 class Violation(AssertionError):
@@ -135,7 +140,11 @@ class Model:
 
     def live(self, scope: str) -> list[str]:
         """Paths that may hold a file."""
-        return sorted(p for p, v in self.files[scope].items() if v != {None})
+        return sorted(p for p, v in self.files[scope].items() if v != {None} and DIR not in v)
+
+    def made_dirs(self, scope: str) -> list[str]:
+        """Directories ``mkdir`` made and nothing removed since."""
+        return sorted(p for p, v in self.files[scope].items() if v == {DIR})
 
 
 @dataclass
@@ -398,6 +407,34 @@ class Explorer:
                 self.rename(scope, self.rng.choice(live), self._path(scope))
             else:
                 self.delete(scope, self.rng.choice(live))
+
+    def on_mkdir(self) -> None:
+        """``mkdir`` of an empty directory in one of the four folders, or now
+        and then ``rmdir`` of one made before: saved as files are (each call
+        that returned is acknowledged, like a rename or a delete)."""
+        self.agent_work(self.rng.randint(0, 3))
+        scope = self.rng.choice(SCOPES)
+        home = self.sandbox.home / scope
+        made = self.model.made_dirs(scope)
+        if made and self.rng.random() < 0.4:
+            path = self.rng.choice(made)
+            try:
+                os.rmdir(home / path)
+            except OSError:
+                self.model.maybe(scope, path, None)
+            else:
+                self.model.acked(scope, path, None)
+        else:
+            self.counter += 1
+            path = f"{self.rng.choice(['', 'd0/', 'd1/e/'])}g{self.counter}"
+            try:
+                (home / path).parent.mkdir(parents=True, exist_ok=True)
+                os.mkdir(home / path)
+            except OSError:
+                self.model.maybe(scope, path, DIR)
+            else:
+                self.model.acked(scope, path, DIR)
+        self._note_agent()
 
     # --- repository work -------------------------------------------------------------
 
@@ -818,16 +855,36 @@ class Explorer:
         with self.tenant.client() as c:
             for scope in SCOPES:
                 folder = self._folder(scope)
+                kinds = self._kinds(c, folder)
                 for path in sorted(self.model.files[scope]):
-                    r = c.get(folder + "/content", params={"path": path})
-                    value = r.content if r.status_code == 200 else None
-                    if r.status_code not in (200, 404):
-                        bad.append(f"{scope}/{path}: HTTP {r.status_code}")
-                    elif not self.model.ok(scope, path, value):
+                    if kinds.get(path) == "directory":
+                        value: bytes | None = DIR
+                    else:
+                        r = c.get(folder + "/content", params={"path": path})
+                        value = r.content if r.status_code == 200 else None
+                        if r.status_code not in (200, 404):
+                            bad.append(f"{scope}/{path}: HTTP {r.status_code}")
+                            continue
+                    if not self.model.ok(scope, path, value):
                         bad.append(f"{scope}/{path}: {_describe(value)}, allowed "
                                    f"{sorted(_describe(v) for v in self.model.allowed(scope, path))}")  # fmt: skip
         if bad:
             raise self.violation(f"{len(bad)} path(s) not as acknowledged: {bad[:8]}")
+
+    def _kinds(self, c: Any, folder: str) -> dict[str, str]:
+        """Every live entry of a folder on the controller: path -> kind."""
+        kinds: dict[str, str] = {}
+        cursor = None
+        while True:
+            params = {"limit": "1000", **({"cursor": cursor} if cursor else {})}
+            r = c.get(folder, params=params)
+            if r.status_code != 200:
+                raise self.violation(f"listing {folder}: HTTP {r.status_code} {r.text[:400]}")
+            page = r.json()
+            kinds.update((e["path"], e["kind"]) for e in page["entries"])
+            cursor = page["nextCursor"]
+            if not cursor:
+                return kinds
 
     def _folder(self, scope: str) -> str:
         w = self.who
@@ -840,7 +897,7 @@ class Explorer:
             for path in sorted(self.model.files[scope]):
                 where = self.sandbox.home / scope / path
                 try:
-                    value: bytes | None = where.read_bytes()
+                    value: bytes | None = DIR if where.is_dir() else where.read_bytes()
                 except FileNotFoundError:
                     value = None
                 except OSError as exc:
@@ -906,6 +963,8 @@ def _describe(value: bytes | None) -> str:
         return "absent"
     if value == ANY:
         return "any"
+    if value == DIR:
+        return "a directory"
     return f"{len(value)} bytes {value[:4].hex()}"
 
 
