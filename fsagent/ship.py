@@ -452,6 +452,8 @@ class ShipStore(Protocol):
 
     def record_save_error(self, message: str, code: str | None = None) -> None: ...
 
+    def save_status(self) -> dict[str, Any]: ...
+
 
 class ShipState:
     """The shipper's view of the state dir, on the loop that serves the mount.
@@ -503,6 +505,10 @@ class ShipState:
 
     async def record_error(self, message: str, code: str | None = None) -> None:
         self.store.record_save_error(message, code)
+
+    async def failed(self) -> bool:
+        """Whether the last save failed (``fsagent status`` shows ``lastError``)."""
+        return "lastError" in self.store.save_status()
 
 
 class Checkpoints(Protocol):
@@ -668,8 +674,11 @@ class Shipper:
                     )
             pending = None
         changes = await self.state.changes()
-        if not changes and (not final or replayed is not None):
+        if not changes and (replayed is not None or not (final or await self.state.failed())):
             return replayed or SaveResult(None, 0, 0, None)
+        # Nothing to send after a failed save (the final one of an earlier run,
+        # say): an empty checkpoint, so that both this status and the
+        # controller's show the folder saved again, not the old failure.
         op_id = pending["operationId"] if pending else new_operation_id()
         return await self._ship_parts(changes, op_id, final=final)
 

@@ -123,6 +123,36 @@ async def test_a_body_of_an_older_lease_is_listed_again_under_the_new_run(
 
 
 @pytest.mark.trio
+async def test_a_failure_with_nothing_left_to_send_is_cleared_by_an_empty_checkpoint(
+    tmp_path: Path, mem: MemoryBridgeClient
+) -> None:
+    """The old run's final save had nothing to send and still failed (the
+    controller down): the new run lists nothing afresh, yet its next save
+    sends an empty checkpoint, so that ``fsagent status`` and the controller
+    both show the folder saved again. With no failure standing, a save with
+    nothing to send sends nothing."""
+    store = await hydrated(tmp_path, mem)
+    try:
+        mem.fail_next("commit_checkpoint")
+        with pytest.raises(SaveFailed):
+            await Shipper(store, mem, SCOPE, mem.run.lease_epoch).ship_checkpoint(final=True)
+        assert "lastError" in store.save_status()
+
+        shipper = Shipper(store, mem, SCOPE, new_lease(mem))
+        result = await shipper.ship_checkpoint()
+        assert result.receipt is not None and result.entries == 0
+        assert (SCOPE, result.operation_id) in mem.receipts
+        assert "lastError" not in store.save_status()
+        assert store.pending_checkpoint() is None
+
+        commits = mem.calls.count("commit_checkpoint")
+        again = await shipper.ship_checkpoint()
+        assert again.receipt is None and mem.calls.count("commit_checkpoint") == commits
+    finally:
+        store.close()
+
+
+@pytest.mark.trio
 async def test_a_body_of_this_run_is_still_replayed_verbatim(
     tmp_path: Path, mem: MemoryBridgeClient
 ) -> None:
