@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_DIR ?= .demo
 DEMO_LISTEN ?= 127.0.0.1:8750
 
-.PHONY: deps deps-test demo test lint bench bench-fs bench-checkpoint bench-repos bench-dirmode clean
+.PHONY: deps deps-test demo test lint bench bench-fs bench-checkpoint bench-repos bench-dirmode bench-stopsignal clean
 
 $(VENV)/.installed: pyproject.toml fsagent/_lstat.c packaging/pyfuse3/pyfuse3-3.5.0-fsagent.patch
 	packaging/install-deps.sh
@@ -57,6 +57,11 @@ bench-repos: deps
 # 10,000 and 99,900 files, beside FUSE and a full scan hashing every file.
 bench-dirmode: deps
 	$(PY) -m bench.dirmode
+
+# How long `fsagent up` runs before a stop signal is a clean stop, beside the
+# interpreter's own start-up (bench/stopsignal.py).
+bench-stopsignal: deps
+	$(PY) -m bench.stopsignal
 
 # The lifecycle explorer (tests/support/explorer.py): random schedules of a
 # run's life against the real `fsagent up` and controller, each checked
