@@ -37,6 +37,8 @@ from tests.support.storage import (
 
 REPO = Path(__file__).resolve().parents[1]
 GRACE = timedelta(seconds=3)
+YOUNGER_BY = timedelta(seconds=10)
+"""How much younger the upload a sweep must keep is than the one it must abort."""
 
 # A put of a three-part object whose second part never finishes: the process
 # is killed (SIGKILL) while it waits, so nothing in it can abort the upload.
@@ -68,6 +70,13 @@ UPLOADER = textwrap.dedent(
 
 def uploads(server: S3Server, bucket: str) -> list[dict[str, Any]]:
     return list(s3_client(server).list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+def between(older: datetime, younger: datetime) -> timedelta:
+    """A grace that sweeps what began at ``older`` and keeps what began at
+    ``younger``: the age of their midpoint now. A sweep that starts up to
+    half their gap later (a busy machine) still decides the same."""
+    return datetime.now(UTC) - (older + (younger - older) / 2)
 
 
 def wait_for(condition: Any, what: str, timeout: float = 60.0) -> Any:
@@ -115,13 +124,17 @@ def test_gc_aborts_the_upload_of_a_killed_put_and_keeps_young_and_foreign_ones(
     client.create_multipart_upload(Bucket=s3_bucket, Key="elsewhere/backup.tar")
     (killed,) = [u for u in uploads(s3_server, s3_bucket) if u["Key"] == key]
     wait_for(
-        lambda: datetime.now(UTC) - killed["Initiated"] > 2 * GRACE,
-        "the killed put's upload to age past the grace period",
+        lambda: datetime.now(UTC) - killed["Initiated"] > YOUNGER_BY,
+        "the killed put's upload to age",
     )
     young_key = object_key(COMPANY, "ab" * 32)
     client.create_multipart_upload(Bucket=s3_bucket, Key=young_key)
+    (young,) = [u for u in uploads(s3_server, s3_bucket) if u["Key"] == young_key]
 
-    assert asyncio.run(gc.sweep_abandoned_writes(s3_provider, GRACE)) == 1
+    def grace() -> timedelta:
+        return between(killed["Initiated"], young["Initiated"])
+
+    assert asyncio.run(gc.sweep_abandoned_writes(s3_provider, grace())) == 1
     assert sorted(u["Key"] for u in uploads(s3_server, s3_bucket)) == [
         "elsewhere/backup.tar",
         young_key,
@@ -130,7 +143,7 @@ def test_gc_aborts_the_upload_of_a_killed_put_and_keeps_young_and_foreign_ones(
         client.list_parts(Bucket=s3_bucket, Key=key, UploadId=killed["UploadId"])
     assert s3_provider.exists(key) is False
     # A sweep finds nothing more; the young one stays until it is old.
-    assert asyncio.run(gc.sweep_abandoned_writes(s3_provider, GRACE)) == 0
+    assert asyncio.run(gc.sweep_abandoned_writes(s3_provider, grace())) == 0
 
 
 def test_gc_removes_stale_local_temp_files_only(tmp_path: Path) -> None:
