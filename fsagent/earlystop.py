@@ -15,6 +15,7 @@ This module imports nothing of fsagent's: it must load first, and fast.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from types import FrameType
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -28,16 +29,19 @@ def _record(signum: int, frame: FrameType | None) -> None:
         _caught = signum
 
 
-def install(argv: list[str]) -> None:
-    """Record stop signals from now on, if ``argv`` runs ``up``. SIGINT and
-    SIGHUP inherited as ignored (``nohup``, a background job of a script)
-    stay ignored, as :class:`~fsagent.up.StopRequest` keeps them."""
-    if argv[1:2] != ["up"]:
-        return
+def handle(handler: Callable[[int, FrameType | None], None]) -> None:
+    """``handler`` for every stop signal. SIGINT and SIGHUP inherited as
+    ignored (``nohup``, a background job of a script) stay ignored."""
     for signum in SIGNALS:
         if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
             continue
-        signal.signal(signum, _record)
+        signal.signal(signum, handler)
+
+
+def install(argv: list[str]) -> None:
+    """Record stop signals from now on, if ``argv`` runs ``up``."""
+    if argv[1:2] == ["up"]:
+        handle(_record)
 
 
 def take() -> int | None:

@@ -294,11 +294,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        for signum in earlystop.SIGNALS:
-            # An inherited SIG_IGN (nohup, a background job of a script) stays.
-            if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
-                continue
-            signal.signal(signum, self._on_signal)
+        earlystop.handle(self._on_signal)  # an inherited SIG_IGN stays (nohup)
         # One caught while ``up`` was still importing (after these handlers:
         # a signal between the two is then recorded here or there, not lost).
         self.signum = self.signum or earlystop.take()

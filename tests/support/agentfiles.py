@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,25 +83,31 @@ def mount_agent(
     )
 
 
+def folder_entries(c: httpx.Client, folder: str) -> Iterator[dict[str, Any]]:
+    """Every live entry of a folder (``tenant.folder(...)``), page by page."""
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 1000, **({"cursor": cursor} if cursor else {})}
+        r = c.get(folder + "/", params=params)
+        assert r.status_code == 200, f"listing {folder}: HTTP {r.status_code} {r.text[:400]}"
+        body = r.json()
+        yield from body["entries"]
+        cursor = body["nextCursor"]
+        if cursor is None:
+            return
+
+
 def agent_files(tenant: Tenant, agent: str, token: str | None = None) -> dict[str, bytes]:
     """Every live file of the agent's folder and its bytes, through the API."""
     folder = tenant.folder("agent", agent)
     out: dict[str, bytes] = {}
     with tenant.client(token) as c:
-        cursor = None
-        while True:
-            params: dict[str, Any] = {"limit": 1000, **({"cursor": cursor} if cursor else {})}
-            r = c.get(folder + "/", params=params)
-            assert r.status_code == 200, r.text
-            body = r.json()
-            for e in body["entries"]:
-                if e["kind"] == "file":
-                    got = c.get(folder + "/content", params={"path": e["path"]})
-                    assert got.status_code == 200, got.text
-                    out[e["path"]] = got.content
-            cursor = body["nextCursor"]
-            if cursor is None:
-                return out
+        for e in folder_entries(c, folder):
+            if e["kind"] == "file":
+                got = c.get(folder + "/content", params={"path": e["path"]})
+                assert got.status_code == 200, got.text
+                out[e["path"]] = got.content
+    return out
 
 
 def put(

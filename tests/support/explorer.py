@@ -3,8 +3,9 @@
 One schedule drives the real ``fsagent up`` (FUSE or dir mode) and a real
 controller through events drawn from a seed: writes, overwrites, renames and
 deletes in all four work folders (each write fsynced, by path, as an agent
-writes), empty directories made and removed there, ``fsagent flush``, SIGTERM to ``up`` at any moment (while it starts,
-while it saves, during the final save), ``kill -9`` of ``up`` or of one of its
+writes), empty directories made and removed there, ``fsagent flush``,
+SIGTERM to ``up`` at any moment (while it starts, while it saves, during the
+final save), ``kill -9`` of ``up`` or of one of its
 mount daemons, the controller killed and restarted (also across a stop), a
 newer run for the same sandbox (fencing), a warm restart under a new run, and
 a replacement sandbox; ``kill -9`` of any child of ``up`` (a mount daemon, the
@@ -59,6 +60,7 @@ from typing import Any
 from fsagent.daemon import is_ready
 from fsagent.localbridge import runtime_dir
 from fsagent.statedir import MARKER
+from tests.support.agentfiles import folder_entries, run_detail
 from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, bootstrap_tenant
 from tests.support.gitrepos import make_origin
@@ -769,9 +771,7 @@ class Explorer:
         return rows
 
     def _run_details(self) -> dict[str, Any]:
-        run_id = self.run_ids[self.sandbox.token]
-        with self.tenant.client() as c:
-            r = c.get(f"/api/companies/{self.who.company}/runs/{run_id}")
+        r = run_detail(self.tenant, self.run_ids[self.sandbox.token])
         if r.status_code != 200:
             raise self.violation(f"run details: HTTP {r.status_code} {r.text[:400]}")
         details: dict[str, Any] = r.json()
@@ -855,7 +855,10 @@ class Explorer:
         with self.tenant.client() as c:
             for scope in SCOPES:
                 folder = self._folder(scope)
-                kinds = self._kinds(c, folder)
+                try:
+                    kinds = {e["path"]: e["kind"] for e in folder_entries(c, folder)}
+                except AssertionError as exc:
+                    raise self.violation(str(exc)) from None
                 for path in sorted(self.model.files[scope]):
                     if kinds.get(path) == "directory":
                         value: bytes | None = DIR
@@ -870,21 +873,6 @@ class Explorer:
                                    f"{sorted(_describe(v) for v in self.model.allowed(scope, path))}")  # fmt: skip
         if bad:
             raise self.violation(f"{len(bad)} path(s) not as acknowledged: {bad[:8]}")
-
-    def _kinds(self, c: Any, folder: str) -> dict[str, str]:
-        """Every live entry of a folder on the controller: path -> kind."""
-        kinds: dict[str, str] = {}
-        cursor = None
-        while True:
-            params = {"limit": "1000", **({"cursor": cursor} if cursor else {})}
-            r = c.get(folder, params=params)
-            if r.status_code != 200:
-                raise self.violation(f"listing {folder}: HTTP {r.status_code} {r.text[:400]}")
-            page = r.json()
-            kinds.update((e["path"], e["kind"]) for e in page["entries"])
-            cursor = page["nextCursor"]
-            if not cursor:
-                return kinds
 
     def _folder(self, scope: str) -> str:
         w = self.who
