@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import psycopg
@@ -36,6 +37,14 @@ def children(pid: int) -> dict[int, str]:
     return out
 
 
+def wait_reaped(pid: int) -> None:
+    """Wait until ``pid`` is gone from ``/proc`` (reaped by its parent, not a zombie)."""
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, f"pid {pid} was never reaped"
+        time.sleep(0.01)
+
+
 def test_start_waits_out_a_reset_after_a_child_was_killed() -> None:
     data = world_searchable_tmpdir("fsa-pgreset-")
     pg = EmbeddedPostgres(data)
@@ -46,6 +55,10 @@ def test_start_waits_out_a_reset_after_a_child_was_killed() -> None:
         [checkpointer] = [p for p, cmd in children(postmaster).items() if "checkpointer" in cmd]
         for attempt in range(3):
             os.kill(checkpointer, signal.SIGKILL)  # the postmaster resets every process
+            # Until the postmaster reaps the child it does not know of the
+            # crash and still lets connections in: a start then would find a
+            # database that answers, and the reset would only begin after it.
+            wait_reaped(checkpointer)
             pg.start()  # running: no new server, and the database must answer
             url = f"postgresql://{DB_USER}@/{DB_NAME}?host={pg.sockdir}"
             with psycopg.connect(url, connect_timeout=30) as conn:

@@ -179,7 +179,9 @@ def test_watchdog_unwedges_a_test_stuck_on_a_fuse_mount(pytester: pytest.Pyteste
     )
     result = pytester.runpytest_subprocess(*PLUGIN, "-p", "tests.support.watchdog")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*Errno 107*"])  # ENOTCONN: the connection was aborted
+    # The aborted connection ends the wait: ECONNABORTED for a request the
+    # kernel still held (the kernel's choice varies by version), else ENOTCONN.
+    result.stdout.re_match_lines([r".*\[Errno (103|107)\].*"])
     err = result.stderr.str()
     assert "watchdog: test_wedged.py::test_reads_from_a_wedged_mount has run" in err
     assert "in test_reads_from_a_wedged_mount" in err  # the stuck thread's stack

@@ -18,7 +18,7 @@ watchdog:
    and every process below the worker with its state and kernel wait channel;
 2. aborts the FUSE connections of the mounts below the session's temp root
    (``/sys/fs/fuse/connections/N/abort``): a wait on such a mount returns
-   ``ENOTCONN``;
+   ``ECONNABORTED`` or ``ENOTCONN``, by kernel version;
 3. ends the browser processes below the worker: a pending Playwright call
    fails.
 
