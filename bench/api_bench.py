@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from bench.machine import RESULTS
+from bench.machine import results_file
 from tests.support.controller import ControllerProcess
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -55,7 +55,7 @@ def main() -> int:
     ap.add_argument("--large-mib", type=int, default=256)
     ap.add_argument("--list-entries", type=int, default=10_000)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--results", type=Path, default=results_file("api_bench"))
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="fsa-bench-", dir="/var/tmp"))

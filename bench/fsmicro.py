@@ -13,7 +13,7 @@ machine the CPU figures move much less with the load than the wall times.
 Without --variant there is one: ``fsagent`` with this process's environment.
 ``--extra`` adds a SQLite WAL loop (300 commits), 2,000 line-buffered appends
 and a 64 MiB write + fsync and read. Nothing is recorded; the command line
-and its output go into bench/RESULTS.md by hand.
+and its output go into a dated log under bench/results/ by hand.
 """
 
 from __future__ import annotations

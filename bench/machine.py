@@ -10,18 +10,28 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tests.support.constants import REPO
 
-RESULTS = REPO / "bench" / "RESULTS.md"
+RESULTS_DIR = REPO / "bench" / "results"
+
+
+def results_file(topic: str) -> Path:
+    """The dated log a run goes to by default: ``bench/results/YYYY-MM-DD-<topic>.md`` (UTC)."""
+    return RESULTS_DIR / f"{datetime.now(UTC):%Y-%m-%d}-{topic}.md"
 
 
 def add_output_options(ap: argparse.ArgumentParser, *, base: bool = True) -> None:
-    """``--base`` (where the work dir goes), ``--results`` and ``--no-record``."""
+    """``--base`` (where the work dir goes), ``--results`` and ``--no-record``.
+
+    ``--results`` defaults to today's log named after the benchmark's module
+    (``bench/results/2026-12-06-repos.md`` for ``python -m bench.repos``).
+    """
     if base:
         ap.add_argument("--base", type=Path, default=Path("/var/tmp"))
-    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--results", type=Path, default=results_file(Path(ap.prog).stem))
     ap.add_argument("--no-record", action="store_true", help="print only")
 
 
