@@ -1,6 +1,6 @@
 """Peak memory of the controller while large request bodies arrive at once.
 
-The attack of issue 29 (finding 5): ``--bodies`` checkpoint bodies of
+The attack the body budget answers: ``--bodies`` checkpoint bodies of
 ``--mib`` MiB each, sent at the same moment with ``--tokens`` run tokens
 (``--bodies / --tokens`` per token, within the per-token cap), to one
 ``controller serve`` on its own database of a private PostgreSQL cluster.

@@ -77,7 +77,7 @@ PHASES = (
     "seq read (cached)",
     "seq read (uncached)",
 )
-# issue 14: small-file phases within 2x bindfs; ahead of rclone everywhere;
+# The targets: small-file phases within 2x bindfs; ahead of rclone everywhere;
 # SQLite within 2x native; rm -rf within 3x native; the tree copy within 10x.
 NATIVE_TARGETS = {"SQLite WAL, 300 commits": 2.0, "rm -rf package tree": 3.0,
                   "copy package tree": 10.0}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Objects compressed at rest (issue 29): what packing saves on real trees and
+"""Objects compressed at rest: what packing saves on real trees and
 what it costs in save and read throughput.
 
 Each tree's distinct files (one object per content, as the controller stores

@@ -1,4 +1,4 @@
-"""Repository checkpoints (issue 10): what a save and a restore cost, against
+"""Repository checkpoints: what a save and a restore cost, against
 the naive way, on real repositories and a real controller.
 
 One controller (``controller serve`` with its embedded PostgreSQL and
@@ -436,7 +436,7 @@ def main() -> int:
         took = time.monotonic() - started
     command = "python -m bench.repos" + (" --quick" if args.quick else "")
     text = (
-        f"\n## Repository checkpoints (issue 10), {when}\n\n"
+        f"\n## Repository checkpoints, {when}\n\n"
         f"Machine: {machine_line()}. Command: `{command}` (`make bench-repos`), "
         f"medians of {args.change_rounds} rounds of the 10-change checkpoint (the sizes in turn) "
         f"and {args.rounds} of the others; load average before {load}, run took {took:.0f} s.\n\n"

@@ -1,4 +1,4 @@
-"""Save throughput (issue 15): every row of its table, this tree against a baseline.
+"""Save throughput: every row of its table, this tree against a baseline.
 
 A real controller (``controller serve``, embedded PostgreSQL, local_disk or
 S3 against the test S3 server) and real fsagent mounts on loopback, through
@@ -18,7 +18,7 @@ the same helpers as ``bench.checkpoint`` and ``tests/support``. Rows:
   listings, and the slowest page);
 * ``rest1`` / ``rest8``: REST ``PUT /content`` of 4 KiB with 1 and 8 clients
   on one folder;
-* ``probe`` (issue 14): p99 of open + read + close of a cached 4 KiB file,
+* ``probe``: p99 of open + read + close of a cached 4 KiB file,
   idle and while ``fsagent flush`` saves 3,000 new 4 KiB files and a
   ``probe_mib`` MiB file; the daemon's CPU time during that flush beside it.
 
@@ -27,7 +27,7 @@ the very same measurement there (this file, with the working directory and
 ``PYTHONPATH`` pointed at that checkout, in the same venv): each round runs
 this tree and the baseline one after the other, alternating which goes first,
 and each row reports the median over the rounds. ``--baseline before-issue``
-is the code before issue 15 (:data:`BASELINES`). ``--provider s3`` runs the
+is the code before the save path was reworked (:data:`BASELINES`). ``--provider s3`` runs the
 large-file rows against the test S3 server behind a counting proxy and
 reports the S3 requests per file; ``--provider all`` runs the local_disk rows,
 then the S3 ones, in the same run (one table each). ``--batch-sweep`` runs
@@ -69,8 +69,8 @@ HERE = Path(__file__).resolve()
 TREE = HERE.parent.parent
 
 BASELINES = {"before-issue": "cd25a5b"}
-"""Named baselines: ``before-issue`` is the last commit before issue 15's work
-(the ``main`` of its first recorded runs)."""
+"""Named baselines: ``before-issue`` is the last commit before the save path
+was reworked for throughput (the ``main`` of its first recorded runs)."""
 SWEEP_KIB = ("16", "64", "256")
 
 FULL = {
@@ -491,7 +491,7 @@ def report(
     names = list(sides)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"\n## Save throughput, issue 15 ({provider}) ({stamp})\n",
+        f"\n## Save throughput ({provider}) ({stamp})\n",
         f"Machine: {machine_line()}. Command: `python -m bench.save --provider {args.provider}"
         f" --rounds {args.rounds}"
         + (f" --baseline {args.baseline}" if args.baseline else "")
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--baseline",
         help="git revision to measure in the same run (e.g. main), or before-issue"
-        f" ({BASELINES['before-issue']}, the code before issue 15)",
+        f" ({BASELINES['before-issue']}, the code before the save path was reworked)",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--provider", choices=["local_disk", "s3", "all"], default="local_disk")

@@ -11,7 +11,7 @@ taken from the run's binding, never from the client.
     "project": ownerId|null}, "agentEntry": path, "warnings": [Warning...]}``
 
     ``agentEntry`` is the agent's instruction entry in its folder
-    (spec/agent-files.md): its presence says the agent folder contract
+    (``AGENTS.md`` by default): its presence says the agent folder contract
     applies, so fsagent refuses ``unlink`` and ``rename`` away of that path
     (``EPERM``), tries the agent folder's final save up to three times and
     discards its local copy at stop. ``warnings`` are the run's current

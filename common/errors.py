@@ -304,7 +304,7 @@ class BaseMismatch(Conflict):
 class StaleSave(Conflict):
     """An editor's save whose ``X-Base-Digest`` (the version it read) is no
     longer the file at its path: nothing was written, the draft is the
-    editor's to keep (spec/agent-files.md: a stale browser save is 409)."""
+    editor's to keep (a stale browser save is 409, never a silent overwrite)."""
 
     code = "stale_save"
     message = "The file changed since the editor read it: nothing was saved"

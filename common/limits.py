@@ -38,7 +38,7 @@ RESERVED_SEGMENT: Final = ".fsagent"
 
 SCOPES: Final = ("task", "agent", "user", "project")
 
-# --- the agent folder (spec/agent-files.md) -----------------------------------
+# --- the agent folder (its contract: docs/internals/invariants.md) ------------
 
 AGENT_MAX_ENTRIES: Final = 100_000
 """Files and directories of one agent folder (a sync-validation limit)."""
@@ -46,7 +46,7 @@ AGENT_MAX_ENTRIES: Final = 100_000
 AGENT_LOCAL_MAX_ENTRIES: Final = 10 * AGENT_MAX_ENTRIES
 """fsagent's own bound on the entries of an agent folder under its contract.
 The agent may write past :data:`AGENT_MAX_ENTRIES` while it runs (the save is
-what is refused, spec/agent-files.md), so the :data:`MAX_ENTRIES` refusal that
+what is refused), so the :data:`MAX_ENTRIES` refusal that
 every other collection gets at write time does not apply there; this bound
 only keeps a runaway agent from growing the state dir without end."""
 

@@ -1,4 +1,4 @@
-"""The agent folder contract (spec/agent-files.md): the instruction entry and
+"""The agent folder contract (docs/internals/invariants.md): the instruction entry and
 the storage limits' warnings.
 
 **The entry.** Each agent has one instruction entry in its folder

@@ -179,7 +179,7 @@ def parse_checkpoint(
     Both bounds are then at least twice that limit, so that one checkpoint
     can replace every entry the folder may hold (a deletion for each old
     path, a put for each new one): a stopped run's agent-folder changes are
-    saved whole or not at all (spec/agent-files.md), so fsagent never splits
+    saved whole or not at all, so fsagent never splits
     an agent folder's save by entries. A checkpoint over either bound is
     then parsed in full (the body's size bounds that) and, when its own
     entries leave the folder past the limit,

@@ -131,7 +131,7 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
 
 @dataclass(frozen=True)
 class AgentLimits:
-    """An agent folder's storage limits (spec/agent-files.md): checked when a
+    """An agent folder's storage limits: checked when a
     save commits, never while the agent writes (``controller/agentfiles.py``)."""
 
     max_entries: int = AGENT_MAX_ENTRIES

@@ -124,7 +124,7 @@ def sandbox_lines(env_file: Path, acc: dict[str, str], home: Path) -> list[str]:
     """Lines to paste into a shell "inside the sandbox": its env file, then the
     API through the local endpoint (which adds the run token). They say where
     the API's write shows: on the controller at once, in the mounted task
-    folder only at the next run (spec/sandbox-work-folders.md: no incoming
+    folder only at the next run (no incoming
     refresh during a run; fsagent is the mount's only writer)."""
     task = f"/api/companies/{acc['company_id']}/work-folders/task/{acc['task_id']}"
     url = f'"$PAPERCLIP_API_URL{task}/content?path=notes.md"'

@@ -1,7 +1,7 @@
 """Per-agent permissions of people: who may configure an agent (its folder).
 
 An agent's folder holds its instructions and personal files, so company
-membership alone does not open it (spec/agent-files.md). Owners and admins
+membership alone does not open it. Owners and admins
 hold the ``configure`` permission for every agent of their company; a member
 (or a viewer, then read-only) holds it only through a grant on that agent.
 A run may always read its own agent's folder; its saves there need its

@@ -300,7 +300,7 @@ async def get_member(conn: AsyncConnection[Any], company: str, user: str) -> Row
 
 async def create_agent(conn: AsyncConnection[Any], company: str, name: str) -> Row:
     """An agent; its folder starts with an empty instruction entry
-    (``agentfiles.DEFAULT_AGENT_ENTRY``, spec/agent-files.md)."""
+    (``agentfiles.DEFAULT_AGENT_ENTRY``)."""
     from controller import agentfiles  # agentfiles reaches apply: keep orgs light to import
 
     row = await _create_named(conn, "agents", company, name)

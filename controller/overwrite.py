@@ -2,7 +2,7 @@
 
 ``If-None-Match: *`` and ``If-Match`` (HTTP's conditions: 412 when they do
 not hold) and ``X-Base-Digest`` (the Files page editor's base version: 409
-``stale_save`` when it is stale, spec/agent-files.md) are checked under the
+``stale_save`` when it is stale) are checked under the
 folder lock,
 inside the transaction that writes, so no other writer can slip in between
 the check and the write. A replaced file's previous content is not lost: it

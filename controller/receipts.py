@@ -46,7 +46,7 @@ RECEIPTS_PAGE_MAX = 1000
 
 LIMIT_REFUSED: Final = "AGENT_FILES_LIMIT_EXCEEDED"
 """A refusal over an agent folder's storage limit: that save did not happen,
-but it is a warning of the run, which goes on (spec/agent-files.md)."""
+but it is a warning of the run, which goes on."""
 FAILS_THE_RUN: Final[tuple[type[WorkFolderError], ...]] = (
     MembershipRevoked,
     NotFound,

@@ -78,7 +78,7 @@ class FolderCounters:
             self.largest_written = (size, path)
 
     def check_agent_limits(self, max_entries: int, max_file_bytes: int, max_total: int) -> None:
-        """The agent folder's storage limits (spec/agent-files.md): no file
+        """The agent folder's storage limits: no file
         written over ``max_file_bytes``; entries and bytes may not grow past
         their limits. A save that shrinks an over-limit folder (or leaves a
         measure unchanged) passes, so an agent can clean up step by step."""

@@ -15,7 +15,7 @@ folder's final save was refused over a storage limit, which ``warning`` says.
 A flush that is not final and is refused over that limit answers the same
 way (:func:`limit_reply`): ``{"ok": true, "saved": false, "code":
 "AGENT_FILES_LIMIT_EXCEEDED", "warning", "details", "final": false}``, a
-warning of the run (spec/agent-files.md), not a failed save.
+warning of the run, not a failed save.
 
 Reply: ``{"ok": true, ...}`` or ``{"ok": false, "code": CODE, "error": TEXT}``
 with CODE ``bad_request`` (not JSON, not an object, unknown command or field,

@@ -64,7 +64,7 @@ async def _answer(conn: trio.SocketStream, flush: FlushHandler, stats: StatsHand
         reply = error_reply("bad_request", str(exc))
     except SaveFailed as exc:
         # A storage limit's refusal is a warning of the run, as at stop
-        # (spec/agent-files.md): the controller recorded it; the agent cleans
+        # (never a failed save): the controller recorded it; the agent cleans
         # up and the next save takes its changes.
         if exc.over_limit:
             reply = limit_reply(str(exc), exc.details, final=final)

@@ -8,8 +8,7 @@ other directory is reached from it one name at a time with ``O_NOFOLLOW |
 O_DIRECTORY``. A symbolic link swapped in for a directory on the way fails
 with ``ELOOP`` or ``ENOTDIR`` instead of leading out of the collection, so
 fsagent never reads, writes or removes anything outside it on the agent's
-say-so. (The same rule as the spec's transport: "pins parent directory
-descriptors and uses no-follow opens".)
+say-so: it pins parent directory descriptors and uses no-follow opens.
 
 Writes (hydration and the server's changes at a warm start) happen while no
 agent runs; a file is placed whole, by a rename, so a crash leaves the old
@@ -37,7 +36,7 @@ DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 COPY_CHUNK: Final = 1 << 20
 STAGING: Final = RESERVED_SEGMENT
 """fsagent's own directory at the collection's root while it places files (the
-spec reserves this name for fsagent's runtime): a copy is written there under
+name is reserved for fsagent's runtime): a copy is written there under
 a name of its own, then renamed into place. No saved path can have this name,
 so what a crash leaves there is refused by the next scan (reported, never
 saved) and removed when placing starts again."""

@@ -126,7 +126,7 @@ class DirStop(StopBoundary):
 
 
 AGENT_FINAL_ATTEMPTS = 3
-"""Final saves of the agent folder tried at the stop boundary (spec/agent-files.md)."""
+"""Final saves of the agent folder tried at the stop boundary, then a failure receipt."""
 
 
 class DirShipper(Shipper):
@@ -169,7 +169,7 @@ class DirShipper(Shipper):
         return result
 
     def body_extras(self) -> dict[str, Any]:
-        # The controller's receipt names what the scan refused (issue 13).
+        # The controller's receipt names what the scan refused (``localRefusals``).
         if not self.refusals.get("localRefusals") and not self.refusals.get("localRefusedMore"):
             return {}
         return dict(self.refusals)

@@ -171,7 +171,7 @@ class DirStore(Journal):
         if not self._loaded:
             self.load()
         # The agent folder's entry limit is checked when a save commits (the
-        # agent may write past it, spec/agent-files.md); other collections
+        # agent may write past it); other collections
         # refuse entries past MAX_ENTRIES by name, as the mount does.
         scan = scan_directory(
             self.directory(),

@@ -328,7 +328,7 @@ class WorkFolderFS(pyfuse3.Operations):
         target: pyfuse3.FileNameT,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
-        """Always EPERM: scoped files may not be symbolic links (spec)."""
+        """Always EPERM: scoped files may not be symbolic links."""
         raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
 
     @fuse_boundary
@@ -339,7 +339,7 @@ class WorkFolderFS(pyfuse3.Operations):
         new_name: pyfuse3.FileNameT,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
-        """Always EPERM: scoped files may not be hard links (spec)."""
+        """Always EPERM: scoped files may not be hard links."""
         raise fuse_err(errno.EROFS if self.readonly else errno.EPERM)
 
     @fuse_boundary
@@ -399,7 +399,7 @@ class WorkFolderFS(pyfuse3.Operations):
             # The controller refuses folders over 100,000 entries at save time;
             # saying so now (as a quota) keeps the agent from piling up work
             # that could never be saved. The agent folder's limit is a
-            # sync-validation limit instead (spec/agent-files.md): the agent
+            # sync-validation limit instead, checked at commit: the agent
             # may write past it and the save over it is refused with a receipt.
             raise fuse_err(errno.EDQUOT)
         return self.store.create(parent, name, kind, mode, ctx.uid, gid)

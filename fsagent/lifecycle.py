@@ -20,7 +20,7 @@ or into the plain directory while no agent runs). What is decided here, once:
 * **what the stop keeps**: every collection keeps its state dir when the
   final save did not succeed, except the agent folder under its contract,
   whose local copy goes at the stop boundary whatever the outcome
-  (spec/agent-files.md) -- unless the run was fenced off (a newer run holds
+  (the agent folder contract) -- unless the run was fenced off (a newer run holds
   the sandbox's lease, or this one ended): then the bytes stay pending for
   that newer run, whose warm start saves them;
 * **refresh after stop**: an explicit refresh request is applied only after a

@@ -24,7 +24,7 @@ exits non-zero when the final save failed, and the state dir keeps every
 change for the next start.
 
 The agent folder, when the controller names the agent's instruction entry
-(``RunInfo.agent_entry``: the agent folder contract, spec/agent-files.md),
+(``RunInfo.agent_entry``: the agent folder contract),
 differs in three ways: the entry cannot be unlinked or renamed away
 (``fs.py``); the final save is tried up to three times when it fails on the
 way, then an explicit failure receipt is reported, while a final save the
@@ -109,7 +109,7 @@ StopState = StopBoundary
 
 
 AGENT_FINAL_ATTEMPTS = 3
-"""Final saves of the agent folder tried at the stop boundary (spec/agent-files.md)."""
+"""Final saves of the agent folder tried at the stop boundary, then a failure receipt."""
 
 
 READAHEAD_KIB = 1024

@@ -22,8 +22,8 @@ Per binding, one of (:func:`prepare_repo`):
   does not have gives a clone with nothing checked out (Git only warns):
   the clone is kept (every branch is in it) and the result carries a
   warning, code :data:`REMOTE_HEAD_MISSING`, with Git's own message; the
-  binding record keeps it for ``fsagent repos status``. The spec's starting
-  ref policy names no fallback branch, so none is guessed.
+  binding record keeps it for ``fsagent repos status``. The starting ref
+  policy names no fallback branch, so none is guessed.
 
 A directory at the path that is not this binding's checkout (another task's
 or workspace's, or anything without a record) is refused

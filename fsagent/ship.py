@@ -45,7 +45,7 @@ says ``final``. Each part also names at most the run info's
 (each path and its ancestors once, as the controller counts) and holds at
 most :data:`PART_BODY_BYTES` of entries, so a change set of any size saves
 (the agent folder's save excepted: it is one checkpoint, saved whole or
-refused as a limit, spec/agent-files.md; the controller takes twice the
+refused as a limit; the controller takes twice the
 folder's entry limit in one): a deletion under a deleted directory is not
 named (the directory's deletion takes its subtree to the trash) but is
 acknowledged with it, and when the entries still need more than one part,
@@ -1184,7 +1184,7 @@ class FinalSave:
     receipt on the controller. ``limit_warning``: with the contract, the
     controller refused the final save over the agent folder's storage limit:
     a recorded refusal (its receipt, the run's warning), not a failed save
-    (spec/agent-files.md: a non-blocking warning), so ``ok`` holds and the
+    (a non-blocking warning), so ``ok`` holds and the
     daemon exits 0.
     """
 

@@ -1,4 +1,4 @@
-"""Who may open an agent's folder (spec/agent-files.md): owners and admins;
+"""Who may open an agent's folder: owners and admins;
 members (and viewers, read-only) only with the agent's configure permission
 (``controller admin grant COMPANY USER --agent A --configure``); a run its own
 agent's folder, saving there only while its responsible user holds that

@@ -1,4 +1,4 @@
-"""The agent's instruction entry (spec/agent-files.md): every new agent's folder
+"""The agent's instruction entry: every new agent's folder
 starts with an empty ``AGENTS.md``; the entry is UTF-8 of at most 1 MiB and
 cannot be deleted, through the API (409 ``entry_protected``), the mount
 (``EPERM``) or a checkpoint (refused for that entry, reported in the receipt).
@@ -213,7 +213,7 @@ def test_the_mount_protects_the_entry_and_keeps_a_refused_entry_unsaved(
 
 def test_a_stale_editor_save_is_409_stale_save_and_changes_nothing(tenant: Tenant) -> None:
     """The editor sends the digest it read as X-Base-Digest: a stale one is
-    409 ``stale_save`` (spec/agent-files.md), and nothing is written."""
+    409 ``stale_save``, and nothing is written."""
     agent = new_agent(tenant)
     folder = tenant.folder("agent", agent)
     with tenant.client() as c:

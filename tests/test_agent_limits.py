@@ -1,5 +1,5 @@
 """An agent folder's storage limits are sync-validation limits
-(spec/agent-files.md): an API save over one is 422 and changes nothing; a
+(checked when a save commits, never at write time): an API save over one is 422 and changes nothing; a
 run's save over one saves none of its agent-folder changes, says why in its
 receipt and warns, and the next run gets the previous folder; the run's local
 copy is discarded at stop (a refusal there is a warning: exit 0); saves are

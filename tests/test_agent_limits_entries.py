@@ -1,5 +1,5 @@
 """More entries in the agent folder within one interval than one checkpoint may
-name (spec/agent-files.md: 100,000 files and folders): the save is refused as
+name (its limit: 100,000 files and folders): the save is refused as
 the agent folder's entry limit, ``AGENT_FILES_LIMIT_EXCEEDED`` naming
 ``entries``, not as a malformed request. The run gets a warning and is not
 failed; fsagent drops the refused body, so once the agent has removed files

@@ -1,4 +1,4 @@
-"""Task attachments (spec/sandbox-work-folders.md): an original upload is kept
+"""Task attachments: an original upload is kept
 as it was; when a run of the task is prepared it appears in the task folder
 as an editable working copy ``attachments/<attachmentId>-<filename>``, and
 editing or deleting that copy never changes the original (not even after a

@@ -78,7 +78,7 @@ def _readme_error_row(phrase: str) -> tuple[int, str]:
 
 def test_a_viewers_write_answers_what_the_readme_says(tenant: Tenant) -> None:
     """Every write route a viewer may see answers the README's error-table row
-    for a viewer's write (the spec: every authorization denial is the 404 of a
+    for a viewer's write (every authorization denial is the 404 of a
     missing folder), and changes nothing."""
     status, code = _readme_error_row("a viewer's write")
     assert (status, code) == (404, "not_found")

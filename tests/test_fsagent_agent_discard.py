@@ -1,5 +1,5 @@
 """The agent folder's local copy in dir mode is discarded at the stop boundary
-(spec/agent-files.md), and no interruption of that discard loses saved work.
+whatever the save's outcome, and no interruption of that discard loses saved work.
 
 Before, the directory was emptied first and the state dir after: a process
 that kept writing in the folder through the stop made the emptying fail

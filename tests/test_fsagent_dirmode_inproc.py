@@ -633,7 +633,7 @@ async def test_the_agents_instruction_entry_is_never_deleted_by_a_save(tmp_path:
 async def test_the_agent_folder_saves_entries_past_the_scan_limit_for_the_controller_to_judge(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its 100,000 entries are a limit of the save (spec/agent-files.md): the
+    """Its 100,000 entries are a limit of the save, not of writes: the
     scan admits what another collection refuses by name (``entry_limit``)."""
     monkeypatch.setenv(ENTRY_LIMIT_ENV, "3")
     shipped: dict[str, dict[str, bytes]] = {}

@@ -259,7 +259,7 @@ def test_an_agent_folder_takes_entries_past_its_limit_while_the_agent_runs(
     mounts: MountFactory,
 ) -> None:
     """The agent folder's 100,000 entries are a sync-validation limit, not a
-    live quota (spec/agent-files.md): the mount takes more, and the save
+    live quota: the mount takes more, and the save
     over the limit is what the controller refuses (test_agent_limits.py)."""
     src = big_manifest_source(mounts.base / "agent-full", MAX_ENTRIES - 101, "AGENTS.md")
     m = mounts.mount(src, extra=["--prefetch", "0"])

@@ -1,4 +1,4 @@
-"""A small request must not make the host store gigabytes (issue 29): 255
+"""A small request must not make the host store gigabytes: 255
 upload frames of 4 MiB of zeros and one of random bytes, about 41 KB on the
 wire, are 1,020 MiB of content. Stored packed, they cost the object store a
 small multiple of what was sent, on local disk and on S3, and read back

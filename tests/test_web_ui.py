@@ -237,7 +237,7 @@ def test_sync_panel_shows_a_runs_save_state(
     expect(item.locator(".state")).to_have_text("Starting")
     expect(item).to_contain_text("Last save of this folder: not yet")
     expect(item.locator(".run-activity")).to_have_text("running")
-    # The spec's words: "Files updated", apart from the last agent save.
+    # The page's words: "Files updated", apart from the last agent save.
     expect(page.locator(".files-updated")).to_have_text("Files updated: none yet")
     expect(page.locator(".agent-updated")).to_have_text("Last agent save: none yet")
 

@@ -1,8 +1,8 @@
 """The API bridge: sandbox code calls the controller's API through
 ``/bridge/v1/api/{path}``, authenticated with the run token.
 
-Every control here is a boundary control (spec/sandbox-runtime-requirements.md,
-"Surface 2"), so it runs on the host and trusts nothing the sandbox sends:
+Every control here is a boundary control (the API as sandbox code
+reaches it through the bridge), so it runs on the host and trusts nothing the sandbox sends:
 
 * only a run token opens the bridge, and the forwarded request carries no
   credential at all: it runs with the run's own authority (``controller.auth``,

@@ -225,7 +225,7 @@ async def record_refusal(
                 final=final,
             )
             # A storage limit is a warning of the run, which goes on
-            # (spec/agent-files.md): it does not fail the run.
+            # (a recorded refusal): it does not fail the run.
             if isinstance(exc, receipts.FAILS_THE_RUN):
                 await runs.set_state(conn, run.run_id, "failed", f"{exc.code}: {exc.text}")
             elif isinstance(exc, AgentFilesLimitExceeded):

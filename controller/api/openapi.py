@@ -862,7 +862,7 @@ def _uuid_p(name: str) -> dict[str, Any]:
 
 
 def _agent_files_paths() -> dict[str, Any]:
-    """Runs' history, agents' entries and task attachments (spec/agent-files.md)."""
+    """Runs' history, agents' entries and task attachments."""
     company, run = _uuid_p("companyId"), _uuid_p("runId")
     attachments = "/api/companies/{companyId}/tasks/{taskId}/attachments"
     page = [

@@ -105,7 +105,7 @@ async def open_folder(
 def own_agent_write(request: Request) -> BridgeIdentity | None:
     """The run, when this write is sandbox code's (through the API bridge) to
     the run's own agent folder: a save attempt of the run, which leaves a
-    save receipt like its checkpoints (spec/agent-files.md)."""
+    save receipt like its checkpoints."""
     ident = bridge_identity(request.scope)
     p = request.path_params
     if ident is None or p.get("scope") != "agent":

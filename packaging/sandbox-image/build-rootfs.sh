@@ -144,7 +144,7 @@ for unit in fsagent-bridge.service fsagent-repos.service; do
     [[ ! -f "/etc/systemd/system/$unit" ]] || units+=("$unit")
 done
 command -v git >/dev/null || { echo "build-rootfs.sh: git is missing in the image" >&2; exit 1; }
-# The runtime contract (spec: node on the PATH, sh, tar), probed as fsagent
+# The runtime contract (node on the PATH, sh, tar), probed as fsagent
 # launch probes it: a node the owner put in the image, else Debian nodejs.
 if ! sh -c "command -v node" >/dev/null; then
     { apt-get update -qq && apt-get install -y -qq --no-install-recommends nodejs; } >/dev/null \

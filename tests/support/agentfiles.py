@@ -1,4 +1,4 @@
-"""Helpers for the agent folder contract's tests (spec/agent-files.md): runs of
+"""Helpers for the agent folder contract's tests (docs/internals/invariants.md): runs of
 one agent, their mounts, the agent folder as the controller holds it, and a
 run's receipts and warnings as people read them."""
 

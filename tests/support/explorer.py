@@ -390,7 +390,7 @@ class Explorer:
     def _agent_may_have_given_up(self) -> None:
         """After a failed final save the agent folder, under its contract,
         gives up after three attempts with an explicit failure receipt and
-        discards its local copy (spec/agent-files.md): what it held since its
+        discards its local copy: what it held since its
         last save may be lost."""
         agent = self.model.files["agent"]
         for path in list(agent):
@@ -687,7 +687,7 @@ class Explorer:
     def on_agent_limit(self) -> None:
         """A file past the agent folder's size limit: the save is refused with
         AGENT_FILES_LIMIT_EXCEEDED naming it; once it is gone, the next save
-        of the folder succeeds (spec/agent-files.md)."""
+        of the folder succeeds."""
         self.agent_work(self.rng.randint(0, 3))
         self.counter += 1
         path = f"d0/big{self.counter}"
