@@ -64,7 +64,7 @@ def test_settings_table_documents_every_limit_flag() -> None:
         (100, 3, 20, 1, None),
         (100, 3, 20, 3, None),  # 60 of 97
         (100, 3, 20, 4, "close to"),  # 80 of 97: over 80%
-        (100, 3, 20, 5, "more than"),  # 100 of 97: the 5 replicas
+        (100, 3, 20, 5, "more than"),  # 100 of 97: 5 replicas run out
         (250, 3, 20, 8, None),  # the documented remedy: 160 of 247
         (100, 3, 10, 7, None),  # the other remedy: 70 of 97
     ],
