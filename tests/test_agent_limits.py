@@ -258,7 +258,7 @@ def test_a_periodic_save_over_a_limit_is_retried_once_the_agent_cleans_up(
 
     # Saves are per checkpoint: what the periodic save took stays saved when
     # the final one is refused; the refusal leaves unsaved only the changes
-    # since it (README "Agent folders").
+    # since it (docs/users/agent-folders.md).
     (m.mountpoint / "part0.bin").write_bytes(b"q" * 999)
     (m.mountpoint / "late.md").write_bytes(b"late")
     stopped = unit_stop(m)  # the fsagent@agent unit's stop: `fsagent flush --final`

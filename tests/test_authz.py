@@ -66,21 +66,20 @@ def test_viewer_reads_but_cannot_write(tenant: Tenant) -> None:
         assert [e["path"] for e in owner.get(folder + "/").json()["entries"]] == ["plan.md"]
 
 
-def _readme_error_row(phrase: str) -> tuple[int, str]:
-    """The status and code of the README's error-table row whose "when" names ``phrase``."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Errors") :]
-    section = section[: section.index("\n### ", 1)]
+def _documented_error_row(phrase: str) -> tuple[int, str]:
+    """The status and code of the error-table row (docs/reference/errors.md)
+    whose "when" names ``phrase``."""
+    section = (REPO / "docs" / "reference" / "errors.md").read_text()
     rows = re.findall(r"^\| (\d{3}) \| `([a-z0-9_]+)` \| (.*) \|$", section, re.M)
     [(status, code)] = [(int(s), c) for s, c, when in rows if phrase in when]
     return status, code
 
 
-def test_a_viewers_write_answers_what_the_readme_says(tenant: Tenant) -> None:
-    """Every write route a viewer may see answers the README's error-table row
+def test_a_viewers_write_answers_what_the_docs_say(tenant: Tenant) -> None:
+    """Every write route a viewer may see answers the documented error-table row
     for a viewer's write (every authorization denial is the 404 of a
     missing folder), and changes nothing."""
-    status, code = _readme_error_row("a viewer's write")
+    status, code = _documented_error_row("a viewer's write")
     assert (status, code) == (404, "not_found")
     ctl = tenant.controller
     project = ctl.admin("create-project", tenant.company_id, "p")["id"]

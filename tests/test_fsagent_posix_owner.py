@@ -317,7 +317,7 @@ def test_fsync_skips_the_store_sync_only_while_an_upper_file_records_are_durable
 
 @pytest.mark.fuse
 def test_unprivileged_daemon_leaves_chown_to_the_kernels_rules(mounts: MountFactory) -> None:
-    """README ("POSIX metadata"): without --allow-other, fsagent running as an
+    """docs/users/fsagent.md ("POSIX metadata"): without --allow-other, fsagent running as an
     unprivileged user, a chown to another uid fails with EPERM and a chgrp
     works for that user's own groups (and only those); what passes is stored."""
     _needs_root()
@@ -473,7 +473,7 @@ def test_setuid_and_setgid_are_cleared_on_write_truncate_and_chown(mounts: Mount
 
 @pytest.mark.fuse
 def test_reads_leave_atime_alone_and_utimensat_sets_it(mounts: MountFactory) -> None:
-    """README: the mount is noatime, so no read changes atime (a first read
+    """docs/users/fsagent.md: the mount is noatime, so no read changes atime (a first read
     that fetches saved content, a read of a changed inline or upper copy, a
     cached read, a listing); utimensat sets it, and it survives a remount."""
     src = mounts.source({"agent": {"saved.txt": b"saved bytes", "docs/a.txt": b"a"}})

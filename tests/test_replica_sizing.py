@@ -1,8 +1,9 @@
 """Limits kept per process, and the database connections of N replicas.
 
-The README's "Sizing for N replicas" table names every limit a controller
-process keeps in its own memory (``controller.config.PER_PROCESS_FLAGS``),
-each a real ``serve`` flag; the settings table documents every limit, quota
+The "Sizing for N replicas" table (docs/operators/sizing.md) names every
+limit a controller process keeps in its own memory
+(``controller.config.PER_PROCESS_FLAGS``), each a real ``serve`` flag; the
+settings table (docs/operators/configuration.md) documents every limit, quota
 and bridge flag; and ``serve`` warns at start when ``--replicas`` pools of
 ``--pool-size`` would take (nearly) every connection PostgreSQL allows.
 """
@@ -23,8 +24,8 @@ from tests.support.controller import PgCluster, private_controller
 WARNING = "database connections:"
 
 
-def readme() -> str:
-    return (REPO / "README.md").read_text()
+def page(name: str) -> str:
+    return (REPO / "docs" / "operators" / name).read_text()
 
 
 def first_column_flags(table_text: str) -> set[str]:
@@ -43,17 +44,14 @@ def serve_flags() -> set[str]:
 
 
 def test_sizing_table_names_every_per_process_limit() -> None:
-    text = readme()
-    start = text.index("**Sizing for N replicas.**")
-    section = text[start : text.index("\n**", start + 1)]
+    section = page("sizing.md")
     assert first_column_flags(section) == set(PER_PROCESS_FLAGS)
     assert serve_flags() >= PER_PROCESS_FLAGS
     assert "--replicas" in section
 
 
 def test_settings_table_documents_every_limit_flag() -> None:
-    text = readme()
-    section = text[text.index("## Controller") : text.index("## Operating it")]
+    section = page("configuration.md")
     documented = first_column_flags(section)
     declared = {flag for flag, *_ in [*_LIMIT_FLAGS, *_QUOTA_FLAGS, *_BRIDGE_FLAGS]}
     assert declared - documented == set()
@@ -66,8 +64,8 @@ def test_settings_table_documents_every_limit_flag() -> None:
         (100, 3, 20, 1, None),
         (100, 3, 20, 3, None),  # 60 of 97
         (100, 3, 20, 4, "close to"),  # 80 of 97: over 80%
-        (100, 3, 20, 5, "more than"),  # 100 of 97: the issue's 5 replicas
-        (250, 3, 20, 8, None),  # the README's remedy: 160 of 247
+        (100, 3, 20, 5, "more than"),  # 100 of 97: 5 replicas run out
+        (250, 3, 20, 8, None),  # the documented remedy: 160 of 247
         (100, 3, 10, 7, None),  # the other remedy: 70 of 97
     ],
 )
