@@ -42,9 +42,9 @@ from common.errors import (
     RestoreCollision,
 )
 from common.paths import ancestors, parent_of
-from controller.api.serialize import entry_json
 from controller.config import AgentLimits
 from controller.overwrite import Precondition, check_precondition, keep_replaced
+from controller.rowjson import entry_json
 from controller.storage.base import object_key
 from controller.versions import FolderCounters
 

@@ -38,7 +38,6 @@ from common.errors import StaleLease, UnknownContent, ValidationError
 from common.paths import validate_path
 from common.text import operation_id_problem
 from controller import agentfiles, apply, receipts
-from controller.api.serialize import iso
 from controller.auth import (
     RunBinding,
     confirm_member_writes,
@@ -48,6 +47,7 @@ from controller.auth import (
 from controller.changeset import Entry, apply_changes
 from controller.config import Quotas
 from controller.quotas import UNEXPIRED, checkpoint_row_bound, raise_row_limit
+from controller.rowjson import iso
 
 Screen = Callable[
     [AsyncConnection[Any], Sequence[Entry], dict[str, int]],

@@ -15,7 +15,6 @@ from psycopg import AsyncConnection
 
 from common.errors import FileNotFound, MoveIntoItself, MoveTargetExists
 from common.paths import parent_of, validate_path
-from controller.api.serialize import entry_json
 from controller.apply import (
     Authority,
     Folder,
@@ -29,6 +28,7 @@ from controller.apply import (
     live_row,
     trash_batch,
 )
+from controller.rowjson import entry_json
 
 
 def is_within(path: str, root: str) -> bool:

@@ -52,12 +52,12 @@ from common.errors import (
     UnsafeRepoMember,
 )
 from controller import apply
-from controller.api.serialize import iso
 from controller.apply import EnsureObject
 from controller.auth import RunBinding
 from controller.checkpoint import check_lease
 from controller.quotas import UNEXPIRED
 from controller.repomanifest import CheckpointRequest, Plan, member_with
+from controller.rowjson import iso
 
 REPO_LOCK_CLASS = 0x726570
 """First key of the two-key advisory lock on a task's repositories (see

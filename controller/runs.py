@@ -35,7 +35,6 @@ from psycopg import AsyncConnection
 from common.errors import MemberNotFound, RunNotActive, RunNotFound, ValidationError
 from common.text import check_text
 from controller import apply, folders, receipts, runprep, workspaces
-from controller.api.serialize import superseded
 from controller.apply import EnsureObject, Folder, Row, StoreMark
 from controller.auth import RUN_TOKEN_PREFIX, new_token, token_hash
 from controller.orgs import check_uuid, require_agent, require_project, task_project
@@ -59,6 +58,13 @@ _CODE_PREFIX: Final = re.compile(r"([a-z][a-z0-9_]*): ")
 LEASE_LOCK_CLASS = 0x6C6561
 """First key of the two-key advisory lock that serializes a sandbox's leases
 (``apply.OBJECT_LOCK_CLASS`` is another class; folders use one-key locks)."""
+
+
+def superseded(row: Row) -> bool:
+    """A newer run of the same sandbox holds the lease (``newest_epoch`` read with the row)."""
+    newest = row.get("newest_epoch")
+    return newest is not None and int(newest) > int(row["lease_epoch"])
+
 
 MAX_SANDBOX_KEY_CHARS = 256
 DEFAULT_HOME = "/home/agent"

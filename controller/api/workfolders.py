@@ -60,9 +60,10 @@ from controller.api.params import (
     query_int,
     strict_query,
 )
-from controller.api.serialize import entry_json, iso, run_json
+from controller.api.serialize import run_json
 from controller.auth import Principal, authorize_folder, authorize_purge, write_policy
 from controller.overwrite import parse_precondition
+from controller.rowjson import entry_json, iso
 from controller.storage.base import object_key
 
 log = logging.getLogger(__name__)
