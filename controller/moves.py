@@ -15,7 +15,7 @@ from psycopg import AsyncConnection
 
 from common.errors import FileNotFound, MoveIntoItself, MoveTargetExists
 from common.paths import parent_of, validate_path
-from controller.apply import (
+from controller.foldercore import (
     Authority,
     Folder,
     Row,
