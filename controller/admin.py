@@ -34,8 +34,8 @@ from psycopg.rows import dict_row
 from common.errors import AppError, ValidationError, WorkFolderError
 from common.limits import MAX_ENTRIES
 from controller import agentfiles, agentimport, bridgeaudit, grants, orgs, runs, tokens, workspaces
-from controller.apply import Row
 from controller.config import AgentLimits
+from controller.foldercore import Row
 from controller.orgs import ROLES as ROLES
 from controller.storage.base import StorageProvider
 

@@ -9,10 +9,10 @@ would delete it, replace it by a directory or write invalid content is left
 out of that checkpoint and reported in its receipt (``refusedEntries``),
 while the checkpoint's other entries are applied. A new agent's folder
 starts with an empty entry, which needs no stored object
-(:data:`controller.apply.EMPTY_DIGEST`).
+(:data:`controller.foldercore.EMPTY_DIGEST`).
 
 **The limits** (``controller.config.AgentLimits``) are sync-validation limits:
-checked when a save commits (``apply.committing``, through
+checked when a save commits (``foldercore.committing``, through
 ``FolderCounters.check_agent_limits``), never while the agent writes. A
 folder at or over one is reported as a warning of each run
 (:func:`limit_warnings`) until it is back under.
@@ -38,7 +38,7 @@ from common.errors import (
 )
 from common.limits import DEFAULT_AGENT_ENTRY, ENTRY_MAX_BYTES
 from common.paths import is_within, validate_path
-from controller import apply, receipts
+from controller import foldercore, receipts
 from controller.changeset import Entry, live_on_their_own
 from controller.config import AgentLimits
 
@@ -83,12 +83,14 @@ def text_problem(data: bytes | None, size: int) -> WorkFolderError | None:
     return None
 
 
-async def _ensure_empty_entry(conn: AsyncConnection[Any], folder: apply.Folder, path: str) -> bool:
+async def _ensure_empty_entry(
+    conn: AsyncConnection[Any], folder: foldercore.Folder, path: str
+) -> bool:
     """An empty entry at ``path`` unless something is there (under the folder lock)."""
-    found = await apply.path_rows(conn, folder, path)
+    found = await foldercore.path_rows(conn, folder, path)
     if path in found or any(r["kind"] != "directory" for r in found.values()):
         return False
-    await apply.create_empty_file(conn, folder, path)
+    await foldercore.create_empty_file(conn, folder, path)
     return True
 
 
@@ -112,9 +114,9 @@ async def ensure_entry(conn: AsyncConnection[Any], company_id: str, agent_id: st
     A directory (or a file in place of a parent) at the path is left alone."""
     if await agent_entry(conn, company_id, agent_id) is None:
         raise NotFound(f"no agent {agent_id} in company {company_id}")
-    folder = await apply.get_folder(conn, company_id, "agent", agent_id, create=True)
+    folder = await foldercore.get_folder(conn, company_id, "agent", agent_id, create=True)
     assert folder is not None
-    await apply.lock_folder(conn, folder)
+    await foldercore.lock_folder(conn, folder)
     entry = await agent_entry(conn, company_id, agent_id, lock=True)
     assert entry is not None
     created = await _ensure_empty_entry(conn, folder, entry)
@@ -137,12 +139,12 @@ async def set_entry(
     if row is None or (company_id is not None and str(row["company_id"]) != company_id):
         raise AgentNotFound(f"no such agent: {agent_id}")
     company_id = str(row["company_id"])
-    folder = await apply.get_folder(conn, company_id, "agent", agent_id, create=True)
+    folder = await foldercore.get_folder(conn, company_id, "agent", agent_id, create=True)
     assert folder is not None
     # Lock order, as every write: the folder, then the agent row.
-    await apply.lock_folder(conn, folder)
+    await foldercore.lock_folder(conn, folder)
     await conn.execute("SELECT 1 FROM agents WHERE id = %s FOR UPDATE", (agent_id,))
-    existing = await apply.live_row(conn, folder, path)
+    existing = await foldercore.live_row(conn, folder, path)
     if existing is not None and existing["kind"] != "file":
         raise KindConflict(f"{path} is a directory", details=[{"path": path, "kind": "directory"}])
     if existing is not None and int(existing["byte_size"]) > ENTRY_MAX_BYTES:
@@ -152,7 +154,7 @@ async def set_entry(
         )
     created = False
     if existing is None:
-        await apply.create_empty_file(conn, folder, path)
+        await foldercore.create_empty_file(conn, folder, path)
         created = True
     await folder.counters.store(conn, folder.id, touch=created)
     await conn.execute("UPDATE agents SET entry_path = %s WHERE id = %s", (path, agent_id))
@@ -256,7 +258,7 @@ class Usage:
 
 
 async def folder_usage(
-    conn: AsyncConnection[Any], folder: apply.Folder | None, limits: AgentLimits
+    conn: AsyncConnection[Any], folder: foldercore.Folder | None, limits: AgentLimits
 ) -> Usage:
     """The agent folder's counters, and its largest file when at or over the limit."""
     if folder is None:
@@ -336,7 +338,7 @@ def refusal_warning(exc: AgentFilesLimitExceeded) -> dict[str, Any]:
 
 async def record_api_save(
     conn: AsyncConnection[Any],
-    folder: apply.Folder | None,
+    folder: foldercore.Folder | None,
     *,
     run_id: str,
     company_id: str,
@@ -384,7 +386,7 @@ async def describe_agent(
     row = await cur.fetchone()
     if row is None:
         return None
-    folder = await apply.get_folder(conn, company_id, "agent", agent_id, create=False)
+    folder = await foldercore.get_folder(conn, company_id, "agent", agent_id, create=False)
     usage = await folder_usage(conn, folder, limits)
     return {
         "id": str(row["id"]),

@@ -45,7 +45,7 @@ from psycopg.types.json import Jsonb
 from common.errors import AgentNotFound, AppError, InvalidPath
 from common.limits import ENTRY_MAX_BYTES
 from common.paths import validate_path
-from controller import apply
+from controller import foldercore
 from controller.agentfiles import agent_entry, text_problem
 from controller.config import AgentLimits
 from controller.overwrite import keep_replaced
@@ -291,19 +291,19 @@ async def write_import(
     )
     if await cur.fetchone() is None:
         await _refuse_replay(conn, agent_id)
-    folder = await apply.get_folder(conn, company_id, "agent", agent_id, create=True)
+    folder = await foldercore.get_folder(conn, company_id, "agent", agent_id, create=True)
     assert folder is not None
-    await apply.lock_folder(conn, folder)
+    await foldercore.lock_folder(conn, folder)
     for path in plan.directories:
-        found = await apply.path_rows(conn, folder, path)
+        found = await foldercore.path_rows(conn, folder, path)
         if any(r["kind"] != "directory" for r in found.values()):
             plan.refuse(path, "a file of the folder is in the way")
             continue
-        await apply.make_directory(conn, folder, path)
+        await foldercore.make_directory(conn, folder, path)
     imported: list[SourceFile] = []
     for f in plan.files:
         digest, _ = stored[f.path]
-        found = await apply.path_rows(conn, folder, f.path)
+        found = await foldercore.path_rows(conn, folder, f.path)
         if any(r["kind"] != "directory" for p, r in found.items() if p != f.path) or (
             f.path in found and found[f.path]["kind"] != "file"
         ):
@@ -317,7 +317,7 @@ async def write_import(
             if not await asyncio.to_thread(storage.exists, key):
                 await asyncio.to_thread(storage.put_file, key, f.src, f.size, digest)
 
-        await apply.write_file(
+        await foldercore.write_file(
             conn, folder, path=f.path, digest=digest, byte_size=f.size,
             executable=f.executable, content_type=None, ensure_object=ensure, gc_delay=gc_delay,
         )  # fmt: skip
@@ -366,7 +366,7 @@ async def import_files(
     except BaseException:
         if created:
             await transact(
-                lambda c: apply.journal_deletion(
+                lambda c: foldercore.journal_deletion(
                     c, company_id, created, "orphaned import", gc_delay
                 )
             )

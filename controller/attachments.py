@@ -25,8 +25,8 @@ from psycopg import AsyncConnection
 
 from common.errors import AttachmentNotFound, InvalidPath
 from common.paths import check_segment
-from controller import apply
-from controller.apply import Authority, EnsureObject, Row
+from controller import foldercore
+from controller.foldercore import Authority, EnsureObject, Row
 
 ATTACHMENTS_DIR = "attachments"
 COPY_PREFIX_BYTES = 37
@@ -79,17 +79,17 @@ async def add(
     (False), with another request :class:`IdempotencyConflict`. So a POST
     retried after a lost answer never adds a second attachment.
     """
-    folder: apply.Folder | None = None
-    fp = apply.fingerprint(
+    folder: foldercore.Folder | None = None
+    fp = foldercore.fingerprint(
         action="attach", name=filename, digest=digest, byteSize=byte_size, contentType=content_type
     )
     if operation_id is not None:
-        folder = await apply.get_folder(conn, company_id, "task", task_id, create=True)
+        folder = await foldercore.get_folder(conn, company_id, "task", task_id, create=True)
         assert folder is not None
         # As every folder write: the folder lock, then the authority, then the receipt.
-        await apply.lock_folder(conn, folder)
+        await foldercore.lock_folder(conn, folder)
         await confirm(conn)
-        replay = await apply.stored_result(conn, folder, operation_id, fp)
+        replay = await foldercore.stored_result(conn, folder, operation_id, fp)
         if replay is not None:
             added = await get(conn, company_id, task_id, str(replay["attachmentId"]))
             if added is None:
@@ -97,7 +97,7 @@ async def add(
             return added, False
     else:
         await confirm(conn)
-    await apply.register_object(conn, company_id, digest, byte_size, ensure_object)
+    await foldercore.register_object(conn, company_id, digest, byte_size, ensure_object)
     cur = await conn.execute(
         "INSERT INTO task_attachments (id, company_id, task_id, filename, digest, byte_size,"
         f" content_type, created_by) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING {_COLUMNS}",
@@ -116,7 +116,9 @@ async def add(
     assert row is not None
     if operation_id is not None:
         assert folder is not None
-        await apply.store_receipt(conn, folder, operation_id, fp, {"attachmentId": str(row["id"])})
+        await foldercore.store_receipt(
+            conn, folder, operation_id, fp, {"attachmentId": str(row["id"])}
+        )
     return row, True
 
 
@@ -158,15 +160,15 @@ async def materialize(conn: AsyncConnection[Any], company_id: str, task_id: str)
     pending = list(await cur.fetchall())
     if not pending:
         return []
-    folder = await apply.get_folder(conn, company_id, "task", task_id, create=True)
+    folder = await foldercore.get_folder(conn, company_id, "task", task_id, create=True)
     assert folder is not None
-    await apply.lock_folder(conn, folder)
+    await foldercore.lock_folder(conn, folder)
     created: list[str] = []
     for row in pending:
         path = copy_path(str(row["id"]), row["filename"])
-        found = await apply.path_rows(conn, folder, path)
+        found = await foldercore.path_rows(conn, folder, path)
         if path not in found and all(r["kind"] == "directory" for r in found.values()):
-            await apply.write_file(
+            await foldercore.write_file(
                 conn,
                 folder,
                 path=path,

@@ -24,8 +24,8 @@ from common.errors import (
     Unauthenticated,
     WriteNotAllowed,
 )
-from controller.apply import Authority, WritePolicy
 from controller.config import Quotas
+from controller.foldercore import Authority, WritePolicy
 from controller.grants import confirm_configure, may_configure_agent
 
 USER_TOKEN_PREFIX = "fsa_u_"

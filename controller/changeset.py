@@ -29,7 +29,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from common.paths import ancestors, parent_of
-from controller.apply import Folder, Row, journal_deletion
+from controller.foldercore import Folder, Row, journal_deletion
 
 CHUNK = 5000
 """Rows per UPDATE or INSERT statement."""

@@ -6,7 +6,7 @@ already visible to this folder (its live files or trash) or was uploaded by
 this very run. Without that last rule a sandbox could claim another tenant's
 object by naming its hash.
 
-Apply order inside one transaction (``apply.committing``): lock the folder,
+Apply order inside one transaction (``foldercore.committing``): lock the folder,
 re-check the run's lease (and its user's write right for the user folder, its
 user's configure permission for the agent folder), check the receipt, claim
 the referenced digests (one query), leave out the entries the folder refuses
@@ -37,8 +37,7 @@ from common.bridge import (
 from common.errors import StaleLease, UnknownContent, ValidationError
 from common.paths import validate_path
 from common.text import operation_id_problem
-from controller import agentfiles, apply, receipts
-from controller.api.serialize import iso
+from controller import agentfiles, foldercore, receipts
 from controller.auth import (
     RunBinding,
     confirm_member_writes,
@@ -48,6 +47,7 @@ from controller.auth import (
 from controller.changeset import Entry, apply_changes
 from controller.config import Quotas
 from controller.quotas import UNEXPIRED, checkpoint_row_bound, raise_row_limit
+from controller.rowjson import iso
 
 Screen = Callable[
     [AsyncConnection[Any], Sequence[Entry], dict[str, int]],
@@ -80,7 +80,7 @@ class Checkpoint:
             # Only when present: fingerprints of bodies without them stay as they were.
             extra["localRefusals"] = [[r["path"], r["code"]] for r in self.local_refusals]
             extra["localRefusedMore"] = self.local_refused_more
-        return apply.fingerprint(
+        return foldercore.fingerprint(
             action="checkpoint",
             final=self.final,
             entries=[[e.op, e.path, e.digest, e.executable] for e in self.entries],
@@ -305,7 +305,7 @@ CLAIM_SQL = (
 
 
 async def claim_contents(
-    conn: AsyncConnection[Any], folder: apply.Folder, run_id: str, digests: set[str]
+    conn: AsyncConnection[Any], folder: foldercore.Folder, run_id: str, digests: set[str]
 ) -> dict[str, int]:
     """Sizes of the digests this checkpoint may reference; UnknownContent otherwise.
 
@@ -330,7 +330,7 @@ async def claim_contents(
 
 async def apply_checkpoint(
     conn: AsyncConnection[Any],
-    folder: apply.Folder,
+    folder: foldercore.Folder,
     run: RunBinding,
     cp: Checkpoint,
     *,
@@ -351,9 +351,11 @@ async def apply_checkpoint(
             await confirm_run_agent_writes(c, run)
 
     agent_limits = quotas.agent if folder.scope == "agent" else None
-    policy = apply.WritePolicy(confirm, quotas.max_folder_entries, agent_limits)
+    policy = foldercore.WritePolicy(confirm, quotas.max_folder_entries, agent_limits)
     fp = cp.fingerprint()
-    async with apply.committing(conn, folder, cp.operation_id, fp, policy, touch=False) as commit:
+    async with foldercore.committing(
+        conn, folder, cp.operation_id, fp, policy, touch=False
+    ) as commit:
         if commit.replay is not None:
             return {**commit.replay, "replayed": True}
         commit.result = await _apply_entries(conn, folder, run, cp, gc_delay, screen)
@@ -407,7 +409,7 @@ async def apply_checkpoint(
 
 async def _apply_entries(
     conn: AsyncConnection[Any],
-    folder: apply.Folder,
+    folder: foldercore.Folder,
     run: RunBinding,
     cp: Checkpoint,
     gc_delay: timedelta,

@@ -8,7 +8,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from controller.apply import Row
+from controller.foldercore import Row
 from controller.grants import configurable_agents
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from common.errors import ResyncRequired
-from controller.apply import Folder, Row
+from controller.foldercore import Folder, Row
 from controller.versions import folder_high_water
 
 

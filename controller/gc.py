@@ -1,7 +1,7 @@
 """Object garbage collection driven by the deletion journal.
 
 A journal entry becomes due at ``not_before``. The sweeper then takes the
-object's advisory lock (``apply.lock_object``), locks the digest's run-upload
+object's advisory lock (``foldercore.lock_object``), locks the digest's run-upload
 rows, and deletes the bytes only if no live file, trash entry or task
 attachment (an original upload, ``controller.attachments``) of the company
 references the digest, no current repository checkpoint of the company
@@ -18,8 +18,8 @@ sweeper:
   attachment and its working copy) takes the same
   object lock and upserts the ``objects`` row before it references the
   digest, and re-uploads the bytes when they are gone
-  (``apply.register_object``). It asks storage only when a sweep may have
-  deleted them since it stored them (``apply.upsert_objects``): each deletion
+  (``foldercore.register_object``). It asks storage only when a sweep may have
+  deleted them since it stored them (``foldercore.upsert_objects``): each deletion
   is stamped with a mark drawn after the bytes are gone, and a writer
   draws its own before it stores;
 - a checkpoint references only pinned digests and claims them in one query
@@ -50,7 +50,7 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from common.limits import GC_UPLOAD_GRACE_SECONDS
-from controller.apply import lock_object
+from controller.foldercore import lock_object
 from controller.quotas import UNEXPIRED
 from controller.storage.base import StorageProvider, object_key
 
@@ -166,7 +166,7 @@ async def _collect(
         # Every due entry for this object is settled by this decision. A
         # deletion's mark is drawn now, after the bytes are gone, so it is
         # later than the mark of any writer that stored them before the
-        # delete (``apply.upsert_objects``).
+        # delete (``foldercore.upsert_objects``).
         await conn.execute(
             "UPDATE deletion_journal SET done_at = now(), outcome = %s,"
             " deleted_mark = CASE WHEN %s = 'deleted'"

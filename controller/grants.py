@@ -21,7 +21,7 @@ from psycopg import AsyncConnection
 
 from common.errors import AgentNotFound, MemberNotFound, NotFound
 from common.paths import validate_uuid
-from controller.apply import Row
+from controller.foldercore import Row
 
 CONFIGURE = "configure"
 ALL_AGENTS_ROLES = ("owner", "admin")

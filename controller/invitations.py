@@ -20,8 +20,8 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from common.errors import AlreadyMember, InvitationNotFound, OwnerRequired
-from controller.apply import Row
 from controller.auth import CompanyActor
+from controller.foldercore import Row
 from controller.orgs import Membership, check_role, check_uuid, require_user
 
 _COLUMNS = "i.id, i.company_id, i.user_id, i.role, i.invited_by, i.created_at"

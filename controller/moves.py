@@ -15,8 +15,7 @@ from psycopg import AsyncConnection
 
 from common.errors import FileNotFound, MoveIntoItself, MoveTargetExists
 from common.paths import parent_of, validate_path
-from controller.api.serialize import entry_json
-from controller.apply import (
+from controller.foldercore import (
     Authority,
     Folder,
     Row,
@@ -29,6 +28,7 @@ from controller.apply import (
     live_row,
     trash_batch,
 )
+from controller.rowjson import entry_json
 
 
 def is_within(path: str, root: str) -> bool:

@@ -31,8 +31,8 @@ from common.errors import (
 )
 from common.limits import DEFAULT_AGENT_ENTRY
 from common.text import MAX_NAME_CHARS, check_text
-from controller.apply import Row
 from controller.auth import USER_TOKEN_PREFIX, CompanyActor, new_token, token_hash
+from controller.foldercore import Row
 
 ROLES = ("owner", "admin", "member", "viewer")
 
@@ -301,7 +301,7 @@ async def get_member(conn: AsyncConnection[Any], company: str, user: str) -> Row
 async def create_agent(conn: AsyncConnection[Any], company: str, name: str) -> Row:
     """An agent; its folder starts with an empty instruction entry
     (``agentfiles.DEFAULT_AGENT_ENTRY``)."""
-    from controller import agentfiles  # agentfiles reaches apply: keep orgs light to import
+    from controller import agentfiles  # agentfiles reaches foldercore: keep orgs light to import
 
     row = await _create_named(conn, "agents", company, name)
     await agentfiles.ensure_entry(conn, str(company), str(row["id"]))

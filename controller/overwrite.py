@@ -22,7 +22,7 @@ from psycopg import AsyncConnection
 from common.errors import PreconditionFailed, StaleSave, ValidationError
 
 if TYPE_CHECKING:
-    from controller.apply import Folder
+    from controller.foldercore import Folder
 
 Row = dict[str, Any]
 

@@ -37,9 +37,9 @@ from common.errors import (
     WriteNotAllowed,
 )
 from common.text import escape_text
-from controller.api.serialize import iso
 from controller.auth import Principal, membership_role
 from controller.grants import ALL_AGENTS_ROLES, may_configure_agent
+from controller.rowjson import iso
 
 MAX_ERROR_CHARS = 2000
 RECEIPTS_PAGE_MAX = 1000

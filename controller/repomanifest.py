@@ -48,7 +48,7 @@ from common.repos import (
     tree_problem,
 )
 from common.text import operation_id_problem
-from controller import apply
+from controller import foldercore
 from controller.storage.base import StorageProvider, object_key
 
 MANIFEST_MAX_RAW = 256 << 20
@@ -336,7 +336,7 @@ def parse_request(body: dict[str, Any]) -> CheckpointRequest:
         if path in gone or path in changed:
             raise UnsafeRepoMember(path, "duplicate_member")
         gone.add(path)
-    fingerprint = apply.fingerprint(
+    fingerprint = foldercore.fingerprint(
         action="repo-checkpoint",
         base=base,
         members=[m.as_json() for m in changed.values()],

@@ -51,17 +51,17 @@ from common.errors import (
     UnknownContent,
     UnsafeRepoMember,
 )
-from controller import apply
-from controller.api.serialize import iso
-from controller.apply import EnsureObject
+from controller import foldercore
 from controller.auth import RunBinding
 from controller.checkpoint import check_lease
+from controller.foldercore import EnsureObject
 from controller.quotas import UNEXPIRED
 from controller.repomanifest import CheckpointRequest, Plan, member_with
+from controller.rowjson import iso
 
 REPO_LOCK_CLASS = 0x726570
 """First key of the two-key advisory lock on a task's repositories (see
-``apply.OBJECT_LOCK_CLASS`` for the other classes)."""
+``foldercore.OBJECT_LOCK_CLASS`` for the other classes)."""
 
 MAX_ERROR_CHARS = 2000
 STATES = ("unsaved", "saving", "saved", "failed")
@@ -327,7 +327,7 @@ async def commit(
     for digest, size in claimed.items():
         if declared[digest] != size:
             raise UnsafeRepoMember(member_with(plan.manifest, digest), "size_mismatch")
-    await apply.register_object(
+    await foldercore.register_object(
         conn, bound.company_id, manifest.digest, manifest.byte_size, manifest.ensure
     )
     checkpoint_id = str(uuid.uuid4())
@@ -383,7 +383,7 @@ async def commit(
             "DELETE FROM repo_refs WHERE task_id = %s AND workspace_id = %s AND digest = ANY(%s)",
             (task_id, workspace_id, dropped),
         )
-        await apply.journal_deletion(
+        await foldercore.journal_deletion(
             conn, bound.company_id, dropped, "superseded repository checkpoint", gc_delay
         )
     if added:

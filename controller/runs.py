@@ -34,10 +34,9 @@ from psycopg import AsyncConnection
 
 from common.errors import MemberNotFound, RunNotActive, RunNotFound, ValidationError
 from common.text import check_text
-from controller import apply, folders, receipts, runprep, workspaces
-from controller.api.serialize import superseded
-from controller.apply import EnsureObject, Folder, Row, StoreMark
+from controller import foldercore, folders, receipts, runprep, workspaces
 from controller.auth import RUN_TOKEN_PREFIX, new_token, token_hash
+from controller.foldercore import EnsureObject, Folder, Row, StoreMark
 from controller.orgs import check_uuid, require_agent, require_project, task_project
 from controller.receipts import FolderSave
 from controller.storage.base import object_key
@@ -58,7 +57,14 @@ _CODE_PREFIX: Final = re.compile(r"([a-z][a-z0-9_]*): ")
 
 LEASE_LOCK_CLASS = 0x6C6561
 """First key of the two-key advisory lock that serializes a sandbox's leases
-(``apply.OBJECT_LOCK_CLASS`` is another class; folders use one-key locks)."""
+(``foldercore.OBJECT_LOCK_CLASS`` is another class; folders use one-key locks)."""
+
+
+def superseded(row: Row) -> bool:
+    """A newer run of the same sandbox holds the lease (``newest_epoch`` read with the row)."""
+    newest = row.get("newest_epoch")
+    return newest is not None and int(newest) > int(row["lease_epoch"])
+
 
 MAX_SANDBOX_KEY_CHARS = 256
 DEFAULT_HOME = "/home/agent"
@@ -314,7 +320,7 @@ async def record_uploads(
     """Register objects a run uploaded, with a few multi-row statements: the
     objects' locks in digest order (the order every writer takes them), their
     rows, the bytes re-checked (``ensure_objects`` with the keys a sweep may
-    have deleted since ``stored_after``, see :func:`apply.upsert_objects`; every
+    have deleted since ``stored_after``, see :func:`foldercore.upsert_objects`; every
     key without a mark), the run's uploads and the GC journal.
 
     Each upload row pins its object for ``ttl`` seconds or, once a checkpoint
@@ -326,9 +332,9 @@ async def record_uploads(
     await conn.execute(
         "SELECT pg_advisory_xact_lock(%s, hashtext(%s || ':' || d)) FROM"
         ' (SELECT d FROM unnest(%s::text[]) AS d ORDER BY d COLLATE "C") AS ordered',
-        (apply.OBJECT_LOCK_CLASS, company_id, digests),
+        (foldercore.OBJECT_LOCK_CLASS, company_id, digests),
     )
-    swept = await apply.upsert_objects(conn, company_id, sizes, stored_after)
+    swept = await foldercore.upsert_objects(conn, company_id, sizes, stored_after)
     if swept:
         await ensure_objects([object_key(company_id, d) for d in swept])
     await conn.execute(
@@ -341,7 +347,7 @@ async def record_uploads(
         " WHERE run_uploads.committed_at IS NULL",
         (run_id, company_id, ttl, digests, sizes_list),
     )
-    await apply.journal_deletion(conn, company_id, digests, "bridge upload", gc_delay)
+    await foldercore.journal_deletion(conn, company_id, digests, "bridge upload", gc_delay)
 
 
 async def record_upload(

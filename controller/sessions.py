@@ -9,8 +9,8 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from controller.apply import Row
 from controller.auth import SESSION_PREFIX, new_token, token_hash
+from controller.foldercore import Row
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from common.errors import MemberNotFound, OwnerRequired, TokenNotFound, TokenShared
-from controller.apply import Row
 from controller.auth import OPERATOR_TOKEN_PREFIX, CompanyActor, new_token, token_hash
+from controller.foldercore import Row
 from controller.orgs import check_name, check_uuid, require_company, require_user
 
 

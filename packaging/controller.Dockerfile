@@ -65,7 +65,8 @@ COPY pyproject.toml README.md ./
 COPY common ./common
 COPY controller ./controller
 COPY fsagent ./fsagent
-RUN pip install --no-cache-dir . \
+# The package with its `controller` extra (the base set alone is fsagent's).
+RUN pip install --no-cache-dir '.[controller]' \
     && pip check \
     && python -c "import pyfuse3, controller.cli, controller.healthcheck"
 

@@ -63,6 +63,8 @@ install -d -m 0755 /opt/fsagent
 /opt/fsagent/venv/bin/pip install -q --upgrade pip
 # --package SPEC installs SPEC (e.g. a wheel built beforehand; with PIP_NO_INDEX
 # and PIP_FIND_LINKS, offline from a wheelhouse) instead of the --source tree.
+# No extra: the base dependencies are fsagent's, none of the controller's
+# (PostgreSQL, S3, Starlette, Prometheus: its `controller` extra).
 /opt/fsagent/venv/bin/pip install -q "${package:-$src}"
 # pyfuse3 with fsagent's patch (packaging/pyfuse3/README.md): a wheel of it in
 # the wheelhouse, else built from the sdist when the index and build tools are

@@ -19,7 +19,7 @@ import pytest
 from psycopg import AsyncConnection
 
 from common.errors import UnknownContent
-from controller import apply, runs
+from controller import foldercore, runs
 from controller.api.uploads import restore_swept_spans
 from controller.changeset import Entry, apply_changes
 from controller.checkpoint import claim_contents
@@ -86,10 +86,10 @@ class World:
             conn, self.run, self.company, digest, size, present, timedelta(0), ttl
         )
 
-    async def folder(self, conn: AsyncConnection[Any]) -> apply.Folder:
-        folder = await apply.get_folder(conn, self.company, "task", "t1", create=True)
+    async def folder(self, conn: AsyncConnection[Any]) -> foldercore.Folder:
+        folder = await foldercore.get_folder(conn, self.company, "task", "t1", create=True)
         assert folder is not None
-        await apply.lock_folder(conn, folder)
+        await foldercore.lock_folder(conn, folder)
         return folder
 
 
@@ -132,7 +132,7 @@ def test_first_writer_and_due_sweep_keep_the_blob(world: World) -> None:
         async def writer() -> None:
             async with pool.connection() as conn, conn.transaction():
                 folder = await world.folder(conn)
-                await apply.write_file(
+                await foldercore.write_file(
                     conn,
                     folder,
                     path="memory.md",
@@ -273,7 +273,7 @@ class Batch:
     def store(self) -> list[bool]:
         return self.world.storage.put_spans(self.spool, list(self.spans.values()))
 
-    async def register(self, conn: AsyncConnection[Any], mark: apply.StoreMark) -> None:
+    async def register(self, conn: AsyncConnection[Any], mark: foldercore.StoreMark) -> None:
         restore = restore_swept_spans(self.world.storage, self.spool, self.spans)
 
         async def ensure(keys: list[str]) -> None:
@@ -285,9 +285,9 @@ class Batch:
         )
 
 
-async def take_mark(pool: Any) -> apply.StoreMark:
+async def take_mark(pool: Any) -> foldercore.StoreMark:
     async with pool.connection() as conn:
-        return await apply.take_store_mark(conn)
+        return await foldercore.take_store_mark(conn)
 
 
 def test_a_registration_after_its_store_asks_storage_nothing(world: World) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from controller import apply, folders
+from controller import foldercore, folders
 from controller.db import connection_options, migrate
 from tests.support.bridge import start_run
 from tests.support.checkpoints import folder_id
@@ -145,7 +145,7 @@ def test_a_page_reads_only_its_rows_before_the_table_is_analyzed(pg_cluster: PgC
     async def page_reads() -> tuple[int, int]:
         conn = await psycopg.AsyncConnection.connect(url, row_factory=dict_row)
         async with conn, conn.transaction():
-            folder = await apply.get_folder(conn, company, "task", "t", create=False)
+            folder = await foldercore.get_folder(conn, company, "task", "t", create=False)
             page = await folders.manifest_page(conn, folder, since=0, limit=100)
             cur = await conn.execute(
                 "SELECT coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0) AS n"
@@ -187,7 +187,7 @@ def test_a_changes_page_is_not_jit_compiled(pg_cluster: PgCluster) -> None:
     async def page() -> tuple[int, str]:
         conn = await psycopg.AsyncConnection.connect(url, row_factory=dict_row)
         async with conn, conn.transaction():
-            folder = await apply.get_folder(conn, company, "task", "t", create=False)
+            folder = await foldercore.get_folder(conn, company, "task", "t", create=False)
             got = await folders.manifest_page(conn, folder, since=5000, limit=5000)
             cur = await conn.execute("SELECT current_setting('jit') AS jit")
             setting = await cur.fetchone()

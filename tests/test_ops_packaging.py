@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from controller.healthcheck import ProbeError, Target, is_serve, target_of
 from controller.storage import object_key
@@ -173,7 +177,10 @@ def test_dockerfile_builds_in_a_builder_stage_and_runs_slim_and_non_root() -> No
     # The builder compiles pyfuse3 (no wheel on the package index) with the patch.
     assert {"gcc", "pkg-config", "libfuse3-dev"} <= builder.apt_packages()
     assert any("packaging/pyfuse3/build.sh" in r for r in builder.all("RUN"))
-    assert any(r.startswith("pip install --no-cache-dir . ") for r in builder.all("RUN"))
+    # With the controller's extra: the base dependencies are fsagent's alone.
+    assert any(
+        r.startswith("pip install --no-cache-dir '.[controller]' ") for r in builder.all("RUN")
+    )
 
     # The runtime has libraries and client tools, no compiler, no headers.
     shipped = runtime.apt_packages()
@@ -609,6 +616,119 @@ def test_the_sandbox_image_has_git_and_enables_every_fsagent_unit() -> None:
                    SANDBOX_IMAGE / "source-files.sh"):  # fmt: skip
         syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert syntax.returncode == 0, syntax.stderr
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {canonicalize_name(Requirement(r).name) for r in requirements}
+
+
+def test_the_sandbox_installs_fsagent_without_the_controllers_dependencies() -> None:
+    """The base dependencies are fsagent's; the controller's are its extra,
+    which its image and unit install, and the tests get through theirs."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    base = requirement_names(project["dependencies"])
+    extras = project["optional-dependencies"]
+    controller = requirement_names(extras["controller"])
+    assert {"psycopg", "psycopg-pool", "boto3", "starlette", "prometheus-client"} <= controller
+    assert base.isdisjoint(controller), base & controller
+    assert {"pyfuse3", "trio", "httpx", "lmdb", "xxhash", "zstandard"} <= base
+    assert "fsagent-workfolders[controller]" in extras["test"]
+
+    # Every pip install of the package: the sandbox's without an extra, the
+    # controller's with its own, the development venv with the tests'.
+    install = (REPO / "packaging" / "install-fsagent.sh").read_text()
+    (sandbox,) = re.findall(r"^/opt/fsagent/venv/bin/pip install -q (\S+)$", install, re.M)
+    assert sandbox == '"${package:-$src}"'
+    assert "pip install --no-cache-dir '.[controller]'" in DOCKERFILE.read_text()
+    assert "pip install '.[controller]'" in UNIT.read_text()
+    assert "pip install -q -e '.[test]'" in (REPO / "Makefile").read_text()
+
+
+def hidden_distributions() -> set[str]:
+    """The controller extra's installed distributions, with what they require,
+    that the base dependencies do not require."""
+
+    def closure(requirements: list[str]) -> set[str]:
+        found: set[str] = set()
+        todo = [Requirement(r) for r in requirements]
+        while todo:
+            req = todo.pop()
+            name = canonicalize_name(req.name)
+            if name in found or (req.marker and not req.marker.evaluate({"extra": ""})):
+                continue
+            found.add(name)
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                extras_wanted = [{"extra": e} for e in req.extras]
+                for dep in importlib.metadata.requires(name) or []:
+                    dreq = Requirement(dep)
+                    if dreq.marker is None or any(
+                        dreq.marker.evaluate(env) for env in [{"extra": ""}, *extras_wanted]
+                    ):
+                        todo.append(Requirement(str(dreq).split(";")[0]))
+        return found
+
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    controller = closure(project["optional-dependencies"]["controller"])
+    return controller - closure(project["dependencies"])
+
+
+# Run in a fresh interpreter: the controller's packages made unimportable,
+# every module of fsagent and common imported, then `fsagent --help`.
+FSAGENT_ALONE = """
+import importlib, importlib.abc, pkgutil, sys
+
+hidden = set(sys.argv[1:])
+assert not hidden & {m.split(".")[0] for m in sys.modules}, "already imported"
+
+
+class Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in hidden:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Hidden())
+try:
+    import psycopg  # noqa: F401
+except ModuleNotFoundError:
+    pass
+else:
+    raise AssertionError("psycopg is still importable")
+imported = []
+for root in ("common", "fsagent"):
+    package = importlib.import_module(root)
+    for info in pkgutil.walk_packages(package.__path__, root + "."):
+        importlib.import_module(info.name)
+        imported.append(info.name)
+print(len(imported), "modules", flush=True)
+from fsagent.cli import main
+
+sys.exit(main(["--help"]))
+"""
+
+
+def test_fsagent_runs_without_the_controllers_packages() -> None:
+    """What an install without the controller extra has is enough for every
+    module of fsagent and common and for the command (their imports inside
+    functions are .importlinter's sandbox-deps contract)."""
+    hidden = hidden_distributions()
+    assert {"psycopg", "psycopg-binary", "boto3", "botocore", "starlette"} <= hidden
+    modules = {
+        module
+        for module, dists in importlib.metadata.packages_distributions().items()
+        if {canonicalize_name(d) for d in dists} & hidden
+    }
+    assert {"psycopg", "boto3", "botocore", "starlette", "prometheus_client"} <= modules
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-c", FSAGENT_ALONE, *sorted(modules)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    count, _, rest = run.stdout.partition(" modules\n")
+    assert int(count) >= 30, run.stdout
+    assert "usage: fsagent" in rest, run.stdout
 
 
 # Every program the tests run, and the Debian package that provides it. A

@@ -26,7 +26,7 @@ import psycopg
 import pytest
 
 from common.bridge import PREFIX
-from controller.apply import OBJECT_LOCK_CLASS
+from controller.foldercore import OBJECT_LOCK_CLASS
 from controller.quotas import QUOTA_LOCK_CLASS
 from tests.support.bridge import framed, start_run
 from tests.support.controller import (

@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.apply import EMPTY_DIGEST
+from controller.foldercore import EMPTY_DIGEST
 from fsagent import control
 from tests.support.balancer import RoundRobinBalancer
 from tests.support.controller import ControllerProcess, PgCluster, world_searchable_tmpdir

@@ -36,8 +36,8 @@ from controller.api.objects import (
     spool_body,
 )
 from controller.api.params import idempotency_key, strict_query
-from controller.api.serialize import iso
 from controller.auth import Principal, authorize_folder, write_policy
+from controller.rowjson import iso
 from controller.storage.base import object_key
 
 log = logging.getLogger(__name__)

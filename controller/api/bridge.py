@@ -36,7 +36,7 @@ from common.errors import (
 from common.limits import ENTRY_MAX_BYTES
 from common.paths import validate_scope
 from common.text import MAX_ERROR_CHARS, check_operation_id, check_text, is_operation_id
-from controller import agentfiles, apply, folders, receipts, runs
+from controller import agentfiles, foldercore, folders, receipts, runs
 from controller.api.common import (
     bound_run,
     connection,
@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 async def bound_folder(
     request: Request, conn: AsyncConnection[Any], run: RunBinding
-) -> apply.Folder | None:
+) -> foldercore.Folder | None:
     """The folder the run is bound to for ``{scope}``; NotFound when unbound/denied."""
     scope = validate_scope(request.path_params["scope"])
     owner = run.owner_for(scope)
@@ -74,7 +74,7 @@ async def bound_folder(
         raise NotFound()
     if scope == "user" and not await run_may_use_user_folder(conn, run):
         raise NotFound()
-    return await apply.get_folder(conn, run.company_id, scope, owner, create=False)
+    return await foldercore.get_folder(conn, run.company_id, scope, owner, create=False)
 
 
 @json_errors
@@ -88,7 +88,7 @@ async def get_run(request: Request) -> Response:
         entry = await agentfiles.agent_entry(conn, run.company_id, run.agent_id)
         if not await receipts.warnings_known(conn, run.run_id, "agent"):
             # The run is starting: a folder at or over a limit warns on each run.
-            folder = await apply.get_folder(
+            folder = await foldercore.get_folder(
                 conn, run.company_id, "agent", run.agent_id, create=False
             )
             usage = await agentfiles.folder_usage(conn, folder, limits)
@@ -178,7 +178,7 @@ routes = [
 
 async def writable_folder(
     request: Request, conn: AsyncConnection[Any], run: RunBinding
-) -> apply.Folder:
+) -> foldercore.Folder:
     """The run's folder for ``{scope}``, created if needed; re-checks user membership."""
     scope = validate_scope(request.path_params["scope"])
     owner = run.owner_for(scope)
@@ -191,7 +191,7 @@ async def writable_folder(
     # Saving the agent's folder needs its responsible user's configure permission.
     if scope == "agent" and not await run_may_write_agent_folder(conn, run):
         raise NotFound()
-    folder = await apply.get_folder(conn, run.company_id, scope, owner, create=True)
+    folder = await foldercore.get_folder(conn, run.company_id, scope, owner, create=True)
     assert folder is not None
     return folder
 

@@ -28,9 +28,9 @@ from controller.api.common import (
     write_transaction,
 )
 from controller.api.params import string_fields
-from controller.api.serialize import iso
-from controller.apply import Row
 from controller.auth import CompanyActor, Principal, confirm_credential
+from controller.foldercore import Row
+from controller.rowjson import iso
 
 Conn = AsyncConnection[Any]
 

@@ -21,10 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import PayloadTooLarge, RangeNotSatisfiable, StorageUnavailable
-from controller import apply
+from controller import foldercore
 from controller.api.common import connection, state
 from controller.api.params import declared_length, parse_range
-from controller.apply import EnsureObject
+from controller.foldercore import EnsureObject
 from controller.storage.base import ObjectMissing
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ async def put_object(request: Request, key: str, spool: Path, size: int, digest:
 
 def reupload_if_missing(request: Request, spool: Path, size: int, digest: str) -> EnsureObject:
     """Inside the commit, with the object's row locked: bring the bytes back if a
-    GC sweep removed them after our upload (see ``apply.register_object``)."""
+    GC sweep removed them after our upload (see ``foldercore.register_object``)."""
 
     async def ensure(key: str) -> None:
         if not await asyncio.to_thread(state(request).storage.exists, key):
@@ -226,7 +226,7 @@ async def journal_orphan(request: Request, company_id: str, digest: str) -> None
 async def journal_orphans(request: Request, company_id: str, digests: list[str]) -> None:
     try:
         async with connection(request) as conn:
-            await apply.journal_deletion(
+            await foldercore.journal_deletion(
                 conn, company_id, digests, "orphaned upload", state(request).settings.gc_delay
             )
     except Exception:

@@ -44,13 +44,13 @@ from controller.api.params import (
 )
 from controller.api.serialize import (
     folder_state_json,
-    iso,
     run_record_json,
     run_repo_json,
     run_warnings,
     started_run_json,
 )
 from controller.auth import CompanyActor, authorize_company
+from controller.rowjson import iso
 
 Conn = AsyncConnection[Any]
 T = TypeVar("T")

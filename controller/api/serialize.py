@@ -2,7 +2,9 @@
 
 The domain layer returns database rows; these functions turn them into the
 camelCase JSON the API documents. Receipts store answers in this format, so
-an idempotent replay returns the same bytes.
+an idempotent replay returns the same bytes; what the domain itself puts in
+a stored answer (timestamps, entries) is shaped by ``controller/rowjson.py``,
+which this module shares.
 """
 
 from __future__ import annotations
@@ -10,40 +12,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from controller.rowjson import Row, iso
+from controller.runs import superseded
+
 if TYPE_CHECKING:
     from controller.companies import Directory
     from controller.orgs import NewUser
     from controller.runs import SaveState, StartedRun
     from controller.sessions import Session
     from controller.tokens import NewOperatorToken
-
-Row = dict[str, Any]
-
-
-def iso(ts: datetime | None) -> str | None:
-    return None if ts is None else ts.isoformat().replace("+00:00", "Z")
-
-
-def entry_json(row: Row) -> dict[str, Any]:
-    return {
-        "id": str(row["id"]),
-        "path": row["path"],
-        "kind": row["kind"],
-        "byteSize": int(row["byte_size"]),
-        "digest": row["digest"],
-        "executable": bool(row["executable"]),
-        "contentType": row["content_type"],
-        "deletedAt": iso(row["deleted_at"]),
-        "updatedAt": iso(row["updated_at"]),
-        "version": int(row["version"]),
-        "trashRoot": None if row["trash_root"] is None else str(row["trash_root"]),
-    }
-
-
-def superseded(row: Row) -> bool:
-    """A newer run of the same sandbox holds the lease (``newest_epoch`` read with the row)."""
-    newest = row.get("newest_epoch")
-    return newest is not None and int(newest) > int(row["lease_epoch"])
 
 
 def run_warnings(row: Row) -> list[dict[str, Any]]:

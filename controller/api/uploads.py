@@ -25,7 +25,7 @@ own object under its own digest, exactly as a single upload would store it.
 3. One transaction registers every member (:func:`controller.runs.record_uploads`)
    and settles the reservation; a failure anywhere releases it.
    It asks storage again only for members a GC sweep may have deleted since
-   step 2 (the store mark taken before it, :func:`controller.apply.upsert_objects`),
+   step 2 (the store mark taken before it, :func:`controller.foldercore.upsert_objects`),
    so a batch costs no storage request beyond its puts. If it fails, the
    objects this batch created are journalled for GC, which keeps any that
    something references.
@@ -48,7 +48,7 @@ from psycopg import AsyncConnection
 from starlette.requests import Request
 
 from common.errors import DigestMismatch, PayloadTooLarge, StorageUnavailable
-from controller import apply, quotas, runs
+from controller import foldercore, quotas, runs
 from controller.api.common import connection, state, transact, write_transaction
 from controller.api.objects import (
     journal_orphan,
@@ -58,8 +58,8 @@ from controller.api.objects import (
     reupload_if_missing,
     spool_append,
 )
-from controller.apply import Authority
 from controller.auth import RunBinding
+from controller.foldercore import Authority
 from controller.frames import (
     BatchSplitter,
     Frame,
@@ -115,7 +115,7 @@ async def receive_upload(
             transact(request), run.company_id, run.run_id, {digest: size}, st.settings.quotas
         ) as reservation:
             async with connection(request) as conn:
-                mark = await apply.take_store_mark(conn)
+                mark = await foldercore.take_store_mark(conn)
             key = object_key(run.company_id, digest)
             created_blob = await put_object(request, key, spool, size, digest)
             ensure = reupload_if_missing(request, spool, size, digest)
@@ -222,7 +222,7 @@ async def _store_and_register(
         transact(request), run.company_id, run.run_id, sizes, st.settings.quotas
     ) as reservation:
         async with connection(request) as conn:
-            mark = await apply.take_store_mark(conn)
+            mark = await foldercore.take_store_mark(conn)
         spans = {
             d: Span(object_key(run.company_id, d), off, size, d) for d, (off, size) in first.items()
         }

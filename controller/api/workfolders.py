@@ -30,7 +30,7 @@ from common.limits import (
     MAX_PREVIEW_BYTES,
 )
 from common.paths import validate_owner_id, validate_path, validate_scope, validate_uuid
-from controller import agentfiles, apply, folders, moves, quotas, runs
+from controller import agentfiles, foldercore, folders, moves, quotas, restwrites, runs
 from controller.api.common import (
     BridgeIdentity,
     authenticate,
@@ -60,9 +60,10 @@ from controller.api.params import (
     query_int,
     strict_query,
 )
-from controller.api.serialize import entry_json, iso, run_json
+from controller.api.serialize import run_json
 from controller.auth import Principal, authorize_folder, authorize_purge, write_policy
 from controller.overwrite import parse_precondition
+from controller.rowjson import entry_json, iso
 from controller.storage.base import object_key
 
 log = logging.getLogger(__name__)
@@ -91,11 +92,11 @@ def query_path(request: Request) -> str:
 
 async def open_folder(
     request: Request, conn: AsyncConnection[Any], *, write: bool
-) -> tuple[Principal, apply.Folder | None, tuple[str, str, str]]:
+) -> tuple[Principal, foldercore.Folder | None, tuple[str, str, str]]:
     address = folder_address(request)
     principal = await authenticate(request, conn)
     await authorize_folder(conn, principal, *address, write=write)
-    folder = await apply.get_folder(conn, *address, create=write)
+    folder = await foldercore.get_folder(conn, *address, create=write)
     return principal, folder, address
 
 
@@ -130,7 +131,7 @@ async def record_agent_save(
     answered instead of the refusal."""
 
     async def record(c: AsyncConnection[Any]) -> None:
-        folder = await apply.get_folder(c, run.company_id, "agent", run.agent_id, create=False)
+        folder = await foldercore.get_folder(c, run.company_id, "agent", run.agent_id, create=False)
         await agentfiles.record_api_save(
             c,
             folder,
@@ -299,7 +300,7 @@ async def get_content(request: Request) -> Response:
     preview = query_bool(request, "preview")
     async with connection(request) as conn:
         _, folder, address = await open_folder(request, conn, write=False)
-        row = None if folder is None else await apply.live_row(conn, folder, path)
+        row = None if folder is None else await foldercore.live_row(conn, folder, path)
     if row is None:
         raise FileNotFound()
     if row["kind"] == "directory":
@@ -351,12 +352,14 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
     op_id = idempotency_key(request)
 
     # Authorize before reading a single body byte, and take the store mark
-    # (before the bytes are stored; see apply.upsert_objects) in the same round trip.
+    # (before the bytes are stored; see foldercore.upsert_objects) in the same round trip.
     async def authorize(
         c: AsyncConnection[Any],
-    ) -> tuple[tuple[Principal, apply.Folder | None, tuple[str, str, str]], apply.StoreMark]:
+    ) -> tuple[
+        tuple[Principal, foldercore.Folder | None, tuple[str, str, str]], foldercore.StoreMark
+    ]:
         opened = await open_folder(request, c, write=True)
-        return opened, await apply.take_store_mark(c)
+        return opened, await foldercore.take_store_mark(c)
 
     (principal, folder, address), mark = await write_transaction(request, authorize)
     assert folder is not None
@@ -395,7 +398,7 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
 
             async def put(conn: AsyncConnection[Any]) -> dict[str, Any]:
                 await quotas.settle(conn, reservation)
-                written = await apply.put_file(
+                written = await restwrites.put_file(
                     conn,
                     folder,
                     path=path,
@@ -485,11 +488,11 @@ async def _post_operations(request: Request, run: BridgeIdentity | None) -> Resp
                 await agentfiles.guard_entry_removal(c, company_id, owner_id, path)
 
         if action == "mkdir":
-            return await apply.mkdir(
+            return await restwrites.mkdir(
                 conn, folder, path=validate_path(body["path"]), operation_id=op_id, policy=policy
             )
         elif action == "delete":
-            return await apply.delete_path(
+            return await restwrites.delete_path(
                 conn,
                 folder,
                 path=validate_path(body["path"]),
@@ -522,11 +525,11 @@ async def _post_operations(request: Request, run: BridgeIdentity | None) -> Resp
                     policy=policy,
                 )
             if action == "restore":
-                return await apply.restore(
+                return await restwrites.restore(
                     conn, folder, file_id=file_id, operation_id=op_id, policy=policy
                 )
             else:
-                return await apply.purge(
+                return await restwrites.purge(
                     conn,
                     folder,
                     file_id=file_id,

@@ -2,7 +2,7 @@
 -- whether a GC sweep may have deleted those bytes in between, without asking
 -- storage (a HEAD per file on S3). It draws a mark from this sequence before
 -- it stores; a sweep stamps each deletion with a later value, drawn after the
--- bytes are gone (controller/apply.py: take_store_mark, upsert_objects). Not
+-- bytes are gone (controller/foldercore.py: take_store_mark, upsert_objects). Not
 -- cached (CACHE 1, the default), so values are drawn in one global order.
 CREATE SEQUENCE object_deletion_marks;
 ALTER TABLE deletion_journal ADD COLUMN deleted_mark bigint;

@@ -1,4 +1,9 @@
-"""Apply changes to a work folder: one transaction per operation.
+"""The core of every write to a work folder: the folder's lock and the one
+``committing`` sequence, the ``files`` rows, and the objects they reference.
+
+People's single writes (:mod:`controller.restwrites`), moves, checkpoints,
+attachments, the agent folder's entry and the one-time import all write
+through these functions, one transaction per operation.
 
 Ordering rule: every write to a folder first takes that folder's advisory
 transaction lock, so writes to one folder are serialized and the version each
@@ -42,9 +47,7 @@ from common.errors import (
     RestoreCollision,
 )
 from common.paths import ancestors, parent_of
-from controller.api.serialize import entry_json
 from controller.config import AgentLimits
-from controller.overwrite import Precondition, check_precondition, keep_replaced
 from controller.storage.base import object_key
 from controller.versions import FolderCounters
 
@@ -139,10 +142,6 @@ async def stored_result(
         raise IdempotencyConflict()
     result: dict[str, Any] = dict(row["result"])
     return result
-
-
-def _replayed(result: dict[str, Any]) -> dict[str, Any]:
-    return {**result, "applied": False}
 
 
 async def store_receipt(
@@ -434,65 +433,6 @@ async def write_file(
     return updated, False
 
 
-async def put_file(
-    conn: AsyncConnection[Any],
-    folder: Folder,
-    *,
-    path: str,
-    digest: str,
-    byte_size: int,
-    executable: bool,
-    content_type: str | None,
-    operation_id: str | None,
-    ensure_object: EnsureObject,
-    gc_delay: timedelta,
-    policy: WritePolicy,
-    precondition: Precondition | None = None,
-    guard: Authority | None = None,
-    stored_after: StoreMark | None = None,
-) -> dict[str, Any]:
-    """A person's upload (server-accepted last-write-wins). Caller owns the transaction.
-
-    ``precondition`` is checked under the folder lock, then ``guard`` (the
-    folder's own rules for this path, e.g. the agent's instruction entry); a
-    replaced file's old content goes to the trash (:mod:`controller.overwrite`).
-    """
-    fp = fingerprint(
-        action="put",
-        path=path,
-        kind="file",
-        digest=digest,
-        executable=executable,
-        contentType=content_type,
-    )
-    async with committing(conn, folder, operation_id, fp, policy) as commit:
-        if commit.replay is not None:
-            return _replayed(commit.replay)
-        # The path and its parents in one query; the trash copy that
-        # keep_replaced adds is not live, so these rows stay what write_file needs.
-        found = await path_rows(conn, folder, path)
-        existing = found.get(path)
-        check_precondition(existing, path, precondition)
-        if guard is not None:
-            await guard(conn)
-        await keep_replaced(conn, folder, existing, digest)
-        row, created = await write_file(
-            conn,
-            folder,
-            path=path,
-            digest=digest,
-            byte_size=byte_size,
-            executable=executable,
-            content_type=content_type,
-            ensure_object=ensure_object,
-            gc_delay=gc_delay,
-            found=found,
-            stored_after=stored_after,
-        )
-        commit.result = {"applied": True, "created": created, "file": entry_json(row)}
-    return commit.result
-
-
 async def make_directory(conn: AsyncConnection[Any], folder: Folder, path: str) -> tuple[Row, bool]:
     """Create a directory under the folder lock; returns (row, created)."""
     found = await path_rows(conn, folder, path)
@@ -503,24 +443,6 @@ async def make_directory(conn: AsyncConnection[Any], folder: Folder, path: str) 
     if existing is not None:
         return existing, False
     return await _insert_row(conn, folder, path, "directory"), True
-
-
-async def mkdir(
-    conn: AsyncConnection[Any],
-    folder: Folder,
-    *,
-    path: str,
-    operation_id: str | None,
-    policy: WritePolicy,
-) -> dict[str, Any]:
-    fp = fingerprint(action="mkdir", path=path, kind="directory")
-    async with committing(conn, folder, operation_id, fp, policy) as commit:
-        if commit.replay is not None:
-            return _replayed(commit.replay)
-        row, created = await make_directory(conn, folder, path)
-        commit.result = {"applied": created, "files": [entry_json(row)]}
-        commit.touch = created
-    return commit.result
 
 
 def _subtree_clause(column: str = "path") -> str:
@@ -552,30 +474,6 @@ async def trash_path(conn: AsyncConnection[Any], folder: Folder, path: str) -> l
     return await _trash_subtree(conn, folder, target)
 
 
-async def delete_path(
-    conn: AsyncConnection[Any],
-    folder: Folder,
-    *,
-    path: str,
-    operation_id: str | None,
-    policy: WritePolicy,
-    guard: Authority | None = None,
-) -> dict[str, Any]:
-    """A person's delete: the subtree goes to trash; a missing path is 404.
-    ``guard`` (the folder's own rules) runs under the folder lock first."""
-    fp = fingerprint(action="delete", path=path)
-    async with committing(conn, folder, operation_id, fp, policy) as commit:
-        if commit.replay is not None:
-            return _replayed(commit.replay)
-        if guard is not None:
-            await guard(conn)
-        rows = await trash_path(conn, folder, path)
-        if rows is None:
-            raise FileNotFound(details=[{"path": path}])
-        commit.result = {"applied": True, "files": [entry_json(r) for r in rows]}
-    return commit.result
-
-
 async def trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> list[Row]:
     """The trashed entry ``file_id`` and its descendants from the same delete."""
     cur = await conn.execute(
@@ -593,22 +491,6 @@ async def trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) 
     return list(await cur.fetchall())
 
 
-async def restore(
-    conn: AsyncConnection[Any],
-    folder: Folder,
-    *,
-    file_id: str,
-    operation_id: str | None,
-    policy: WritePolicy,
-) -> dict[str, Any]:
-    fp = fingerprint(action="restore", fileId=file_id)
-    async with committing(conn, folder, operation_id, fp, policy) as commit:
-        if commit.replay is not None:
-            return _replayed(commit.replay)
-        commit.result = await _restore_batch(conn, folder, file_id)
-    return commit.result
-
-
 async def check_restore_paths_free(
     conn: AsyncConnection[Any], folder: Folder, paths: list[str]
 ) -> None:
@@ -623,53 +505,9 @@ async def check_restore_paths_free(
         raise RestoreCollision(details=[{"path": p} for p in occupied])
 
 
-async def _restore_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> Row:
-    batch = await trash_batch(conn, folder, file_id)
-    await check_restore_paths_free(conn, folder, [r["path"] for r in batch])
-    await ensure_parents(conn, folder, batch[0]["path"])
-    cur = await conn.execute(
-        "UPDATE files f SET deleted_at = NULL, trash_root = NULL, version = %s + t.n,"
-        " updated_at = now()"
-        " FROM (SELECT id, row_number() OVER (ORDER BY path) AS n FROM files"
-        "  WHERE id = ANY(%s)) AS t"
-        " WHERE f.id = t.id RETURNING f.*",
-        (folder.counters.base(), [r["id"] for r in batch]),
-    )
-    rows = sorted(await cur.fetchall(), key=lambda r: r["path"])
-    folder.counters.take(len(rows))
-    count_revived(folder, rows)
-    return {"applied": True, "files": [entry_json(r) for r in rows]}
-
-
 def count_revived(folder: Folder, rows: list[Row]) -> None:
     """Rows taken out of the trash count again, as entries, bytes and written files."""
     folder.counters.count(len(rows), sum(int(r["byte_size"]) for r in rows))
     for r in rows:
         if r["kind"] == "file":
             folder.counters.wrote(r["path"], int(r["byte_size"]))
-
-
-async def purge(
-    conn: AsyncConnection[Any],
-    folder: Folder,
-    *,
-    file_id: str,
-    operation_id: str | None,
-    gc_delay: timedelta,
-    policy: WritePolicy,
-) -> dict[str, Any]:
-    """Remove a trashed subtree for good and journal its objects for GC."""
-    fp = fingerprint(action="purge", fileId=file_id)
-    async with committing(conn, folder, operation_id, fp, policy) as commit:
-        if commit.replay is not None:
-            return _replayed(commit.replay)
-        batch = await trash_batch(conn, folder, file_id)
-        await conn.execute("DELETE FROM files WHERE id = ANY(%s)", ([r["id"] for r in batch],))
-        await conn.execute(
-            "UPDATE folders SET purge_floor = %s WHERE id = %s",
-            (folder.counters.take(), folder.id),
-        )
-        digests = [r["digest"] for r in batch if r["digest"]]
-        await journal_deletion(conn, folder.company_id, digests, "purged", gc_delay)
-        commit.result = {"applied": True, "purged": len(batch)}
-    return commit.result
