@@ -62,7 +62,7 @@ MANIFEST_PAGE_MAX: Final = 5000
 #     Body: a sequence of frames (see :func:`frame_header`), each exactly one
 #     zstd frame (no trailing bytes) of at most :data:`CHUNK_MAX` uncompressed
 #     bytes that declares its content size, with the xxh64 of those bytes,
-#     ended by :data:`END_FRAME` (nothing after it); controller/frames.py. Headers ``X-Content-SHA256`` and
+#     ended by :data:`END_FRAME` (nothing after it); common/wire.py. Headers ``X-Content-SHA256`` and
 #     ``X-Content-Length`` are hints: the controller computes both itself and
 #     answers 422 ``digest_mismatch`` when they differ (a torn read), 413 past
 #     1 GiB, 400 ``bad_frame`` for a corrupt frame. Answer:

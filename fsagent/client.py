@@ -10,7 +10,7 @@ can be tested and benchmarked without a controller:
   (honouring ``Retry-After`` on 429 and 503, at most :data:`RETRY_AFTER_MAX`).
 * :class:`DirectoryBridgeClient` serves a run, manifests and objects from a
   local directory (layout in its docstring); it is read-only.
-* :class:`fsagent.memclient.MemoryBridgeClient` keeps a run in memory and
+* :class:`tests.support.memclient.MemoryBridgeClient` keeps a run in memory and
   accepts checkpoints, validating them like the controller, with fault
   injection.
 
@@ -35,23 +35,14 @@ from typing import Any, BinaryIO, ClassVar, TypeVar
 
 import httpx
 import trio
-import xxhash
-import zstandard
 
-from common.bridge import (
-    BATCH_HEADER,
-    BATCH_MAGIC,
-    CHUNK_MAX,
-    FRAME_HEADER,
-    MANIFEST_PAGE_MAX,
-    MEMBER_HEADER,
-    PREFIX,
-    encode_batch,
-)
+from common.bridge import MANIFEST_PAGE_MAX, PREFIX, encode_batch
+from common.errors import BadFrame, DigestMismatch, PayloadTooLarge, WorkFolderError
 from common.limits import SCOPES
 from common.repos import FETCH_BATCH_MAX, MISSING_MAX
 from common.text import clean_text
 from common.types import Digest, FileVersion
+from common.wire import BatchSplitter, Frame, Member, MemberEnd, MemberTooShort, decode_frame
 from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
@@ -441,52 +432,59 @@ class BadBatch(ObjectUnavailable):
         self.digest = digest
 
 
-_MAX_COMPRESSED_FRAME = CHUNK_MAX + 1024
-
-
 WRITE_BATCH_BYTES = 4 << 20
 """Compressed bytes handed to one worker-thread call of a batch fetch: one
 thread round trip per file would cost more than writing a small file."""
 
 
+def _reason(exc: WorkFolderError) -> str:
+    """What the wire reader (:mod:`common.wire`) refused, in its own words."""
+    if exc.details and isinstance(exc.details[0], dict) and "message" in exc.details[0]:
+        return str(exc.details[0]["message"])
+    return exc.text
+
+
 class _BatchWriter:
-    """The worker-thread half of :func:`read_batch`: decodes and checks frames,
-    writes members to their files, verifies each member's size and SHA-256.
-    Runs one list of steps per call, in order; at most one file is open."""
+    """The worker-thread half of :func:`read_batch`: decodes and checks frames
+    (:func:`common.wire.decode_frame`), writes members to their files,
+    verifies each member's size and SHA-256. Runs one list of items per call,
+    in order; at most one file is open."""
 
     def __init__(self, dest_for: DestFor) -> None:
         self.dest_for = dest_for
-        self.dctx = zstandard.ZstdDecompressor()
         self.results: list[tuple[str, int]] = []
         self._fh: BinaryIO | None = None
         self._sha = hashlib.sha256()
         self._written = 0
-        self._member: tuple[int, int, bytes] = (0, 0, b"")
+        self._index = -1
+        self._member = Member(0, b"")
 
-    def run(self, steps: list[tuple[Any, ...]]) -> None:
-        for step in steps:
-            if step[0] == "frame":
-                _, payload, raw_len, checksum = step
-                raw = _decode_frame(self.dctx, payload, raw_len, checksum)
+    def run(self, items: list[Member | Frame | MemberEnd]) -> None:
+        for item in items:
+            if isinstance(item, Frame):
+                try:
+                    raw = decode_frame(item)
+                except BadFrame as exc:
+                    raise BadBatch(f"batch frame: {_reason(exc)}") from None
                 self._sha.update(raw)
-                self._written += raw_len
+                self._written += item.raw_len
                 assert self._fh is not None
                 self._fh.write(raw)
-            elif step[0] == "start":
-                _, index, size, declared = step
-                self._member = (index, size, declared)
+            elif isinstance(item, Member):
+                self._index += 1
+                self._member = item
                 self._sha = hashlib.sha256()
                 self._written = 0
-                self._fh = open(self.dest_for(index), "wb")  # noqa: SIM115 - closed at "end"
+                self._fh = open(self.dest_for(self._index), "wb")  # noqa: SIM115 - closed at the end
             else:
                 assert self._fh is not None
                 self._fh.close()
                 self._fh = None
-                index, size, declared = self._member
+                size, declared = self._member.raw_len, self._member.sha256
                 if self._written != size or self._sha.digest() != declared:
                     raise BadBatch(
-                        f"batch member {index}, object {declared.hex()[:12]}, does not match "
-                        f"its declared size and SHA-256 ({self._written} of {size} bytes, "
+                        f"batch member {self._index}, object {declared.hex()[:12]}, does not "
+                        f"match its declared size and SHA-256 ({self._written} of {size} bytes, "
                         f"SHA-256 {self._sha.hexdigest()[:12]})",
                         declared.hex(),
                     )
@@ -503,98 +501,53 @@ async def read_batch(
 ) -> list[tuple[str, int]]:
     """Write the members of a batch body (:func:`common.bridge.encode_batch`)
     to ``dest_for(i)``; (sha256, size) of what was written per member. Every
-    frame's xxh64 and every member's declared size and SHA-256 are checked;
-    the caller still compares each digest with the one it asked for (a
-    member may be a different object than requested).
+    frame's bounds, declared size and xxh64 and every member's declared size
+    and SHA-256 are checked; the caller still compares each digest with the
+    one it asked for (a member may be a different object than requested).
 
-    The stream is cut into steps here (cheap), and a worker thread decodes
-    and writes about :data:`WRITE_BATCH_BYTES` of them per call: memory
-    stays bounded whatever the objects' sizes.
+    :class:`common.wire.BatchSplitter` cuts the stream here (cheap), and a
+    worker thread decodes and writes about :data:`WRITE_BATCH_BYTES` of it
+    per call: memory stays bounded whatever the objects' sizes or what a
+    frame claims. Every refusal is a :class:`BadBatch`.
     """
-    buf = bytearray()
-    pos = 0
+    splitter = BatchSplitter(expect=count, member_max=None, max_bytes=None)
     source = chunks.__aiter__()
     writer = _BatchWriter(dest_for)
-    steps: list[tuple[Any, ...]] = []
+    items: list[Member | Frame | MemberEnd] = []
     pending = 0
 
-    async def need(n: int) -> None:
-        nonlocal buf, pos
-        while len(buf) - pos < n:
-            if pos > (1 << 20):
-                del buf[:pos]  # drop what was parsed, now and then, not per frame
-                pos = 0
-            try:
-                buf.extend(await source.__anext__())
-            except StopAsyncIteration:
-                raise BadBatch(
-                    f"batch answer ended early ({len(buf) - pos} of {n} bytes)"
-                ) from None
-
-    def take(n: int) -> bytes:
-        nonlocal pos
-        out = bytes(buf[pos : pos + n])
-        pos += n
-        return out
-
     async def flush() -> None:
-        nonlocal steps, pending
-        if steps:
-            work, steps, pending = steps, [], 0
+        nonlocal items, pending
+        if items:
+            work, items, pending = items, [], 0
             await trio.to_thread.run_sync(writer.run, work)
 
     try:
-        await need(BATCH_HEADER.size)
-        magic, members = BATCH_HEADER.unpack(take(BATCH_HEADER.size))
-        if magic != BATCH_MAGIC or members != count:
-            raise BadBatch(f"batch answer holds {members} members, {count} were asked for")
-        for i in range(count):
-            await need(MEMBER_HEADER.size)
-            size, declared = MEMBER_HEADER.unpack(take(MEMBER_HEADER.size))
-            steps.append(("start", i, size, declared))
-            written = 0
-            while True:
-                await need(FRAME_HEADER.size)
-                clen, rlen, checksum = FRAME_HEADER.unpack(take(FRAME_HEADER.size))
-                if clen == 0 and rlen == 0:
-                    break
-                if not 0 < rlen <= CHUNK_MAX or not 0 < clen <= _MAX_COMPRESSED_FRAME:
-                    raise BadBatch("batch frame out of bounds")
-                written += rlen
-                if written > size:
-                    raise BadBatch("batch member longer than declared")
-                await need(clen)
-                steps.append(("frame", take(clen), rlen, checksum))
-                pending += clen
-                if pending >= WRITE_BATCH_BYTES:
-                    await flush()
-            steps.append(("end",))
-            if len(steps) >= 4096:
-                await flush()
+        try:
+            async for chunk in source:
+                for item in splitter.feed(chunk):
+                    items.append(item)
+                    if isinstance(item, Frame):
+                        pending += len(item.payload)
+                        if pending >= WRITE_BATCH_BYTES:
+                            await flush()
+                    elif isinstance(item, MemberEnd) and len(items) >= 4096:
+                        await flush()
+            if not splitter.done:
+                raise BadBatch("batch answer ended early, before its last member")
+        except MemberTooShort as exc:
+            member = splitter.member
+            digest = member.sha256.hex() if member is not None else None
+            raise BadBatch(f"batch answer: {_reason(exc)}", digest) from None
+        except (BadFrame, DigestMismatch, PayloadTooLarge) as exc:
+            raise BadBatch(f"batch answer: {_reason(exc)}") from None
         await flush()
-        if len(buf) > pos:
-            raise BadBatch("data after the last batch member")
-        async for extra in source:
-            if extra:
-                raise BadBatch("data after the last batch member")
     finally:
         writer.close()
         aclose = getattr(source, "aclose", None)  # an async generator: close it now
         if aclose is not None:
             await aclose()
     return writer.results
-
-
-def _decode_frame(
-    dctx: zstandard.ZstdDecompressor, payload: bytes, raw_len: int, checksum: int
-) -> bytes:
-    try:
-        raw: bytes = dctx.decompress(payload, max_output_size=raw_len)
-    except zstandard.ZstdError as exc:
-        raise BadBatch(f"batch frame: zstd: {exc}") from None
-    if len(raw) != raw_len or xxhash.xxh64_intdigest(raw) != checksum:
-        raise BadBatch("batch frame checksum or length mismatch")
-    return raw
 
 
 # --- retries -----------------------------------------------------------------

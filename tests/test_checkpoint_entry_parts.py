@@ -28,7 +28,6 @@ from typing import Any
 
 import pytest
 
-from fsagent.memclient import MemoryBridgeClient
 from fsagent.ship import PartRoom, Shipper, delete_units
 from fsagent.store import ROOT_INODE, BaseEntry, Change, JournalSeq, Store
 from tests.support.agentfiles import (
@@ -48,6 +47,7 @@ from tests.support.controller import (
     bootstrap_tenant,
     private_controller,
 )
+from tests.support.memclient import MemoryBridgeClient
 from tests.support.mount import MountFactory
 from tests.test_checkpoints import server_files, start_run, token_file
 from tests.test_fsagent_ship_inproc import SCOPE, hydrated, write_small

@@ -33,7 +33,6 @@ import pytest
 from common.bridge import BATCH_MEMBER_MAX
 from common.types import Digest
 from fsagent.errors import ControllerUnavailable, SaveFailed
-from fsagent.memclient import MemoryBridgeClient
 from fsagent.ship import OVER_ALLOWANCE, PART_SHARE, Shipper, plan_part
 from fsagent.store import ROOT_INODE, Change, InodeNo, JournalSeq, Store
 from tests.support.agentfiles import run_detail, run_receipts
@@ -56,6 +55,7 @@ from tests.support.controller import (
     private_controller,
 )
 from tests.support.lossy_proxy import LossyProxy
+from tests.support.memclient import MemoryBridgeClient
 from tests.support.mount import MountFactory
 from tests.test_checkpoints import server_files, start_run, token_file
 from tests.test_fsagent_ship_inproc import SCOPE, hydrated, write_small

@@ -28,9 +28,9 @@ from fsagent.dirmode import DirShipper, hydrate_directory, take_incoming, warm_s
 from fsagent.dirscan import ENTRY_LIMIT_ENV, TICK_NS, entry_limit, scan_directory
 from fsagent.dirstore import DirStore
 from fsagent.errors import ObjectUnavailable, StateModeMismatch
-from fsagent.memclient import MemoryBridgeClient, new_run
 from fsagent.records import EMPTY_DIGEST
 from fsagent.store import Store
+from tests.support.memclient import MemoryBridgeClient, new_run
 
 SCOPE = "task"
 

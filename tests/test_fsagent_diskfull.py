@@ -42,10 +42,10 @@ import trio
 
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher
-from fsagent.memclient import MemoryBridgeClient
 from fsagent.store import ROOT_INODE, InodeNo, Store
 from tests.support.bridge import Run, start_run
 from tests.support.controller import Tenant
+from tests.support.memclient import MemoryBridgeClient
 from tests.support.mount import FsagentMount, MountFactory
 from tests.support.smallfs import BALLAST, assert_full, fill, free_fill, small_tmpfs
 

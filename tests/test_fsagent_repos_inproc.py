@@ -29,11 +29,11 @@ from fsagent.errors import (
     RepoSaveFailed,
     TreeUnstable,
 )
-from fsagent.memclient import MemoryBridgeClient
 from fsagent.repoprepare import BINDING_RECORD, SETUP_RECORD, prepare_repo
 from fsagent.repos import RepoSavers, describe_prepare, prepare_all, repo_status, watch
 from fsagent.reposave import RepoSaver
 from tests.support.gitrepos import assert_restored, git, make_local_state, make_origin
+from tests.support.memclient import MemoryBridgeClient
 
 SETUP = 'echo ran >> "$SETUP_COUNT"; mkdir -p node_modules/dep && echo x > node_modules/dep/x.js'
 

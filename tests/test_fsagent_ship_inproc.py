@@ -21,10 +21,10 @@ from common.bridge import CHUNK_MAX
 from fsagent.client import Frames
 from fsagent.errors import ControllerRefused, SaveFailed
 from fsagent.hydrate import hydrate_manifest
-from fsagent.memclient import MemoryBridgeClient, new_run
 from fsagent.mount import warm_start
 from fsagent.ship import Shipper, checkpoint_loop
 from fsagent.store import ROOT_INODE, InodeNo, Store
+from tests.support.memclient import MemoryBridgeClient, new_run
 
 SCOPE = "task"
 

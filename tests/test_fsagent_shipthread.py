@@ -13,9 +13,9 @@ import pytest
 import trio
 
 from fsagent.errors import SaveFailed
-from fsagent.memclient import MemoryBridgeClient
 from fsagent.shipthread import ACK_PART, ShipThread, call_on
 from fsagent.store import Store
+from tests.support.memclient import MemoryBridgeClient
 from tests.test_fsagent_ship_inproc import SCOPE, hydrated, write_small
 
 

@@ -34,7 +34,6 @@ from fsagent.errors import (
 )
 from fsagent.fs import WorkFolderFS
 from fsagent.hydrate import ContentFetcher
-from fsagent.memclient import MemoryBridgeClient
 from fsagent.statedir import discard_state_dir
 from fsagent.store import (
     MARKER,
@@ -46,6 +45,7 @@ from fsagent.store import (
     ManifestRow,
     Store,
 )
+from tests.support.memclient import MemoryBridgeClient
 
 
 def sha(data: bytes) -> Digest:

@@ -3,7 +3,7 @@ without a controller, for fast in-process tests of the shipper and warm start.
 
 It validates what matters like the controller does (:mod:`common.bridge`):
 upload frames are decoded and checked by the controller's own reader
-(:mod:`controller.frames`: xxh64, declared sizes, end frame), the digest and
+(:mod:`common.wire`: xxh64, declared sizes, end frame), the digest and
 size of an upload are computed from its bytes, a put may reference only
 content the folder holds or this run uploaded (422 ``unknown_content``), an
 old lease epoch is 409 ``stale_lease`` (checked first: a replay from a
@@ -46,11 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from common.bridge import MANIFEST_PAGE_MAX, encode_batch
-from common.errors import ResyncRequired
+from common.errors import BadFrame, ResyncRequired, WorkFolderError
 from common.limits import ENTRY_MAX_BYTES, SCOPES
 from common.paths import is_within
 from common.repos import FETCH_BATCH_MAX, MISSING_MAX, checkout_name, member_problem
 from common.types import Digest, FileVersion
+from common.wire import BatchSplitter, Frame, FrameSplitter, Member, decode_frame
 from fsagent.client import (
     CHUNK,
     BridgeClient,
@@ -307,9 +308,6 @@ class MemoryBridgeClient(BridgeClient):
 
     async def _receive_frames(self, frames: Frames) -> tuple[str, int]:
         """An upload body read by the controller's own reader: (digest, size)."""
-        from common.errors import BadFrame
-        from controller.frames import FrameSplitter, decode_frame
-
         splitter = FrameSplitter()
         data = bytearray()
         try:
@@ -332,9 +330,6 @@ class MemoryBridgeClient(BridgeClient):
     def _receive_batch(self, members: list[bytes]) -> list[tuple[str, int]]:
         """A batch body (the wire format, the controller's reader): member
         digests verified, all or nothing, as on the controller."""
-        from common.errors import WorkFolderError
-        from controller.frames import BatchSplitter, Frame, Member, decode_frame
-
         splitter = BatchSplitter()
         got: list[tuple[str, bytes]] = []
         current: tuple[Member, bytearray] | None = None

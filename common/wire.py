@@ -1,4 +1,6 @@
-"""Read the framed zstd body of a bridge upload (format: :mod:`common.bridge`).
+"""The one reader of the bridge's framed zstd bodies (format: :mod:`common.bridge`):
+the controller's uploads, fsagent's batch fetches and the in-memory test
+client all cut and decode frames here.
 
 Contract: the body is a sequence of frames, each ``FRAME_HEADER`` (compressed
 length, raw length, xxh64 of the raw bytes) followed by exactly one zstd frame,
@@ -7,7 +9,9 @@ raises :class:`common.errors.BadFrame`; nothing else escapes for any input
 (``tests/fuzz/fuzz_upload.py`` holds the reader to that). A batch upload
 (:class:`BatchSplitter`) adds member headers around the same frames; it
 refuses with BadFrame, PayloadTooLarge (413: too many members or bytes) or, for frames that do not
-add up to a member's declared size, DigestMismatch (422).
+add up to a member's declared size, DigestMismatch (422; :class:`MemberTooShort`
+when the member's end frame comes early). These are the controller's answers
+as they are; fsagent maps every one of them to its ``BadBatch``.
 
 Two halves, so that the event loop only ever does cheap work:
 
@@ -22,6 +26,8 @@ most :data:`CHUNK_MAX`. Without that check a frame of a few KiB that declares
 gigabytes made the decompressor allocate the declared size up front (zstd
 sizes its output buffer from the frame header, whatever ``max_output_size``
 says).
+
+Reading only: the caller owns the bytes' source and where the results go.
 """
 
 from __future__ import annotations
@@ -156,11 +162,31 @@ class MemberEnd:
     """A member's end frame."""
 
 
-class BatchSplitter:
-    """Cut a batch upload body (:mod:`common.bridge`) into member starts, frames
-    and member ends; checks every bound before buffering more than one frame."""
+class MemberTooShort(DigestMismatch):
+    """A batch member's end frame came before its declared size was reached."""
 
-    def __init__(self) -> None:
+
+class BatchSplitter:
+    """Cut a batch body (:mod:`common.bridge`) into member starts, frames and
+    member ends; checks every bound before buffering more than one frame.
+
+    The defaults are the controller's bounds on a batch upload. A reader of a
+    batch answer (fsagent's object fetch) passes ``expect``, the member count
+    it asked for (then the only count accepted), and None for the bounds the
+    answer does not have (``member_max``, ``max_bytes``): its members are whole
+    files.
+    """
+
+    def __init__(
+        self,
+        *,
+        expect: int | None = None,
+        member_max: int | None = BATCH_MEMBER_MAX,
+        max_bytes: int | None = BATCH_MAX_BYTES,
+    ) -> None:
+        self._expect = expect
+        self._member_max = member_max
+        self._max_bytes = max_bytes
         self._buf = bytearray()
         self._count: int | None = None
         self._seen = 0
@@ -168,6 +194,11 @@ class BatchSplitter:
         self._member_bytes = 0
         self._total = 0
         self.done = False
+
+    @property
+    def member(self) -> Member | None:
+        """The member being read (None between members): the one a refusal is about."""
+        return self._member
 
     def feed(self, data: bytes) -> list[Member | Frame | MemberEnd]:
         if self.done:
@@ -188,7 +219,10 @@ class BatchSplitter:
             magic, count = BATCH_HEADER.unpack_from(self._buf)
             if magic != BATCH_MAGIC:
                 raise BadFrame("not a batch upload")
-            if not 0 < count <= BATCH_MAX_MEMBERS:
+            if self._expect is not None:
+                if count != self._expect:
+                    raise BadFrame(f"batch holds {count} members, {self._expect} were asked for")
+            elif not 0 < count <= BATCH_MAX_MEMBERS:
                 raise PayloadTooLarge(f"a batch carries 1-{BATCH_MAX_MEMBERS} members")
             self._count = count
             del self._buf[: BATCH_HEADER.size]
@@ -202,11 +236,11 @@ class BatchSplitter:
             if len(self._buf) < MEMBER_HEADER.size:
                 return False
             raw_len, sha = MEMBER_HEADER.unpack_from(self._buf)
-            if raw_len > BATCH_MEMBER_MAX:
-                raise PayloadTooLarge(f"a batch member carries at most {BATCH_MEMBER_MAX} bytes")
+            if self._member_max is not None and raw_len > self._member_max:
+                raise PayloadTooLarge(f"a batch member carries at most {self._member_max} bytes")
             self._total += raw_len
-            if self._total > BATCH_MAX_BYTES:
-                raise PayloadTooLarge(f"a batch carries at most {BATCH_MAX_BYTES} bytes")
+            if self._max_bytes is not None and self._total > self._max_bytes:
+                raise PayloadTooLarge(f"a batch carries at most {self._max_bytes} bytes")
             del self._buf[: MEMBER_HEADER.size]
             self._member = Member(raw_len, sha)
             self._member_bytes = 0
@@ -220,7 +254,7 @@ class BatchSplitter:
             if checksum != 0:
                 raise BadFrame("the end frame must be all zeros")
             if self._member_bytes != self._member.raw_len:
-                raise DigestMismatch("a batch member's frames do not add up to its declared size")
+                raise MemberTooShort("a batch member's frames do not add up to its declared size")
             del self._buf[:header]
             self._member = None
             self._seen += 1
