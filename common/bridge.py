@@ -176,7 +176,7 @@ MAX_CHECKPOINT_ROWS: Final = 200_000
 """Rows one checkpoint may create, each named path and each of its ancestors
 once (the controller's ``--max-checkpoint-rows`` default; announced as
 ``maxCheckpointRows``). fsagent plans the parts of a large change set within
-both bounds (fsagent.ship), so no size of change set is refused for its size."""
+both bounds (fsagent.checkpoint.ship), so no size of change set is refused for its size."""
 
 LOCAL_REFUSAL_CODES: Final = frozenset(
     {
@@ -189,7 +189,7 @@ LOCAL_REFUSAL_CODES: Final = frozenset(
         "unreadable",
     }
 )
-"""Why dir mode's scan refuses a path (fsagent.dirscan), as a checkpoint's
+"""Why dir mode's scan refuses a path (fsagent.dirmode.scan), as a checkpoint's
 ``localRefusals`` may name them."""
 MAX_LOCAL_REFUSALS: Final = 1000
 """Sandbox refusals listed in one checkpoint (and its receipt); the rest are counted."""

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from fsagent.client import BridgeClient
-from fsagent.repos import RepoSavers, prepare_all, repo_status
+from fsagent.bridge.client import BridgeClient
+from fsagent.repos.checkouts import RepoSavers, prepare_all, repo_status
 from tests.support.controller import Tenant
 from tests.support.gitrepos import (
     assert_restored,

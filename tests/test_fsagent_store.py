@@ -23,7 +23,7 @@ import trio
 
 from common.errors import ResyncRequired
 from common.types import Digest, FileVersion
-from fsagent.client import HttpBridgeClient
+from fsagent.bridge.client import HttpBridgeClient
 from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
@@ -32,10 +32,10 @@ from fsagent.errors import (
     StateCorrupt,
     StateForeign,
 )
-from fsagent.fs import WorkFolderFS
-from fsagent.hydrate import ContentFetcher
-from fsagent.statedir import discard_state_dir
-from fsagent.store import (
+from fsagent.fuse.fs import WorkFolderFS
+from fsagent.state.hydrate import ContentFetcher
+from fsagent.state.statedir import discard_state_dir
+from fsagent.state.store import (
     MARKER,
     ROOT_INODE,
     STATE_FORMAT,

@@ -36,10 +36,10 @@ from typing import Any
 
 import pytest
 
+from fsagent.checkpoint.ship import Shipper
 from fsagent.errors import ControllerRefused, SaveFailed
-from fsagent.hydrate import hydrate_manifest
-from fsagent.ship import Shipper
-from fsagent.store import ROOT_INODE, Store
+from fsagent.state.hydrate import hydrate_manifest
+from fsagent.state.store import ROOT_INODE, Store
 from tests.support.checkpoints import receipts, versions
 from tests.support.controller import (
     ControllerProcess,
