@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from fsagent.bridge.client import BridgeClient
+from fsagent.bridge.base import BridgeClient
 from fsagent.repos.checkouts import RepoSavers, prepare_all, repo_status
 from tests.support.controller import Tenant
 from tests.support.gitrepos import (

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import trio
 
-from fsagent.bridge.client import RepoBinding
+from fsagent.bridge.base import RepoBinding
 from fsagent.errors import (
     CheckoutUnsupported,
     ControllerRefused,
@@ -738,7 +738,7 @@ async def test_read_batch_writes_and_verifies_members_of_any_size(tmp_path: Path
     import hashlib
 
     from common.bridge import encode_batch
-    from fsagent.bridge.client import BadBatch, read_batch
+    from fsagent.bridge.base import BadBatch, read_batch
 
     datas = [b"", b"small", os.urandom(9 << 20), b"x" * 70_000]  # the big one spans 3 frames
     body = encode_batch(datas)

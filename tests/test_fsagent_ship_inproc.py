@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from common.bridge import CHUNK_MAX
-from fsagent.bridge.client import Frames
+from fsagent.bridge.base import Frames
 from fsagent.checkpoint.ship import Shipper, checkpoint_loop
 from fsagent.errors import ControllerRefused, SaveFailed
 from fsagent.fuse.mount import warm_start

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from fsagent.bridge.client import RepoList, RunInfo
+from fsagent.bridge.base import RepoList, RunInfo
 from fsagent.commands.up import env_for, repos_env
 from tests.support.constants import REPO
 from tests.support.controller import Tenant

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import trio
 
-from fsagent.bridge.client import BridgeClient
+from fsagent.bridge.base import BridgeClient
 from fsagent.checkpoint.ship import Checkpoints, FinalSave, SaveResult, limit_warning
 from fsagent.errors import FsagentError, SaveFailed
 

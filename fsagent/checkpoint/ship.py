@@ -137,7 +137,7 @@ from common.errors import (
 )
 from common.paths import ancestors
 from common.types import Digest, FileVersion
-from fsagent.bridge.client import BridgeClient, UploadAllowanceRefused
+from fsagent.bridge.base import BridgeClient, UploadAllowanceRefused
 from fsagent.control.protocol import LIMIT_CODE
 from fsagent.errors import ControllerRefused, FsagentError, SaveFailed
 from fsagent.state.store import BaseEntry, Change, InodeNo, JournalSeq

@@ -42,7 +42,7 @@ from typing import Any, Self, TypeVar
 import outcome
 import trio
 
-from fsagent.bridge.client import BridgeClient
+from fsagent.bridge.base import BridgeClient
 from fsagent.checkpoint.ship import (
     SaveResult,
     Shipped,

@@ -78,7 +78,7 @@ import trio
 
 from common.limits import SCOPES
 from fsagent import earlystop
-from fsagent.bridge.client import RepoList, RunInfo
+from fsagent.bridge.base import RepoList, RunInfo
 from fsagent.bridge.tls import forwarded_argv, options_from
 from fsagent.commands.daemon import client_from_args, detach_dead_mount, is_ready
 from fsagent.commands.envfile import format_env, write_env_file
@@ -94,7 +94,7 @@ uploads what changed since the last one, which can be much more than a
 collection's."""
 
 REQUEST_SECONDS = 300.0
-"""The longest one controller request waits for its answer (fsagent.bridge.client:
+"""The longest one controller request waits for its answer (fsagent.bridge.base:
 uploads and commits); a request begun just before ``--retry-deadline`` runs
 that long past it."""
 

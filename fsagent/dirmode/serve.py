@@ -53,7 +53,7 @@ from common.errors import InvalidPath, ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from common.paths import ancestors, validate_path
 from common.types import Digest
-from fsagent.bridge.client import BridgeClient, ManifestEntry
+from fsagent.bridge.base import BridgeClient, ManifestEntry
 from fsagent.checkpoint import lifecycle
 from fsagent.checkpoint.lifecycle import StopBoundary, final_save
 from fsagent.checkpoint.ship import (

@@ -63,7 +63,7 @@ from common import logs
 from common.errors import ResyncRequired
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent import SPIN_US
-from fsagent.bridge.client import BridgeClient
+from fsagent.bridge.base import BridgeClient
 from fsagent.checkpoint import lifecycle
 from fsagent.checkpoint.lifecycle import StopBoundary, final_save
 from fsagent.checkpoint.ship import (

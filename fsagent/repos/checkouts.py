@@ -44,7 +44,7 @@ from typing import Any, Final
 import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
-from fsagent.bridge.client import BridgeClient, RepoList, RunInfo
+from fsagent.bridge.base import BridgeClient, RepoList, RunInfo
 from fsagent.commands.daemon import client_from_args
 from fsagent.errors import ControllerRefused, FsagentError, RepoPrepareFailed, RepoSaveFailed
 from fsagent.repos.prepare import (

@@ -59,7 +59,7 @@ from typing import Any, Final
 import trio
 
 from common.repos import FETCH_BATCH_MAX, GIT_DIR, checkout_name_problem
-from fsagent.bridge.client import BadBatch, BridgeClient, RepoBinding, RunInfo
+from fsagent.bridge.base import BadBatch, BridgeClient, RepoBinding, RunInfo
 from fsagent.checkpoint.ship import raise_first_failure
 from fsagent.errors import (
     FsagentError,

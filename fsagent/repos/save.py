@@ -54,7 +54,7 @@ import zstandard
 from common.bridge import BATCH_MEMBER_MAX
 from common.errors import BaseMismatch
 from common.repos import GIT_DIR, MAX_REPO_ENTRIES
-from fsagent.bridge.client import BridgeClient, RepoBinding, RunInfo
+from fsagent.bridge.base import BridgeClient, RepoBinding, RunInfo
 from fsagent.checkpoint.ship import UPLOAD_CONCURRENCY, batches, file_frames, raise_first_failure
 from fsagent.errors import (
     CheckoutUnsupported,

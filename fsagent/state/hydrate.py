@@ -23,7 +23,7 @@ import trio
 from common.errors import InvalidPath
 from common.paths import validate_path
 from common.types import Digest
-from fsagent.bridge.client import BridgeClient, ManifestEntry, ManifestPage
+from fsagent.bridge.base import BridgeClient, ManifestEntry, ManifestPage
 from fsagent.errors import ObjectUnavailable
 from fsagent.state.store import EMPTY_DIGEST, Kind, ManifestRow, Store
 

@@ -23,7 +23,7 @@ uncommitted bytes as the controller holds them (:mod:`controller.quotas`):
 content the run holds already costs nothing again, a request whose new bytes
 alone exceed it is 413 ``upload_over_allowance``, one that would take the
 uncommitted bytes past it 429 ``upload_quota_exceeded`` (both
-:class:`fsagent.bridge.client.UploadAllowanceRefused`), and a commit that references
+:class:`fsagent.bridge.base.UploadAllowanceRefused`), and a commit that references
 an upload commits it. ``announce_allowance`` (default True): the run info
 names the allowance, as the controller's does.
 
@@ -52,7 +52,7 @@ from common.paths import is_within
 from common.repos import FETCH_BATCH_MAX, MISSING_MAX, checkout_name, member_problem
 from common.types import Digest, FileVersion
 from common.wire import BatchSplitter, Frame, FrameSplitter, Member, decode_frame
-from fsagent.bridge.client import (
+from fsagent.bridge.base import (
     CHUNK,
     BridgeClient,
     DestFor,
