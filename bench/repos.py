@@ -59,7 +59,7 @@ import zstandard
 
 from bench.checkpoint import Controller
 from bench.machine import add_output_options, load_line, machine_line, record
-from fsagent.bridge.base import HttpBridgeClient
+from fsagent.bridge.http import HttpBridgeClient
 from fsagent.checkpoint.ship import file_frames
 from fsagent.repos.prepare import prepare_repo
 from fsagent.repos.save import RepoSaver

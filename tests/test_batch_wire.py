@@ -1,4 +1,4 @@
-"""fsagent's batch fetch reader (:func:`fsagent.bridge.base.read_batch`) over the one
+"""fsagent's batch fetch reader (:func:`fsagent.bridge.http.read_batch`) over the one
 wire reader, :mod:`common.wire`: what it writes for a good answer, and that
 every bad one is a ``BadBatch`` refused before it costs memory. The memory
 test runs in a subprocess of its own, whose peak RSS is the measure."""
@@ -18,7 +18,8 @@ import trio
 import zstandard
 
 from common.bridge import END_FRAME, batch_header, encode_batch, frame_header, member_header
-from fsagent.bridge.base import BadBatch, read_batch
+from fsagent.bridge.base import BadBatch
+from fsagent.bridge.http import read_batch
 
 DECLARED = 512 << 20
 """What the hostile frame claims to decompress to."""
@@ -60,7 +61,8 @@ PROBE = """
 import json, resource, sys
 from pathlib import Path
 import trio
-from fsagent.bridge.base import BadBatch, read_batch
+from fsagent.bridge.base import BadBatch
+from fsagent.bridge.http import read_batch
 
 body = Path(sys.argv[1]).read_bytes()
 dest = Path(sys.argv[2])

@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from fsagent.bridge.base import RETRY_AFTER_MAX, HttpBridgeClient, parse_retry_after
+from fsagent.bridge.http import RETRY_AFTER_MAX, HttpBridgeClient, parse_retry_after
 from fsagent.control.protocol import MAX_REQUEST, BadRequest, exchange, parse_request
 from tests.support.constants import REPO
 from tests.support.controller import Tenant

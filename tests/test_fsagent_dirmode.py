@@ -30,7 +30,7 @@ import pytest
 import trio
 
 from common.limits import MAX_FILE_BYTES
-from fsagent.bridge.base import open_client
+from fsagent.bridge.client import open_client
 from fsagent.dirmode.fs import open_root
 from fsagent.dirmode.scan import ENTRY_LIMIT_ENV
 from fsagent.dirmode.serve import DirShipper, hydrate_directory

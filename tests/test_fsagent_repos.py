@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import trio
 
-from fsagent.bridge.base import HttpBridgeClient
+from fsagent.bridge.http import HttpBridgeClient
 from fsagent.commands.envfile import read_env_file
 from fsagent.errors import ControllerRefused, GitLockHeld, RepoSaveFailed
 from fsagent.repos.checkouts import RepoSavers, prepare_all, repo_status

@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from controller.storage.base import object_key
-from fsagent.bridge.base import HttpBridgeClient
+from fsagent.bridge.http import HttpBridgeClient
 from fsagent.errors import ControllerRefused
 from fsagent.repos.checkouts import RepoSavers, prepare_all, repo_status, repos_state_root
 from tests.support.constants import REPO

@@ -738,7 +738,8 @@ async def test_read_batch_writes_and_verifies_members_of_any_size(tmp_path: Path
     import hashlib
 
     from common.bridge import encode_batch
-    from fsagent.bridge.base import BadBatch, read_batch
+    from fsagent.bridge.base import BadBatch
+    from fsagent.bridge.http import read_batch
 
     datas = [b"", b"small", os.urandom(9 << 20), b"x" * 70_000]  # the big one spans 3 frames
     body = encode_batch(datas)

@@ -23,7 +23,7 @@ import trio
 
 from common.errors import ResyncRequired
 from common.types import Digest, FileVersion
-from fsagent.bridge.base import HttpBridgeClient
+from fsagent.bridge.http import HttpBridgeClient
 from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,

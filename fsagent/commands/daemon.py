@@ -21,7 +21,8 @@ from pathlib import Path
 import trio
 
 from common.limits import SCOPES
-from fsagent.bridge.base import BridgeClient, open_client
+from fsagent.bridge.base import BridgeClient
+from fsagent.bridge.client import open_client
 from fsagent.bridge.tls import options_from
 from fsagent.dirmode.progress import ProgressView
 from fsagent.errors import EXIT_SAVE_FAILED, FsagentError, MountFailed

@@ -94,7 +94,7 @@ uploads what changed since the last one, which can be much more than a
 collection's."""
 
 REQUEST_SECONDS = 300.0
-"""The longest one controller request waits for its answer (fsagent.bridge.base:
+"""The longest one controller request waits for its answer (fsagent.bridge.http:
 uploads and commits); a request begun just before ``--retry-deadline`` runs
 that long past it."""
 

@@ -67,8 +67,8 @@ from fsagent.bridge.base import (
     UploadAllowanceRefused,
     copy_hashing,
     manifest_pages,
-    read_batch,
 )
+from fsagent.bridge.http import read_batch
 from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
