@@ -9,9 +9,9 @@ raises :class:`common.errors.BadFrame`; nothing else escapes for any input
 (``tests/fuzz/fuzz_upload.py`` holds the reader to that). A batch upload
 (:class:`BatchSplitter`) adds member headers around the same frames; it
 refuses with BadFrame, PayloadTooLarge (413: too many members or bytes) or, for frames that do not
-add up to a member's declared size, DigestMismatch (422; :class:`MemberTooShort`
-when the member's end frame comes early). These are the controller's answers
-as they are; fsagent maps every one of them to its ``BadBatch``.
+add up to a member's declared size, DigestMismatch (422; :attr:`BatchSplitter.member`
+is the member it is about). These are the controller's answers as they are;
+fsagent maps every one of them to its ``BadBatch``.
 
 Two halves, so that the event loop only ever does cheap work:
 
@@ -162,10 +162,6 @@ class MemberEnd:
     """A member's end frame."""
 
 
-class MemberTooShort(DigestMismatch):
-    """A batch member's end frame came before its declared size was reached."""
-
-
 class BatchSplitter:
     """Cut a batch body (:mod:`common.bridge`) into member starts, frames and
     member ends; checks every bound before buffering more than one frame.
@@ -254,7 +250,7 @@ class BatchSplitter:
             if checksum != 0:
                 raise BadFrame("the end frame must be all zeros")
             if self._member_bytes != self._member.raw_len:
-                raise MemberTooShort("a batch member's frames do not add up to its declared size")
+                raise DigestMismatch("a batch member's frames do not add up to its declared size")
             del self._buf[:header]
             self._member = None
             self._seen += 1

@@ -23,7 +23,7 @@ from common.errors import BadFrame, DigestMismatch, PayloadTooLarge, WorkFolderE
 from common.repos import FETCH_BATCH_MAX, MISSING_MAX
 from common.text import clean_text
 from common.types import Digest
-from common.wire import BatchSplitter, Frame, Member, MemberEnd, MemberTooShort, decode_frame
+from common.wire import BatchSplitter, Frame, Member, MemberEnd, decode_frame
 from fsagent.bridge.base import (
     ALLOWANCE_CODES,
     CHUNK,
@@ -157,11 +157,12 @@ async def read_batch(
                         await flush()
             if not splitter.done:
                 raise BadBatch("batch answer ended early, before its last member")
-        except MemberTooShort as exc:
+        except DigestMismatch as exc:
+            # The member's frames do not add up to its declared size: name it.
             member = splitter.member
             digest = member.sha256.hex() if member is not None else None
             raise BadBatch(f"batch answer: {_reason(exc)}", digest) from None
-        except (BadFrame, DigestMismatch, PayloadTooLarge) as exc:
+        except (BadFrame, PayloadTooLarge) as exc:
             raise BadBatch(f"batch answer: {_reason(exc)}") from None
         await flush()
     finally:
