@@ -45,8 +45,8 @@ from bench.checkpoint import (
     write_files,
 )
 from bench.machine import add_output_options, load_line, machine_line, record
-from fsagent.dirfs import open_root
-from fsagent.dirscan import scan_directory
+from fsagent.dirmode.fs import open_root
+from fsagent.dirmode.scan import scan_directory
 from tests.support.mount import FsagentMount
 
 TARGET_S = 2.0

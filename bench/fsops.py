@@ -618,7 +618,7 @@ def report(args: argparse.Namespace, res: Results, context: tuple[str, str, floa
 
 def _fuse_mode() -> str:
     """Which pyfuse3 the daemons import (they inherit this process's environment)."""
-    from fsagent.fs import NO_OPEN_SUPPORT
+    from fsagent.fuse.fs import NO_OPEN_SUPPORT
 
     mode = '"no open" mode' if NO_OPEN_SUPPORT else "OPEN/RELEASE handles"
     return f"pyfuse3 {importlib.metadata.version('pyfuse3')} ({mode})"

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.checkpoint import Controller
-from fsagent import control
+from fsagent.control import protocol as control
 from tests.support.mount import FsagentMount, in_mount_table
 
 

@@ -7,7 +7,7 @@ local_disk storage) serves the whole run. For each repository size
 the installed packages (``.venv/lib/python3.11/site-packages``, files under
 256 KiB, ``__pycache__`` included, sorted by path) committed in four commits
 for history, bound to a task as its primary workspace, and then, through
-fsagent's own code (``fsagent.repos``, the HTTP bridge client):
+fsagent's own code (``fsagent.repos.checkouts``, the HTTP bridge client):
 
 * **clone**: ``fsagent repos prepare`` of a new sandbox (``git clone``);
 * **first checkpoint**: a saver with an empty metadata cache saves the whole
@@ -59,10 +59,10 @@ import zstandard
 
 from bench.checkpoint import Controller
 from bench.machine import add_output_options, load_line, machine_line, record
-from fsagent.client import HttpBridgeClient
-from fsagent.repoprepare import prepare_repo
-from fsagent.reposave import RepoSaver
-from fsagent.ship import file_frames
+from fsagent.bridge.http import HttpBridgeClient
+from fsagent.checkpoint.ship import file_frames
+from fsagent.repos.prepare import prepare_repo
+from fsagent.repos.save import RepoSaver
 from tests.support.constants import REPO
 from tests.support.gitrepos import git
 

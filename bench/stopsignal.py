@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.machine import add_output_options, load_line, machine_line, record
-from fsagent.up import handles_sigterm
+from fsagent.commands.up import handles_sigterm
 from tests.support.constants import REPO
 
 

@@ -62,7 +62,7 @@ MANIFEST_PAGE_MAX: Final = 5000
 #     Body: a sequence of frames (see :func:`frame_header`), each exactly one
 #     zstd frame (no trailing bytes) of at most :data:`CHUNK_MAX` uncompressed
 #     bytes that declares its content size, with the xxh64 of those bytes,
-#     ended by :data:`END_FRAME` (nothing after it); controller/frames.py. Headers ``X-Content-SHA256`` and
+#     ended by :data:`END_FRAME` (nothing after it); common/wire.py. Headers ``X-Content-SHA256`` and
 #     ``X-Content-Length`` are hints: the controller computes both itself and
 #     answers 422 ``digest_mismatch`` when they differ (a torn read), 413 past
 #     1 GiB, 400 ``bad_frame`` for a corrupt frame. Answer:
@@ -176,7 +176,7 @@ MAX_CHECKPOINT_ROWS: Final = 200_000
 """Rows one checkpoint may create, each named path and each of its ancestors
 once (the controller's ``--max-checkpoint-rows`` default; announced as
 ``maxCheckpointRows``). fsagent plans the parts of a large change set within
-both bounds (fsagent.ship), so no size of change set is refused for its size."""
+both bounds (fsagent.checkpoint.ship), so no size of change set is refused for its size."""
 
 LOCAL_REFUSAL_CODES: Final = frozenset(
     {
@@ -189,7 +189,7 @@ LOCAL_REFUSAL_CODES: Final = frozenset(
         "unreadable",
     }
 )
-"""Why dir mode's scan refuses a path (fsagent.dirscan), as a checkpoint's
+"""Why dir mode's scan refuses a path (fsagent.dirmode.scan), as a checkpoint's
 ``localRefusals`` may name them."""
 MAX_LOCAL_REFUSALS: Final = 1000
 """Sandbox refusals listed in one checkpoint (and its receipt); the rest are counted."""

@@ -268,7 +268,7 @@ async def bind_task(conn: AsyncConnection[Any], company_id: str, task_id: str) -
 
 def run_env(bindings: list[Binding], home: PurePosixPath) -> dict[str, str]:
     """What a run's environment gains from its task's repositories: nothing
-    when it binds none (fsagent.up.repos_env, the env file's, agrees)."""
+    when it binds none (fsagent.commands.up.repos_env, the env file's, agrees)."""
     env: dict[str, str] = {}
     if not bindings:
         return env

@@ -1,25 +1,15 @@
 """fsagent: the in-sandbox FUSE daemon that presents one work folder per mount.
 
-Layers, top down (one module each):
+Its modules sit in packages by concern, each importing only the layers below
+it (``.importlinter``: cli, localapi, commands, the fuse, dirmode and repos
+packages, checkpoint, state and control, bridge and scan, the shared leaves).
+The map of every module is ARCHITECTURE.md's "Code map".
 
-``cli``      ``fsagent mount | up | status | changes | flush | bridge | launch | doctor``
-``up``       all four mounts and the local endpoint under one home; the env file
-``localbridge`` ``fsagent bridge``: sandbox code's API calls, forwarded with the run token
-``launch``   ``fsagent launch``: CLI probes, install commands, then the agent's command
-``doctor``   ``fsagent doctor``: the runtime contract, one line per check
-``mount``    one collection's life: bind the state, hydrate, serve FUSE, stop cleanly
-``fs``       pyfuse3 operations: copy-on-write over saved contents, POSIX semantics
-``hydrate``  manifest into LMDB; contents fetched on first open and prefetched
-``ship``     checkpoints: the journal's change set shipped to the controller
-``store``    LMDB inodes, entries, baseline and journal; ``objects/`` and ``upper/``
-``client``   the bridge to the controller (HTTP), or a local directory for tests
-``errors``   fsagent's failures and their exit codes
-
-The change set since the baseline, which checkpoints ship, comes from
-:meth:`fsagent.store.Store.changes_since_baseline`; what a checkpoint saved is
-folded back with :meth:`fsagent.store.Store.acknowledge`.
+Loggers keep the names they had before the packages (``fsagent.ship``,
+``fsagent.fs``, ``fsagent.http``, ...): log lines name their logger, so moving
+a module changes no log line.
 """
 
 SPIN_US = 100
 """Default ``--spin-us``: the longest the daemon keeps polling after a request
-(see :class:`fsagent.fuseglue.Spinner`)."""
+(see :class:`fsagent.fuse.glue.Spinner`)."""

@@ -1,6 +1,6 @@
 /* The scan's hot loop in C: lstat a list of paths below a directory fd.
  *
- * fsagent.scan lstats every member of a checkout at every checkpoint. In
+ * fsagent.scan.engine lstats every member of a checkout at every checkpoint. In
  * Python each os.lstat costs about three times its system call (the path
  * converted, a stat_result of 19 fields built, six attributes read back),
  * and the GIL is taken back after every call. Here the calls run in batches
@@ -8,11 +8,11 @@
  *
  * lstat_keys(dir_fd, paths[, previous]) -> list of (dev, ino, size, mode,
  * mtime_ns, ctime_ns) or None, one per path, exactly as the Python loop in
- * fsagent/scan.py (_lstat_list_py) builds them: None for a path that does
+ * fsagent/scan/engine.py (_lstat_list_py) builds them: None for a path that does
  * not exist (ENOENT) or lies below a non-directory (ENOTDIR); any other
  * error raises OSError naming the path, as os.lstat would. Paths are str,
  * encoded as os.fsencode does where the file system encoding is UTF-8 with
- * surrogate escapes (the only place fsagent.scan uses it); a NUL raises
+ * surrogate escapes (the only place fsagent.scan.engine uses it); a NUL raises
  * ValueError. ``previous`` (a list as long as ``paths``: the keys of the
  * same paths last time) gives back its own tuple for a path whose key is
  * unchanged: nothing is built for what did not change, and the caller
@@ -195,7 +195,7 @@ static PyObject *lstat_keys(PyObject *self, PyObject *args)
                              Py_TYPE(path)->tp_name);
                 break;
             }
-            /* UTF-8 is the file system encoding (fsagent.scan uses this module
+            /* UTF-8 is the file system encoding (fsagent.scan.engine uses this module
              * only then); a str keeps its UTF-8 (free for ASCII). A name that
              * is not UTF-8 (surrogate escapes) is encoded as os.fsencode does. */
             Py_ssize_t size;

@@ -20,7 +20,7 @@ Commands::
 
 ``--mode``: ``fuse`` mounts, ``dir`` serves a plain directory checkpointed by
 scanning (where FUSE is unavailable), ``auto`` (default) decides with a test
-mount (fsagent.fuseprobe).
+mount (fsagent.fuse.probe).
 
 ``--controller`` takes the controller's base URL, or ``dir:PATH`` to serve a
 run from a local directory (tests, benchmarks; see DirectoryBridgeClient).
@@ -57,13 +57,15 @@ from typing import TYPE_CHECKING, Any
 
 from common import logs
 from common.limits import CHECKPOINT_INTERVAL_SECONDS, SCOPES
-from fsagent import SPIN_US, control, tls
+from fsagent import SPIN_US
+from fsagent.bridge import tls
+from fsagent.control import protocol as control
 from fsagent.errors import EXIT_SAVE_FAILED, FsagentError
-from fsagent.fuseprobe import MODES, default_mode
-from fsagent.statedir import MARKER, default_state_root
+from fsagent.fuse.probe import MODES, default_mode
+from fsagent.state.statedir import MARKER, default_state_root
 
 if TYPE_CHECKING:
-    from fsagent.store import Change, Store
+    from fsagent.state.store import Change, Store
 
 log = logging.getLogger("fsagent")
 
@@ -73,25 +75,25 @@ log = logging.getLogger("fsagent")
 # that do are imported only when they run (and their parsers only when
 # asked for: OWN_PARSERS).
 
-OWN_PARSERS = {"doctor": "fsagent.doctor", "bridge": "fsagent.localbridge",
-               "launch": "fsagent.launch", "repos": "fsagent.repos"}  # fmt: skip
+OWN_PARSERS = {"doctor": "fsagent.commands.doctor", "bridge": "fsagent.localapi.endpoint",
+               "launch": "fsagent.commands.launch", "repos": "fsagent.repos.checkouts"}  # fmt: skip
 """Commands whose arguments their own module defines (``add_parser``)."""
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from fsagent.daemon import cmd_mount as run
+    from fsagent.commands.daemon import cmd_mount as run
 
     return run(args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from fsagent.up import cmd_up as run
+    from fsagent.commands.up import cmd_up as run
 
     return run(args)
 
 
 def _open_store(state_dir: Path) -> Store:
-    from fsagent.store import Store
+    from fsagent.state.store import Store
 
     return Store.open(state_dir, readonly=True)
 
@@ -110,7 +112,7 @@ def _state_dirs(args: argparse.Namespace) -> list[Path]:
 
 def _unbound(state_dir: Path) -> dict[str, Any] | None:
     """What the daemon of an unbound plain-directory collection serves, from
-    the record it keeps beside the state dir while it runs (fsagent.dirmode)."""
+    the record it keeps beside the state dir while it runs (fsagent.dirmode.serve)."""
     record = state_dir.with_name(state_dir.name + ".unbound")
     try:
         info: dict[str, Any] = json.loads(record.read_text())
@@ -155,9 +157,9 @@ def change_set(state_dir: Path) -> tuple[list[Change], dict[str, Any] | None]:
             return store.changes_since_baseline(), mode
     finally:
         store.close()
-    from fsagent.dirfs import open_root
-    from fsagent.dirscan import report
-    from fsagent.dirstore import DirStore
+    from fsagent.dirmode.fs import open_root
+    from fsagent.dirmode.scan import report
+    from fsagent.dirmode.store import DirStore
 
     dir_store = DirStore.open(state_dir, readonly=True)
     try:
@@ -442,7 +444,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "(dir mode; a FUSE mount is ready once mounted)",
     )
     # Set by `fsagent up` and a detaching `mount` on a terminal: they show the
-    # hydration progress written there (fsagent.progress).
+    # hydration progress written there (fsagent.dirmode.progress).
     m.add_argument("--progress-file", help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
 
@@ -471,7 +473,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     u.add_argument(
         "--restart-delay",
         type=float,
-        default=1.0,  # fsagent.up.RESTART_FIRST_DELAY (not imported here: startup time)
+        default=1.0,  # fsagent.commands.up.RESTART_FIRST_DELAY (not imported here: startup time)
         help="seconds before restarting a process that died, doubling on each restart "
         "up to 30 (default %(default)g)",
     )

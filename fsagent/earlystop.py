@@ -1,11 +1,11 @@
 """Stop signals caught while ``fsagent up`` is still importing.
 
 ``python -m fsagent.cli up`` spends a few hundred milliseconds importing
-before :class:`fsagent.up.StopRequest` exists (366 ms at the median on a
+before :class:`fsagent.commands.up.StopRequest` exists (366 ms at the median on a
 busy 2-core machine), and a SIGTERM then would kill it by the default
 action: exit -15 and no clean stop. ``fsagent.cli`` calls :func:`install`
 before its other imports, so from there on a stop signal is only recorded,
-and :class:`~fsagent.up.StopRequest` takes it over (:func:`take`) once its
+and :class:`~fsagent.commands.up.StopRequest` takes it over (:func:`take`) once its
 own handlers are in place. Only the interpreter's own start-up remains
 before any handler can exist; nothing of ``up`` has started then.
 

@@ -88,7 +88,7 @@ class ControllerRefused(ControllerError):
         ``agent_files_limit_exceeded``), empty when it had none."""
         self.recorded = False
         """The controller keeps this refusal as a save receipt: it refused a
-        checkpoint commit (fsagent.ship sets it). A refusal of an upload, or
+        checkpoint commit (fsagent.checkpoint.ship sets it). A refusal of an upload, or
         one decided here, has no receipt unless fsagent reports it."""
 
     def means(self, error: type[WorkFolderError]) -> bool:

@@ -2,7 +2,7 @@
 # install-fsagent.sh and sandbox-image/build-rootfs.sh.
 
 # env_quote VALUE: VALUE as an env file value, the quoting fsagent itself
-# writes (fsagent/envfile.py): double quotes, a backslash before each \ " $ `.
+# writes (fsagent/commands/envfile.py): double quotes, a backslash before each \ " $ `.
 # systemd's EnvironmentFile=, POSIX sh (`set -a; . FILE`), fsagent's reader
 # and /etc/profile.d/fsagent.sh all read it back as VALUE. A newline has no
 # such quoting: refused (use it in an assignment, `q=$(env_quote "$v")`, so

@@ -29,7 +29,7 @@ import pytest
 
 from common.bridge import PREFIX
 from common.limits import AGENT_MAX_FILE_BYTES, GiB, MiB
-from fsagent.lifecycle import FINAL_PAUSE_ENV, final_pause
+from fsagent.checkpoint.lifecycle import FINAL_PAUSE_ENV, final_pause
 from tests.support.agentfiles import (
     AgentRun,
     agent_files,

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from fsagent.checkpoint.ship import BATCH_TARGET_MEMBERS, Shipper
 from fsagent.errors import SaveFailed
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.ship import BATCH_TARGET_MEMBERS, Shipper
-from fsagent.store import ROOT_INODE
+from fsagent.state.store import ROOT_INODE
+from tests.support.memclient import MemoryBridgeClient
 from tests.test_fsagent_ship_inproc import SCOPE, hydrated, write_small
 
 

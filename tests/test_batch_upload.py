@@ -26,7 +26,7 @@ from common.bridge import (
     encode_member,
 )
 from common.errors import WorkFolderError
-from controller.frames import BatchSplitter, Frame, Member, decode_frame
+from common.wire import BatchSplitter, Frame, Member, decode_frame
 from controller.storage.base import object_key
 from tests.support.bridge import Run, start_run
 from tests.support.controller import Tenant

@@ -6,7 +6,7 @@ rows. An agent that replaces a large tree within one save interval (``rm -rf
 node_modules && npm install``) lists a deletion for every old path and an
 upload for every new one: before, such a change set was refused at every
 save, for the rest of the run. The shipper now plans its parts within both
-bounds, which the run info announces (fsagent/ship.py, "Parts"): a deletion
+bounds, which the run info announces (fsagent/checkpoint/ship.py, "Parts"): a deletion
 under a deleted directory is acknowledged with that directory, not named,
 and when the entries still need several parts the deletions go first, so no
 part leaves the folder holding old and new trees at once (the agent folder's
@@ -28,9 +28,8 @@ from typing import Any
 
 import pytest
 
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.ship import PartRoom, Shipper, delete_units
-from fsagent.store import ROOT_INODE, BaseEntry, Change, JournalSeq, Store
+from fsagent.checkpoint.ship import PartRoom, Shipper, delete_units
+from fsagent.state.store import ROOT_INODE, BaseEntry, Change, JournalSeq, Store
 from tests.support.agentfiles import (
     agent_files,
     flush_reply,
@@ -48,6 +47,7 @@ from tests.support.controller import (
     bootstrap_tenant,
     private_controller,
 )
+from tests.support.memclient import MemoryBridgeClient
 from tests.support.mount import MountFactory
 from tests.test_checkpoints import server_files, start_run, token_file
 from tests.test_fsagent_ship_inproc import SCOPE, hydrated, write_small

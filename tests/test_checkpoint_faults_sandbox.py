@@ -240,7 +240,7 @@ def test_disk_full_in_dir_mode_the_final_save_saves_what_the_directory_holds(
     ENOSPC: nothing of fsagent's is in the write path) and then to the last
     block and inode. The final save still saves exactly what the directory
     holds: reading needs no room, and the state dir's commits use the space
-    its LMDB file keeps in reserve (fsagent.statedir.GuardedEnv)."""
+    its LMDB file keeps in reserve (fsagent.state.statedir.GuardedEnv)."""
     run = start_run(tenant)
     with small_tmpfs() as disk, mount_factory(mode="dir") as mounts:
         m = mounts.mount(

@@ -3,7 +3,7 @@
 The controller lets a run keep at most ``--max-pending-upload-bytes``
 uploaded and not yet committed (429 ``upload_quota_exceeded`` past it). A
 checkpoint whose uploads exceed that allowance is committed in parts, each
-a checkpoint of its own (fsagent/ship.py, "Parts"): nothing wedges a
+a checkpoint of its own (fsagent/checkpoint/ship.py, "Parts"): nothing wedges a
 folder, a kill -9 between two parts loses nothing and sends nothing twice,
 and a file larger than the whole allowance is refused with a stable code
 while every other change saves.
@@ -32,10 +32,9 @@ import pytest
 
 from common.bridge import BATCH_MEMBER_MAX
 from common.types import Digest
+from fsagent.checkpoint.ship import OVER_ALLOWANCE, PART_SHARE, Shipper, plan_part
 from fsagent.errors import ControllerUnavailable, SaveFailed
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.ship import OVER_ALLOWANCE, PART_SHARE, Shipper, plan_part
-from fsagent.store import ROOT_INODE, Change, InodeNo, JournalSeq, Store
+from fsagent.state.store import ROOT_INODE, Change, InodeNo, JournalSeq, Store
 from tests.support.agentfiles import run_detail, run_receipts
 from tests.support.bridge import framed
 from tests.support.bridge import start_run as start_bridge_run
@@ -56,6 +55,7 @@ from tests.support.controller import (
     private_controller,
 )
 from tests.support.lossy_proxy import LossyProxy
+from tests.support.memclient import MemoryBridgeClient
 from tests.support.mount import MountFactory
 from tests.test_checkpoints import server_files, start_run, token_file
 from tests.test_fsagent_ship_inproc import SCOPE, hydrated, write_small

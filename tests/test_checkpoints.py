@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fsagent.store import Store
+from fsagent.state.store import Store
 from tests.support.checkpoints import journal
 from tests.support.controller import Tenant
 from tests.support.mount import FsagentMount, MountFactory

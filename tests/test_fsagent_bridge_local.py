@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fsagent.envfile import read_env_file
+from fsagent.commands.envfile import read_env_file
 from tests.support.bridge import Run, start_run
 from tests.support.constants import REPO
 from tests.support.controller import Tenant

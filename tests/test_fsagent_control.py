@@ -18,8 +18,8 @@ import pytest
 import trio
 import trio.testing
 
-from fsagent.client import RETRY_AFTER_MAX, HttpBridgeClient, parse_retry_after
-from fsagent.control import MAX_REQUEST, BadRequest, exchange, parse_request
+from fsagent.bridge.http import RETRY_AFTER_MAX, HttpBridgeClient, parse_retry_after
+from fsagent.control.protocol import MAX_REQUEST, BadRequest, exchange, parse_request
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.mount import MountFactory, is_mounted

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fsagent.dirscan import entry_limit
+from fsagent.dirmode.scan import entry_limit
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant
 from tests.support.mount import FsagentMount, MountFactory, mount_factory
@@ -191,7 +191,7 @@ def test_kill9_after_an_fsync_by_fdatasync_alone_keeps_the_bytes(
     mounts: MountFactory, tenant: Tenant
 ) -> None:
     """The second fsync of an upper file whose records are already durable is
-    its own fdatasync, without the LMDB sync (fsagent.fs, ``fsync``); after a
+    its own fdatasync, without the LMDB sync (fsagent.fuse.fs, ``fsync``); after a
     kill -9 right behind it the file is whole, and the restart saves it. (A
     real controller: a mount that can save has the control socket the count
     is read from.)"""
@@ -316,7 +316,7 @@ def test_kill9_on_a_busy_machine_loses_no_fsynced_write(
         kills = 2  # each restart saves the thousands of files written meanwhile
     rng = random.Random(int(os.environ.get("CRASH_SEED", "11")))
     # Each point's writer makes at most ``cap`` files, so that the folder
-    # stays within its entry limit (fsagent.dirscan.entry_limit): past it,
+    # stays within its entry limit (fsagent.dirmode.scan.entry_limit): past it,
     # dir mode refuses new files by name at the next scan (still there,
     # acknowledged, never saved). A 200-point dir run (seed 8201) wrote
     # 424,499 files and failed at the controller on that alone.

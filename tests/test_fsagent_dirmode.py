@@ -30,12 +30,12 @@ import pytest
 import trio
 
 from common.limits import MAX_FILE_BYTES
-from fsagent.client import open_client
-from fsagent.dirfs import open_root
-from fsagent.dirmode import DirShipper, hydrate_directory
-from fsagent.dirscan import ENTRY_LIMIT_ENV
-from fsagent.dirstore import DirStore
-from fsagent.store import Store
+from fsagent.bridge.client import open_client
+from fsagent.dirmode.fs import open_root
+from fsagent.dirmode.scan import ENTRY_LIMIT_ENV
+from fsagent.dirmode.serve import DirShipper, hydrate_directory
+from fsagent.dirmode.store import DirStore
+from fsagent.state.store import Store
 from tests.support.agentfiles import run_receipts
 from tests.support.controller import Tenant
 from tests.support.mount import REPO, MountFactory, mount_factory
@@ -720,8 +720,8 @@ def test_a_sandbox_of_mixed_records_serves_each_collection_in_its_own_mode(
     """Where records differ (one collection mounted by hand with ``--mode
     dir``), each follows its own and the ones without a record follow the
     probe; where all records say dir, FUSE is not even tried."""
-    from fsagent import fuseprobe
-    from fsagent.up import say_dir_mode, served_as
+    from fsagent.commands.up import say_dir_mode, served_as
+    from fsagent.fuse import probe as fuseprobe
 
     dirs = {scope: tmp_path / scope for scope in ("task", "agent", "user", "project")}
     plain = DirStore.open(dirs["task"])
@@ -814,7 +814,7 @@ def test_the_fuse_probe_says_dir_when_the_device_refuses_or_the_test_mount_hangs
     """The two ways ``auto`` falls back besides a failed mount: /dev/fuse
     that does not open, and a test mount that does not finish in time (the
     probe process is killed and its mountpoint lazily unmounted and removed)."""
-    from fsagent import fuseprobe
+    from fsagent.fuse import probe as fuseprobe
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     works = fuseprobe.probe_fuse()

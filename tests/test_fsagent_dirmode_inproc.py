@@ -23,14 +23,14 @@ import trio
 
 from common.limits import MAX_ENTRIES, MAX_FILE_BYTES
 from common.types import Digest
-from fsagent.dirfs import open_root
-from fsagent.dirmode import DirShipper, hydrate_directory, take_incoming, warm_start
-from fsagent.dirscan import ENTRY_LIMIT_ENV, TICK_NS, entry_limit, scan_directory
-from fsagent.dirstore import DirStore
+from fsagent.dirmode.fs import open_root
+from fsagent.dirmode.scan import ENTRY_LIMIT_ENV, TICK_NS, entry_limit, scan_directory
+from fsagent.dirmode.serve import DirShipper, hydrate_directory, take_incoming, warm_start
+from fsagent.dirmode.store import DirStore
 from fsagent.errors import ObjectUnavailable, StateModeMismatch
-from fsagent.memclient import MemoryBridgeClient, new_run
-from fsagent.records import EMPTY_DIGEST
-from fsagent.store import Store
+from fsagent.state.records import EMPTY_DIGEST
+from fsagent.state.store import Store
+from tests.support.memclient import MemoryBridgeClient, new_run
 
 SCOPE = "task"
 

@@ -6,7 +6,7 @@ and succeeds; the daemon's WRITE of those pages is what meets ENOSPC, and the
 agent hears of it at fsync or close. The kernel used to keep the refused pages
 and the length they gave the file: a file of which nothing reached the disk
 read back as 5,000,000 bytes and was saved empty. The daemon now makes the
-kernel drop the entry of a file whose WRITE it refused (fsagent.fs,
+kernel drop the entry of a file whose WRITE it refused (fsagent.fuse.fs,
 ``_refuse``), so the next lookup reads size and bytes from the daemon.
 
 Each file is written as an agent writes, in 1 MiB write() calls, then fsync
@@ -40,12 +40,12 @@ import pyfuse3
 import pytest
 import trio
 
-from fsagent.fs import WorkFolderFS
-from fsagent.hydrate import ContentFetcher
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.store import ROOT_INODE, InodeNo, Store
+from fsagent.fuse.fs import WorkFolderFS
+from fsagent.state.hydrate import ContentFetcher
+from fsagent.state.store import ROOT_INODE, InodeNo, Store
 from tests.support.bridge import Run, start_run
 from tests.support.controller import Tenant
+from tests.support.memclient import MemoryBridgeClient
 from tests.support.mount import FsagentMount, MountFactory
 from tests.support.smallfs import BALLAST, assert_full, fill, free_fill, small_tmpfs
 

@@ -1,4 +1,4 @@
-"""The agent's env file (fsagent/envfile.py) reads back as written by every
+"""The agent's env file (fsagent/commands/envfile.py) reads back as written by every
 reader it has: POSIX sh (``set -a; . FILE``, dash and bash), fsagent's own
 reader, the sandbox image's /etc/profile.d/fsagent.sh (which decodes it
 without running it) and systemd, whose documented ``EnvironmentFile=`` rules
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fsagent.envfile import (
+from fsagent.commands.envfile import (
     UnwritableEnv,
     format_env,
     parse_env,

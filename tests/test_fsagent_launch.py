@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fsagent.launch import EXIT_CONTRACT_UNMET
+from fsagent.commands.launch import EXIT_CONTRACT_UNMET
 from tests.support.constants import REPO
 
 TOOLS = ("sh", "bash", "chmod", "cat", "touch", "env", "tar")

@@ -19,8 +19,8 @@ import lmdb
 import pytest
 
 from common.types import Digest, FileVersion
-from fsagent.records import Inode, process_owner
-from fsagent.store import MARKER, ROOT_INODE, STATE_FORMAT, ManifestRow, Store
+from fsagent.state.records import Inode, process_owner
+from fsagent.state.store import MARKER, ROOT_INODE, STATE_FORMAT, ManifestRow, Store
 from tests.support.mount import MountFactory, mount_as_user, system_python_matches
 
 OTHER = 65534

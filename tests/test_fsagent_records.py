@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from common.types import Digest, FileVersion
 from fsagent.errors import StateCorrupt
-from fsagent.records import MAX_KEY_BYTES, BaseEntry, Inode, InodeNo, JournalEntry, path_key
-from fsagent.store import MARKER, ROOT_INODE, STATE_FORMAT, ManifestRow, Store
+from fsagent.state.records import MAX_KEY_BYTES, BaseEntry, Inode, InodeNo, JournalEntry, path_key
+from fsagent.state.store import MARKER, ROOT_INODE, STATE_FORMAT, ManifestRow, Store
 
 FIXTURE = Path(__file__).parent / "fixtures" / "state-format-2.tar.gz"
 """A state dir written by the format-2 code: hydrated with docs/, docs/a.txt and
@@ -155,7 +155,7 @@ def test_records_are_written_as_the_json_encoder_writes_them(
     """Inode and BaseEntry records are built field by field: byte for byte the
     JSON array the generic encoder writes, so every reader (and every state
     dir written before) agrees, and each decodes back to the same record."""
-    from fsagent.records import _V, _V_INODE, _encode
+    from fsagent.state.records import _V, _V_INODE, _encode
 
     inode = Inode(
         InodeNo(7), kind, mode, size, times[0], times[1], InodeNo(parent), name, digest,

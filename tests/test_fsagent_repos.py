@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 import trio
 
-from fsagent.client import HttpBridgeClient
-from fsagent.envfile import read_env_file
+from fsagent.bridge.http import HttpBridgeClient
+from fsagent.commands.envfile import read_env_file
 from fsagent.errors import ControllerRefused, GitLockHeld, RepoSaveFailed
-from fsagent.repoprepare import SETUP_RECORD
-from fsagent.repos import RepoSavers, prepare_all, repo_status
-from fsagent.reposave import RepoSaver
+from fsagent.repos.checkouts import RepoSavers, prepare_all, repo_status
+from fsagent.repos.prepare import SETUP_RECORD
+from fsagent.repos.save import RepoSaver
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.demo import check_demo_agent
@@ -493,7 +493,7 @@ def test_up_prepares_the_checkout_saves_it_and_names_it_in_the_env_file(
             assert proc.poll() is None, (base / "up.log").read_text()
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        env = read_env_file(env_file)  # values are quoted (fsagent/envfile.py)
+        env = read_env_file(env_file)  # values are quoted (fsagent/commands/envfile.py)
         assert env["PAPERCLIP_REPOS_DIR"] == str(home / "repos")
         assert env["PAPERCLIP_PRIMARY_REPO"] == str(home / "repos" / "app")
         checkout = home / "repos" / "app"

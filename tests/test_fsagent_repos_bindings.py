@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from fsagent.repoprepare import BINDING_RECORD, SETUP_RECORD
+from fsagent.repos.prepare import BINDING_RECORD, SETUP_RECORD
 from tests.support.bridge import Run
 from tests.support.controller import Tenant
 from tests.support.gitrepos import (

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from fsagent.client import BridgeClient
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.repos import RepoSavers, prepare_all, repo_status
+from fsagent.bridge.base import BridgeClient
+from fsagent.repos.checkouts import RepoSavers, prepare_all, repo_status
 from tests.support.controller import Tenant
 from tests.support.gitrepos import (
     assert_restored,
@@ -32,6 +31,7 @@ from tests.support.gitrepos import (
     make_origin,
     new_repo_task,
 )
+from tests.support.memclient import MemoryBridgeClient
 from tests.support.smallfs import assert_full, fill, small_tmpfs
 
 

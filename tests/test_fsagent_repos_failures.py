@@ -22,9 +22,9 @@ import pytest
 import trio
 
 from controller.storage.base import object_key
-from fsagent.client import HttpBridgeClient
+from fsagent.bridge.http import HttpBridgeClient
 from fsagent.errors import ControllerRefused
-from fsagent.repos import RepoSavers, prepare_all, repo_status, repos_state_root
+from fsagent.repos.checkouts import RepoSavers, prepare_all, repo_status, repos_state_root
 from tests.support.constants import REPO
 from tests.support.controller import PgCluster, Tenant, bootstrap_tenant, private_controller
 from tests.support.gitrepos import (

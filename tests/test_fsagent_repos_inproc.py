@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import trio
 
-from fsagent.client import RepoBinding
+from fsagent.bridge.base import RepoBinding
 from fsagent.errors import (
     CheckoutUnsupported,
     ControllerRefused,
@@ -29,11 +29,11 @@ from fsagent.errors import (
     RepoSaveFailed,
     TreeUnstable,
 )
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.repoprepare import BINDING_RECORD, SETUP_RECORD, prepare_repo
-from fsagent.repos import RepoSavers, describe_prepare, prepare_all, repo_status, watch
-from fsagent.reposave import RepoSaver
+from fsagent.repos.checkouts import RepoSavers, describe_prepare, prepare_all, repo_status, watch
+from fsagent.repos.prepare import BINDING_RECORD, SETUP_RECORD, prepare_repo
+from fsagent.repos.save import RepoSaver
 from tests.support.gitrepos import assert_restored, git, make_local_state, make_origin
+from tests.support.memclient import MemoryBridgeClient
 
 SETUP = 'echo ran >> "$SETUP_COUNT"; mkdir -p node_modules/dep && echo x > node_modules/dep/x.js'
 
@@ -694,7 +694,7 @@ async def test_savers_cover_prepared_checkouts_only(
 
 
 def test_only_git_object_and_pack_names_count_as_immutable() -> None:
-    from fsagent.repocapture import git_immutable
+    from fsagent.repos.capture import git_immutable
 
     obj = "ab" + "c" * 38
     pack = "pack-" + "0" * 40
@@ -717,7 +717,7 @@ def test_only_git_object_and_pack_names_count_as_immutable() -> None:
 
 def test_restore_fetches_large_objects_a_few_at_a_time() -> None:
     from common.repos import FETCH_BATCH_MAX
-    from fsagent.repoprepare import FETCH_BATCH_BYTES, fetch_batches
+    from fsagent.repos.prepare import FETCH_BATCH_BYTES, fetch_batches
 
     def member(size: int) -> list[dict[str, Any]]:
         return [{"byteSize": size}]
@@ -738,7 +738,8 @@ async def test_read_batch_writes_and_verifies_members_of_any_size(tmp_path: Path
     import hashlib
 
     from common.bridge import encode_batch
-    from fsagent.client import BadBatch, read_batch
+    from fsagent.bridge.base import BadBatch
+    from fsagent.bridge.http import read_batch
 
     datas = [b"", b"small", os.urandom(9 << 20), b"x" * 70_000]  # the big one spans 3 frames
     body = encode_batch(datas)

@@ -1,4 +1,4 @@
-"""The scan engine (fsagent/scan.py) on real files: members and digests, the
+"""The scan engine (fsagent/scan/engine.py) on real files: members and digests, the
 stable-read rules, the before/after fingerprint, and the metadata cache
 (hits counted, invalidation, persistence, degradation on a full disk)."""
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from fsagent import scan as scan_module
 from fsagent.errors import MemberChanged
-from fsagent.scan import (
+from fsagent.scan import engine as scan_module
+from fsagent.scan.engine import (
     MetadataCache,
     ScanResult,
     StatKey,

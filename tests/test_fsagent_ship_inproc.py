@@ -18,13 +18,13 @@ import trio
 import trio.testing
 
 from common.bridge import CHUNK_MAX
-from fsagent.client import Frames
+from fsagent.bridge.base import Frames
+from fsagent.checkpoint.ship import Shipper, checkpoint_loop
 from fsagent.errors import ControllerRefused, SaveFailed
-from fsagent.hydrate import hydrate_manifest
-from fsagent.memclient import MemoryBridgeClient, new_run
-from fsagent.mount import warm_start
-from fsagent.ship import Shipper, checkpoint_loop
-from fsagent.store import ROOT_INODE, InodeNo, Store
+from fsagent.fuse.mount import warm_start
+from fsagent.state.hydrate import hydrate_manifest
+from fsagent.state.store import ROOT_INODE, InodeNo, Store
+from tests.support.memclient import MemoryBridgeClient, new_run
 
 SCOPE = "task"
 

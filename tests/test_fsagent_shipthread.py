@@ -1,4 +1,4 @@
-"""Checkpoints on a thread of their own (fsagent.shipthread) against the
+"""Checkpoints on a thread of their own (fsagent.checkpoint.thread) against the
 in-memory bridge client: the same saves as on the mount's loop, the
 acknowledgement in parts, failures reported across the thread, and the
 snapshot rule when the mount's loop writes a file while it is uploaded."""
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from fsagent.checkpoint.thread import ACK_PART, ShipThread, call_on
 from fsagent.errors import SaveFailed
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.shipthread import ACK_PART, ShipThread, call_on
-from fsagent.store import Store
+from fsagent.state.store import Store
+from tests.support.memclient import MemoryBridgeClient
 from tests.test_fsagent_ship_inproc import SCOPE, hydrated, write_small
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsagent import fuseglue
-from fsagent.fuseglue import Spinner
+from fsagent.fuse import glue as fuseglue
+from fsagent.fuse.glue import Spinner
 
 US = 1000
 

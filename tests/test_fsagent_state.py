@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fsagent.envfile import read_env_file
+from fsagent.commands.envfile import read_env_file
 from tests.support.mount import (
     REPO,
     MountError,

@@ -23,7 +23,7 @@ import trio
 
 from common.errors import ResyncRequired
 from common.types import Digest, FileVersion
-from fsagent.client import HttpBridgeClient
+from fsagent.bridge.http import HttpBridgeClient
 from fsagent.errors import (
     ControllerRefused,
     ControllerUnavailable,
@@ -32,11 +32,10 @@ from fsagent.errors import (
     StateCorrupt,
     StateForeign,
 )
-from fsagent.fs import WorkFolderFS
-from fsagent.hydrate import ContentFetcher
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.statedir import discard_state_dir
-from fsagent.store import (
+from fsagent.fuse.fs import WorkFolderFS
+from fsagent.state.hydrate import ContentFetcher
+from fsagent.state.statedir import discard_state_dir
+from fsagent.state.store import (
     MARKER,
     ROOT_INODE,
     STATE_FORMAT,
@@ -46,6 +45,7 @@ from fsagent.store import (
     ManifestRow,
     Store,
 )
+from tests.support.memclient import MemoryBridgeClient
 
 
 def sha(data: bytes) -> Digest:

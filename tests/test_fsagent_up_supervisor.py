@@ -1,4 +1,4 @@
-"""``fsagent up`` as a supervisor (fsagent/up.py), end to end: the real
+"""``fsagent up`` as a supervisor (fsagent/commands/up.py), end to end: the real
 command against a real controller, real FUSE mounts and real Git.
 
 Each test starts ``up`` in a session of its own (so a signal to its process
@@ -23,10 +23,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from fsagent.checkpoint.lifecycle import FINAL_PAUSE_ENV
 from fsagent.cli import build_parser
-from fsagent.errors import EXIT_SAVE_FAILED
-from fsagent.lifecycle import FINAL_PAUSE_ENV
-from fsagent.up import (
+from fsagent.commands.up import (
     REQUEST_SECONDS,
     RESTART_FIRST_DELAY,
     RESTART_LIMIT,
@@ -36,6 +35,7 @@ from fsagent.up import (
     handles_sigterm,
     stop_grace,
 )
+from fsagent.errors import EXIT_SAVE_FAILED
 from tests.support.agentfiles import run_receipts
 from tests.support.bridge import Run, start_run
 from tests.support.constants import REPO
@@ -82,7 +82,7 @@ class Up:
 def interruptible() -> None:
     """``up`` takes SIGINT as from a terminal, however the tests were started:
     a background job of a script ignores SIGINT, and ``up`` keeps an
-    inherited SIG_IGN (fsagent.up.StopRequest)."""
+    inherited SIG_IGN (fsagent.commands.up.StopRequest)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -261,7 +261,7 @@ def test_a_stop_signal_while_up_imports_is_taken_over_by_its_stop_request() -> N
         "earlystop.install(['fsagent', 'up', '--home', 'h'])\n"
         "assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "from fsagent.up import StopRequest\n"
+        "from fsagent.commands.up import StopRequest\n"
         "stop = StopRequest()\n"
         "print(stop.requested, stop.name)\n"
     )

@@ -36,11 +36,10 @@ from typing import Any
 
 import pytest
 
+from fsagent.checkpoint.ship import Shipper
 from fsagent.errors import ControllerRefused, SaveFailed
-from fsagent.hydrate import hydrate_manifest
-from fsagent.memclient import MemoryBridgeClient
-from fsagent.ship import Shipper
-from fsagent.store import ROOT_INODE, Store
+from fsagent.state.hydrate import hydrate_manifest
+from fsagent.state.store import ROOT_INODE, Store
 from tests.support.checkpoints import receipts, versions
 from tests.support.controller import (
     ControllerProcess,
@@ -50,6 +49,7 @@ from tests.support.controller import (
     world_searchable_tmpdir,
 )
 from tests.support.lossy_proxy import Hold, LossyProxy
+from tests.support.memclient import MemoryBridgeClient
 from tests.support.mount import REPO, FsagentMount, MountFactory
 from tests.test_checkpoints import flush, server_files, start_run, token_file
 from tests.test_fsagent_ship_inproc import write_small

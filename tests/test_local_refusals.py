@@ -16,7 +16,7 @@ import pytest
 from common.bridge import MAX_LOCAL_REFUSAL_PATH, MAX_LOCAL_REFUSALS
 from common.errors import ValidationError
 from controller.checkpoint import parse_checkpoint
-from fsagent.dirscan import DirScan, local_refusals, shown_name
+from fsagent.dirmode.scan import DirScan, local_refusals, shown_name
 from tests.support.agentfiles import run_receipts
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fsagent import control
+from fsagent.control import protocol as control
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant
 from tests.support.lossy_proxy import LossyProxy

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fsagent.tls import EXIT_INSECURE, InsecureController, TransportOptions, check_url
+from fsagent.bridge.tls import EXIT_INSECURE, InsecureController, TransportOptions, check_url
 from tests.support.bridge import start_run
 from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, PgCluster, bootstrap_tenant

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from fsagent import listing
-from fsagent.repocapture import WorktreeLister, worktree_paths
-from fsagent.scan import Key, Problem, lstat_keys
+from fsagent.repos.capture import WorktreeLister, worktree_paths
+from fsagent.scan import listing
+from fsagent.scan.engine import Key, Problem, lstat_keys
 from tests.support.gitrepos import git
 
 MARGIN = 100_000_000

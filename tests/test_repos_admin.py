@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from fsagent.client import RepoList, RunInfo
-from fsagent.up import env_for, repos_env
+from fsagent.bridge.base import RepoList, RunInfo
+from fsagent.commands.up import env_for, repos_env
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.repos import add_workspace, repo_run, restart, small_repo
@@ -83,7 +83,7 @@ def test_add_workspace_start_run_binds_and_sets_the_primary_repo(tenant: Tenant)
 
 def test_start_run_env_is_the_env_file_fsagent_writes(tenant: Tenant) -> None:
     """start-run's ``env`` and the env file fsagent writes from the same run
-    (fsagent.up.env_for of GET /bridge/v1/run, repos_env of /bridge/v1/repos)
+    (fsagent.commands.up.env_for of GET /bridge/v1/run, repos_env of /bridge/v1/repos)
     name the same variables: a run without a task, or of a task that binds no
     repository, has no PAPERCLIP_REPOS_DIR in either."""
     ctl = tenant.controller

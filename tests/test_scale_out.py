@@ -39,7 +39,7 @@ import httpx
 import pytest
 
 from controller.foldercore import EMPTY_DIGEST
-from fsagent import control
+from fsagent.control import protocol as control
 from tests.support.balancer import RoundRobinBalancer
 from tests.support.controller import ControllerProcess, PgCluster, world_searchable_tmpdir
 from tests.support.mount import FsagentMount, MountFactory

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fsagent import scan
 from fsagent._lstat import lstat_keys as c_lstat_keys
+from fsagent.scan import engine as scan
 
 NS = 1_000_000_000
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common.text import MAX_ERROR_CHARS, check_text, clean_text
-from fsagent.client import HttpBridgeClient
+from fsagent.bridge.http import HttpBridgeClient
 from tests.support.bridge import start_run
 from tests.support.controller import Tenant
 

@@ -25,8 +25,8 @@ import zstandard
 
 from common.bridge import CHUNK_MAX, END_FRAME, PREFIX, encode_frame, frame_header
 from common.errors import BadFrame
+from common.wire import FrameSplitter, decode_frame
 from controller.cli import main as controller_main
-from controller.frames import FrameSplitter, decode_frame
 from tests.support.bridge import Run, framed, start_run
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, world_searchable_tmpdir
 

@@ -113,7 +113,7 @@ async def get_run(request: Request) -> Response:
             },
             "agentEntry": entry,
             "warnings": run_warnings(row),
-            # fsagent commits a large change set in parts within these (fsagent.ship).
+            # fsagent commits a large change set in parts within these (fsagent.checkpoint.ship).
             "maxPendingUploadBytes": quotas.max_pending_upload_bytes,
             "maxCheckpointEntries": quotas.max_checkpoint_entries,
             "maxCheckpointRows": quotas.max_checkpoint_rows,

@@ -13,7 +13,7 @@ object and registers it in one transaction.
 The batch is a transport only: every member becomes its
 own object under its own digest, exactly as a single upload would store it.
 
-1. The body streams through :class:`controller.frames.BatchSplitter` (bounds
+1. The body streams through :class:`common.wire.BatchSplitter` (bounds
    checked before any decompression) into one spool file for the batch; each
    member is decoded, hashed and appended in a worker thread, one thread hop
    per received piece of the body, never per member. A member whose bytes are
@@ -48,6 +48,14 @@ from psycopg import AsyncConnection
 from starlette.requests import Request
 
 from common.errors import DigestMismatch, PayloadTooLarge, StorageUnavailable
+from common.wire import (
+    BatchSplitter,
+    Frame,
+    FrameSplitter,
+    Member,
+    MemberEnd,
+    decode_frame,
+)
 from controller import foldercore, quotas, runs
 from controller.api.common import connection, state, transact, write_transaction
 from controller.api.objects import (
@@ -60,14 +68,6 @@ from controller.api.objects import (
 )
 from controller.auth import RunBinding
 from controller.foldercore import Authority
-from controller.frames import (
-    BatchSplitter,
-    Frame,
-    FrameSplitter,
-    Member,
-    MemberEnd,
-    decode_frame,
-)
 from controller.storage.base import Span, StorageProvider, object_key
 
 Confirm = Authority

@@ -7,7 +7,7 @@
 #
 # The file is decoded here, never run: every login shell reads this script,
 # root's too, and the agent may write its own env file. A value is
-# `KEY="..."` with a backslash before each \ " $ ` (fsagent/envfile.py, which
+# `KEY="..."` with a backslash before each \ " $ ` (fsagent/commands/envfile.py, which
 # systemd and `set -a; . FILE` read the same way); an unquoted value (a file
 # of an older fsagent) is taken as it is. POSIX sh: dash runs it too.
 fsagent_export_env() {

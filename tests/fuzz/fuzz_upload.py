@@ -27,7 +27,7 @@ import zstandard
 
 with atheris.instrument_imports(
     include=[
-        "controller.frames",
+        "common.wire",
         "controller.checkpoint",
         "controller.repomanifest",
         "common.repos",
@@ -37,9 +37,9 @@ with atheris.instrument_imports(
 ):
     from common.bridge import END_FRAME, encode_frame, frame_header
     from common.errors import BadFrame, UnsafeRepoMember, ValidationError
+    from common.wire import FrameSplitter, decode_frame
     from controller.api.common import parse_json_object
     from controller.checkpoint import parse_checkpoint
-    from controller.frames import FrameSplitter, decode_frame
     from controller.repomanifest import parse_request
 
 FRAMES, CHECKPOINT, REPO_CHECKPOINT = 0, 1, 2

@@ -57,9 +57,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsagent.daemon import is_ready
-from fsagent.localbridge import runtime_dir
-from fsagent.statedir import MARKER
+from fsagent.commands.daemon import is_ready
+from fsagent.localapi.endpoint import runtime_dir
+from fsagent.state.statedir import MARKER
 from tests.support.agentfiles import folder_entries, run_detail
 from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, bootstrap_tenant

@@ -61,7 +61,7 @@ def mounts() -> Iterator[MountFactory]:
 
 @pytest.fixture(params=["no-open", "handles"])
 def mounts_in_both_modes(request: pytest.FixtureRequest) -> Iterator[MountFactory]:
-    """Mounts in each of fsagent's FUSE modes in turn (fsagent.fs): the kernel's
+    """Mounts in each of fsagent's FUSE modes in turn (fsagent.fuse.fs): the kernel's
     "no open" mode, with the patched pyfuse3 whatever the venv holds, and
     OPEN/RELEASE handles, the mode of a stock pyfuse3."""
     with mount_factory() as factory:

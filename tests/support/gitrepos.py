@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsagent.client import HttpBridgeClient
+from fsagent.bridge.http import HttpBridgeClient
 from tests.support.bridge import Run
 from tests.support.constants import REPO
 from tests.support.controller import Tenant

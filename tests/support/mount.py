@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsagent.dirmode import release_directory
-from fsagent.mount import mount_device
+from fsagent.dirmode.serve import release_directory
+from fsagent.fuse.mount import mount_device
 from tests.support.constants import REPO, SCOPES
 from tests.support.procs import ProcessError, run_module_json
 from tests.support.source import make_source, sha256
@@ -88,7 +88,7 @@ class FsagentMount:
     mount_seconds: float = 0.0
     """Process start to the mount being there, measured by :meth:`start`."""
     mode: str = "fuse"
-    """``fuse`` or ``dir`` (a plain directory, fsagent.dirmode)."""
+    """``fuse`` or ``dir`` (a plain directory, fsagent.dirmode.serve)."""
 
     @property
     def ready_file(self) -> Path:

@@ -20,7 +20,7 @@ from common.bridge import (
     PREFIX,
     encode_batch,
 )
-from controller.frames import Frame, decode_frame
+from common.wire import Frame, decode_frame
 from tests.support.bridge import framed
 from tests.support.controller import Tenant, client_tls
 

@@ -1,0 +1,1 @@
+"""``fsagent bridge``: the local API endpoint that sandbox code calls (``endpoint``)."""
