@@ -28,7 +28,7 @@ demo: deps
 # Two workers, each taking whole test files (module fixtures stay shared);
 # PYTEST_WORKERS=0 runs everything in one process. A worker that dies ends the
 # run, naming its test: xdist would run that test again on the other worker and,
-# with --dist loadfile, then wait forever (tests/test_support.py).
+# with --dist loadfile, then wait forever (tests/meta/test_support.py).
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST = --dist loadfile --max-worker-restart=0
 test: deps-test

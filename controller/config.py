@@ -264,7 +264,7 @@ PER_PROCESS_FLAGS = frozenset(
 )
 """Limits each controller process keeps in its own memory: with N replicas
 behind a load balancer the service allows N times each. docs/operators/sizing.md
-("Sizing for N replicas") says how to set each (tests/test_replica_sizing.py checks that it
+("Sizing for N replicas") says how to set each (tests/controller/test_replica_sizing.py checks that it
 names every one). Every other limit and quota is kept in PostgreSQL or is per
 request, and holds across replicas."""
 

@@ -8,7 +8,7 @@
 
 Run ``python docs/gen_api.py`` from the repository root after changing a route
 or a flag; ``--check`` exits 1 naming each page that is out of date
-(``tests/test_docs_reference.py`` runs it).
+(``tests/meta/test_docs_reference.py`` runs it).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ for opt in "$@"; do
         # conmon and crun come with it; runc runs containers where crun
         # refuses the host's cgroups; no uidmap, slirp4netns or fuse-overlayfs,
         # which only rootless needs) and debootstrap for the controller image
-        # test, and the programs the other tests run (tests/test_ops_packaging.py
+        # test, and the programs the other tests run (tests/system/test_ops_packaging.py
         # checks the list).
         --test) pkgs+=(chromium chromium-driver fonts-dejavu-core debootstrap systemd-container
                        systemd util-linux mount podman runc)

@@ -6,7 +6,7 @@ importing them.
 """
 
 pytest_plugins = [
-    "pytester",  # tests/test_support.py runs inner sessions to prove the session checks
+    "pytester",  # tests/meta/test_support.py runs inner sessions to prove the session checks
     "tests.support.session",
     "tests.support.watchdog",
     "tests.support.fixtures",

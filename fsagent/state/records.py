@@ -52,7 +52,7 @@ _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _json_str = json.encoder.encode_basestring
 """A JSON string as ``_encode`` writes it (C, no encoder object per call): the
 two hottest records are written field by field, byte for byte what ``_encode``
-gives (tests/test_fsagent_records.py), at a third of its cost."""
+gives (tests/fsagent/test_fsagent_records.py), at a third of its cost."""
 
 
 def ikey(ino: int) -> bytes:

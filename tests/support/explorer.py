@@ -36,7 +36,7 @@ After every schedule the controller is up, one last ``up`` stops cleanly, and:
 
 A schedule is reproducible from its seed (the events, not the timing of real
 processes). ``python -m tests.support.explorer --schedules N`` (``make
-explore``) runs many; ``tests/test_lifecycle_explorer.py`` runs fixed seeds
+explore``) runs many; ``tests/system/test_lifecycle_explorer.py`` runs fixed seeds
 and one random one.
 """
 

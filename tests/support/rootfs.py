@@ -4,7 +4,7 @@ A tree is named ``KIND-KEY``, KEY a hash of its recipe (:func:`digest`): it is
 built when missing, under the cache's lock, into a temporary name renamed into
 place when complete, and the older keys of the same kind are removed. The
 sandbox boot test keeps its minimal rootfs and wheels this way
-(tests/test_sandbox_boot.py), the container image test the rootfs of its
+(tests/system/test_sandbox_boot.py), the container image test the rootfs of its
 local Python base image (:mod:`tests.support.container`).
 """
 
