@@ -34,6 +34,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import trio
@@ -41,6 +42,8 @@ import trio
 from fsagent.bridge.base import BridgeClient
 from fsagent.checkpoint.ship import Checkpoints, FinalSave, SaveResult, limit_warning
 from fsagent.errors import FsagentError, SaveFailed
+from fsagent.state.records import Binding
+from fsagent.state.statedir import MARKER, StateDir
 
 log = logging.getLogger("fsagent.lifecycle")
 
@@ -51,6 +54,19 @@ FINAL_PAUSE_MAX_SECONDS = 30.0
 FINAL_PAUSE_ENV = "FSAGENT_TEST_FINAL_PAUSE"
 """Shortens the first of those pauses (tests: three attempts without 6 s of
 waiting); never lengthens it."""
+
+
+def refuse_other_binding(state_dir: Path, binding: Binding) -> None:
+    """A collection this run does not bind (served empty and read-only) may
+    not pick up another binding's state: a state dir left at ``state_dir``
+    is opened only to check that it is ``binding``'s (``StateDir.bind``
+    raises ``StateBindingMismatch`` otherwise) and is left as it was."""
+    if (state_dir / MARKER).exists():
+        existing = StateDir.open(state_dir)
+        try:
+            existing.bind(binding)
+        finally:
+            existing.close()
 
 
 def final_pause(attempt: int) -> float:

@@ -90,7 +90,7 @@ from fsagent.errors import (
 from fsagent.mountguard import set_immutable
 from fsagent.state.hydrate import manifest_row
 from fsagent.state.records import EMPTY_DIGEST, BaseEntry, Binding, Kind, LocalEntry, ManifestRow
-from fsagent.state.statedir import MARKER, StateDir, discard_state_dir
+from fsagent.state.statedir import discard_state_dir
 
 log = logging.getLogger("fsagent.dirmode")
 
@@ -793,13 +793,7 @@ async def _serve_bound(
 
 async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
     """An empty directory made read-only until stopped; nothing is ever saved."""
-    if (opts.state_dir / MARKER).exists():
-        # A run without this scope may not pick up another binding's state.
-        existing = StateDir.open(opts.state_dir)
-        try:
-            existing.bind(binding)
-        finally:
-            existing.close()
+    lifecycle.refuse_other_binding(opts.state_dir, binding)
     root_fd = _pin(opts.directory)
     stop = DirStop()
     try:

@@ -85,7 +85,7 @@ from fsagent.fuse.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
 from fsagent.mountguard import MountGuard, adopt_strays
 from fsagent.state.hydrate import ContentFetcher, hydrate_manifest, manifest_row
 from fsagent.state.statedir import discard_state_dir
-from fsagent.state.store import MARKER, Binding, ManifestRow, Store
+from fsagent.state.store import Binding, ManifestRow, Store
 
 log = logging.getLogger("fsagent.mount")
 
@@ -364,13 +364,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
             if warning.get("scope") == "agent":
                 print(f"fsagent: warning: {warning.get('message')}", file=sys.stderr)
     if owner is None:
-        if (opts.state_dir / MARKER).exists():
-            # A run without this scope may not pick up another binding's state.
-            existing = Store.open(opts.state_dir)
-            try:
-                existing.bind(binding)
-            finally:
-                existing.close()
+        lifecycle.refuse_other_binding(opts.state_dir, binding)
         # An unbound collection is an empty read-only directory: a throwaway store.
         scratch = Path(tempfile.mkdtemp(prefix=f"fsagent-unbound-{opts.scope}-"))
         store = Store.open(scratch / "state")
