@@ -1,15 +1,18 @@
-"""The bridge client a ``--controller`` option names: :func:`open_client`
-(the interface: :mod:`fsagent.bridge.base`).
+"""The bridge client a ``--controller`` option names: :func:`open_client`,
+and :func:`client_from_args` for the commands that take ``--controller`` and
+``--token-file`` (the interface: :mod:`fsagent.bridge.base`).
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from fsagent.bridge.base import BridgeClient
 from fsagent.bridge.directory import DirectoryBridgeClient
 from fsagent.bridge.http import HttpBridgeClient
-from fsagent.bridge.tls import TransportOptions, check_url
+from fsagent.bridge.tls import TransportOptions, check_url, options_from
+from fsagent.errors import FsagentError
 
 
 def open_client(
@@ -29,3 +32,24 @@ def open_client(
         raise ValueError("a run token is required for an HTTP controller")
     check_url(controller, tls or TransportOptions())
     return HttpBridgeClient(controller, token, retry_deadline=retry_deadline, tls=tls)
+
+
+def read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise FsagentError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise FsagentError(f"token file {path} is empty")
+    return token
+
+
+def client_from_args(args: argparse.Namespace) -> BridgeClient:
+    token = read_token(args.token_file)
+    if token is None and not args.controller.startswith(("dir:", "file://")):
+        raise FsagentError("--token-file is required for an HTTP controller")
+    return open_client(
+        args.controller, token, retry_deadline=args.retry_deadline, tls=options_from(args)
+    )

@@ -3,7 +3,8 @@ directory where FUSE is unavailable: fsagent.fuse.probe), then serve in the
 foreground or start the foreground daemon detached and return once it serves.
 
 Also the run-token and controller options every command shares
-(:func:`read_token`, :func:`client_from_args`).
+(:func:`fsagent.bridge.client.read_token`,
+:func:`fsagent.bridge.client.client_from_args`).
 """
 
 from __future__ import annotations
@@ -21,36 +22,13 @@ from pathlib import Path
 import trio
 
 from common.limits import SCOPES
-from fsagent.bridge.base import BridgeClient
-from fsagent.bridge.client import open_client
-from fsagent.bridge.tls import options_from
+from fsagent.bridge.client import client_from_args
 from fsagent.dirmode.progress import ProgressView
 from fsagent.errors import EXIT_SAVE_FAILED, FsagentError, MountFailed
 from fsagent.fuse.probe import Decision, decide, dir_mode_line
 from fsagent.state.store import default_state_root
 
 log = logging.getLogger("fsagent")
-
-
-def read_token(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise FsagentError(f"cannot read token file {path}: {exc.strerror}") from None
-    if not token:
-        raise FsagentError(f"token file {path} is empty")
-    return token
-
-
-def client_from_args(args: argparse.Namespace) -> BridgeClient:
-    token = read_token(args.token_file)
-    if token is None and not args.controller.startswith(("dir:", "file://")):
-        raise FsagentError("--token-file is required for an HTTP controller")
-    return open_client(
-        args.controller, token, retry_deadline=args.retry_deadline, tls=options_from(args)
-    )
 
 
 def detach_dead_mount(mountpoint: Path) -> None:

@@ -40,8 +40,7 @@ import trio
 
 from common.limits import SCOPES
 from fsagent.bridge import tls
-from fsagent.bridge.client import open_client
-from fsagent.commands.daemon import read_token
+from fsagent.bridge.client import open_client, read_token
 from fsagent.commands.launch import (
     SHELLS,
     ContractUnmet,

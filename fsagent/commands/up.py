@@ -79,8 +79,9 @@ import trio
 from common.limits import SCOPES
 from fsagent import earlystop
 from fsagent.bridge.base import RepoList, RunInfo
+from fsagent.bridge.client import client_from_args
 from fsagent.bridge.tls import forwarded_argv, options_from
-from fsagent.commands.daemon import client_from_args, detach_dead_mount, is_ready
+from fsagent.commands.daemon import detach_dead_mount, is_ready
 from fsagent.commands.envfile import format_env, write_env_file
 from fsagent.dirmode.progress import ProgressView
 from fsagent.dirmode.serve import AGENT_FINAL_ATTEMPTS
@@ -622,7 +623,7 @@ def bridge_argv(args: argparse.Namespace, sock: str, port: int, ready: Path) -> 
 
 def bridge(args: argparse.Namespace, state_root: Path) -> Child:
     """``fsagent bridge``, the local API endpoint: served once its ready file names it."""
-    from fsagent.localapi.endpoint import default_socket, runtime_dir
+    from fsagent.state.statedir import default_socket, runtime_dir
 
     ready = runtime_dir(state_root) / "bridge.json"
     ready.parent.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ from common.limits import AGENT_LOCAL_MAX_ENTRIES, MAX_ENTRIES, MAX_FILE_BYTES, 
 from common.paths import MAX_PATH_SEGMENTS, decode_fs_name, is_within
 from common.types import Digest
 from fsagent.fuse import stats
+from fsagent.fuse.content import Content, OpenFile
 from fsagent.fuse.glue import (
     TIMEOUT,
     Spinner,
@@ -68,7 +69,6 @@ from fsagent.fuse.glue import (
     set_metadata,
     statfs_reply,
 )
-from fsagent.state.content import Content, OpenFile
 from fsagent.state.hydrate import ContentFetcher
 from fsagent.state.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store, now_ns
 

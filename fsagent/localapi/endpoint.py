@@ -46,10 +46,10 @@ import httpx
 from common import logs
 from common.bridge import PREFIX
 from fsagent.bridge import tls
+from fsagent.bridge.client import read_token
 from fsagent.bridge.requestlog import event_hooks, request_fields
-from fsagent.commands.daemon import read_token
 from fsagent.errors import FsagentError
-from fsagent.state.store import default_state_root
+from fsagent.state.statedir import default_socket
 
 log = logging.getLogger("fsagent.localbridge")
 
@@ -93,15 +93,6 @@ SOCKET_PATH_MAX = 107
 UPSTREAM_TIMEOUT = httpx.Timeout(600.0, connect=10.0, pool=None)
 """Connecting may take 10 s; the controller may then go quiet for 600 s between
 two pieces of a body (its own per-request limit answers sooner)."""
-
-
-def runtime_dir(state_root: Path | None = None) -> Path:
-    """The agent's runtime directory: ``<state root>/run``."""
-    return (state_root or default_state_root()) / "run"
-
-
-def default_socket(state_root: Path | None = None) -> Path:
-    return runtime_dir(state_root) / "api.sock"
 
 
 class TokenSource:

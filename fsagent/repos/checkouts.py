@@ -45,7 +45,7 @@ import trio
 
 from common.limits import CHECKPOINT_INTERVAL_SECONDS
 from fsagent.bridge.base import BridgeClient, RepoList, RunInfo
-from fsagent.commands.daemon import client_from_args
+from fsagent.bridge.client import client_from_args
 from fsagent.errors import ControllerRefused, FsagentError, RepoPrepareFailed, RepoSaveFailed
 from fsagent.repos.prepare import (
     BINDING_RECORD,

@@ -1,4 +1,5 @@
-"""File contents: saved objects, copy-on-write, inline contents and ``upper/<inode>``.
+"""File contents on the state dir's disk: saved objects, inline contents and
+``upper/<inode>``.
 
 Reads of unchanged files come from ``objects/<digest>`` (fetched on first
 open); the first write copies the file to the upper layer (a truncation to
@@ -8,43 +9,25 @@ upper copy of a file of at most ``INLINE_MAX`` bytes lives in the store's
 with no file created or deleted on the disk (on ext4 an inode allocation can
 take a millisecond).  A larger one is ``upper/<inode>``, and a file moves
 there once it grows past the limit.  This module is the only one that knows
-that layout (:class:`UpperFiles`).
+the ``upper/`` layout (:class:`UpperFiles`); the open files of a mount and
+their copy-on-write are :mod:`fsagent.fuse.content`'s.
 
-Durability point: each WRITE reaches the upper file (or the inline record)
-and its size, generation and journal entry are committed before it is
-answered, so a written file survives ``kill -9``; after a crash the size of
-an upper file is recovered from the file itself, which is always exactly as
-long as the logical file (fsagent.state.tree, ``recover``).
-
-Threading: reads and writes of one FUSE request (at most 128 KiB) on a local
-file go straight to the page cache and are done inline on the trio thread,
-because a thread hop would cost more than the copy.  Whole-file work (copy-up,
-fsync, object fetches) runs in worker threads; an fd used by a worker is
-pinned so that it is not closed underneath it.
+After a crash the size of an upper file is recovered from the file itself,
+which is always exactly as long as the logical file (fsagent.state.tree,
+``recover``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Final, TypeVar
+from typing import BinaryIO, Final
 
-import trio
-
-from common.types import Digest
-from fsagent.state.records import EMPTY_DIGEST, Inode, InodeNo, now_ns
-
-if TYPE_CHECKING:
-    from fsagent.state.hydrate import ContentFetcher
-    from fsagent.state.store import Store
+from fsagent.state.records import InodeNo
 
 INLINE_MAX: Final = 64 * 1024
-_R = TypeVar("_R")
 
 
 class UpperFiles:
@@ -103,228 +86,3 @@ class UpperFiles:
             if not (name.isdigit() and InodeNo(int(name)) in keep):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.directory / name)
-
-
-@dataclass(slots=True)
-class OpenFile:
-    """Per-inode backing fd shared by all handles of that inode (-1 while inline).
-
-    ``opens``: open handles (when the kernel sends OPEN); ``pins``: uses in
-    flight that may wait (a worker thread, a copy-up), during which the fd
-    must not be closed."""
-
-    fd: int
-    upper: bool
-    inline: bool = False
-    opens: int = 0
-    pins: int = 0
-    retired: list[int] = field(default_factory=list)
-    unsynced: int = 0
-    """Bytes written to ``fd`` since its last fsync."""
-
-
-class Content:
-    """The contents of the open files of one mount; used by the FUSE operations only.
-
-    Every method that changes content commits through the store before it
-    returns (see the durability point above).  Raises OSError (ENOSPC, EIO
-    from a failed fetch); the FUSE layer maps errors to errno replies.
-    """
-
-    def __init__(self, store: Store, fetcher: ContentFetcher) -> None:
-        self.store = store
-        self.fetcher = fetcher
-        self.upper = store.upper
-        self.files: dict[InodeNo, OpenFile] = {}
-        self._copy_locks: dict[InodeNo, trio.Lock] = {}
-
-    def release_fd(self, of: OpenFile, fd: int) -> None:
-        if fd < 0:
-            return
-        if of.pins:
-            of.retired.append(fd)
-        else:
-            os.close(fd)
-
-    async def pinned(self, of: OpenFile, fn: Callable[[int], _R]) -> _R:
-        """Run ``fn(fd)`` in a worker thread without the fd being closed meanwhile."""
-        of.pins += 1
-        try:
-            return await trio.to_thread.run_sync(fn, of.fd)
-        finally:
-            self.unpin(of)
-
-    @staticmethod
-    def unpin(of: OpenFile) -> None:
-        """End one use of ``of`` begun with ``of.pins += 1``; close the fds
-        retired meanwhile once nobody uses them."""
-        of.pins -= 1
-        if not of.pins:
-            for fd in of.retired:
-                os.close(fd)
-            of.retired.clear()
-
-    async def make_upper(self, inode: Inode, *, copy: bool) -> None:
-        """Give ``inode`` its own upper copy (copy-on-write), once.
-
-        Up to ``INLINE_MAX`` bytes the copy goes into the store in the same
-        commit that sets the upper flag.  A larger copy is complete (written
-        to a temp name and renamed into place) before the inode record says
-        ``upper``, so a crash in between leaves the saved content showing,
-        never a half copy.  ``copy=False`` (a truncation to zero) copies nothing.
-        """
-        lock = self._copy_locks.setdefault(inode.ino, trio.Lock())
-        async with lock:
-            if inode.upper:
-                return
-            size = inode.size if copy and inode.digest and inode.digest != EMPTY_DIGEST else 0
-            src = await self.fetcher.ensure(Digest(inode.digest or EMPTY_DIGEST)) if size else None
-            if size <= INLINE_MAX:
-                data = b"" if src is None else await trio.to_thread.run_sync(src.read_bytes)
-                if not self.store.has_room(len(data)):
-                    raise OSError(errno.ENOSPC, "no room for inline contents")
-                inode.size = len(data)
-            else:
-                assert src is not None
-                await trio.to_thread.run_sync(
-                    self.upper.write_complete, inode.ino, lambda tmp: shutil.copyfile(src, tmp)
-                )
-                data = None
-            inode.upper = True
-            inode.digest = None
-            inode.generation += 1
-            self.store.persist(inode, touch="write", inline=data)
-            of = self.files.get(inode.ino)
-            if of is not None and not of.upper:
-                old = of.fd
-                of.fd = -1 if data is not None else self.upper.open_rw(inode.ino)
-                of.upper, of.inline = True, data is not None
-                self.release_fd(of, old)
-        self._copy_locks.pop(inode.ino, None)
-
-    def _spill(self, inode: Inode, data: bytes) -> None:
-        """Move an inline file that outgrows ``INLINE_MAX`` to ``upper/<inode>``.
-
-        Synchronous on purpose: no other request may change the inline copy
-        while it moves.  The file is complete before the inline copy is
-        dropped; a crash in between leaves both and recovery keeps the inline one.
-        A failure (the disk full, a commit past the reserve) leaves the file
-        inline as it was, with no upper file taking the space; the backing is
-        opened before the inline copy goes, so an open file never reads an
-        inline copy that is gone.
-        """
-        self.upper.write_complete(inode.ino, lambda tmp: tmp.write_bytes(data))
-        of = self.files.get(inode.ino)
-        fd = -1
-        try:
-            if of is not None:
-                fd = self.upper.open_rw(inode.ino)
-            self.store.drop_inline(inode)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            self.upper.remove(inode.ino)
-            raise
-        if of is not None:
-            of.fd, of.inline = fd, False
-
-    async def truncate(self, node: Inode, size: int) -> bytes | None:
-        """Set the file's length (copying it up first); the new inline
-        contents for the caller's commit, or None when the file is not inline."""
-        if not node.upper:
-            await self.make_upper(node, copy=size > 0)
-        inline = self.store.inline_data(node.ino)
-        if inline is not None and size > INLINE_MAX:
-            self._spill(node, inline)
-            inline = None
-        if inline is not None:
-            if size > len(inline) and not self.store.has_room(size - len(inline)):
-                raise OSError(errno.ENOSPC, "no room for inline contents")
-            inline = inline[:size] + bytes(max(0, size - len(inline)))
-        else:
-            of = self.files.get(node.ino)
-            if of is not None:
-                os.ftruncate(of.fd, size)
-            else:
-                self.upper.truncate(node.ino, size)
-        node.size = size
-        node.generation += 1
-        node.mtime_ns = now_ns()
-        return inline
-
-    def open_upper(self, ino: InodeNo) -> OpenFile:
-        if self.store.inline_data(ino) is not None:
-            return OpenFile(-1, upper=True, inline=True)
-        return OpenFile(self.upper.open_rw(ino), upper=True)
-
-    @staticmethod
-    def open_saved(path: Path) -> OpenFile:
-        """A read-only backing file on a saved object (until the first write copies it up)."""
-        return OpenFile(os.open(path, os.O_RDONLY | os.O_CLOEXEC), upper=False)
-
-    def read(self, ino: InodeNo, of: OpenFile, off: int, size: int) -> bytes:
-        if of.inline:
-            return (self.store.inline_data(ino) or b"")[off : off + size]
-        return os.pread(of.fd, size, off)
-
-    async def write(self, node: Inode, of: OpenFile, off: int, buf: bytes) -> int:
-        """Write ``buf`` at ``off``; bytes, size, generation and journal entry
-        are committed before this returns.
-
-        The mtime is left alone: with the writeback cache (fsagent.fuse.fs) the
-        kernel owns it. It stamps the time of the agent's write() or of the
-        first store to a mapped page and hands it over in a SETATTR, which
-        may reach us before this page write-back does (mmap's pages are
-        written back in the background). A stamp of our own clock here
-        replaced the kernel's time, and the file showed another mtime after
-        a remount than before it."""
-        end = off + len(buf)
-        if not node.upper:
-            await self.make_upper(node, copy=True)
-        if of.inline:
-            data = self.store.inline_data(node.ino) or b""
-            if end > INLINE_MAX:
-                self._spill(node, data)
-            else:
-                if end > len(data) and not self.store.has_room(end - len(data)):
-                    raise OSError(errno.ENOSPC, "no room for inline contents")
-                if off > len(data):
-                    data += bytes(off - len(data))
-                node.size = max(len(data), end)
-                node.generation += 1
-                self.store.persist(node, touch="write", inline=data[:off] + buf + data[end:])
-                return len(buf)
-        # Never answer with a short count: FUSE writeback takes any answer
-        # without an error for the whole request, so the tail past a short
-        # write (the disk just filled) would be lost without a trace, even
-        # though the agent's fsync and close succeed. Write the rest, and
-        # let ENOSPC reach the kernel as this request's error.
-        view = memoryview(buf)
-        written = 0
-        try:
-            while written < len(buf):
-                written += os.pwrite(of.fd, view[written:], off + written)
-        finally:
-            of.unsynced += written
-            if written:
-                node.size = max(node.size, off + written)
-                node.generation += 1
-                self.store.persist(node, touch="write")
-        return written
-
-    async def fsync(self, of: OpenFile) -> None:
-        """Make the upper file's data and length durable (the caller syncs the
-        store when the inode's records may not be durable yet)."""
-        if of.upper and not of.inline:
-            unsynced = of.unsynced
-            await self.pinned(of, os.fdatasync)
-            of.unsynced -= unsynced  # what was written meanwhile is still unsynced
-
-    def close_all(self) -> None:
-        """After unmount: close every backing fd (every change is already committed)."""
-        for of in self.files.values():
-            if of.fd >= 0:
-                os.close(of.fd)
-            for fd in of.retired:
-                os.close(fd)
-        self.files.clear()

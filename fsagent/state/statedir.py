@@ -84,6 +84,16 @@ def default_state_root() -> Path:
     return Path(os.path.expanduser("~")) / ".local" / "state" / "fsagent"
 
 
+def runtime_dir(state_root: Path | None = None) -> Path:
+    """The agent's runtime directory: ``<state root>/run``."""
+    return (state_root or default_state_root()) / "run"
+
+
+def default_socket(state_root: Path | None = None) -> Path:
+    """Where ``fsagent bridge``, the local API endpoint, listens by default."""
+    return runtime_dir(state_root) / "api.sock"
+
+
 class _WriteTxn:
     """A write transaction whose commit failing for lack of disk space is an ENOSPC."""
 

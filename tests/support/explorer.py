@@ -58,8 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from fsagent.commands.daemon import is_ready
-from fsagent.localapi.endpoint import runtime_dir
-from fsagent.state.statedir import MARKER
+from fsagent.state.statedir import MARKER, runtime_dir
 from tests.support.agentfiles import folder_entries, run_detail
 from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, bootstrap_tenant
