@@ -152,7 +152,7 @@ def change_set(state_dir: Path) -> tuple[list[Change], dict[str, Any] | None]:
     of its directory, whose refusals are under ``mode["scan"]``."""
     store = _open_store(state_dir)
     try:
-        mode = store.mode_record()
+        mode = store.dir.mode_record()
         if mode is None or mode.get("mode") != "dir":
             return store.changes_since_baseline(), mode
     finally:
@@ -185,10 +185,10 @@ def collection_status(state_dir: Path) -> dict[str, Any]:
     changes, mode = change_set(state_dir)
     store = _open_store(state_dir)
     try:
-        binding = store.binding()
-        baseline = store.baseline()
-        saves = store.save_status()
-        pending = store.pending_checkpoint()
+        binding = store.dir.binding()
+        baseline = store.journal.baseline()
+        saves = store.journal.save_status()
+        pending = store.journal.pending_checkpoint()
     finally:
         store.close()
     daemon = _daemon(state_dir)

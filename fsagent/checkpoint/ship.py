@@ -425,20 +425,32 @@ class ContentReader(Protocol):
     def open_read(self, ino: int) -> BinaryIO: ...
 
 
-class ShipStore(Protocol):
-    """What the shipper reads and writes of a collection's state: a FUSE
-    mount's :class:`fsagent.state.store.Store` (the journal, inodes and ``upper/``)
-    or a plain directory's :class:`fsagent.dirmode.store.DirStore` (a scan; files
-    read from the directory). An upload's ``inode`` and ``generation`` are
-    whatever ``get`` and ``upper`` understand: the shipper only compares the
-    generation before and after reading."""
-
-    @property
-    def upper(self) -> ContentReader: ...
+class ShipJournal(Protocol):
+    """The checkpoint records of a state dir (:class:`fsagent.state.journal.Journal`)."""
 
     def pending_checkpoint(self) -> dict[str, Any] | None: ...
 
     def set_pending_checkpoint(self, record: dict[str, Any] | None) -> None: ...
+
+    def record_save_error(self, message: str, code: str | None = None) -> None: ...
+
+    def save_status(self) -> dict[str, Any]: ...
+
+
+class ShipStore(Protocol):
+    """What the shipper reads and writes of a collection's state: a FUSE
+    mount's :class:`fsagent.state.store.Store` (the journal, inodes and ``upper/``)
+    or a plain directory's :class:`fsagent.dirmode.store.DirStore` (a scan; files
+    read from the directory). Both keep their checkpoint records in
+    ``journal``. An upload's ``inode`` and ``generation`` are whatever ``get``
+    and ``upper`` understand: the shipper only compares the generation before
+    and after reading."""
+
+    @property
+    def upper(self) -> ContentReader: ...
+
+    @property
+    def journal(self) -> ShipJournal: ...
 
     def changes_since_baseline(self) -> list[Change]: ...
 
@@ -449,10 +461,6 @@ class ShipStore(Protocol):
     def finish_checkpoint(
         self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
     ) -> int: ...
-
-    def record_save_error(self, message: str, code: str | None = None) -> None: ...
-
-    def save_status(self) -> dict[str, Any]: ...
 
 
 class ShipState:
@@ -472,14 +480,14 @@ class ShipState:
         return self.store.upper
 
     async def pending(self) -> dict[str, Any] | None:
-        return self.store.pending_checkpoint()
+        return self.store.journal.pending_checkpoint()
 
     async def changes(self) -> list[Change]:
         return self.store.changes_since_baseline()
 
     async def set_pending(self, record: dict[str, Any] | None) -> None:
         """Durable before it returns (operation ids before bytes)."""
-        self.store.set_pending_checkpoint(record)
+        self.store.journal.set_pending_checkpoint(record)
 
     async def contents(self, changes: list[Change]) -> list[tuple[Change, bytes | None]]:
         """The uploads still at their listed write generation, each with its
@@ -504,11 +512,11 @@ class ShipState:
         self.store.finish_checkpoint(shipped, receipt)
 
     async def record_error(self, message: str, code: str | None = None) -> None:
-        self.store.record_save_error(message, code)
+        self.store.journal.record_save_error(message, code)
 
     async def failed(self) -> bool:
         """Whether the last save failed (``fsagent status`` shows ``lastError``)."""
-        return "lastError" in self.store.save_status()
+        return "lastError" in self.store.journal.save_status()
 
 
 class Checkpoints(Protocol):

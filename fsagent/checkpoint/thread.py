@@ -110,13 +110,13 @@ class ThreadState(ShipState):
         self.mount = mount
 
     async def pending(self) -> dict[str, Any] | None:
-        return self.store.pending_checkpoint()
+        return self.store.journal.pending_checkpoint()
 
     async def changes(self) -> list[Change]:
         return self.store.changes_since_baseline(committed=True)
 
     async def set_pending(self, record: dict[str, Any] | None) -> None:
-        self.store.set_pending_checkpoint(record)
+        self.store.journal.set_pending_checkpoint(record)
 
     async def contents(self, changes: list[Change]) -> list[tuple[Change, bytes | None]]:
         inos = []
@@ -124,7 +124,7 @@ class ThreadState(ShipState):
             assert change.inode is not None
             inos.append(change.inode)
         out: list[tuple[Change, bytes | None]] = []
-        for change, seen in zip(changes, self.store.committed_contents(inos), strict=True):
+        for change, seen in zip(changes, self.store.tree.committed_contents(inos), strict=True):
             if seen is not None and seen[0] == change.generation:
                 out.append((change, seen[1]))
         return out
@@ -133,16 +133,16 @@ class ThreadState(ShipState):
         return await call_on(self.mount, functools.partial(live_unchanged, self.store, changes))
 
     async def finish(self, shipped: Shipped, receipt: dict[str, Any]) -> None:
-        high_water = self.store.baseline().high_water
+        high_water = self.store.journal.baseline().high_water
         for first in range(0, len(shipped), ACK_PART):
             part = shipped[first : first + ACK_PART]
             await call_on(self.mount, functools.partial(self.store.acknowledge, part, high_water))
         if not shipped:
             await call_on(self.mount, functools.partial(self.store.acknowledge, [], high_water))
-        self.store.close_checkpoint(receipt)
+        self.store.journal.close_checkpoint(receipt)
 
     async def record_error(self, message: str, code: str | None = None) -> None:
-        self.store.record_save_error(message, code)
+        self.store.journal.record_save_error(message, code)
 
 
 class ShipThread:

@@ -385,7 +385,7 @@ async def take_incoming(store: DirStore, client: BridgeClient, scope: str) -> in
     the local version; so does a directory with such a path below it. Returns
     the paths updated.
     """
-    since = store.baseline().high_water
+    since = store.journal.baseline().high_water
     incoming: list[tuple[str, ManifestRow | None]] = []
     high_water = since
     try:
@@ -611,8 +611,8 @@ async def serve_dir(client: BridgeClient, opts: DirOptions) -> DirStop:
         await trio.to_thread.run_sync(finish_discard, root_fd, state_dir)
         store = DirStore.open(state_dir)
         try:
-            store.bind(binding)
-            store.claim_mode("dir", opts.reason, str(directory))
+            store.dir.bind(binding)
+            store.dir.claim_mode("dir", opts.reason, str(directory))
             store.attach(root_fd)
             store.protected = run.agent_entry if contract else None
             await _serve_bound(client, opts, store, run.lease_epoch, root_fd, stop)
@@ -723,10 +723,10 @@ async def _serve_bound(
     stop: DirStop,
 ) -> None:
     shipper = DirShipper(store, client, opts.scope, lease_epoch) if client.writable else None
-    stop.report_failed = lifecycle.failure_reporter(store, client, opts.scope)
+    stop.report_failed = lifecycle.failure_reporter(store.journal, client, opts.scope)
     st = os.fstat(root_fd)
     known = store.directory_record()
-    hydrated = store.baseline().hydrated and not store.hydrating()
+    hydrated = store.journal.baseline().hydrated and not store.hydrating()
     if hydrated and known is not None and (known["dev"], known["ino"]) != (st.st_dev, st.st_ino):
         with contextlib.suppress(OSError):
             before = os.lstat(known["path"])

@@ -33,9 +33,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Final
-
-import lmdb
+from typing import Any, BinaryIO, Final, Self
 
 from common.limits import AGENT_LOCAL_MAX_ENTRIES
 from common.paths import ancestors
@@ -49,6 +47,7 @@ from fsagent.state.records import (
     MAX_KEY_BYTES,
     BaseEntry,
     Baseline,
+    Inode,
     InodeNo,
     JournalSeq,
     LocalEntry,
@@ -56,6 +55,7 @@ from fsagent.state.records import (
     encode_json,
     path_key,
 )
+from fsagent.state.statedir import StateDir
 
 NO_SEQ: Final = JournalSeq(0)
 """Dir mode has no journal: every change is derived from a scan."""
@@ -82,15 +82,32 @@ class ScannedFiles:
         return open_scanned(self._store.directory(), path, StatKey(*entry[1:7]))
 
 
-class DirStore(Journal):
-    """An open state dir of a plain-directory collection: ``DirStore.open(root)``."""
+class _NoTree:
+    """The live tree of a plain directory: none. :meth:`Journal.acknowledge`
+    never asks it (dir mode writes no journal entry)."""
 
-    def __init__(self, root: Path, env: Any, lock_fd: int, readonly: bool) -> None:
-        super().__init__(root, env, lock_fd, readonly)
-        try:
-            self._dirstat: Any = env.open_db(b"dirstat", create=not readonly)
-        except lmdb.NotFoundError:
-            self._dirstat = None  # a FUSE state dir opened read-only
+    def resolve(self, txn: Any, path: str, *, committed: bool = False) -> Inode | None:
+        return None
+
+    def live_inode(self, txn: Any, ino: InodeNo) -> Inode | None:
+        return None
+
+
+class DirStore:
+    """An open state dir of a plain-directory collection: ``DirStore.open(root)``;
+    its parts are ``dir`` (with the ``dirstat`` table) and ``journal`` (the
+    baseline, pending checkpoint and save status, as in FUSE mode)."""
+
+    def __init__(self, state: StateDir) -> None:
+        self.dir = state
+        self.journal = Journal(state)
+        self.root = state.root
+        self.objects = state.objects
+        self.readonly = state.readonly
+        self._env = state.env
+        self._meta = state.meta_db
+        self._base = state.base_db
+        self._dirstat = state.dirstat_db
         self.upper = ScannedFiles(self)
         self.last_scan: DirScan | None = None
         self.after_read: ReadHook | None = None
@@ -104,6 +121,14 @@ class DirStore(Journal):
         self._saved: dict[str, BaseEntry] = {}
         self._loaded = False
         self._shipping: dict[int, tuple[str, LocalEntry]] = {}
+
+    @classmethod
+    def open(cls, root: Path, *, readonly: bool = False) -> Self:
+        """Open (or create) the state dir at ``root`` with its ``dirstat`` table."""
+        return cls(StateDir.open(root, readonly=readonly, dirstat=True))
+
+    def close(self) -> None:
+        self.dir.close()
 
     # --- the directory ----------------------------------------------------------
 
@@ -317,7 +342,7 @@ class DirStore(Journal):
     ) -> int:
         """:meth:`Journal.acknowledge`, and the mirror of ``base`` follows it."""
         shipped = list(shipped)
-        cleared = super().acknowledge(shipped, high_water)
+        cleared = self.journal.acknowledge(shipped, high_water, _NoTree())
         with self._env.begin() as txn:
             for change, _, _ in shipped:
                 raw = txn.get(path_key(change.path), db=self._base)
@@ -325,6 +350,15 @@ class DirStore(Journal):
                     self._saved.pop(change.path, None)
                 else:
                     self._saved[change.path] = BaseEntry.decode(bytes(raw))
+        return cleared
+
+    def finish_checkpoint(
+        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
+    ) -> int:
+        """Fold a saved checkpoint into the baseline (:meth:`acknowledge`) and
+        clear the pending record, as :meth:`fsagent.state.store.Store.finish_checkpoint`."""
+        cleared = self.acknowledge(shipped, self.journal.baseline().high_water)
+        self.journal.close_checkpoint(receipt)
         return cleared
 
     # --- hydration and the server's changes ----------------------------------------

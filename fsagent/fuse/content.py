@@ -65,7 +65,7 @@ class Content:
     def __init__(self, store: Store, fetcher: ContentFetcher) -> None:
         self.store = store
         self.fetcher = fetcher
-        self.upper = store.upper
+        self.upper = store.tree.upper
         self.files: dict[InodeNo, OpenFile] = {}
         self._copy_locks: dict[InodeNo, trio.Lock] = {}
 
@@ -112,7 +112,7 @@ class Content:
             src = await self.fetcher.ensure(Digest(inode.digest or EMPTY_DIGEST)) if size else None
             if size <= INLINE_MAX:
                 data = b"" if src is None else await trio.to_thread.run_sync(src.read_bytes)
-                if not self.store.has_room(len(data)):
+                if not self.store.dir.has_room(len(data)):
                     raise OSError(errno.ENOSPC, "no room for inline contents")
                 inode.size = len(data)
             else:
@@ -124,7 +124,7 @@ class Content:
             inode.upper = True
             inode.digest = None
             inode.generation += 1
-            self.store.persist(inode, touch="write", inline=data)
+            self.store.tree.persist(inode, touch="write", inline=data)
             of = self.files.get(inode.ino)
             if of is not None and not of.upper:
                 old = of.fd
@@ -150,7 +150,7 @@ class Content:
         try:
             if of is not None:
                 fd = self.upper.open_rw(inode.ino)
-            self.store.drop_inline(inode)
+            self.store.tree.drop_inline(inode)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
@@ -164,12 +164,12 @@ class Content:
         contents for the caller's commit, or None when the file is not inline."""
         if not node.upper:
             await self.make_upper(node, copy=size > 0)
-        inline = self.store.inline_data(node.ino)
+        inline = self.store.tree.inline_data(node.ino)
         if inline is not None and size > INLINE_MAX:
             self._spill(node, inline)
             inline = None
         if inline is not None:
-            if size > len(inline) and not self.store.has_room(size - len(inline)):
+            if size > len(inline) and not self.store.dir.has_room(size - len(inline)):
                 raise OSError(errno.ENOSPC, "no room for inline contents")
             inline = inline[:size] + bytes(max(0, size - len(inline)))
         else:
@@ -184,7 +184,7 @@ class Content:
         return inline
 
     def open_upper(self, ino: InodeNo) -> OpenFile:
-        if self.store.inline_data(ino) is not None:
+        if self.store.tree.inline_data(ino) is not None:
             return OpenFile(-1, upper=True, inline=True)
         return OpenFile(self.upper.open_rw(ino), upper=True)
 
@@ -195,7 +195,7 @@ class Content:
 
     def read(self, ino: InodeNo, of: OpenFile, off: int, size: int) -> bytes:
         if of.inline:
-            return (self.store.inline_data(ino) or b"")[off : off + size]
+            return (self.store.tree.inline_data(ino) or b"")[off : off + size]
         return os.pread(of.fd, size, off)
 
     async def write(self, node: Inode, of: OpenFile, off: int, buf: bytes) -> int:
@@ -213,17 +213,17 @@ class Content:
         if not node.upper:
             await self.make_upper(node, copy=True)
         if of.inline:
-            data = self.store.inline_data(node.ino) or b""
+            data = self.store.tree.inline_data(node.ino) or b""
             if end > INLINE_MAX:
                 self._spill(node, data)
             else:
-                if end > len(data) and not self.store.has_room(end - len(data)):
+                if end > len(data) and not self.store.dir.has_room(end - len(data)):
                     raise OSError(errno.ENOSPC, "no room for inline contents")
                 if off > len(data):
                     data += bytes(off - len(data))
                 node.size = max(len(data), end)
                 node.generation += 1
-                self.store.persist(node, touch="write", inline=data[:off] + buf + data[end:])
+                self.store.tree.persist(node, touch="write", inline=data[:off] + buf + data[end:])
                 return len(buf)
         # Never answer with a short count: FUSE writeback takes any answer
         # without an error for the whole request, so the tail past a short
@@ -240,7 +240,7 @@ class Content:
             if written:
                 node.size = max(node.size, off + written)
                 node.generation += 1
-                self.store.persist(node, touch="write")
+                self.store.tree.persist(node, touch="write")
         return written
 
     async def fsync(self, of: OpenFile) -> None:

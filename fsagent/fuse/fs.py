@@ -1,8 +1,9 @@
 """The FUSE operations over the tree (fsagent.state.store) and file contents (fsagent.state.content).
 
-Every mutation goes through :class:`fsagent.state.store.Store`, which journals the
-paths it touched; file contents (copy-on-write, inline and upper copies) go
-through :class:`fsagent.state.content.Content`.
+Every mutation goes through the store's tree (``store.tree``,
+:class:`fsagent.state.tree.Tree`), which journals the paths it touched in the
+same commit; file contents (copy-on-write, inline and upper copies) go
+through :class:`fsagent.fuse.content.Content`.
 
 Kernel caching: fsagent is the only writer while a run lasts, so entries,
 attributes and data can be cached for a long time (``TIMEOUT``, ``keep_cache``)
@@ -152,12 +153,12 @@ class WorkFolderFS(pyfuse3.Operations):
 
     def _inode(self, ino: int) -> Inode:
         try:
-            return self.store.get(ino)
+            return self.store.tree.get(ino)
         except KeyError:
             raise fuse_err(errno.ENOENT) from None
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        return entry_attributes(inode, self.readonly, self.store.nlink(inode))
+        return entry_attributes(inode, self.readonly, self.store.tree.nlink(inode))
 
     def _ref(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new lookup reference."""
@@ -189,7 +190,7 @@ class WorkFolderFS(pyfuse3.Operations):
             name = decode_fs_name(raw)
         except InvalidPath as exc:
             raise fuse_err(name_errno(exc)) from None
-        ppath = self.store.path_of(parent)
+        ppath = self.store.tree.path_of(parent)
         if ppath is None:
             raise fuse_err(errno.ENOENT)  # the directory itself was removed
         depth = ppath.count("/") + 2 if ppath else 1
@@ -209,7 +210,7 @@ class WorkFolderFS(pyfuse3.Operations):
         """Whether ``name`` in ``parent`` is the protected entry or a directory above it."""
         if self.protected is None:
             return False
-        ppath = self.store.path_of(parent)
+        ppath = self.store.tree.path_of(parent)
         if ppath is None:
             return False
         path = f"{ppath}/{name}" if ppath else name
@@ -246,7 +247,7 @@ class WorkFolderFS(pyfuse3.Operations):
             raise fuse_err(
                 errno.ENAMETOOLONG if exc.reason == "segment_too_long" else errno.ENOENT
             ) from None
-        child = self.store.lookup(parent, text)
+        child = self.store.tree.lookup(parent, text)
         if child is None:
             negative = pyfuse3.EntryAttributes()
             negative.st_ino = 0
@@ -312,10 +313,10 @@ class WorkFolderFS(pyfuse3.Operations):
             inline = await self.content.truncate(node, size)
             ops.append("truncate")
         if f.update_mode or f.update_uid or f.update_gid:
-            self.store.forget_durable()  # the next fsync makes the new mode durable
+            self.store.dir.forget_durable()  # the next fsync makes the new mode durable
         ops += set_metadata(node, attr, fields)
         node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now_ns()
-        self.store.persist(node, touch="+".join(ops) if ops else None, inline=inline)
+        self.store.tree.persist(node, touch="+".join(ops) if ops else None, inline=inline)
         return self._attrs(node)
 
     # --- refusals ----------------------------------------------------------------
@@ -393,16 +394,16 @@ class WorkFolderFS(pyfuse3.Operations):
             gid = pnode.gid
             if kind == "directory":
                 mode |= stat.S_ISGID
-        if self.store.lookup(parent, name) is not None:
+        if self.store.tree.lookup(parent, name) is not None:
             raise fuse_err(errno.EEXIST)
-        if self.store.count_entries() >= self.max_entries:
+        if self.store.tree.count_entries() >= self.max_entries:
             # The controller refuses folders over 100,000 entries at save time;
             # saying so now (as a quota) keeps the agent from piling up work
             # that could never be saved. The agent folder's limit is a
             # sync-validation limit instead, checked at commit: the agent
             # may write past it and the save over it is refused with a receipt.
             raise fuse_err(errno.EDQUOT)
-        return self.store.create(parent, name, kind, mode, ctx.uid, gid)
+        return self.store.tree.create(parent, name, kind, mode, ctx.uid, gid)
 
     @fuse_boundary
     async def unlink(
@@ -413,14 +414,14 @@ class WorkFolderFS(pyfuse3.Operations):
         self._writable()
         parent = InodeNo(parent_inode)
         text = existing_name(name)
-        child = self.store.lookup(parent, text)
+        child = self.store.tree.lookup(parent, text)
         if child is None:
             raise fuse_err(errno.ENOENT)
         if self._inode(child).kind == "directory":
             raise fuse_err(errno.EISDIR)
         if self._holds_entry(parent, text):
             raise fuse_err(errno.EPERM)
-        self.store.unlink(parent, text, keep=self._in_use(child))
+        self.store.tree.unlink(parent, text, keep=self._in_use(child))
 
     @fuse_boundary
     async def rmdir(
@@ -430,14 +431,14 @@ class WorkFolderFS(pyfuse3.Operations):
         self._writable()
         parent = InodeNo(parent_inode)
         text = existing_name(name)
-        child = self.store.lookup(parent, text)
+        child = self.store.tree.lookup(parent, text)
         if child is None:
             raise fuse_err(errno.ENOENT)
         if self._inode(child).kind != "directory":
             raise fuse_err(errno.ENOTDIR)
-        if self.store.has_children(child):
+        if self.store.tree.has_children(child):
             raise fuse_err(errno.ENOTEMPTY)
-        self.store.unlink(parent, text, keep=self._in_use(child))
+        self.store.tree.unlink(parent, text, keep=self._in_use(child))
 
     @fuse_boundary
     async def rename(
@@ -463,22 +464,22 @@ class WorkFolderFS(pyfuse3.Operations):
         old = existing_name(name_old)
         self._dir(new_parent)
         new = self._new_name(new_parent, name_new)
-        src = self.store.lookup(old_parent, old)
+        src = self.store.tree.lookup(old_parent, old)
         if src is None:
             raise fuse_err(errno.ENOENT)
         src_node = self._inode(src)
-        if src_node.kind == "directory" and self.store.is_ancestor(src, new_parent):
+        if src_node.kind == "directory" and self.store.tree.is_ancestor(src, new_parent):
             raise fuse_err(errno.EINVAL)
-        dst = self.store.lookup(new_parent, new)
+        dst = self.store.tree.lookup(new_parent, new)
         self._check_entry_rename(old_parent, old, src_node, new_parent, new, dst, flags)
         if flags & pyfuse3.RENAME_EXCHANGE:
             if dst is None:
                 raise fuse_err(errno.ENOENT)
             dst_node = self._inode(dst)
-            if dst_node.kind == "directory" and self.store.is_ancestor(dst, old_parent):
+            if dst_node.kind == "directory" and self.store.tree.is_ancestor(dst, old_parent):
                 raise fuse_err(errno.EINVAL)
             if dst != src:
-                self.store.exchange(old_parent, old, new_parent, new)
+                self.store.tree.exchange(old_parent, old, new_parent, new)
             return
         if dst is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:
@@ -490,9 +491,9 @@ class WorkFolderFS(pyfuse3.Operations):
                 raise fuse_err(errno.ENOTDIR)
             if src_node.kind != "directory" and dst_node.kind == "directory":
                 raise fuse_err(errno.EISDIR)
-            if dst_node.kind == "directory" and self.store.has_children(dst):
+            if dst_node.kind == "directory" and self.store.tree.has_children(dst):
                 raise fuse_err(errno.ENOTEMPTY)
-        self.store.rename(old_parent, old, new_parent, new, keep_replaced=self._in_use)
+        self.store.tree.rename(old_parent, old, new_parent, new, keep_replaced=self._in_use)
 
     def _check_entry_rename(
         self,
@@ -507,7 +508,7 @@ class WorkFolderFS(pyfuse3.Operations):
         """EPERM for a rename that takes the instruction entry away: moving it
         or a directory above it. Exchanging the entry with another file keeps a
         file at the entry's path, and so does renaming a file over it."""
-        if dst is not None and dst == self.store.lookup(old_parent, old):
+        if dst is not None and dst == self.store.tree.lookup(old_parent, old):
             return  # a rename onto itself changes nothing
         src_holds = self._holds_entry(old_parent, old)
         dst_holds = flags & pyfuse3.RENAME_EXCHANGE and self._holds_entry(new_parent, new)
@@ -650,7 +651,7 @@ class WorkFolderFS(pyfuse3.Operations):
         """The directory entry naming ``ino`` (parent, name); None for an orphan,
         which no lookup can reach."""
         try:
-            node = self.store.get(ino)
+            node = self.store.tree.get(ino)
         except KeyError:
             return None
         if node.parent == 0:
@@ -671,7 +672,7 @@ class WorkFolderFS(pyfuse3.Operations):
         its own ``fdatasync`` is all a later fsync needs."""
         ino, of = await self._open_file(fh)
         out_of_line = of.upper and not of.inline
-        if out_of_line and self.store.is_durable(ino):
+        if out_of_line and self.store.dir.is_durable(ino):
             if of.unsynced <= INLINE_FSYNC_BYTES:
                 # A few pages (a SQLite commit): flushed on this thread, with
                 # the GIL released. A hop to a worker thread and back costs
@@ -682,12 +683,12 @@ class WorkFolderFS(pyfuse3.Operations):
                 await self.content.fsync(of)
             stats.FUSE.fsync_data_only += 1
             return
-        epoch = self.store.durable_epoch()
+        epoch = self.store.dir.durable_epoch()
         self.flush_behind()
         await self.content.fsync(of)
         await trio.to_thread.run_sync(self.store.sync)
         if out_of_line:
-            self.store.mark_durable(ino, epoch)
+            self.store.dir.mark_durable(ino, epoch)
 
     @fuse_boundary
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
@@ -702,17 +703,17 @@ class WorkFolderFS(pyfuse3.Operations):
         if self._in_use(ino):
             return
         try:
-            node = self.store.get(ino)
+            node = self.store.tree.get(ino)
         except KeyError:
             return
         if node.parent == 0 and ino != ROOT_INODE:
-            self.store.drop_orphan_copy(ino)
+            self.store.tree.drop_orphan_copy(ino)
             self._unreferenced.add(ino)
             self._behind.set()
         else:
             if ino in self._times:  # the cache is about to forget them
                 self.flush_behind()
-            self.store.evict(ino)
+            self.store.tree.evict(ino)
 
     async def write_behind(self) -> None:
         """The work done behind the requests, for the life of the mount: times
@@ -740,7 +741,7 @@ class WorkFolderFS(pyfuse3.Operations):
         if not (times or orphans):
             return
         try:
-            self.store.write_behind(sorted(times), sorted(orphans))
+            self.store.tree.write_behind(sorted(times), sorted(orphans))
         except Exception:
             log.exception("committing times and freeing orphans failed; kept for later")
             self._times |= times
@@ -761,7 +762,9 @@ class WorkFolderFS(pyfuse3.Operations):
         if entries is None:
             ino = InodeNo(fh)
             self._dir(ino)
-            entries = [(name.encode("utf-8"), child) for name, child in self.store.children(ino)]
+            entries = [
+                (name.encode("utf-8"), child) for name, child in self.store.tree.children(ino)
+            ]
             self.dirs.pop(fh, None)
             self.dirs[fh] = entries
             if len(self.dirs) > DIR_LISTINGS:
@@ -776,7 +779,7 @@ class WorkFolderFS(pyfuse3.Operations):
     ) -> None:
         """List entries from offset ``start_id``; each accepted entry is a lookup reference."""
         entries = self._listing(fh, start_id)
-        get = self.store.get
+        get = self.store.tree.get
         lookups = self.lookups
         refused = self._refused
         for i in range(start_id, len(entries)):
@@ -801,7 +804,9 @@ class WorkFolderFS(pyfuse3.Operations):
     @fuse_boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         """Space of the disk holding the state dir (where the upper layer lives)."""
-        return statfs_reply(os.statvfs(self.store.root), self.readonly, self.store.count_inodes())
+        return statfs_reply(
+            os.statvfs(self.store.root), self.readonly, self.store.tree.count_inodes()
+        )
 
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
         """Drop kernel references; free orphans nobody uses any more.
@@ -906,7 +911,7 @@ class HandlesFS(WorkFolderFS):
             self._writable()
             if flags & os.O_TRUNC and node.size:
                 inline = await self.content.truncate(node, 0)
-                self.store.persist(node, touch="truncate", inline=inline)
+                self.store.tree.persist(node, touch="truncate", inline=inline)
         if ino not in self.files:
             await self._attach(ino)
         return pyfuse3.FileInfo(fh=self._handle_for(ino, flags), keep_cache=True)
@@ -932,7 +937,9 @@ class HandlesFS(WorkFolderFS):
         self._dir(ino)
         fh = self._next_fh
         self._next_fh += 1
-        self.dirs[fh] = [(name.encode("utf-8"), child) for name, child in self.store.children(ino)]
+        self.dirs[fh] = [
+            (name.encode("utf-8"), child) for name, child in self.store.tree.children(ino)
+        ]
         return fh
 
     def _listing(self, fh: int, start_id: int) -> list[tuple[bytes, InodeNo]]:

@@ -321,7 +321,7 @@ async def take_incoming(store: Store, client: BridgeClient, scope: str) -> int:
 
     Only while nothing is mounted: the kernel must not cache what changes here.
     """
-    since = store.baseline().high_water
+    since = store.journal.baseline().high_water
     incoming: list[ManifestRow | tuple[str, bool]] = []
     high_water = since
     try:
@@ -334,7 +334,7 @@ async def take_incoming(store: Store, client: BridgeClient, scope: str) -> int:
             raise
         log.warning("changes since %d are incomplete on the server; keeping local state", since)
         return 0
-    applied = store.apply_incoming(incoming)
+    applied = store.tree.apply_incoming(incoming)
     store.acknowledge([], high_water)
     return applied
 
@@ -440,16 +440,16 @@ async def _serve_store(
     owner = binding.owner_id
     shipper: Checkpoints | None = None
     cadence: Cadence | None = None
-    stop.report_failed = lifecycle.failure_reporter(store, client, opts.scope)
+    stop.report_failed = lifecycle.failure_reporter(store.journal, client, opts.scope)
     if owner is not None:
-        store.bind(binding)
-        store.claim_mode("fuse", opts.mode_reason, str(opts.mountpoint.absolute()))
-        freed, fixed = store.recover()
+        store.dir.bind(binding)
+        store.dir.claim_mode("fuse", opts.mode_reason, str(opts.mountpoint.absolute()))
+        freed, fixed = store.tree.recover()
         if freed or fixed:
             log.info("recovered state: %d orphans freed, %d sizes repaired", freed, fixed)
         if client.writable:
             shipper, cadence = await _open_shipper(store, client, opts, lease_epoch, threads)
-        if not store.baseline().hydrated:
+        if not store.journal.baseline().hydrated:
             entries, seconds = await hydrate_manifest(store, client, opts.scope)
             log.info("hydrated %d entries in %.2fs", entries, seconds)
             print(f"fsagent: hydrated {entries} entries in {seconds:.2f}s", file=sys.stderr)

@@ -88,12 +88,12 @@ def recorded_mode(state_dir: Path) -> str | None:
     """The mode the state dir was served in, or None (no state yet, or unreadable:
     the daemon's own open reports that)."""
     from fsagent.state.journal import Journal
-    from fsagent.state.statedir import MARKER
+    from fsagent.state.statedir import MARKER, StateDir
 
     if not (state_dir / MARKER).exists():
         return None
     try:
-        state = Journal.open(state_dir, readonly=True)
+        state = StateDir.open(state_dir, readonly=True)
     except (FsagentError, OSError):
         return None
     try:
@@ -101,7 +101,7 @@ def recorded_mode(state_dir: Path) -> str | None:
         if record is not None:
             return str(record["mode"])
         # Written before dir mode existed: a hydrated one is a FUSE collection.
-        return "fuse" if state.baseline().hydrated else None
+        return "fuse" if Journal(state).baseline().hydrated else None
     finally:
         state.close()
 

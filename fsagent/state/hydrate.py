@@ -59,8 +59,8 @@ async def hydrate_manifest(store: Store, client: BridgeClient, scope: str) -> tu
 
     Pages are requested back to back: while the controller prepares the next
     page, a worker thread validates the previous one.  The tree is written in
-    one transaction at the end (:meth:`Store.hydrate`), so a failure leaves
-    nothing behind.
+    one transaction at the end (:meth:`fsagent.state.tree.Tree.hydrate`), so a
+    failure leaves nothing behind.
     """
     started = time.monotonic()
     rows: list[ManifestRow] = []
@@ -84,7 +84,7 @@ async def hydrate_manifest(store: Store, client: BridgeClient, scope: str) -> tu
         if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
             raise group.exceptions[0] from None
         raise
-    await trio.to_thread.run_sync(store.hydrate, rows, high_water)
+    await trio.to_thread.run_sync(store.tree.hydrate, rows, high_water)
     return len(rows), time.monotonic() - started
 
 
@@ -150,7 +150,7 @@ class ContentFetcher:
         """
         if concurrency <= 0:
             return
-        missing = await trio.to_thread.run_sync(self.store.missing_digests)
+        missing = await trio.to_thread.run_sync(self.store.tree.missing_digests)
         if not missing:
             return
         log.info("prefetching %d objects (%d at a time)", len(missing), concurrency)

@@ -14,6 +14,13 @@ can tell whether a path was touched again while its checkpoint was in flight
 Only this module (and the tree's bulk loaders, which write ``base`` rows of a
 manifest) writes the ``journal`` and ``base`` tables and the checkpoint
 records in ``meta``.
+
+:class:`Journal` is built on the :class:`fsagent.state.statedir.StateDir`; the
+store holds it as ``journal``.  The tree journals each mutation through
+:meth:`Journal.touch_in`, inside the mutation's own write transaction; the
+change set and acknowledge read the live tree they are handed
+(:class:`LiveTree`).  A plain-directory collection uses it for its baseline
+and checkpoint records (fsagent.dirmode.store).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from common.types import Digest, FileVersion
 from fsagent.state.records import (
@@ -65,23 +72,37 @@ class Change:
 _Pathed = TypeVar("_Pathed", JournalEntry, Change)
 
 
-class Journal(StateDir):
-    """The journal and baseline tables; the tree supplies how a path resolves."""
+class LiveTree(Protocol):
+    """How a path and an inode resolve in the live tree (fsagent.state.tree.Tree)."""
 
-    def _resolve(self, txn: Any, path: str, *, committed: bool = False) -> Inode | None:
-        """The live inode at ``path`` (implemented by the tree); ``committed``
-        reads the record as last committed, never the in-memory cache."""
-        raise NotImplementedError
+    def resolve(self, txn: Any, path: str, *, committed: bool = False) -> Inode | None:
+        """The live inode at ``path``; ``committed`` reads the record as last
+        committed, never the in-memory cache."""
+        ...
 
-    def _live_inode(self, txn: Any, ino: InodeNo) -> Inode | None:
-        """The live record of ``ino``, cached or stored (implemented by the tree)."""
-        raise NotImplementedError
+    def live_inode(self, txn: Any, ino: InodeNo) -> Inode | None:
+        """The live record of ``ino``, cached or stored."""
+        ...
 
-    def _touch(self, txn: Any, paths: Iterable[str], op: str) -> None:
-        self._touch_all(txn, [(paths, op)])
 
-    def _touch_all(self, txn: Any, groups: Iterable[tuple[Iterable[str], str]]) -> None:
-        """Journal each group's paths under its operation, in order."""
+class Journal:
+    """The journal and baseline tables of an open state dir; the tree
+    (:class:`LiveTree`) supplies how a path resolves."""
+
+    def __init__(self, state: StateDir) -> None:
+        self._state = state
+        self._env = state.env
+        self._meta = state.meta_db
+        self._base = state.base_db
+        self._journal = state.journal_db
+
+    def touch_in(self, txn: Any, paths: Iterable[str], op: str) -> None:
+        """Journal ``paths`` under ``op`` in the caller's write transaction."""
+        self.touch_all_in(txn, [(paths, op)])
+
+    def touch_all_in(self, txn: Any, groups: Iterable[tuple[Iterable[str], str]]) -> None:
+        """Journal each group's paths under its operation, in order, in the
+        caller's write transaction."""
         seq = int(txn.get(b"seq", db=self._meta))
         for paths, op in groups:
             for path in paths:
@@ -94,9 +115,9 @@ class Journal(StateDir):
 
     def touch(self, paths: Iterable[str], op: str) -> None:
         with self._env.begin(write=True) as txn:
-            self._touch(txn, paths, op)
+            self.touch_in(txn, paths, op)
 
-    def journal(self) -> list[tuple[str, JournalSeq, str]]:
+    def entries(self) -> list[tuple[str, JournalSeq, str]]:
         """Raw journal: every path touched since the baseline, with its last operation."""
         with self._env.begin() as txn:
             entries = [JournalEntry.decode(k, v) for k, v in txn.cursor(db=self._journal)]
@@ -112,7 +133,7 @@ class Journal(StateDir):
             raw = txn.get(path_key(path), db=self._base)
         return None if raw is None else BaseEntry.decode(raw)
 
-    def changes_since_baseline(self, *, committed: bool = False) -> list[Change]:
+    def changes_since_baseline(self, live: LiveTree, *, committed: bool = False) -> list[Change]:
         """The exact, coalesced change set since the baseline, parents before children.
 
         Sizes and generations come from the live (in-memory) inodes, so a file
@@ -127,14 +148,17 @@ class Journal(StateDir):
                 entry = JournalEntry.decode(key, val)
                 braw = txn.get(key, db=self._base)
                 base = BaseEntry.decode(braw) if braw is not None else None
-                live = self._resolve(txn, entry.path, committed=committed)
-                change = _compare(entry.path, entry.seq, base, live)
+                cur = live.resolve(txn, entry.path, committed=committed)
+                change = _compare(entry.path, entry.seq, base, cur)
                 if change is not None:
                     out.append(change)
         return _by_path(out)
 
     def acknowledge(
-        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], high_water: int
+        self,
+        shipped: Iterable[tuple[Change, Digest | None, FileVersion]],
+        high_water: int,
+        live: LiveTree,
     ) -> int:
         """Fold what a checkpoint saved into the baseline; returns paths cleared.
 
@@ -146,7 +170,7 @@ class Journal(StateDir):
         checkpoint and torn content is never taken as saved.
         """
         cleared = 0
-        self.forget_durable()  # a journal entry cleared here is re-added by the next write
+        self._state.forget_durable()  # a journal entry cleared here is re-added by the next write
         with self._env.begin(write=True) as txn:
             for change, digest, version in shipped:
                 key = path_key(change.path)
@@ -165,8 +189,8 @@ class Journal(StateDir):
                 if raw is None or JournalEntry.decode(key, raw).seq != change.seq:
                     continue
                 if change.action == "upload" and change.inode is not None:
-                    live = self._live_inode(txn, change.inode)
-                    if live is None or live.generation != change.generation:
+                    now = live.live_inode(txn, change.inode)
+                    if now is None or now.generation != change.generation:
                         continue
                 txn.delete(key, db=self._journal)
                 cleared += 1
@@ -194,22 +218,6 @@ class Journal(StateDir):
                 txn.put(b"pending_checkpoint", raw, db=self._meta)
         # The whole point is surviving power loss between here and the request.
         self._env.sync(True)
-
-    def finish_checkpoint(
-        self, shipped: Iterable[tuple[Change, Digest | None, FileVersion]], receipt: dict[str, Any]
-    ) -> int:
-        """Fold a saved checkpoint into the baseline and clear the pending record.
-
-        The baseline's high-water mark stays where the last manifest put it:
-        other writers' changes after it are fetched at the next warm start.
-        A crash between the two steps leaves the pending record, whose replay
-        answers with the same receipt and acknowledges again (idempotent), so
-        the acknowledgement may also be split into several commits
-        (:meth:`acknowledge` per part, then :meth:`close_checkpoint`).
-        """
-        cleared = self.acknowledge(shipped, self.baseline().high_water)
-        self.close_checkpoint(receipt)
-        return cleared
 
     def close_checkpoint(self, receipt: dict[str, Any]) -> None:
         """After every part is acknowledged: record the save and clear the pending

@@ -1,5 +1,11 @@
 """The life cycle of a state dir: marker, lock, LMDB environment, format upgrade.
 
+:class:`StateDir` is the part every other one is built on: the locked
+directory, the environment (``env``) and its named tables (``meta_db``,
+``inodes_db``, ...), binding, mode, disk room and the durability epoch.
+:class:`fsagent.state.store.Store` holds it as ``dir``, and so does a
+plain-directory collection's :class:`fsagent.dirmode.store.DirStore`.
+
 Layout of a state dir (default ``$HOME/.local/state/fsagent/<scope>``)::
 
     fsagent-state.json   marker: format version; a dir without it is not ours
@@ -187,30 +193,40 @@ def _write_marker(root: Path) -> None:
 class StateDir:
     """An open state dir: the locked directory and its LMDB tables."""
 
-    def __init__(self, root: Path, env: Any, lock_fd: int, readonly: bool) -> None:
+    def __init__(
+        self, root: Path, env: Any, lock_fd: int, readonly: bool, *, dirstat: bool = False
+    ) -> None:
         self.root = root
         self.objects = root / "objects"
         self.readonly = readonly
-        self._env = GuardedEnv(env, root / "db" / "data.mdb")
+        self.env = GuardedEnv(env, root / "db" / "data.mdb")
         self._lock_fd = lock_fd
         self._durable: set[InodeNo] = set()
         self._room = 0
         self._room_at = -ROOM_RECHECK_S
         self._durable_epoch = 0
-        self._meta = env.open_db(b"meta", create=not readonly)
-        self._inodes = env.open_db(b"inodes", create=not readonly)
-        self._entries = env.open_db(b"entries", create=not readonly)
-        self._base = env.open_db(b"base", create=not readonly)
-        self._journal = env.open_db(b"journal", create=not readonly)
-        self._orphans = env.open_db(b"orphans", create=not readonly)
+        self.meta_db = env.open_db(b"meta", create=not readonly)
+        self.inodes_db = env.open_db(b"inodes", create=not readonly)
+        self.entries_db = env.open_db(b"entries", create=not readonly)
+        self.base_db = env.open_db(b"base", create=not readonly)
+        self.journal_db = env.open_db(b"journal", create=not readonly)
+        self.orphans_db = env.open_db(b"orphans", create=not readonly)
         try:
-            self._inline: Any = env.open_db(b"inline", create=not readonly)
+            self.inline_db: Any = env.open_db(b"inline", create=not readonly)
         except lmdb.NotFoundError:
-            self._inline = None  # a format-1 dir opened read-only: nothing is inline
+            self.inline_db = None  # a format-1 dir opened read-only: nothing is inline
+        self.dirstat_db: Any = None
+        if dirstat:
+            try:
+                self.dirstat_db = env.open_db(b"dirstat", create=not readonly)
+            except lmdb.NotFoundError:
+                self.dirstat_db = None  # a FUSE state dir opened read-only
 
     @classmethod
-    def open(cls, root: Path, *, readonly: bool = False) -> Self:
-        """Open (or create, when absent or empty) the state dir at ``root``.
+    def open(cls, root: Path, *, readonly: bool = False, dirstat: bool = False) -> Self:
+        """Open (or create, when absent or empty) the state dir at ``root``;
+        ``dirstat`` also opens (when writable, creates) the ``dirstat`` table
+        of a plain-directory collection (fsagent.dirmode.store).
 
         Raises StateForeign for a non-empty directory without our marker,
         StateCorrupt when the marker or database cannot be read, StateInUse
@@ -257,7 +273,7 @@ class StateDir:
                 create=False,
                 lock=True,
             )
-            state = cls(root, env, lock_fd, readonly)
+            state = cls(root, env, lock_fd, readonly, dirstat=dirstat)
             state._check_format(create=not readonly)
             if fmt != STATE_FORMAT and not readonly:
                 _write_marker(root)
@@ -277,26 +293,26 @@ class StateDir:
         an old marker over a current database, which the next open accepts.
         """
         current = str(STATE_FORMAT).encode()
-        with self._env.begin(write=create) as txn:
-            raw = txn.get(b"format", db=self._meta)
+        with self.env.begin(write=create) as txn:
+            raw = txn.get(b"format", db=self.meta_db)
             if raw is None:
                 if not create:
                     raise StateCorrupt(f"{self.root}/db has no format record")
-                txn.put(b"format", current, db=self._meta)
-                txn.put(b"next_ino", str(int(ROOT_INODE) + 1).encode(), db=self._meta)
-                txn.put(b"seq", b"0", db=self._meta)
+                txn.put(b"format", current, db=self.meta_db)
+                txn.put(b"next_ino", str(int(ROOT_INODE) + 1).encode(), db=self.meta_db)
+                txn.put(b"seq", b"0", db=self.meta_db)
                 t = now_ns()
                 root = Inode(
                     ROOT_INODE, "directory", 0o755, 0, t, t, ROOT_INODE, "", None, False, 0
                 )
-                txn.put(ikey(ROOT_INODE), root.encode(), db=self._inodes)
+                txn.put(ikey(ROOT_INODE), root.encode(), db=self.inodes_db)
             elif raw != current and not (raw.isdigit() and int(raw) in _UPGRADABLE):
                 raise StateCorrupt(f"{self.root}/db has format {raw!r}, expected {STATE_FORMAT}")
-            elif txn.get(ikey(ROOT_INODE), db=self._inodes) is None:
+            elif txn.get(ikey(ROOT_INODE), db=self.inodes_db) is None:
                 raise StateCorrupt(f"{self.root}/db has no root directory")
             elif create and raw != current:
                 self._upgrade_records(txn)
-                txn.put(b"format", current, db=self._meta)
+                txn.put(b"format", current, db=self.meta_db)
                 log.info("state dir %s upgraded from format %s to %d", self.root, raw, STATE_FORMAT)
 
     def _upgrade_records(self, txn: Any) -> None:
@@ -306,7 +322,7 @@ class StateDir:
         stays as it is; only the values change.
         """
         for table in _VERSIONED:
-            db = getattr(self, f"_{table}")
+            db = getattr(self, f"{table}_db")
             for key, raw in list(txn.cursor(db=db)):
                 new = upgrade_record(table, bytes(key), bytes(raw))
                 if new is not None:
@@ -315,22 +331,22 @@ class StateDir:
     # --- binding ------------------------------------------------------------
 
     def binding(self) -> Binding | None:
-        with self._env.begin() as txn:
-            raw = txn.get(b"binding", db=self._meta)
+        with self.env.begin() as txn:
+            raw = txn.get(b"binding", db=self.meta_db)
         return None if raw is None else Binding.from_json(json.loads(raw))
 
     def bind(self, binding: Binding) -> None:
         """Record the binding on first use, or refuse a different one."""
         current = self.binding()
         if current is None:
-            with self._env.begin(write=True) as txn:
-                txn.put(b"binding", encode_json(binding.to_json()), db=self._meta)
-            self._env.reserve_headroom()
+            with self.env.begin(write=True) as txn:
+                txn.put(b"binding", encode_json(binding.to_json()), db=self.meta_db)
+            self.env.reserve_headroom()
             return
         if current == binding:
             # Only now is the state known to be ours to grow: a refused state
             # dir is left byte for byte as it was.
-            self._env.reserve_headroom()
+            self.env.reserve_headroom()
         else:
             raise StateBindingMismatch(
                 f"state dir {self.root} belongs to {current.describe()}; this run is "
@@ -343,8 +359,8 @@ class StateDir:
     def mode_record(self) -> dict[str, Any] | None:
         """``{"mode": "fuse"|"dir", "reason", "path"}`` as last claimed; None
         for a dir no daemon of format 5 has served yet (those were FUSE)."""
-        with self._env.begin() as txn:
-            raw = txn.get(b"mode", db=self._meta)
+        with self.env.begin() as txn:
+            raw = txn.get(b"mode", db=self.meta_db)
         return None if raw is None else dict(json.loads(raw))
 
     def claim_mode(self, mode: str, reason: str, path: str) -> None:
@@ -353,8 +369,8 @@ class StateDir:
         dir, a plain directory's in the directory, and neither mode can serve
         the other's."""
         current = self.mode_record()
-        with self._env.begin() as txn:
-            hydrated = Baseline.decode(txn.get(b"baseline", db=self._meta)).hydrated
+        with self.env.begin() as txn:
+            hydrated = Baseline.decode(txn.get(b"baseline", db=self.meta_db)).hydrated
         was = current["mode"] if current else ("fuse" if hydrated else None)
         if was is not None and was != mode:
             raise StateModeMismatch(
@@ -364,8 +380,8 @@ class StateDir:
             )
         record = {"mode": mode, "reason": reason, "path": path}
         if current != record:
-            with self._env.begin(write=True) as txn:
-                txn.put(b"mode", encode_json(record), db=self._meta)
+            with self.env.begin(write=True) as txn:
+                txn.put(b"mode", encode_json(record), db=self.meta_db)
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more of inline contents leave the metadata reserve intact.
@@ -391,13 +407,13 @@ class StateDir:
 
     def close(self) -> None:
         if not self.readonly:
-            self._env.sync(True)
-        self._env.close()
+            self.env.sync(True)
+        self.env.close()
         os.close(self._lock_fd)
 
     def sync(self) -> None:
         """Make every committed transaction durable against power loss (slow: run in a thread)."""
-        self._env.sync(True)
+        self.env.sync(True)
 
     # --- what an fsync of an upper file still needs ----------------------------
     #

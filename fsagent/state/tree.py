@@ -17,13 +17,16 @@ FUSE handlers.  A small in-memory cache holds the inodes the kernel currently
 knows; records are written through on every change (a write() commits size
 and generation with its bytes, :meth:`Tree.persist`).  Every mutation journals
 the paths it touched in the same commit (fsagent.state.journal).
+
+:class:`Tree` is built on the :class:`fsagent.state.statedir.StateDir` (its
+tables) and the :class:`fsagent.state.journal.Journal` (``journal``, for the
+paths each mutation touches); the store holds it as ``tree``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 from common.paths import ancestors
@@ -46,19 +49,30 @@ from fsagent.state.records import (
     path_key,
     process_owner,
 )
-from fsagent.state.statedir import ROOT_INODE
+from fsagent.state.statedir import ROOT_INODE, StateDir
 
 
-class Tree(Journal):
-    """The inode tree over the journal; ``upper`` holds the large upper copies."""
+class Tree:
+    """The inode tree of an open state dir; every mutation journals the paths
+    it touched through ``journal`` in its own commit; ``upper`` holds the
+    large upper copies."""
 
-    def __init__(self, root: Path, env: Any, lock_fd: int, readonly: bool) -> None:
-        super().__init__(root, env, lock_fd, readonly)
-        self.upper = UpperFiles(root / "upper")
+    def __init__(self, state: StateDir, journal: Journal) -> None:
+        self._state = state
+        self.journal = journal
+        self._env = state.env
+        self._meta = state.meta_db
+        self._inodes = state.inodes_db
+        self._entries = state.entries_db
+        self._base = state.base_db
+        self._journal_db = state.journal_db
+        self._orphans = state.orphans_db
+        self._inline = state.inline_db
+        self.upper = UpperFiles(state.root / "upper")
         self._cache: dict[InodeNo, Inode] = {}
         self._subdirs: dict[InodeNo, int] = {}
 
-    def _live_inode(self, txn: Any, ino: InodeNo) -> Inode | None:
+    def live_inode(self, txn: Any, ino: InodeNo) -> Inode | None:
         cached = self._cache.get(ino)
         if cached is not None:
             return cached
@@ -101,7 +115,7 @@ class Tree(Journal):
                 count = sum(
                     1
                     for _, child in self._children_in(txn, inode.ino)
-                    if (node := self._live_inode(txn, child)) is not None
+                    if (node := self.live_inode(txn, child)) is not None
                     and node.kind == "directory"
                 )
             self._subdirs[inode.ino] = count
@@ -149,12 +163,6 @@ class Tree(Journal):
                 return False
         return True
 
-    def sync(self) -> None:
-        """Everything committed, and the names of the upper files, made durable
-        against power loss (slow: run in a thread)."""
-        super().sync()
-        self.upper.sync_directory()
-
     def count_entries(self) -> int:
         """Linked names in the tree: what the controller's entry limit counts."""
         with self._env.begin() as txn:
@@ -176,7 +184,7 @@ class Tree(Journal):
             if touch is not None and inode.parent != 0:
                 path = self._path_in(txn, inode.ino)
                 if path:
-                    self._touch(txn, [path], touch)
+                    self.journal.touch_in(txn, [path], touch)
 
     def inline_data(self, ino: InodeNo) -> bytes | None:
         """The contents of an inline file; None when the file is not inline."""
@@ -209,7 +217,7 @@ class Tree(Journal):
 
     def drop_inline(self, inode: Inode) -> None:
         """The file's contents are now complete in ``upper/<inode>``: forget the inline copy."""
-        self.forget_durable()
+        self._state.forget_durable()
         with self._env.begin(write=True) as txn:
             txn.delete(ikey(inode.ino), db=self._inline)
             self._put_inode(txn, inode)
@@ -221,7 +229,7 @@ class Tree(Journal):
     def _path_in(self, txn: Any, ino: InodeNo) -> str | None:
         parts: list[str] = []
         while ino != ROOT_INODE:
-            inode = self._live_inode(txn, ino)
+            inode = self.live_inode(txn, ino)
             if inode is None or inode.parent == 0:
                 return None
             parts.append(inode.name)
@@ -278,7 +286,7 @@ class Tree(Journal):
             txn.put(ekey(parent, name), ikey(ino), db=self._entries)
             path = self._path_in(txn, ino)
             assert path is not None
-            self._touch(txn, [path], "mkdir" if kind == "directory" else "create")
+            self.journal.touch_in(txn, [path], "mkdir" if kind == "directory" else "create")
             self._touch_parent_mtime(txn, parent, t)
         if kind == "directory":
             self._subdirs[ino] = 0
@@ -286,7 +294,7 @@ class Tree(Journal):
         return inode
 
     def _touch_parent_mtime(self, txn: Any, parent: InodeNo, t: int) -> None:
-        pinode = self._live_inode(txn, parent)
+        pinode = self.live_inode(txn, parent)
         if pinode is None:
             return
         pinode.mtime_ns = pinode.ctime_ns = t
@@ -295,7 +303,7 @@ class Tree(Journal):
     def _entry_inode(self, txn: Any, parent: InodeNo, name: str) -> Inode:
         """The live inode linked at ``parent``/``name``; KeyError when there is none."""
         raw = txn.get(ekey(parent, name), db=self._entries)
-        inode = None if raw is None else self._live_inode(txn, ino_of(raw))
+        inode = None if raw is None else self.live_inode(txn, ino_of(raw))
         if inode is None:
             raise KeyError(name)
         return inode
@@ -307,7 +315,9 @@ class Tree(Journal):
             inode = self._entry_inode(txn, parent, name)
             path = self._path_in(txn, inode.ino)
             if path is not None:
-                self._touch(txn, [path], "rmdir" if inode.kind == "directory" else "unlink")
+                self.journal.touch_in(
+                    txn, [path], "rmdir" if inode.kind == "directory" else "unlink"
+                )
             txn.delete(ekey(parent, name), db=self._entries)
             self._detach(txn, inode, keep=keep, t=t)
             self._touch_parent_mtime(txn, parent, t)
@@ -380,7 +390,7 @@ class Tree(Journal):
         new one.
         """
         t = now_ns()
-        self.forget_durable()
+        self._state.forget_durable()
         with self._env.begin(write=True) as txn:
             moved = self._entry_inode(txn, old_parent, old_name)
             ino = moved.ino
@@ -404,7 +414,7 @@ class Tree(Journal):
             new_path = self._path_in(txn, ino)
             if new_path is not None:
                 touched.append((self._moved_paths(txn, moved, new_path), "rename-to"))
-            self._touch_all(txn, touched)
+            self.journal.touch_all_in(txn, touched)
             self._touch_parent_mtime(txn, old_parent, t)
             if new_parent != old_parent:
                 self._touch_parent_mtime(txn, new_parent, t)
@@ -419,7 +429,7 @@ class Tree(Journal):
     def exchange(self, p1: InodeNo, n1: str, p2: InodeNo, n2: str) -> None:
         """RENAME_EXCHANGE: swap two existing entries atomically."""
         t = now_ns()
-        self.forget_durable()
+        self._state.forget_durable()
         with self._env.begin(write=True) as txn:
             r1 = txn.get(ekey(p1, n1), db=self._entries)
             r2 = txn.get(ekey(p2, n2), db=self._entries)
@@ -431,7 +441,9 @@ class Tree(Journal):
             for inode in (a, b):
                 path = self._path_in(txn, inode.ino)
                 if path is not None:
-                    self._touch(txn, list(self._subtree_paths(txn, inode.ino, path)), "exchange")
+                    self.journal.touch_in(
+                        txn, list(self._subtree_paths(txn, inode.ino, path)), "exchange"
+                    )
             txn.put(ekey(p1, n1), ikey(i2), db=self._entries)
             txn.put(ekey(p2, n2), ikey(i1), db=self._entries)
             a.parent, a.name, a.ctime_ns = p2, n2, t
@@ -441,13 +453,15 @@ class Tree(Journal):
             for inode in (a, b):
                 path = self._path_in(txn, inode.ino)
                 if path is not None:
-                    self._touch(txn, list(self._subtree_paths(txn, inode.ino, path)), "exchange")
+                    self.journal.touch_in(
+                        txn, list(self._subtree_paths(txn, inode.ino, path)), "exchange"
+                    )
         for inode, left, joined in ((a, p1, p2), (b, p2, p1)):
             if inode.kind == "directory":
                 self._count_subdir(left, -1)
                 self._count_subdir(joined, 1)
 
-    def _resolve(self, txn: Any, path: str, *, committed: bool = False) -> Inode | None:
+    def resolve(self, txn: Any, path: str, *, committed: bool = False) -> Inode | None:
         ino = ROOT_INODE
         for name in path.split("/"):
             raw = txn.get(ekey(ino, name), db=self._entries)
@@ -468,7 +482,7 @@ class Tree(Journal):
         version order. A path in the journal keeps the local version: local
         changes were shipped first and win. Returns the paths updated.
         """
-        journal = {p for p, _, _ in self.journal()}
+        journal = {p for p, _, _ in self.journal.entries()}
         self._subdirs.clear()  # counted again on demand
         applied = 0
         for item in entries:
@@ -488,7 +502,7 @@ class Tree(Journal):
     def _apply_incoming_one(self, path: str, row: ManifestRow | None) -> bool:
         t = now_ns()
         with self._env.begin(write=True) as txn:
-            cur = self._resolve(txn, path)
+            cur = self.resolve(txn, path)
             key = path_key(path)
             braw = txn.get(key, db=self._base)
             base = BaseEntry.decode(braw) if braw is not None else None
@@ -575,8 +589,8 @@ class Tree(Journal):
         dirs: dict[str, InodeNo] = {"": ROOT_INODE}
         created = 0
         with self._env.begin(write=True) as txn:
-            if txn.stat(self._entries)["entries"] or txn.stat(self._journal)["entries"]:
-                raise StateCorrupt(f"{self.root}: refusing to hydrate over existing entries")
+            if txn.stat(self._entries)["entries"] or txn.stat(self._journal_db)["entries"]:
+                raise StateCorrupt(f"{self._state.root}: refusing to hydrate over existing entries")
             next_ino = int(txn.get(b"next_ino", db=self._meta))
             put = txn.put
 
@@ -643,7 +657,7 @@ class Tree(Journal):
 
     def missing_digests(self) -> list[tuple[Digest, int]]:
         """Saved contents the tree shows that are not in objects/ yet (safe off-thread)."""
-        have = set(os.listdir(self.objects))
+        have = set(os.listdir(self._state.objects))
         seen: set[str] = set()
         out: list[tuple[Digest, int]] = []
         with self._env.begin() as txn:
@@ -699,7 +713,7 @@ class Tree(Journal):
                     txn.put(key, inode.encode(), db=self._inodes)
                     fixed += 1
             self.upper.remove_all_but(used)  # what is left is used by no inode
-            for name in os.listdir(self.objects):
+            for name in os.listdir(self._state.objects):
                 if name.startswith(".tmp-"):
-                    os.unlink(self.objects / name)
+                    os.unlink(self._state.objects / name)
         return freed, fixed

@@ -31,12 +31,12 @@ async def test_small_files_go_up_in_batches_and_large_ones_alone(
         for name, data in files.items():
             write_small(store, name, data)
         big = os.urandom(200_000)
-        f = store.create(ROOT_INODE, "big.bin", "file", 0o644)
+        f = store.tree.create(ROOT_INODE, "big.bin", "file", 0o644)
         store.upper.write_complete(f.ino, lambda p: p.write_bytes(big))
         f.upper, f.size = True, len(big)
         f.generation += 1
-        store.persist(f, touch="write")
-        store.drop_inline(f)
+        store.tree.persist(f, touch="write")
+        store.tree.drop_inline(f)
         result = await Shipper(store, mem, SCOPE, 1).ship_checkpoint()
         assert result.entries == len(files) + 1
         assert mem.calls.count("upload_batch") == 3

@@ -91,11 +91,11 @@ def test_a_part_holds_its_entries_and_rows_and_always_makes_progress() -> None:
 
 
 def remove_tree(store: Store, name: str) -> None:
-    d = store.lookup(ROOT_INODE, name)
+    d = store.tree.lookup(ROOT_INODE, name)
     assert d is not None
-    for child, _ in store.children(d):
-        store.unlink(d, child, keep=False)
-    store.unlink(ROOT_INODE, name, keep=False)
+    for child, _ in store.tree.children(d):
+        store.tree.unlink(d, child, keep=False)
+    store.tree.unlink(ROOT_INODE, name, keep=False)
 
 
 def bodies(mem: MemoryBridgeClient) -> list[dict[str, Any]]:
@@ -108,7 +108,7 @@ async def test_a_replaced_tree_saves_in_parts_within_the_entry_bound(tmp_path: P
     mem = MemoryBridgeClient(checkpoint_entries=CAP)
     store = await hydrated(tmp_path, mem)
     try:
-        old = store.create(ROOT_INODE, "old", "directory", 0o755)
+        old = store.tree.create(ROOT_INODE, "old", "directory", 0o755)
         for i in range(30):
             write_small(store, f"f{i:02}", f"old {i}".encode(), parent=old.ino)
         first = await Shipper(store, mem, SCOPE, 1).ship_checkpoint()
@@ -121,7 +121,7 @@ async def test_a_replaced_tree_saves_in_parts_within_the_entry_bound(tmp_path: P
         new = {f"n{i:02}": f"new {i}".encode() for i in range(45)}
         for name, data in new.items():
             write_small(store, name, data)
-        pkg = store.create(ROOT_INODE, "pkg", "directory", 0o755)
+        pkg = store.tree.create(ROOT_INODE, "pkg", "directory", 0o755)
         for i in range(5):
             write_small(store, f"m{i}", b"module", parent=pkg.ino)
         assert len(store.changes_since_baseline()) == 31 + 45 + 6
@@ -139,7 +139,7 @@ async def test_a_replaced_tree_saves_in_parts_within_the_entry_bound(tmp_path: P
         assert [b["final"] for b in sent] == [False, False, True]
         expected = {**new, **{f"pkg/m{i}": b"module" for i in range(5)}}
         assert mem.files(SCOPE) == expected
-        assert store.changes_since_baseline() == [] and store.pending_checkpoint() is None
+        assert store.changes_since_baseline() == [] and store.journal.pending_checkpoint() is None
     finally:
         store.close()
 

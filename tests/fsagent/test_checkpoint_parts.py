@@ -90,12 +90,12 @@ def test_plan_part_fits_first_in_path_order_and_always_makes_progress() -> None:
 
 def write_large(store: Store, name: str, data: bytes) -> InodeNo:
     """A file in ``upper/`` (over the batch bound: a single upload)."""
-    f = store.create(ROOT_INODE, name, "file", 0o644)
+    f = store.tree.create(ROOT_INODE, name, "file", 0o644)
     store.upper.write_complete(f.ino, lambda p: p.write_bytes(data))
     f.upper, f.size = True, len(data)
     f.generation += 1
-    store.persist(f, touch="write")
-    store.drop_inline(f)
+    store.tree.persist(f, touch="write")
+    store.tree.drop_inline(f)
     return f.ino
 
 
@@ -134,9 +134,11 @@ async def test_a_change_set_over_the_allowance_commits_in_valid_parts(
         small = {f"s{i}.txt": os.urandom(3000) for i in range(40)}
         for name, data in small.items():
             write_small(store, name, data)
-        store.create(ROOT_INODE, "dir", "directory", 0o755)
-        store.unlink(ROOT_INODE, "gone.txt", keep=False)
-        store.rename(ROOT_INODE, "old.txt", ROOT_INODE, "new.txt", keep_replaced=lambda _: False)
+        store.tree.create(ROOT_INODE, "dir", "directory", 0o755)
+        store.tree.unlink(ROOT_INODE, "gone.txt", keep=False)
+        store.tree.rename(
+            ROOT_INODE, "old.txt", ROOT_INODE, "new.txt", keep_replaced=lambda _: False
+        )
         saved_before = {str(e.digest) for e in mem.folder(SCOPE).entries.values() if e.digest}
         high = mem.folder(SCOPE).high_water
 
@@ -163,8 +165,8 @@ async def test_a_change_set_over_the_allowance_commits_in_valid_parts(
         # Every change got exactly one version; nothing waits uncommitted.
         assert mem.folder(SCOPE).high_water == high + result.entries
         assert mem.pending_uploads == {}
-        assert store.changes_since_baseline() == [] and store.pending_checkpoint() is None
-        assert store.save_status()["lastSave"]["operationId"] == sent[-1]["operationId"]
+        assert store.changes_since_baseline() == [] and store.journal.pending_checkpoint() is None
+        assert store.journal.save_status()["lastSave"]["operationId"] == sent[-1]["operationId"]
     finally:
         store.close()
 
@@ -199,13 +201,13 @@ async def test_a_file_over_the_whole_allowance_is_refused_and_the_rest_saves(
         write_large(store, "huge.bin", huge)
         write_small(store, "a.txt", b"saved all the same")
         write_large(store, "b.bin", b"b" * 200_000)
-        store.unlink(ROOT_INODE, "gone.txt", keep=False)
+        store.tree.unlink(ROOT_INODE, "gone.txt", keep=False)
         shipper = Shipper(store, mem, SCOPE, 1)
         for _ in range(2):  # refused at each checkpoint, never sent, never retried in a loop
             with pytest.raises(SaveFailed, match=OVER_ALLOWANCE) as info:
                 await shipper.ship_checkpoint()
             assert info.value.refused is True
-            error = store.save_status()["lastError"]
+            error = store.journal.save_status()["lastError"]
             assert error["code"] == OVER_ALLOWANCE and "huge.bin" in error["message"]
         assert hashlib.sha256(huge).hexdigest() not in mem.objects
         assert mem.files(SCOPE) == {
@@ -216,11 +218,11 @@ async def test_a_file_over_the_whole_allowance_is_refused_and_the_rest_saves(
         assert [c.path for c in store.changes_since_baseline()] == ["huge.bin"]
         assert [s for s, _ in mem.reports] == ["failed", "failed"]
         # Made smaller, it saves.
-        store.unlink(ROOT_INODE, "huge.bin", keep=False)
+        store.tree.unlink(ROOT_INODE, "huge.bin", keep=False)
         write_large(store, "huge.bin", huge[:500_000])
         result = await shipper.ship_checkpoint()
         assert result.entries == 1 and mem.files(SCOPE)["huge.bin"] == huge[:500_000]
-        assert "lastError" not in store.save_status()
+        assert "lastError" not in store.journal.save_status()
     finally:
         store.close()
 
@@ -235,13 +237,13 @@ async def test_an_allowance_held_by_others_waits_then_fails_and_saves_the_rest(
         # Another folder's uploads of the same run wait for its checkpoint.
         mem.pending_uploads["0" * 64] = 1_000_000
         write_large(store, "a.bin", os.urandom(200_000))
-        store.create(ROOT_INODE, "dir", "directory", 0o755)
-        store.unlink(ROOT_INODE, "gone.txt", keep=False)
+        store.tree.create(ROOT_INODE, "dir", "directory", 0o755)
+        store.tree.unlink(ROOT_INODE, "gone.txt", keep=False)
         shipper = Shipper(store, mem, SCOPE, 1)
         with pytest.raises(SaveFailed, match="upload allowance") as info:
             await shipper.ship_checkpoint()
         assert info.value.refused is False  # may pass: a later save tries again
-        assert store.save_status()["lastError"]["code"] == "upload_quota_exceeded"
+        assert store.journal.save_status()["lastError"]["code"] == "upload_quota_exceeded"
         assert mem.folder(SCOPE).entries["dir"].kind == "directory"
         assert mem.folder(SCOPE).entries["gone.txt"].deleted
         assert [c.path for c in store.changes_since_baseline()] == ["a.bin"]
@@ -280,7 +282,7 @@ async def test_a_lost_answer_between_two_parts_replays_that_part_once(
         with pytest.raises(SaveFailed, match="lost"):
             await shipper.ship_checkpoint()
         first, second = bodies(mem)
-        pending = store.pending_checkpoint()
+        pending = store.journal.pending_checkpoint()
         assert pending is not None and pending["operationId"] == second["operationId"]
         left = {c.path for c in store.changes_since_baseline()}
         assert left == set(files) - {e["path"] for e in first["entries"]}
@@ -299,7 +301,7 @@ async def test_a_lost_answer_between_two_parts_replays_that_part_once(
         }
         assert mem.folder(SCOPE).high_water == high + len(files)
         assert result.parts == len(sent) - 2
-        assert store.changes_since_baseline() == [] and store.pending_checkpoint() is None
+        assert store.changes_since_baseline() == [] and store.journal.pending_checkpoint() is None
     finally:
         store.close()
 

@@ -583,8 +583,8 @@ def test_auto_never_serves_a_fuse_collection_as_a_directory(mounts: MountFactory
     src = mounts.source({"agent": {"a.txt": b"saved"}})
     state = mounts.base / "fuse-state"
     store = Store.open(state)
-    store.hydrate([], 1)  # a FUSE collection that may hold unsaved changes
-    store.claim_mode("fuse", "a test mount works", "/elsewhere")
+    store.tree.hydrate([], 1)  # a FUSE collection that may hold unsaved changes
+    store.dir.claim_mode("fuse", "a test mount works", "/elsewhere")
     store.close()
     directory = mounts.base / "agent"
     directory.mkdir()
@@ -725,11 +725,11 @@ def test_a_sandbox_of_mixed_records_serves_each_collection_in_its_own_mode(
 
     dirs = {scope: tmp_path / scope for scope in ("task", "agent", "user", "project")}
     plain = DirStore.open(dirs["task"])
-    plain.claim_mode("dir", "--mode dir", "/home/agent/task")
+    plain.dir.claim_mode("dir", "--mode dir", "/home/agent/task")
     plain.close()
     fused = Store.open(dirs["agent"])
-    fused.hydrate([], 1)
-    fused.claim_mode("fuse", "a test mount works", "/home/agent/agent")
+    fused.tree.hydrate([], 1)
+    fused.dir.claim_mode("fuse", "a test mount works", "/home/agent/agent")
     fused.close()
     modes = fuseprobe.decide_all("auto", dirs)
     assert {s: d.mode for s, d in modes.items()} == {

@@ -152,7 +152,7 @@ async def test_a_forged_object_fails_the_hydration_which_starts_over(
         with pytest.raises(ObjectUnavailable, match="refusing to place it"):
             await hydrate_directory(s.store, mem, SCOPE, s.fd, 2)
         assert not (s.root / "edit.txt").exists()
-        assert s.store.hydrating() and not s.store.baseline().hydrated
+        assert s.store.hydrating() and not s.store.journal.baseline().hydrated
         assert [p.name for p in (tmp_path / "state" / "objects").iterdir()] == []
         mem.objects[digest] = b"before"
         await hydrate_directory(s.store, mem, SCOPE, s.fd, 2)  # over what the first one placed
@@ -534,22 +534,22 @@ async def test_a_long_path_survives_a_restart_and_its_deletion_ships(tmp_path: P
 
 def test_a_state_dir_serves_one_mode(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "fuse")
-    store.claim_mode("fuse", "a test mount works", "/home/a/task")
+    store.dir.claim_mode("fuse", "a test mount works", "/home/a/task")
     store.close()
     dir_store = DirStore.open(tmp_path / "fuse")
     try:
         with pytest.raises(StateModeMismatch, match="served in fuse mode"):
-            dir_store.claim_mode("dir", "/dev/fuse missing", "/home/a/task")
+            dir_store.dir.claim_mode("dir", "/dev/fuse missing", "/home/a/task")
     finally:
         dir_store.close()
     dir_store = DirStore.open(tmp_path / "dir")
-    dir_store.claim_mode("dir", "/dev/fuse missing", "/home/a/task")
+    dir_store.dir.claim_mode("dir", "/dev/fuse missing", "/home/a/task")
     dir_store.close()
     store = Store.open(tmp_path / "dir")
     try:
         with pytest.raises(StateModeMismatch, match="served in dir mode"):
-            store.claim_mode("fuse", "--mode fuse", "/home/a/task")
-        assert store.mode_record() == {
+            store.dir.claim_mode("fuse", "--mode fuse", "/home/a/task")
+        assert store.dir.mode_record() == {
             "mode": "dir", "reason": "/dev/fuse missing", "path": "/home/a/task",
         }  # fmt: skip
     finally:
@@ -576,20 +576,20 @@ async def test_a_server_change_that_cannot_be_placed_is_asked_for_again(
 ) -> None:
     s = await served(tmp_path, mem)
     try:
-        since = s.store.baseline().high_water
+        since = s.store.journal.baseline().high_water
         mem.put_file(SCOPE, "keep.txt/inner", b"below a file")  # no parent directory here
         mem.put_file(SCOPE, "fine.txt", b"placed")
         assert await take_incoming(s.store, mem, SCOPE) == 1
         assert "server change at keep.txt/inner not applied" in caplog.text
         assert (s.root / "fine.txt").read_bytes() == b"placed"
-        assert s.store.baseline().high_water == since  # the next start asks again
+        assert s.store.journal.baseline().high_water == since  # the next start asks again
         folder = mem.folder(SCOPE)
         folder.entries["keep.txt/inner"] = replace(
             folder.entries["keep.txt/inner"], deleted=True, version=folder.bump()
         )
         # Asked again: fine.txt comes back as already placed, the bad entry is gone.
         assert await take_incoming(s.store, mem, SCOPE) == 0
-        assert s.store.baseline().high_water == folder.high_water
+        assert s.store.journal.baseline().high_water == folder.high_water
         assert (s.root / "keep.txt").read_bytes() == b"kept" and s.changes() == {}
     finally:
         s.close()

@@ -239,7 +239,7 @@ def test_a_move_out_of_line_the_disk_refuses_leaves_the_file_as_it_was(
     commit fails (the metadata reserve used up), the write is refused, the file
     stays inline with its bytes, and no upper file is left taking the space."""
     store = Store.open(tmp_path / "state")
-    store.hydrate([], high_water=0)
+    store.tree.hydrate([], high_water=0)
     fs = WorkFolderFS(store, ContentFetcher(store, MemoryBridgeClient(), "agent"))
     ctx = cast(pyfuse3.RequestContext, SimpleNamespace(uid=os.getuid(), gid=os.getgid()))
     first, second = os.urandom(30_000), os.urandom(100_000)
@@ -257,7 +257,7 @@ def test_a_move_out_of_line_the_disk_refuses_leaves_the_file_as_it_was(
     def disk_full(*_: object) -> None:
         raise OSError(errno.ENOSPC, "state database: no space")
 
-    monkeypatch.setattr(store, "drop_inline", disk_full)
+    monkeypatch.setattr(store.tree, "drop_inline", disk_full)
     with pytest.raises(pyfuse3.FUSEError) as refused:
         trio.run(write, len(first), second)
     assert refused.value.errno == errno.ENOSPC

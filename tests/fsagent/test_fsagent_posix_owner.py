@@ -70,12 +70,12 @@ def _needs_root() -> None:
 def test_format_3_state_dir_is_upgraded_with_owners_and_atime(tmp_path: Path) -> None:
     root = tmp_path / "s"
     store = Store.open(root)
-    store.hydrate(
+    store.tree.hydrate(
         [ManifestRow("docs/a.txt", "file", Digest("ab" * 32), 3, True, FileVersion(1))], 1
     )
-    docs = store.lookup(ROOT_INODE, "docs")
+    docs = store.tree.lookup(ROOT_INODE, "docs")
     assert docs is not None
-    new = store.create(docs, "new.txt", "file", 0o640)
+    new = store.tree.create(docs, "new.txt", "file", 0o640)
     store.close()
     # Rewrite it as the format-3 code left it: inode records of version 1.
     env = lmdb.open(str(root / "db"), max_dbs=8)
@@ -105,7 +105,7 @@ def test_format_3_state_dir_is_upgraded_with_owners_and_atime(tmp_path: Path) ->
     up = Store.open(root)
     upgraded = up.get(new.ino)
     assert (upgraded.uid, upgraded.gid, upgraded.atime_ns) == (*process_owner(), old.mtime_ns)
-    a_txt = up.lookup(docs, "a.txt")
+    a_txt = up.tree.lookup(docs, "a.txt")
     assert a_txt is not None and up.get(a_txt).executable
     assert [(c.path, c.action) for c in up.changes_since_baseline()] == [("docs/new.txt", "upload")]
     up.close()
@@ -298,20 +298,20 @@ def test_fsync_skips_the_store_sync_only_while_an_upper_file_records_are_durable
     tmp_path: Path,
 ) -> None:
     store = Store.open(tmp_path / "s")
-    f = store.create(ROOT_INODE, "wal", "file", 0o644)
-    epoch = store.durable_epoch()
-    store.mark_durable(f.ino, epoch)
-    assert store.is_durable(f.ino)
-    store.rename(ROOT_INODE, "wal", ROOT_INODE, "wal2", keep_replaced=lambda _: False)
-    assert not store.is_durable(f.ino)  # the new path's journal entry is not durable yet
-    store.mark_durable(f.ino, epoch)  # a sync that began before the rename proves nothing
-    assert not store.is_durable(f.ino)
-    store.mark_durable(f.ino, store.durable_epoch())
+    f = store.tree.create(ROOT_INODE, "wal", "file", 0o644)
+    epoch = store.dir.durable_epoch()
+    store.dir.mark_durable(f.ino, epoch)
+    assert store.dir.is_durable(f.ino)
+    store.tree.rename(ROOT_INODE, "wal", ROOT_INODE, "wal2", keep_replaced=lambda _: False)
+    assert not store.dir.is_durable(f.ino)  # the new path's journal entry is not durable yet
+    store.dir.mark_durable(f.ino, epoch)  # a sync that began before the rename proves nothing
+    assert not store.dir.is_durable(f.ino)
+    store.dir.mark_durable(f.ino, store.dir.durable_epoch())
     store.acknowledge([], high_water=1)
-    assert not store.is_durable(f.ino)  # acknowledged entries come back with the next write
-    store.mark_durable(f.ino, store.durable_epoch())
-    store.drop_inline(store.get(f.ino))
-    assert not store.is_durable(f.ino)
+    assert not store.dir.is_durable(f.ino)  # acknowledged entries come back with the next write
+    store.dir.mark_durable(f.ino, store.dir.durable_epoch())
+    store.tree.drop_inline(store.get(f.ino))
+    assert not store.dir.is_durable(f.ino)
     store.close()
 
 
@@ -368,7 +368,7 @@ print(json.dumps(out))
     try:
         owners = {}
         for name in ("saved.txt", "docs", "mine"):
-            ino = store.lookup(ROOT_INODE, name)
+            ino = store.tree.lookup(ROOT_INODE, name)
             assert ino is not None, name
             node = store.get(ino)
             owners[name] = (node.uid, node.gid)

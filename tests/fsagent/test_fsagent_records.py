@@ -88,18 +88,18 @@ def test_format_2_state_dir_is_read_as_is_and_upgraded_in_place(tmp_path: Path) 
         assert records and all(json.loads(v)[0] == version for v in records.values()), table
     store = Store.open(root)
     assert summary(store) == expected
-    docs = store.lookup(ROOT_INODE, "docs")
+    docs = store.tree.lookup(ROOT_INODE, "docs")
     assert docs is not None
-    new = store.lookup(docs, "new.txt")
-    run = store.lookup(docs, "run.sh")
+    new = store.tree.lookup(docs, "new.txt")
+    run = store.tree.lookup(docs, "run.sh")
     assert new is not None and run is not None
     assert store.inline_data(new) == b"hello"
     assert store.get(run).executable and store.get(run).digest == "cd" * 32
-    base = store.base_entry("docs/run.sh")
+    base = store.journal.base_entry("docs/run.sh")
     assert base is not None and base.version == 3 and base.executable
-    assert store.baseline().high_water == 3 and store.baseline().hydrated
-    assert store.pending_checkpoint() == {"operationId": "op-1", "state": "uploading"}
-    assert store.journal()[0][0] == "docs/a.txt"
+    assert store.journal.baseline().high_water == 3 and store.journal.baseline().hydrated
+    assert store.journal.pending_checkpoint() == {"operationId": "op-1", "state": "uploading"}
+    assert store.journal.entries()[0][0] == "docs/a.txt"
     store.close()
     again = Store.open(root)  # a current dir opens without another upgrade
     assert summary(again) == expected
@@ -109,25 +109,25 @@ def test_format_2_state_dir_is_read_as_is_and_upgraded_in_place(tmp_path: Path) 
 def test_every_table_takes_paths_up_to_the_limit(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "s")
     deep = "/".join(["d" * 200] * 4)  # 803 bytes: over the LMDB key limit
-    store.hydrate([ManifestRow(f"{deep}/old", "file", Digest("ab" * 32), 1, False,
+    store.tree.hydrate([ManifestRow(f"{deep}/old", "file", Digest("ab" * 32), 1, False,
                                FileVersion(1))], high_water=1)  # fmt: skip
     parent = ROOT_INODE
     for name in deep.split("/"):
-        found = store.lookup(parent, name)
+        found = store.tree.lookup(parent, name)
         assert found is not None
         parent = found
-    store.create(parent, "é" * 90, "file", 0o644)  # 180 bytes more
-    store.unlink(parent, "old", keep=False)
+    store.tree.create(parent, "é" * 90, "file", 0o644)  # 180 bytes more
+    store.tree.unlink(parent, "old", keep=False)
     changes = store.changes_since_baseline()
     assert [(c.path, c.action) for c in changes] == [
         (f"{deep}/old", "delete"),
         (f"{deep}/{'é' * 90}", "upload"),
     ]
-    assert store.base_entry(f"{deep}/old") is not None
+    assert store.journal.base_entry(f"{deep}/old") is not None
     store.acknowledge([(c, None, FileVersion(2)) for c in changes], high_water=2)
     assert store.changes_since_baseline() == []
-    assert store.base_entry(f"{deep}/old") is None
-    assert store.base_entry(f"{deep}/{'é' * 90}") is not None
+    assert store.journal.base_entry(f"{deep}/old") is None
+    assert store.journal.base_entry(f"{deep}/{'é' * 90}") is not None
     store.close()
 
 

@@ -37,11 +37,11 @@ async def hydrated(tmp_path: Path, mem: MemoryBridgeClient) -> Store:
 
 def write_small(store: Store, name: str, data: bytes, parent: InodeNo = ROOT_INODE) -> InodeNo:
     """What the filesystem does for a small file: inline contents, a new generation."""
-    existing = store.lookup(parent, name)
-    f = store.get(existing) if existing else store.create(parent, name, "file", 0o644)
+    existing = store.tree.lookup(parent, name)
+    f = store.get(existing) if existing else store.tree.create(parent, name, "file", 0o644)
     f.upper, f.digest, f.size = True, None, len(data)
     f.generation += 1
-    store.persist(f, touch="write", inline=data)
+    store.tree.persist(f, touch="write", inline=data)
     return f.ino
 
 
@@ -60,15 +60,15 @@ async def test_ship_uploads_commits_and_clears_the_change_set(
     store = await hydrated(tmp_path, mem)
     try:
         write_small(store, "new.txt", b"hello")
-        store.create(ROOT_INODE, "dir", "directory", 0o755)
-        store.unlink(ROOT_INODE, "gone.txt", keep=False)
+        store.tree.create(ROOT_INODE, "dir", "directory", 0o755)
+        store.tree.unlink(ROOT_INODE, "gone.txt", keep=False)
         result = await Shipper(store, mem, SCOPE, 1).ship_checkpoint()
         assert result.entries == 3 and result.receipt is not None
         assert mem.files(SCOPE) == {"old.txt": b"saved before", "new.txt": b"hello"}
         assert mem.folder(SCOPE).entries["dir"].kind == "directory"
         assert store.changes_since_baseline() == []
-        assert store.pending_checkpoint() is None
-        assert store.save_status()["lastSave"]["entries"] == 3
+        assert store.journal.pending_checkpoint() is None
+        assert store.journal.save_status()["lastSave"]["entries"] == 3
     finally:
         store.close()
 
@@ -84,7 +84,7 @@ async def test_lost_commit_response_replays_the_same_operation(
         mem.lose_next("commit_checkpoint")
         with pytest.raises(SaveFailed, match="lost the response"):
             await shipper.ship_checkpoint()
-        pending = store.pending_checkpoint()
+        pending = store.journal.pending_checkpoint()
         assert pending is not None and pending["state"] == "committing"
         assert mem.files(SCOPE)["a.txt"] == b"first"  # applied on the server
         high = mem.folder(SCOPE).high_water
@@ -98,7 +98,7 @@ async def test_lost_commit_response_replays_the_same_operation(
         ]
         assert mem.files(SCOPE) == {"old.txt": b"saved before", "gone.txt": b"to be deleted",
                                     "a.txt": b"first", "b.txt": b"second"}  # fmt: skip
-        assert store.changes_since_baseline() == [] and store.pending_checkpoint() is None
+        assert store.changes_since_baseline() == [] and store.journal.pending_checkpoint() is None
     finally:
         store.close()
 
@@ -115,7 +115,7 @@ async def test_failed_upload_is_recorded_reported_and_retried(
         for _ in range(2):
             with pytest.raises(SaveFailed, match="injected"):
                 await shipper.ship_checkpoint()
-        assert "injected" in store.save_status()["lastError"]["message"]
+        assert "injected" in store.journal.save_status()["lastError"]["message"]
         assert [s for s, _ in mem.reports] == ["failed", "failed"]
         # Each failure stands on its folder (a failure receipt, not final),
         # not merely on the run, which another folder's save would clear.
@@ -151,7 +151,7 @@ async def test_stale_lease_fences_the_shipper_and_nothing_is_applied(
             with pytest.raises(SaveFailed, match="newer run holds the lease"):
                 await shipper.ship_checkpoint(final=final)
         assert len(mem.calls) == calls
-        assert "newer run" in store.save_status()["lastError"]["message"]
+        assert "newer run" in store.journal.save_status()["lastError"]["message"]
         assert mem.failure_receipts == []  # the refusal is its receipt already
     finally:
         store.close()
@@ -166,7 +166,7 @@ class WatchingClient(MemoryBridgeClient):
         self.seen: list[dict[str, Any] | None] = []
 
     async def upload_object(self, scope: str, frames: Frames) -> tuple[str, int]:
-        self.seen.append(self.store_ref[0].pending_checkpoint())
+        self.seen.append(self.store_ref[0].journal.pending_checkpoint())
         return await super().upload_object(scope, frames)
 
 
@@ -208,9 +208,9 @@ async def test_warm_start_ships_local_changes_then_takes_newer_server_ones(
         mem.put_file(SCOPE, "local.txt", b"server copy loses")  # journal has the path
         await warm_start(store, mem, Shipper(store, mem, SCOPE, 1), SCOPE)
         assert mem.files(SCOPE)["local.txt"] == b"never saved"
-        theirs = store.lookup(ROOT_INODE, "theirs.txt")
+        theirs = store.tree.lookup(ROOT_INODE, "theirs.txt")
         assert theirs is not None and store.get(theirs).size == len(b"another writer")
-        assert store.baseline().high_water == mem.folder(SCOPE).high_water
+        assert store.journal.baseline().high_water == mem.folder(SCOPE).high_water
         assert store.changes_since_baseline() == []
     finally:
         store.close()
@@ -224,12 +224,12 @@ async def test_warm_start_keeps_local_state_when_the_server_asks_to_resync(
     try:
         mem.put_file(SCOPE, "theirs.txt", b"x")
         mem.folder(SCOPE).purge_floor = mem.folder(SCOPE).high_water + 1
-        before = store.baseline().high_water
+        before = store.journal.baseline().high_water
         with caplog.at_level(logging.WARNING):
             await warm_start(store, mem, Shipper(store, mem, SCOPE, 1), SCOPE)
         assert "incomplete on the server" in caplog.text
-        assert store.lookup(ROOT_INODE, "theirs.txt") is None
-        assert store.baseline().high_water == before
+        assert store.tree.lookup(ROOT_INODE, "theirs.txt") is None
+        assert store.journal.baseline().high_water == before
     finally:
         store.close()
 
@@ -241,12 +241,12 @@ async def test_upload_frames_carry_a_large_file_byte_exact(
     store = await hydrated(tmp_path, mem)
     try:
         data = os.urandom(CHUNK_MAX * 2 + 12345)  # three frames, the last one short
-        f = store.create(ROOT_INODE, "big.bin", "file", 0o644)
+        f = store.tree.create(ROOT_INODE, "big.bin", "file", 0o644)
         store.upper.write_complete(f.ino, lambda p: p.write_bytes(data))
         f.upper, f.size = True, len(data)
         f.generation += 1
-        store.persist(f, touch="write")
-        store.drop_inline(f)  # complete in upper/<inode>, as the filesystem leaves it
+        store.tree.persist(f, touch="write")
+        store.tree.drop_inline(f)  # complete in upper/<inode>, as the filesystem leaves it
         result = await Shipper(store, mem, SCOPE, 1).ship_checkpoint()
         assert result.entries == 1 and mem.files(SCOPE)["big.bin"] == data
     finally:
@@ -358,9 +358,9 @@ async def test_a_limit_refusal_drops_its_body_and_the_next_checkpoint_starts_afr
         with pytest.raises(SaveFailed) as exc:
             await shipper.ship_checkpoint()
         assert exc.value.refused is True
-        assert store.pending_checkpoint() is None
+        assert store.journal.pending_checkpoint() is None
         assert mem.reports == []  # a warning of the run, not a failed run
-        store.unlink(ROOT_INODE, "big.bin", keep=False)
+        store.tree.unlink(ROOT_INODE, "big.bin", keep=False)
         write_small(store, "small.txt", b"s")
         result = await shipper.ship_checkpoint()
         assert result.receipt is not None

@@ -63,8 +63,8 @@ async def test_saves_from_its_own_thread_and_acknowledges_in_parts(tmp_path: Pat
         assert result.entries == len(files) and result.skipped_torn == 0 and result.seconds > 0
         assert mem.files(SCOPE) == files
         assert mem.threads and threading.get_ident() not in mem.threads
-        assert store.changes_since_baseline() == [] and store.pending_checkpoint() is None
-        assert store.save_status()["lastSave"]["entries"] == len(files)
+        assert store.changes_since_baseline() == [] and store.journal.pending_checkpoint() is None
+        assert store.journal.save_status()["lastSave"]["entries"] == len(files)
     finally:
         store.close()
 
@@ -105,7 +105,7 @@ async def test_a_failure_on_the_thread_is_the_callers_and_keeps_every_change(
         async with ShipThread(store, mem, SCOPE, 1) as shipper:
             with pytest.raises(SaveFailed, match="injected"):
                 await shipper.ship_checkpoint()
-            assert "injected" in store.save_status()["lastError"]["message"]
+            assert "injected" in store.journal.save_status()["lastError"]["message"]
             assert [c.path for c in store.changes_since_baseline()] == ["a.txt"]
             assert (await shipper.ship_checkpoint(final=True)).entries == 1
         assert mem.files(SCOPE) == {"a.txt": b"kept"}

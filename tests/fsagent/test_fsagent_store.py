@@ -61,7 +61,7 @@ def row(path: str, data: bytes | None, version: int, exe: bool = False) -> Manif
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
     s = Store.open(tmp_path / "state")
-    s.hydrate([row("docs", None, 1), row("docs/a", b"A", 2), row("docs/b", b"B", 3),
+    s.tree.hydrate([row("docs", None, 1), row("docs/a", b"A", 2), row("docs/b", b"B", 3),
                row("x/y/z", b"Z", 4, exe=True)], high_water=4)  # fmt: skip
     return s
 
@@ -69,7 +69,7 @@ def store(tmp_path: Path) -> Store:
 def ino(store: Store, path: str) -> InodeNo:
     cur = ROOT_INODE
     for name in path.split("/"):
-        found = store.lookup(cur, name)
+        found = store.tree.lookup(cur, name)
         assert found is not None, path
         cur = found
     return cur
@@ -80,29 +80,29 @@ def by_path(changes: list[Change]) -> dict[str, Change]:
 
 
 def test_hydrate_builds_the_tree_and_the_baseline(store: Store) -> None:
-    assert [n for n, _ in store.children(ROOT_INODE)] == ["docs", "x"]
+    assert [n for n, _ in store.tree.children(ROOT_INODE)] == ["docs", "x"]
     z = store.get(ino(store, "x/y/z"))
     assert z.digest == sha(b"Z") and z.executable and not z.upper
-    assert store.baseline().high_water == 4 and store.baseline().hydrated
+    assert store.journal.baseline().high_water == 4 and store.journal.baseline().hydrated
     assert store.changes_since_baseline() == []
 
 
 def test_changes_coalesce_to_the_net_effect(store: Store) -> None:
     docs = ino(store, "docs")
     # Created then deleted: nothing.
-    tmp = store.create(docs, "tmp", "file", 0o644)
-    store.unlink(docs, "tmp", keep=False)
+    tmp = store.tree.create(docs, "tmp", "file", 0o644)
+    store.tree.unlink(docs, "tmp", keep=False)
     # Unchanged file renamed: delete + reference to its saved digest.
-    store.rename(docs, "a", ROOT_INODE, "a2", keep_replaced=lambda _: False)
+    store.tree.rename(docs, "a", ROOT_INODE, "a2", keep_replaced=lambda _: False)
     # Renamed away and back: nothing.
-    store.rename(docs, "b", ROOT_INODE, "b-tmp", keep_replaced=lambda _: False)
-    store.rename(ROOT_INODE, "b-tmp", docs, "b", keep_replaced=lambda _: False)
+    store.tree.rename(docs, "b", ROOT_INODE, "b-tmp", keep_replaced=lambda _: False)
+    store.tree.rename(ROOT_INODE, "b-tmp", docs, "b", keep_replaced=lambda _: False)
     # Exec bit flipped on a saved file: reference with the new bit, no upload.
     z = store.get(ino(store, "x/y/z"))
     z.mode = 0o644
-    store.persist(z, touch="chmod")
+    store.tree.persist(z, touch="chmod")
     # A new directory.
-    store.create(ROOT_INODE, "new", "directory", 0o755)
+    store.tree.create(ROOT_INODE, "new", "directory", 0o755)
     changes = by_path(store.changes_since_baseline())
     assert set(changes) == {"docs/a", "a2", "x/y/z", "new"}, changes
     assert changes["docs/a"].action == "delete" and changes["docs/a"].base is not None
@@ -116,7 +116,7 @@ def test_changes_coalesce_to_the_net_effect(store: Store) -> None:
 
 
 def test_directory_rename_lists_every_moved_path(store: Store) -> None:
-    store.rename(ROOT_INODE, "docs", ROOT_INODE, "papers", keep_replaced=lambda _: False)
+    store.tree.rename(ROOT_INODE, "docs", ROOT_INODE, "papers", keep_replaced=lambda _: False)
     changes = by_path(store.changes_since_baseline())
     assert {p: c.action for p, c in changes.items()} == {
         "docs": "delete", "docs/a": "delete", "docs/b": "delete",
@@ -126,25 +126,27 @@ def test_directory_rename_lists_every_moved_path(store: Store) -> None:
 
 def test_directory_link_counts_follow_every_change_and_a_fresh_count(store: Store) -> None:
     def links(*inos: InodeNo) -> tuple[int, ...]:
-        return tuple(store.nlink(store.get(i)) for i in inos)
+        return tuple(store.tree.nlink(store.get(i)) for i in inos)
 
     docs, x, y = ino(store, "docs"), ino(store, "x"), ino(store, "x/y")
     # Counted from the hydrated records: the root has docs and x (an ancestor
     # the manifest did not list), x has y; a file has one link.
     assert links(ROOT_INODE, docs, x, y) == (4, 2, 3, 2)
     assert links(ino(store, "docs/a")) == (1,)
-    store.create(docs, "sub", "directory", 0o755)
-    store.rename(x, "y", docs, "y", keep_replaced=lambda _: False)
+    store.tree.create(docs, "sub", "directory", 0o755)
+    store.tree.rename(x, "y", docs, "y", keep_replaced=lambda _: False)
     assert links(docs, x) == (4, 2)
-    store.create(x, "file", "file", 0o644)
-    store.exchange(docs, "sub", x, "file")  # a directory and a file swap parents
+    store.tree.create(x, "file", "file", 0o644)
+    store.tree.exchange(docs, "sub", x, "file")  # a directory and a file swap parents
     assert links(docs, x) == (3, 3)
-    gone = store.unlink(x, "file", keep=True)  # the directory, removed while in use
-    assert store.nlink(gone) == 0 and links(x) == (2,)
+    gone = store.tree.unlink(x, "file", keep=True)  # the directory, removed while in use
+    assert store.tree.nlink(gone) == 0 and links(x) == (2,)
     counted = links(ROOT_INODE, docs, x)
     store.close()
     fresh = Store.open(store.root)  # counted again from the records
-    assert tuple(fresh.nlink(fresh.get(i)) for i in (ROOT_INODE, docs, x)) == counted == (4, 3, 2)
+    assert (
+        tuple(fresh.tree.nlink(fresh.get(i)) for i in (ROOT_INODE, docs, x)) == counted == (4, 3, 2)
+    )
     fresh.close()
 
 
@@ -165,7 +167,7 @@ def test_times_written_behind_survive_a_failed_commit_and_a_reopen(
     def disk_full(*_: object) -> None:
         raise OSError(errno.ENOSPC, "state database: no space")
 
-    monkeypatch.setattr(store, "write_behind", disk_full)
+    monkeypatch.setattr(store.tree, "write_behind", disk_full)
     fs.flush_behind()  # logged; the times wait for the next flush
     monkeypatch.undo()
     fs.flush_behind()
@@ -178,15 +180,15 @@ def test_times_written_behind_survive_a_failed_commit_and_a_reopen(
 
 def test_acknowledge_clears_only_what_did_not_change_meanwhile(store: Store) -> None:
     docs = ino(store, "docs")
-    f = store.create(docs, "new", "file", 0o644)
+    f = store.tree.create(docs, "new", "file", 0o644)
     f.size, f.generation = 3, 1
-    store.persist(f, touch="write")
-    g = store.create(docs, "busy", "file", 0o644)
-    store.unlink(docs, "a", keep=False)
+    store.tree.persist(f, touch="write")
+    g = store.tree.create(docs, "busy", "file", 0o644)
+    store.tree.unlink(docs, "a", keep=False)
     snapshot = by_path(store.changes_since_baseline())
     # While the checkpoint is in flight, "busy" is written again.
     g.generation += 1
-    store.persist(g, touch="write")
+    store.tree.persist(g, touch="write")
     shipped = [(snapshot["docs/new"], sha(b"new"), FileVersion(10)),
                (snapshot["docs/busy"], sha(b""), FileVersion(11)),
                (snapshot["docs/a"], None, FileVersion(12))]  # fmt: skip
@@ -194,17 +196,17 @@ def test_acknowledge_clears_only_what_did_not_change_meanwhile(store: Store) -> 
     after = by_path(store.changes_since_baseline())
     assert set(after) == {"docs/busy"}, after
     assert after["docs/busy"].base is not None and after["docs/busy"].base.version == 11
-    assert store.baseline().high_water == 12
+    assert store.journal.baseline().high_water == 12
 
 
 def test_binding_is_recorded_once_and_enforced(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "s")
     b = Binding("c1", "agent", "a1", {"task": None, "agent": "a1", "user": None, "project": None})
-    s.bind(b)
-    s.bind(b)
+    s.dir.bind(b)
+    s.dir.bind(b)
     other = Binding("c1", "agent", "a1", {**b.owners, "task": "t9"})
     with pytest.raises(StateBindingMismatch, match="task=t9"):
-        s.bind(other)
+        s.dir.bind(other)
     s.close()
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "x").write_text("x")
@@ -214,26 +216,26 @@ def test_binding_is_recorded_once_and_enforced(tmp_path: Path) -> None:
 
 def test_recover_frees_orphans_and_trusts_upper_file_sizes(store: Store) -> None:
     docs = ino(store, "docs")
-    f = store.create(docs, "w", "file", 0o644)
-    store.drop_inline(f)  # a large file: its bytes live in upper/
+    f = store.tree.create(docs, "w", "file", 0o644)
+    store.tree.drop_inline(f)  # a large file: its bytes live in upper/
     store.upper.path(f.ino).write_bytes(b"written before the crash")
-    o = store.create(docs, "o", "file", 0o644)
-    store.drop_inline(o)
+    o = store.tree.create(docs, "o", "file", 0o644)
+    store.tree.drop_inline(o)
     store.upper.path(o.ino).write_bytes(b"orphan")
-    store.unlink(docs, "o", keep=True)
+    store.tree.unlink(docs, "o", keep=True)
     # A crash while a file moved out of line leaves both copies: inline wins.
-    m = store.create(docs, "moving", "file", 0o644)
+    m = store.tree.create(docs, "moving", "file", 0o644)
     m.size = 5
-    store.persist(m, touch="write", inline=b"small")
+    store.tree.persist(m, touch="write", inline=b"small")
     store.upper.path(m.ino).write_bytes(b"small and then some")
     # The upper file of a spilled file that never reached the disk.
-    lost = store.create(docs, "lost", "file", 0o644)
+    lost = store.tree.create(docs, "lost", "file", 0o644)
     lost.size = 9
-    store.drop_inline(lost)
+    store.tree.drop_inline(lost)
     root = store.root
     store.close()
     again = Store.open(root)
-    assert again.recover() == (1, 2)
+    assert again.tree.recover() == (1, 2)
     assert again.get(f.ino).size == len(b"written before the crash")
     assert not again.upper.path(o.ino).exists()
     with pytest.raises(KeyError):
@@ -245,13 +247,13 @@ def test_recover_frees_orphans_and_trusts_upper_file_sizes(store: Store) -> None
 
 def test_small_files_live_inline_and_leave_no_file_on_disk(store: Store) -> None:
     docs = ino(store, "docs")
-    f = store.create(docs, "note", "file", 0o644)
+    f = store.tree.create(docs, "note", "file", 0o644)
     assert store.inline_data(f.ino) == b""
     f.size = 4
-    store.persist(f, touch="write", inline=b"abcd")
+    store.tree.persist(f, touch="write", inline=b"abcd")
     assert store.inline_data(f.ino) == b"abcd"
     assert os.listdir(store.upper.directory) == []
-    store.unlink(docs, "note", keep=False)
+    store.tree.unlink(docs, "note", keep=False)
     assert store.inline_data(f.ino) is None
     with pytest.raises(KeyError):
         store.get(f.ino)
@@ -390,7 +392,7 @@ def test_a_discarded_state_dir_is_whole_or_empty(tmp_path: Path) -> None:
     fresh store opens there."""
     root = tmp_path / "agent"
     store = Store.open(root)
-    store.bind(
+    store.dir.bind(
         Binding("c1", "agent", "a1", {"task": None, "agent": "a1", "user": None, "project": None})
     )
     store.close()
@@ -402,6 +404,6 @@ def test_a_discarded_state_dir_is_whole_or_empty(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["agent"]
     fresh = Store.open(root)
     try:
-        assert fresh.binding() is None
+        assert fresh.dir.binding() is None
     finally:
         fresh.close()

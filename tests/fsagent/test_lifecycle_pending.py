@@ -93,15 +93,15 @@ async def test_a_body_of_an_older_lease_is_listed_again_under_the_new_run(
     store = await hydrated(tmp_path, mem)
     try:
         write_small(store, "a.txt", b"written by the old run")
-        store.create(ROOT_INODE, "dir", "directory", 0o755)
-        store.unlink(ROOT_INODE, "gone.txt", keep=False)
+        store.tree.create(ROOT_INODE, "dir", "directory", 0o755)
+        store.tree.unlink(ROOT_INODE, "gone.txt", keep=False)
         if applied:
             mem.lose_next("commit_checkpoint")
         else:
             mem.fail_next("commit_checkpoint")
         with pytest.raises(SaveFailed):
             await Shipper(store, mem, SCOPE, mem.run.lease_epoch).ship_checkpoint(final=True)
-        stored = store.pending_checkpoint()
+        stored = store.journal.pending_checkpoint()
         assert stored is not None and stored["state"] == "committing"
         assert list(mem.receipts) == ([(SCOPE, stored["operationId"])] if applied else [])
         high = mem.folder(SCOPE).high_water
@@ -115,8 +115,8 @@ async def test_a_body_of_an_older_lease_is_listed_again_under_the_new_run(
         # Applied before, the same changes are a later save of the same bytes:
         # the file gets a new version, the deletion and the directory none.
         assert mem.folder(SCOPE).high_water == high + (1 if applied else 3)
-        assert store.pending_checkpoint() is None and store.changes_since_baseline() == []
-        assert "lastError" not in store.save_status()
+        assert store.journal.pending_checkpoint() is None and store.changes_since_baseline() == []
+        assert "lastError" not in store.journal.save_status()
         assert [state for state, _ in mem.reports] == ["failed"]  # the old run's failure only
     finally:
         store.close()
@@ -136,14 +136,14 @@ async def test_a_failure_with_nothing_left_to_send_is_cleared_by_an_empty_checkp
         mem.fail_next("commit_checkpoint")
         with pytest.raises(SaveFailed):
             await Shipper(store, mem, SCOPE, mem.run.lease_epoch).ship_checkpoint(final=True)
-        assert "lastError" in store.save_status()
+        assert "lastError" in store.journal.save_status()
 
         shipper = Shipper(store, mem, SCOPE, new_lease(mem))
         result = await shipper.ship_checkpoint()
         assert result.receipt is not None and result.entries == 0
         assert (SCOPE, result.operation_id) in mem.receipts
-        assert "lastError" not in store.save_status()
-        assert store.pending_checkpoint() is None
+        assert "lastError" not in store.journal.save_status()
+        assert store.journal.pending_checkpoint() is None
 
         commits = mem.calls.count("commit_checkpoint")
         again = await shipper.ship_checkpoint()
@@ -165,7 +165,7 @@ async def test_a_body_of_this_run_is_still_replayed_verbatim(
         mem.lose_next("commit_checkpoint")
         with pytest.raises(SaveFailed, match="lost the response"):
             await shipper.ship_checkpoint()
-        stored = store.pending_checkpoint()
+        stored = store.journal.pending_checkpoint()
         assert stored is not None
         high = mem.folder(SCOPE).high_water
         write_small(store, "a.txt", b"second")  # the listing would differ now
@@ -198,7 +198,7 @@ async def test_a_refusal_of_the_stored_body_drops_it_and_a_fenced_one_keeps_it(
         with pytest.raises(SaveFailed, match="too many") as info:
             await shipper.ship_checkpoint()
         assert info.value.refused is True and info.value.over_limit is False
-        assert store.pending_checkpoint() is None
+        assert store.journal.pending_checkpoint() is None
         result = await shipper.ship_checkpoint()
         assert result.receipt is not None and result.entries == 1
 
@@ -206,7 +206,7 @@ async def test_a_refusal_of_the_stored_body_drops_it_and_a_fenced_one_keeps_it(
         mem.run = replace(mem.run, active=False)
         with pytest.raises(SaveFailed, match="stale lease"):
             await shipper.ship_checkpoint()
-        kept = store.pending_checkpoint()
+        kept = store.journal.pending_checkpoint()
         assert kept is not None and kept["state"] == "committing"
     finally:
         store.close()
@@ -260,7 +260,7 @@ def pending_record(m: FsagentMount) -> dict[str, Any] | None:
     """The state dir's pending checkpoint, as the daemon left it (it is stopped)."""
     store = Store.open(m.state_dir, readonly=True)
     try:
-        return store.pending_checkpoint()
+        return store.journal.pending_checkpoint()
     finally:
         store.close()
 

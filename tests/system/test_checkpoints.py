@@ -187,7 +187,7 @@ def test_refresh_waits_for_the_final_save(mounts: MountFactory, tenant: Tenant) 
     assert journal(m) == set()
     store = Store.open(m.state_dir, readonly=True)
     try:
-        base = store.base_entry("shared.txt")
+        base = store.journal.base_entry("shared.txt")
     finally:
         store.close()
     assert base is not None and base.digest == hashlib.sha256(b"v2 by a person").hexdigest()
