@@ -56,7 +56,7 @@ class RunInfo:
     bindings: dict[str, str | None]
     agent_entry: str | None = None
     """The agent's instruction entry. A controller that names it holds the agent
-    folder contract (spec/agent-files.md): the entry cannot be unlinked or
+    folder contract (docs/users/agent-folders.md): the entry cannot be unlinked or
     renamed away, and the local copy of the agent folder is discarded at stop."""
     warnings: tuple[dict[str, Any], ...] = ()
     """The run's current warnings (e.g. an agent folder at a storage limit)."""

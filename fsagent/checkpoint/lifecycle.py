@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,6 +84,9 @@ def final_pause(attempt: int) -> float:
     return min(FINAL_PAUSE_MAX_SECONDS, first * 2.0 ** (attempt - 1))
 
 
+AGENT_FINAL_ATTEMPTS = 3
+"""Final saves of the agent folder tried at the stop boundary, then a failure receipt."""
+
 TakeIncoming = Callable[[], Awaitable[int]]
 """Applies the server's changes since the baseline to paths not changed
 locally; returns how many were applied (a mode's ``take_incoming``)."""
@@ -101,6 +104,16 @@ class StopBoundary(FinalSave):
     """Why the controller fenced this run off at its final save (a newer run
     holds the lease, or the run ended); the state is then kept for the run
     that holds the sandbox now."""
+
+    def hold_agent_contract(self, scope: str, warnings: Iterable[dict[str, Any]]) -> None:
+        """Under the agent folder contract the final save is tried
+        :data:`AGENT_FINAL_ATTEMPTS` times and a given-up one is reported
+        for ``scope``; the run's agent-folder warnings (a storage limit
+        reached by an earlier run) are shown on stderr as the daemon starts."""
+        self.attempts, self.report_scope = AGENT_FINAL_ATTEMPTS, scope
+        for warning in warnings:
+            if warning.get("scope") == "agent":
+                print(f"fsagent: warning: {warning.get('message')}", file=sys.stderr)
 
     def keeps_local_copy(self, contract: bool) -> bool:
         """Whether the state (and, in dir mode, the directory) outlives the

@@ -81,10 +81,10 @@ from fsagent import earlystop
 from fsagent.bridge.base import RepoList, RunInfo
 from fsagent.bridge.client import client_from_args
 from fsagent.bridge.tls import forwarded_argv, options_from
+from fsagent.checkpoint.lifecycle import AGENT_FINAL_ATTEMPTS
 from fsagent.commands.daemon import detach_dead_mount, is_ready
 from fsagent.commands.envfile import format_env, write_env_file
 from fsagent.dirmode.progress import ProgressView
-from fsagent.dirmode.serve import AGENT_FINAL_ATTEMPTS
 from fsagent.errors import EXIT_SAVE_FAILED, MountFailed
 from fsagent.fuse.probe import Decision, decide_all, dir_mode_line
 from fsagent.state.store import default_state_root

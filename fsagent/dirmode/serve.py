@@ -125,10 +125,6 @@ class DirStop(StopBoundary):
     requested: trio.Event = field(default_factory=trio.Event)
 
 
-AGENT_FINAL_ATTEMPTS = 3
-"""Final saves of the agent folder tried at the stop boundary, then a failure receipt."""
-
-
 class DirShipper(Shipper):
     """The shared shipper (fsagent.checkpoint.ship), with a scan of the directory before
     each checkpoint, inside its lock: at most one scan and one checkpoint in
@@ -601,10 +597,7 @@ async def serve_dir(client: BridgeClient, opts: DirOptions) -> DirStop:
     contract = opts.scope == "agent" and run.agent_entry is not None
     stop = DirStop()
     if contract:
-        stop.attempts, stop.report_scope = AGENT_FINAL_ATTEMPTS, opts.scope
-        for warning in run.warnings:
-            if warning.get("scope") == "agent":
-                print(f"fsagent: warning: {warning.get('message')}", file=sys.stderr)
+        stop.hold_agent_contract(opts.scope, run.warnings)
     root_fd = _pin(directory)
     try:
         _clear_immutable(root_fd)

@@ -110,10 +110,6 @@ StopState = StopBoundary
 """How the daemon ended (fsagent.checkpoint.lifecycle.StopBoundary)."""
 
 
-AGENT_FINAL_ATTEMPTS = 3
-"""Final saves of the agent folder tried at the stop boundary, then a failure receipt."""
-
-
 READAHEAD_KIB = 1024
 """Readahead for the mount when fsagent may set it (root): the kernel's
 default of 128 KiB splits a sequential read into 128 KiB READ requests, each a
@@ -359,10 +355,7 @@ async def serve(client: BridgeClient, opts: MountOptions) -> StopState:
     contract = opts.scope == "agent" and owner is not None and run.agent_entry is not None
     stop = StopState()
     if contract:
-        stop.attempts, stop.report_scope = AGENT_FINAL_ATTEMPTS, opts.scope
-        for warning in run.warnings:
-            if warning.get("scope") == "agent":
-                print(f"fsagent: warning: {warning.get('message')}", file=sys.stderr)
+        stop.hold_agent_contract(opts.scope, run.warnings)
     if owner is None:
         lifecycle.refuse_other_binding(opts.state_dir, binding)
         # An unbound collection is an empty read-only directory: a throwaway store.
