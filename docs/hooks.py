@@ -44,16 +44,7 @@ def on_config(config: Any, **kwargs: Any) -> Any:
 
 def on_files(files: Files, config: Any, **kwargs: Any) -> Files:
     for log in _logs():
-        files.append(
-            File(
-                f"{SITE_DIR}/{log.name}",
-                src_dir=str(LOGS.parent.parent),
-                dest_dir=config["site_dir"],
-                use_directory_urls=config["use_directory_urls"],
-            )
-        )
-        # The file's source is bench/results/X.md in the repository.
-        files.get_file_from_path(f"{SITE_DIR}/{log.name}").abs_src_path = str(log)
+        files.append(File.generated(config, f"{SITE_DIR}/{log.name}", abs_src_path=str(log)))
     return files
 
 
