@@ -237,19 +237,30 @@ class EmbeddedPostgres:
             f"-k {shlex.quote(str(self.sockdir))} -c listen_addresses='' -c fsync=on "
             "-c max_connections=200 -c shared_buffers=128MB"
         )
-        self._run(
-            str(self.bindir / "pg_ctl"),
-            "start",
-            "-D",
-            str(self.pgdata),
-            "-w",
-            "-t",
-            "60",
-            "-l",
-            str(self.logfile),
-            "-o",
-            opts,
-        )
+        try:
+            self._run(
+                str(self.bindir / "pg_ctl"),
+                "start",
+                "-D",
+                str(self.pgdata),
+                "-w",
+                "-t",
+                "60",
+                "-l",
+                str(self.logfile),
+                "-o",
+                opts,
+            )
+        except EmbeddedPostgresError as exc:
+            # pg_ctl only says "examine the log output": quote the log's end.
+            raise EmbeddedPostgresError(f"{exc}\n{self._log_tail()}") from None
+
+    def _log_tail(self, lines: int = 12) -> str:
+        try:
+            tail = self.logfile.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            return f"(cannot read {self.logfile}: {exc.strerror})"
+        return f"the end of {self.logfile}:\n" + "\n".join(tail)
 
     def _ensure_database(self) -> None:
         """Create the database if it is missing."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psycopg
 
-from controller.pgembed import DB_NAME, DB_USER, EmbeddedPostgres
+from controller.pgembed import DB_NAME, DB_USER, EmbeddedPostgres, EmbeddedPostgresError
 from tests.support.controller import world_searchable_tmpdir
 
 
@@ -67,6 +67,30 @@ def test_start_waits_out_a_reset_after_a_child_was_killed() -> None:
             found = [p for p, cmd in children(postmaster).items() if "checkpointer" in cmd]
             assert found and found[0] != checkpointer
             checkpointer = found[0]
+    finally:
+        pg.stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def test_a_server_that_cannot_start_is_explained_by_its_log() -> None:
+    """pg_ctl only says "could not start server, examine the log output": the
+    error quotes the end of that log, which names the cause."""
+    data = world_searchable_tmpdir("fsa-pgfail-")
+    pg = EmbeddedPostgres(data)
+    try:
+        pg.init()
+        with open(pg.pgdata / "postgresql.conf", "a") as conf:
+            conf.write("\nshared_buffers = 'a lot'\n")
+        try:
+            pg.start()
+        except EmbeddedPostgresError as exc:
+            message = str(exc)
+        else:
+            raise AssertionError("a server with a broken configuration started")
+        assert "could not start server" in message
+        assert str(pg.logfile) in message
+        assert 'invalid value for parameter "shared_buffers"' in message
+        assert not pg.running()
     finally:
         pg.stop()
         shutil.rmtree(data, ignore_errors=True)

@@ -598,10 +598,12 @@ class Demo:
     def __init__(self, base: Path) -> None:
         self.base = base
         self.home = base / "home"
-        self.port = free_port()
         self.runs = 0
 
     def start(self) -> None:
+        # A port for each start: between two starts another test's server may
+        # take a port that was free, and would answer this demo's health check.
+        self.port = free_port()
         self.runs += 1
         self.log = self.base / f"demo-{self.runs}.out"
         with open(self.log, "wb") as out:
