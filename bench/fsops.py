@@ -1,8 +1,8 @@
-"""Filesystem operations: fsagent against native, bindfs and rclone mount, one run.
+"""Filesystem operations: fsagent against native and three FUSE peers, one run.
 
 The same workload runs, interleaved within each round, on a plain directory
 under ``--base`` (native), on an fsagent mount of a real controller and on the
-two FUSE peers (bench.fspeers has how each is set up; every backing directory
+three FUSE peers (bench.fspeers has how each is set up; every backing directory
 is under the same ``--base``, so all end on the same disk). The table shows
 the median of each phase over ``--repeat`` rounds.
 
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.fspeers import ALLOW_OTHER, FsagentPeer, Peer, all_peers, stop_all
+from bench.fspeers import ALLOW_OTHER, PASSTHROUGH, FsagentPeer, Peer, all_peers, stop_all
 from bench.machine import add_output_options, load_line, machine_line, record
 from tests.support.mount import FsagentMount
 from tests.support.source import make_source
@@ -77,7 +77,8 @@ PHASES = (
     "seq read (cached)",
     "seq read (uncached)",
 )
-# The targets: small-file phases within 2x bindfs; ahead of rclone everywhere;
+# The targets: small-file phases within 2x bindfs; ahead of the pyfuse3
+# passthrough and rclone everywhere;
 # SQLite within 2x native; rm -rf within 3x native; the tree copy within 10x.
 NATIVE_TARGETS = {"SQLite WAL, 300 commits": 2.0, "rm -rf package tree": 3.0,
                   "copy package tree": 10.0}  # fmt: skip
@@ -413,6 +414,9 @@ def _targets(name: str, med: dict[str, float], has: set[str]) -> tuple[str, bool
     if name in NATIVE_TARGETS:
         parts.append(f"<= {NATIVE_TARGETS[name]:g}x native")
         met &= f <= NATIVE_TARGETS[name] * med["native"]
+    if PASSTHROUGH in has:
+        parts.append("< passthrough")
+        met &= f < med[PASSTHROUGH]
     if "rclone" in has:
         parts.append("< rclone")
         met &= f < med["rclone"]
@@ -543,7 +547,8 @@ def report(args: argparse.Namespace, res: Results, context: tuple[str, str, floa
         else ""
     )
     lines = [
-        f"\n## Filesystem operations: fsagent vs native, bindfs and rclone mount ({stamp})\n",
+        f"\n## Filesystem operations: fsagent vs native, bindfs, the pyfuse3 passthrough and "
+        f"rclone mount ({stamp})\n",
         f"Machine: {machine_line()}. Command: `python -m bench.fsops` (files={args.files}, "
         f"dirs={args.dirs}, large={args.large_mib} MiB, repeat={args.repeat}, "
         f"base={args.base}{', allow-other' if args.allow_other else ''}). Load average "
@@ -552,7 +557,8 @@ def report(args: argparse.Namespace, res: Results, context: tuple[str, str, floa
         "the options `fsagent up` passes (prefetch 4, checkpoints every 180 s, writeback "
         f"cache), {_fuse_mode()}; as root without `--allow-other`, so without "
         f"`default_permissions`.{allow_other} bindfs {_version(['bindfs', '--version'])} "
-        "with its defaults; rclone "
+        "with its defaults; the pyfuse3 passthrough: pyfuse3's `examples/passthroughfs.py` "
+        "with the same pyfuse3, its defaults (no writeback cache); rclone "
         f"{_version(['rclone', 'version'])} `mount` of a local directory with "
         "`--vfs-cache-mode writes`. All on the same disk; median of the rounds; the "
         "filesystems take turns within each round (the order rotates). Package tree: "

@@ -1,4 +1,4 @@
-"""The filesystems bench.fsops compares: native, fsagent and two FUSE peers.
+"""The filesystems bench.fsops compares: native, fsagent and three FUSE peers.
 
 Each one is a directory to run the workload in (``root``) plus the directories
 whose files hold its bytes on the real disk (``backing``, so that the page
@@ -9,6 +9,9 @@ cache can be dropped on both layers):
   local_disk storage), with the options ``fsagent up`` passes (prefetch 4,
   180 s checkpoint cadence, adaptive polling, writeback cache);
 - ``bindfs``: bindfs (C, libfuse) over a plain directory, its defaults;
+- ``pyfuse3 passthrough``: pyfuse3's example passthrough file system over a
+  plain directory, run with this venv's pyfuse3 (its sdist is fetched once
+  into ``build/``, checked against its SHA-256);
 - ``rclone``: ``rclone mount`` of a local directory with
   ``--vfs-cache-mode writes`` (without it rclone cannot do the random writes
   SQLite needs).
@@ -31,9 +34,12 @@ bindfs and rclone come from Debian packages (``packaging/install-deps.sh
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
+import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +121,49 @@ def bindfs(work: Path) -> Peer | None:
     )
 
 
+PASSTHROUGH = "pyfuse3 passthrough"
+"""pyfuse3's own example (``examples/passthroughfs.py`` of its sdist): the
+floor a Python FUSE daemon that only forwards each request to the disk sets."""
+
+PYFUSE3_SDIST_SHA256 = "88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24"
+
+
+def passthrough_script() -> Path | None:
+    """``examples/passthroughfs.py`` of the pyfuse3 release this venv runs,
+    fetched once from the package index into ``build/pyfuse3-sdist`` (the
+    sdist is checked against the SHA-256 packaging/pyfuse3/build.sh pins)."""
+    version = "3.5.0"
+    dest = Path(__file__).resolve().parent.parent / "build" / "pyfuse3-sdist"
+    script = dest / f"pyfuse3-{version}" / "examples" / "passthroughfs.py"
+    if script.exists():
+        return script
+    dest.mkdir(parents=True, exist_ok=True)
+    got = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "pyfuse3",
+         "-d", str(dest), f"pyfuse3=={version}"],
+        capture_output=True, check=False,
+    )  # fmt: skip
+    sdist = dest / f"pyfuse3-{version}.tar.gz"
+    if got.returncode != 0 or not sdist.exists():
+        return None
+    if hashlib.sha256(sdist.read_bytes()).hexdigest() != PYFUSE3_SDIST_SHA256:
+        raise RuntimeError(f"{sdist}: unexpected SHA-256")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    return script if script.exists() else None
+
+
+def passthrough(work: Path) -> Peer | None:
+    """pyfuse3's passthrough example with this venv's pyfuse3, its defaults
+    (no writeback cache), run by this Python."""
+    script = passthrough_script()
+    if script is None:
+        return None
+    src, mnt = work / "passthrough-src", work / "passthrough-mnt"
+    argv = [sys.executable, str(script), str(src), str(mnt)]
+    return FusePeer(PASSTHROUGH, mnt, [src], argv=argv, log=work / "passthrough.log")
+
+
 def rclone(work: Path) -> Peer | None:
     if shutil.which("rclone") is None:
         return None
@@ -187,9 +236,9 @@ ALLOW_OTHER = "fsagent --allow-other"
 
 
 def all_peers(work: Path, *, allow_other: bool = False) -> tuple[list[Peer], list[str]]:
-    """Native, fsagent (and with ``allow_other`` fsagent --allow-other), bindfs
-    and rclone, in the order each round runs them; and the names of the peers
-    that are not installed."""
+    """Native, fsagent (and with ``allow_other`` fsagent --allow-other), bindfs,
+    the pyfuse3 passthrough and rclone, in the order each round runs them; and
+    the names of the peers that are not installed."""
     fsagent = FsagentPeer(work)
     peers: list[Peer] = [Peer("native", work / "native"), fsagent]
     if allow_other:
@@ -197,7 +246,7 @@ def all_peers(work: Path, *, allow_other: bool = False) -> tuple[list[Peer], lis
             FsagentPeer(work, ALLOW_OTHER, extra=["--allow-other"], controller=fsagent.controller)
         )
     missing = []
-    for name, make in (("bindfs", bindfs), ("rclone", rclone)):
+    for name, make in (("bindfs", bindfs), (PASSTHROUGH, passthrough), ("rclone", rclone)):
         peer = make(work)
         if peer is None:
             missing.append(name)
