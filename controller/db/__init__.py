@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -267,7 +268,7 @@ def make_pool(
         share_size=max_size if share_size is None else share_size,
         open=False,
         # A connection that died with the server is replaced, not handed out.
-        check=AsyncConnectionPool.check_connection,
+        check=check_without_round_trip,
         reconnect_timeout=RECONNECT_SECONDS,
         kwargs={
             "autocommit": False,
@@ -275,6 +276,37 @@ def make_pool(
             "options": connection_options(statement_timeout),
         },
     )
+
+
+async def check_without_round_trip(conn: AsyncConnection[Any]) -> None:
+    """The pool's check of a connection before it is handed out, without a
+    round trip to the server when none is needed.
+
+    An idle session hears nothing from its server unprompted, so its socket
+    has nothing to read. A server that ended the session (a restart, a kill,
+    ``pg_terminate_backend``) closed its end, or sent a last error before it
+    did: the socket reads as end of file, or has bytes waiting. Only then is
+    the server asked (psycopg_pool's own check, which raises for a dead
+    connection and reads whatever a live one was sent); a connection whose
+    socket has nothing to read is handed out as it is. That is one round
+    trip less for every request: each one checks a connection out.
+    """
+    if conn.closed or conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+        raise psycopg.OperationalError("the connection is closed")
+    sock = socket.socket(fileno=conn.pgconn.socket)
+    try:
+        waiting = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return  # nothing to read: the session is as it was left
+    except OSError:
+        waiting = b""
+    finally:
+        sock.detach()  # the descriptor stays libpq's
+    if not waiting:
+        # Closed, so that the pool discards it rather than taking it back as idle.
+        await conn.close()
+        raise psycopg.OperationalError("the server closed the connection")
+    await AsyncConnectionPool.check_connection(conn)
 
 
 def connection_options(statement_timeout: float | None = None) -> str:

@@ -71,6 +71,50 @@ def test_database_connection_loss_is_survived(pg_cluster: PgCluster) -> None:
         ctl.stop()
 
 
+def test_pooled_connections_the_server_ended_are_never_handed_out(
+    pg_cluster: PgCluster,
+) -> None:
+    """The pool checks a connection without a round trip (its socket reads as
+    closed, or holds the server's last error): once the server has ended
+    every session, the next requests all succeed on new connections."""
+    ctl = ControllerProcess(
+        pg_cluster.create_database(), world_searchable_tmpdir("fsa-pgend-")
+    ).start()
+    try:
+        boot = ctl.admin("bootstrap", "--email", "pgend@example.com")
+        t = Tenant(ctl, boot["company_id"], boot["user_id"], boot["token"])
+        with t.client() as c:
+            for i in range(8):  # several connections in the pool, all idle afterwards
+                r = c.put(t.my_folder + "/content", params={"path": f"before-{i}"},
+                          content=b"1", headers=OCTET)  # fmt: skip
+                assert r.status_code == 201, r.text
+            dbname = psycopg.conninfo.conninfo_to_dict(ctl.database_url)["dbname"]
+            with psycopg.connect(pg_cluster.admin_url(), autocommit=True) as admin:
+                ended = [
+                    row[0]
+                    for row in admin.execute(
+                        "SELECT pid FROM pg_stat_activity WHERE datname = %s", (dbname,)
+                    ).fetchall()
+                ]
+                assert ended
+                for pid in ended:
+                    admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                deadline = time.monotonic() + 60
+                while admin.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", (ended,)
+                ).fetchone():
+                    assert time.monotonic() < deadline, "the sessions never ended"
+                    time.sleep(0.05)
+            for i in range(8):
+                r = c.put(t.my_folder + "/content", params={"path": f"after-{i}"},
+                          content=b"2", headers=OCTET)  # fmt: skip
+                assert r.status_code == 201, r.text
+            paths = {e["path"] for e in c.get(t.my_folder + "/").json()["entries"]}
+            assert paths == {f"{w}-{i}" for w in ("before", "after") for i in range(8)}
+    finally:
+        ctl.stop()
+
+
 def test_kill_during_upload_publishes_nothing_and_restart_cleans_spool(
     pg_cluster: PgCluster,
 ) -> None:
