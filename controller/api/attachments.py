@@ -106,21 +106,18 @@ async def post_attachment(request: Request) -> Response:
     )
     policy = write_policy(principal, company_id, "task", task_id, st.settings.quotas)
     try:
-        spool, size, digest = await spool_body(
-            request, st.settings.spool_dir, st.settings.max_file_bytes
-        )
+        body = await spool_body(request, st.settings.spool_dir, st.settings.max_file_bytes)
     except ClientDisconnect:
         log.info("attachment upload abandoned by the client; nothing stored")
         return Response(status_code=400)
+    size, digest = body.size, body.digest
     created_blob = False
     try:
         async with quotas.reserved(
             transact(request), company_id, None, {digest: size}, st.settings.quotas
         ) as reservation:
-            created_blob = await put_object(
-                request, object_key(company_id, digest), spool, size, digest
-            )
-            ensure = reupload_if_missing(request, spool, size, digest)
+            created_blob = await put_object(request, object_key(company_id, digest), body)
+            ensure = reupload_if_missing(request, body)
 
             async def add(conn: AsyncConnection[Any]) -> tuple[dict[str, Any], bool]:
                 await quotas.settle(conn, reservation)
@@ -144,7 +141,7 @@ async def post_attachment(request: Request) -> Response:
             await journal_orphan(request, company_id, digest)
         raise
     finally:
-        spool.unlink(missing_ok=True)
+        body.discard()
     return JSONResponse(
         {"applied": applied, "attachment": _attachment_json(row)},
         status_code=201 if applied else 200,

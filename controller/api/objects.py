@@ -1,9 +1,10 @@
 """Stored objects over HTTP: streaming reads with one ``Range`` (the object
 opened before the head is sent), and upload spooling.
 
-Used by both the work-folder API and the bridge: a body is spooled to a
-file under the spool directory while it is hashed (memory stays bounded),
-then put into storage; a read streams the object in chunks from a thread.
+Used by both the work-folder API and the bridge: a body is hashed as it
+arrives and kept in memory when small, else spooled to a file under the
+spool directory (memory stays bounded), then put into storage; a read
+streams the object in chunks from a thread.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ from controller.storage.base import ObjectMissing
 log = logging.getLogger(__name__)
 
 SPOOL_WRITE_BYTES = 1 << 20
+BODY_IN_MEMORY_BYTES = 64 * 1024
+"""A body up to this long is kept in memory instead of a spool file."""
 
 
 # --- reads -----------------------------------------------------------------
@@ -164,16 +168,42 @@ def spool_append(fd: int, hasher: Any, data: bytes) -> None:
         view = view[n:]
 
 
-async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Path, int, str]:
-    """Stream the body to a spool file while hashing it; memory stays bounded.
+@dataclass(frozen=True)
+class Body:
+    """An upload's body, hashed as it arrived: its bytes in memory (``data``)
+    when it is small, else the spool file holding them (``path``)."""
 
-    Crossing ``limit`` aborts at once (413), whatever Content-Length claimed.
-    On any failure the spool file is removed, so nothing can be published.
+    size: int
+    digest: str
+    data: bytes | None = None
+    path: Path | None = None
+
+    async def prefix(self, limit: int) -> bytes:
+        """The first ``limit`` bytes."""
+        if self.data is not None:
+            return self.data[:limit]
+        assert self.path is not None
+        return await read_spool_prefix(self.path, limit)
+
+    def discard(self) -> None:
+        """Remove the spool file, if there is one."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+async def spool_body(request: Request, spool_dir: Path, limit: int) -> Body:
+    """Read the body while hashing it; memory stays bounded.
+
+    A body of up to :data:`BODY_IN_MEMORY_BYTES` stays in memory: no spool
+    file is made, written, synced or removed for it (a small file's PUT is
+    mostly such work). A longer one streams to a spool file. Crossing
+    ``limit`` aborts at once (413), whatever Content-Length claimed. On any
+    failure the spool file is removed, so nothing can be published.
     """
     declared = declared_length(request)
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"Files are limited to {limit} bytes")
-    fd, path = await open_spool(spool_dir, "upload-")
+    fd, path = -1, None
     hasher = hashlib.sha256()
     size = 0
     buf = bytearray()
@@ -183,37 +213,48 @@ async def spool_body(request: Request, spool_dir: Path, limit: int) -> tuple[Pat
             if size > limit:
                 raise PayloadTooLarge(f"Files are limited to {limit} bytes")
             buf += chunk
-            if len(buf) >= SPOOL_WRITE_BYTES:
+            if path is None and len(buf) > BODY_IN_MEMORY_BYTES:
+                fd, path = await open_spool(spool_dir, "upload-")
+            if path is not None and len(buf) >= SPOOL_WRITE_BYTES:
                 data, buf = bytes(buf), bytearray()
                 await asyncio.to_thread(spool_append, fd, hasher, data)
+        if path is None:
+            data = bytes(buf)
+            return Body(size, hashlib.sha256(data).hexdigest(), data=data)
         if buf:
             await asyncio.to_thread(spool_append, fd, hasher, bytes(buf))
     except BaseException:
-        os.close(fd)
-        os.unlink(path)
+        if path is not None:
+            os.close(fd)
+            os.unlink(path)
         raise
     os.close(fd)
-    return path, size, hasher.hexdigest()
+    return Body(size, hasher.hexdigest(), path=path)
 
 
-async def put_object(request: Request, key: str, spool: Path, size: int, digest: str) -> bool:
-    """Store a spool file this process wrote and hashed; the provider may take
-    it over rather than copy it (``StorageProvider.adopt_file``)."""
+async def put_object(request: Request, key: str, body: Body) -> bool:
+    """Store an upload's body: bytes in memory as they are
+    (``StorageProvider.put_bytes``), a spool file this process wrote and
+    hashed by handing it over (``StorageProvider.adopt_file``)."""
+    storage = state(request).storage
     try:
-        return await asyncio.to_thread(state(request).storage.adopt_file, key, spool, size, digest)
+        if body.data is not None:
+            return await asyncio.to_thread(storage.put_bytes, key, body.data, body.digest)
+        assert body.path is not None
+        return await asyncio.to_thread(storage.adopt_file, key, body.path, body.size, body.digest)
     except StorageUnavailable:
         raise
     except OSError as exc:
         raise StorageUnavailable(f"storing object failed: {exc}") from exc
 
 
-def reupload_if_missing(request: Request, spool: Path, size: int, digest: str) -> EnsureObject:
+def reupload_if_missing(request: Request, body: Body) -> EnsureObject:
     """Inside the commit, with the object's row locked: bring the bytes back if a
     GC sweep removed them after our upload (see ``foldercore.register_object``)."""
 
     async def ensure(key: str) -> None:
         if not await asyncio.to_thread(state(request).storage.exists, key):
-            await put_object(request, key, spool, size, digest)
+            await put_object(request, key, body)
 
     return ensure
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import re
 from typing import Any
 
@@ -46,9 +45,9 @@ from controller.api.common import (
     write_transaction,
 )
 from controller.api.objects import (
+    Body,
     in_thread,
     journal_orphan,
-    open_spool,
     put_object,
     reupload_if_missing,
 )
@@ -150,15 +149,6 @@ def _encode(plan: repomanifest.Plan) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def _write_spool(fd: int, data: bytes) -> None:
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-
-
 async def _commit_once(
     request: Request, run: RunBinding, req: repomanifest.CheckpointRequest
 ) -> tuple[dict[str, Any], repomanifest.Manifest | None] | None:
@@ -187,17 +177,12 @@ async def _commit_once(
         repomanifest.plan_checkpoint, req, bound.current_id, current, bound.manifest_digest
     )
     data, digest = await asyncio.to_thread(_encode, plan)
-    fd, spool = await open_spool(st.settings.spool_dir, "manifest-")
+    body = Body(len(data), digest, data=data)
     created = False
     try:
-        await asyncio.to_thread(_write_spool, fd, data)
         # Durable before the transaction that makes it current starts.
-        created = await put_object(
-            request, object_key(bound.company_id, digest), spool, len(data), digest
-        )
-        stored = repos.StoredManifest(
-            digest, len(data), reupload_if_missing(request, spool, len(data), digest)
-        )
+        created = await put_object(request, object_key(bound.company_id, digest), body)
+        stored = repos.StoredManifest(digest, len(data), reupload_if_missing(request, body))
         result = await write_transaction(
             request, lambda c: repos.commit(c, run, bound, req, plan, stored, gc_delay=gc_delay)
         )
@@ -209,8 +194,6 @@ async def _commit_once(
         if created:
             await journal_orphan(request, bound.company_id, digest)
         raise
-    finally:
-        spool.unlink(missing_ok=True)
     repomanifest.CACHE.put(bound.company_id, digest, plan.manifest)
     return result, plan.manifest
 

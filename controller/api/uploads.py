@@ -59,6 +59,7 @@ from common.wire import (
 from controller import foldercore, quotas, runs
 from controller.api.common import connection, state, transact, write_transaction
 from controller.api.objects import (
+    Body,
     journal_orphan,
     journal_orphans,
     open_spool,
@@ -117,8 +118,9 @@ async def receive_upload(
             async with connection(request) as conn:
                 mark = await foldercore.take_store_mark(conn)
             key = object_key(run.company_id, digest)
-            created_blob = await put_object(request, key, spool, size, digest)
-            ensure = reupload_if_missing(request, spool, size, digest)
+            body = Body(size, digest, path=spool)
+            created_blob = await put_object(request, key, body)
+            ensure = reupload_if_missing(request, body)
 
             async def register(conn: AsyncConnection[Any]) -> None:
                 await confirm(conn)

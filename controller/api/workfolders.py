@@ -46,7 +46,6 @@ from controller.api.objects import (
     journal_orphan,
     object_response,
     put_object,
-    read_spool_prefix,
     reupload_if_missing,
     served_type,
     spool_body,
@@ -366,15 +365,14 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
     company_id, scope, owner_id = address
     policy = write_policy(principal, company_id, scope, owner_id, st.settings.quotas)
     try:
-        spool, size, digest = await spool_body(
-            request, st.settings.spool_dir, st.settings.max_file_bytes
-        )
+        body = await spool_body(request, st.settings.spool_dir, st.settings.max_file_bytes)
     except ClientDisconnect:
         log.info("upload of %r abandoned by the client; nothing published", path)
         if run is not None:
             gone = ValidationError.single("body", "client_disconnected", "the body never arrived")
             await record_agent_save(request, run, op_id, refusal=gone)
         return Response(status_code=400)
+    size, digest = body.size, body.digest
     key = object_key(address[0], digest)
     created_blob = False
     guard = None
@@ -383,9 +381,7 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
             # Whether these bytes could be the agent's instruction entry; the
             # entry's path is read at commit, under the folder lock.
             small = size <= ENTRY_MAX_BYTES
-            problem = agentfiles.text_problem(
-                await read_spool_prefix(spool, size) if small else None, size
-            )
+            problem = agentfiles.text_problem(await body.prefix(size) if small else None, size)
 
             async def guard(conn: AsyncConnection[Any]) -> None:
                 await agentfiles.guard_entry_write(conn, company_id, owner_id, path, problem)
@@ -393,8 +389,8 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
         async with quotas.reserved(
             transact(request), address[0], None, {digest: size}, st.settings.quotas
         ) as reservation:
-            created_blob = await put_object(request, key, spool, size, digest)
-            ensure = reupload_if_missing(request, spool, size, digest)
+            created_blob = await put_object(request, key, body)
+            ensure = reupload_if_missing(request, body)
 
             async def put(conn: AsyncConnection[Any]) -> dict[str, Any]:
                 await quotas.settle(conn, reservation)
@@ -425,7 +421,7 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
             await journal_orphan(request, address[0], digest)
         raise
     finally:
-        spool.unlink(missing_ok=True)
+        body.discard()
     status = 201 if result.pop("created", False) and result["applied"] else 200
     return JSONResponse(result, status_code=status)
 

@@ -183,6 +183,21 @@ class StorageProvider(abc.ABC):
         any more. Same answer and guarantees as ``put_file``."""
         return self.put_file(key, src, size, sha256_hex)
 
+    def put_bytes(self, key: str, data: bytes, sha256_hex: str) -> bool:
+        """``put_file`` for a small object already in memory (an upload's body
+        that never needed a spool file). Same answer and guarantees as
+        ``put_file``; this default goes through a temp file, a provider may
+        store the bytes directly."""
+        check_put_arguments(key, len(data), sha256_hex)
+        fd, name = tempfile.mkstemp(prefix="put-bytes-")
+        try:
+            with open(fd, "wb", closefd=True) as out:
+                out.write(data)
+            return self.put_file(key, Path(name), len(data), sha256_hex)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
     def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
         """Store several objects whose bytes are ranges of ``src``, as ``put_file``
         would each (one answer per span, in order). All are durable when this

@@ -180,6 +180,29 @@ class LocalDiskProvider(StorageProvider):
         except OSError as exc:
             raise self._unavailable("store", key, exc) from exc
 
+    def put_bytes(self, key: str, data: bytes, sha256_hex: str) -> bool:
+        """Store bytes in memory (packed when that pays) as an anonymous file
+        in the object's own directory, synced, then linked into place: no
+        temp name to remove, and no spool file either. One fsync of the data
+        and one of the directory, as for a put from a file."""
+        check_put_arguments(key, len(data), sha256_hex)
+        stored = packed.pack_bytes(data, sha256_hex)  # checks the digest when it packs
+        if stored is None and hashlib.sha256(data).hexdigest() != sha256_hex:
+            raise SourceMismatch(f"the bytes do not hash to {sha256_hex}")
+        body = data if stored is None else stored
+        dirs, name = self._split(key)
+        try:
+            with self._directory(dirs, create=True) as dir_fd:
+                if _lexists(name, dir_fd):
+                    return False
+                with self._directory([_TMP_DIR], create=True) as tmp_fd:
+                    if not _link_new(lambda out: out.write(body), tmp_fd, name, dir_fd, sync=True):
+                        return False  # a concurrent put of the same content won
+                _sync_link(name, dir_fd)
+                return True
+        except OSError as exc:
+            raise self._unavailable("store", key, exc) from exc
+
     def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
         """Write every new object (packed where that pays, streamed either
         way) as an anonymous file in its own directory (``O_TMPFILE``), link
@@ -500,8 +523,11 @@ class _SpanWriter:
             raise SourceMismatch(f"bytes at {span.offset} are not {span.sha256_hex}")
 
 
-def _link_new(fill: Callable[[IO[bytes]], None], tmp_fd: int, name: str, dir_fd: int) -> bool:
-    """Write a new file with ``fill`` and link it into place as ``name``,
+def _link_new(
+    fill: Callable[[IO[bytes]], object], tmp_fd: int, name: str, dir_fd: int, *, sync: bool = False
+) -> bool:
+    """Write a new file with ``fill`` and link it into place as ``name``;
+    with ``sync`` its data is synced before the link, else it is left
     unsynced (the caller syncs the filesystem once for many). The file is
     anonymous (``O_TMPFILE`` in the target directory) where the filesystem
     supports it, else a named temp file in the temp directory."""
@@ -510,10 +536,12 @@ def _link_new(fill: Callable[[IO[bytes]], None], tmp_fd: int, name: str, dir_fd:
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
             raise
-        return _link_named(fill, tmp_fd, name, dir_fd)
+        return _link_named(fill, tmp_fd, name, dir_fd, sync=sync)
     with open(fd, "w+b", closefd=True) as out:
         fill(out)
         out.flush()
+        if sync:
+            os.fsync(fd)
         try:
             os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
         except FileExistsError:
@@ -521,7 +549,9 @@ def _link_new(fill: Callable[[IO[bytes]], None], tmp_fd: int, name: str, dir_fd:
     return True
 
 
-def _link_named(fill: Callable[[IO[bytes]], None], tmp_fd: int, name: str, dir_fd: int) -> bool:
+def _link_named(
+    fill: Callable[[IO[bytes]], object], tmp_fd: int, name: str, dir_fd: int, *, sync: bool
+) -> bool:
     tmp_name = f"put-{secrets.token_hex(16)}"
     fd = os.open(
         tmp_name,
@@ -532,6 +562,9 @@ def _link_named(fill: Callable[[IO[bytes]], None], tmp_fd: int, name: str, dir_f
     try:
         with open(fd, "w+b", closefd=True) as out:
             fill(out)
+            out.flush()
+            if sync:
+                os.fsync(out.fileno())
         try:
             os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:
@@ -557,6 +590,12 @@ def _link_into_place(tmp_name: str, tmp_fd: int | None, name: str, dir_fd: int) 
         os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except FileExistsError:
         return False  # a concurrent put of the same content won
+    _sync_link(name, dir_fd)
+    return True
+
+
+def _sync_link(name: str, dir_fd: int) -> None:
+    """Make the new entry ``name`` durable (its data already is)."""
     try:
         os.fsync(dir_fd)
     except OSError:
@@ -565,4 +604,3 @@ def _link_into_place(tmp_name: str, tmp_fd: int | None, name: str, dir_fd: int) 
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=dir_fd)
         raise
-    return True

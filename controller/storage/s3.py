@@ -183,6 +183,21 @@ class S3Provider(StorageProvider):
             # infrastructure fault as the bucket failing.
             raise self._unavailable("store", key, exc) from exc
 
+    def put_bytes(self, key: str, data: bytes, sha256_hex: str) -> bool:
+        """One conditional PUT of the bytes (packed when that pays) straight
+        from memory; above the multipart threshold, ``put_file``'s way."""
+        check_put_arguments(key, len(data), sha256_hex)
+        stored = packed.pack_bytes(data, sha256_hex)  # checks the digest when it packs
+        if stored is None and hashlib.sha256(data).hexdigest() != sha256_hex:
+            raise SourceMismatch(f"the bytes do not hash to {sha256_hex}")
+        body = data if stored is None else stored
+        if len(body) >= self.multipart_threshold:
+            return super().put_bytes(key, data, sha256_hex)
+        try:
+            return self._conditional_put(key, io.BytesIO(body), len(body))
+        except _BOTO_ERRORS as exc:
+            raise self._unavailable("store", key, exc) from exc
+
     def _temp_file(self) -> IO[bytes]:
         """A file for an object's packed form, gone when closed."""
         if self.temp_dir is not None:

@@ -377,6 +377,40 @@ def test_concurrent_puts_of_one_object(provider: StorageProvider, tmp_path: Path
     assert read_all(provider, key) == data
 
 
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"x", bytes(100_000), random_bytes(60_000, seed=7)],
+    ids=["empty", "one-byte", "packs", "does-not-pack"],
+)
+def test_put_bytes_stores_what_put_file_would(
+    request: pytest.FixtureRequest, provider: StorageProvider, tmp_path: Path, data: bytes
+) -> None:
+    """An upload's body kept in memory is stored as a spooled one would be:
+    the same bytes back, once (a second put finds it), nothing left behind."""
+    digest = sha256(data)
+    key = object_key(COMPANY, digest)
+    assert provider.put_bytes(key, data, digest) is True
+    assert read_all(provider, key) == data
+    assert provider.size(key) == len(data)
+    assert provider.put_bytes(key, data, digest) is False
+    assert provider.put_file(key, write_source(tmp_path, data), len(data), digest) is False
+    assert list(provider.iter_keys()) == [key]
+    assert leftovers(provider, server_of(request, provider)) == []
+
+
+@pytest.mark.parametrize("data", [bytes(100_000), random_bytes(60_000, seed=8)])
+def test_put_bytes_refuses_bytes_that_do_not_hash_to_the_key(
+    request: pytest.FixtureRequest, provider: StorageProvider, data: bytes
+) -> None:
+    digest = sha256(data)
+    key = object_key(COMPANY, digest)
+    with pytest.raises(SourceMismatch):
+        provider.put_bytes(key, data[:-1] + b"?", digest)
+    assert provider.exists(key) is False
+    assert leftovers(provider, server_of(request, provider)) == []
+    assert provider.put_bytes(key, data, digest) is True
+
+
 # -- failed puts leave nothing behind ------------------------------------------
 
 
