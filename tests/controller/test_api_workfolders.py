@@ -79,6 +79,26 @@ def test_put_then_get_round_trip_with_headers(tenant: Tenant) -> None:
         assert g.headers["content-disposition"] == "attachment; filename*=UTF-8''data.bin"
 
 
+def test_bodies_either_side_of_the_in_memory_bound_round_trip(tenant: Tenant) -> None:
+    """A body of up to 64 KiB is kept in memory, a longer one spooled: both
+    store exactly their bytes once, and neither leaves a spool file."""
+    bound = 64 * 1024
+    sizes = [0, 1, bound - 1, bound, bound + 1, 3 * bound]
+    with tenant.client() as c:
+        for size in sizes:
+            for kind, data in (("random", os.urandom(size)), ("text", b"line\n" * (size // 5))):
+                path = f"bound/{kind}-{size}.bin"
+                r = put(c, tenant.my_folder, path, data)
+                assert r.status_code == 201, r.text
+                assert r.json()["file"]["digest"] == hashlib.sha256(data).hexdigest()
+                g = c.get(f"{tenant.my_folder}/content", params={"path": path})
+                assert g.status_code == 200 and g.content == data, (path, len(g.content))
+                again = put(c, tenant.my_folder, path + ".copy", data)
+                assert again.status_code == 201, again.text
+                assert again.json()["file"]["digest"] == r.json()["file"]["digest"]
+    assert spool_files(tenant.controller) == []
+
+
 def test_executable_only_when_exactly_true(tenant: Tenant) -> None:
     with tenant.client() as c:
         for value in ("True", "1", "yes", "false"):
