@@ -186,10 +186,7 @@ class LocalDiskProvider(StorageProvider):
         temp name to remove, and no spool file either. One fsync of the data
         and one of the directory, as for a put from a file."""
         check_put_arguments(key, len(data), sha256_hex)
-        stored = packed.pack_bytes(data, sha256_hex)  # checks the digest when it packs
-        if stored is None and hashlib.sha256(data).hexdigest() != sha256_hex:
-            raise SourceMismatch(f"the bytes do not hash to {sha256_hex}")
-        body = data if stored is None else stored
+        body = packed.stored_form(data, sha256_hex)
         dirs, name = self._split(key)
         try:
             with self._directory(dirs, create=True) as dir_fd:

@@ -153,6 +153,18 @@ def pack_bytes(data: bytes, sha256_hex: str) -> bytes | None:
     return out.getvalue()
 
 
+def stored_form(data: bytes, sha256_hex: str) -> bytes:
+    """What an object of ``data`` is stored as: its packed form when that
+    pays, else the bytes themselves. SourceMismatch when they do not hash to
+    ``sha256_hex`` (nothing may be stored then)."""
+    stored = pack_bytes(data, sha256_hex)  # checks the digest when it packs
+    if stored is not None:
+        return stored
+    if hashlib.sha256(data).hexdigest() != sha256_hex:
+        raise SourceMismatch(f"the bytes do not hash to {sha256_hex}")
+    return data
+
+
 def _read_exactly(read: Callable[[int], bytes], n: int) -> bytes:
     data = read(n)
     if len(data) == n:

@@ -187,10 +187,7 @@ class S3Provider(StorageProvider):
         """One conditional PUT of the bytes (packed when that pays) straight
         from memory; above the multipart threshold, ``put_file``'s way."""
         check_put_arguments(key, len(data), sha256_hex)
-        stored = packed.pack_bytes(data, sha256_hex)  # checks the digest when it packs
-        if stored is None and hashlib.sha256(data).hexdigest() != sha256_hex:
-            raise SourceMismatch(f"the bytes do not hash to {sha256_hex}")
-        body = data if stored is None else stored
+        body = packed.stored_form(data, sha256_hex)
         if len(body) >= self.multipart_threshold:
             return super().put_bytes(key, data, sha256_hex)
         try:
