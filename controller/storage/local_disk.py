@@ -116,6 +116,19 @@ class LocalDiskProvider(StorageProvider):
         finally:
             os.close(fd)
 
+    @contextlib.contextmanager
+    def _free_slot(self, key: str) -> Iterator[tuple[int, str, int] | None]:
+        """Where a new object ``key`` goes: its directory (made if missing),
+        its name there and the temp directory, as (dir_fd, name, tmp_fd);
+        None when an object is already there."""
+        dirs, name = self._split(key)
+        with self._directory(dirs, create=True) as dir_fd:
+            if _lexists(name, dir_fd):
+                yield None
+                return
+            with self._directory([_TMP_DIR], create=True) as tmp_fd:
+                yield dir_fd, name, tmp_fd
+
     @staticmethod
     def _split(key: str) -> tuple[list[str], str]:
         parts = validate_key(key).split("/")
@@ -128,20 +141,19 @@ class LocalDiskProvider(StorageProvider):
 
     def put_file(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
         check_put_arguments(key, size, sha256_hex)
-        dirs, name = self._split(key)
         try:
-            with self._directory(dirs, create=True) as dir_fd:
-                if _lexists(name, dir_fd):
+            with self._free_slot(key) as slot:
+                if slot is None:
                     return False
-                with self._directory([_TMP_DIR], create=True) as tmp_fd:
-                    tmp_name = _write_packed_temp(src, size, sha256_hex, tmp_fd)
-                    if tmp_name is None:
-                        tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
-                    try:
-                        return _link_into_place(tmp_name, tmp_fd, name, dir_fd)
-                    finally:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(tmp_name, dir_fd=tmp_fd)
+                dir_fd, name, tmp_fd = slot
+                tmp_name = _write_packed_temp(src, size, sha256_hex, tmp_fd)
+                if tmp_name is None:
+                    tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
+                try:
+                    return _link_into_place(tmp_name, tmp_fd, name, dir_fd)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp_name, dir_fd=tmp_fd)
         except OSError as exc:
             raise self._unavailable("store", key, exc) from exc
 
@@ -153,26 +165,25 @@ class LocalDiskProvider(StorageProvider):
         a spool on another filesystem is copied.
         """
         check_put_arguments(key, size, sha256_hex)
-        dirs, name = self._split(key)
         try:
             fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                     raise SourceMismatch(f"{src} is not a {size}-byte regular file")
-                with self._directory(dirs, create=True) as dir_fd:
-                    if _lexists(name, dir_fd):
+                with self._free_slot(key) as slot:
+                    if slot is None:
                         return False
-                    with self._directory([_TMP_DIR], create=True) as tmp_fd:
-                        tmp_name = _write_packed_temp(src, size, sha256_hex, tmp_fd)
-                        if tmp_name is None and os.fstat(dir_fd).st_dev != st.st_dev:
-                            tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
-                        if tmp_name is not None:
-                            try:
-                                return _link_into_place(tmp_name, tmp_fd, name, dir_fd)
-                            finally:
-                                with contextlib.suppress(FileNotFoundError):
-                                    os.unlink(tmp_name, dir_fd=tmp_fd)
+                    dir_fd, name, tmp_fd = slot
+                    tmp_name = _write_packed_temp(src, size, sha256_hex, tmp_fd)
+                    if tmp_name is None and os.fstat(dir_fd).st_dev != st.st_dev:
+                        tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
+                    if tmp_name is not None:
+                        try:
+                            return _link_into_place(tmp_name, tmp_fd, name, dir_fd)
+                        finally:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(tmp_name, dir_fd=tmp_fd)
                     os.fsync(fd)
                     return _link_into_place(str(src), None, name, dir_fd)
             finally:
@@ -187,14 +198,13 @@ class LocalDiskProvider(StorageProvider):
         and one of the directory, as for a put from a file."""
         check_put_arguments(key, len(data), sha256_hex)
         body = packed.stored_form(data, sha256_hex)
-        dirs, name = self._split(key)
         try:
-            with self._directory(dirs, create=True) as dir_fd:
-                if _lexists(name, dir_fd):
+            with self._free_slot(key) as slot:
+                if slot is None:
                     return False
-                with self._directory([_TMP_DIR], create=True) as tmp_fd:
-                    if not _link_new(lambda out: out.write(body), tmp_fd, name, dir_fd, sync=True):
-                        return False  # a concurrent put of the same content won
+                dir_fd, name, tmp_fd = slot
+                if not _link_new(lambda out: out.write(body), tmp_fd, name, dir_fd, sync=True):
+                    return False  # a concurrent put of the same content won
                 _sync_link(name, dir_fd)
                 return True
         except OSError as exc:
