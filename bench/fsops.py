@@ -287,6 +287,40 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _ticks(stat_path: str) -> int:
+    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_by_role(peer: FsagentPeer) -> dict[str, float]:
+    """CPU seconds so far of each part of the fsagent peer: the daemon's FUSE
+    thread (its main thread), the daemon's other threads (the checkpoint),
+    the controller and its embedded PostgreSQL; and ``fuse_runq``, the
+    seconds the FUSE thread spent runnable but waiting for a CPU."""
+    m = peer.mount
+    assert m is not None and m.proc is not None
+    pid, hz = m.proc.pid, os.sysconf("SC_CLK_TCK")
+    fuse = _ticks(f"/proc/{pid}/task/{pid}/stat")
+    out = {
+        "fuse": fuse / hz,
+        "checkpoint": (_ticks(f"/proc/{pid}/stat") - fuse) / hz,
+        "fuse_runq": int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9,
+    }
+    ctl = peer.controller
+    if ctl.proc is not None:
+        out["controller"] = _ticks(f"/proc/{ctl.proc.pid}/stat") / hz
+        pidfile = ctl.data_dir / "pg" / "data" / "postmaster.pid"
+        postmaster = int(pidfile.read_text().split("\n", 1)[0])
+        pg = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(stat.parent.name) == postmaster or int(fields[1]) == postmaster:
+                    pg += int(fields[11]) + int(fields[12])
+        out["postgres"] = pg / hz
+    return out
+
+
 def latency_probe(
     peer: FsagentPeer, native: Path, files: int, dirs: int, probe_mib: int
 ) -> tuple[dict[str, float], dict[str, Counts]]:
@@ -341,6 +375,7 @@ def latency_probe(
             str(m.state_dir), "--json"]  # fmt: skip
     before = peer.requests()
     cpu = _cpu_seconds(m.proc.pid)
+    roles = cpu_by_role(peer)
     started = time.perf_counter()
     flush = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while True:
@@ -350,12 +385,14 @@ def latency_probe(
         time.sleep(0.0002)
     took = time.perf_counter() - started
     cpu = _cpu_seconds(m.proc.pid) - cpu
+    roles = {k: v - roles.get(k, 0.0) for k, v in cpu_by_role(peer).items()}
     requests["busy"] = count_delta(before, peer.requests())
     if flush.returncode != 0:
         raise RuntimeError(f"flush during the probe failed ({flush.returncode})")
     shutil.rmtree(root)
     shutil.rmtree(native)
     figures = {"samples": len(samples["busy hot"]), "flush_s": took, "cpu_s": cpu}
+    figures.update({f"busy_{k}_s": v for k, v in roles.items()})
     for key, values in samples.items():
         window, kind = key.split()
         name = "" if kind == "hot" else f"{kind}_"
@@ -486,11 +523,31 @@ def _probe_lines(
         f"{probe['uncached_busy_p99'] * 1000:.2f} ms (p50 "
         f"{probe['uncached_busy_p50'] * 1000:.2f} ms): {uncached:.2f}x idle.",
         "",
+        _busy_cpu_line(probe),
+        "",
         f"FUSE requests the fsagent daemon served while idle (3,000 samples of each kind): "
         f"{_count_text(requests['idle'])}; during the checkpoint: "
         f"{_count_text(requests['busy'])}.",
         "",
     ]
+
+
+def _busy_cpu_line(probe: dict[str, float]) -> str:
+    """Who used the 2 cores during the checkpoint, and how long the FUSE thread
+    waited for one: a read the daemon must answer waits that long too."""
+    parts = [
+        f"{label} {probe[f'busy_{key}_s']:.2f} s"
+        for key, label in (("fuse", "the daemon's FUSE thread"),
+                           ("checkpoint", "its other threads (the checkpoint)"),
+                           ("controller", "the controller"), ("postgres", "PostgreSQL"))
+        if f"busy_{key}_s" in probe
+    ]  # fmt: skip
+    return (
+        f"CPU used during the checkpoint ({probe['flush_s']:.1f} s, {os.cpu_count()} CPUs): "
+        + ", ".join(parts)
+        + f". The FUSE thread was runnable but waiting for a CPU for "
+        f"{probe['busy_fuse_runq_s'] * 1000:.0f} ms of it."
+    )
 
 
 def _request_lines(res: Results, daemons: list[str]) -> list[str]:
