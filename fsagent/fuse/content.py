@@ -52,6 +52,8 @@ class OpenFile:
     retired: list[int] = field(default_factory=list)
     unsynced: int = 0
     """Bytes written to ``fd`` since its last fsync."""
+    inline_fsyncs: int = 0
+    """fsyncs of the file while inline (fsagent.fuse.fs, ``fsync``)."""
 
 
 class Content:
@@ -132,6 +134,12 @@ class Content:
                 of.upper, of.inline = True, data is not None
                 self.release_fd(of, old)
         self._copy_locks.pop(inode.ino, None)
+
+    def spill(self, inode: Inode) -> None:
+        """Move an inline file to ``upper/<inode>`` now (see :meth:`_spill`)."""
+        data = self.store.tree.inline_data(inode.ino)
+        if data is not None:
+            self._spill(inode, data)
 
     def _spill(self, inode: Inode, data: bytes) -> None:
         """Move an inline file that outgrows ``INLINE_MAX`` to ``upper/<inode>``.

@@ -88,6 +88,11 @@ INLINE_FSYNC_BYTES: Final = 1 << 20
 """Bytes written since the last sync up to which an fsync flushes on the FUSE
 thread instead of a worker thread (fsagent.fuse.fs, ``fsync``)."""
 
+SPILL_AT_FSYNC: Final = 2
+"""The fsync of an inline file, counted from its attach, that moves it out of
+line: a file synced again and again is a log or a database (SQLite's WAL
+starts inline), and only an upper file's fsync can skip the LMDB sync."""
+
 WRITE_BEHIND_S: Final = 0.01
 """Seconds from a time-only change, or an orphan's last reference, to its
 commit (with the others of that moment: one commit for a burst)."""
@@ -669,8 +674,14 @@ class WorkFolderFS(pyfuse3.Operations):
         """Make the upper file and the LMDB environment (the inode, the journal
         and inline contents, committed by write) durable against power loss.
         Once an upper file's records are durable (statedir, ``mark_durable``),
-        its own ``fdatasync`` is all a later fsync needs."""
+        its own ``fdatasync`` is all a later fsync needs. An inline file's
+        contents are in LMDB, so each of its fsyncs syncs the store: one
+        synced a second time moves out of line first (``SPILL_AT_FSYNC``)."""
         ino, of = await self._open_file(fh)
+        if of.inline:
+            of.inline_fsyncs += 1
+            if of.inline_fsyncs >= SPILL_AT_FSYNC:
+                self._spill_for_fsync(ino)
         out_of_line = of.upper and not of.inline
         if out_of_line and self.store.dir.is_durable(ino):
             if of.unsynced <= INLINE_FSYNC_BYTES:
@@ -689,6 +700,16 @@ class WorkFolderFS(pyfuse3.Operations):
         await trio.to_thread.run_sync(self.store.sync)
         if out_of_line:
             self.store.dir.mark_durable(ino, epoch)
+
+    def _spill_for_fsync(self, ino: InodeNo) -> None:
+        """Move inline file ``ino`` out of line before its fsync (``SPILL_AT_FSYNC``):
+        this fsync still syncs the store, the next ones are the file's own
+        ``fdatasync``. Where the move fails (the disk full) the file stays
+        inline and this fsync takes the inline path, as it would have."""
+        try:
+            self.content.spill(self._inode(ino))
+        except OSError as exc:
+            log.info("inode %d stays inline for its fsync: %s", ino, exc)
 
     @fuse_boundary
     async def release(self, fh: pyfuse3.FileHandleT) -> None:

@@ -226,6 +226,46 @@ def test_kill9_after_an_fsync_by_fdatasync_alone_keeps_the_bytes(
     assert "wal" not in again.changes()
 
 
+def test_a_small_file_synced_again_moves_out_of_line_and_survives_kill9(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    """A file under INLINE_MAX lives in LMDB, so its fsync syncs the store;
+    its second fsync moves it to an upper file (SQLite's WAL starts small),
+    and the third is the upper file's own fdatasync. A kill -9 right behind
+    it loses nothing, and the restart saves every byte."""
+    token = mounts.base / "token"
+    run = start_run(tenant)
+    token.write_text(run.token)
+    task = run.task
+    assert task is not None
+    src = tenant.controller.url
+    m = mounts.mount(src, "task", token_file=token)
+    path = m.mountpoint / "db-wal"
+    parts = [os.urandom(4120) for _ in range(3)]
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, parts[0])
+        os.fsync(fd)  # inline: the store's sync
+        assert not any((m.state_dir / "upper").iterdir())
+        os.write(fd, parts[1])
+        os.fsync(fd)  # moved out of line, then the whole sync
+        assert [p.name for p in (m.state_dir / "upper").iterdir()] != []
+        assert _data_only_fsyncs(m) == 0
+        os.write(fd, parts[2])
+        os.fsync(fd)  # the upper file's fdatasync alone
+        assert _data_only_fsyncs(m) == 1
+    finally:
+        os.close(fd)
+    m.kill9()
+    again = mounts.mount(src, "task", state_dir=m.state_dir, mountpoint=m.mountpoint,
+                         token_file=token)  # fmt: skip
+    assert (again.mountpoint / "db-wal").read_bytes() == b"".join(parts)
+    run_task = tenant.folder("task", task)
+    with tenant.client() as c:
+        saved = c.get(run_task + "/content", params={"path": "db-wal"})
+    assert saved.status_code == 200 and saved.content == b"".join(parts)
+
+
 # --- kill -9 on a busy machine, with a writer that keeps going ----------------
 
 WRITE_SECONDS = 2.0
