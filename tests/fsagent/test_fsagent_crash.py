@@ -290,14 +290,18 @@ while True:
     i += 1
     name = f"k{seed}-{i}"
     data = rng.randbytes(rng.choice([0, 10, 4096, 70000]))
+    # One file in three grows like a log or SQLite's WAL: a part, an fsync, and
+    # again (a small one moves out of line at its second fsync).
+    step = max(1, -(-len(data) // 3)) if rng.random() < 0.33 else max(1, len(data))
     try:
         # By path, as an agent writes, and on after an error, as an agent
         # retrying would: a write that lands while no daemon serves the path
         # must fail, never be acknowledged and then hidden by the next mount.
         fd = os.open(os.path.join(root, name), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            for at in range(0, max(1, len(data)), step):
+                os.write(fd, data[at : at + step])
+                os.fsync(fd)
         finally:
             os.close(fd)
     except OSError as exc:
