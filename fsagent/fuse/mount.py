@@ -54,7 +54,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pyfuse3
 import trio
@@ -115,6 +115,9 @@ READAHEAD_KIB = 1024
 default of 128 KiB splits a sequential read into 128 KiB READ requests, each a
 round trip to this daemon; at 1 MiB there are eight times fewer."""
 
+STORE_WRITEBACK_S: Final = 0.25
+"""How often the state's dirty LMDB pages start going to disk (``_write_back_store``)."""
+
 
 def mount_device(mountpoint: Path) -> str | None:
     """``major:minor`` of what is mounted at ``mountpoint`` (alive or dead), or
@@ -161,6 +164,25 @@ async def _adopt_strays(fs: WorkFolderFS, guard: MountGuard, mountpoint: Path) -
             "daemon served it",
             file=sys.stderr,
         )
+
+
+async def _write_back_store(fs: WorkFolderFS) -> None:
+    """For the life of the mount: every ``STORE_WRITEBACK_S`` with commits since
+    the last time, start writing the state's dirty LMDB pages to disk from a
+    worker thread (``GuardedEnv.start_writeback``), so that an fsync does not
+    wait for the pages of the bursts before it."""
+    env = fs.store.dir.env
+    seen = env.commits
+    while True:
+        await trio.sleep(STORE_WRITEBACK_S)
+        if env.commits == seen:
+            continue
+        seen = env.commits
+        try:
+            await trio.to_thread.run_sync(env.start_writeback)
+            stats.FUSE.state_writebacks += 1
+        except OSError as exc:  # the next sync writes them; nothing is lost
+            log.warning("writing back the state's pages failed: %s", exc)
 
 
 def _set_readahead(mountpoint: Path) -> None:
@@ -503,6 +525,7 @@ async def _serve_store(
             nursery.start_soon(_stop_on_signal, signals, fs, opts.mountpoint, shipper, stop)
             nursery.start_soon(fs.spinner.run)
             nursery.start_soon(fs.write_behind)
+            nursery.start_soon(_write_back_store, fs)
             nursery.start_soon(_raise_readahead, fs, opts.mountpoint)
             if opts.guard is not None and owner is not None:
                 nursery.start_soon(_adopt_strays, fs, opts.guard, opts.mountpoint)

@@ -6,7 +6,9 @@ increment and a list store, so the request path pays next to nothing, and the
 percentiles are computed only when asked. FORGET (which has no reply) is
 counted too, once per batch the kernel sends. ``fsyncDataOnly`` counts the
 FSYNCs answered by the upper file's own ``fdatasync`` alone (fsagent.fuse.fs,
-``fsync``): the ones that skipped the LMDB sync.
+``fsync``): the ones that skipped the LMDB sync. ``stateWritebacks`` counts
+the times the state's dirty LMDB pages were sent to disk in the background
+(fsagent.fuse.mount, ``_write_back_store``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class FuseStats:
         self.counts: dict[str, int] = {}
         self.errors = 0
         self.fsync_data_only = 0
+        self.state_writebacks = 0
         self._ring = [0] * LATENCY_RING
         self._next = 0
         self._filled = False
@@ -50,6 +53,7 @@ class FuseStats:
             "errors": self.errors,
             "byOperation": dict(sorted(self.counts.items())),
             "fsyncDataOnly": self.fsync_data_only,
+            "stateWritebacks": self.state_writebacks,
             "latencyMs": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99),
                           "samples": len(samples)},
         }  # fmt: skip

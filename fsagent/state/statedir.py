@@ -28,6 +28,7 @@ closes that gap where POSIX promises it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
@@ -118,6 +119,11 @@ class _WriteTxn:
             raise
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+_SYNC_FILE_RANGE_WRITE: Final = 2
+
+
 class GuardedEnv:
     """The LMDB environment, keeping disk space in reserve for metadata commits.
 
@@ -144,6 +150,31 @@ class GuardedEnv:
         if self._commits % 256 == 0:
             self.reserve_headroom()
         return _WriteTxn(self._env.begin(write=True, **kwargs))
+
+    @property
+    def commits(self) -> int:
+        """Write transactions begun so far (a counter that only grows)."""
+        return self._commits
+
+    def start_writeback(self) -> None:
+        """Start writing the data file's dirty pages to disk, without waiting
+        for them (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; it can block while
+        the disk's queue is full: call it from a worker thread).
+
+        Commits are ``sync=False``: their pages stay dirty in the page cache
+        until the kernel writes them back or the next :meth:`StateDir.sync`
+        does. A burst of metadata (creating and removing thousands of small
+        inline files) leaves tens of MiB that way, and the next fsync of any
+        file paid for all of it (about 40 ms after 3,000 files). Written back
+        in the background as they come, they are mostly on disk by then.
+        Durability is unchanged: nothing is promised until a sync."""
+        fd = os.open(self._data_file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, os.strerror(code))
+        finally:
+            os.close(fd)
 
     def reserve_headroom(self) -> None:
         used = (int(self._env.info()["last_pgno"]) + 1) * int(self._env.stat()["psize"])

@@ -22,13 +22,16 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fsagent.dirmode.scan import entry_limit
 from tests.support.bridge import start_run
+from tests.support.checkpoints import wait_for
 from tests.support.controller import Tenant
 from tests.support.mount import FsagentMount, MountFactory, mount_factory
+from tests.support.pagecache import dirty_pages
 from tests.support.pyfuse3_patch import handles_env, patched_pyfuse3_env
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
@@ -181,10 +184,14 @@ def test_restart_after_kill9_detaches_the_dead_mount(mounts: MountFactory) -> No
     assert (again.mountpoint / "closed").read_bytes() == b"before the crash"
 
 
-def _data_only_fsyncs(m: FsagentMount) -> int:
+def _live_fuse(m: FsagentMount) -> dict[str, Any]:
     (row,) = m.fsagent("status")["collections"]
-    count: int = row["live"]["fuse"]["fsyncDataOnly"]
-    return count
+    fuse: dict[str, Any] = row["live"]["fuse"]
+    return fuse
+
+
+def _data_only_fsyncs(m: FsagentMount) -> int:
+    return int(_live_fuse(m)["fsyncDataOnly"])
 
 
 def test_kill9_after_an_fsync_by_fdatasync_alone_keeps_the_bytes(
@@ -264,6 +271,38 @@ def test_a_small_file_synced_again_moves_out_of_line_and_survives_kill9(
     with tenant.client() as c:
         saved = c.get(run_task + "/content", params={"path": "db-wal"})
     assert saved.status_code == 200 and saved.content == b"".join(parts)
+
+
+def test_a_burst_of_small_files_is_written_back_before_the_next_fsync(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    """Small files live in LMDB, committed with sync=False, so a burst of them
+    leaves the state's pages dirty and the next fsync of any file would write
+    them all. The daemon sends them to disk in the background as they come
+    (``stateWritebacks``); the fsync after the burst is still whole after
+    kill -9."""
+    token = mounts.base / "token"
+    run = start_run(tenant)
+    token.write_text(run.token)
+    src = tenant.controller.url
+    m = mounts.mount(src, "task", token_file=token)
+    before = _live_fuse(m)["stateWritebacks"]
+    for i in range(300):
+        (m.mountpoint / f"small{i}").write_bytes(i.to_bytes(4, "big") * 1024)
+    wait_for(lambda: _live_fuse(m)["stateWritebacks"] > before, 60, "a background writeback")
+    data = m.state_dir / "db" / "data.mdb"
+    wait_for(lambda: dirty_pages(data) == 0, 60, "the state's pages to be on their way")
+    fd = os.open(m.mountpoint / "log", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"after the burst")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    m.kill9()
+    again = mounts.mount(src, "task", state_dir=m.state_dir, mountpoint=m.mountpoint,
+                         token_file=token)  # fmt: skip
+    assert (again.mountpoint / "log").read_bytes() == b"after the burst"
+    assert (again.mountpoint / "small299").read_bytes() == (299).to_bytes(4, "big") * 1024
 
 
 # --- kill -9 on a busy machine, with a writer that keeps going ----------------

@@ -46,6 +46,7 @@ from fsagent.state.store import (
     Store,
 )
 from tests.support.memclient import MemoryBridgeClient
+from tests.support.pagecache import dirty_pages
 
 
 def sha(data: bytes) -> Digest:
@@ -407,3 +408,18 @@ def test_a_discarded_state_dir_is_whole_or_empty(tmp_path: Path) -> None:
         assert fresh.dir.binding() is None
     finally:
         fresh.close()
+
+
+def test_start_writeback_sends_the_dirty_pages_of_the_state_to_disk(store: Store) -> None:
+    """Commits are sync=False: their pages stay dirty until written back.
+    start_writeback submits every one of them at once (the kernel itself
+    waits up to 30 s); nothing is dirty right after it."""
+    data = store.dir.root / "db" / "data.mdb"
+    docs = ino(store, "docs")
+    for i in range(64):
+        node = store.tree.create(docs, f"new{i}", "file", 0o644)
+        node.size = 30_000
+        store.tree.persist(node, touch="write", inline=os.urandom(30_000))
+    assert dirty_pages(data) > 0
+    store.dir.env.start_writeback()
+    assert dirty_pages(data) == 0  # every one is on its way to the disk
