@@ -25,8 +25,8 @@ from common.errors import (
     WriteNotAllowed,
 )
 from controller.config import Quotas
-from controller.foldercore import Authority, WritePolicy
-from controller.grants import confirm_configure, may_configure_agent
+from controller.foldercore import STORE_MARK_SQL, Authority, WritePolicy
+from controller.grants import ALL_AGENTS_ROLES, CONFIGURE, confirm_configure, may_configure_agent
 
 USER_TOKEN_PREFIX = "fsa_u_"
 RUN_TOKEN_PREFIX = "fsa_r_"
@@ -315,6 +315,77 @@ async def authorize_folder(
         raise NotFound()
 
 
+_OWNER_EXISTS_SQL = {
+    scope: f"EXISTS (SELECT 1 FROM {table} WHERE company_id = %(company)s AND id::text = %(owner)s)"
+    for scope, table in _OWNER_TABLE.items()
+}
+_CONFIGURES_SQL = (
+    "EXISTS (SELECT 1 FROM agent_grants WHERE company_id = %(company)s AND user_id = t.user_id"
+    " AND agent_id::text = %(owner)s AND permission = %(permission)s)"
+)
+
+
+async def token_write_access(
+    conn: AsyncConnection[Any], token: str, company_id: str, scope: str, owner_id: str
+) -> dict[str, Any] | None:
+    """What a write to a folder with a person's API token needs to know
+    before its body is read, in one statement (one round trip, no
+    transaction): the token (None when it is unknown or revoked), the
+    member's role in the company, for an agent's folder whether a grant lets
+    the member configure the agent, whether the folder's owner exists, the
+    folder's id (None while it was never written) and a store mark
+    (:func:`controller.foldercore.take_store_mark`), drawn for a known token only.
+
+    The same reads as :func:`principal_from_bearer`, :func:`authorize_folder`
+    and :func:`controller.foldercore.get_folder`, from one snapshot;
+    :func:`check_token_write` applies the same rules to them."""
+    sql = (
+        "SELECT t.id, t.user_id,"
+        " (SELECT role FROM memberships WHERE company_id = %(company)s AND user_id = t.user_id)"
+        " AS role,"
+        f" {_CONFIGURES_SQL if scope == 'agent' else 'false'} AS configures,"
+        f" {_OWNER_EXISTS_SQL.get(scope, 'true')} AS owner_exists,"
+        " (SELECT id FROM folders"
+        "  WHERE company_id = %(company)s AND scope = %(scope)s AND owner_id = %(owner)s)"
+        " AS folder_id,"
+        f" {STORE_MARK_SQL} AS mark"
+        " FROM api_tokens t WHERE t.token_hash = %(hash)s AND t.revoked_at IS NULL"
+    )
+    params = {
+        "hash": token_hash(token),
+        "company": company_id,
+        "scope": scope,
+        "owner": owner_id,
+        "permission": CONFIGURE,
+    }
+    cur = await conn.execute(sql, params)
+    row: dict[str, Any] | None = await cur.fetchone()
+    return row
+
+
+def token_principal(access: dict[str, Any]) -> Principal:
+    """The person behind a known token of :func:`token_write_access`."""
+    return Principal(kind="user", user_id=str(access["user_id"]), token_id=str(access["id"]))
+
+
+def check_token_write(
+    access: dict[str, Any], principal: Principal, scope: str, owner_id: str
+) -> None:
+    """:func:`authorize_folder`'s rules for a person's write, on what
+    :func:`token_write_access` read: NotFound unless ``principal`` may write."""
+    role = access["role"]
+    if role is None or role == "viewer":
+        raise NotFound()
+    if scope == "user":
+        if owner_id != principal.user_id:
+            raise NotFound()
+        return
+    if scope == "agent" and not (role in ALL_AGENTS_ROLES or access["configures"]):
+        raise NotFound()
+    if not access["owner_exists"]:
+        raise NotFound()
+
+
 def authorize_purge(principal: Principal) -> None:
     """Purging makes deletions unrecoverable: a person's decision, never a sandbox's."""
     if principal.kind == "run":
@@ -334,7 +405,30 @@ async def _locked_role(conn: AsyncConnection[Any], company_id: str, user_id: str
 
 async def confirm_member_writes(conn: AsyncConnection[Any], company_id: str, user_id: str) -> str:
     """The member's role, locked; refused when gone or a viewer."""
-    role = await _locked_role(conn, company_id, user_id)
+    return _writer_role(await _locked_role(conn, company_id, user_id))
+
+
+async def confirm_token_member_writes(
+    conn: AsyncConnection[Any], token_id: str, company_id: str, user_id: str
+) -> str:
+    """:func:`confirm_credential` and :func:`confirm_member_writes` for a
+    person's API token in one statement: the token row, then the membership
+    row, each locked ``FOR SHARE`` as there, and the same refusals (the
+    token's first)."""
+    cur = await conn.execute(
+        "SELECT (SELECT true FROM api_tokens WHERE id = %s AND revoked_at IS NULL FOR SHARE)"
+        " AS valid,"
+        " (SELECT role FROM memberships WHERE company_id = %s AND user_id = %s FOR SHARE) AS role",
+        (token_id, company_id, user_id),
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    if row["valid"] is None:
+        raise Unauthenticated("The token was revoked; nothing was saved")
+    return _writer_role(None if row["role"] is None else str(row["role"]))
+
+
+def _writer_role(role: str | None) -> str:
     if role is None:
         raise MembershipRevoked("The membership was removed; nothing was saved")
     if role == "viewer":
@@ -394,8 +488,13 @@ async def confirm_write(
     permission still held."""
     if principal.kind == "user":
         assert principal.user_id is not None
-        await confirm_credential(conn, principal, company_id)
-        role = await confirm_member_writes(conn, company_id, principal.user_id)
+        if principal.token_id is not None and principal.session_hash is None:
+            role = await confirm_token_member_writes(
+                conn, principal.token_id, company_id, principal.user_id
+            )
+        else:
+            await confirm_credential(conn, principal, company_id)
+            role = await confirm_member_writes(conn, company_id, principal.user_id)
         if scope == "agent":
             await confirm_configure(conn, company_id, principal.user_id, owner_id, role)
         return

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NewType
 
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, AsyncCursor
 
 from common.errors import (
     FileNotFound,
@@ -63,6 +63,8 @@ removed them in between)."""
 StoreMark = NewType("StoreMark", int)
 """Drawn before a writer stores bytes (:func:`take_store_mark`); a deletion
 stamped later than it may have removed them."""
+Query = tuple[str, tuple[Any, ...]]
+"""A statement and its parameters."""
 Authority = Callable[[AsyncConnection[Any]], Awaitable[None]]
 """Raises unless the caller may still write; run inside the committing
 transaction, after the folder lock (see :func:`committing`)."""
@@ -113,8 +115,17 @@ async def get_folder(
 
 async def lock_folder(conn: AsyncConnection[Any], folder: Folder) -> None:
     """Serialize writes to the folder; only then may versions be drawn."""
+    await folder.counters.read(await _send_lock(conn, folder))
+
+
+async def _send_lock(conn: AsyncConnection[Any], folder: Folder) -> AsyncCursor[Any]:
+    """Take the folder lock, then read its counters in a statement of its own
+    (whose snapshot is taken once the lock is held, so it sees the previous
+    holder's commit); returns the cursor of the counters, for
+    :meth:`FolderCounters.read`. In pipeline mode nothing waits here: both
+    statements go to the server with the next round trip."""
     await conn.execute("SELECT pg_advisory_xact_lock(%s)", (folder.id,))
-    await folder.counters.load(conn, folder.id)
+    return await folder.counters.request(conn, folder.id)
 
 
 async def live_row(conn: AsyncConnection[Any], folder: Folder, path: str) -> Row | None:
@@ -163,6 +174,8 @@ class Commit:
     replay: dict[str, Any] | None
     result: dict[str, Any] | None = None
     touch: bool = True
+    ahead: AsyncCursor[Any] | None = None
+    """The answer to the ``ahead`` query given to :func:`committing`."""
 
 
 @asynccontextmanager
@@ -174,6 +187,7 @@ async def committing(
     policy: WritePolicy,
     *,
     touch: bool = True,
+    ahead: Query | None = None,
 ) -> AsyncIterator[Commit]:
     """Lock the folder, re-check authority, look up the receipt; on success
     check an agent folder's storage limits and the folder's entry limit (only
@@ -188,11 +202,18 @@ async def committing(
 
     A write without an operation id (a request without ``Idempotency-Key``)
     cannot be replayed, so it neither looks up nor stores a receipt.
+
+    ``ahead``: a read the block needs (under the folder lock), sent with the
+    lock so that in pipeline mode its answer comes in the same round trip
+    as the authority's (:attr:`Commit.ahead`); it is only read, so sending
+    it before the authority is confirmed changes nothing.
     """
-    await lock_folder(conn, folder)
+    counters = await _send_lock(conn, folder)
+    early = None if ahead is None else await conn.execute(*ahead)
     await policy.confirm(conn)
+    await folder.counters.read(counters)
     replay = None if operation_id is None else await stored_result(conn, folder, operation_id, fp)
-    commit = Commit(replay, touch=touch)
+    commit = Commit(replay, touch=touch, ahead=early)
     yield commit
     if commit.replay is not None:
         return
@@ -208,13 +229,21 @@ async def committing(
         await store_receipt(conn, folder, operation_id, fp, commit.result)
 
 
-async def path_rows(conn: AsyncConnection[Any], folder: Folder, path: str) -> dict[str, Row]:
-    """The live rows at ``path`` and at each of its ancestors, in one query."""
-    cur = await conn.execute(
+def path_rows_query(folder: Folder, path: str) -> Query:
+    """The query of :func:`path_rows` (its answer: :func:`rows_by_path`)."""
+    return (
         "SELECT * FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)",
         (folder.id, [*ancestors(path), path]),
     )
+
+
+async def rows_by_path(cur: AsyncCursor[Any]) -> dict[str, Row]:
     return {r["path"]: r for r in await cur.fetchall()}
+
+
+async def path_rows(conn: AsyncConnection[Any], folder: Folder, path: str) -> dict[str, Row]:
+    """The live rows at ``path`` and at each of its ancestors, in one query."""
+    return await rows_by_path(await conn.execute(*path_rows_query(folder, path)))
 
 
 async def ensure_parents(
@@ -318,6 +347,25 @@ async def upsert_objects(
     sweep that deleted them but could not commit leaves its entry due and
     unsettled, which counts too. Neither kind exists in the common case: a
     write's own entries are not due for ``gc_delay``."""
+    return await (await _send_upsert_objects(conn, company_id, sizes, mark)).swept()
+
+
+@dataclass(frozen=True)
+class _Upserted:
+    """The answer to :func:`upsert_objects`, still to be read."""
+
+    digests: list[str]
+    cur: AsyncCursor[Any] | None
+
+    async def swept(self) -> list[str]:
+        if self.cur is None:
+            return self.digests
+        return sorted(row["digest"] for row in await self.cur.fetchall())
+
+
+async def _send_upsert_objects(
+    conn: AsyncConnection[Any], company_id: str, sizes: dict[str, int], mark: StoreMark | None
+) -> _Upserted:
     digests = sorted(sizes)
     params = {
         "company": company_id,
@@ -327,15 +375,20 @@ async def upsert_objects(
     }
     if mark is None:
         await conn.execute(UPSERT_OBJECTS_SQL, params)
-        return digests
+        return _Upserted(digests, None)
     cur = await conn.execute(f"WITH up AS ({UPSERT_OBJECTS_SQL}) {SWEPT_SINCE_SQL}", params)
-    return sorted(row["digest"] for row in await cur.fetchall())
+    return _Upserted(digests, cur)
+
+
+STORE_MARK_SQL = "nextval('object_deletion_marks')"
+"""The expression that draws a store mark (a statement may draw one along
+with other work: :func:`controller.auth.token_write_access`)."""
 
 
 async def take_store_mark(conn: AsyncConnection[Any]) -> StoreMark:
     """A mark to take before storing bytes that a later transaction registers
     (:func:`upsert_objects`)."""
-    cur = await conn.execute("SELECT nextval('object_deletion_marks') AS mark")
+    cur = await conn.execute(f"SELECT {STORE_MARK_SQL} AS mark")
     row = await cur.fetchone()
     assert row is not None
     return StoreMark(int(row["mark"]))
@@ -403,7 +456,32 @@ async def write_file(
     existing = found.get(path)
     if existing is not None and existing["kind"] != "file":
         raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
-    await register_object(conn, folder.company_id, digest, byte_size, ensure_object, stored_after)
+    # register_object, with the bytes checked once the row referencing them
+    # is written too (in pipeline mode its statement goes with the upsert's):
+    # both happen under the object lock, in this transaction, before it commits.
+    await lock_object(conn, folder.company_id, digest)
+    upserted = await _send_upsert_objects(
+        conn, folder.company_id, {digest: byte_size}, stored_after
+    )
+    row, created = await _write_file_row(
+        conn, folder, existing, path, digest, byte_size, executable, content_type, gc_delay
+    )
+    if await upserted.swept():
+        await ensure_object(object_key(folder.company_id, digest))
+    return row, created
+
+
+async def _write_file_row(
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    existing: Row | None,
+    path: str,
+    digest: str,
+    byte_size: int,
+    executable: bool,
+    content_type: str | None,
+    gc_delay: timedelta,
+) -> tuple[Row, bool]:
     if existing is None:
         row = await _insert_row(
             conn,

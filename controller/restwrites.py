@@ -30,7 +30,8 @@ from controller.foldercore import (
     fingerprint,
     journal_deletion,
     make_directory,
-    path_rows,
+    path_rows_query,
+    rows_by_path,
     trash_batch,
     trash_path,
     write_file,
@@ -74,12 +75,15 @@ async def put_file(
         executable=executable,
         contentType=content_type,
     )
-    async with committing(conn, folder, operation_id, fp, policy) as commit:
+    # The path and its parents in one query, sent with the folder lock; the
+    # trash copy that keep_replaced adds is not live, so these rows stay what
+    # write_file needs.
+    ahead = path_rows_query(folder, path)
+    async with committing(conn, folder, operation_id, fp, policy, ahead=ahead) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
-        # The path and its parents in one query; the trash copy that
-        # keep_replaced adds is not live, so these rows stay what write_file needs.
-        found = await path_rows(conn, folder, path)
+        assert commit.ahead is not None
+        found = await rows_by_path(commit.ahead)
         existing = found.get(path)
         check_precondition(existing, path, precondition)
         if guard is not None:

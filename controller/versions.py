@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, AsyncCursor
 
 from common.errors import AgentFilesLimitExceeded, FolderEntryLimit
 
@@ -43,10 +43,19 @@ class FolderCounters:
         """The largest file this transaction wrote or brought back: (size, path)."""
 
     async def load(self, conn: AsyncConnection[Any], folder_id: int) -> None:
-        cur = await conn.execute(
+        await self.read(await self.request(conn, folder_id))
+
+    @staticmethod
+    async def request(conn: AsyncConnection[Any], folder_id: int) -> AsyncCursor[Any]:
+        """Send the read of the counters; :meth:`read` takes its answer (in
+        pipeline mode it comes with the next round trip, not one of its own)."""
+        return await conn.execute(
             "SELECT version_counter, live_entries, live_bytes FROM folders WHERE id = %s",
             (folder_id,),
         )
+
+    async def read(self, cur: AsyncCursor[Any]) -> None:
+        """Load the counters from the answer of :meth:`request`."""
         row = await cur.fetchone()
         assert row is not None
         self.current = self.stored = int(row["version_counter"])

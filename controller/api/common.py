@@ -39,6 +39,7 @@ from controller.api.limits import (
 )
 from controller.api.params import declared_length
 from controller.auth import (
+    OPERATOR_TOKEN_PREFIX,
     RUN_TOKEN_PREFIX,
     CompanyActor,
     Principal,
@@ -125,13 +126,51 @@ async def connection(request: Request) -> AsyncIterator[AsyncConnection[Any]]:
         raise DatabaseUnavailable() from exc
 
 
+@asynccontextmanager
+async def single_statements(request: Request) -> AsyncIterator[AsyncConnection[Any]]:
+    """A pooled connection in autocommit mode: each statement is a
+    transaction of its own, without the round trips of ``BEGIN`` and
+    ``COMMIT``. For a block of one statement (which sees one snapshot, as
+    in a transaction of its own)."""
+    try:
+        pool = state(request).pool
+        async with pool.connection(share=share_key(request.scope)) as conn:
+            await conn.set_autocommit(True)
+            try:
+                yield conn
+            finally:
+                await _end_autocommit(conn)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable() from exc
+
+
+async def _end_autocommit(conn: AsyncConnection[Any]) -> None:
+    """The pool's connections are not in autocommit mode (the other
+    callers' statements run in their transactions). One that cannot be set
+    back (closed, or a statement was cut short) is closed: the pool
+    discards it."""
+    if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        try:
+            await conn.set_autocommit(False)
+            return
+        except psycopg.Error:
+            pass
+    await conn.close()
+
+
 async def write_transaction(
-    request: Request, work: Callable[[AsyncConnection[Any]], Awaitable[T]]
+    request: Request,
+    work: Callable[[AsyncConnection[Any]], Awaitable[T]],
+    *,
+    pipeline: bool = False,
 ) -> T:
     """``work(conn)`` in one transaction from the caller's pool share, run again
     (bounded, with jitter) when PostgreSQL rolls it back for a serialization
-    failure or a deadlock (:func:`controller.db.retry.retrying`)."""
-    return await retrying(state(request).pool, work, share=share_key(request.scope))
+    failure or a deadlock (:func:`controller.db.retry.retrying`; ``pipeline``:
+    see there)."""
+    return await retrying(
+        state(request).pool, work, share=share_key(request.scope), pipeline=pipeline
+    )
 
 
 def transact(request: Request) -> Transact:
@@ -271,6 +310,27 @@ async def authenticate_first(request: Request) -> None:
     if not is_authenticated(request):
         async with connection(request) as conn:
             await authenticate(request, conn)
+
+
+def api_token(request: Request) -> str | None:
+    """The person's API token the request presents, when that is all that
+    decides who it is (what :func:`authenticate` would look up in
+    ``api_tokens``): not forwarded by the API bridge, a well-formed
+    ``Authorization: Bearer`` header, neither a run's nor an operator's
+    token. None for every other request (and every malformed one):
+    :func:`authenticate` answers those."""
+    if bridge_identity(request.scope) is not None:
+        return None
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    if token.startswith((RUN_TOKEN_PREFIX, OPERATOR_TOKEN_PREFIX)):
+        return None
+    return token
 
 
 async def _authenticate(request: Request, conn: AsyncConnection[Any]) -> Principal:

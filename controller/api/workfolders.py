@@ -33,15 +33,18 @@ from common.paths import validate_owner_id, validate_path, validate_scope, valid
 from controller import agentfiles, foldercore, folders, moves, quotas, restwrites, runs
 from controller.api.common import (
     BridgeIdentity,
+    api_token,
     authenticate,
     bridge_identity,
     connection,
     json_errors,
     read_json,
+    single_statements,
     state,
     transact,
     write_transaction,
 )
+from controller.api.limits import mark_authenticated
 from controller.api.objects import (
     journal_orphan,
     object_response,
@@ -60,7 +63,15 @@ from controller.api.params import (
     strict_query,
 )
 from controller.api.serialize import run_json
-from controller.auth import Principal, authorize_folder, authorize_purge, write_policy
+from controller.auth import (
+    Principal,
+    authorize_folder,
+    authorize_purge,
+    check_token_write,
+    token_principal,
+    token_write_access,
+    write_policy,
+)
 from controller.overwrite import parse_precondition
 from controller.rowjson import entry_json, iso
 from controller.storage.base import object_key
@@ -333,6 +344,44 @@ def upload_headers(request: Request) -> tuple[str | None, bool]:
     return file_ctype, request.headers.get("x-file-executable") == "true"
 
 
+async def authorize_upload(
+    request: Request,
+) -> tuple[tuple[Principal, foldercore.Folder, tuple[str, str, str]], foldercore.StoreMark]:
+    """Authorize an upload before reading a single body byte, and take the
+    store mark (before the bytes are stored; see foldercore.upsert_objects)
+    in the same round trip.
+
+    With a person's API token that is one statement and no transaction
+    (:func:`controller.auth.token_write_access`) while the folder exists;
+    every other credential, and a folder's first write (which creates it),
+    take :func:`open_folder`'s way, in a transaction."""
+    address = folder_address(request)
+    token = api_token(request)
+    if token is not None:
+        async with single_statements(request) as conn:
+            access = await token_write_access(conn, token, *address)
+        if access is None:
+            raise Unauthenticated()
+        principal = token_principal(access)
+        mark_authenticated(request)
+        check_token_write(access, principal, *address[1:])
+        if access["folder_id"] is not None:
+            folder = foldercore.Folder(int(access["folder_id"]), *address)
+            return (principal, folder, address), foldercore.StoreMark(int(access["mark"]))
+
+    async def authorize(
+        c: AsyncConnection[Any],
+    ) -> tuple[
+        tuple[Principal, foldercore.Folder | None, tuple[str, str, str]], foldercore.StoreMark
+    ]:
+        opened = await open_folder(request, c, write=True)
+        return opened, await foldercore.take_store_mark(c)
+
+    (principal, opened, address), mark = await write_transaction(request, authorize)
+    assert opened is not None
+    return (principal, opened, address), mark
+
+
 @json_errors
 async def put_content(request: Request) -> Response:
     async with agent_save_receipts(request, receipt_key(request)) as run:
@@ -350,18 +399,7 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
     )
     op_id = idempotency_key(request)
 
-    # Authorize before reading a single body byte, and take the store mark
-    # (before the bytes are stored; see foldercore.upsert_objects) in the same round trip.
-    async def authorize(
-        c: AsyncConnection[Any],
-    ) -> tuple[
-        tuple[Principal, foldercore.Folder | None, tuple[str, str, str]], foldercore.StoreMark
-    ]:
-        opened = await open_folder(request, c, write=True)
-        return opened, await foldercore.take_store_mark(c)
-
-    (principal, folder, address), mark = await write_transaction(request, authorize)
-    assert folder is not None
+    (principal, folder, address), mark = await authorize_upload(request)
     company_id, scope, owner_id = address
     policy = write_policy(principal, company_id, scope, owner_id, st.settings.quotas)
     try:
@@ -415,7 +453,9 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
                     await record_agent_save(request, run, op_id, conn, files_changed=changed)
                 return written
 
-            result = await write_transaction(request, put)
+            # Pipeline mode: put's statements are audited for it (no rowcount,
+            # no error expected at a statement whose answer is not read).
+            result = await write_transaction(request, put, pipeline=True)
     except BaseException:
         if created_blob:
             await journal_orphan(request, address[0], digest)

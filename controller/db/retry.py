@@ -10,6 +10,7 @@ random (full jitter) so that writers that collided do not collide again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -37,11 +38,22 @@ async def retrying(
     work: Callable[[AsyncConnection[Any]], Awaitable[T]],
     *,
     share: str | None = None,
+    pipeline: bool = False,
 ) -> T:
     """``work(conn)`` in a transaction of its own, tried up to ``ATTEMPTS`` times.
 
     ``share`` is the caller's credential key: each attempt's connection comes
     from that caller's share of the pool (:class:`controller.db.SharedPool`).
+
+    ``pipeline``: ``work`` runs in psycopg's pipeline mode. A statement
+    whose answer it does not read at once (a lock, an ``UPDATE``, a read it
+    needs later) then costs no round trip of its own: it goes to the server
+    with the next statement whose answer is read, or with the sync before
+    ``COMMIT``, and the server still runs them one after the other, each
+    with its own snapshot.
+    Its error is raised where that next answer is read (the same error: a
+    deadlock is retried alike), and ``cursor.rowcount`` is only known once
+    its answer is read: ``work`` must not rely on either at the statement.
 
     ``work`` must do everything inside that transaction (it runs again from the
     start). Conflicts every time, or an unreachable database, raise
@@ -51,6 +63,8 @@ async def retrying(
     while True:
         try:
             async with pool.connection(share=share) as conn, conn.transaction():
+                if pipeline:
+                    return await _pipelined(conn, work)
                 return await work(conn)
         except RETRYABLE as exc:
             if attempt >= ATTEMPTS:
@@ -62,3 +76,21 @@ async def retrying(
             raise DatabaseUnavailable() from exc
         await asyncio.sleep(random.uniform(0, BASE_DELAY * 2**attempt))
         attempt += 1
+
+
+async def _pipelined(
+    conn: AsyncConnection[Any], work: Callable[[AsyncConnection[Any]], Awaitable[T]]
+) -> T:
+    """``work(conn)`` in pipeline mode, inside the caller's transaction (whose
+    ``BEGIN`` and ``COMMIT`` psycopg sends outside the pipeline). After a
+    statement's error the server skips the rest until the pipeline's sync:
+    that sync is made here, its "pipeline aborted" for the skipped
+    statements dropped, and the statement's own error raised (for the
+    transaction to roll back, and a deadlock to be retried)."""
+    async with conn.pipeline() as pipe:
+        try:
+            return await work(conn)
+        except psycopg.Error:
+            with contextlib.suppress(psycopg.Error):
+                await pipe.sync()
+            raise

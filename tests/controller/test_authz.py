@@ -223,3 +223,84 @@ def test_run_token_scopes(tenant: Tenant) -> None:
         assert c.get(tenant.folder("user", other_id) + "/").status_code == 404
         ctl.admin("end-run", run["run_id"])
         assert c.get(tenant.folder("task", task) + "/").status_code == 401
+
+
+def test_each_refusal_of_a_put_to_a_folder_written_before(tenant: Tenant) -> None:
+    """A PUT with a person's API token to a folder that exists is authorized
+    in one statement (controller.auth.token_write_access); a folder's first
+    write takes the general way, which creates it. Both refuse alike: an
+    unknown, revoked or operator token 401, every folder the person may not
+    write 404, between two PUTs as soon as the change is made."""
+    ctl = tenant.controller
+    project = ctl.admin("create-project", tenant.company_id, "p")["id"]
+    task = ctl.admin("create-task", tenant.company_id, project, "t")["id"]
+    agent = ctl.admin("create-agent", tenant.company_id, "a")["id"]
+    member_id, member_token = tenant.new_member("member")
+    folders = {
+        "own": tenant.folder("user", member_id),
+        "project": tenant.folder("project", project),
+        "task": tenant.folder("task", task),
+        "agent": tenant.folder("agent", agent),
+    }
+    with tenant.client(member_token) as member:
+        for name, folder in folders.items():
+            first = put(member, folder, "first.txt", b"1")
+            if name == "agent":  # a member needs the configure permission
+                assert first.status_code == 404 and first.json() == NOT_FOUND
+                continue
+            assert first.status_code == 201, (name, first.text)  # creates the folder
+            assert put(member, folder, "second.txt", b"2").status_code == 201, name
+        ctl.admin("grant", tenant.company_id, member_id, "--agent", agent, "--configure")
+        assert put(member, folders["agent"], "first.txt", b"1").status_code == 201
+        assert put(member, folders["agent"], "second.txt", b"2").status_code == 201
+        ctl.admin("revoke", tenant.company_id, member_id, "--agent", agent, "--configure")
+        r = put(member, folders["agent"], "third.txt", b"3")
+        assert r.status_code == 404 and r.json() == NOT_FOUND
+
+        # Folders the member may not write, existing or not, and owners that do not exist.
+        with tenant.client() as owner:
+            assert put(owner, tenant.my_folder, "mine.txt", b"m").status_code == 201
+        for scope, owner_id in [
+            ("user", tenant.user_id),
+            ("user", str(uuid.uuid4())),
+            ("project", str(uuid.uuid4())),
+            ("task", str(uuid.uuid4())),
+            ("agent", str(uuid.uuid4())),
+        ]:
+            r = put(member, tenant.folder(scope, owner_id), "x.txt", b"x")
+            assert r.status_code == 404 and r.json() == NOT_FOUND, (scope, owner_id)
+
+        # Made a viewer: no write anywhere, not even to the member's own folder.
+        ctl.admin("add-member", tenant.company_id, member_id, "--role", "viewer")
+        for folder in folders.values():
+            r = put(member, folder, "viewer.txt", b"v")
+            assert r.status_code == 404 and r.json() == NOT_FOUND, folder
+        ctl.admin("add-member", tenant.company_id, member_id, "--role", "member")
+        assert put(member, folders["own"], "again.txt", b"a").status_code == 201
+
+        # Removed from the company: every folder is gone from sight.
+        ctl.admin("remove-member", tenant.company_id, member_id)
+        for folder in folders.values():
+            r = put(member, folder, "removed.txt", b"r")
+            assert r.status_code == 404 and r.json() == NOT_FOUND, folder
+    assert tenant.file_rows("viewer.txt", live=False) == 0
+    assert tenant.file_rows("removed.txt", live=False) == 0
+
+    # A token revoked between two PUTs, and tokens that never were a person's.
+    admin_id, token = tenant.new_member("admin")
+    operator = ctl.admin("create-operator-token", tenant.company_id, "--name", "o")["token"]
+    with tenant.client(token) as admin:
+        assert put(admin, folders["project"], "before.txt", b"b").status_code == 201
+        [mine] = ctl.admin("list-tokens", "--user", admin_id)["tokens"]
+        ctl.admin("revoke-token", mine["token_id"])
+        r = put(admin, folders["project"], "after.txt", b"a")
+        assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+    for bad in (operator, "fsa_u_unknown", f"{tenant.token}x"):
+        with tenant.client(bad) as c:
+            r = put(c, folders["project"], "bad.txt", b"x")
+            assert r.status_code == 401 and r.json()["code"] == "unauthenticated", bad
+    assert tenant.file_rows("after.txt", live=False) == 0
+    assert tenant.file_rows("bad.txt", live=False) == 0
+    # The owner's own token is untouched by all of it.
+    with tenant.client() as owner:
+        assert put(owner, folders["project"], "owner.txt", b"o").status_code == 201

@@ -28,6 +28,7 @@ T = TypeVar("T")
 # One line per statement a session ran: simple-protocol queries and each
 # execution of a prepared or unnamed statement.
 STATEMENT = re.compile(rb"^\S+ \S+ \S+ \[\d+\] LOG:  (statement|execute [^:]*): ", re.M)
+STATEMENT_TEXT = re.compile(rb"^\S+ \S+ \S+ \[\d+\] LOG:  (?:statement|execute [^:]*): (.*)$", re.M)
 
 
 class StatementLog:
@@ -115,3 +116,37 @@ def test_checkpoint_statements_do_not_grow_with_its_files(
     for a, b in zip(small, large, strict=True):
         assert b <= a + 3, counts
     assert max(large) < 80, counts
+
+
+def test_a_put_is_one_statement_to_authorize_and_one_transaction_to_write(
+    logged: tuple[ControllerProcess, StatementLog],
+) -> None:
+    """A person's PUT of a new file into a folder and directory that exist:
+    the authorization (token, membership, folder, store mark) is a single
+    statement outside any transaction, the write one transaction of nine
+    statements between its BEGIN and COMMIT."""
+    ctl, statements = logged
+    tenant = bootstrap_tenant(ctl)
+    octet = {"Content-Type": "application/octet-stream"}
+
+    with tenant.client() as c:
+
+        def upload(i: int) -> list[bytes]:
+            start = statements.log.stat().st_size
+            r = c.put(
+                f"{tenant.my_folder}/content", params={"path": f"d/f{i}"}, content=b"%d" % i,
+                headers=octet,
+            )  # fmt: skip
+            assert r.status_code == 201, r.text
+            with statements.log.open("rb") as fh:
+                fh.seek(start)
+                return STATEMENT_TEXT.findall(fh.read())
+
+        upload(0)  # the folder's first write creates it (and d/)
+        windows = [upload(i) for i in range(1, 4)]
+    # Another session's statement may land in a window; never fewer.
+    assert min(len(w) for w in windows) == 11, windows
+    put = next(w for w in windows if len(w) == 11)
+    assert b"FROM api_tokens t WHERE t.token_hash" in put[0], put
+    assert [t.strip() for t in put[1:]].count(b"BEGIN") == 1, put
+    assert put[1].strip() == b"BEGIN" and put[-1].strip() == b"COMMIT", put

@@ -433,3 +433,50 @@ def test_a_stale_sweep_of_a_settled_entry_deletes_nothing(world: World) -> None:
     assert batch.checked == []
     assert read_all(world.storage, key) == data
     assert world.outcomes() == ["deleted", None]  # None: the registration's own entry
+
+
+@pytest.mark.parametrize("swept", [False, True])
+def test_a_single_write_in_pipeline_mode_checks_the_bytes_only_after_a_sweep(
+    world: World, swept: bool
+) -> None:
+    """A person's upload (``write_file`` with the store mark taken before the
+    bytes were stored, in pipeline mode as the REST PUT runs it): its row is
+    written before the upsert's answer is read, and the bytes are asked for,
+    and stored again, exactly when a sweep deleted them since the mark."""
+    data = b"a person's upload"
+    digest = hashlib.sha256(data).hexdigest()
+    key = object_key(world.company, digest)
+    if swept:
+        world.journal_due(digest)  # the sweep's reason to delete the bytes
+    checked: list[str] = []
+
+    async def ensure(k: str) -> None:
+        checked.append(k)
+        world.store(data)
+
+    async def scenario(pool: Any) -> tuple[dict[str, Any], bool]:
+        mark = await take_mark(pool)
+        world.store(data)
+        if swept:
+            assert (await sweep_once(pool, world.storage)).deleted == 1
+        async with pool.connection() as conn, conn.pipeline(), conn.transaction():
+            folder = await world.folder(conn)
+            return await foldercore.write_file(
+                conn,
+                folder,
+                path="upload.bin",
+                digest=digest,
+                byte_size=len(data),
+                executable=False,
+                content_type=None,
+                ensure_object=ensure,
+                gc_delay=HOUR,
+                stored_after=mark,
+            )
+
+    row, created = run_with_pool(world, scenario)
+    assert created and row["digest"] == digest
+    assert checked == ([key] if swept else [])
+    assert read_all(world.storage, key) == data
+    assert world.sql("SELECT count(*) FROM objects") == [(1,)]
+    assert world.sql("SELECT count(*) FROM files WHERE path = 'upload.bin'") == [(1,)]
