@@ -97,19 +97,7 @@ class LocalDiskProvider(StorageProvider):
         fd = os.open(self.root, _DIR_FLAGS)
         try:
             for part in parts:
-                try:
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    try:
-                        os.mkdir(part, 0o700, dir_fd=fd)
-                    except FileExistsError:
-                        pass  # a concurrent put made it first; either way it exists
-                    else:
-                        if sync_new:
-                            os.fsync(fd)
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                child = _child_directory(fd, part, create=create, sync_new=sync_new)
                 os.close(fd)
                 fd = child
             yield fd
@@ -159,7 +147,8 @@ class LocalDiskProvider(StorageProvider):
 
     def adopt_file(self, key: str, src: Path, size: int, sha256_hex: str) -> bool:
         """Store the caller's spool file packed when that pays (``packed``),
-        else link it into place: no copy, no second hash.
+        else link it into place: no copy, no second hash (the caller hashed
+        these bytes as it wrote them; packing checks only their size).
 
         One fsync of the data and one of the directory, as for a copied put;
         a spool on another filesystem is copied.
@@ -175,7 +164,7 @@ class LocalDiskProvider(StorageProvider):
                     if slot is None:
                         return False
                     dir_fd, name, tmp_fd = slot
-                    tmp_name = _write_packed_temp(src, size, sha256_hex, tmp_fd)
+                    tmp_name = _write_packed_temp(src, size, sha256_hex, tmp_fd, hashed=True)
                     if tmp_name is None and os.fstat(dir_fd).st_dev != st.st_dev:
                         tmp_name = _write_synced_temp(src, size, sha256_hex, tmp_fd)
                     if tmp_name is not None:
@@ -203,7 +192,7 @@ class LocalDiskProvider(StorageProvider):
                 if slot is None:
                     return False
                 dir_fd, name, tmp_fd = slot
-                if not _link_new(lambda out: out.write(body), tmp_fd, name, dir_fd, sync=True):
+                if not _link_new(body, tmp_fd, name, dir_fd, sync=True):
                     return False  # a concurrent put of the same content won
                 _sync_link(name, dir_fd)
                 return True
@@ -211,30 +200,44 @@ class LocalDiskProvider(StorageProvider):
             raise self._unavailable("store", key, exc) from exc
 
     def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
-        """Write every new object (packed where that pays, streamed either
-        way) as an anonymous file in its own directory (``O_TMPFILE``), link
-        each into place, then make them all durable with one ``syncfs`` of the
-        object filesystem. If that sync fails the objects this call linked
-        are removed again."""
+        """Write every new object (packed where that pays) as an anonymous
+        file in its own directory (``O_TMPFILE``), link each into place, then
+        make them all durable with one ``syncfs`` of the object filesystem.
+        If that sync fails the objects this call linked are removed again.
+
+        A span of up to one packed frame (:data:`packed.FRAME_BYTES`: every
+        batch member) is read whole, hashed once and given its stored form in
+        memory (``packed.stored_form``), then written with one call; a larger
+        one is streamed. Each fan-out directory is opened once per call,
+        relative to its company's directory."""
         for span in spans:
             check_put_arguments(span.key, span.size, span.sha256_hex)
         created: list[bool] = []
         linked: list[tuple[int, str]] = []
         with contextlib.ExitStack() as dirs_open:
-            dir_fds: dict[tuple[str, ...], int] = {}
+            dir_fds: dict[str, int] = {}
             try:
                 tmp_fd = dirs_open.enter_context(self._directory([_TMP_DIR], create=True))
                 with open(src, "rb") as source:
                     for span in spans:
-                        dirs, name = self._split(span.key)
-                        dir_fd = dir_fds.get(tuple(dirs))
+                        # The key was checked above: objects/<company>/<fanout>/<digest>.
+                        where, name = span.key.rsplit("/", 1)
+                        dir_fd = dir_fds.get(where)
                         if dir_fd is None:
-                            dir_fd = dirs_open.enter_context(
-                                self._directory(dirs, create=True, sync_new=False)
+                            company, fanout = where.rsplit("/", 1)
+                            parent_fd = dir_fds.get(company)
+                            if parent_fd is None:
+                                parent_fd = dirs_open.enter_context(
+                                    self._directory(company.split("/"), create=True, sync_new=False)
+                                )
+                                dir_fds[company] = parent_fd
+                            dir_fd = _child_directory(
+                                parent_fd, fanout, create=True, sync_new=False
                             )
-                            dir_fds[tuple(dirs)] = dir_fd
+                            dirs_open.callback(os.close, dir_fd)
+                            dir_fds[where] = dir_fd
                         made = not _lexists(name, dir_fd) and _link_new(
-                            _SpanWriter(source.fileno(), span), tmp_fd, name, dir_fd
+                            _span_content(source.fileno(), span), tmp_fd, name, dir_fd
                         )
                         created.append(made)
                         if made:
@@ -416,6 +419,25 @@ class LocalDiskProvider(StorageProvider):
             log.warning("could not sweep stale temp files: %s", exc)
 
 
+def _child_directory(fd: int, part: str, *, create: bool, sync_new: bool) -> int:
+    """A descriptor for the directory ``part`` of ``fd``, never through a
+    symlink; with ``create`` made if missing (``fd`` synced after, unless
+    ``sync_new`` is False: see ``LocalDiskProvider._directory``)."""
+    try:
+        return os.open(part, _DIR_FLAGS, dir_fd=fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(part, 0o700, dir_fd=fd)
+    except FileExistsError:
+        pass  # a concurrent put made it first; either way it exists
+    else:
+        if sync_new:
+            os.fsync(fd)
+    return os.open(part, _DIR_FLAGS, dir_fd=fd)
+
+
 def _lexists(name: str, dir_fd: int) -> bool:
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -429,9 +451,12 @@ def _may_hold(dir_prefix: str, prefix: str) -> bool:
     return dir_prefix.startswith(prefix) or prefix.startswith(dir_prefix)
 
 
-def _write_packed_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> str | None:
+def _write_packed_temp(
+    src: Path, size: int, sha256_hex: str, tmp_fd: int, *, hashed: bool = False
+) -> str | None:
     """``src`` packed into a new, synced file in the temp directory; its name,
-    or None when packing does not pay (``packed``) and nothing is left."""
+    or None when packing does not pay (``packed``) and nothing is left.
+    ``hashed``: ``src`` is a spool file the caller hashed (``packed.pack``)."""
     if not packed.worth_packing(size):
         return None
     tmp_name = f"put-{secrets.token_hex(16)}"
@@ -444,7 +469,7 @@ def _write_packed_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> st
     kept = False
     try:
         with open(fd, "w+b", closefd=True) as out, src.open("rb") as source:
-            if packed.pack(source.read, size, sha256_hex, out) is None:
+            if packed.pack(source.read, size, sha256_hex, out, hashed=hashed) is None:
                 return None
             out.flush()
             os.fsync(out.fileno())
@@ -530,9 +555,33 @@ class _SpanWriter:
             raise SourceMismatch(f"bytes at {span.offset} are not {span.sha256_hex}")
 
 
-def _link_new(
-    fill: Callable[[IO[bytes]], object], tmp_fd: int, name: str, dir_fd: int, *, sync: bool = False
-) -> bool:
+def _span_content(fd: int, span: Span) -> bytes | _SpanWriter:
+    """What ``_link_new`` writes for ``span`` of the source ``fd``: a small
+    span's stored form, made in memory (SourceMismatch unless its bytes are
+    ``span.size`` bytes hashing to its digest), else a writer streaming it."""
+    if span.size > packed.FRAME_BYTES:
+        return _SpanWriter(fd, span)
+    data = os.pread(fd, span.size, span.offset) if span.size else b""
+    if len(data) != span.size:
+        raise SourceMismatch(f"bytes at {span.offset} are not {span.sha256_hex}")
+    return packed.stored_form(data, span.sha256_hex)
+
+
+Fill = bytes | Callable[[IO[bytes]], object]
+"""A new file's content: its bytes, or a function writing them to the file."""
+
+
+def _fill(fd: int, fill: Fill) -> None:
+    if isinstance(fill, bytes):
+        view = memoryview(fill)
+        while view:
+            view = view[os.write(fd, view) :]
+        return
+    with open(fd, "w+b", closefd=False) as out:
+        fill(out)
+
+
+def _link_new(fill: Fill, tmp_fd: int, name: str, dir_fd: int, *, sync: bool = False) -> bool:
     """Write a new file with ``fill`` and link it into place as ``name``;
     with ``sync`` its data is synced before the link, else it is left
     unsynced (the caller syncs the filesystem once for many). The file is
@@ -544,21 +593,20 @@ def _link_new(
         if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
             raise
         return _link_named(fill, tmp_fd, name, dir_fd, sync=sync)
-    with open(fd, "w+b", closefd=True) as out:
-        fill(out)
-        out.flush()
+    try:
+        _fill(fd, fill)
         if sync:
             os.fsync(fd)
         try:
             os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
         except FileExistsError:
             return False
+    finally:
+        os.close(fd)
     return True
 
 
-def _link_named(
-    fill: Callable[[IO[bytes]], object], tmp_fd: int, name: str, dir_fd: int, *, sync: bool
-) -> bool:
+def _link_named(fill: Fill, tmp_fd: int, name: str, dir_fd: int, *, sync: bool) -> bool:
     tmp_name = f"put-{secrets.token_hex(16)}"
     fd = os.open(
         tmp_name,
@@ -567,11 +615,12 @@ def _link_named(
         dir_fd=tmp_fd,
     )
     try:
-        with open(fd, "w+b", closefd=True) as out:
-            fill(out)
-            out.flush()
+        try:
+            _fill(fd, fill)
             if sync:
-                os.fsync(out.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         try:
             os.link(tmp_name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:

@@ -93,14 +93,24 @@ def _frames(size: int, frame: int) -> int:
 # --- writing ---------------------------------------------------------------
 
 
-def pack(read: Callable[[int], bytes], size: int, sha256_hex: str, out: IO[bytes]) -> int | None:
+def pack(
+    read: Callable[[int], bytes],
+    size: int,
+    sha256_hex: str,
+    out: IO[bytes],
+    *,
+    hashed: bool = False,
+) -> int | None:
     """Write the packed form of the ``size`` bytes ``read`` returns to ``out``
     (a new, seekable file); its length, or None when packing does not save
     an eighth (``out`` then holds an unfinished prefix to throw away).
 
     The bytes are hashed as they are packed: SourceMismatch when they are not
-    ``size`` bytes hashing to ``sha256_hex``. Gives up as soon as the packed
-    form has grown past its budget, whatever follows: a form only grows.
+    ``size`` bytes hashing to ``sha256_hex``. With ``hashed`` the caller has
+    already hashed these very bytes (a spool file it wrote itself,
+    ``StorageProvider.adopt_file``): only their size is checked then. Gives up
+    as soon as the packed form has grown past its budget, whatever follows: a
+    form only grows.
     """
     n = _frames(size, FRAME_BYTES)
     budget = _budget(size)
@@ -109,13 +119,14 @@ def pack(read: Callable[[int], bytes], size: int, sha256_hex: str, out: IO[bytes
         return None
     out.write(_HEADER.pack(MAGIC, size, FRAME_BYTES, bytes.fromhex(sha256_hex)))
     out.write(bytes(n * _LENGTH.size))
-    digest = hashlib.sha256()
+    digest = None if hashed else hashlib.sha256()
     lengths: list[int] = []
     compressor = _compressor()
     left = size
     while left:
         data = _read_exactly(read, min(FRAME_BYTES, left))
-        digest.update(data)
+        if digest is not None:
+            digest.update(data)
         left -= len(data)
         frame = compressor.compress(data)
         stored += len(frame)
@@ -125,7 +136,7 @@ def pack(read: Callable[[int], bytes], size: int, sha256_hex: str, out: IO[bytes
         out.write(frame)
     if read(1):
         raise SourceMismatch(f"source has more than {size} bytes")
-    if digest.hexdigest() != sha256_hex:
+    if digest is not None and digest.hexdigest() != sha256_hex:
         raise SourceMismatch(f"source does not hash to {sha256_hex}")
     out.seek(HEADER_LEN)
     out.write(b"".join(_LENGTH.pack(length) for length in lengths))
@@ -133,9 +144,10 @@ def pack(read: Callable[[int], bytes], size: int, sha256_hex: str, out: IO[bytes
     return stored
 
 
-def pack_bytes(data: bytes, sha256_hex: str) -> bytes | None:
+def pack_bytes(data: bytes, sha256_hex: str, *, hashed: bool = False) -> bytes | None:
     """:func:`pack` of bytes in memory (a small batch member): the packed
-    form, or None when it does not pay."""
+    form, or None when it does not pay. ``hashed``: the caller has checked
+    that ``data`` hashes to ``sha256_hex``."""
     if not worth_packing(len(data)):
         return None
     out = io.BytesIO()
@@ -144,11 +156,14 @@ def pack_bytes(data: bytes, sha256_hex: str) -> bytes | None:
 
     def read(n: int) -> bytes:
         nonlocal pos
+        if pos == 0 and n >= len(data):
+            pos = len(data)
+            return data  # a single frame's worth: no copy
         piece = bytes(view[pos : pos + n])
         pos += len(piece)
         return piece
 
-    if pack(read, len(data), sha256_hex, out) is None:
+    if pack(read, len(data), sha256_hex, out, hashed=hashed) is None:
         return None
     return out.getvalue()
 
@@ -157,12 +172,12 @@ def stored_form(data: bytes, sha256_hex: str) -> bytes:
     """What an object of ``data`` is stored as: its packed form when that
     pays, else the bytes themselves. SourceMismatch when they do not hash to
     ``sha256_hex`` (nothing may be stored then)."""
-    stored = pack_bytes(data, sha256_hex)  # checks the digest when it packs
-    if stored is not None:
-        return stored
+    # Hashed once up front: packing that gives up halfway would otherwise
+    # leave the bytes to be hashed a second time.
     if hashlib.sha256(data).hexdigest() != sha256_hex:
         raise SourceMismatch(f"the bytes do not hash to {sha256_hex}")
-    return data
+    stored = pack_bytes(data, sha256_hex, hashed=True)
+    return data if stored is None else stored
 
 
 def _read_exactly(read: Callable[[int], bytes], n: int) -> bytes:

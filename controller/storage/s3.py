@@ -274,7 +274,7 @@ class S3Provider(StorageProvider):
         data = os.pread(source.fileno(), span.size, span.offset)
         if len(data) != span.size or hashlib.sha256(data).hexdigest() != span.sha256_hex:
             raise SourceMismatch(f"bytes at {span.offset} do not hash to {span.sha256_hex}")
-        body = packed.pack_bytes(data, span.sha256_hex) or data
+        body = packed.pack_bytes(data, span.sha256_hex, hashed=True) or data
         try:
             return self._conditional_put(span.key, io.BytesIO(body), len(body))
         except _BOTO_ERRORS as exc:

@@ -5,13 +5,15 @@ the logical size; an object stored raw before packing existed still reads."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 import pytest
 
-from controller.storage import LocalDiskProvider, S3Provider, StorageProvider, object_key
-from controller.storage.base import Span
+from common.errors import StorageUnavailable
+from controller.storage import LocalDiskProvider, S3Provider, StorageProvider, object_key, packed
+from controller.storage.base import SourceMismatch, Span
 from controller.storage.packed import FRAME_BYTES, HEADER_LEN, MAGIC
 from tests.support.s3server import S3Server
 from tests.support.storage import (
@@ -175,3 +177,84 @@ def test_a_short_read_of_a_packed_object_is_an_error(
     os.truncate(path, path.stat().st_size - 10)
     with pytest.raises(Exception, match="ended early"):
         read_all(local_provider, key)
+
+
+OTHER_COMPANY = "7a9f0c62-1d7b-4a8e-9a41-3c5b2e6d8f10"
+SPAN_KINDS = {
+    "small text": text(700, seed=4),
+    "small random": random_bytes(5000, seed=36),
+    "one frame of text": text(FRAME_BYTES, seed=5),
+    "one frame of random": random_bytes(FRAME_BYTES, seed=37),
+    "past one frame": text(FRAME_BYTES + 1, seed=6),
+}
+
+
+def test_a_span_is_stored_as_put_file_stores_it(provider: StorageProvider, tmp_path: Path) -> None:
+    """A batch member's stored form (made in memory up to one frame,
+    streamed past it) is byte for byte what a single put stores."""
+    members = list(SPAN_KINDS.values())
+    spool = tmp_path / "batch"
+    spool.write_bytes(b"".join(members))
+    spans, offset = [], 0
+    for data in members:
+        spans.append(Span(object_key(COMPANY, sha256(data)), offset, len(data), sha256(data)))
+        offset += len(data)
+    assert provider.put_spans(spool, spans) == [True] * len(members)
+    by_spans = {span.key: stored_bytes(provider, span.key) for span in spans}
+    for span, data in zip(spans, members, strict=True):
+        key, _ = store(provider, tmp_path, data, company=OTHER_COMPANY)
+        assert stored_bytes(provider, key) == by_spans[span.key]
+        assert read_all(provider, span.key) == data
+
+
+@pytest.mark.parametrize("kind", sorted(SPAN_KINDS))
+def test_a_span_that_does_not_hash_to_its_digest_is_refused(
+    provider: StorageProvider, tmp_path: Path, kind: str
+) -> None:
+    """Whether its bytes would be packed or stored raw, in memory or streamed."""
+    data = SPAN_KINDS[kind]
+    spool = tmp_path / "batch"
+    spool.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit off
+    span = Span(object_key(COMPANY, sha256(data)), 0, len(data), sha256(data))
+    with pytest.raises((SourceMismatch, StorageUnavailable)):
+        provider.put_spans(spool, [span])
+    assert not provider.exists(span.key)
+    short = Span(span.key, 1, len(data), span.sha256_hex)  # runs past the spool's end
+    with pytest.raises((SourceMismatch, StorageUnavailable)):
+        provider.put_spans(spool, [short])
+    assert not provider.exists(span.key)
+
+
+@pytest.mark.parametrize("data", [text(4000, seed=7), random_bytes(4000, seed=38), b"x"])
+def test_stored_form_refuses_bytes_that_do_not_hash_to_the_digest(data: bytes) -> None:
+    assert packed.stored_form(data, sha256(data)) is not None
+    with pytest.raises(SourceMismatch):
+        packed.stored_form(data, sha256(data + b"!"))
+
+
+def test_local_adopt_file_packs_the_spool_as_put_file_would(
+    local_provider: LocalDiskProvider, tmp_path: Path
+) -> None:
+    """A compressible spool is packed without hashing it again (its writer
+    hashed it); the packed form is put_file's, and a size that is not the
+    spool's is still refused."""
+    data = text(3 * FRAME_BYTES + 77, seed=8)
+    spool = tmp_path / "spool"
+    spool.write_bytes(data)
+    key = object_key(COMPANY, sha256(data))
+    with pytest.raises(SourceMismatch):
+        local_provider.adopt_file(key, spool, len(data) + 1, sha256(data))
+    assert local_provider.adopt_file(key, spool, len(data), sha256(data)) is True
+    adopted = stored_bytes(local_provider, key)
+    assert adopted.startswith(MAGIC) and len(adopted) < len(data) // 8
+    other, _ = store(local_provider, tmp_path, data, company=OTHER_COMPANY)
+    assert stored_bytes(local_provider, other) == adopted
+    assert read_all(local_provider, key) == data
+
+
+def test_pack_checks_the_size_even_of_bytes_already_hashed() -> None:
+    data = text(2 * FRAME_BYTES, seed=9)
+    for source in (data[:-5], data + b"more"):
+        view = io.BytesIO(source)
+        with pytest.raises(SourceMismatch):
+            packed.pack(view.read, len(data), sha256(data), io.BytesIO(), hashed=True)
