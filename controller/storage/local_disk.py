@@ -456,28 +456,32 @@ def _write_packed_temp(
 ) -> str | None:
     """``src`` packed into a new, synced file in the temp directory; its name,
     or None when packing does not pay (``packed``) and nothing is left.
-    ``hashed``: ``src`` is a spool file the caller hashed (``packed.pack``)."""
+    ``hashed``: ``src`` is a spool file the caller hashed (``packed.pack``).
+    A large ``src`` that ``packed.may_pay`` rules out gets no temp file."""
     if not packed.worth_packing(size):
         return None
-    tmp_name = f"put-{secrets.token_hex(16)}"
-    fd = os.open(
-        tmp_name,
-        os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o600,
-        dir_fd=tmp_fd,
-    )
-    kept = False
-    try:
-        with open(fd, "w+b", closefd=True) as out, src.open("rb") as source:
-            if packed.pack(source.read, size, sha256_hex, out, hashed=hashed) is None:
-                return None
-            out.flush()
-            os.fsync(out.fileno())
-            kept = True
-    finally:
-        if not kept:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp_name, dir_fd=tmp_fd)
+    with src.open("rb") as source:
+        if not packed.may_pay(source.fileno(), size):
+            return None
+        tmp_name = f"put-{secrets.token_hex(16)}"
+        fd = os.open(
+            tmp_name,
+            os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=tmp_fd,
+        )
+        kept = False
+        try:
+            with open(fd, "w+b", closefd=True) as out:
+                if packed.pack(source.read, size, sha256_hex, out, hashed=hashed) is None:
+                    return None
+                out.flush()
+                os.fsync(out.fileno())
+                kept = True
+        finally:
+            if not kept:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp_name, dir_fd=tmp_fd)
     return tmp_name
 
 
@@ -538,7 +542,7 @@ class _SpanWriter:
 
     def __call__(self, out: IO[bytes]) -> None:
         span = self.span
-        if packed.worth_packing(span.size):
+        if packed.worth_packing(span.size) and packed.may_pay(self.fd, span.size, span.offset):
             if packed.pack(self._reader(), span.size, span.sha256_hex, out) is not None:
                 return
             out.seek(0)

@@ -26,12 +26,20 @@ An object is packed only when that saves at least an eighth of its size
 (:data:`MIN_SAVING`); Git packs, images and archives stay raw, and are read
 at the same cost as before. Digests, sizes in the database, quotas and GC are
 all about the logical bytes and do not change.
+
+A large object stored from a file is screened first (:func:`may_pay`): its
+frames are compressed as packing would compress them, but nothing is
+written, and the first frame that saves an eighth ends the screen. When not
+one does, the packed form cannot save an eighth either, so the object is
+stored raw at once: the same stored form packing would have reached, without
+writing and throwing away seven eighths of it first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import os
 import struct
 import threading
 from collections.abc import Callable, Generator, Iterator
@@ -56,6 +64,10 @@ MIN_SAVING: Final = 8
 """Pack only when the packed form is at most ``size - size // MIN_SAVING``."""
 MIN_PACKED_SIZE: Final = 512
 """Below this the header alone eats most of any saving."""
+SCREEN_FROM: Final = 16 * FRAME_BYTES
+"""Objects of at least this size are screened (:func:`may_pay`) before they
+are packed: a compressible one pays one frame compressed twice, a small
+share of its packing from this size on."""
 PROBE_BYTES: Final = HEADER_LEN + 1024 * _LENGTH.size
 """A first read of this many bytes holds the header and the table of any
 object up to 1 GiB."""
@@ -88,6 +100,33 @@ def _budget(size: int) -> int:
 
 def _frames(size: int, frame: int) -> int:
     return -(-size // frame)
+
+
+def may_pay(fd: int, size: int, offset: int = 0) -> bool:
+    """Whether packing the ``size`` bytes at ``offset`` of file ``fd`` can
+    save an eighth: False only when the object is at least
+    :data:`SCREEN_FROM` bytes and not one of its frames, compressed exactly
+    as :func:`pack` compresses it, saves an eighth of its own bytes. The
+    packed form is then over its budget (frames and budget are sums over the
+    same bytes, and the header only adds), so :func:`pack` would give up.
+
+    Reads the bytes with ``pread`` and writes nothing; stops at the first
+    frame that saves (usually the first frame of a compressible object).
+    Decides nothing about the bytes' size or digest: a source shorter than
+    ``size`` answers True, and whichever form is stored checks them as before.
+    """
+    if size < SCREEN_FROM:
+        return True
+    compressor = _compressor()
+    buffer = bytearray(FRAME_BYTES)
+    view = memoryview(buffer)
+    for start in range(0, size, FRAME_BYTES):
+        want = min(FRAME_BYTES, size - start)
+        if os.preadv(fd, [view[:want]], offset + start) != want:
+            return True
+        if len(compressor.compress(view[:want])) <= _budget(want):
+            return True
+    return False
 
 
 # --- writing ---------------------------------------------------------------

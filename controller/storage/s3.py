@@ -170,7 +170,7 @@ class S3Provider(StorageProvider):
         was there); above it a HEAD first, then the multipart upload."""
         check_put_arguments(key, size, sha256_hex)
         try:
-            if packed.worth_packing(size):
+            if packed.worth_packing(size) and _may_pay(src, size):
                 with self._temp_file() as tmp:
                     with src.open("rb") as source:
                         stored = packed.pack(source.read, size, sha256_hex, tmp)
@@ -591,6 +591,13 @@ class S3Provider(StorageProvider):
         except BotoCoreError as exc:
             raise StorageUnavailable(f"cannot create S3 bucket {self.bucket!r}: {exc}") from exc
         log.info("created S3 bucket %r", self.bucket)
+
+
+def _may_pay(src: Path, size: int) -> bool:
+    """``packed.may_pay`` for a file: False spares a large object that cannot
+    pay its packing and the temp file it would be packed into."""
+    with src.open("rb") as source:
+        return packed.may_pay(source.fileno(), size)
 
 
 def _verify_source(source: IO[bytes], src: Path, size: int, sha256_hex: str) -> None:

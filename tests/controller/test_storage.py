@@ -438,10 +438,14 @@ def test_source_mismatch_stores_nothing(
     assert read_all(provider, key) == data
 
 
+@pytest.mark.parametrize("form", ["raw", "packed"])
 def test_failure_mid_copy_stores_nothing(
-    request: pytest.FixtureRequest, provider: StorageProvider, tmp_path: Path
+    request: pytest.FixtureRequest, provider: StorageProvider, tmp_path: Path, form: str
 ) -> None:
+    """Whether the bytes are being copied as they are or packed."""
     data = random_bytes(20 * MiB, seed=6)
+    if form == "packed":
+        data = data[: 5 * MiB] + bytes(15 * MiB)
     digest = sha256(data)
     key = object_key(COMPANY, digest)
     src = FailingSource(write_source(tmp_path, data))

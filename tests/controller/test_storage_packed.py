@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,7 @@ def test_a_short_read_of_a_packed_object_is_an_error(
 
 
 OTHER_COMPANY = "7a9f0c62-1d7b-4a8e-9a41-3c5b2e6d8f10"
+THIRD_COMPANY = "3e1d9b57-8c2a-4f60-b7d3-9a0e5c4f2b18"
 SPAN_KINDS = {
     "small text": text(700, seed=4),
     "small random": random_bytes(5000, seed=36),
@@ -258,3 +260,183 @@ def test_pack_checks_the_size_even_of_bytes_already_hashed() -> None:
         view = io.BytesIO(source)
         with pytest.raises(SourceMismatch):
             packed.pack(view.read, len(data), sha256(data), io.BytesIO(), hashed=True)
+
+
+# --- screening: large objects that cannot pay are not packed at all --------
+
+SCREEN = packed.SCREEN_FROM
+
+
+def old_stored_form(data: bytes) -> bytes:
+    """What a put stored before screening: ``pack`` over all the bytes, or
+    the bytes themselves when it gave up (``pack`` itself is unchanged)."""
+    return packed.pack_bytes(data, sha256(data), hashed=True) or data
+
+
+def almost_an_eighth(seed: int) -> bytes:
+    """One frame that saves a little less than an eighth on its own."""
+    return random_bytes(FRAME_BYTES - FRAME_BYTES // 10, seed=seed) + bytes(FRAME_BYTES // 10)
+
+
+def frames_of(*parts: bytes) -> bytes:
+    assert all(len(part) == FRAME_BYTES for part in parts)
+    return b"".join(parts)
+
+
+def count_packing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes ``packed.pack`` is called for, from now on."""
+    calls: list[int] = []
+    real = packed.pack
+
+    def spy(*args: object, **kwargs: object) -> int | None:
+        calls.append(args[1])  # type: ignore[arg-type]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(packed, "pack", spy)
+    return calls
+
+
+def test_a_large_incompressible_object_is_stored_raw_without_packing(
+    provider: StorageProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By put_file, by a span and (local disk) by adopting a spool: no packed
+    form is written and thrown away, the object is its bytes, and it reads
+    back whole and by range under its digest."""
+    calls = count_packing(monkeypatch)
+    data = random_bytes(SCREEN + 12345, seed=40)
+    key, created = store(provider, tmp_path, data)
+    assert created is True and key == object_key(COMPANY, sha256(data))
+    assert stored_bytes(provider, key) == data
+    assert provider.size(key) == len(data)
+    assert read_all(provider, key) == data
+    for start, end in ranges(len(data)):
+        assert read_all(provider, key, start, end) == data[start:end], (start, end)
+    spool = tmp_path / "batch"
+    spool.write_bytes(b"x" * 7 + data)
+    span = Span(object_key(OTHER_COMPANY, sha256(data)), 7, len(data), sha256(data))
+    assert provider.put_spans(spool, [span]) == [True]
+    assert stored_bytes(provider, span.key) == data
+    if isinstance(provider, LocalDiskProvider):
+        adopted = object_key(THIRD_COMPANY, sha256(data))
+        spool = tmp_path / "spool"
+        spool.write_bytes(data)
+        assert provider.adopt_file(adopted, spool, len(data), sha256(data)) is True
+        assert stored_bytes(provider, adopted) == data
+        assert os.listdir(provider.root / "tmp") == []
+    assert calls == []
+
+
+def test_a_large_incompressible_object_is_still_checked(
+    provider: StorageProvider, tmp_path: Path
+) -> None:
+    """Screened out of packing, the bytes are still hashed and sized."""
+    data = random_bytes(SCREEN + 5, seed=41)
+    liar = data[:-1] + bytes([data[-1] ^ 1])
+    key = object_key(COMPANY, sha256(data))
+    src = tmp_path / "liar"
+    src.write_bytes(liar)
+    with pytest.raises((SourceMismatch, StorageUnavailable)):
+        provider.put_file(key, src, len(data), sha256(data))
+    src.write_bytes(data[:-5])
+    with pytest.raises((SourceMismatch, StorageUnavailable)):
+        provider.put_file(key, src, len(data), sha256(data))
+    assert not provider.exists(key)
+
+
+def test_a_large_compressible_object_is_stored_as_before(
+    provider: StorageProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Byte for byte the packed form packing all of it gives, packed once."""
+    calls = count_packing(monkeypatch)
+    data = text(SCREEN + 3 * MiB + 77, seed=10)
+    expected = old_stored_form(data)
+    calls.clear()
+    key, _ = store(provider, tmp_path, data)
+    assert calls == [len(data)]
+    assert expected.startswith(MAGIC) and stored_bytes(provider, key) == expected
+    assert read_all(provider, key) == data
+    if isinstance(provider, LocalDiskProvider):
+        adopted = key.replace(COMPANY, OTHER_COMPANY)
+        spool = tmp_path / "spool"
+        spool.write_bytes(data)
+        assert provider.adopt_file(adopted, spool, len(data), sha256(data)) is True
+        assert stored_bytes(provider, adopted) == expected
+
+
+MIXED = {
+    # Incompressible but for the end, which pays for all: packed, whatever
+    # the order (the screen looks at every frame, not a sample).
+    "random, then zeros": lambda: random_bytes(SCREEN, seed=42) + bytes(SCREEN),
+    # No frame saves an eighth on its own, but one more does: packed.
+    "almost an eighth, then one of zeros": lambda: frames_of(
+        *(almost_an_eighth(seed) for seed in range(16)), bytes(FRAME_BYTES)
+    ),
+    # One frame pays, the whole does not: packing tries and gives up, raw.
+    "random with one frame of zeros": lambda: (
+        random_bytes(SCREEN, seed=43) + bytes(FRAME_BYTES) + random_bytes(SCREEN, seed=44)
+    ),
+    # Not one frame saves an eighth: raw, without packing.
+    "almost an eighth in every frame": lambda: frames_of(
+        *(almost_an_eighth(seed) for seed in range(17))
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MIXED))
+def test_a_mixed_object_is_stored_as_before(
+    provider: StorageProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The rule for mixed data: the object is packed exactly when it was
+    before (packing all of it saves an eighth), byte for byte; it is stored
+    raw without packing only when not one frame saves an eighth, which
+    means packing all of it could not have either."""
+    data = MIXED[kind]()
+    calls = count_packing(monkeypatch)
+    expected = old_stored_form(data)
+    calls.clear()
+    key, _ = store(provider, tmp_path, data)
+    assert stored_bytes(provider, key) == expected
+    assert read_all(provider, key) == data
+    source = tmp_path / "source"
+    source.write_bytes(data)
+    with source.open("rb") as f:
+        screened_out = not packed.may_pay(f.fileno(), len(data))
+    assert calls == ([] if screened_out else [len(data)])
+    assert screened_out == (kind == "almost an eighth in every frame")
+
+
+def test_the_screen_rules_out_only_what_packing_would_give_up() -> None:
+    """``may_pay`` is False only when ``pack`` gives up, at the edges too:
+    a frame saving just under an eighth, the last frame short, an offset
+    into the file, and below the screening size it never rules out."""
+    cases = {
+        "just under an eighth": frames_of(*(almost_an_eighth(s) for s in range(16))),
+        "short last frame": random_bytes(SCREEN + 1, seed=45),
+        "exactly the screening size": random_bytes(SCREEN, seed=46),
+        "just below it": random_bytes(SCREEN - 1, seed=47),
+        "zeros": bytes(SCREEN + 9),
+    }
+    answers = {}
+    with tempfile.TemporaryFile() as f:
+        for name, data in cases.items():
+            f.seek(0)
+            f.truncate()
+            f.write(b"prefix" + data)
+            f.flush()
+            pays = packed.may_pay(f.fileno(), len(data), offset=6)
+            gives_up = packed.pack_bytes(data, sha256(data), hashed=True) is None
+            assert pays or gives_up, name
+            answers[name] = pays
+        f.seek(0)
+        f.truncate()
+        f.write(cases["short last frame"][:-1])
+        f.flush()
+        # A short source is not the screen's to refuse: the put's checks do.
+        assert packed.may_pay(f.fileno(), SCREEN + 1) is True
+    assert answers == {
+        "just under an eighth": False,
+        "short last frame": False,
+        "exactly the screening size": False,
+        "just below it": True,
+        "zeros": True,
+    }
