@@ -438,6 +438,14 @@ def _child_directory(fd: int, part: str, *, create: bool, sync_new: bool) -> int
     return os.open(part, _DIR_FLAGS, dir_fd=fd)
 
 
+def _new_temp(tmp_fd: int, access: int) -> tuple[str, int]:
+    """A new file of a random ``put-`` name in the temp directory ``tmp_fd``,
+    opened with ``access`` (never through a symlink): (name, fd)."""
+    name = f"put-{secrets.token_hex(16)}"
+    flags = access | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return name, os.open(name, flags, 0o600, dir_fd=tmp_fd)
+
+
 def _lexists(name: str, dir_fd: int) -> bool:
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -463,13 +471,7 @@ def _write_packed_temp(
     with src.open("rb") as source:
         if not packed.may_pay(source.fileno(), size):
             return None
-        tmp_name = f"put-{secrets.token_hex(16)}"
-        fd = os.open(
-            tmp_name,
-            os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=tmp_fd,
-        )
+        tmp_name, fd = _new_temp(tmp_fd, os.O_RDWR)
         kept = False
         try:
             with open(fd, "w+b", closefd=True) as out:
@@ -491,13 +493,7 @@ def _write_synced_temp(src: Path, size: int, sha256_hex: str, tmp_fd: int) -> st
     The copy is hashed as it is written, so what gets linked into place is
     exactly what was verified, even if ``src`` changes while we read it.
     """
-    tmp_name = f"put-{secrets.token_hex(16)}"
-    fd = os.open(
-        tmp_name,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o600,
-        dir_fd=tmp_fd,
-    )
+    tmp_name, fd = _new_temp(tmp_fd, os.O_WRONLY)
     try:
         digest = hashlib.sha256()
         copied = 0
@@ -611,13 +607,7 @@ def _link_new(fill: Fill, tmp_fd: int, name: str, dir_fd: int, *, sync: bool = F
 
 
 def _link_named(fill: Fill, tmp_fd: int, name: str, dir_fd: int, *, sync: bool) -> bool:
-    tmp_name = f"put-{secrets.token_hex(16)}"
-    fd = os.open(
-        tmp_name,
-        os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o600,
-        dir_fd=tmp_fd,
-    )
+    tmp_name, fd = _new_temp(tmp_fd, os.O_RDWR)
     try:
         try:
             _fill(fd, fill)
