@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -283,19 +284,18 @@ async def authorize_folder(
     """Raise NotFound unless ``principal`` may read (or write) the folder."""
     if principal.kind == "user":
         assert principal.user_id is not None
-        role = await membership_role(conn, company_id, principal.user_id)
-        if role is None or (write and role == "viewer"):
-            raise NotFound()
-        # Generic company access never grants another person's user folder.
-        if scope == "user":
-            if owner_id != principal.user_id:
-                raise NotFound()
-            return  # the membership just checked is the owner's own
-        # Nor an agent's folder: that takes the per-agent configure permission.
-        if scope == "agent" and not await may_configure_agent(
-            conn, company_id, principal.user_id, owner_id, role
+        user_id = principal.user_id
+        role = await membership_role(conn, company_id, user_id)
+
+        async def configures() -> bool:
+            return await may_configure_agent(conn, company_id, user_id, owner_id, role)
+
+        if not await _person_may(
+            role, scope, owner_id, user_id, write=write, configures=configures
         ):
             raise NotFound()
+        if scope == "user":
+            return  # the membership just checked is the owner's own
     elif principal.kind == "run":
         run = principal.run
         assert run is not None
@@ -368,21 +368,43 @@ def token_principal(access: dict[str, Any]) -> Principal:
     return Principal(kind="user", user_id=str(access["user_id"]), token_id=str(access["id"]))
 
 
-def check_token_write(
+async def _person_may(
+    role: str | None,
+    scope: str,
+    owner_id: str,
+    user_id: str,
+    *,
+    write: bool,
+    configures: Callable[[], Awaitable[bool]],
+) -> bool:
+    """A person's rules for a folder (its owner's existence aside), the one
+    place both :func:`authorize_folder` and :func:`check_token_write` take
+    them from: a member, and for a write not a viewer; only their own user
+    folder (generic company access never grants another person's); an
+    agent's folder only with the configure permission (``configures``,
+    asked only then)."""
+    if role is None or (write and role == "viewer"):
+        return False
+    if scope == "user":
+        return owner_id == user_id
+    return scope != "agent" or await configures()
+
+
+async def check_token_write(
     access: dict[str, Any], principal: Principal, scope: str, owner_id: str
 ) -> None:
     """:func:`authorize_folder`'s rules for a person's write, on what
     :func:`token_write_access` read: NotFound unless ``principal`` may write."""
     role = access["role"]
-    if role is None or role == "viewer":
+    assert principal.user_id is not None
+
+    async def configures() -> bool:
+        return role in ALL_AGENTS_ROLES or bool(access["configures"])
+
+    if not await _person_may(role, scope, owner_id, principal.user_id, write=True,
+                             configures=configures):  # fmt: skip
         raise NotFound()
-    if scope == "user":
-        if owner_id != principal.user_id:
-            raise NotFound()
-        return
-    if scope == "agent" and not (role in ALL_AGENTS_ROLES or access["configures"]):
-        raise NotFound()
-    if not access["owner_exists"]:
+    if scope != "user" and not access["owner_exists"]:
         raise NotFound()
 
 

@@ -364,7 +364,7 @@ async def authorize_upload(
             raise Unauthenticated()
         principal = token_principal(access)
         mark_authenticated(request)
-        check_token_write(access, principal, *address[1:])
+        await check_token_write(access, principal, *address[1:])
         if access["folder_id"] is not None:
             folder = foldercore.Folder(int(access["folder_id"]), *address)
             return (principal, folder, address), foldercore.StoreMark(int(access["mark"]))
