@@ -184,6 +184,17 @@ def test_restart_after_kill9_detaches_the_dead_mount(mounts: MountFactory) -> No
     assert (again.mountpoint / "closed").read_bytes() == b"before the crash"
 
 
+def _task_mount(mounts: MountFactory, tenant: Tenant) -> tuple[FsagentMount, str, Path, str]:
+    """A task mount of a new run of the tenant's real controller: the mount,
+    the controller's URL, the run's token file and the task's id."""
+    token = mounts.base / "token"
+    run = start_run(tenant)
+    token.write_text(run.token)
+    assert run.task is not None
+    src = tenant.controller.url
+    return mounts.mount(src, "task", token_file=token), src, token, run.task
+
+
 def _live_fuse(m: FsagentMount) -> dict[str, Any]:
     (row,) = m.fsagent("status")["collections"]
     fuse: dict[str, Any] = row["live"]["fuse"]
@@ -202,13 +213,7 @@ def test_kill9_after_an_fsync_by_fdatasync_alone_keeps_the_bytes(
     kill -9 right behind it the file is whole, and the restart saves it. (A
     real controller: a mount that can save has the control socket the count
     is read from.)"""
-    token = mounts.base / "token"
-    run = start_run(tenant)
-    token.write_text(run.token)
-    task = run.task
-    assert task is not None
-    src = tenant.controller.url
-    m = mounts.mount(src, "task", token_file=token)
+    m, src, token, task = _task_mount(mounts, tenant)
     path = m.mountpoint / "wal"
     first, second = os.urandom(100_000), os.urandom(50_000)  # over INLINE_MAX: an upper copy
     fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
@@ -240,13 +245,7 @@ def test_a_small_file_synced_again_moves_out_of_line_and_survives_kill9(
     its second fsync moves it to an upper file (SQLite's WAL starts small),
     and the third is the upper file's own fdatasync. A kill -9 right behind
     it loses nothing, and the restart saves every byte."""
-    token = mounts.base / "token"
-    run = start_run(tenant)
-    token.write_text(run.token)
-    task = run.task
-    assert task is not None
-    src = tenant.controller.url
-    m = mounts.mount(src, "task", token_file=token)
+    m, src, token, task = _task_mount(mounts, tenant)
     path = m.mountpoint / "db-wal"
     parts = [os.urandom(4120) for _ in range(3)]
     fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
@@ -281,11 +280,7 @@ def test_a_burst_of_small_files_is_written_back_before_the_next_fsync(
     them all. The daemon sends them to disk in the background as they come
     (``stateWritebacks``); the fsync after the burst is still whole after
     kill -9."""
-    token = mounts.base / "token"
-    run = start_run(tenant)
-    token.write_text(run.token)
-    src = tenant.controller.url
-    m = mounts.mount(src, "task", token_file=token)
+    m, src, token, _ = _task_mount(mounts, tenant)
     before = _live_fuse(m)["stateWritebacks"]
     for i in range(300):
         (m.mountpoint / f"small{i}").write_bytes(i.to_bytes(4, "big") * 1024)
@@ -404,13 +399,7 @@ def test_kill9_on_a_busy_machine_loses_no_fsynced_write(
     # acknowledged, never saved). A 200-point dir run (seed 8201) wrote
     # 424,499 files and failed at the controller on that alone.
     cap = int(entry_limit() * 0.95) // kills
-    token = mounts.base / "token"
-    run = start_run(tenant)
-    token.write_text(run.token)
-    task = run.task
-    assert task is not None
-    src = tenant.controller.url
-    m = mounts.mount(src, "task", token_file=token)
+    m, src, token, task = _task_mount(mounts, tenant)
     acked: dict[str, str] = {}
     busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(busy_loops)]
     try:
