@@ -78,6 +78,15 @@ def with_timeout(ready: Callable[[], bool], seconds: float) -> None:
         time.sleep(0.05)
 
 
+def _cmdline(pid: str) -> bytes:
+    """A process's command line; empty once it has exited (a backend whose
+    client just disconnected may be gone between listing and reading)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
+
+
 def crash(ctl: ControllerProcess, *, freeze_one: bool = False) -> list[int]:
     """kill -9 the controller and its postmaster at once; the client backends' pids.
 
@@ -87,10 +96,8 @@ def crash(ctl: ControllerProcess, *, freeze_one: bool = False) -> list[int]:
     postmaster = int((pg.pgdata / "postmaster.pid").read_text().split()[0])
     children = Path(f"/proc/{postmaster}/task/{postmaster}/children").read_text()
     backends = [
-        int(p)
-        for p in children.split()
-        if b"[local]" in Path(f"/proc/{p}/cmdline").read_bytes()  # not the checkpointer etc.
-    ]
+        int(p) for p in children.split() if b"[local]" in _cmdline(p)
+    ]  # not the checkpointer etc.
     if freeze_one:
         os.kill(backends[0], signal.SIGSTOP)
     assert ctl.proc is not None
