@@ -11,7 +11,9 @@ cache can be dropped on both layers):
 - ``bindfs``: bindfs (C, libfuse) over a plain directory, its defaults;
 - ``pyfuse3 passthrough``: pyfuse3's example passthrough file system over a
   plain directory, run with this venv's pyfuse3 (its sdist is fetched once
-  into ``build/``, checked against its SHA-256);
+  into ``build/``, checked against its SHA-256), plus the ``fsync`` and
+  ``fsyncdir`` handlers the example leaves out (:mod:`bench.passthrough_fsync`),
+  so that its ``fsync(2)`` reaches the disk as everyone else's does;
 - ``rclone``: ``rclone mount`` of a local directory with
   ``--vfs-cache-mode writes`` (without it rclone cannot do the random writes
   SQLite needs).
@@ -155,12 +157,15 @@ def passthrough_script() -> Path | None:
 
 def passthrough(work: Path) -> Peer | None:
     """pyfuse3's passthrough example with this venv's pyfuse3, its defaults
-    (no writeback cache), run by this Python."""
+    (no writeback cache), run by this Python, with the fsync handlers it
+    lacks (:mod:`bench.passthrough_fsync`): without them the kernel stops
+    sending FSYNC after the first ``ENOSYS`` and ``fsync(2)`` syncs nothing."""
     script = passthrough_script()
     if script is None:
         return None
     src, mnt = work / "passthrough-src", work / "passthrough-mnt"
-    argv = [sys.executable, str(script), str(src), str(mnt)]
+    wrapper = Path(__file__).with_name("passthrough_fsync.py")
+    argv = [sys.executable, str(wrapper), str(script), str(src), str(mnt)]
     return FusePeer(PASSTHROUGH, mnt, [src], argv=argv, log=work / "passthrough.log")
 
 
