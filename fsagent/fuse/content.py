@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import trio
 
@@ -34,6 +34,15 @@ from fsagent.state.records import EMPTY_DIGEST, Inode, InodeNo, now_ns
 from fsagent.state.store import Store
 
 _R = TypeVar("_R")
+
+WRITEBACK_EVERY: Final = 8 * 1024 * 1024
+"""Bytes written to an upper file (since its last fsync or writeback start)
+after which the mount starts writing its dirty pages to disk in the
+background (:attr:`Content.writeback_due`, fsagent.fuse.mount
+``_write_back_uppers``). Without it, a large file's pages all stay dirty
+until its fsync (the kernel's own writeback waits for about 10% of memory to
+be dirty, or 30 s), and the fsync then writes all of it: 256 MiB then took
+an fsync of about 100 ms after writes of about 150 ms."""
 
 
 @dataclass(slots=True)
@@ -54,6 +63,9 @@ class OpenFile:
     """Bytes written to ``fd`` since its last fsync."""
     inline_fsyncs: int = 0
     """fsyncs of the file while inline (fsagent.fuse.fs, ``fsync``)."""
+    unstarted: int = 0
+    """Bytes written to ``fd`` since its last fsync or writeback start
+    (:data:`WRITEBACK_EVERY`)."""
 
 
 class Content:
@@ -70,6 +82,11 @@ class Content:
         self.upper = store.tree.upper
         self.files: dict[InodeNo, OpenFile] = {}
         self._copy_locks: dict[InodeNo, trio.Lock] = {}
+        self.writeback_due: dict[InodeNo, OpenFile] = {}
+        """Upper files with :data:`WRITEBACK_EVERY` bytes written since their
+        last fsync or writeback start; taken by the mount's background task,
+        which :attr:`writeback_wake` wakes."""
+        self.writeback_wake = trio.Event()
 
     def release_fd(self, of: OpenFile, fd: int) -> None:
         if fd < 0:
@@ -245,6 +262,11 @@ class Content:
                 written += os.pwrite(of.fd, view[written:], off + written)
         finally:
             of.unsynced += written
+            of.unstarted += written
+            if of.unstarted >= WRITEBACK_EVERY:
+                of.unstarted = 0
+                self.writeback_due[node.ino] = of
+                self.writeback_wake.set()
             if written:
                 node.size = max(node.size, off + written)
                 node.generation += 1
@@ -256,6 +278,7 @@ class Content:
         store when the inode's records may not be durable yet)."""
         if of.upper and not of.inline:
             unsynced = of.unsynced
+            of.unstarted = 0
             await self.pinned(of, os.fdatasync)
             of.unsynced -= unsynced  # what was written meanwhile is still unsynced
 

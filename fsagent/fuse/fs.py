@@ -71,6 +71,7 @@ from fsagent.fuse.glue import (
     statfs_reply,
 )
 from fsagent.state.hydrate import ContentFetcher
+from fsagent.state.statedir import start_writeback
 from fsagent.state.store import EMPTY_DIGEST, ROOT_INODE, Inode, InodeNo, Kind, Store, now_ns
 
 log = logging.getLogger("fsagent.fs")
@@ -739,10 +740,31 @@ class WorkFolderFS(pyfuse3.Operations):
     async def write_behind(self) -> None:
         """The work done behind the requests, for the life of the mount: times
         and orphans committed in batches, the kernel's entries of refused files
-        dropped."""
+        dropped, large writes started on their way to disk."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._commit_behind)
             nursery.start_soon(self._drop_refused_entries)
+            nursery.start_soon(self._write_back_uppers)
+
+    async def _write_back_uppers(self) -> None:
+        """Start writing to disk the dirty pages of each upper file that took
+        ``WRITEBACK_EVERY`` bytes since its last fsync or start (fsagent.fuse.content),
+        from a worker thread, while the agent writes on: a later fsync then
+        waits for what is left, not for the whole file. A failure is logged;
+        the fsync writes those pages, nothing is lost."""
+        content = self.content
+        while True:
+            await content.writeback_wake.wait()
+            content.writeback_wake = trio.Event()
+            due, content.writeback_due = content.writeback_due, {}
+            for ino, of in due.items():
+                if content.files.get(ino) is not of or of.fd < 0 or of.inline or not of.upper:
+                    continue  # closed, or replaced, since
+                try:
+                    await content.pinned(of, start_writeback)
+                    stats.FUSE.upper_writebacks += 1
+                except OSError as exc:
+                    log.warning("starting the writeback of inode %d failed: %s", ino, exc)
 
     async def _commit_behind(self) -> None:
         """Commit what waits (times, orphans to free) ``WRITE_BEHIND_S`` after

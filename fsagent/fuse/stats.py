@@ -8,7 +8,9 @@ counted too, once per batch the kernel sends. ``fsyncDataOnly`` counts the
 FSYNCs answered by the upper file's own ``fdatasync`` alone (fsagent.fuse.fs,
 ``fsync``): the ones that skipped the LMDB sync. ``stateWritebacks`` counts
 the times the state's dirty LMDB pages were sent to disk in the background
-(fsagent.fuse.mount, ``_write_back_store``).
+(fsagent.fuse.mount, ``_write_back_store``); ``upperWritebacks`` the times
+a large file's dirty pages were started on their way to disk while it was
+being written (fsagent.fuse.fs, ``_write_back_uppers``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class FuseStats:
         self.errors = 0
         self.fsync_data_only = 0
         self.state_writebacks = 0
+        self.upper_writebacks = 0
         self._ring = [0] * LATENCY_RING
         self._next = 0
         self._filled = False
@@ -54,6 +57,7 @@ class FuseStats:
             "byOperation": dict(sorted(self.counts.items())),
             "fsyncDataOnly": self.fsync_data_only,
             "stateWritebacks": self.state_writebacks,
+            "upperWritebacks": self.upper_writebacks,
             "latencyMs": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99),
                           "samples": len(samples)},
         }  # fmt: skip

@@ -124,6 +124,17 @@ _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_long
 _SYNC_FILE_RANGE_WRITE: Final = 2
 
 
+def start_writeback(fd: int) -> None:
+    """Start writing the dirty pages of the file open as ``fd`` to disk,
+    without waiting for them (``sync_file_range(SYNC_FILE_RANGE_WRITE)`` over
+    the whole file). It promises nothing: a later fsync still waits for every
+    page, and finds less left to do. It can block while the disk's queue is
+    full: call it from a worker thread."""
+    if _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
 class GuardedEnv:
     """The LMDB environment, keeping disk space in reserve for metadata commits.
 
@@ -170,9 +181,7 @@ class GuardedEnv:
         Durability is unchanged: nothing is promised until a sync."""
         fd = os.open(self._data_file, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
-                code = ctypes.get_errno()
-                raise OSError(code, os.strerror(code))
+            start_writeback(fd)
         finally:
             os.close(fd)
 

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from fsagent.dirmode.scan import entry_limit
+from fsagent.fuse.content import WRITEBACK_EVERY
 from tests.support.bridge import start_run
 from tests.support.checkpoints import wait_for
 from tests.support.controller import Tenant
@@ -300,6 +301,34 @@ def test_a_burst_of_small_files_is_written_back_before_the_next_fsync(
     assert (again.mountpoint / "small299").read_bytes() == (299).to_bytes(4, "big") * 1024
 
 
+def test_a_large_write_starts_its_writeback_before_the_fsync(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    """A file that takes WRITEBACK_EVERY bytes since its last fsync has its
+    dirty pages started on their way to disk as its WRITEs arrive
+    (``upperWritebacks``), so its fsync waits only for the rest. The fsync is
+    still whole: a kill -9 right behind it loses nothing, and the restart
+    saves every byte."""
+    m, src, token, task = _task_mount(mounts, tenant)
+    before = _live_fuse(m)["upperWritebacks"]
+    data = os.urandom(5 * WRITEBACK_EVERY)
+    fd = os.open(m.mountpoint / "big.bin", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for at in range(0, len(data), 1 << 20):
+            os.write(fd, data[at : at + (1 << 20)])
+        os.fsync(fd)
+        wait_for(lambda: _live_fuse(m)["upperWritebacks"] > before, 60, "a writeback started")
+    finally:
+        os.close(fd)
+    m.kill9()
+    again = mounts.mount(src, "task", state_dir=m.state_dir, mountpoint=m.mountpoint,
+                         token_file=token)  # fmt: skip
+    assert (again.mountpoint / "big.bin").read_bytes() == data
+    with tenant.client() as c:
+        saved = c.get(tenant.folder("task", task) + "/content", params={"path": "big.bin"})
+    assert saved.status_code == 200 and saved.content == data
+
+
 # --- kill -9 on a busy machine, with a writer that keeps going ----------------
 
 WRITE_SECONDS = 2.0
@@ -323,7 +352,8 @@ while True:
         time.sleep(ahead)
     i += 1
     name = f"k{seed}-{i}"
-    data = rng.randbytes(rng.choice([0, 10, 4096, 70000]))
+    # One file in a hundred is large enough to start its writeback early.
+    data = rng.randbytes(9 << 20 if rng.random() < 0.01 else rng.choice([0, 10, 4096, 70000]))
     # One file in three grows like a log or SQLite's WAL: a part, an fsync, and
     # again (a small one moves out of line at its second fsync).
     step = max(1, -(-len(data) // 3)) if rng.random() < 0.33 else max(1, len(data))
