@@ -52,7 +52,7 @@ from controller.auth import (
     session_ended_in,
 )
 from controller.config import Settings
-from controller.db import SharedPool
+from controller.db import SharedPool, end_autocommit
 from controller.db.retry import retrying
 from controller.runs import Transact
 from controller.storage.base import StorageProvider
@@ -139,23 +139,9 @@ async def single_statements(request: Request) -> AsyncIterator[AsyncConnection[A
             try:
                 yield conn
             finally:
-                await _end_autocommit(conn)
+                await end_autocommit(conn)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable() from exc
-
-
-async def _end_autocommit(conn: AsyncConnection[Any]) -> None:
-    """The pool's connections are not in autocommit mode (the other
-    callers' statements run in their transactions). One that cannot be set
-    back (closed, or a statement was cut short) is closed: the pool
-    discards it."""
-    if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-        try:
-            await conn.set_autocommit(False)
-            return
-        except psycopg.Error:
-            pass
-    await conn.close()
 
 
 async def write_transaction(

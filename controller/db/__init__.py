@@ -324,6 +324,20 @@ def connection_options(statement_timeout: float | None = None) -> str:
     return options
 
 
+async def end_autocommit(conn: AsyncConnection[Any]) -> None:
+    """Take a pooled connection out of autocommit mode again (the pool's
+    connections are not in it: the other callers' statements run in their
+    transactions). One that cannot be set back (closed, or a statement was
+    cut short) is closed: the pool discards it."""
+    if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        try:
+            await conn.set_autocommit(False)
+            return
+        except psycopg.Error:
+            pass
+    await conn.close()
+
+
 async def ping(conn: AsyncConnection[Any]) -> None:
     """A round trip to the database (the health check)."""
     await conn.execute("SELECT 1")

@@ -20,7 +20,7 @@ import psycopg
 from psycopg import AsyncConnection
 
 from common.errors import DatabaseUnavailable
-from controller.db import SharedPool
+from controller.db import SharedPool, end_autocommit
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,10 @@ async def retrying(
     ``pipeline``: ``work`` runs in psycopg's pipeline mode. A statement
     whose answer it does not read at once (a lock, an ``UPDATE``, a read it
     needs later) then costs no round trip of its own: it goes to the server
-    with the next statement whose answer is read, or with the sync before
-    ``COMMIT``, and the server still runs them one after the other, each
-    with its own snapshot.
+    with the next statement whose answer is read, or with the ``COMMIT``
+    and the sync at the end, and the server still runs them one after the
+    other, each with its own snapshot; ``BEGIN`` and ``COMMIT`` cost no
+    round trip of their own either (:func:`_pipelined`).
     Its error is raised where that next answer is read (the same error: a
     deadlock is retried alike), and ``cursor.rowcount`` is only known once
     its answer is read: ``work`` must not rely on either at the statement.
@@ -62,10 +63,11 @@ async def retrying(
     attempt = 1
     while True:
         try:
-            async with pool.connection(share=share) as conn, conn.transaction():
+            async with pool.connection(share=share) as conn:
                 if pipeline:
                     return await _pipelined(conn, work)
-                return await work(conn)
+                async with conn.transaction():
+                    return await work(conn)
         except RETRYABLE as exc:
             if attempt >= ATTEMPTS:
                 raise DatabaseUnavailable(
@@ -81,16 +83,44 @@ async def retrying(
 async def _pipelined(
     conn: AsyncConnection[Any], work: Callable[[AsyncConnection[Any]], Awaitable[T]]
 ) -> T:
-    """``work(conn)`` in pipeline mode, inside the caller's transaction (whose
-    ``BEGIN`` and ``COMMIT`` psycopg sends outside the pipeline). After a
-    statement's error the server skips the rest until the pipeline's sync:
-    that sync is made here, its "pipeline aborted" for the skipped
-    statements dropped, and the statement's own error raised (for the
-    transaction to roll back, and a deadlock to be retried)."""
-    async with conn.pipeline() as pipe:
-        try:
-            return await work(conn)
-        except psycopg.Error:
+    """``work(conn)`` in a transaction of its own, all of it in pipeline mode:
+    ``BEGIN`` goes to the server with ``work``'s first statements and
+    ``COMMIT`` with its last ones, neither costs a round trip of its own.
+    The pipeline's sync at the end reads every answer, the ``COMMIT``'s
+    last: this returns once the transaction is committed, and raises the
+    first statement's error if one failed (the ``COMMIT`` is then skipped).
+
+    The connection is in autocommit mode meanwhile, the transaction an
+    explicit ``BEGIN``: psycopg waits for the answer of the ``BEGIN`` it
+    sends itself. The pool's connections set no isolation level or access
+    mode of their own, so the ``BEGIN`` is the one psycopg would send.
+
+    After a statement's error the server skips the rest until the
+    pipeline's sync: that sync is made here, its "pipeline aborted" for
+    the skipped statements dropped, and the statement's own error raised
+    (a deadlock is retried), after the transaction is rolled back. The
+    connection goes back to the pool out of autocommit mode, or closed when
+    that cannot be done."""
+    assert conn.isolation_level is None and conn.read_only is None and conn.deferrable is None
+    await conn.set_autocommit(True)
+    try:
+        async with conn.pipeline() as pipe:
+            await conn.execute(b"BEGIN", prepare=False)
+            try:
+                result = await work(conn)
+            except psycopg.Error:
+                with contextlib.suppress(psycopg.Error):
+                    await pipe.sync()
+                raise
+            await conn.execute(b"COMMIT", prepare=False)
+        return result
+    except BaseException:
+        if conn.pgconn.transaction_status in _IN_TRANSACTION:
             with contextlib.suppress(psycopg.Error):
-                await pipe.sync()
-            raise
+                await conn.rollback()
+        raise
+    finally:
+        await end_autocommit(conn)
+
+
+_IN_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)
