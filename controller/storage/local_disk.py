@@ -184,15 +184,21 @@ class LocalDiskProvider(StorageProvider):
         """Store bytes in memory (packed when that pays) as an anonymous file
         in the object's own directory, synced, then linked into place: no
         temp name to remove, and no spool file either. One fsync of the data
-        and one of the directory, as for a put from a file."""
+        and one of the directory, as for a put from a file. The temp
+        directory is opened only where the filesystem makes no anonymous
+        files."""
         check_put_arguments(key, len(data), sha256_hex)
         body = packed.stored_form(data, sha256_hex)
+        dirs, name = self._split(key)
         try:
-            with self._free_slot(key) as slot:
-                if slot is None:
+            with self._directory(dirs, create=True) as dir_fd:
+                if _lexists(name, dir_fd):
                     return False
-                dir_fd, name, tmp_fd = slot
-                if not _link_new(body, tmp_fd, name, dir_fd, sync=True):
+                made = _link_anonymous(body, name, dir_fd, sync=True)
+                if made is None:
+                    with self._directory([_TMP_DIR], create=True) as tmp_fd:
+                        made = _link_named(body, tmp_fd, name, dir_fd, sync=True)
+                if not made:
                     return False  # a concurrent put of the same content won
                 _sync_link(name, dir_fd)
                 return True
@@ -585,14 +591,24 @@ def _link_new(fill: Fill, tmp_fd: int, name: str, dir_fd: int, *, sync: bool = F
     """Write a new file with ``fill`` and link it into place as ``name``;
     with ``sync`` its data is synced before the link, else it is left
     unsynced (the caller syncs the filesystem once for many). The file is
-    anonymous (``O_TMPFILE`` in the target directory) where the filesystem
-    supports it, else a named temp file in the temp directory."""
+    anonymous (:func:`_link_anonymous`) where the filesystem supports it,
+    else a named temp file in the temp directory."""
+    made = _link_anonymous(fill, name, dir_fd, sync=sync)
+    if made is None:
+        return _link_named(fill, tmp_fd, name, dir_fd, sync=sync)
+    return made
+
+
+def _link_anonymous(fill: Fill, name: str, dir_fd: int, *, sync: bool) -> bool | None:
+    """:func:`_link_new` with an anonymous file (``O_TMPFILE`` in the target
+    directory): whether it was linked (False: ``name`` exists already), or
+    None when the filesystem makes no anonymous files."""
     try:
         fd = os.open(".", os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
             raise
-        return _link_named(fill, tmp_fd, name, dir_fd, sync=sync)
+        return None
     try:
         _fill(fd, fill)
         if sync:

@@ -6,11 +6,13 @@ The behaviour every provider shares is in ``test_storage.py``.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +73,42 @@ def test_local_fsync_failure_of_the_directory_withdraws_the_object(
     # answer "already exists" for an object that might not survive a crash.
     assert local_provider.exists(key) is False
     assert leftovers(local_provider, None) == []
+
+
+def _refuse_anonymous_files(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the provider's filesystem one without ``O_TMPFILE``; the list
+    counts the refusals."""
+    real_open = os.open
+    refused: list[int] = []
+
+    def refusing_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            refused.append(flags)
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported (injected)")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(local_disk_module.os, "open", refusing_open)
+    return refused
+
+
+@pytest.mark.parametrize("anonymous", [True, False])
+def test_local_put_bytes_with_and_without_anonymous_files(
+    local_provider: LocalDiskProvider, monkeypatch: pytest.MonkeyPatch, anonymous: bool
+) -> None:
+    """An anonymous file where the filesystem makes them, and the temp
+    directory not even opened (here: missing, and not made again); else a
+    named temp file there, removed once linked."""
+    refused = [] if anonymous else _refuse_anonymous_files(monkeypatch)
+    if anonymous:
+        (local_provider.root / "tmp").rmdir()
+    data = b"a small upload, kept in memory"
+    digest = sha256(data)
+    key = object_key(COMPANY, digest)
+    assert local_provider.put_bytes(key, data, digest) is True
+    assert local_provider.put_bytes(key, data, digest) is False  # there already
+    assert b"".join(local_provider.read_chunks(key, 0, None)) == data
+    assert (local_provider.root / "tmp").exists() is not anonymous
+    assert anonymous or (leftovers(local_provider, None) == [] and len(refused) == 1)
 
 
 def test_local_objects_are_files_under_root(
