@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import select
 import socket
 import weakref
 from collections.abc import AsyncIterator
@@ -289,11 +290,18 @@ async def check_without_round_trip(conn: AsyncConnection[Any]) -> None:
     the server asked (psycopg_pool's own check, which raises for a dead
     connection and reads whatever a live one was sent); a connection whose
     socket has nothing to read is handed out as it is. That is one round
-    trip less for every request: each one checks a connection out.
+    trip less for every request: each one checks a connection out. One
+    ``poll`` tells a socket with nothing to read (the usual case) apart;
+    only the others are looked at further.
     """
     if conn.closed or conn.pgconn.status != psycopg.pq.ConnStatus.OK:
         raise psycopg.OperationalError("the connection is closed")
-    sock = socket.socket(fileno=conn.pgconn.socket)
+    fd = conn.pgconn.socket
+    idle = select.poll()
+    idle.register(fd, select.POLLIN)
+    if not idle.poll(0):
+        return  # nothing to read, no end of file: the session is as it was left
+    sock = socket.socket(fileno=fd)
     try:
         waiting = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except BlockingIOError:
