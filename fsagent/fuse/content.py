@@ -38,8 +38,8 @@ _R = TypeVar("_R")
 WRITEBACK_EVERY: Final = 8 * 1024 * 1024
 """Bytes written to an upper file (since its last fsync or writeback start)
 after which the mount starts writing its dirty pages to disk in the
-background (:attr:`Content.writeback_due`, fsagent.fuse.mount
-``_write_back_uppers``). Without it, a large file's pages all stay dirty
+background (:attr:`Content.writeback_due`, taken by
+``WorkFolderFS._write_back_uppers`` in fsagent.fuse.fs). Without it, a large file's pages all stay dirty
 until its fsync (the kernel's own writeback waits for about 10% of memory to
 be dirty, or 30 s), and the fsync then writes all of it: 256 MiB then took
 an fsync of about 100 ms after writes of about 150 ms."""
