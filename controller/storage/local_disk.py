@@ -72,7 +72,7 @@ class LocalDiskProvider(StorageProvider):
         try:
             root.mkdir(parents=True, exist_ok=True)
             self.root = root.resolve(strict=True)
-            with self._directory([_TMP_DIR], create=True):
+            with self._temp_directory():
                 pass
         except OSError as exc:
             raise StorageUnavailable(f"cannot prepare object directory {root}: {exc}") from exc
@@ -114,8 +114,12 @@ class LocalDiskProvider(StorageProvider):
             if _lexists(name, dir_fd):
                 yield None
                 return
-            with self._directory([_TMP_DIR], create=True) as tmp_fd:
+            with self._temp_directory() as tmp_fd:
                 yield dir_fd, name, tmp_fd
+
+    def _temp_directory(self) -> contextlib.AbstractContextManager[int]:
+        """The temp directory of named temp files (made if missing)."""
+        return self._directory([_TMP_DIR], create=True)
 
     @staticmethod
     def _split(key: str) -> tuple[list[str], str]:
@@ -194,11 +198,7 @@ class LocalDiskProvider(StorageProvider):
             with self._directory(dirs, create=True) as dir_fd:
                 if _lexists(name, dir_fd):
                     return False
-                made = _link_anonymous(body, name, dir_fd, sync=True)
-                if made is None:
-                    with self._directory([_TMP_DIR], create=True) as tmp_fd:
-                        made = _link_named(body, tmp_fd, name, dir_fd, sync=True)
-                if not made:
+                if not _link_new(body, self._temp_directory, name, dir_fd, sync=True):
                     return False  # a concurrent put of the same content won
                 _sync_link(name, dir_fd)
                 return True
@@ -223,7 +223,11 @@ class LocalDiskProvider(StorageProvider):
         with contextlib.ExitStack() as dirs_open:
             dir_fds: dict[str, int] = {}
             try:
-                tmp_fd = dirs_open.enter_context(self._directory([_TMP_DIR], create=True))
+                tmp_fd = dirs_open.enter_context(self._temp_directory())
+
+                def temp_dir() -> contextlib.AbstractContextManager[int]:
+                    return contextlib.nullcontext(tmp_fd)
+
                 with open(src, "rb") as source:
                     for span in spans:
                         # The key was checked above: objects/<company>/<fanout>/<digest>.
@@ -243,7 +247,7 @@ class LocalDiskProvider(StorageProvider):
                             dirs_open.callback(os.close, dir_fd)
                             dir_fds[where] = dir_fd
                         made = not _lexists(name, dir_fd) and _link_new(
-                            _span_content(source.fileno(), span), tmp_fd, name, dir_fd
+                            _span_content(source.fileno(), span), temp_dir, name, dir_fd
                         )
                         created.append(made)
                         if made:
@@ -381,7 +385,7 @@ class LocalDiskProvider(StorageProvider):
     def check(self) -> None:
         probe = f".probe-{secrets.token_hex(8)}"
         try:
-            with self._directory([_TMP_DIR], create=True) as tmp_fd:
+            with self._temp_directory() as tmp_fd:
                 fd = os.open(
                     probe,
                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -404,7 +408,7 @@ class LocalDiskProvider(StorageProvider):
         and an anonymous one (``O_TMPFILE``) vanishes with its process."""
         removed = 0
         try:
-            with self._directory([_TMP_DIR], create=True) as tmp_fd:
+            with self._temp_directory() as tmp_fd:
                 for name in os.listdir(tmp_fd):
                     with contextlib.suppress(FileNotFoundError):
                         st = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
@@ -587,15 +591,24 @@ def _fill(fd: int, fill: Fill) -> None:
         fill(out)
 
 
-def _link_new(fill: Fill, tmp_fd: int, name: str, dir_fd: int, *, sync: bool = False) -> bool:
+def _link_new(
+    fill: Fill,
+    temp_dir: Callable[[], contextlib.AbstractContextManager[int]],
+    name: str,
+    dir_fd: int,
+    *,
+    sync: bool = False,
+) -> bool:
     """Write a new file with ``fill`` and link it into place as ``name``;
     with ``sync`` its data is synced before the link, else it is left
     unsynced (the caller syncs the filesystem once for many). The file is
     anonymous (:func:`_link_anonymous`) where the filesystem supports it,
-    else a named temp file in the temp directory."""
+    else a named temp file in the temp directory, which ``temp_dir()``
+    opens only then."""
     made = _link_anonymous(fill, name, dir_fd, sync=sync)
     if made is None:
-        return _link_named(fill, tmp_fd, name, dir_fd, sync=sync)
+        with temp_dir() as tmp_fd:
+            return _link_named(fill, tmp_fd, name, dir_fd, sync=sync)
     return made
 
 
