@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import hashlib
 import os
 import platform
@@ -34,6 +35,24 @@ def timed(fn: Any) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def put_small_files(
+    base: str, token: str, folder: str, prefix: str, payloads: list[bytes], indices: range
+) -> None:
+    """PUT ``payloads[i]`` as ``<prefix>/d<i % 50>/f<i>.bin`` of ``folder`` for
+    each ``i`` of ``indices``, one after the other on one connection; raise
+    unless each is answered 200 or 201."""
+    headers = {"Authorization": f"Bearer {token}", **OCTET}
+    with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
+        for i in indices:
+            r = c.put(
+                f"{folder}/content",
+                params={"path": f"{prefix}/d{i % 50}/f{i}.bin"},
+                content=payloads[i],
+            )
+            if r.status_code not in (200, 201):
+                raise RuntimeError(f"PUT answered {r.status_code}: {r.text}")
 
 
 def native_small_files(root: Path, n: int, payloads: list[bytes]) -> float:
@@ -74,16 +93,9 @@ def main() -> int:
         headers = {"Authorization": f"Bearer {boot['token']}"}
         payloads = [os.urandom(4096) for _ in range(args.files)]
 
-        def put_range(indices: range) -> None:
-            with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
-                for i in indices:
-                    r = c.put(
-                        f"{folder}/content",
-                        params={"path": f"small/d{i % 50}/f{i}.bin"},
-                        content=payloads[i],
-                        headers=OCTET,
-                    )
-                    assert r.status_code in (200, 201), r.text
+        put_range = functools.partial(
+            put_small_files, base, boot["token"], folder, "small", payloads
+        )
 
         n = args.files
         t1 = timed(lambda: put_range(range(n // 4)))

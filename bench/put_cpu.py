@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import os
 import shutil
 import statistics
@@ -23,12 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
+from bench.api_bench import put_small_files
 from bench.machine import add_output_options, load_line, machine_line, record
 from tests.support.controller import ControllerProcess
 
-OCTET = {"Content-Type": "application/octet-stream"}
 WARM_UP = 50
 
 
@@ -60,18 +59,7 @@ def one_round(
     ctl: ControllerProcess, base: str, folder: str, token: str, puts: int, clients: int, tag: str
 ) -> dict[str, float]:
     payloads = [os.urandom(4096) for _ in range(puts + WARM_UP)]
-    headers = {"Authorization": f"Bearer {token}", **OCTET}
-
-    def put_range(indices: range) -> None:
-        with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
-            for i in indices:
-                r = c.put(
-                    f"{folder}/content",
-                    params={"path": f"{tag}/d{i % 50}/f{i}.bin"},
-                    content=payloads[i],
-                )
-                if r.status_code not in (200, 201):
-                    raise RuntimeError(f"PUT answered {r.status_code}: {r.text}")
+    put_range = functools.partial(put_small_files, base, token, folder, tag, payloads)
 
     put_range(range(WARM_UP))
     assert ctl.proc is not None
