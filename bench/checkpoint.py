@@ -391,7 +391,7 @@ def main() -> int:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"\n## Checkpoints: end of workload to durable save ({stamp})\n",
-        f"Machine: {machine_line()}. Command: `python -m bench.checkpoint` "
+        f"Machine: {machine_line(args.base)}. Command: `python -m bench.checkpoint` "
         f"(rounds={args.rounds}, files={args.files}, large={args.large_mib} MiB, "
         f"API seed={args.api_seed}, seed objects={args.seed_objects}, base={args.base}). "
         "Load average (1/5/15 min) "

@@ -164,7 +164,7 @@ def main() -> int:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"\n## Dir mode: 10 changes in a plain directory, beside FUSE and a full scan ({stamp})\n",
-        f"Machine: {machine_line()}. Command: `python -m bench.dirmode` (`make bench-dirmode`; "
+        f"Machine: {machine_line(args.base)}. Command: `python -m bench.dirmode` (`make bench-dirmode`; "
         f"rounds={args.rounds}, sizes={args.sizes}, API seed={args.api_seed}, "
         f"seed objects={args.seed_objects}, base={args.base}). Load average (1/5/15 min) "
         f"before: {load_before}, after: {load_after}; run took {elapsed:.0f} s.\n",

@@ -190,7 +190,7 @@ def main() -> None:
         if bindfs is not None:
             bindfs.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{machine_line()}; load average before {before}, after {load_line()}")
+    print(f"{machine_line(args.base)}; load average before {before}, after {load_line()}")
     print(f"{args.files} files in {args.dirs} directories; median of {args.rounds} rounds\n")
     phases = list(runs[names[0]][0])
     for title, index in (("wall time per operation (µs)", 0), ("daemon CPU per operation (µs)", 1)):

@@ -606,7 +606,7 @@ def report(args: argparse.Namespace, res: Results, context: tuple[str, str, floa
     lines = [
         f"\n## Filesystem operations: fsagent vs native, bindfs, the pyfuse3 passthrough and "
         f"rclone mount ({stamp})\n",
-        f"Machine: {machine_line()}. Command: `python -m bench.fsops` (files={args.files}, "
+        f"Machine: {machine_line(args.base)}. Command: `python -m bench.fsops` (files={args.files}, "
         f"dirs={args.dirs}, large={args.large_mib} MiB, repeat={args.repeat}, "
         f"base={args.base}{', allow-other' if args.allow_other else ''}). Load average "
         f"(1/5/15 min) before: {load_before}, after: {load_after}; run took {elapsed:.0f} s.\n",

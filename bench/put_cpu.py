@@ -126,7 +126,7 @@ def main() -> int:
     text = "\n".join(
         [
             f"\n## REST PUTs and their CPU ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n",
-            f"Machine: {machine_line()}. Command: `python -m bench.put_cpu` (puts={args.puts}, "
+            f"Machine: {machine_line(args.base)}. Command: `python -m bench.put_cpu` (puts={args.puts}, "
             f"clients={args.clients}, rounds={args.rounds}). Load average (1/5/15 min) "
             f"before: {load_before}, after: {load_line()}.\n",
             "| per 4 KiB PUT | median (rounds) |",

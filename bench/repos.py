@@ -437,7 +437,7 @@ def main() -> int:
     command = "python -m bench.repos" + (" --quick" if args.quick else "")
     text = (
         f"\n## Repository checkpoints, {when}\n\n"
-        f"Machine: {machine_line()}. Command: `{command}` (`make bench-repos`), "
+        f"Machine: {machine_line(args.base)}. Command: `{command}` (`make bench-repos`), "
         f"medians of {args.change_rounds} rounds of the 10-change checkpoint (the sizes in turn) "
         f"and {args.rounds} of the others; load average before {load}, run took {took:.0f} s.\n\n"
         + table(results)

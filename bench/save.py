@@ -492,7 +492,7 @@ def report(
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"\n## Save throughput ({provider}) ({stamp})\n",
-        f"Machine: {machine_line()}. Command: `python -m bench.save --provider {args.provider}"
+        f"Machine: {machine_line(args.base)}. Command: `python -m bench.save --provider {args.provider}"
         f" --rounds {args.rounds}"
         + (f" --baseline {args.baseline}" if args.baseline else "")
         + (" --quick" if args.quick else "")
