@@ -2,17 +2,25 @@
 
 A bad request, a client that hangs up, or a failing handler never ends the
 daemon: the mount keeps serving and its final save still runs at stop.
+
+Nor does a full disk: when the state dir's filesystem has no room for the
+socket (or the daemon's record, ``daemon.json``) at start, the daemon serves
+its collection without it and makes it as soon as there is room
+(:class:`WhenThereIsRoom`); only ``fsagent flush`` and ``fsagent status``
+wait for it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import trio
 
@@ -33,6 +41,15 @@ FlushHandler = Callable[[bool], Awaitable[dict[str, Any]]]
 
 StatsHandler = Callable[[], dict[str, Any]]
 """``handler()`` -> the reply of a stats request."""
+
+FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""The errors of a state dir with no room (no free block or inode, or the
+quota used up): the daemon starts without its socket and makes it later."""
+
+ROOM_RETRY_SECONDS = 5.0
+"""How often a daemon tries again to make what a full disk refused it."""
+
+T = TypeVar("T")
 
 
 async def _read_line(conn: trio.SocketStream) -> bytes:
@@ -126,3 +143,78 @@ async def serve_control(
             listener.close()
             # One local metadata call at shutdown: not worth a worker thread.
             sock_path.unlink(missing_ok=True)  # noqa: ASYNC240
+
+
+class WhenThereIsRoom(Generic[T]):
+    """What ``make()`` makes in the state dir for ``fsagent flush`` and
+    ``fsagent status`` to reach the daemon by (its control socket, its record
+    ``daemon.json``): made now, or, when the disk is full (:data:`FULL_DISK`),
+    as soon as it has room again. Until then the daemon serves its collection
+    without it and :meth:`made`, a task of the daemon's nursery, tries again
+    every ``retry`` seconds; one warning says so, one more when it is made.
+    Any other error of the first try is the daemon's failure to start."""
+
+    def __init__(self, what: str, make: Callable[[], T], retry: float = ROOM_RETRY_SECONDS) -> None:
+        self.what, self.make, self.retry = what, make, retry
+        self.done = False
+        self.value: T | None = None
+        self.failed: int | None = None
+        """The errno of the first try, when it found no room."""
+        try:
+            self.value, self.done = make(), True
+        except OSError as exc:
+            if exc.errno not in FULL_DISK:
+                raise
+            self.failed = exc.errno
+            log.warning(
+                "cannot make %s: %s; `fsagent flush` and `fsagent status` cannot reach this"
+                " daemon until its disk has room (it serves its collection meanwhile, and"
+                " tries again every %gs)",
+                what,
+                exc.strerror,
+                retry,
+            )
+
+    async def made(self) -> T:
+        """What ``make()`` made, once it has: tried again every ``retry``
+        seconds until then (a cancellation ends the wait)."""
+        failed = self.failed
+        while not self.done:
+            await trio.sleep(self.retry)
+            try:
+                self.value, self.done = self.make(), True
+            except OSError as exc:
+                if exc.errno != failed:  # a line for a new reason, none for each try
+                    failed = exc.errno
+                    log.warning("cannot make %s yet: %s", self.what, exc)
+                continue
+            log.warning("made %s now that its disk has room", self.what)
+        return cast(T, self.value)
+
+
+class ControlSocket:
+    """The daemon's control socket at ``path`` (:func:`open_control_socket`),
+    listening before the collection is served or, on a full disk, once there
+    is room (:class:`WhenThereIsRoom`); both modes serve it (fsagent.fuse.mount,
+    fsagent.dirmode.serve)."""
+
+    def __init__(self, path: Path, retry: float = ROOM_RETRY_SECONDS) -> None:
+        self.path = path
+        self.listening = WhenThereIsRoom(
+            f"the control socket {path}", partial(open_control_socket, path), retry
+        )
+        if not self.listening.done:
+            # A socket left by a crashed run answers nobody: a client finds
+            # none rather than one that refuses it (and an inode is freed).
+            path.unlink(missing_ok=True)
+
+    async def serve(self, flush: FlushHandler, stats: StatsHandler | None = None) -> None:
+        """Answer control requests once the socket is made, until cancelled;
+        then remove it (:func:`serve_control`)."""
+        await serve_control(await self.listening.made(), self.path, flush, stats)
+
+    def close(self) -> None:
+        """Close the socket (already closed if it served) and remove its file."""
+        if self.listening.value is not None:
+            self.listening.value.close()
+        self.path.unlink(missing_ok=True)

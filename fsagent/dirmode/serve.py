@@ -64,10 +64,10 @@ from fsagent.checkpoint.ship import (
     raise_first_failure,
 )
 from fsagent.control.server import (
+    ControlSocket,
     FlushHandler,
     StatsHandler,
-    open_control_socket,
-    serve_control,
+    WhenThereIsRoom,
 )
 from fsagent.dirmode.fs import (
     is_empty,
@@ -551,8 +551,12 @@ async def _wait_for_signal(signals: AsyncIterator[int], stop: DirStop) -> None:
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk's half-written file takes no room
+        raise
 
 
 def _announce(opts: DirOptions, unbound: bool, warning: str | None = None) -> None:
@@ -756,20 +760,24 @@ async def _serve_bound(
         if shipper is not None:
             await warm_start(store, client, shipper, opts.scope)
     daemon_file = opts.state_dir / "daemon.json"
-    _write_json(daemon_file, {"pid": os.getpid(), "mountpoint": str(opts.directory.absolute()),
-                              "mode": "dir", "startedAt": time.time()})  # fmt: skip
-    # Listening before the ready file: whoever sees it can ask for a save.
-    control_path = opts.state_dir / "control.sock"
-    control = open_control_socket(control_path) if shipper is not None else None
+    info = {"pid": os.getpid(), "mountpoint": str(opts.directory.absolute()), "mode": "dir",
+            "startedAt": time.time()}  # fmt: skip
+    record = WhenThereIsRoom(
+        f"the daemon's record {daemon_file}", partial(_write_json, daemon_file, info)
+    )
+    # Listening before the ready file: whoever sees it can ask for a save (on
+    # a full disk, once there is room: fsagent.control.server).
+    control = ControlSocket(opts.state_dir / "control.sock") if shipper is not None else None
     try:
         with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
             _announce(opts, unbound=False)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_wait_for_signal, signals, stop)
+                nursery.start_soon(record.made)
                 if shipper is not None and control is not None:
                     nursery.start_soon(checkpoint_loop, shipper, opts.checkpoint_interval)
                     flush, live = _control(shipper, stop)
-                    nursery.start_soon(serve_control, control, control_path, flush, live)
+                    nursery.start_soon(control.serve, flush, live)
                 await stop.requested.wait()
                 nursery.cancel_scope.cancel()
         await _final_save(shipper, stop)
@@ -777,8 +785,7 @@ async def _serve_bound(
             await refresh_after_stop(store, shipper.client, opts.scope)
     finally:
         if control is not None:
-            control.close()  # already closed if it served
-            control_path.unlink(missing_ok=True)
+            control.close()
         daemon_file.unlink(missing_ok=True)
         if opts.ready_file is not None:
             opts.ready_file.unlink(missing_ok=True)

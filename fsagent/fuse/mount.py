@@ -73,12 +73,7 @@ from fsagent.checkpoint.ship import (
     checkpoint_loop,
 )
 from fsagent.checkpoint.thread import ShipThread
-from fsagent.control.server import (
-    FlushHandler,
-    StatsHandler,
-    open_control_socket,
-    serve_control,
-)
+from fsagent.control.server import ControlSocket, FlushHandler, StatsHandler, WhenThereIsRoom
 from fsagent.errors import ControllerRefused, MountFailed
 from fsagent.fuse import stats
 from fsagent.fuse.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
@@ -485,9 +480,8 @@ async def _serve_store(
         _pyfuse3_version(),
     )
     # Listening before the mount appears: whoever sees the mount can ask it
-    # to save.
-    control_path = opts.state_dir / "control.sock"
-    control = open_control_socket(control_path) if shipper is not None else None
+    # to save (on a full disk, once there is room: fsagent.control.server).
+    control = ControlSocket(opts.state_dir / "control.sock") if shipper is not None else None
     signals = threads.enter_context(trio.open_signal_receiver(*STOP_SIGNALS))
     if opts.guard is not None:
         opts.guard.open_for_mount()
@@ -496,7 +490,6 @@ async def _serve_store(
     except RuntimeError as exc:
         if control is not None:
             control.close()
-            control_path.unlink(missing_ok=True)
         raise MountFailed(
             f"could not mount {opts.mountpoint}: {exc} (is /dev/fuse available, "
             "fusermount3 installed, and the mountpoint an existing, unused directory?)"
@@ -505,15 +498,13 @@ async def _serve_store(
         if opts.guard is not None:
             opts.guard.lock()  # underneath the mount now, or unserved again
     daemon_file = opts.state_dir / "daemon.json" if owner is not None else None
+    record: WhenThereIsRoom[int] | None = None
     if daemon_file is not None:
-        daemon_file.write_text(
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "mountpoint": str(opts.mountpoint.absolute()),
-                    "startedAt": time.time(),
-                }
-            )
+        info = {"pid": os.getpid(), "mountpoint": str(opts.mountpoint.absolute()),
+                "startedAt": time.time()}  # fmt: skip
+        record = WhenThereIsRoom(
+            f"the daemon's record {daemon_file}",
+            functools.partial(daemon_file.write_text, json.dumps(info)),
         )
     print(
         f"fsagent: {opts.scope} mounted at {opts.mountpoint}"
@@ -531,12 +522,12 @@ async def _serve_store(
                 nursery.start_soon(_adopt_strays, fs, opts.guard, opts.mountpoint)
             if owner is not None:
                 nursery.start_soon(fetcher.prefetch_all, opts.prefetch)
+            if record is not None:
+                nursery.start_soon(record.made)
             if shipper is not None and cadence is not None and control is not None:
                 cadence(nursery)
                 nursery.start_soon(
-                    serve_control,
-                    control,
-                    control_path,
+                    control.serve,
                     _control_handler(fs, opts.mountpoint, shipper, stop),
                     _stats_handler(shipper),
                 )
@@ -545,8 +536,7 @@ async def _serve_store(
     finally:
         pyfuse3.close(unmount=True)
         if control is not None:
-            control.close()  # already closed if it served
-            control_path.unlink(missing_ok=True)
+            control.close()
         fs.shutdown()
         if daemon_file is not None:
             daemon_file.unlink(missing_ok=True)

@@ -1,15 +1,19 @@
-"""fsagent's daemon boundaries: the control socket, daemonizing from code, and
-``Retry-After`` on the bridge client's retries."""
+"""fsagent's daemon boundaries: the control socket (made once there is room
+when the disk is full at start), daemonizing from code, and ``Retry-After``
+on the bridge client's retries."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,8 @@ import trio
 import trio.testing
 
 from fsagent.bridge.http import RETRY_AFTER_MAX, HttpBridgeClient, parse_retry_after
-from fsagent.control.protocol import MAX_REQUEST, BadRequest, exchange, parse_request
+from fsagent.control.protocol import MAX_REQUEST, BadRequest, exchange, parse_request, request
+from fsagent.control.server import ControlSocket
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.mount import MountFactory, is_mounted
@@ -126,6 +131,129 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> None:
             return
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
+
+
+# --- the control socket on a full disk ----------------------------------------
+
+
+class RefusedBinds:
+    """``socket.socket.bind`` refused with ``error`` while ``full`` (counting
+    the refusals), the real bind once it is not."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, error: int = errno.ENOSPC) -> None:
+        self.error, self.full, self.refused = error, True, 0
+        self.tried_again: trio.Event | None = None
+        """Set at the fifth refusal, if made (in trio.run)."""
+        real = socket.socket.bind
+
+        def bind(sock: socket.socket, address: Any) -> None:
+            if self.full:
+                self.refused += 1
+                if self.refused == 5 and self.tried_again is not None:
+                    self.tried_again.set()
+                raise OSError(self.error, os.strerror(self.error))
+            real(sock, address)
+
+        monkeypatch.setattr(socket.socket, "bind", bind)
+
+
+async def no_flush(final: bool) -> dict[str, Any]:
+    return {"ok": True, "result": {"operationId": None}, "final": final}
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{condition} still false after {timeout}s"
+        time.sleep(0.01)
+
+
+def control_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "fsagent.controlserver" and r.levelno >= logging.WARNING]  # fmt: skip
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT])
+def test_a_control_socket_a_full_disk_refuses_is_made_once_there_is_room(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    error: int,
+) -> None:
+    """The daemon starts without its socket (a stale one of a crashed run
+    removed), one warning says so, the bind is tried again quietly, and once
+    there is room the socket answers; at stop it is removed."""
+    path = tmp_path / "control.sock"
+    path.write_bytes(b"")  # what a kill -9 left
+    binds = RefusedBinds(monkeypatch, error)
+    control = ControlSocket(path, retry=0.02)
+    assert binds.refused == 1
+    assert not path.exists()
+    assert os.listdir(tmp_path) == []  # nor its temporary name
+    assert len(control_warnings(caplog)) == 1
+    assert "`fsagent flush` and `fsagent status` cannot reach" in control_warnings(caplog)[0]
+    answers: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            binds.tried_again = trio.Event()
+            nursery.start_soon(control.serve, no_flush, lambda: {"queueDepth": 7})
+            with trio.fail_after(30):
+                await binds.tried_again.wait()
+            assert not path.exists()
+            binds.full = False
+            await trio.to_thread.run_sync(wait_for, path.exists)
+            for body in ({"cmd": "ping"}, {"cmd": "stats"}, {"cmd": "flush"}):
+                answers.append(await trio.to_thread.run_sync(request, path, body, 30.0))
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(scenario)
+    finally:
+        control.close()
+    assert answers == [
+        {"ok": True},
+        {"ok": True, "queueDepth": 7},
+        {"ok": True, "result": {"operationId": None}, "final": False},
+    ]
+    assert not path.exists()
+    assert os.listdir(tmp_path) == []
+    warnings = control_warnings(caplog)
+    assert len(warnings) == 2, warnings  # one when refused, one when made: none per try
+    assert warnings[1].startswith(f"made the control socket {path}")
+
+
+def test_a_stop_while_the_control_socket_waits_for_room_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Cancelled while still refused: the wait ends at once and leaves no file."""
+    path = tmp_path / "control.sock"
+    binds = RefusedBinds(monkeypatch)
+    control = ControlSocket(path, retry=3600)
+
+    async def scenario() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(control.serve, no_flush, None)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.cancel_scope.cancel()
+
+    trio.run(scenario)
+    control.close()
+    assert binds.refused == 1
+    assert os.listdir(tmp_path) == []
+    assert len(control_warnings(caplog)) == 1
+
+
+@pytest.mark.parametrize("error", [errno.EACCES, errno.EADDRINUSE, errno.ENAMETOOLONG])
+def test_a_control_socket_error_other_than_a_full_disk_fails_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    RefusedBinds(monkeypatch, error)
+    with pytest.raises(OSError) as refused:
+        ControlSocket(tmp_path / "control.sock")
+    assert refused.value.errno == error
+    assert os.listdir(tmp_path) == []
 
 
 # --- Retry-After -------------------------------------------------------------

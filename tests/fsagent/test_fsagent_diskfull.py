@@ -23,13 +23,21 @@ and close, until one of them fails:
 
 Against a real controller, in both FUSE modes. In process: a move out of
 line whose commit the full disk refuses leaves the file as it was.
+
+A daemon started on a disk already full serves its collection all the same
+(a FUSE mount in both modes, and a plain directory); its control socket and
+``daemon.json`` are made once there is room, and ``fsagent flush`` answers
+from then on (fsagent.control.server.WhenThereIsRoom).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,9 +52,10 @@ from fsagent.fuse.fs import WorkFolderFS
 from fsagent.state.hydrate import ContentFetcher
 from fsagent.state.store import ROOT_INODE, InodeNo, Store
 from tests.support.bridge import Run, start_run
+from tests.support.constants import REPO
 from tests.support.controller import Tenant
 from tests.support.memclient import MemoryBridgeClient
-from tests.support.mount import FsagentMount, MountFactory
+from tests.support.mount import FsagentMount, MountFactory, mount_factory
 from tests.support.smallfs import BALLAST, assert_full, fill, free_fill, small_tmpfs
 
 CHUNK = 1 << 20
@@ -216,20 +225,95 @@ def test_a_file_cut_short_by_a_full_disk_reads_back_as_saved(sandbox: Sandbox) -
 @pytest.mark.fuse
 def test_kill9_after_a_full_disk_keeps_what_the_mount_read_back(sandbox: Sandbox) -> None:
     """A kill -9 after the ENOSPC: the restarted mount reads back what the mount
-    read before, and its warm start saved exactly that. The disk stays all but
-    full: only the ballast's smallest files go, since a daemon's start needs
-    an inode and a page (its control socket, ``daemon.json``)."""
+    read before, and its warm start saved exactly that. The disk stays full:
+    the daemon starts without room for its control socket (which it makes
+    later, fsagent.control.server)."""
     wrote = fill_while_writing(sandbox)
     back = read_back_as_kept(sandbox, wrote)
     old = sandbox.m
     old.kill9()
-    for ballast in (sandbox.small / BALLAST).iterdir():
-        if ballast.name not in ("fill-0", "leave-free"):
-            ballast.unlink()
+    assert_full(sandbox.small)
     sandbox.m = sandbox.mount(state_dir=old.state_dir, mountpoint=old.mountpoint)
     for name in FILES:
         assert sandbox.path(name).read_bytes() == back[name], name
         assert sandbox.saved(name) == back[name], name
+
+
+def fsagent_cli(box: Sandbox, *args: str) -> subprocess.CompletedProcess[str]:
+    """``fsagent ARGS --state-dir ... --json``, whatever its exit code."""
+    argv = [sys.executable, "-m", "fsagent.cli", *args, "--state-dir", str(box.m.state_dir),
+            "--json"]  # fmt: skip
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def start_on_a_full_disk(box: Sandbox) -> None:
+    """The first run saves ``early`` and stops; the disk fills up; the daemon
+    is started again on it: it serves ``early`` without its control socket,
+    and ``fsagent flush`` says plainly that it cannot reach it. Once the
+    ballast goes, ``late`` is written and a flush (polled: the socket is made
+    on the daemon's next try) saves it; the stop saves ``last``."""
+    early, late, last = os.urandom(300_000), os.urandom(200_000), b"written last\n"
+    box.path("early").write_bytes(early)
+    box.flush()
+    assert box.m.stop() == 0
+    state, where = box.m.state_dir, box.m.mountpoint
+    fill(box.small)
+    assert_full(box.small)
+    box.m = box.mount(state_dir=state, mountpoint=where)
+    assert box.path("early").read_bytes() == early
+    assert not (state / "control.sock").exists()
+    refused = fsagent_cli(box, "flush")
+    assert refused.returncode == 1, refused
+    assert refused.stderr == f"fsagent: no running fsagent daemon for {state}\n"
+    status = fsagent_cli(box, "status")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["collections"][0]["live"] is None
+    free_fill(box.small)
+    assert write_as_agent(box.path("late"), late) == 0
+    deadline = time.monotonic() + 120
+    flushed = fsagent_cli(box, "flush")
+    while flushed.returncode != 0 and time.monotonic() < deadline:
+        assert "Traceback" not in flushed.stderr, flushed.stderr
+        time.sleep(0.1)
+        flushed = fsagent_cli(box, "flush")
+    assert flushed.returncode == 0, flushed.stderr
+    assert json.loads(flushed.stdout)["ok"] is True
+    assert box.saved("late") == late
+    status = fsagent_cli(box, "status")
+    assert status.returncode == 0, status.stderr
+    row = json.loads(status.stdout)["collections"][0]
+    assert box.m.proc is not None and row["pid"] == box.m.proc.pid
+    assert row["live"] is not None
+    box.path("last").write_bytes(last)
+    assert box.m.stop() == 0
+    assert not (state / "control.sock").exists()
+    assert not (state / "daemon.json").exists()
+    assert {name: box.saved(name) for name in ("early", "late", "last")} == {
+        "early": early, "late": late, "last": last,
+    }  # fmt: skip
+    log = box.m.stderr()
+    assert log.count("cannot make the control socket") == 1, log
+    assert log.count("made the control socket") == 1, log
+
+
+@pytest.mark.fuse
+def test_a_mount_started_on_a_full_disk_serves_and_flushes_once_there_is_room(
+    sandbox: Sandbox,
+) -> None:
+    start_on_a_full_disk(sandbox)
+
+
+def test_a_directory_served_from_a_full_disk_flushes_once_there_is_room(
+    tenant: Tenant, small: Path
+) -> None:
+    """The same in dir mode (fsagent.dirmode.serve): the agent's files are in
+    the directory, the state dir on the full disk."""
+    with mount_factory(mode="dir") as mounts:
+        box = Sandbox(mounts, tenant, small)
+        try:
+            start_on_a_full_disk(box)
+        finally:
+            box.stop()
 
 
 def test_a_move_out_of_line_the_disk_refuses_leaves_the_file_as_it_was(
