@@ -72,6 +72,19 @@ def test_unit_is_hardened_and_runs_as_its_own_user() -> None:
     assert "CONTROLLER_DATA_DIR=/var/lib/controller" in d["Environment"]
 
 
+def test_the_units_documentation_is_what_its_install_lines_copy() -> None:
+    """Documentation= names a page the header's install lines put there."""
+    text = UNIT.read_text()
+    (doc,) = directives(text)["Documentation"]
+    prefix = "file:///opt/controller/doc/"
+    assert doc.startswith(prefix), doc
+    page = doc.removeprefix(prefix)
+    assert (REPO / "docs" / page).is_file(), page
+    copied = re.search(r"^#\s+install -d /opt/controller/doc && cp -r docs/(\S+) /opt/controller/doc/$",
+                       text, re.M)  # fmt: skip
+    assert copied is not None and page.startswith(copied.group(1) + "/"), page
+
+
 def verify(unit_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     # verify checks that ExecStart= is executable: point it at this checkout's script.
     unit = tmp_path / "controller.service"
@@ -729,6 +742,67 @@ def test_fsagent_runs_without_the_controllers_packages() -> None:
     count, _, rest = run.stdout.partition(" modules\n")
     assert int(count) >= 30, run.stdout
     assert "usage: fsagent" in rest, run.stdout
+
+
+# A fresh interpreter with the modules named after "--" unimportable runs the
+# `controller` command's entry point with the arguments before it.
+CONTROLLER_ALONE = """
+import importlib.abc, sys
+
+split = sys.argv.index("--")
+argv, hidden = sys.argv[1:split], set(sys.argv[split + 1:])
+
+
+class Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name in hidden or name.split(".")[0] in hidden:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Hidden())
+from controller.launch import main
+
+sys.exit(main(argv))
+"""
+
+
+def run_controller_alone(argv: list[str], hidden: set[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-c", CONTROLLER_ALONE, *argv, "--", *sorted(hidden)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_controller_command_without_its_extra_says_what_to_install() -> None:
+    """The sandbox's install has the `controller` script but not its extra:
+    one line naming the extra, exit 2, no traceback."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert project["scripts"]["controller"] == "controller.launch:main"
+    hidden = {"psycopg", "psycopg_pool", "starlette", "boto3", "botocore", "prometheus_client"}
+    run = run_controller_alone(["serve", "--help"], hidden)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert run.stdout == ""
+    assert "Traceback" not in run.stderr, run.stderr
+    assert f"pip install '{project['name']}[controller]'" in run.stderr, run.stderr
+    (line,) = run.stderr.splitlines()
+    assert line.startswith("controller: the controller's dependencies are not installed")
+    # With the extra the same entry point is the command.
+    run = run_controller_alone(["--help"], set())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: controller"), run.stdout
+    installed = subprocess.run([str(VENV_CONTROLLER), "--help"], capture_output=True,
+                               text=True, timeout=120)  # fmt: skip
+    assert installed.returncode == 0 and installed.stdout.startswith("usage: controller")
+
+
+def test_a_broken_controller_install_still_shows_its_traceback() -> None:
+    """Only a missing dependency gets the one line: a module of the package
+    itself missing is a broken install, and its traceback says where."""
+    run = run_controller_alone(["--help"], {"controller.cli"})
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" in run.stderr and "controller.cli" in run.stderr, run.stderr
 
 
 # Every program the tests run, and the Debian package that provides it. A
