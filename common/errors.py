@@ -150,6 +150,14 @@ class InvitationNotFound(NotFound):
     message = "Invitation not found"
 
 
+class InvitationExpired(WorkFolderError):
+    """One's own invitation, past its answer time (controller.invitations)."""
+
+    code = "invitation_expired"
+    status = 410
+    message = "The invitation has expired; the company may invite you again"
+
+
 class OwnerRequired(WorkFolderError):
     """Only an owner gives, changes or takes away the owner role."""
 

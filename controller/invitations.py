@@ -10,27 +10,41 @@ operator (``controller admin add-member``) still adds anyone directly.
 One pending invitation per company and person: inviting again changes its
 role. Only an owner invites to the owner role. Accepting, declining and
 withdrawing delete the invitation; removing the company or the user does too.
+
+An invitation lapses :data:`INVITATION_TTL` after it was made or last
+renewed (inviting again renews it): the role it offers was the inviter's
+decision then, and an old one should not wait forever for someone to take
+it. A lapsed invitation is listed nowhere; accepting it is 410
+``invitation_expired`` (only its invitee learns that it existed), declining
+it removes it, and the company may invite the person again.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from datetime import timedelta
+from typing import Any, Final
 
 from psycopg import AsyncConnection
 
-from common.errors import AlreadyMember, InvitationNotFound, OwnerRequired
+from common.errors import AlreadyMember, InvitationExpired, InvitationNotFound, OwnerRequired
 from controller.auth import CompanyActor
 from controller.foldercore import Row
 from controller.orgs import Membership, check_role, check_uuid, require_user
 
-_COLUMNS = "i.id, i.company_id, i.user_id, i.role, i.invited_by, i.created_at"
+INVITATION_TTL: Final = timedelta(days=14)
+"""How long an invitation waits for its answer (migration 0021 gave the ones
+pending at that upgrade as long)."""
+
+_COLUMNS = "i.id, i.company_id, i.user_id, i.role, i.invited_by, i.created_at, i.expires_at"
+_PENDING = "i.expires_at > clock_timestamp()"
 
 
 async def invite(conn: AsyncConnection[Any], user: str, role: str, *, actor: CompanyActor) -> Row:
     """Invite ``user`` to the actor's company with ``role`` (or change the
-    role of their pending invitation). 404 ``user_not_found`` for no such
-    user, 409 ``already_member`` for a member (change their role instead)."""
+    role of their pending invitation, which renews it, lapsed or not). 404
+    ``user_not_found`` for no such user, 409 ``already_member`` for a member
+    (change their role instead)."""
     user = check_uuid(user, "userId")
     check_role(role)
     if role == "owner" and not actor.is_owner:
@@ -43,11 +57,12 @@ async def invite(conn: AsyncConnection[Any], user: str, role: str, *, actor: Com
     if await cur.fetchone() is not None:
         raise AlreadyMember(f"user {user} is already a member of company {actor.company_id}")
     cur = await conn.execute(
-        "INSERT INTO invitations AS i (id, company_id, user_id, role, invited_by)"
-        " VALUES (%s, %s, %s, %s, %s)"
-        " ON CONFLICT (company_id, user_id) DO UPDATE SET role = EXCLUDED.role"
+        "INSERT INTO invitations AS i (id, company_id, user_id, role, invited_by, expires_at)"
+        " VALUES (%s, %s, %s, %s, %s, clock_timestamp() + %s)"
+        " ON CONFLICT (company_id, user_id)"
+        " DO UPDATE SET role = EXCLUDED.role, expires_at = EXCLUDED.expires_at"
         f" RETURNING {_COLUMNS}",
-        (str(uuid.uuid4()), actor.company_id, user, role, actor.user_id),
+        (str(uuid.uuid4()), actor.company_id, user, role, actor.user_id, INVITATION_TTL),
     )
     row: Row | None = await cur.fetchone()
     assert row is not None
@@ -56,9 +71,10 @@ async def invite(conn: AsyncConnection[Any], user: str, role: str, *, actor: Com
 
 async def company_invitations(conn: AsyncConnection[Any], company: str) -> list[Row]:
     """The company's pending invitations, oldest first (no emails: the
-    invitees are not members)."""
+    invitees are not members); lapsed ones are not pending."""
     cur = await conn.execute(
-        f"SELECT {_COLUMNS} FROM invitations i WHERE i.company_id = %s ORDER BY i.created_at, i.id",
+        f"SELECT {_COLUMNS} FROM invitations i WHERE i.company_id = %s AND {_PENDING}"
+        " ORDER BY i.created_at, i.id",
         (company,),
     )
     return list(await cur.fetchall())
@@ -79,25 +95,33 @@ async def my_invitations(conn: AsyncConnection[Any], user: str) -> list[Row]:
     """A person's pending invitations, with each inviting company's name."""
     cur = await conn.execute(
         f"SELECT {_COLUMNS}, c.name AS company_name FROM invitations i"
-        " JOIN companies c ON c.id = i.company_id WHERE i.user_id = %s"
+        f" JOIN companies c ON c.id = i.company_id WHERE i.user_id = %s AND {_PENDING}"
         " ORDER BY i.created_at, i.id",
         (user,),
     )
     return list(await cur.fetchall())
 
 
-async def _take(conn: AsyncConnection[Any], invitation: str, user: str) -> Row:
+async def _take(
+    conn: AsyncConnection[Any], invitation: str, user: str, *, lapsed: bool = False
+) -> Row:
     """Delete ``user``'s own invitation and return it; anyone else's (or none)
-    is 404 ``invitation_not_found``, as if it did not exist."""
+    is 404 ``invitation_not_found``, as if it did not exist, and their own
+    lapsed one 410 ``invitation_expired`` unless ``lapsed`` takes it too (the
+    refusal rolls the delete back; the company sees nothing either way)."""
     invitation = check_uuid(invitation, "invitationId")
     cur = await conn.execute(
-        "DELETE FROM invitations WHERE id = %s AND user_id = %s"
-        " RETURNING id, company_id, user_id, role",
+        "DELETE FROM invitations i WHERE i.id = %s AND i.user_id = %s"
+        f" RETURNING i.id, i.company_id, i.user_id, i.role, {_PENDING} AS pending",
         (invitation, user),
     )
     row: Row | None = await cur.fetchone()
     if row is None:
         raise InvitationNotFound(f"no such invitation: {invitation}")
+    if not (row["pending"] or lapsed):
+        raise InvitationExpired(
+            f"invitation {invitation} has expired; the company may invite you again"
+        )
     return row
 
 
@@ -118,5 +142,6 @@ async def accept(conn: AsyncConnection[Any], invitation: str, user: str) -> Memb
 
 
 async def decline(conn: AsyncConnection[Any], invitation: str, user: str) -> None:
-    """``user`` declines their invitation; the company may invite them again."""
-    await _take(conn, invitation, user)
+    """``user`` declines their invitation (lapsed or not); the company may
+    invite them again."""
+    await _take(conn, invitation, user, lapsed=True)

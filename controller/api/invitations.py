@@ -44,6 +44,7 @@ def invitation_json(row: Row) -> dict[str, Any]:
         "role": row["role"],
         "invitedBy": None if row["invited_by"] is None else str(row["invited_by"]),
         "createdAt": iso(row["created_at"]),
+        "expiresAt": iso(row["expires_at"]),
     }
     if "company_name" in row:
         found["companyName"] = row["company_name"]

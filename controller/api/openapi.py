@@ -7,6 +7,7 @@ from typing import Any
 from common.bridge import MANIFEST_PAGE_MAX, PREFIX
 from common.limits import MAX_PAGE_LIMIT
 from common.repos import FETCH_BATCH_MAX, MISSING_MAX
+from controller.invitations import INVITATION_TTL
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -653,12 +654,16 @@ def _admin_paths() -> dict[str, Any]:
         company + "/invitations": {
             "parameters": [company_p],
             "get": _admin_op(
-                "The company's pending invitations, oldest first (no emails)", _PEOPLE_ONLY, "200"
+                "The company's pending invitations, oldest first (no emails; an invitation"
+                f" lapses {INVITATION_TTL.days} days after it was made or renewed)",
+                _PEOPLE_ONLY,
+                "200",
             ),
             "post": _admin_op(
                 "Invite an existing user (by id) with a role: they become a member only by"
                 " accepting (the owner role: owners only, 403 owner_required; 404"
-                " user_not_found; 409 already_member); inviting again changes the role",
+                " user_not_found; 409 already_member); inviting again changes the role and"
+                f" renews the invitation for {INVITATION_TTL.days} days",
                 _PEOPLE_ONLY,
                 "201",
                 "403",
@@ -678,15 +683,19 @@ def _admin_paths() -> dict[str, Any]:
         "/api/invitations/{invitationId}": {
             "parameters": [id_p("invitationId")],
             "delete": _op(
-                "Decline one's own invitation (anyone else's: 404 invitation_not_found)", "200"
+                "Decline one's own invitation, lapsed or not (anyone else's: 404"
+                " invitation_not_found)",
+                "200",
             ),
         },
         "/api/invitations/{invitationId}/accept": {
             "parameters": [id_p("invitationId")],
             "post": _op(
                 "Accept one's own invitation: the caller becomes a member with its role"
-                " (anyone else's: 404 invitation_not_found)",
+                " (anyone else's: 404 invitation_not_found; a lapsed one: 410"
+                " invitation_expired)",
                 "200",
+                "410",
             ),
         },
         company + "/tokens": {

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
 
 import httpx
 import psycopg
@@ -110,6 +111,34 @@ def test_migrate_is_idempotent(pg_cluster: PgCluster) -> None:
     assert code == 0 and json.loads(out)["applied"] == []
     with psycopg.connect(url) as conn:
         assert conn.execute("SELECT count(*) FROM schema_migrations").fetchone() == (len(names),)
+
+
+def test_invitations_pending_at_the_upgrade_get_their_full_time(pg_cluster: PgCluster) -> None:
+    """Migration 0021 gives each pending invitation the 14 days from the upgrade."""
+    url = pg_cluster.create_database()
+    before = [(v, n, sql) for v, n, sql in migrations() if v < 21]
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE schema_migrations (version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for version, name, sql in before:
+            conn.execute(sql.encode())
+            conn.execute("INSERT INTO schema_migrations VALUES (%s, %s)", (version, name))
+        company, user = uuid.uuid4(), uuid.uuid4()
+        conn.execute("INSERT INTO companies (id, name) VALUES (%s, 'Acme')", (company,))
+        conn.execute("INSERT INTO users (id, email) VALUES (%s, 'p@example.com')", (user,))
+        conn.execute(
+            "INSERT INTO invitations (id, company_id, user_id, role, created_at)"
+            " VALUES (%s, %s, %s, 'member', now() - interval '30 days')",
+            (uuid.uuid4(), company, user),
+        )
+    ctl = ControllerProcess(url, world_searchable_tmpdir("fsa-mig-"))
+    code, out, _ = ctl.cli("migrate", "--json")
+    assert code == 0 and json.loads(out)["applied"][0] == "0021_invitation_expiry.sql", out
+    with psycopg.connect(url) as conn:
+        left = conn.execute("SELECT expires_at - now() FROM invitations").fetchone()
+    assert left is not None and timedelta(days=13, hours=23) < left[0] <= timedelta(days=14)
 
 
 def test_serve_with_embedded_postgres_starts_and_stops_cleanly() -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 
-from tests.support.controller import ControllerProcess, Tenant, bootstrap_tenant
+from tests.support.controller import ControllerProcess, Tenant, bootstrap_tenant, parse_api_time
 
 OCTET = {"Content-Type": "application/octet-stream"}
 
@@ -191,6 +192,68 @@ def test_an_invitation_declined_or_withdrawn_adds_no_one(tenant: Tenant) -> None
         ):
             r = machine.request(method, path, json={"userId": person, "role": "member"})
             assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
+
+
+def _lapse(ctl: ControllerProcess, invitation: str) -> None:
+    """What 14 days do to an invitation, in one statement."""
+    with ctl.db() as db:
+        cur = db.execute(
+            "UPDATE invitations SET expires_at = now() - interval '1 second' WHERE id = %s",
+            (invitation,),
+        )
+        assert cur.rowcount == 1
+
+
+def test_an_invitation_lapses_and_inviting_again_renews_it(tenant: Tenant) -> None:
+    ctl = tenant.controller
+    other = bootstrap_tenant(ctl)
+    person, person_token, _ = _person(ctl, other.company_id)
+    base = f"/api/companies/{tenant.company_id}"
+    with tenant.client() as owner, tenant.client(person_token) as invitee:
+        before = datetime.now(UTC)
+        r = owner.post(base + "/invitations", json={"userId": person, "role": "admin"})
+        assert r.status_code == 201, r.text
+        made = r.json()
+        lasts = parse_api_time(made["expiresAt"]) - parse_api_time(made["createdAt"])
+        assert timedelta(days=14) <= lasts < timedelta(days=14, minutes=5), lasts
+        assert parse_api_time(made["expiresAt"]) >= before + timedelta(days=14)
+        _lapse(ctl, made["invitationId"])
+        # Lapsed: listed nowhere, and accepting it is 410 for its invitee alone.
+        assert owner.get(base + "/invitations").json() == {"invitations": []}
+        assert invitee.get("/api/invitations").json() == {"invitations": []}
+        accept = f"/api/invitations/{made['invitationId']}/accept"
+        r = invitee.post(accept)
+        assert r.status_code == 410 and r.json()["code"] == "invitation_expired", r.text
+        with tenant.client(other.token) as stranger:
+            r = stranger.post(accept)
+            assert r.status_code == 404 and r.json()["code"] == "invitation_not_found"
+        assert _memberships(ctl, person) == {other.company_id: "member"}
+        # Inviting again renews the same invitation, with the new role.
+        r = owner.post(base + "/invitations", json={"userId": person, "role": "member"})
+        assert r.status_code == 201, r.text
+        renewed = r.json()
+        assert renewed["invitationId"] == made["invitationId"] and renewed["role"] == "member"
+        assert parse_api_time(renewed["expiresAt"]) > datetime.now(UTC) + timedelta(days=13)
+        [seen] = invitee.get("/api/invitations").json()["invitations"]
+        assert seen["invitationId"] == made["invitationId"] and seen["expiresAt"]
+        r = invitee.post(accept)
+        assert r.status_code == 200, r.text
+        assert r.json()["role"] == "member"
+    assert _memberships(ctl, person) == {other.company_id: "member", tenant.company_id: "member"}
+    # A lapsed invitation can still be declined: it is gone afterwards.
+    second, second_token, _ = _person(ctl, other.company_id)
+    with tenant.client() as owner, tenant.client(second_token) as invitee:
+        r = owner.post(base + "/invitations", json={"userId": second, "role": "viewer"})
+        assert r.status_code == 201, r.text
+        lapsed = r.json()["invitationId"]
+        _lapse(ctl, lapsed)
+        r = invitee.delete(f"/api/invitations/{lapsed}")
+        assert r.status_code == 200 and r.json() == {"invitationId": lapsed, "declined": True}
+    with ctl.db() as db:
+        assert db.execute(
+            "SELECT count(*) FROM invitations WHERE id = %s", (lapsed,)
+        ).fetchone() == (0,)
+    assert _memberships(ctl, second) == {other.company_id: "member"}
 
 
 def test_ending_sessions_from_a_company_ends_only_that_companys(tenant: Tenant) -> None:
