@@ -271,3 +271,27 @@ def test_watchdog_acts_before_the_timeout_in_force_and_never_without_one(
         result.assert_outcomes(passed=2)
         limits[" ".join(args)] = [float(v) for v in re.findall(r"LIMIT (\S+)", result.stdout.str())]
     assert limits == {"": [540.0, 50.0], "--timeout 0": [0.0, 50.0], "--timeout 200": [140.0, 50.0]}
+
+
+@BROWSER_TESTS[1]  # skipped without Chromium, as the Files page tests are
+def test_a_browser_past_its_age_or_closed_is_launched_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from tests.support import browser as support
+
+    with sync_playwright() as pw:
+        held = support.Browsers(pw)
+        try:
+            first = held.young()
+            assert held.young() is first and first.is_connected()
+            first.close()
+            second = held.young()
+            assert second is not first and second.is_connected()
+            monkeypatch.setattr(support, "BROWSER_MAX_AGE_S", 0.0)
+            third = held.young()
+            assert third is not second and third.is_connected()
+            assert not second.is_connected()  # the old one was closed
+        finally:
+            held.close()

@@ -1,6 +1,7 @@
-"""pytest fixtures for the Files page tests: one headless Chromium per module,
-a fresh browser context per test (desktop size unless a test asks for
-another viewport), and screenshots of the views a test visits.
+"""pytest fixtures for the Files page tests: a headless Chromium shared by a
+module's tests while it is young (:data:`BROWSER_MAX_AGE_S`), a fresh browser
+context per test (desktop size unless a test asks for another viewport), and
+screenshots of the views a test visits.
 
 A failing test keeps its screenshots and console log in test-artifacts/; a
 test that asks for ``keep_views`` keeps them either way (the main views at
@@ -9,12 +10,14 @@ desktop and phone width).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page, Playwright, sync_playwright
 
 from tests.support.web import CHROMIUM, ViewRecorder, launch_chromium
 
@@ -25,14 +28,54 @@ BROWSER_TESTS = [
 """``pytestmark`` of a module of Files page tests."""
 
 
+BROWSER_MAX_AGE_S = 90.0
+"""No test starts on a browser older than this. Debian's Chromium starts its
+on-device model service three minutes after launch; with no GPU backend the
+service fails ("Unexpected on_device_model service disconnect ... Error
+loading backend"), and twice in CI runs the browser closed with it, at 3:00
+exactly, in the middle of a test (TargetClosedError, then the module's next
+tests failed at setup). A test starting on a younger browser ends long before."""
+
+
+class Browsers:
+    """A module's Chromium, launched again when it is older than
+    :data:`BROWSER_MAX_AGE_S` or no longer connected."""
+
+    def __init__(self, pw: Playwright) -> None:
+        self._pw = pw
+        self._browser: Browser | None = None
+        self._launched = 0.0
+
+    def young(self) -> Browser:
+        current = self._browser
+        age = time.monotonic() - self._launched
+        if current is None or not current.is_connected() or age > BROWSER_MAX_AGE_S:
+            self.close()
+            current = self._browser = launch_chromium(self._pw)
+            self._launched = time.monotonic()
+        return current
+
+    def close(self) -> None:
+        if self._browser is not None:
+            with contextlib.suppress(Exception):  # already gone with its process
+                self._browser.close()
+            self._browser = None
+
+
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
+def browsers() -> Iterator[Browsers]:
     with sync_playwright() as pw:
-        browser = launch_chromium(pw)
+        held = Browsers(pw)
         try:
-            yield browser
+            yield held
         finally:
-            browser.close()
+            held.close()
+
+
+@pytest.fixture
+def browser(browsers: Browsers) -> Browser:
+    """The module's browser, younger than :data:`BROWSER_MAX_AGE_S`."""
+    return browsers.young()
 
 
 @pytest.fixture
