@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def _mount_of(path: Path) -> tuple[str, str, str] | None:
         fields, tail = before.split(), after.split()
         if len(fields) < 5 or len(tail) < 3:
             continue
-        point = fields[4].replace("\\040", " ")
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # \040: space
         inside = point == "/" or str(path) == point or str(path).startswith(point + "/")
         if inside and (best is None or len(point) >= best[0]):
             best = (len(point), (tail[0], tail[1], f"{fields[5]},{tail[2]}"))

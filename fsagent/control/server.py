@@ -145,6 +145,21 @@ async def serve_control(
             sock_path.unlink(missing_ok=True)  # noqa: ASYNC240
 
 
+def write_record(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` whole or not at all: a temporary name
+    renamed into place, removed when the write fails (a full disk's half
+    written file takes no room). The daemon's ``daemon.json`` in both modes,
+    and dir mode's ready file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class WhenThereIsRoom(Generic[T]):
     """What ``make()`` makes in the state dir for ``fsagent flush`` and
     ``fsagent status`` to reach the daemon by (its control socket, its record

@@ -32,7 +32,6 @@ Nothing here imports pyfuse3: a sandbox without libfuse runs this mode.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -68,6 +67,7 @@ from fsagent.control.server import (
     FlushHandler,
     StatsHandler,
     WhenThereIsRoom,
+    write_record,
 )
 from fsagent.dirmode.fs import (
     is_empty,
@@ -548,21 +548,10 @@ async def _wait_for_signal(signals: AsyncIterator[int], stop: DirStop) -> None:
         return
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk's half-written file takes no room
-        raise
-
-
 def _announce(opts: DirOptions, unbound: bool, warning: str | None = None) -> None:
     """The ready file (``fsagent up``, a detaching ``mount``) and one line on stderr."""
     if opts.ready_file is not None:
-        _write_json(opts.ready_file, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
+        write_record(opts.ready_file, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
                                       "reason": opts.reason, "path": str(opts.directory),
                                       **({"warning": warning} if warning else {})})  # fmt: skip
     if opts.progress_file is None:  # else the process showing the progress says it
@@ -763,7 +752,7 @@ async def _serve_bound(
     info = {"pid": os.getpid(), "mountpoint": str(opts.directory.absolute()), "mode": "dir",
             "startedAt": time.time()}  # fmt: skip
     record = WhenThereIsRoom(
-        f"the daemon's record {daemon_file}", partial(_write_json, daemon_file, info)
+        f"the daemon's record {daemon_file}", partial(write_record, daemon_file, info)
     )
     # Listening before the ready file: whoever sees it can ask for a save (on
     # a full disk, once there is room: fsagent.control.server).
@@ -815,7 +804,7 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
                     "still write into it, and nothing written there is saved"
                 )
                 log.warning("%s", warning)
-            _write_json(record, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
+            write_record(record, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
                                  "reason": opts.reason, "path": str(opts.directory),
                                  "warning": warning})  # fmt: skip
             with trio.open_signal_receiver(*STOP_SIGNALS) as signals:

@@ -42,7 +42,6 @@ import contextlib
 import ctypes
 import functools
 import importlib.metadata
-import json
 import logging
 import os
 import re
@@ -73,7 +72,13 @@ from fsagent.checkpoint.ship import (
     checkpoint_loop,
 )
 from fsagent.checkpoint.thread import ShipThread
-from fsagent.control.server import ControlSocket, FlushHandler, StatsHandler, WhenThereIsRoom
+from fsagent.control.server import (
+    ControlSocket,
+    FlushHandler,
+    StatsHandler,
+    WhenThereIsRoom,
+    write_record,
+)
 from fsagent.errors import ControllerRefused, MountFailed
 from fsagent.fuse import stats
 from fsagent.fuse.fs import NO_OPEN_SUPPORT, HandlesFS, WorkFolderFS, make_fs
@@ -498,13 +503,12 @@ async def _serve_store(
         if opts.guard is not None:
             opts.guard.lock()  # underneath the mount now, or unserved again
     daemon_file = opts.state_dir / "daemon.json" if owner is not None else None
-    record: WhenThereIsRoom[int] | None = None
+    record: WhenThereIsRoom[None] | None = None
     if daemon_file is not None:
         info = {"pid": os.getpid(), "mountpoint": str(opts.mountpoint.absolute()),
                 "startedAt": time.time()}  # fmt: skip
         record = WhenThereIsRoom(
-            f"the daemon's record {daemon_file}",
-            functools.partial(daemon_file.write_text, json.dumps(info)),
+            f"the daemon's record {daemon_file}", functools.partial(write_record, daemon_file, info)
         )
     print(
         f"fsagent: {opts.scope} mounted at {opts.mountpoint}"
