@@ -29,7 +29,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from common.paths import ancestors, parent_of
-from controller.foldercore import Folder, Row, journal_deletion
+from controller.foldercore import Folder, Row, journal_deletion, live_rows_query
 
 CHUNK = 5000
 """Rows per UPDATE or INSERT statement."""
@@ -226,11 +226,7 @@ async def _load(conn: AsyncConnection[Any], folder: Folder, changes: Sequence[En
     for c in changes:
         named.add(c.path)
         named.update(ancestors(c.path))
-    cur = await conn.execute(
-        f"SELECT {_COLUMNS} FROM files"
-        " WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)",
-        (folder.id, sorted(named)),
-    )
+    cur = await conn.execute(*live_rows_query(folder.id, sorted(named), _COLUMNS))
     rows = {r["path"]: r for r in await cur.fetchall()}
     roots = _trash_roots(changes, rows)
     found = list(rows.values())

@@ -300,8 +300,14 @@ CLAIM_SQL = (
     " SELECT digest, byte_size FROM claimed"
     " UNION SELECT digest, byte_size FROM run_uploads"
     "  WHERE run_id = %(rid)s AND digest = ANY(%(d)s) AND committed_at IS NOT NULL"
-    " UNION SELECT digest, byte_size FROM files WHERE folder_id = %(fid)s AND digest = ANY(%(d)s)"
+    " UNION SELECT u.digest, f.byte_size FROM unnest(%(d)s::text[]) AS u(digest)"
+    "  CROSS JOIN LATERAL (SELECT byte_size FROM files"
+    "   WHERE folder_id = %(fid)s AND digest = u.digest LIMIT 1) AS f"
 )
+"""One row per digest the run may reference. The folder's files are asked
+once per digest (``files_folder_digest``, the first row will do): a digest
+many of the folder's files share, such as an empty file's, is not read once
+per file."""
 
 
 async def claim_contents(

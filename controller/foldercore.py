@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -129,10 +129,7 @@ async def _send_lock(conn: AsyncConnection[Any], folder: Folder) -> AsyncCursor[
 
 
 async def live_row(conn: AsyncConnection[Any], folder: Folder, path: str) -> Row | None:
-    cur = await conn.execute(
-        "SELECT * FROM files WHERE folder_id = %s AND path = %s AND deleted_at IS NULL",
-        (folder.id, path),
-    )
+    cur = await conn.execute(*live_rows_query(folder.id, [path]))
     return await cur.fetchone()
 
 
@@ -229,12 +226,54 @@ async def committing(
         await store_receipt(conn, folder, operation_id, fp, commit.result)
 
 
+def live_rows_query(folder_id: int, paths: Iterable[str], columns: str = "*") -> Query:
+    """The live rows at ``paths`` (``columns`` of each), each found by its full key.
+
+    Each path is looked up on its own by (folder, parent, path), in a
+    ``LATERAL`` subquery its ``LIMIT`` keeps on the inner side of the loop, so
+    both indexes that start with the folder (``files_live_path`` and
+    ``files_children``) find it exactly. ``path = ANY(...)`` let a planner
+    that misjudged the folder's size (a table never analyzed, or a folder
+    larger than the average) scan the whole folder on ``folder_id`` alone, and
+    each lookup grew with the folder.
+    """
+    wanted = list(paths)
+    return (
+        "SELECT f.* FROM unnest(%s::text[], %s::text[]) AS p(path, parent)"
+        f" CROSS JOIN LATERAL (SELECT {columns} FROM files"
+        "  WHERE folder_id = %s AND parent = p.parent AND path = p.path AND deleted_at IS NULL"
+        "  LIMIT 1) AS f",
+        (wanted, [parent_of(p) or "" for p in wanted], folder_id),
+    )
+
+
+LIVE_SUBTREE_SQL = (
+    "SELECT {columns} FROM files WHERE folder_id = %(fid)s AND deleted_at IS NULL"
+    " AND parent = %(root_parent)s AND path = %(root)s"
+    " UNION ALL"
+    " SELECT {columns} FROM files WHERE folder_id = %(fid)s AND deleted_at IS NULL"
+    " AND path > (%(root)s || '/') COLLATE \"C\" AND path < (%(root)s || '0') COLLATE \"C\""
+    ' AND parent >= %(root)s COLLATE "C" AND parent < (%(root)s || \'0\') COLLATE "C"'
+)
+"""The live rows at ``%(root)s`` and below it, as ranges of both folder indexes.
+
+In byte order (``COLLATE "C"``) everything below ``root`` sorts between
+``root/`` and ``root0`` ('/' is 0x2f, '0' is 0x30), and so do the parents of
+everything below it, ``root`` itself first: ``files_live_path`` reads the
+range of paths and ``files_children`` the range of parents, and neither
+reads the rest of the folder (as ``left(path, n) = root || '/'`` did).
+Parameters: ``fid``, ``root`` and ``root_parent`` (:func:`subtree_params`).
+"""
+
+
+def subtree_params(folder_id: int, root: str) -> dict[str, Any]:
+    """The parameters of :data:`LIVE_SUBTREE_SQL`."""
+    return {"fid": folder_id, "root": root, "root_parent": parent_of(root) or ""}
+
+
 def path_rows_query(folder: Folder, path: str) -> Query:
     """The query of :func:`path_rows` (its answer: :func:`rows_by_path`)."""
-    return (
-        "SELECT * FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)",
-        (folder.id, [*ancestors(path), path]),
-    )
+    return live_rows_query(folder.id, [*ancestors(path), path])
 
 
 async def rows_by_path(cur: AsyncCursor[Any]) -> dict[str, Row]:
@@ -530,13 +569,14 @@ def _subtree_clause(column: str = "path") -> str:
 
 async def _trash_subtree(conn: AsyncConnection[Any], folder: Folder, target: Row) -> list[Row]:
     """Move ``target`` and everything below it to trash with one shared deletedAt."""
+    subtree = LIVE_SUBTREE_SQL.format(columns="id, path")
     cur = await conn.execute(
         "UPDATE files f SET deleted_at = now(), trash_root = %(tid)s, version = %(base)s + t.n"
-        " FROM (SELECT id, row_number() OVER (ORDER BY path) AS n FROM files"
-        "  WHERE folder_id = %(fid)s AND deleted_at IS NULL AND " + _subtree_clause() + ") AS t"
+        " FROM (SELECT id, row_number() OVER (ORDER BY path) AS n"
+        f"  FROM ({subtree}) AS s) AS t"
         " WHERE f.id = t.id RETURNING f.*",
-        {"tid": target["id"], "fid": folder.id, "root": target["path"],
-         "base": folder.counters.base()},
+        {"tid": target["id"], "base": folder.counters.base(),
+         **subtree_params(folder.id, target["path"])},
     )  # fmt: skip
     rows = await cur.fetchall()
     folder.counters.take(len(rows))
@@ -554,9 +594,13 @@ async def trash_path(conn: AsyncConnection[Any], folder: Folder, path: str) -> l
 
 async def trash_batch(conn: AsyncConnection[Any], folder: Folder, file_id: str) -> list[Row]:
     """The trashed entry ``file_id`` and its descendants from the same delete."""
+    try:
+        key = uuid.UUID(file_id)
+    except ValueError:
+        raise FileNotFound(details=[{"fileId": file_id}]) from None
     cur = await conn.execute(
-        "SELECT * FROM files WHERE folder_id = %s AND id::text = %s AND deleted_at IS NOT NULL",
-        (folder.id, file_id),
+        "SELECT * FROM files WHERE id = %s AND folder_id = %s AND deleted_at IS NOT NULL",
+        (key, folder.id),
     )
     top = await cur.fetchone()
     if top is None:
@@ -573,12 +617,8 @@ async def check_restore_paths_free(
     conn: AsyncConnection[Any], folder: Folder, paths: list[str]
 ) -> None:
     """RestoreCollision (naming every occupied path) unless all ``paths`` are free."""
-    cur = await conn.execute(
-        "SELECT path FROM files WHERE folder_id = %s AND deleted_at IS NULL AND path = ANY(%s)"
-        " ORDER BY path",
-        (folder.id, paths),
-    )
-    occupied = [r["path"] for r in await cur.fetchall()]
+    cur = await conn.execute(*live_rows_query(folder.id, set(paths), "path"))
+    occupied = sorted(r["path"] for r in await cur.fetchall())
     if occupied:
         raise RestoreCollision(details=[{"path": p} for p in occupied])
 

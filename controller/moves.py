@@ -16,6 +16,7 @@ from psycopg import AsyncConnection
 from common.errors import FileNotFound, MoveIntoItself, MoveTargetExists
 from common.paths import parent_of, validate_path
 from controller.foldercore import (
+    LIVE_SUBTREE_SQL,
     Authority,
     Folder,
     Row,
@@ -26,6 +27,7 @@ from controller.foldercore import (
     ensure_parents,
     fingerprint,
     live_row,
+    subtree_params,
     trash_batch,
 )
 from controller.rowjson import entry_json
@@ -41,12 +43,9 @@ def moved_path(path: str, source: str, target: str) -> str:
 
 
 async def live_subtree(conn: AsyncConnection[Any], folder: Folder, root: str) -> list[Row]:
-    # Not LIKE: '%' and '_' are legal in names and would act as wildcards.
     cur = await conn.execute(
-        "SELECT * FROM files WHERE folder_id = %(fid)s AND deleted_at IS NULL"
-        " AND (path = %(root)s OR left(path, length(%(root)s) + 1) = %(root)s || '/')"
-        " ORDER BY path",
-        {"fid": folder.id, "root": root},
+        f"SELECT * FROM ({LIVE_SUBTREE_SQL.format(columns='*')}) AS s ORDER BY path",
+        subtree_params(folder.id, root),
     )
     return list(await cur.fetchall())
 
