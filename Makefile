@@ -7,7 +7,7 @@ DEMO_LISTEN ?= 127.0.0.1:8750
 
 .PHONY: deps deps-test demo test lint bench bench-fs bench-checkpoint bench-repos bench-dirmode bench-stopsignal clean
 
-$(VENV)/.installed: pyproject.toml fsagent/_lstat.c packaging/pyfuse3/pyfuse3-3.5.0-fsagent.patch
+$(VENV)/.installed: pyproject.toml fsagent/_lstat.c controller/storage/_objfile.c packaging/pyfuse3/pyfuse3-3.5.0-fsagent.patch
 	packaging/install-deps.sh
 	@if [ ! -x $(PY) ]; then python3 -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip

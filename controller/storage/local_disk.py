@@ -55,6 +55,21 @@ from .base import (
 log = logging.getLogger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _c_put_new() -> Callable[[str, Sequence[str], str, bytes], int] | None:
+    try:
+        from controller.storage._objfile import put_new
+    except ImportError:  # built without a compiler: the Python steps
+        return None
+    return put_new
+
+
+_put_new = _c_put_new()
+"""``put_bytes``'s steps in C with the GIL released once (controller/storage/_objfile.c),
+where the extension was built: 1 stored, 0 exists, -1 a directory to make,
+-2 no anonymous files here. In Python each of its sixteen system calls
+hands the GIL over to the event loop's thread and back."""
 _COPY_CHUNK = 1 << 20
 _TMP_DIR = "tmp"
 _OBJECTS_DIR = "objects"
@@ -195,6 +210,11 @@ class LocalDiskProvider(StorageProvider):
         body = packed.stored_form(data, sha256_hex)
         dirs, name = self._split(key)
         try:
+            if _put_new is not None:
+                made = _put_new(str(self.root), dirs, name, body)
+                if made >= 0:
+                    return made == 1
+                # A directory to make, or no anonymous files here: the steps below.
             with self._directory(dirs, create=True) as dir_fd:
                 if _lexists(name, dir_fd):
                     return False

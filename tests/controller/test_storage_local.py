@@ -111,6 +111,53 @@ def test_local_put_bytes_with_and_without_anonymous_files(
     assert anonymous or (leftovers(local_provider, None) == [] and len(refused) == 1)
 
 
+def test_local_put_bytes_in_c_stores_what_the_python_steps_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C store (controller/storage/_objfile.c, built by ``make deps``)
+    and the Python steps leave the same file, answer the same, and both
+    refuse a symlinked directory on the way."""
+    real = local_disk_module._put_new
+    assert real is not None, "the C store was not built"
+    answers: list[int] = []
+
+    def counted(*args: Any) -> int:
+        answers.append(real(*args))
+        return answers[-1]
+
+    stored: dict[str, bytes] = {}
+    for way in ("c", "python"):
+        monkeypatch.setattr(local_disk_module, "_put_new", counted if way == "c" else None)
+        provider = LocalDiskProvider(tmp_path / way)
+        for data in (b"small, stored as it is", random_bytes(256 * 1024, seed=3), b"x" * 65536):
+            digest = sha256(data)
+            key = object_key(COMPANY, digest)
+            assert provider.put_bytes(key, data, digest) is True  # its directories made
+            again = object_key(COMPANY, sha256(data + b"!"))
+            (provider.root / again).parent.mkdir(parents=True, exist_ok=True)
+            assert provider.put_bytes(again, data + b"!", sha256(data + b"!")) is True
+            assert provider.put_bytes(key, data, digest) is False
+            assert b"".join(provider.read_chunks(key, 0, None)) == data
+            for k in (key, again):
+                stored[f"{way}:{k}"] = (provider.root / k).read_bytes()
+                assert stat.S_IMODE((provider.root / k).stat().st_mode) == 0o600
+        assert leftovers(provider, None) == []
+        outside = tmp_path / f"outside-{way}"
+        outside.mkdir()
+        other = "0b9e9f0e-0000-4000-8000-000000000000"
+        (provider.root / "objects" / other).symlink_to(outside)
+        data = b"would land outside"
+        with pytest.raises(StorageUnavailable):
+            provider.put_bytes(object_key(other, sha256(data)), data, sha256(data))
+        assert list(outside.iterdir()) == []
+    # C: a directory to make (-1), stored (1), there already (0), and the
+    # symlink refused by raising.
+    assert answers == [-1, 1, 0] * 3, answers
+    keys = {k.split(":", 1)[1] for k in stored}
+    assert len(keys) == 6
+    assert all(stored[f"c:{k}"] == stored[f"python:{k}"] for k in keys)
+
+
 def test_local_objects_are_files_under_root(
     local_provider: LocalDiskProvider, tmp_path: Path
 ) -> None:

@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def put_new(root: str, parts: Sequence[str], name: str, data: bytes, /) -> int: ...
