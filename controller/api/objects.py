@@ -234,12 +234,12 @@ async def spool_body(request: Request, spool_dir: Path, limit: int) -> Body:
 
 async def put_object(request: Request, key: str, body: Body) -> bool:
     """Store an upload's body: bytes in memory as they are
-    (``StorageProvider.put_bytes``), a spool file this process wrote and
+    (``StorageProvider.put_bytes_async``), a spool file this process wrote and
     hashed by handing it over (``StorageProvider.adopt_file``)."""
     storage = state(request).storage
     try:
         if body.data is not None:
-            return await asyncio.to_thread(storage.put_bytes, key, body.data, body.digest)
+            return await storage.put_bytes_async(key, body.data, body.digest)
         assert body.path is not None
         return await asyncio.to_thread(storage.adopt_file, key, body.path, body.size, body.digest)
     except StorageUnavailable:

@@ -29,7 +29,13 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -159,9 +165,202 @@ done:
     return out;
 }
 
+/* The same store on threads of this module's own, which never take the GIL.
+ *
+ * A worker thread of Python's still takes the GIL to start a store and to
+ * hand its answer back, each a wait for the event loop's thread. Here the
+ * event loop submits a store (submit: no system call but a condition
+ * signal), a thread of ours runs it, and its answer waits in a list until
+ * the loop collects it, woken by an eventfd it watches (start returns it).
+ *
+ * start(threads) -> eventfd; submit(token, root, parts, name, data); collect()
+ * -> [(token, answer, errno)], answer as put_new's (-3 failed, with errno).
+ * ``token`` is any object, handed back as it was; ``data`` stays referenced
+ * (its buffer held) until its answer is collected.
+ */
+struct job {
+    struct job *next;
+    PyObject *token;
+    char *root, *name;
+    char *parts[MAX_PARTS];
+    int nparts;
+    Py_buffer data;
+    int answer, error;
+};
+
+static pthread_mutex_t jobs_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t jobs_wake = PTHREAD_COND_INITIALIZER;
+static struct job *todo_head, *todo_tail, *done;
+static int notify_fd = -1;
+
+static void *worker(void *unused)
+{
+    (void)unused;
+    for (;;) {
+        pthread_mutex_lock(&jobs_lock);
+        while (todo_head == NULL)
+            pthread_cond_wait(&jobs_wake, &jobs_lock);
+        struct job *j = todo_head;
+        todo_head = j->next;
+        if (todo_head == NULL)
+            todo_tail = NULL;
+        pthread_mutex_unlock(&jobs_lock);
+        j->answer = store(j->root, (const char *const *)j->parts, j->nparts, j->name, j->data.buf,
+                          j->data.len);
+        j->error = j->answer == FAILED ? errno : 0;
+        pthread_mutex_lock(&jobs_lock);
+        j->next = done;
+        done = j;
+        pthread_mutex_unlock(&jobs_lock);
+        uint64_t one = 1;
+        while (write(notify_fd, &one, sizeof one) < 0 && errno == EINTR)
+            ;
+    }
+    return NULL;
+}
+
+static PyObject *start(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int threads;
+    if (!PyArg_ParseTuple(args, "i:start", &threads))
+        return NULL;
+    if (notify_fd >= 0)
+        return PyLong_FromLong(notify_fd);
+    if (threads < 1 || threads > 64) {
+        PyErr_SetString(PyExc_ValueError, "threads must be 1 to 64");
+        return NULL;
+    }
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    /* Signals stay with Python's main thread: the workers block them all. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int made = 0, err = 0;
+    for (; made < threads; made++) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 256 * 1024);
+        err = pthread_create(&t, &attr, worker, NULL);
+        pthread_attr_destroy(&attr);
+        if (err != 0)
+            break;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (made == 0) {
+        close(fd);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    notify_fd = fd;
+    return PyLong_FromLong(notify_fd);
+}
+
+static void free_job(struct job *j)
+{
+    free(j->root);
+    free(j->name);
+    for (int i = 0; i < j->nparts; i++)
+        free(j->parts[i]);
+    free(j);
+}
+
+static char *copy_fs_name(PyObject *name)
+{
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(name, &encoded))
+        return NULL;
+    char *out = strdup(PyBytes_AS_STRING(encoded));
+    Py_DECREF(encoded);
+    if (out == NULL)
+        PyErr_NoMemory();
+    return out;
+}
+
+static PyObject *submit(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *token, *root, *parts_arg, *name, *data, *parts = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOO:submit", &token, &root, &parts_arg, &name, &data))
+        return NULL;
+    if (notify_fd < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "start() first");
+        return NULL;
+    }
+    struct job *j = calloc(1, sizeof *j);
+    if (j == NULL)
+        return PyErr_NoMemory();
+    parts = PySequence_Fast(parts_arg, "parts must be a sequence");
+    if (parts == NULL)
+        goto fail;
+    if (PySequence_Fast_GET_SIZE(parts) > MAX_PARTS) {
+        PyErr_SetString(PyExc_ValueError, "too many directory parts");
+        goto fail;
+    }
+    if ((j->root = copy_fs_name(root)) == NULL || (j->name = copy_fs_name(name)) == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(parts); i++) {
+        if ((j->parts[i] = copy_fs_name(PySequence_Fast_GET_ITEM(parts, i))) == NULL)
+            goto fail;
+        j->nparts++;
+    }
+    if (PyObject_GetBuffer(data, &j->data, PyBUF_SIMPLE) != 0)
+        goto fail;
+    Py_DECREF(parts);
+    Py_INCREF(token);
+    j->token = token;
+    pthread_mutex_lock(&jobs_lock);
+    if (todo_tail != NULL)
+        todo_tail->next = j;
+    else
+        todo_head = j;
+    todo_tail = j;
+    pthread_cond_signal(&jobs_wake);
+    pthread_mutex_unlock(&jobs_lock);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(parts);
+    free_job(j);
+    return NULL;
+}
+
+static PyObject *collect(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    uint64_t count;
+    if (notify_fd >= 0)
+        while (read(notify_fd, &count, sizeof count) < 0 && errno == EINTR)
+            ;
+    pthread_mutex_lock(&jobs_lock);
+    struct job *j = done;
+    done = NULL;
+    pthread_mutex_unlock(&jobs_lock);
+    PyObject *out = PyList_New(0);
+    while (j != NULL) {
+        struct job *next = j->next;
+        PyObject *item = out == NULL ? NULL : Py_BuildValue("(Oii)", j->token, j->answer, j->error);
+        if (item == NULL || PyList_Append(out, item) != 0)
+            Py_CLEAR(out);
+        Py_XDECREF(item);
+        Py_DECREF(j->token);
+        PyBuffer_Release(&j->data);
+        free_job(j);
+        j = next;
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"put_new", put_new, METH_VARARGS,
      "put_new(root, parts, name, data) -> 1 stored, 0 exists, -1 no directory, -2 no O_TMPFILE"},
+    {"start", start, METH_VARARGS, "start(threads) -> the eventfd that says answers wait"},
+    {"submit", submit, METH_VARARGS, "submit(token, root, parts, name, data): a store to run"},
+    {"collect", collect, METH_NOARGS, "collect() -> [(token, answer, errno)]"},
     {NULL, NULL, 0, NULL},
 };
 

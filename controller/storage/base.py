@@ -19,6 +19,7 @@ plain file I/O; one calling convention keeps the providers interchangeable.
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import os
 import re
@@ -197,6 +198,11 @@ class StorageProvider(abc.ABC):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
+
+    async def put_bytes_async(self, key: str, data: bytes, sha256_hex: str) -> bool:
+        """``put_bytes`` from the event loop, which goes on meanwhile; this
+        default runs it in a worker thread."""
+        return await asyncio.to_thread(self.put_bytes, key, data, sha256_hex)
 
     def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
         """Store several objects whose bytes are ranges of ``src``, as ``put_file``

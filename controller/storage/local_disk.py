@@ -23,6 +23,7 @@ and absolute paths; this is the second line of defence.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import errno
@@ -57,19 +58,88 @@ log = logging.getLogger(__name__)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _c_put_new() -> Callable[[str, Sequence[str], str, bytes], int] | None:
-    try:
-        from controller.storage._objfile import put_new
-    except ImportError:  # built without a compiler: the Python steps
-        return None
-    return put_new
+try:
+    from controller.storage import _objfile
+except ImportError:  # built without a compiler: the Python steps
+    _objfile = None  # type: ignore[assignment]
 
-
-_put_new = _c_put_new()
+_put_new = None if _objfile is None else _objfile.put_new
 """``put_bytes``'s steps in C with the GIL released once (controller/storage/_objfile.c),
 where the extension was built: 1 stored, 0 exists, -1 a directory to make,
 -2 no anonymous files here. In Python each of its sixteen system calls
 hands the GIL over to the event loop's thread and back."""
+_FAILED = -3
+"""The C store's answer for a failure; its errno comes with it."""
+STORE_THREADS = 4
+"""Threads of the C store's own (``put_bytes_async``): stores run at once."""
+
+
+class _NativeStores:
+    """The C store on threads of its own, answering on the event loop.
+
+    A worker thread of Python's takes the GIL to start each store and again
+    to hand its answer back, each a wait for the busy event loop's thread.
+    These threads never take it: the loop submits a store and collects the
+    answers when the module's eventfd says some wait, and each goes to the
+    future of its store. One loop watches the eventfd at a time (the
+    controller has one); a store submitted from another loop while that
+    one runs goes through a worker thread instead.
+    """
+
+    def __init__(self) -> None:
+        assert _objfile is not None
+        self._fd = _objfile.start(STORE_THREADS)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _watching(self, loop: asyncio.AbstractEventLoop) -> bool:
+        if self._loop is loop:
+            return True
+        old = self._loop
+        if old is not None and not old.is_closed():
+            if old.is_running():
+                return False
+            old.remove_reader(self._fd)
+        loop.add_reader(self._fd, self._collect)
+        self._loop = loop
+        return True
+
+    def _collect(self) -> None:
+        for future, answer, error in _objfile.collect():
+            loop = future.get_loop()
+            if loop is self._loop:
+                _answer(future, answer, error)
+            else:
+                with contextlib.suppress(RuntimeError):  # that loop is closed
+                    loop.call_soon_threadsafe(_answer, future, answer, error)
+
+    async def store(
+        self, root: str, parts: Sequence[str], name: str, body: bytes
+    ) -> tuple[int, int] | None:
+        """``put_new``'s answer and errno; None where this loop cannot be watched."""
+        loop = asyncio.get_running_loop()
+        if not self._watching(loop):
+            return None
+        future: asyncio.Future[tuple[int, int]] = loop.create_future()
+        _objfile.submit(future, root, parts, name, body)
+        return await future
+
+
+def _answer(future: asyncio.Future[tuple[int, int]], answer: int, error: int) -> None:
+    if not future.done():  # not cancelled meanwhile
+        future.set_result((answer, error))
+
+
+_native: _NativeStores | None = None
+
+
+def _native_stores() -> _NativeStores | None:
+    """The C store's threads, started on first use; None without the extension."""
+    global _native
+    if _native is None and _objfile is not None:
+        _native = _NativeStores()
+    return _native
+
+
 _COPY_CHUNK = 1 << 20
 _TMP_DIR = "tmp"
 _OBJECTS_DIR = "objects"
@@ -224,6 +294,27 @@ class LocalDiskProvider(StorageProvider):
                 return True
         except OSError as exc:
             raise self._unavailable("store", key, exc) from exc
+
+    async def put_bytes_async(self, key: str, data: bytes, sha256_hex: str) -> bool:
+        """``put_bytes`` from the event loop: packed here, then stored by the
+        C store's own threads (``_NativeStores``), so no thread takes the
+        GIL for it. A directory to make, or a filesystem without anonymous
+        files, takes ``put_bytes`` in a worker thread, as does a tree built
+        without the extension."""
+        stores = _native_stores()
+        if stores is None:
+            return await asyncio.to_thread(self.put_bytes, key, data, sha256_hex)
+        check_put_arguments(key, len(data), sha256_hex)
+        body = packed.stored_form(data, sha256_hex)
+        dirs, name = self._split(key)
+        answer = await stores.store(str(self.root), dirs, name, body)
+        if answer is not None:
+            made, error = answer
+            if made >= 0:
+                return made == 1
+            if made == _FAILED:
+                raise self._unavailable("store", key, OSError(error, os.strerror(error)))
+        return await asyncio.to_thread(self.put_bytes, key, data, sha256_hex)
 
     def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
         """Write every new object (packed where that pays) as an anonymous

@@ -6,6 +6,7 @@ The behaviour every provider shares is in ``test_storage.py``.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import stat
@@ -156,6 +157,59 @@ def test_local_put_bytes_in_c_stores_what_the_python_steps_store(
     keys = {k.split(":", 1)[1] for k in stored}
     assert len(keys) == 6
     assert all(stored[f"c:{k}"] == stored[f"python:{k}"] for k in keys)
+
+
+def test_local_put_bytes_from_the_event_loop_on_the_c_stores_threads(tmp_path: Path) -> None:
+    """``put_bytes_async``: the C store's own threads store what ``put_bytes``
+    stores, answer the same, fall back where a directory is missing, refuse
+    a symlinked directory, and keep answering the others when a caller is
+    cancelled; a second event loop takes over the eventfd."""
+    provider = LocalDiskProvider(tmp_path / "objects-root")
+    datas = [random_bytes(4096, seed=n) for n in range(64)] + [b"y" * 65536]
+    keys = [object_key(COMPANY, sha256(d)) for d in datas]
+
+    async def put_all() -> list[bool]:
+        return await asyncio.gather(
+            *(provider.put_bytes_async(k, d, sha256(d)) for k, d in zip(keys, datas, strict=True))
+        )
+
+    assert asyncio.run(put_all()) == [True] * len(datas)  # directories made on the way
+    assert local_disk_module._native is not None, "the C store's threads did not start"
+    assert asyncio.run(put_all()) == [False] * len(datas)  # a second loop, and all there
+    for k, d in zip(keys, datas, strict=True):
+        assert b"".join(provider.read_chunks(k, 0, None)) == d
+        assert stat.S_IMODE((provider.root / k).stat().st_mode) == 0o600
+    assert leftovers(provider, None) == []
+
+    other = "0b9e9f0e-0000-4000-8000-000000000000"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (provider.root / "objects" / other).symlink_to(outside)
+    data = b"would land outside"
+    with pytest.raises(StorageUnavailable):
+        asyncio.run(provider.put_bytes_async(object_key(other, sha256(data)), data, sha256(data)))
+    assert list(outside.iterdir()) == []
+
+    async def one_cancelled() -> list[bool]:
+        more = [random_bytes(4096, seed=100 + n) for n in range(16)]
+        for d in more:  # their directories exist: all go to the C store's threads
+            (provider.root / object_key(COMPANY, sha256(d))).parent.mkdir(
+                parents=True, exist_ok=True
+            )
+        tasks = [
+            asyncio.ensure_future(
+                provider.put_bytes_async(object_key(COMPANY, sha256(d)), d, sha256(d))
+            )
+            for d in more
+        ]
+        await asyncio.sleep(0)
+        tasks[0].cancel()
+        answers = await asyncio.gather(*tasks[1:])
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+        return answers
+
+    assert asyncio.run(one_cancelled()) == [True] * 15
 
 
 def test_local_objects_are_files_under_root(
