@@ -328,6 +328,23 @@ fail:
     return NULL;
 }
 
+/* Put answers back to be collected again (the loop is woken again). */
+static void put_back(struct job *first)
+{
+    if (first == NULL)
+        return;
+    struct job *last = first;
+    while (last->next != NULL)
+        last = last->next;
+    pthread_mutex_lock(&jobs_lock);
+    last->next = done;
+    done = first;
+    pthread_mutex_unlock(&jobs_lock);
+    uint64_t one = 1;
+    while (write(notify_fd, &one, sizeof one) < 0 && errno == EINTR)
+        ;
+}
+
 static PyObject *collect(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -337,20 +354,35 @@ static PyObject *collect(PyObject *self, PyObject *unused)
         while (read(notify_fd, &count, sizeof count) < 0 && errno == EINTR)
             ;
     pthread_mutex_lock(&jobs_lock);
-    struct job *j = done;
+    struct job *first = done;
     done = NULL;
     pthread_mutex_unlock(&jobs_lock);
-    PyObject *out = PyList_New(0);
-    while (j != NULL) {
-        struct job *next = j->next;
-        PyObject *item = out == NULL ? NULL : Py_BuildValue("(Oii)", j->token, j->answer, j->error);
-        if (item == NULL || PyList_Append(out, item) != 0)
-            Py_CLEAR(out);
-        Py_XDECREF(item);
-        Py_DECREF(j->token);
-        PyBuffer_Release(&j->data);
-        free_job(j);
-        j = next;
+    Py_ssize_t n = 0;
+    for (struct job *j = first; j != NULL; j = j->next)
+        n++;
+    /* Every answer is built before any job is freed: where memory runs out
+     * the jobs go back whole, and a later collect() hands them over. */
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        put_back(first);
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (struct job *j = first; j != NULL; j = j->next, i++) {
+        PyObject *item = Py_BuildValue("(Oii)", j->token, j->answer, j->error);
+        if (item == NULL) {
+            Py_DECREF(out);
+            put_back(first);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    while (first != NULL) {
+        struct job *next = first->next;
+        Py_DECREF(first->token);
+        PyBuffer_Release(&first->data);
+        free_job(first);
+        first = next;
     }
     return out;
 }
