@@ -109,8 +109,7 @@ async def _pipelined(
             try:
                 result = await work(conn)
             except psycopg.Error:
-                with contextlib.suppress(psycopg.Error):
-                    await pipe.sync()
+                await _drain(pipe)
                 raise
             await conn.execute(b"COMMIT", prepare=False)
         return result
@@ -121,6 +120,26 @@ async def _pipelined(
         raise
     finally:
         await end_autocommit(conn)
+
+
+DRAIN_SYNCS = 50
+"""Syncs :func:`_drain` makes at most (the connection is broken, say)."""
+
+
+async def _drain(pipe: psycopg.AsyncPipeline) -> None:
+    """After a statement's error, sync until a sync reads every answer left.
+
+    A sync raises the first "pipeline aborted" it reads, and it may do so
+    before the rest of the answers (its own among them) have arrived: those
+    then surfaced at the pipeline's exit, which logged them as an error it
+    ignored, on a busy machine only. A sync that raises has read at least
+    one answer, so a few more read them all."""
+    for _ in range(DRAIN_SYNCS):
+        try:
+            await pipe.sync()
+            return
+        except psycopg.Error:
+            continue
 
 
 _IN_TRANSACTION = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.INERROR)

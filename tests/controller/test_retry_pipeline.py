@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg import AsyncConnection
 
-from controller.db import make_pool
+from controller.db import make_pool, retry
 from controller.db.retry import retrying
 from tests.support.controller import PgCluster
 
@@ -132,3 +132,27 @@ def test_a_conflict_is_tried_again_and_committed_once(url: str, sqlstate: str) -
 
     assert with_one_connection(url, lambda pool: retrying(pool, work, pipeline=True)) == 3
     assert keys(url) == [1, 2]
+
+
+class Pipe:
+    """A pipeline whose syncs raise ``failures`` times (each "pipeline
+    aborted" read before the rest of the answers arrived), then succeed."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.syncs = 0
+
+    async def sync(self) -> None:
+        self.syncs += 1
+        if self.syncs <= self.failures:
+            raise psycopg.errors.PipelineAborted("pipeline aborted")
+
+
+@pytest.mark.parametrize("failures", [0, 1, 3, retry.DRAIN_SYNCS + 5])
+def test_an_aborted_pipeline_is_synced_until_its_answers_are_read(failures: int) -> None:
+    """The error path syncs again while a sync raises (it may have read one
+    "pipeline aborted" of several), and gives up quietly after DRAIN_SYNCS
+    (a broken connection): the statement's own error is what is raised."""
+    pipe = Pipe(failures)
+    asyncio.run(retry._drain(pipe))  # type: ignore[arg-type]
+    assert pipe.syncs == min(failures + 1, retry.DRAIN_SYNCS)
