@@ -121,50 +121,6 @@ out:
     return result;
 }
 
-static PyObject *put_new(PyObject *self, PyObject *args)
-{
-    PyObject *root = NULL, *parts_arg, *name = NULL, *parts = NULL, *out = NULL;
-    PyObject *encoded[MAX_PARTS];
-    const char *part_names[MAX_PARTS];
-    Py_buffer data = {0};
-    int nparts = 0;
-
-    if (!PyArg_ParseTuple(args, "O&OO&y*:put_new", PyUnicode_FSConverter, &root, &parts_arg,
-                          PyUnicode_FSConverter, &name, &data))
-        goto done;
-    parts = PySequence_Fast(parts_arg, "parts must be a sequence");
-    if (parts == NULL)
-        goto done;
-    if (PySequence_Fast_GET_SIZE(parts) > MAX_PARTS) {
-        PyErr_SetString(PyExc_ValueError, "too many directory parts");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(parts); i++) {
-        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(parts, i), &encoded[nparts]))
-            goto done;
-        part_names[nparts] = PyBytes_AS_STRING(encoded[nparts]);
-        nparts++;
-    }
-    int result;
-    Py_BEGIN_ALLOW_THREADS
-    result = store(PyBytes_AS_STRING(root), part_names, nparts, PyBytes_AS_STRING(name),
-                   data.buf, data.len);
-    Py_END_ALLOW_THREADS
-    if (result == FAILED)
-        PyErr_SetFromErrno(PyExc_OSError);
-    else
-        out = PyLong_FromLong(result);
-done:
-    for (int i = 0; i < nparts; i++)
-        Py_DECREF(encoded[i]);
-    if (data.obj != NULL)
-        PyBuffer_Release(&data);
-    Py_XDECREF(parts);
-    Py_XDECREF(root);
-    Py_XDECREF(name);
-    return out;
-}
-
 /* The same store on threads of this module's own, which never take the GIL.
  *
  * A worker thread of Python's still takes the GIL to start a store and to
@@ -193,6 +149,127 @@ static pthread_cond_t jobs_wake = PTHREAD_COND_INITIALIZER;
 static struct job *todo_head, *todo_tail, *done;
 static int notify_fd = -1;
 
+/* One store's arguments, copied so that it can run without the GIL. */
+static char *copy_fs_name(PyObject *name)
+{
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(name, &encoded))
+        return NULL;
+    char *out = strdup(PyBytes_AS_STRING(encoded));
+    Py_DECREF(encoded);
+    if (out == NULL)
+        PyErr_NoMemory();
+    return out;
+}
+
+/* With the GIL: the job's buffer and token let go, its memory freed. */
+static void free_job(struct job *j)
+{
+    if (j->data.obj != NULL)
+        PyBuffer_Release(&j->data);
+    Py_XDECREF(j->token);
+    free(j->root);
+    free(j->name);
+    for (int i = 0; i < j->nparts; i++)
+        free(j->parts[i]);
+    free(j);
+}
+
+/* A job for put_new's or submit's arguments; NULL with an exception set. */
+static struct job *new_job(PyObject *root, PyObject *parts_arg, PyObject *name, PyObject *data)
+{
+    struct job *j = calloc(1, sizeof *j);
+    if (j == NULL)
+        return (struct job *)PyErr_NoMemory();
+    PyObject *parts = PySequence_Fast(parts_arg, "parts must be a sequence");
+    if (parts == NULL)
+        goto fail;
+    if (PySequence_Fast_GET_SIZE(parts) > MAX_PARTS) {
+        PyErr_SetString(PyExc_ValueError, "too many directory parts");
+        goto fail;
+    }
+    if ((j->root = copy_fs_name(root)) == NULL || (j->name = copy_fs_name(name)) == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(parts); i++) {
+        if ((j->parts[i] = copy_fs_name(PySequence_Fast_GET_ITEM(parts, i))) == NULL)
+            goto fail;
+        j->nparts++;
+    }
+    if (PyObject_GetBuffer(data, &j->data, PyBUF_SIMPLE) != 0)
+        goto fail;
+    Py_DECREF(parts);
+    return j;
+fail:
+    Py_XDECREF(parts);
+    free_job(j);
+    return NULL;
+}
+
+/* Without the GIL: the store, its answer and errno kept in the job. */
+static void run_job(struct job *j)
+{
+    j->answer = store(j->root, (const char *const *)j->parts, j->nparts, j->name, j->data.buf,
+                      j->data.len);
+    j->error = j->answer == FAILED ? errno : 0;
+}
+
+/* Wake the event loop: answers wait to be collected. */
+static void notify(void)
+{
+    uint64_t one = 1;
+    while (write(notify_fd, &one, sizeof one) < 0 && errno == EINTR)
+        ;
+}
+
+static PyObject *put_new(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *root, *parts, *name, *data;
+    if (!PyArg_ParseTuple(args, "OOOO:put_new", &root, &parts, &name, &data))
+        return NULL;
+    struct job *j = new_job(root, parts, name, data);
+    if (j == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    run_job(j);
+    Py_END_ALLOW_THREADS
+    PyObject *out;
+    if (j->answer == FAILED) {
+        errno = j->error;
+        out = PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        out = PyLong_FromLong(j->answer);
+    }
+    free_job(j);
+    return out;
+}
+
+static PyObject *submit(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *token, *root, *parts, *name, *data;
+    if (!PyArg_ParseTuple(args, "OOOOO:submit", &token, &root, &parts, &name, &data))
+        return NULL;
+    if (notify_fd < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "start() first");
+        return NULL;
+    }
+    struct job *j = new_job(root, parts, name, data);
+    if (j == NULL)
+        return NULL;
+    Py_INCREF(token);
+    j->token = token;
+    pthread_mutex_lock(&jobs_lock);
+    if (todo_tail != NULL)
+        todo_tail->next = j;
+    else
+        todo_head = j;
+    todo_tail = j;
+    pthread_cond_signal(&jobs_wake);
+    pthread_mutex_unlock(&jobs_lock);
+    Py_RETURN_NONE;
+}
+
 static void *worker(void *unused)
 {
     (void)unused;
@@ -205,16 +282,12 @@ static void *worker(void *unused)
         if (todo_head == NULL)
             todo_tail = NULL;
         pthread_mutex_unlock(&jobs_lock);
-        j->answer = store(j->root, (const char *const *)j->parts, j->nparts, j->name, j->data.buf,
-                          j->data.len);
-        j->error = j->answer == FAILED ? errno : 0;
+        run_job(j);
         pthread_mutex_lock(&jobs_lock);
         j->next = done;
         done = j;
         pthread_mutex_unlock(&jobs_lock);
-        uint64_t one = 1;
-        while (write(notify_fd, &one, sizeof one) < 0 && errno == EINTR)
-            ;
+        notify();
     }
     return NULL;
 }
@@ -260,74 +333,6 @@ static PyObject *start(PyObject *self, PyObject *args)
     return PyLong_FromLong(notify_fd);
 }
 
-static void free_job(struct job *j)
-{
-    free(j->root);
-    free(j->name);
-    for (int i = 0; i < j->nparts; i++)
-        free(j->parts[i]);
-    free(j);
-}
-
-static char *copy_fs_name(PyObject *name)
-{
-    PyObject *encoded = NULL;
-    if (!PyUnicode_FSConverter(name, &encoded))
-        return NULL;
-    char *out = strdup(PyBytes_AS_STRING(encoded));
-    Py_DECREF(encoded);
-    if (out == NULL)
-        PyErr_NoMemory();
-    return out;
-}
-
-static PyObject *submit(PyObject *self, PyObject *args)
-{
-    (void)self;
-    PyObject *token, *root, *parts_arg, *name, *data, *parts = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOO:submit", &token, &root, &parts_arg, &name, &data))
-        return NULL;
-    if (notify_fd < 0) {
-        PyErr_SetString(PyExc_RuntimeError, "start() first");
-        return NULL;
-    }
-    struct job *j = calloc(1, sizeof *j);
-    if (j == NULL)
-        return PyErr_NoMemory();
-    parts = PySequence_Fast(parts_arg, "parts must be a sequence");
-    if (parts == NULL)
-        goto fail;
-    if (PySequence_Fast_GET_SIZE(parts) > MAX_PARTS) {
-        PyErr_SetString(PyExc_ValueError, "too many directory parts");
-        goto fail;
-    }
-    if ((j->root = copy_fs_name(root)) == NULL || (j->name = copy_fs_name(name)) == NULL)
-        goto fail;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(parts); i++) {
-        if ((j->parts[i] = copy_fs_name(PySequence_Fast_GET_ITEM(parts, i))) == NULL)
-            goto fail;
-        j->nparts++;
-    }
-    if (PyObject_GetBuffer(data, &j->data, PyBUF_SIMPLE) != 0)
-        goto fail;
-    Py_DECREF(parts);
-    Py_INCREF(token);
-    j->token = token;
-    pthread_mutex_lock(&jobs_lock);
-    if (todo_tail != NULL)
-        todo_tail->next = j;
-    else
-        todo_head = j;
-    todo_tail = j;
-    pthread_cond_signal(&jobs_wake);
-    pthread_mutex_unlock(&jobs_lock);
-    Py_RETURN_NONE;
-fail:
-    Py_XDECREF(parts);
-    free_job(j);
-    return NULL;
-}
-
 /* Put answers back to be collected again (the loop is woken again). */
 static void put_back(struct job *first)
 {
@@ -340,9 +345,7 @@ static void put_back(struct job *first)
     last->next = done;
     done = first;
     pthread_mutex_unlock(&jobs_lock);
-    uint64_t one = 1;
-    while (write(notify_fd, &one, sizeof one) < 0 && errno == EINTR)
-        ;
+    notify();
 }
 
 static PyObject *collect(PyObject *self, PyObject *unused)
@@ -379,8 +382,6 @@ static PyObject *collect(PyObject *self, PyObject *unused)
     }
     while (first != NULL) {
         struct job *next = first->next;
-        Py_DECREF(first->token);
-        PyBuffer_Release(&first->data);
         free_job(first);
         first = next;
     }

@@ -279,12 +279,20 @@ class LocalDiskProvider(StorageProvider):
         check_put_arguments(key, len(data), sha256_hex)
         body = packed.stored_form(data, sha256_hex)
         dirs, name = self._split(key)
-        try:
-            if _put_new is not None:
+        if _put_new is not None:
+            try:
                 made = _put_new(str(self.root), dirs, name, body)
-                if made >= 0:
-                    return made == 1
-                # A directory to make, or no anonymous files here: the steps below.
+            except OSError as exc:
+                raise self._unavailable("store", key, exc) from exc
+            if made >= 0:
+                return made == 1
+        return self._put_stored_form(key, dirs, name, body)
+
+    def _put_stored_form(self, key: str, dirs: list[str], name: str, body: bytes) -> bool:
+        """``put_bytes``'s steps in Python for its packed ``body``: they make
+        missing directories, and use a named temp file where the filesystem
+        makes no anonymous files (the two cases the C store leaves here)."""
+        try:
             with self._directory(dirs, create=True) as dir_fd:
                 if _lexists(name, dir_fd):
                     return False
@@ -299,8 +307,9 @@ class LocalDiskProvider(StorageProvider):
         """``put_bytes`` from the event loop: packed here, then stored by the
         C store's own threads (``_NativeStores``), so no thread takes the
         GIL for it. A directory to make, or a filesystem without anonymous
-        files, takes ``put_bytes`` in a worker thread, as does a tree built
-        without the extension."""
+        files, takes the Python steps in a worker thread; a tree built
+        without the extension, or a second running loop, all of
+        ``put_bytes``."""
         stores = _native_stores()
         if stores is None:
             return await asyncio.to_thread(self.put_bytes, key, data, sha256_hex)
@@ -308,13 +317,14 @@ class LocalDiskProvider(StorageProvider):
         body = packed.stored_form(data, sha256_hex)
         dirs, name = self._split(key)
         answer = await stores.store(str(self.root), dirs, name, body)
-        if answer is not None:
-            made, error = answer
-            if made >= 0:
-                return made == 1
-            if made == _FAILED:
-                raise self._unavailable("store", key, OSError(error, os.strerror(error)))
-        return await asyncio.to_thread(self.put_bytes, key, data, sha256_hex)
+        if answer is None:  # another event loop watches the threads
+            return await asyncio.to_thread(self.put_bytes, key, data, sha256_hex)
+        made, error = answer
+        if made == _FAILED:
+            raise self._unavailable("store", key, OSError(error, os.strerror(error)))
+        if made >= 0:
+            return made == 1
+        return await asyncio.to_thread(self._put_stored_form, key, dirs, name, body)
 
     def put_spans(self, src: Path, spans: Sequence[Span]) -> list[bool]:
         """Write every new object (packed where that pays) as an anonymous

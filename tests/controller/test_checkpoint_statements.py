@@ -9,10 +9,8 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from functools import partial
-from pathlib import Path
 from typing import Any, TypeVar
 
-import psycopg
 import pytest
 
 from tests.controller.test_changeset import put
@@ -35,19 +33,20 @@ class StatementLog:
     """The statements PostgreSQL logged for one database, between two points."""
 
     def __init__(self, cluster: PgCluster, url: str) -> None:
-        self.log: Path = cluster.pg.logfile
-        name = url.split("?", 1)[0].rsplit("/", 1)[1]
-        with psycopg.connect(cluster.admin_url(), autocommit=True) as conn:
-            # Only this database logs its statements: the log's statement
-            # lines are its sessions' alone.
-            conn.execute(f"ALTER DATABASE {name} SET log_statement = 'all'")
+        self.cluster = cluster
+        # Only this database logs its statements: the log's statement lines
+        # are its sessions' alone.
+        cluster.configure_database(url, {"log_statement": "all"})
+
+    def window(self, work: Callable[[], T]) -> tuple[T, bytes]:
+        """``work``'s answer and what the log took meanwhile."""
+        start = self.cluster.pg.logfile.stat().st_size
+        result = work()  # each statement's line is written before it runs
+        return result, self.cluster.log_since(start)
 
     def count(self, work: Callable[[], T]) -> tuple[T, int]:
-        start = self.log.stat().st_size
-        result = work()  # each statement's line is written before it runs
-        with self.log.open("rb") as fh:
-            fh.seek(start)
-            return result, len(STATEMENT.findall(fh.read()))
+        result, text = self.window(work)
+        return result, len(STATEMENT.findall(text))
 
 
 @pytest.fixture(scope="module")
@@ -132,15 +131,14 @@ def test_a_put_is_one_statement_to_authorize_and_one_transaction_to_write(
     with tenant.client() as c:
 
         def upload(i: int) -> list[bytes]:
-            start = statements.log.stat().st_size
-            r = c.put(
-                f"{tenant.my_folder}/content", params={"path": f"d/f{i}"}, content=b"%d" % i,
-                headers=octet,
+            r, text = statements.window(
+                lambda: c.put(
+                    f"{tenant.my_folder}/content", params={"path": f"d/f{i}"},
+                    content=b"%d" % i, headers=octet,
+                )
             )  # fmt: skip
             assert r.status_code == 201, r.text
-            with statements.log.open("rb") as fh:
-                fh.seek(start)
-                return STATEMENT_TEXT.findall(fh.read())
+            return STATEMENT_TEXT.findall(text)
 
         upload(0)  # the folder's first write creates it (and d/)
         windows = [upload(i) for i in range(1, 4)]

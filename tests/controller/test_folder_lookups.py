@@ -23,10 +23,8 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
 from tests.support.bridge import Run, start_run
@@ -53,27 +51,25 @@ class PlanLog:
     """The plans ``auto_explain`` logged for one database, between two points."""
 
     def __init__(self, cluster: PgCluster, url: str) -> None:
-        self.log: Path = cluster.pg.logfile
-        name = url.split("?", 1)[0].rsplit("/", 1)[1]
-        with psycopg.connect(cluster.admin_url(), autocommit=True) as conn:
-            for setting, value in (
-                ("session_preload_libraries", "auto_explain"),
-                ("auto_explain.log_min_duration", "0"),
-                ("auto_explain.log_analyze", "on"),
-                ("auto_explain.log_buffers", "on"),
-                ("auto_explain.log_timing", "off"),
-                ("auto_explain.log_format", "json"),
-            ):
-                conn.execute(f"ALTER DATABASE {name} SET {setting} = '{value}'")
+        self.cluster = cluster
+        cluster.configure_database(
+            url,
+            {
+                "session_preload_libraries": "auto_explain",
+                "auto_explain.log_min_duration": "0",
+                "auto_explain.log_analyze": "on",
+                "auto_explain.log_buffers": "on",
+                "auto_explain.log_timing": "off",
+                "auto_explain.log_format": "json",
+            },
+        )
         self.start = 0
 
     def mark(self) -> None:
-        self.start = self.log.stat().st_size
+        self.start = self.cluster.pg.logfile.stat().st_size
 
     def plans(self) -> list[dict[str, Any]]:
-        with self.log.open("rb") as fh:
-            fh.seek(self.start)
-            text = fh.read()
+        text = self.cluster.log_since(self.start)
         found = []
         for m in PLAN.finditer(text):
             body = b"\n".join(line[1:] for line in m.group(1).splitlines())

@@ -77,6 +77,21 @@ class PgCluster:
             conn.execute(f"CREATE DATABASE {name}")
         return f"postgresql://controller@/{name}?host={self.pg.sockdir}"
 
+    def configure_database(self, url: str, settings: dict[str, str]) -> None:
+        """``ALTER DATABASE ... SET`` each setting for the database of ``url``
+        (from :meth:`create_database`): its new sessions take them."""
+        name = url.split("?", 1)[0].rsplit("/", 1)[1]
+        with psycopg.connect(self.admin_url(), autocommit=True) as conn:
+            for setting, value in settings.items():
+                conn.execute(f"ALTER DATABASE {name} SET {setting} = '{value}'")
+
+    def log_since(self, start: int) -> bytes:
+        """The cluster's log from byte ``start`` on (``start``: the log's size
+        at an earlier point, ``self.pg.logfile.stat().st_size``)."""
+        with self.pg.logfile.open("rb") as fh:
+            fh.seek(start)
+            return fh.read()
+
     def kill(self, timeout: float = 60) -> None:
         """Every server process killed with -9, as a crashed host would, and
         gone when this returns (``pg.start()`` then recovers the cluster)."""
