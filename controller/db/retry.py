@@ -96,7 +96,9 @@ async def _pipelined(
     mode of their own, so the ``BEGIN`` is the one psycopg would send.
 
     After a statement's error the server skips the rest until the
-    pipeline's sync: that sync is made here, its "pipeline aborted" for
+    pipeline's sync. The error is read wherever its answer arrives: in
+    ``work``, or while the ``COMMIT`` is sent when ``work`` read nothing
+    after it. Either way that sync is made here, its "pipeline aborted" for
     the skipped statements dropped, and the statement's own error raised
     (a deadlock is retried), after the transaction is rolled back. The
     connection goes back to the pool out of autocommit mode, or closed when
@@ -108,10 +110,12 @@ async def _pipelined(
             await conn.execute(b"BEGIN", prepare=False)
             try:
                 result = await work(conn)
+                # A statement's error may first be read here, with the COMMIT
+                # sent: it is drained alike.
+                await conn.execute(b"COMMIT", prepare=False)
             except psycopg.Error:
                 await _drain(pipe)
                 raise
-            await conn.execute(b"COMMIT", prepare=False)
         return result
     except BaseException:
         if conn.pgconn.transaction_status in _IN_TRANSACTION:
@@ -129,11 +133,11 @@ DRAIN_SYNCS = 50
 async def _drain(pipe: psycopg.AsyncPipeline) -> None:
     """After a statement's error, sync until a sync reads every answer left.
 
-    A sync raises the first "pipeline aborted" it reads, and it may do so
-    before the rest of the answers (its own among them) have arrived: those
-    then surfaced at the pipeline's exit, which logged them as an error it
-    ignored, on a busy machine only. A sync that raises has read at least
-    one answer, so a few more read them all."""
+    A sync raises at the first "pipeline aborted" among the answers it has
+    read so far, without waiting for the rest (its own among them); any
+    left would surface at the pipeline's exit, which logs them as an error
+    it ignored. A sync that raises has read at least one answer, so a few
+    more read them all."""
     for _ in range(DRAIN_SYNCS):
         try:
             await pipe.sync()

@@ -6,6 +6,7 @@ no transaction open), whatever ended the work."""
 from __future__ import annotations
 
 import asyncio
+import select
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -156,3 +157,28 @@ def test_an_aborted_pipeline_is_synced_until_its_answers_are_read(failures: int)
     pipe = Pipe(failures)
     asyncio.run(retry._drain(pipe))  # type: ignore[arg-type]
     assert pipe.syncs == min(failures + 1, retry.DRAIN_SYNCS)
+
+
+@pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
+def test_a_conflict_first_read_with_the_commit_is_tried_again(url: str, sqlstate: str) -> None:
+    """The conflict's answer is on the socket, unread, when the work returns:
+    it is read while the ``COMMIT`` is sent. That error is retried as one
+    read in the work, and the pipeline's answers left behind it are read
+    before the pipeline ends (psycopg logs a warning for any it finds)."""
+    tries = 0
+
+    async def work(conn: AsyncConnection[Any]) -> int:
+        nonlocal tries
+        tries += 1
+        await insert(conn, 1)
+        if tries < 3:
+            await conn.execute(
+                f"DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '{sqlstate}'; END $$"
+            )
+            # Blocks the loop until the server answered: the next read is the COMMIT's.
+            readable, _, _ = select.select([conn.pgconn.socket], [], [], 60)
+            assert readable
+        return tries
+
+    assert with_one_connection(url, lambda pool: retrying(pool, work, pipeline=True)) == 3
+    assert keys(url) == [1]
