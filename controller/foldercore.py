@@ -173,6 +173,9 @@ class Commit:
     touch: bool = True
     ahead: AsyncCursor[Any] | None = None
     """The answer to the ``ahead`` query given to :func:`committing`."""
+    registered: Registration | None = None
+    """The ``register`` object given to :func:`committing`, locked and upserted
+    (None where it was not sent ahead: see there)."""
 
 
 @asynccontextmanager
@@ -185,6 +188,7 @@ async def committing(
     *,
     touch: bool = True,
     ahead: Query | None = None,
+    register: PendingObject | None = None,
 ) -> AsyncIterator[Commit]:
     """Lock the folder, re-check authority, look up the receipt; on success
     check an agent folder's storage limits and the folder's entry limit (only
@@ -204,13 +208,24 @@ async def committing(
     lock so that in pipeline mode its answer comes in the same round trip
     as the authority's (:attr:`Commit.ahead`); it is only read, so sending
     it before the authority is confirmed changes nothing.
+
+    ``register``: the object a file write will reference, locked and
+    upserted (:func:`send_registration`) in that same round trip, so that
+    the write's rows need no answer before the ``COMMIT``
+    (:attr:`Commit.registered`, for :func:`write_file`). Only a write
+    without an operation id does so: a replay commits without writing, and
+    must not register an object nothing references. The upsert is undone
+    with the rest if the write is refused.
     """
     counters = await _send_lock(conn, folder)
     early = None if ahead is None else await conn.execute(*ahead)
+    registered = None
+    if register is not None and operation_id is None:
+        registered = await send_registration(conn, folder.company_id, register)
     await policy.confirm(conn)
     await folder.counters.read(counters)
     replay = None if operation_id is None else await stored_result(conn, folder, operation_id, fp)
-    commit = Commit(replay, touch=touch, ahead=early)
+    commit = Commit(replay, touch=touch, ahead=early, registered=registered)
     yield commit
     if commit.replay is not None:
         return
@@ -301,7 +316,7 @@ async def ensure_parents(
         if row is not None and row["kind"] != "directory":
             raise ParentIsFile(details=[{"path": anc}])
         if row is None:
-            await _insert_row(conn, folder, anc, "directory")
+            await _insert_row(conn, folder, anc, "directory", read=False)
 
 
 async def _insert_row(
@@ -314,30 +329,62 @@ async def _insert_row(
     byte_size: int = 0,
     executable: bool = False,
     content_type: str | None = None,
+    read: bool = True,
 ) -> Row:
-    cur = await conn.execute(
+    """Insert a live row. ``read``: return the row as the database answers it
+    (``RETURNING *``); without, the statement's answer is not waited for (in
+    pipeline mode it comes with the next round trip, its error too) and the
+    row returned is the one the statement writes (:func:`_write_row`)."""
+    values: Row = {
+        "id": uuid.uuid4(),
+        "folder_id": folder.id,
+        "path": path,
+        "parent": parent_of(path) or "",
+        "kind": kind,
+        "digest": digest,
+        "byte_size": byte_size,
+        "executable": executable,
+        "content_type": content_type,
+        "version": folder.counters.take(),
+    }
+    row = await _write_row(
+        conn,
+        folder,
         "INSERT INTO files (id, folder_id, path, parent, kind, digest, byte_size, executable,"
         " content_type, version)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-        " RETURNING *",
-        (
-            uuid.uuid4(),
-            folder.id,
-            path,
-            parent_of(path) or "",
-            kind,
-            digest,
-            byte_size,
-            executable,
-            content_type,
-            folder.counters.take(),
-        ),
+        " VALUES (%(id)s, %(folder_id)s, %(path)s, %(parent)s, %(kind)s, %(digest)s,"
+        " %(byte_size)s, %(executable)s, %(content_type)s, %(version)s)",
+        values,
+        {**values, "deleted_at": None, "trash_root": None},
+        read=read,
     )
-    row: Row | None = await cur.fetchone()
-    assert row is not None
     folder.counters.count(1, byte_size)
     if kind == "file":
         folder.counters.wrote(path, byte_size)
+    return row
+
+
+async def _write_row(
+    conn: AsyncConnection[Any],
+    folder: Folder,
+    sql: str,
+    values: Row,
+    written: Row,
+    *,
+    read: bool,
+) -> Row:
+    """Run ``sql``, an ``INSERT`` or ``UPDATE`` of one ``files`` row. ``read``:
+    return the row as the database answers it (``RETURNING *``); without,
+    do not wait for the answer and return ``written``, every column of the
+    row as the statement writes it but ``updated_at``, which the statement
+    sets (or leaves by default) to ``now()``: the transaction's time, read
+    with the folder's counters."""
+    cur = await conn.execute(sql + (" RETURNING *" if read else ""), values)
+    if not read:
+        assert folder.counters.now is not None
+        return {**written, "updated_at": folder.counters.now}
+    row: Row | None = await cur.fetchone()
+    assert row is not None
     return row
 
 
@@ -390,8 +437,9 @@ async def upsert_objects(
 
 
 @dataclass(frozen=True)
-class _Upserted:
-    """The answer to :func:`upsert_objects`, still to be read."""
+class Registration:
+    """The answer to :func:`upsert_objects`, still to be read; for one object,
+    :func:`send_registration`'s."""
 
     digests: list[str]
     cur: AsyncCursor[Any] | None
@@ -404,7 +452,7 @@ class _Upserted:
 
 async def _send_upsert_objects(
     conn: AsyncConnection[Any], company_id: str, sizes: dict[str, int], mark: StoreMark | None
-) -> _Upserted:
+) -> Registration:
     digests = sorted(sizes)
     params = {
         "company": company_id,
@@ -414,9 +462,9 @@ async def _send_upsert_objects(
     }
     if mark is None:
         await conn.execute(UPSERT_OBJECTS_SQL, params)
-        return _Upserted(digests, None)
+        return Registration(digests, None)
     cur = await conn.execute(f"WITH up AS ({UPSERT_OBJECTS_SQL}) {SWEPT_SINCE_SQL}", params)
-    return _Upserted(digests, cur)
+    return Registration(digests, cur)
 
 
 STORE_MARK_SQL = "nextval('object_deletion_marks')"
@@ -459,6 +507,27 @@ async def lock_object(conn: AsyncConnection[Any], company_id: str, digest: str) 
     )
 
 
+@dataclass(frozen=True)
+class PendingObject:
+    """An object a write is about to reference: its digest and size, and the
+    store mark taken before its bytes were stored (:func:`register_object`)."""
+
+    digest: str
+    byte_size: int
+    stored_after: StoreMark | None
+
+
+async def send_registration(
+    conn: AsyncConnection[Any], company_id: str, pending: PendingObject
+) -> Registration:
+    """Lock the object and upsert its row, without waiting for the answer:
+    :meth:`Registration.swept` reads it (:func:`register_object`'s steps)."""
+    await lock_object(conn, company_id, pending.digest)
+    return await _send_upsert_objects(
+        conn, company_id, {pending.digest: pending.byte_size}, pending.stored_after
+    )
+
+
 async def journal_deletion(
     conn: AsyncConnection[Any], company_id: str, digests: list[str], reason: str, delay: timedelta
 ) -> None:
@@ -484,23 +553,38 @@ async def write_file(
     gc_delay: timedelta,
     found: dict[str, Row] | None = None,
     stored_after: StoreMark | None = None,
+    registered: Registration | None = None,
 ) -> tuple[Row, bool]:
     """Write one file under the folder lock; returns (row, created).
     A directory at ``path`` is a KindConflict. ``found``: :func:`path_rows`
     of ``path``, when the caller has them already; ``stored_after``: see
-    :func:`register_object`."""
+    :func:`register_object`.
+
+    ``registered``: the object, already locked and upserted in this
+    transaction (:attr:`Commit.registered`) and its answer read with the
+    folder's. Its bytes are then checked first, and the rows are written
+    without waiting for their answers: the row returned is the one written
+    (in pipeline mode the statements go with the ``COMMIT``, and an error
+    of theirs is raised there)."""
     if found is None:
         found = await path_rows(conn, folder, path)
     await ensure_parents(conn, folder, path, found)
     existing = found.get(path)
     if existing is not None and existing["kind"] != "file":
         raise KindConflict(details=[{"path": path, "kind": existing["kind"]}])
+    if registered is not None:
+        # Under the object lock since it was sent: no sweep can come between.
+        if await registered.swept():
+            await ensure_object(object_key(folder.company_id, digest))
+        return await _write_file_row(
+            conn, folder, existing, path, digest, byte_size, executable, content_type, gc_delay,
+            read=False,
+        )  # fmt: skip
     # register_object, with the bytes checked once the row referencing them
     # is written too (in pipeline mode its statement goes with the upsert's):
     # both happen under the object lock, in this transaction, before it commits.
-    await lock_object(conn, folder.company_id, digest)
-    upserted = await _send_upsert_objects(
-        conn, folder.company_id, {digest: byte_size}, stored_after
+    upserted = await send_registration(
+        conn, folder.company_id, PendingObject(digest, byte_size, stored_after)
     )
     row, created = await _write_file_row(
         conn, folder, existing, path, digest, byte_size, executable, content_type, gc_delay
@@ -520,7 +604,10 @@ async def _write_file_row(
     executable: bool,
     content_type: str | None,
     gc_delay: timedelta,
+    *,
+    read: bool = True,
 ) -> tuple[Row, bool]:
+    """``read``: as for :func:`_insert_row`."""
     if existing is None:
         row = await _insert_row(
             conn,
@@ -531,16 +618,27 @@ async def _write_file_row(
             byte_size=byte_size,
             executable=executable,
             content_type=content_type,
+            read=read,
         )
         return row, True
-    cur = await conn.execute(
-        "UPDATE files SET digest = %s, byte_size = %s, executable = %s, content_type = %s,"
-        " version = %s, updated_at = now()"
-        " WHERE id = %s RETURNING *",
-        (digest, byte_size, executable, content_type, folder.counters.take(), existing["id"]),
+    values = {
+        "digest": digest,
+        "byte_size": byte_size,
+        "executable": executable,
+        "content_type": content_type,
+        "version": folder.counters.take(),
+        "id": existing["id"],
+    }
+    updated = await _write_row(
+        conn,
+        folder,
+        "UPDATE files SET digest = %(digest)s, byte_size = %(byte_size)s,"
+        " executable = %(executable)s, content_type = %(content_type)s,"
+        " version = %(version)s, updated_at = now() WHERE id = %(id)s",
+        values,
+        {**existing, **values},
+        read=read,
     )
-    updated: Row | None = await cur.fetchone()
-    assert updated is not None
     folder.counters.count(0, byte_size - int(existing["byte_size"]))
     folder.counters.wrote(path, byte_size)
     if existing["digest"] != digest:

@@ -20,6 +20,7 @@ from controller.foldercore import (
     Authority,
     EnsureObject,
     Folder,
+    PendingObject,
     Row,
     StoreMark,
     WritePolicy,
@@ -77,9 +78,13 @@ async def put_file(
     )
     # The path and its parents in one query, sent with the folder lock; the
     # trash copy that keep_replaced adds is not live, so these rows stay what
-    # write_file needs.
+    # write_file needs. The object is registered in that round trip too, so
+    # that the row's statements need no answer of their own before the COMMIT.
     ahead = path_rows_query(folder, path)
-    async with committing(conn, folder, operation_id, fp, policy, ahead=ahead) as commit:
+    pending = PendingObject(digest, byte_size, stored_after)
+    async with committing(
+        conn, folder, operation_id, fp, policy, ahead=ahead, register=pending
+    ) as commit:
         if commit.replay is not None:
             return _replayed(commit.replay)
         assert commit.ahead is not None
@@ -101,6 +106,7 @@ async def put_file(
             gc_delay=gc_delay,
             found=found,
             stored_after=stored_after,
+            registered=commit.registered,
         )
         commit.result = {"applied": True, "created": created, "file": entry_json(row)}
     return commit.result

@@ -18,6 +18,7 @@ versions.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from psycopg import AsyncConnection, AsyncCursor
@@ -41,6 +42,8 @@ class FolderCounters:
         """Live file bytes this transaction added (negative: removed)."""
         self.largest_written: tuple[int, str] | None = None
         """The largest file this transaction wrote or brought back: (size, path)."""
+        self.now: datetime | None = None
+        """The transaction's ``now()``: what a row it writes gets as ``updated_at``."""
 
     async def load(self, conn: AsyncConnection[Any], folder_id: int) -> None:
         await self.read(await self.request(conn, folder_id))
@@ -50,7 +53,8 @@ class FolderCounters:
         """Send the read of the counters; :meth:`read` takes its answer (in
         pipeline mode it comes with the next round trip, not one of its own)."""
         return await conn.execute(
-            "SELECT version_counter, live_entries, live_bytes FROM folders WHERE id = %s",
+            "SELECT version_counter, live_entries, live_bytes, now() AS now FROM folders"
+            " WHERE id = %s",
             (folder_id,),
         )
 
@@ -62,6 +66,7 @@ class FolderCounters:
         self.entries, self.entries_delta = int(row["live_entries"]), 0
         self.bytes, self.bytes_delta = int(row["live_bytes"]), 0
         self.largest_written = None
+        self.now = row["now"]
 
     def base(self) -> int:
         """The last version handed out; the next write gets ``base() + 1``."""

@@ -528,3 +528,25 @@ def test_last_operation_at_tracks_direct_operations(tenant: Tenant) -> None:
         # Parsed, not compared as strings: "12:00:05Z" (microseconds 0) sorts after
         # "12:00:05.000100Z".
         assert parse_api_time(later) > parse_api_time(first), (first, later)
+
+
+def test_a_put_answers_the_entry_as_stored(tenant: Tenant) -> None:
+    """A new file under new folders, an overwrite with new bytes and one with
+    the same bytes and a new mode, each without and with an Idempotency-Key
+    (the PUT writes its row without reading it back in the first case, reads
+    it in the second): every answer is the entry as the listing shows it."""
+    with tenant.client() as c:
+        for n, keyed in enumerate((False, True)):
+            path = f"answers{n}/deep/f.txt"
+            steps = [(b"one", {}), (b"two", {}), (b"two", {"X-File-Executable": "true"})]
+            for i, (data, headers) in enumerate(steps):
+                if keyed:
+                    headers = {**headers, "Idempotency-Key": f"answer-{n}-{i}"}
+                r = put(c, tenant.my_folder, path, data, **headers)
+                assert r.status_code == (201 if i == 0 else 200), r.text
+                answered = r.json()["file"]
+                listed = {e["path"]: e for e in listing(c, tenant.my_folder)}
+                assert answered == listed[path], (keyed, i)
+                assert answered["digest"] == hashlib.sha256(data).hexdigest()
+            versions = [listed[p]["version"] for p in (f"answers{n}", f"answers{n}/deep", path)]
+            assert versions == sorted(versions) and len(set(versions)) == 3

@@ -435,14 +435,19 @@ def test_a_stale_sweep_of_a_settled_entry_deletes_nothing(world: World) -> None:
     assert world.outcomes() == ["deleted", None]  # None: the registration's own entry
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("swept", [False, True])
 def test_a_single_write_in_pipeline_mode_checks_the_bytes_only_after_a_sweep(
-    world: World, swept: bool
+    world: World, swept: bool, ahead: bool
 ) -> None:
     """A person's upload (``write_file`` with the store mark taken before the
-    bytes were stored, in pipeline mode as the REST PUT runs it): its row is
-    written before the upsert's answer is read, and the bytes are asked for,
-    and stored again, exactly when a sweep deleted them since the mark."""
+    bytes were stored, in pipeline mode as the REST PUT runs it): the bytes
+    are asked for, and stored again, exactly when a sweep deleted them since
+    the mark. Without ``ahead`` its row is written before the upsert's
+    answer is read; with it (as the REST PUT without an operation id does),
+    the object is registered with the folder's lock and its answer read
+    first, and the row is written unread: the row returned is still the row
+    the database holds, column for column."""
     data = b"a person's upload"
     digest = hashlib.sha256(data).hexdigest()
     key = object_key(world.company, digest)
@@ -461,6 +466,10 @@ def test_a_single_write_in_pipeline_mode_checks_the_bytes_only_after_a_sweep(
             assert (await sweep_once(pool, world.storage)).deleted == 1
         async with pool.connection() as conn, conn.pipeline(), conn.transaction():
             folder = await world.folder(conn)
+            registered = None
+            if ahead:
+                pending = foldercore.PendingObject(digest, len(data), mark)
+                registered = await foldercore.send_registration(conn, world.company, pending)
             return await foldercore.write_file(
                 conn,
                 folder,
@@ -472,10 +481,13 @@ def test_a_single_write_in_pipeline_mode_checks_the_bytes_only_after_a_sweep(
                 ensure_object=ensure,
                 gc_delay=HOUR,
                 stored_after=mark,
+                registered=registered,
             )
 
     row, created = run_with_pool(world, scenario)
     assert created and row["digest"] == digest
+    with psycopg.connect(world.url, row_factory=psycopg.rows.dict_row) as conn:
+        assert conn.execute("SELECT * FROM files WHERE path = 'upload.bin'").fetchone() == row
     assert checked == ([key] if swept else [])
     assert read_all(world.storage, key) == data
     assert world.sql("SELECT count(*) FROM objects") == [(1,)]
