@@ -139,10 +139,20 @@ async def stored_result(
     """The result stored for the folder's operation id (the caller holds the
     folder lock, so a retry of the same key waits for the first to commit);
     IdempotencyConflict when the id was used for a different request."""
-    cur = await conn.execute(
+    return await _stored_answer(await _send_receipt_lookup(conn, folder, operation_id), fp)
+
+
+async def _send_receipt_lookup(
+    conn: AsyncConnection[Any], folder: Folder, operation_id: str
+) -> AsyncCursor[Any]:
+    return await conn.execute(
         "SELECT fingerprint, result FROM receipts WHERE folder_id = %s AND operation_id = %s",
         (folder.id, operation_id),
     )
+
+
+async def _stored_answer(cur: AsyncCursor[Any], fp: str) -> dict[str, Any] | None:
+    """:func:`stored_result` from the answer of :func:`_send_receipt_lookup`."""
     row = await cur.fetchone()
     if row is None:
         return None
@@ -199,7 +209,8 @@ async def committing(
     not only when the request arrived: a token may be ended, its lease
     superseded or its member removed or made a viewer while a body was still
     arriving, and revocation must be final for anything committed after it.
-    It is checked before the receipt so a replay cannot outlive revocation.
+    It is confirmed before the receipt is read (the lookup goes to the server
+    in the same round trip), so a replay cannot outlive revocation.
 
     A write without an operation id (a request without ``Idempotency-Key``)
     cannot be replayed, so it neither looks up nor stores a receipt.
@@ -219,12 +230,17 @@ async def committing(
     """
     counters = await _send_lock(conn, folder)
     early = None if ahead is None else await conn.execute(*ahead)
+    # The receipt is looked up in the same round trip, and read only once
+    # the authority is confirmed: a replay cannot outlive revocation.
+    receipt = (
+        None if operation_id is None else await _send_receipt_lookup(conn, folder, operation_id)
+    )
     registered = None
     if register is not None and operation_id is None:
         registered = await send_registration(conn, folder.company_id, register)
     await policy.confirm(conn)
     await folder.counters.read(counters)
-    replay = None if operation_id is None else await stored_result(conn, folder, operation_id, fp)
+    replay = None if receipt is None else await _stored_answer(receipt, fp)
     commit = Commit(replay, touch=touch, ahead=early, registered=registered)
     yield commit
     if commit.replay is not None:
