@@ -89,7 +89,8 @@ async def list_entries(
     else:
         cur = await conn.execute(_PAGE_PLAN, (folder.id,))
         head = await cur.fetchone()
-        assert head is not None
+        if head is None:  # the folder was removed meanwhile: nothing to list
+            return EntryPage([], False, None, 0, 0)
         version, live = int(head["version_counter"]), int(head["live_entries"])
         params: dict[str, Any] = {"fid": folder.id, "limit": limit + 1}
         where = ["folder_id = %(fid)s"]
