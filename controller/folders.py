@@ -73,21 +73,28 @@ async def list_entries(
     narrows the scan, so the keyset order and cursors stay the same.
 
     A page reads its own rows, not the folder's, whatever the planner knows
-    of the table (``test_folder_lookups``): the whole folder's live total is
-    the folder's own counter (``live_entries``, kept by every write), and
-    the transaction's planner settings (:data:`_PAGE_PLAN`) leave it no plan
-    that reads every row of the folder, or of the table, to answer a page.
-    Before the table's first ``ANALYZE`` it takes nearly every row for
-    trash (``deleted_at IS NOT NULL``) and very few for a folder, and would
-    scan the table for a page of the trash and sort the whole folder for a
-    page of the listing.
+    of the table (``test_folder_lookups``). The whole folder's live total
+    is the folder's own counter (``live_entries``, kept by every write), and
+    a page of the whole folder or of the trash is read with planner settings
+    (:data:`_OWN_ROWS`) that leave no plan reading every row of the folder,
+    or of the table: before the table's first ``ANALYZE`` the planner takes
+    nearly every row for trash (``deleted_at IS NOT NULL``) and very few for
+    a folder, and scanned the table for a page of the trash, counted it
+    with a bitmap scan of the whole folder, and sorted the whole folder for
+    a page of the listing. A directory's live page is left to the planner:
+    its index (``files_children``) gives the order, and in a small folder a
+    scan of the table is the cheaper plan.
     """
     rows: list[Row] = []
     total = 0
     if folder is None:
         version = await folder_high_water(conn, None)
     else:
-        cur = await conn.execute(_PAGE_PLAN, (folder.id,))
+        own_rows = _OWN_ROWS if trash or parent is None else ""
+        cur = await conn.execute(
+            f"SELECT version_counter, live_entries{own_rows} FROM folders WHERE id = %s",
+            (folder.id,),
+        )
         head = await cur.fetchone()
         if head is None:  # the folder was removed meanwhile: nothing to list
             return EntryPage([], False, None, 0, 0)
@@ -131,17 +138,18 @@ async def list_entries(
     return EntryPage(rows[:limit], len(rows) > limit, last_op, total, version)
 
 
-_PAGE_PLAN = (
-    "SELECT version_counter, live_entries, set_config('enable_seqscan', 'off', true),"
-    " set_config('enable_bitmapscan', 'off', true), set_config('enable_sort', 'off', true),"
-    " set_config('jit', 'off', true) FROM folders WHERE id = %s"
+_OWN_ROWS = (
+    ", set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),"
+    " set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
 )
-"""The folder's counters, and planner settings for the rest of the listing's
-transaction: no scan of the table, no bitmap scan, no sort where an index
-gives the order (the live listing's, by path; the trash's order has no index
-and is sorted all the same, after an index scan of the trash alone). A step
-it is told to avoid is costed at 10^10, far past ``jit_above_cost``: JIT
-stays off (as :func:`manifest_page` does)."""
+"""Planner settings for the rest of a listing's transaction, read with the
+folder's counters: no scan of the table and no bitmap scan (every index of
+``files`` starts with the folder, and ``files_trash`` holds the trash
+alone), no sort where an index gives the order (the live listing's, by
+path, whose ``LIMIT`` then stops the scan; the trash's order has no index
+and is sorted all the same, after a scan of the trash alone). A step the
+planner is told to avoid is costed at 10^10, far past ``jit_above_cost``:
+JIT stays off (as :func:`manifest_page` does)."""
 
 
 @dataclass(frozen=True)
