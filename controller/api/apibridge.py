@@ -184,6 +184,8 @@ class _Meter:
     request_bytes: int = 0
     response_bytes: int = 0
     response_limit: int = 0
+    response_length: int | None = None
+    """The answer's Content-Length, when it has one."""
     clock: asyncio.Timeout | None = None
 
 
@@ -380,6 +382,8 @@ def _metered_send(send: Any, meter: _Meter, audit: _Audit) -> Any:
                 await _too_large(send, meter, audit)
                 return
             meter.status, meter.started = int(message["status"]), True
+            if length is not None and length.isdigit():
+                meter.response_length = int(length)
             if meter.clock is not None and not meter.clock.expired():
                 meter.clock.reschedule(None)
             message = {**message, "headers": headers}
@@ -390,7 +394,12 @@ def _metered_send(send: Any, meter: _Meter, audit: _Audit) -> Any:
             meter.response_bytes += len(message.get("body", b""))
             if meter.response_bytes > meter.response_limit:
                 raise _ResponseOverrun()
-            if not message.get("more_body", False):
+            # A client reading Content-Length bytes has its answer with the
+            # last of them, before the message that ends the body.
+            last = (
+                meter.response_length is not None and meter.response_bytes >= meter.response_length
+            )
+            if last or not message.get("more_body", False):
                 await audit()
         await send(message)
 
