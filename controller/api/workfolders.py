@@ -456,6 +456,10 @@ async def _put_content(request: Request, run: BridgeIdentity | None) -> Response
             # Pipeline mode: put's statements are audited for it (no rowcount,
             # no error expected at a statement whose answer is not read).
             result = await write_transaction(request, put, pipeline=True)
+        if created_blob and not result["applied"]:
+            # A replay wrote nothing: bytes it stored anew (a sweep had taken
+            # them since the first try) are referenced by nothing it did.
+            await journal_orphan(request, address[0], digest)
     except BaseException:
         if created_blob:
             await journal_orphan(request, address[0], digest)

@@ -550,3 +550,32 @@ def test_a_put_answers_the_entry_as_stored(tenant: Tenant) -> None:
                 assert answered["digest"] == hashlib.sha256(data).hexdigest()
             versions = [listed[p]["version"] for p in (f"answers{n}", f"answers{n}/deep", path)]
             assert versions == sorted(versions) and len(set(versions)) == 3
+
+
+def test_a_replayed_put_whose_bytes_were_swept_leaves_no_orphan(tenant: Tenant) -> None:
+    """A PUT replayed (same Idempotency-Key) after its file was purged and its
+    object swept stores the bytes again, writes nothing, and answers the
+    first answer; the bytes it stored are collected like any orphan."""
+    ctl = tenant.controller
+    data = os.urandom(1000)
+    digest = hashlib.sha256(data).hexdigest()
+    key = {"Idempotency-Key": "replayed-after-a-sweep"}
+
+    def stored() -> bool:
+        return any(p.name == digest for p in (ctl.data_dir / "objects").rglob("*"))
+
+    with tenant.client() as c:
+        first = put(c, tenant.my_folder, "once/f.bin", data, **key)
+        assert first.status_code == 201, first.text
+        trashed = op(c, tenant.my_folder, {"action": "delete", "path": "once"}).json()["files"]
+        root = next(f["id"] for f in trashed if f["path"] == "once")
+        assert op(c, tenant.my_folder, {"action": "purge", "fileId": root}).status_code == 200
+        ctl.gc_now()
+        assert not stored()
+        again = put(c, tenant.my_folder, "once/f.bin", data, **key)
+        assert again.status_code == 200 and again.json()["applied"] is False, again.text
+        assert again.json()["file"] == first.json()["file"]
+        assert stored()  # the replay's body, stored before the receipt was found
+        assert listing(c, tenant.my_folder) == []
+    ctl.gc_now()
+    assert not stored()
