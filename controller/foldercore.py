@@ -422,8 +422,8 @@ async def register_object(
     """Lock the object, upsert its row, then make sure the bytes exist: with
     ``ensure_object`` when a sweep may have deleted them since ``stored_after``
     (always, without a mark)."""
-    await lock_object(conn, company_id, digest)
-    if await upsert_objects(conn, company_id, {digest: byte_size}, stored_after):
+    pending = PendingObject(digest, byte_size, stored_after)
+    if await (await send_registration(conn, company_id, pending)).swept():
         await ensure_object(object_key(company_id, digest))
 
 

@@ -116,6 +116,13 @@ def test_a_failed_statement_rolls_back_the_transaction(url: str, read: bool) -> 
     assert keys(url) == [5] and tries == 1
 
 
+def conflict(conn: AsyncConnection[Any], sqlstate: str) -> Awaitable[Any]:
+    """A statement that fails as a conflict (``sqlstate``) would."""
+    return conn.execute(
+        f"DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '{sqlstate}'; END $$"
+    )
+
+
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01"])  # serialization failure, deadlock
 def test_a_conflict_is_tried_again_and_committed_once(url: str, sqlstate: str) -> None:
     tries = 0
@@ -125,9 +132,7 @@ def test_a_conflict_is_tried_again_and_committed_once(url: str, sqlstate: str) -
         tries += 1
         await insert(conn, 1)
         if tries < 3:
-            await conn.execute(
-                f"DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '{sqlstate}'; END $$"
-            )
+            await conflict(conn, sqlstate)
         await insert(conn, 2)
         return tries
 
@@ -172,9 +177,7 @@ def test_a_conflict_first_read_with_the_commit_is_tried_again(url: str, sqlstate
         tries += 1
         await insert(conn, 1)
         if tries < 3:
-            await conn.execute(
-                f"DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '{sqlstate}'; END $$"
-            )
+            await conflict(conn, sqlstate)
             # Blocks the loop until the server answered: the next read is the COMMIT's.
             readable, _, _ = select.select([conn.pgconn.socket], [], [], 60)
             assert readable
