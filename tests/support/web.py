@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from playwright.sync_api import Browser, Locator, Page, Playwright
+from playwright.sync_api import Browser, Locator, Page, Playwright, expect
 
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
@@ -120,6 +120,20 @@ class ViewRecorder:
             console.append(f"(final screenshot failed: {exc})")
         (target / "console.log").write_text("\n".join(console) + "\n")
         return target
+
+
+def escape_in_the_frame(page: Page, preview: Locator, timeout_ms: float = 120_000) -> None:
+    """Escape, pressed while the PDF viewer's frame has focus, closes the preview.
+
+    The key goes down in the frame and comes up in the page: closing the
+    preview removes the frame, and Chromium never acknowledges a key event
+    routed to a frame that is gone, so ``keyboard.press`` (down, then up)
+    waited forever for the key up (seen on a loaded machine, in 1 of about
+    10 runs, and in three fresh-clone CI runs of the Files page's preview
+    test, until the watchdog ended the browser)."""
+    page.keyboard.down("Escape")
+    expect(preview).to_be_hidden(timeout=timeout_ms)
+    page.keyboard.up("Escape")
 
 
 def entry_by_path(entries: list[dict[str, Any]], path: str) -> dict[str, Any] | None:

@@ -16,11 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from playwright.sync_api import Frame, Locator, Page, expect
+from playwright.sync_api import Frame, Page, expect
 
 from tests.support.browser import BROWSER_TESTS
 from tests.support.controller import Tenant
-from tests.support.web import axe_source, axe_violations, build_pdf, folder_url, put_file, sign_in
+from tests.support.web import (
+    axe_source,
+    axe_violations,
+    build_pdf,
+    escape_in_the_frame,
+    folder_url,
+    put_file,
+    sign_in,
+)
 
 pytestmark = BROWSER_TESTS
 
@@ -86,19 +94,6 @@ def wait_for_pages(frame: Frame, count: int) -> list[dict[str, Any]]:
     )
     pages: list[dict[str, Any]] = frame.evaluate(INK)
     return pages
-
-
-def escape_in_the_frame(page: Page, preview: Locator) -> None:
-    """Escape, pressed while the viewer frame has focus, closes the preview.
-
-    The key goes down in the frame and comes up in the page: closing the
-    preview removes the frame, and Chromium never acknowledges a key event
-    routed to a frame that is gone, so ``keyboard.press`` (down, then up)
-    waited forever for the key up (seen on a loaded machine, in 1 of about
-    10 runs)."""
-    page.keyboard.down("Escape")
-    expect(preview).to_be_hidden(timeout=BUSY_MS)
-    page.keyboard.up("Escape")
 
 
 def test_a_pdf_is_drawn_by_pdfjs_in_the_sandboxed_frame(page: Page, tenant: Tenant) -> None:

@@ -24,6 +24,7 @@ from tests.support.web import (
     build_pdf,
     drop_files,
     entry_by_path,
+    escape_in_the_frame,
     folder_url,
     listing_row,
     operate_all,
@@ -470,8 +471,7 @@ def test_previews_of_pdf_binary_and_oversized_files(
     # The PDF's frame (tests/web/test_web_pdf_sandbox.py) keeps every key press
     # while it has focus; Escape in it closes the preview.
     click_into_pdf(page, frame)
-    page.keyboard.press("Escape")
-    expect(preview).to_be_hidden(timeout=BUSY_MS)
+    escape_in_the_frame(page, preview)
     expect(page).not_to_have_url(re.compile("preview="))
     expect(page.get_by_role("link", name="Open hello.pdf")).to_be_focused()
 
