@@ -91,6 +91,16 @@ def sign_in(page: Page, base_url: str, token: str, path: str = "/files/") -> Non
     page.get_by_role("button", name="Sign out").wait_for()
 
 
+def sign_out(page: Page, timeout_ms: float = 120_000) -> None:
+    """Sign out from the page's button and wait until the sign-in form shows.
+
+    The button's DELETE of the session is asynchronous: a navigation started
+    right after the click could still carry the session's cookie and land
+    signed in, with no token field to fill (seen in a fresh-clone CI run)."""
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_role("heading", name="Sign in to Files")).to_be_visible(timeout=timeout_ms)
+
+
 @dataclass
 class ViewRecorder:
     """Screenshots of the main views, kept only when the test fails."""

@@ -32,6 +32,7 @@ from tests.support.web import (
     put_file,
     row_action,
     sign_in,
+    sign_out,
     tab,
     trash_row,
 )
@@ -150,8 +151,7 @@ def test_sign_in_upload_preview_download_and_sign_out(
     expect(page).to_have_url(re.compile(r"\?dir=reports$"))
 
     # Sign out: the session is gone and the folder page asks for a token again.
-    page.get_by_role("button", name="Sign out").click()
-    expect(page.get_by_role("heading", name="Sign in to Files")).to_be_visible()
+    sign_out(page)
     assert not [c for c in page.context.cookies() if c["name"] == "fsa_session"]
     page.goto(base + folder_url(tenant, "user", tenant.user_id))
     expect(page.get_by_role("heading", name="Sign in to Files")).to_be_visible()
@@ -355,7 +355,7 @@ def test_another_members_user_folder_looks_like_a_missing_one(
     assert "secret.txt" not in private_view
 
     # The owner of that folder does see it.
-    page.get_by_role("button", name="Sign out").click()
+    sign_out(page)
     sign_in(page, tenant.controller.url, other_token, folder_url(tenant, "user", other_id))
     expect(listing_row(page, "secret.txt")).to_be_visible()
 
@@ -531,7 +531,7 @@ def test_viewer_gets_a_read_only_page_and_writes_need_the_csrf_header(
     expect(page.get_by_role("link", name="Open readme.md")).to_be_visible()
 
     # Sign in as the owner: a write from the page without the CSRF header fails.
-    page.get_by_role("button", name="Sign out").click()
+    sign_out(page)
     sign_in(page, ctl.url, tenant.token, folder_url(tenant, "project", project))
     status = page.evaluate(
         "async (url) => { const r = await fetch(url, { method: 'POST',"
