@@ -4,7 +4,7 @@ Commands::
 
     fsagent mount SCOPE MOUNTPOINT --controller URL --token-file F [--state-dir D]
                   [--foreground] [--allow-other] [--prefetch N] [--checkpoint-interval S]
-                  [--spin-us N] [--mode auto|fuse|dir] [--ready-file F]
+                  [--spin-us N] [--mode auto|fuse|dir] [--ready-file F | --ready-fd N]
     fsagent up --home DIR --controller URL --token-file F [--state-root D] [--env-file F]
                [--mode auto|fuse|dir] [--restart-delay S]
     fsagent flush [SCOPE] [--state-dir D] [--final] [--json]
@@ -442,6 +442,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--ready-file",
         help="write {pid, mode, path} as JSON to this file once the collection is served "
         "(dir mode; a FUSE mount is ready once mounted)",
+    )
+    m.add_argument(
+        "--ready-fd",
+        type=control.inherited_fd,
+        help="instead of --ready-file, write that record as one JSON line to this inherited "
+        "file descriptor and close it (how fsagent up hears of it: no disk space needed)",
     )
     # Set by `fsagent up` and a detaching `mount` on a terminal: they show the
     # hydration progress written there (fsagent.dirmode.progress).

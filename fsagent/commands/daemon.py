@@ -113,8 +113,9 @@ def _serve_dir(
         decision.reason,
         args.prefetch,
         args.checkpoint_interval,
-        Path(args.ready_file) if args.ready_file else None,
-        Path(args.progress_file) if args.progress_file else None,
+        ready_file=Path(args.ready_file) if args.ready_file else None,
+        ready_fd=args.ready_fd,
+        progress_file=Path(args.progress_file) if args.progress_file else None,
     )
 
     async def main() -> bool:

@@ -26,11 +26,15 @@ fsagent (plain ``KEY=VALUE``), reads here as systemd reads it.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from pathlib import Path
 
 from fsagent.errors import FsagentError
+
+_FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NEED_ESCAPE = '"\\`$'
@@ -169,12 +173,46 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 def write_env_file(path: Path, env: dict[str, str]) -> None:
-    """Replace the env file atomically (a reader sees the old or the new one)."""
-    text = format_env(env)
+    """Replace the env file atomically (a reader sees the old or the new one).
+
+    On a full disk the new file cannot be made. An env file already there (a
+    sandbox started again after its agent filled the disk) is then rewritten
+    in place, in the blocks it already has, so the start does not fail for
+    want of one block: a reader might see it half written, as nobody reads it
+    before ``fsagent up`` says it is ready. The full disk's error is raised
+    when there is no such file or the new text would need more room."""
+    data = format_env(env).encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(text.encode("utf-8"))
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno not in _FULL_DISK or not _rewrite_in_place(path, data):
+            raise
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> bool:
+    """Write ``data`` over the regular file ``path`` where its allocated
+    blocks hold it; False (the file untouched) where they do not or it is
+    not there."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or len(data) > st.st_blocks * 512:
+            return False
+        view = memoryview(data)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, view[done:], done)
+        os.ftruncate(fd, len(data))
+        return True
+    finally:
+        os.close(fd)
 
 
 def update_env_file(path: Path, updates: dict[str, str]) -> None:

@@ -72,6 +72,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
@@ -82,7 +83,7 @@ from fsagent.bridge.base import RepoList, RunInfo
 from fsagent.bridge.client import client_from_args
 from fsagent.bridge.tls import forwarded_argv, options_from
 from fsagent.checkpoint.lifecycle import AGENT_FINAL_ATTEMPTS
-from fsagent.commands.daemon import detach_dead_mount, is_ready
+from fsagent.commands.daemon import detach_dead_mount
 from fsagent.commands.envfile import format_env, write_env_file
 from fsagent.dirmode.progress import ProgressView
 from fsagent.errors import EXIT_SAVE_FAILED, MountFailed
@@ -204,12 +205,56 @@ def fetch_run(args: argparse.Namespace) -> RunInfo:
     return trio.run(get_run)
 
 
-def served(mode: str, where: Path, ready: Path, child: subprocess.Popen[bytes]) -> bool:
+def served(mode: str, where: Path, ready: ReadyPipe | None) -> bool:
     """Whether a collection's daemon serves it: mounted (FUSE), or its ready
-    file written (dir mode)."""
-    if mode == "fuse":
+    record sent (dir mode)."""
+    if mode == "fuse" or ready is None:
         return os.path.ismount(where)
-    return is_ready(ready, child.pid)
+    return ready.poll() is not None
+
+
+class ReadyPipe:
+    """How a child tells ``up`` it serves without a byte of the disk: it
+    inherits the write end of a pipe (``--ready-fd N``) and writes its ready
+    record there as one JSON line (fsagent.control.server.announce_ready).
+
+    Ready files did this before, and each needed a block: a sandbox whose
+    agent had filled the disk could not start again, so the agent that could
+    free it never ran. Each start gets a pipe of its own, so a line of an
+    earlier start is never taken for the new process's."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._buffer = b""
+        self.record: dict[str, Any] | None = None
+
+    def open(self) -> int:
+        """A new pipe for the next start; the write end to hand over (the
+        caller closes its copy once the child has it)."""
+        self.close()
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        self._fd = read
+        return write
+
+    def poll(self) -> dict[str, Any] | None:
+        """The record once a whole line of it came; None until then (or when
+        the child closed the pipe without one)."""
+        if self.record is None and self._fd is not None:
+            try:
+                while chunk := os.read(self._fd, 4096):
+                    self._buffer += chunk
+            except BlockingIOError:
+                pass
+            line, newline, _ = self._buffer.partition(b"\n")
+            if newline:
+                self.record = json.loads(line)
+        return self.record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self._buffer, self.record = None, b"", None
 
 
 def say_dir_mode(modes: dict[str, Decision]) -> None:
@@ -382,8 +427,8 @@ class Child:
     directory: Path | None = None
     """A collection's mountpoint: a dead mount there is detached and the
     directory made before each start."""
-    ready_file: Path | None = None
-    """Removed before each start, so an old one is never taken for the new process's."""
+    ready_pipe: ReadyPipe | None = None
+    """Its ready record's pipe, made anew at each start (``--ready-fd``)."""
     start_seconds: float = 300.0
     stdout: int | None = None
     resend_stop: bool = False
@@ -440,15 +485,22 @@ class Supervisor:
                 # that mkdir cannot get past and a new mount must not hide under.
                 detach_if_dead(child.directory)
                 child.directory.mkdir(parents=True, exist_ok=True)
-            if child.ready_file is not None:
-                child.ready_file.unlink(missing_ok=True)
-            child.proc = subprocess.Popen(
-                child.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=child.stdout,
-                start_new_session=True,
-                preexec_fn=die_with(self.pid),
-            )
+            argv, handed = child.argv, None
+            if child.ready_pipe is not None:
+                handed = child.ready_pipe.open()
+                argv = [*argv, "--ready-fd", str(handed)]
+            try:
+                child.proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=child.stdout,
+                    start_new_session=True,
+                    preexec_fn=die_with(self.pid),
+                    pass_fds=() if handed is None else (handed,),
+                )
+            finally:
+                if handed is not None:
+                    os.close(handed)
         except OSError as exc:
             child.proc, child.returncode = None, 1
             self._failed(child, f"could not be started: {exc}")
@@ -616,25 +668,26 @@ def repo_saver(args: argparse.Namespace, home: Path, state_root: Path) -> Child:
                  start_seconds=args.timeout)  # fmt: skip
 
 
-def bridge_argv(args: argparse.Namespace, sock: str, port: int, ready: Path) -> list[str]:
+def bridge_argv(args: argparse.Namespace, sock: str, port: int) -> list[str]:
     return [sys.executable, "-m", "fsagent.cli", "bridge", *controller_argv(args),
-            "--socket", sock, "--port", str(port), "--ready-file", str(ready)]  # fmt: skip
+            "--socket", sock, "--port", str(port)]  # fmt: skip
 
 
 def bridge(args: argparse.Namespace, state_root: Path) -> Child:
-    """``fsagent bridge``, the local API endpoint: served once its ready file names it."""
+    """``fsagent bridge``, the local API endpoint: served once its ready record
+    names it (:class:`ReadyPipe`)."""
     from fsagent.state.statedir import default_socket, runtime_dir
 
-    ready = runtime_dir(state_root) / "bridge.json"
-    ready.parent.mkdir(parents=True, exist_ok=True)
+    runtime_dir(state_root).mkdir(parents=True, exist_ok=True)
     sock = args.bridge_socket or str(default_socket(state_root))
+    ready = ReadyPipe()
     return Child(
         "the bridge",
-        bridge_argv(args, sock, args.bridge_port, ready),
+        bridge_argv(args, sock, args.bridge_port),
         BRIDGE_STOP_SECONDS,
         1,
-        serves=lambda proc: is_ready(ready, proc.pid),
-        ready_file=ready,
+        serves=lambda proc: ready.poll() is not None,
+        ready_pipe=ready,
         start_seconds=BRIDGE_START_SECONDS,
         stdout=subprocess.DEVNULL,
         resend_stop=True,
@@ -644,11 +697,12 @@ def bridge(args: argparse.Namespace, state_root: Path) -> Child:
 def bridge_env(args: argparse.Namespace, child: Child) -> dict[str, str]:
     """The served bridge's env file variables. A restart of it listens on the
     same port, so the env file stays true."""
-    assert child.ready_file is not None
-    info = json.loads(child.ready_file.read_text())
+    assert child.ready_pipe is not None
+    info = child.ready_pipe.poll()
+    assert info is not None, "the bridge is served: its record came"
     env = {k: str(info[k]) for k in ("PAPERCLIP_API_URL", "PAPERCLIP_API_SOCKET")}
     port = urlsplit(env["PAPERCLIP_API_URL"]).port or args.bridge_port
-    child.argv = bridge_argv(args, env["PAPERCLIP_API_SOCKET"], port, child.ready_file)
+    child.argv = bridge_argv(args, env["PAPERCLIP_API_SOCKET"], port)
     return env
 
 
@@ -662,18 +716,16 @@ def mount_daemon(
 ) -> Child:
     """``fsagent mount SCOPE`` in the foreground, in the mode ``up`` decided."""
     mp = home / scope
-    ready = state_root / "run" / f"{scope}.ready"
+    ready = ReadyPipe() if decision.mode == "dir" else None
     argv = [sys.executable, "-m", "fsagent.cli", "mount", scope, str(mp), *controller_argv(args),
             "--state-dir", str(state_root / scope), "--foreground",
             "--prefetch", str(args.prefetch),
             "--checkpoint-interval", str(args.checkpoint_interval),
             "--spin-us", str(args.spin_us),
             "--mode", decision.mode, "--mode-reason", decision.reason]  # fmt: skip
-    if decision.mode == "dir":
-        argv += ["--ready-file", str(ready)]
-        if progress_file is not None:
-            progress_file.unlink(missing_ok=True)
-            argv += ["--progress-file", str(progress_file)]
+    if decision.mode == "dir" and progress_file is not None:
+        progress_file.unlink(missing_ok=True)
+        argv += ["--progress-file", str(progress_file)]
     if args.allow_other:
         argv.append("--allow-other")
     argv += log_argv(args)
@@ -683,9 +735,9 @@ def mount_daemon(
         argv,
         stop_grace(args.retry_deadline, attempts),
         EXIT_SAVE_FAILED,
-        serves=lambda proc: served(decision.mode, mp, ready, proc),
+        serves=lambda proc: served(decision.mode, mp, ready),
         directory=mp,
-        ready_file=ready if decision.mode == "dir" else None,
+        ready_pipe=ready,
         start_seconds=args.timeout,
     )
 
@@ -749,8 +801,6 @@ def bring_up(args: argparse.Namespace, supervisor: Supervisor) -> None:
         mount_daemon(args, scope, home, state_root, modes[scope], progress_files.get(scope))
         for scope in SCOPES
     ]
-    if any(m.ready_file is not None for m in mounts):
-        (state_root / "run").mkdir(parents=True, exist_ok=True)
     for child in mounts:
         supervisor.start(child)
     progress = ProgressView("fsagent up: filling ", progress_files)

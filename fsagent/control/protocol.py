@@ -21,13 +21,19 @@ Reply: ``{"ok": true, ...}`` or ``{"ok": false, "code": CODE, "error": TEXT}``
 with CODE ``bad_request`` (not JSON, not an object, unknown command or field,
 a line over :data:`MAX_REQUEST` bytes), ``save_failed`` or ``internal_error``.
 
+The other way a daemon speaks to who started it: its ready record, one JSON
+line on an inherited descriptor (``--ready-fd``, :func:`inherited_fd`;
+written by fsagent.control.server.announce_ready).
+
 This module imports neither trio nor the HTTP client: ``fsagent flush`` and
 ``fsagent status`` load only it, so they start in a fraction of the time.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -110,3 +116,15 @@ def request(sock_path: Path, body: dict[str, Any], timeout: float) -> dict[str, 
     raw = exchange(sock_path, json.dumps(body).encode() + b"\n", timeout)
     reply: dict[str, Any] = json.loads(raw or b"{}")
     return reply
+
+
+def inherited_fd(text: str) -> int:
+    """``--ready-fd``'s value: a descriptor this process inherited open, made
+    close-on-exec here, so that no process it starts keeps the pipe open."""
+    try:
+        fd = int(text)
+        os.fstat(fd)
+    except (ValueError, OSError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an open file descriptor") from None
+    os.set_inheritable(fd, False)
+    return fd

@@ -149,7 +149,7 @@ def write_record(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to ``path`` whole or not at all: a temporary name
     renamed into place, removed when the write fails (a full disk's half
     written file takes no room). The daemon's ``daemon.json`` in both modes,
-    and dir mode's ready file."""
+    and the ready file of a detached mount (:func:`announce_ready`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -158,6 +158,27 @@ def write_record(path: Path, data: dict[str, Any]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def announce_ready(data: dict[str, Any], ready_file: Path | None, ready_fd: int | None) -> None:
+    """Say a process serves: ``data`` as one JSON line on ``ready_fd`` (closed
+    after it), or as the record ``ready_file`` (:func:`write_record`).
+
+    ``fsagent up`` hands its children the write end of a pipe (``--ready-fd``):
+    a ready file needs a block of the disk, and a sandbox restarted on a full
+    disk could not start. A reader gone meanwhile (EPIPE) is not an error:
+    whoever started this process stopped waiting for it."""
+    if ready_fd is not None:
+        line = (json.dumps(data) + "\n").encode()
+        try:
+            while line:
+                line = line[os.write(ready_fd, line) :]
+        except BrokenPipeError:
+            pass
+        finally:
+            os.close(ready_fd)
+    elif ready_file is not None:
+        write_record(ready_file, data)
 
 
 class WhenThereIsRoom(Generic[T]):

@@ -63,10 +63,12 @@ from fsagent.checkpoint.ship import (
     raise_first_failure,
 )
 from fsagent.control.server import (
+    FULL_DISK,
     ControlSocket,
     FlushHandler,
     StatsHandler,
     WhenThereIsRoom,
+    announce_ready,
     write_record,
 )
 from fsagent.dirmode.fs import (
@@ -111,6 +113,9 @@ class DirOptions:
     """Downloads in flight while hydrating."""
     checkpoint_interval: float = CHECKPOINT_INTERVAL_SECONDS
     ready_file: Path | None = None
+    ready_fd: int | None = None
+    """An inherited pipe to say it is ready on instead (``fsagent up``:
+    fsagent.control.server.announce_ready)."""
     progress_file: Path | None = None
     """Where to write the hydration figures for the process that started this
     one (fsagent.dirmode.progress), which shows them and says when it is ready; the
@@ -301,8 +306,12 @@ async def _place_rows(
             finally:
                 source.unlink(missing_ok=True)
 
+    # No staging directory when there is no file to place: an empty folder
+    # is served on a disk without a free inode (a sandbox started again on a
+    # full disk, its agent folder emptied at the last stop).
+    stage = staging(root_fd) if by_digest else contextlib.nullcontext(-1)
     try:
-        with staging(root_fd) as staged:
+        with stage as staged:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(progress.show)
                 async with trio.open_nursery() as fetches:
@@ -549,11 +558,12 @@ async def _wait_for_signal(signals: AsyncIterator[int], stop: DirStop) -> None:
 
 
 def _announce(opts: DirOptions, unbound: bool, warning: str | None = None) -> None:
-    """The ready file (``fsagent up``, a detaching ``mount``) and one line on stderr."""
-    if opts.ready_file is not None:
-        write_record(opts.ready_file, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
-                                      "reason": opts.reason, "path": str(opts.directory),
-                                      **({"warning": warning} if warning else {})})  # fmt: skip
+    """The ready record (``fsagent up``'s pipe, a detaching ``mount``'s file) and
+    one line on stderr."""
+    announce_ready({"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
+                    "reason": opts.reason, "path": str(opts.directory),
+                    **({"warning": warning} if warning else {})},
+                   opts.ready_file, opts.ready_fd)  # fmt: skip
     if opts.progress_file is None:  # else the process showing the progress says it
         print(
             f"fsagent: {opts.scope} ready at {opts.directory} (dir mode"
@@ -647,7 +657,8 @@ def discard_local_copy(root_fd: int, state_dir: Path) -> str | None:
     killed during the discard leaves :data:`DISCARDING`, and its next start
     finishes it. Returns None when done, else what is left and why (the
     directory kept changing): the state dir then stays, marked, for the
-    next start."""
+    next start. The state dir is made again at once, new and empty, in the
+    room the old one freed (fsagent.state.statedir.discard_state_dir)."""
     (state_dir / DISCARDING).touch(mode=0o600)  # its name is the mark: the directory's fsync
     dfd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -656,7 +667,7 @@ def discard_local_copy(root_fd: int, state_dir: Path) -> str | None:
         os.close(dfd)
     left = empty_directory(root_fd)
     if left is None:
-        discard_state_dir(state_dir)
+        discard_state_dir(state_dir, fresh=True)
     return left
 
 
@@ -754,7 +765,7 @@ async def _serve_bound(
     record = WhenThereIsRoom(
         f"the daemon's record {daemon_file}", partial(write_record, daemon_file, info)
     )
-    # Listening before the ready file: whoever sees it can ask for a save (on
+    # Listening before the ready record: whoever sees it can ask for a save (on
     # a full disk, once there is room: fsagent.control.server).
     control = ControlSocket(opts.state_dir / "control.sock") if shipper is not None else None
     try:
@@ -804,9 +815,16 @@ async def _serve_unbound(opts: DirOptions, binding: Binding) -> DirStop:
                     "still write into it, and nothing written there is saved"
                 )
                 log.warning("%s", warning)
-            write_record(record, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
-                                 "reason": opts.reason, "path": str(opts.directory),
-                                 "warning": warning})  # fmt: skip
+            try:
+                write_record(record, {"pid": os.getpid(), "scope": opts.scope, "mode": "dir",
+                                     "reason": opts.reason, "path": str(opts.directory),
+                                     "warning": warning})  # fmt: skip
+            except OSError as exc:
+                if exc.errno not in FULL_DISK:
+                    raise
+                # Only `fsagent status` reads it: the directory is served without it.
+                log.warning("cannot write %s: %s; `fsagent status` will not show %s",
+                            record, exc.strerror, opts.scope)  # fmt: skip
             with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
                 _announce(opts, unbound=True, warning=warning)
                 await _wait_for_signal(signals, stop)

@@ -557,5 +557,7 @@ def discard_local_copy(state_dir: Path) -> None:
     save. (A daemon killed before its stop boundary discards nothing, and its
     next start ships what it kept, as for every collection; one killed during
     the discard leaves the whole state dir or none, see
-    :func:`fsagent.state.statedir.discard_state_dir`.)"""
-    discard_state_dir(state_dir)
+    :func:`fsagent.state.statedir.discard_state_dir`.) The state dir is made
+    again at once, new and empty, in the room the old one freed: the next
+    start finds it even on a disk filled meanwhile."""
+    discard_state_dir(state_dir, fresh=True)

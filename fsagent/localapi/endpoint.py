@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +49,8 @@ from common.bridge import PREFIX
 from fsagent.bridge import tls
 from fsagent.bridge.client import read_token
 from fsagent.bridge.requestlog import event_hooks, request_fields
+from fsagent.control.protocol import inherited_fd
+from fsagent.control.server import FULL_DISK, announce_ready
 from fsagent.errors import FsagentError
 from fsagent.state.statedir import default_socket
 
@@ -323,6 +326,67 @@ def bind_unix(path: Path) -> socket.socket:
     return sock
 
 
+ROOM_RETRY_SECONDS = 5.0
+"""How often the unix socket is tried again while its disk is full."""
+
+
+def bind_unix_or_wait(path: Path) -> socket.socket | None:
+    """:func:`bind_unix`, or None when the disk is full (no inode for the
+    socket file): the endpoint then serves TCP alone until
+    :func:`unix_when_there_is_room` binds it. A sandbox started again on a
+    disk its agent filled still gets its endpoint, and the agent that can
+    free the disk gets to run."""
+    try:
+        return bind_unix(path)
+    except OSError as exc:
+        if exc.errno not in FULL_DISK:
+            raise
+        log.warning(
+            "cannot make the socket %s: %s; serving on TCP alone until the disk has room "
+            "(tried again every %gs)", path, exc.strerror, ROOM_RETRY_SECONDS,
+        )  # fmt: skip
+        return None
+
+
+async def unix_when_there_is_room(path: Path, port: int) -> None:
+    """Bind ``path`` once the disk has room, then pass each connection made
+    to it on to the endpoint's TCP port (runs until cancelled)."""
+    while True:
+        await asyncio.sleep(ROOM_RETRY_SECONDS)
+        try:
+            sock = bind_unix(path)
+            break
+        except OSError as exc:
+            if exc.errno not in FULL_DISK:
+                log.error("cannot make the socket %s: %s; serving on TCP alone", path, exc)
+                return
+    log.warning("the socket %s serves again", path)
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            to_reader, to_writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(_pipe(reader, to_writer), _pipe(to_reader, writer))
+
+    server = await asyncio.start_unix_server(connection, sock=sock)
+    async with server:
+        await server.serve_forever()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy ``reader`` to ``writer`` until its end, which is passed on."""
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except OSError:
+        writer.close()
+
+
 def cmd_bridge(args: argparse.Namespace) -> int:
     """Serve the local endpoint until SIGTERM/SIGINT."""
     import uvicorn
@@ -340,7 +404,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     tokens = TokenSource(args.token_file)
     tokens.get()  # an unreadable token file is a startup error, not a 503 per request
     sock_path = Path(args.socket) if args.socket else default_socket()
-    unix_sock = bind_unix(sock_path)
+    unix_sock = bind_unix_or_wait(sock_path)
     tcp_sock = bind_tcp(args.port)
     port = tcp_sock.getsockname()[1]
     endpoint = {
@@ -368,20 +432,27 @@ def cmd_bridge(args: argparse.Namespace) -> int:
             home = Path(args.home).absolute()
             collections = {**env_for(home, fetch_run(args)), **fetch_repos_env(args, home)}
         update_env_file(Path(args.env_file), {**collections, **endpoint})
-    if args.ready_file:
-        ready = Path(args.ready_file)
-        tmp = ready.with_name(ready.name + ".tmp")
-        tmp.write_text(json.dumps({**endpoint, "pid": os.getpid()}))
-        os.replace(tmp, ready)
+    announce_ready(
+        {**endpoint, "pid": os.getpid()},
+        Path(args.ready_file) if args.ready_file else None,
+        args.ready_fd,
+    )
     print(
         f"fsagent bridge: {endpoint['PAPERCLIP_API_URL']} and {sock_path} -> {app.upstream}/api/",
         flush=True,
     )
 
     async def serve() -> None:
+        later = None
+        if unix_sock is None:
+            later = asyncio.create_task(unix_when_there_is_room(sock_path, port))
         try:
-            await server.serve(sockets=[tcp_sock, unix_sock])
+            await server.serve(sockets=[tcp_sock] if unix_sock is None else [tcp_sock, unix_sock])
         finally:
+            if later is not None:
+                later.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await later
             await app.aclose()
 
     # uvicorn stops gracefully on SIGTERM/SIGINT and then raises the signal
@@ -393,7 +464,8 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         asyncio.run(serve())
     finally:
         tcp_sock.close()
-        unix_sock.close()
+        if unix_sock is not None:
+            unix_sock.close()
         sock_path.unlink(missing_ok=True)
         if args.ready_file:
             Path(args.ready_file).unlink(missing_ok=True)
@@ -421,6 +493,12 @@ def add_parser(sub: Any) -> None:
         "collections mounted under this home (what fsagent up writes)",
     )
     b.add_argument("--ready-file", help="write the endpoint as JSON here once listening")
+    b.add_argument(
+        "--ready-fd",
+        type=inherited_fd,
+        help="instead of --ready-file, write it as one JSON line to this inherited file "
+        "descriptor and close it (how fsagent up hears of it: no disk space needed)",
+    )
     b.add_argument("--retry-deadline", type=float, default=60.0, help=argparse.SUPPRESS)
     tls.add_arguments(b)
     logs.add_argument(b)

@@ -44,6 +44,7 @@ import lmdb
 from fsagent.errors import (
     StateBindingMismatch,
     StateCorrupt,
+    StateError,
     StateForeign,
     StateInUse,
     StateModeMismatch,
@@ -199,16 +200,26 @@ class GuardedEnv:
             os.close(fd)
 
 
-def discard_state_dir(root: Path) -> None:
+def discard_state_dir(root: Path, *, fresh: bool = False) -> None:
     """Empty the state dir ``root`` (closed) so that no interruption leaves
     half of one behind: its contents leave in one rename, into a sibling
     ``.NAME.discarded`` that is then removed (one an interrupted discard left
     goes first), and ``root`` is made again, empty. A daemon killed meanwhile
-    (systemd's SIGTERM right after the final save answered) leaves either the
-    whole state dir or an empty one, never one without its marker that the
-    next start refuses as foreign."""
+    (systemd's SIGTERM right after the final save answered) leaves the whole
+    state dir, an empty one or none (the next start makes one), never one
+    without its marker that the next start refuses as foreign. The old one
+    is removed before ``root`` is made again: on a disk without a free inode
+    that is where the new directory's comes from.
+
+    With ``fresh`` (the agent folder's discard at the stop boundary), ``root``
+    becomes a new state dir holding nothing: marker, empty database and its
+    reserve, made in the room the old one just freed (:func:`_make_fresh`).
+    A sandbox started again on a disk filled meanwhile could not make one:
+    a new state dir needs inodes and blocks, an existing one writes into the
+    room its database keeps in reserve."""
     trash = root.with_name(f".{root.name}.discarded")
     shutil.rmtree(trash, ignore_errors=True)
+    shutil.rmtree(_fresh_name(root), ignore_errors=True)
     try:
         os.rename(root, trash)
     except FileNotFoundError:
@@ -220,8 +231,39 @@ def discard_state_dir(root: Path) -> None:
             else:
                 child.unlink(missing_ok=True)
         return
-    root.mkdir(mode=0o700, exist_ok=True)
     shutil.rmtree(trash, ignore_errors=True)
+    if fresh and _make_fresh(root):
+        return
+    try:
+        root.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        log.warning("%s is gone and cannot be made again now (%s); the next start makes it",
+                    root, exc)  # fmt: skip
+
+
+def _fresh_name(root: Path) -> Path:
+    return root.with_name(f".{root.name}.fresh")
+
+
+def _make_fresh(root: Path) -> bool:
+    """Make ``root`` (absent) a new state dir: built whole beside it and
+    renamed into place, so a kill leaves none or a whole one, never one
+    without its marker. False where it cannot be made (the disk full
+    already): the caller makes ``root`` an empty directory, and the next
+    start a state dir, as it always did."""
+    building = _fresh_name(root)
+    try:
+        state = StateDir.open(building)
+        try:
+            state.env.reserve_headroom()  # for its first commits: the binding, the hydration
+        finally:
+            state.close()
+        os.rename(building, root)
+        return True
+    except (OSError, StateError) as exc:
+        log.warning("%s is left empty: a new state dir cannot be made there now (%s)", root, exc)
+        shutil.rmtree(building, ignore_errors=True)
+        return False
 
 
 def _write_marker(root: Path) -> None:

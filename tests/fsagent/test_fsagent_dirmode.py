@@ -37,6 +37,7 @@ from fsagent.dirmode.serve import DirShipper, hydrate_directory
 from fsagent.dirmode.store import DirStore
 from fsagent.state.store import Store
 from tests.support.agentfiles import run_receipts
+from tests.support.checkpoints import assert_local_copy_discarded
 from tests.support.controller import Tenant
 from tests.support.mount import REPO, MountFactory, mount_factory
 from tests.support.tmp import private_tmpdir
@@ -149,7 +150,7 @@ def test_without_fuse_up_serves_plain_directories_that_save_and_restore(tenant: 
     }
     # The agent folder's local copy ends with the run (its contract); the others stay.
     assert list((base / "first" / "home" / "agent").iterdir()) == []
-    assert list((base / "first" / "state" / "agent").iterdir()) == []
+    assert_local_copy_discarded(base / "first" / "state" / "agent")
     assert (base / "first" / "home" / "task" / "result.txt").read_bytes() == b"agent's work"
     # A replacement sandbox (new home, no state) gets its task folder back:
     # `fsagent mount` on its own decides the same way.

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from fsagent.cli import change_set, collection_status
+from fsagent.state.statedir import MARKER
+from fsagent.state.store import Store
 from tests.support.controller import ControllerProcess
 from tests.support.mount import REPO, FsagentMount
 
@@ -132,3 +134,23 @@ __all__ = [
     "versions",
     "wait_for",
 ]
+
+
+def assert_local_copy_discarded(state_dir: Path) -> None:
+    """The agent folder's local copy is gone at its stop boundary: its state
+    dir is empty, or new and holding nothing (made again at once in the room
+    the old one freed, fsagent.state.statedir.discard_state_dir): no binding,
+    no journal, no entry, nothing in ``upper/`` or ``objects/``."""
+    names = {p.name for p in state_dir.iterdir()}
+    if not names:
+        return
+    assert names <= {MARKER, "lock", "objects", "upper", "db"}, names
+    assert list((state_dir / "upper").iterdir()) == []
+    assert list((state_dir / "objects").iterdir()) == []
+    store = Store.open(state_dir, readonly=True)
+    try:
+        assert store.dir.binding() is None
+        assert store.journal.entries() == []
+        assert store.tree.count_entries() == 0
+    finally:
+        store.close()

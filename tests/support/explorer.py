@@ -57,8 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsagent.commands.daemon import is_ready
-from fsagent.state.statedir import MARKER, runtime_dir
+from fsagent.state.statedir import MARKER
 from tests.support.agentfiles import folder_entries, run_detail
 from tests.support.constants import REPO
 from tests.support.controller import ControllerProcess, PgCluster, Tenant, bootstrap_tenant
@@ -188,8 +187,12 @@ class Sandbox:
         return self.base / "home"
 
     def log(self) -> str:
+        return self.full_log()[-4000:]
+
+    def full_log(self) -> str:
+        """The log of the newest ``up``, whole."""
         try:
-            return (self.logs / f"up{self.ups}.log").read_text(errors="replace")[-4000:]
+            return (self.logs / f"up{self.ups}.log").read_text(errors="replace")
         except OSError:
             return ""
 
@@ -577,13 +580,13 @@ class Explorer:
             now = self._children().get(kind)
             if now in (None, pid):
                 return False
-            if kind == "bridge":
-                return is_ready(runtime_dir(sb.base / "state") / "bridge.json", now)
-            if kind not in SCOPES:
+            if kind not in SCOPES and kind != "bridge":
                 return True
-            if self.mode == "fuse":
-                return os.path.ismount(sb.home / kind)
-            return is_ready(sb.base / "state" / "run" / f"{kind}.ready", now)
+            if kind in SCOPES and self.mode == "fuse" and not os.path.ismount(sb.home / kind):
+                return False
+            # What up says once its ready record came on the child's pipe.
+            name = "the bridge" if kind == "bridge" else kind
+            return f"{name} is served again (pid {now})" in sb.full_log()
 
         self._wait(f"{kind} served again", served_again, fail_on_exit=True)
         self.agent_work(self.rng.randint(0, 4))

@@ -45,6 +45,7 @@ from tests.support.agentfiles import (
     unit_stop,
 )
 from tests.support.bridge import Run, api_client
+from tests.support.checkpoints import assert_local_copy_discarded
 from tests.support.constants import REPO
 from tests.support.controller import (
     ControllerProcess,
@@ -203,7 +204,7 @@ def test_a_run_save_over_a_limit_saves_none_of_its_agent_changes(
     # A diagnostic of the run, never an error on the current files.
     assert mine["error"] is None and mine["state"] != "failed", mine
     # The local copy is gone: no archive, nothing left to ship later.
-    assert list(m.state_dir.iterdir()) == []
+    assert_local_copy_discarded(m.state_dir)
     if m.mode == "dir":  # the directory itself is the local copy
         assert list(m.mountpoint.iterdir()) == []
 
@@ -277,7 +278,7 @@ def test_a_periodic_save_over_a_limit_is_retried_once_the_agent_cleans_up(
     detail = run_detail(st, run.run_id).json()
     assert detail["state"] != "failed" and detail["error"] is None, detail
     assert [w["code"] for w in detail["warnings"]] == ["AGENT_FILES_LIMIT_EXCEEDED"]
-    assert list(m.state_dir.iterdir()) == []
+    assert_local_copy_discarded(m.state_dir)
     run.end()
     nxt = start_agent_run(st, agent, user=st.user_id)
     m2 = mount_agent(mounts, nxt, state_dir=m.state_dir)
@@ -504,7 +505,7 @@ def test_transient_failures_get_three_attempts_then_a_failure_receipt(
         assert receipt["outcome"] == "failed" and receipt["final"] is True, receipt
         assert "after 3 attempt(s)" in receipt["error"]
         assert receipt["operationId"] and receipt["operationId"].startswith("cp-")
-    assert list(m.state_dir.iterdir()) == []  # discarded either way
+    assert_local_copy_discarded(m.state_dir)  # discarded either way
     if m.mode == "dir":  # the directory itself is the local copy
         assert list(m.mountpoint.iterdir()) == []
 
