@@ -40,6 +40,8 @@ FIXED: list[Schedule] = [
     (7, "dir", 8, EVENTS_V1, None),
     # The host's and the sandbox's faults, in order, every time.
     (6, "fuse", 0, EVENTS, ["agent_limit", "disk_full", "pg_kill", "kill9_child", "rename"]),
+    # Dir mode's children restarted: each start says it serves on a pipe of its own.
+    (10, "dir", 0, EVENTS, ["write", "kill9_child", "disk_full", "kill9_child", "sigterm"]),
     # Empty directories made and removed across kill -9 and a stop mid-save.
     (
         9,
