@@ -25,6 +25,7 @@ from tests.support.agentfiles import (
     start_agent_run,
 )
 from tests.support.bridge import Run
+from tests.support.checkpoints import assert_local_copy_discarded
 from tests.support.controller import Tenant
 from tests.support.mount import MountFactory
 
@@ -208,7 +209,7 @@ def test_the_mount_protects_the_entry_and_keeps_a_refused_entry_unsaved(
     assert m.signal(signal.SIGTERM) == 0, m.stderr()
     assert agent_files(tenant, agent)["guide/AGENTS.md"] == b"# Guide, fixed\n"
     # The stop boundary discarded the run's local copy of the agent folder.
-    assert list(m.state_dir.iterdir()) == []
+    assert_local_copy_discarded(m.state_dir)
 
 
 def test_a_stale_editor_save_is_409_stale_save_and_changes_nothing(tenant: Tenant) -> None:
