@@ -55,7 +55,13 @@ from common.bridge import BATCH_MEMBER_MAX
 from common.errors import BaseMismatch
 from common.repos import GIT_DIR, MAX_REPO_ENTRIES
 from fsagent.bridge.base import BridgeClient, RepoBinding, RunInfo
-from fsagent.checkpoint.ship import UPLOAD_CONCURRENCY, batches, file_frames, raise_first_failure
+from fsagent.checkpoint.ship import (
+    OVER_ALLOWANCE,
+    UPLOAD_CONCURRENCY,
+    batches,
+    file_frames,
+    raise_first_failure,
+)
 from fsagent.errors import (
     CheckoutUnsupported,
     ControllerRefused,
@@ -607,6 +613,7 @@ class RepoSaver:
             return 0, 0
         missing = await self.client.repo_missing(self.workspace_id, sorted(by_digest))
         todo = [by_digest[d] for d in sorted(missing) if d in by_digest]
+        self._check_allowance(todo)
         small = [m for m in todo if m.size <= BATCH_MEMBER_MAX]
         large = [m for m in todo if m.size > BATCH_MEMBER_MAX]
         limiter = trio.CapacityLimiter(UPLOAD_CONCURRENCY)
@@ -631,6 +638,32 @@ class RepoSaver:
         except BaseExceptionGroup as group:
             raise_first_failure(group)
         return len(todo), sum(m.size for m in todo)
+
+    def _check_allowance(self, todo: list[Member]) -> None:
+        """Refuse, before a byte is sent, a checkpoint whose new contents
+        are more than the run's whole upload allowance.
+
+        A repository is committed whole, never in parts as folders are. Such
+        a checkpoint used to upload until the allowance refused it (429),
+        and what it had uploaded then held the allowance until it expired
+        (``--repo-upload-ttl``, an hour by default): the run's other saves
+        found no room either, even after the agent had removed what was too
+        big. Refused here, nothing is
+        held, and the next checkpoint saves once the new contents fit."""
+        limit = self.run.upload_allowance
+        new_bytes = sum(m.size for m in todo)
+        if limit is None or new_bytes <= limit:
+            return
+        largest = sorted(todo, key=lambda m: m.size, reverse=True)[:3]
+        shown = ", ".join(f"{m.path} ({m.size} bytes)" for m in largest)
+        raise ControllerRefused(
+            f"{OVER_ALLOWANCE}: {self.binding.name} has {new_bytes} bytes of new contents in"
+            f" {len(todo)} file(s), more than the run's upload allowance of {limit} bytes"
+            f" (--max-pending-upload-bytes), and a repository is saved whole; nothing was"
+            f" uploaded. The largest: {shown}",
+            413,
+            OVER_ALLOWANCE,
+        )
 
     def _read_small(self, member: Member) -> bytes:
         fd = open_member(self.checkout, member)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from common.bridge import BATCH_MEMBER_MAX
 from common.types import Digest
 from fsagent.checkpoint.ship import OVER_ALLOWANCE, PART_SHARE, Shipper, plan_part
 from fsagent.errors import ControllerUnavailable, SaveFailed
+from fsagent.repos.checkouts import RepoSavers, prepare_all
 from fsagent.state.store import ROOT_INODE, Change, InodeNo, JournalSeq, Store
 from tests.fsagent.test_fsagent_ship_inproc import SCOPE, hydrated, write_small
 from tests.support.agentfiles import run_detail, run_receipts
@@ -55,6 +57,7 @@ from tests.support.controller import (
     bootstrap_tenant,
     private_controller,
 )
+from tests.support.gitrepos import make_origin, new_repo_task
 from tests.support.lossy_proxy import LossyProxy
 from tests.support.memclient import MemoryBridgeClient
 from tests.support.mount import MountFactory
@@ -585,3 +588,65 @@ def test_a_final_save_given_up_on_a_file_over_the_allowance_shows_the_stop(
     folder = folder_stop(lt, run["run_id"], "task")
     assert folder["state"] == "failed" and folder["code"] == "SAVE_FAILED", folder
     assert folder["stoppedAt"] is not None, folder
+
+
+@pytest.mark.trio
+async def test_a_repository_over_the_allowance_uploads_nothing_and_saves_once_it_fits(
+    lt: Tenant, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A repository is committed whole: one whose new contents pass the whole
+    allowance is refused before a byte is sent. Before, it uploaded until the
+    allowance refused it (429), and what it had uploaded held the allowance
+    until it expired (an hour): the run's folders found no room either, even
+    after the agent removed what was too big."""
+    task = new_repo_task(lt)
+    task.add_workspace(str(make_origin(tmp_path / "origin")), primary=True)
+    run = task.start_run()
+    home, state = tmp_path / "home", tmp_path / "state"
+    client = task.client(run)
+    try:
+        await prepare_all(client, home)
+        checkout = home / "repos" / "app"
+        (checkout / "small.txt").write_bytes(b"fits")
+        # Each file fits the allowance; together they do not.
+        for name in ("big1.bin", "big2.bin", "big3.bin"):
+            (checkout / name).write_bytes(os.urandom(ALLOWANCE * 2 // 5))
+        info = await client.get_run()
+        assert info.upload_allowance == ALLOWANCE
+        savers = RepoSavers(client, info, home, state)
+        assert await savers.save_all() == 1
+        (saver,) = savers.savers.values()
+        error = saver.status["lastError"]
+        assert error["code"] == OVER_ALLOWANCE, error
+        assert "big1.bin" in error["message"] and "nothing was uploaded" in error["message"]
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and OVER_ALLOWANCE in warned[0], warned
+        caplog.clear()
+        assert run_upload_bytes(lt, run.run_id) == 0  # nothing holds the allowance
+        # The run's folders keep the allowance (had two of the repository's
+        # files been uploaded, this would be refused: 429).
+        assert run.upload("task", os.urandom(ALLOWANCE // 2)).status_code == 200
+
+        for name in ("big2.bin", "big3.bin"):  # the agent's fix: the next checkpoint fits
+            (checkout / name).unlink()
+        assert await savers.save_all() == 0
+        assert saver.status["lastError"] is None
+        saved = saver.status["lastSave"]
+        assert saved["committed"], saved
+        manifest = await client.repo_manifest(saver.workspace_id)
+        paths = {m["path"] for m in manifest.members}
+        assert "small.txt" in paths and "big1.bin" in paths and "big2.bin" not in paths
+    finally:
+        await client.aclose()
+
+
+def run_upload_bytes(tenant: Tenant, run_id: str) -> int:
+    """Bytes the run has uploaded that no checkpoint committed yet."""
+    with tenant.controller.db() as db:
+        row = db.execute(
+            "SELECT coalesce(sum(byte_size), 0) FROM run_uploads"
+            " WHERE run_id = %s AND committed_at IS NULL",
+            (run_id,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
