@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from bench.machine import load_line, machine_line, results_file
+from bench.save import cpu_seconds
 from tests.support.controller import ControllerProcess
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -152,12 +153,6 @@ def lean_parallel(
     return elapsed, sum(cpu for _, cpu in reports)
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user and system) process ``pid`` has used, all threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def native_small_files(root: Path, n: int, payloads: list[bytes]) -> float:
     def run() -> None:
         for i in range(n):
@@ -217,16 +212,16 @@ def main() -> int:
         assert ctl.proc is not None
         pid = ctl.proc.pid
         parallel_puts = sum(len(c) for c in chunks)
-        ctl_cpu, own_cpu = process_cpu(pid), time.process_time()
+        ctl_cpu, own_cpu = cpu_seconds(pid), time.process_time()
         tp = timed(parallel)
         results["put_4k_parallel_files_per_s"] = parallel_puts / tp
-        results["httpx_controller_ms"] = (process_cpu(pid) - ctl_cpu) * 1000 / parallel_puts
+        results["httpx_controller_ms"] = (cpu_seconds(pid) - ctl_cpu) * 1000 / parallel_puts
         results["httpx_client_ms"] = (time.process_time() - own_cpu) * 1000 / parallel_puts
 
-        ctl_cpu = process_cpu(pid)
+        ctl_cpu = cpu_seconds(pid)
         tl, lean_cpu = lean_parallel(port, boot["token"], folder, "lean", chunks)
         results["put_4k_lean_files_per_s"] = parallel_puts / tl
-        results["lean_controller_ms"] = (process_cpu(pid) - ctl_cpu) * 1000 / parallel_puts
+        results["lean_controller_ms"] = (cpu_seconds(pid) - ctl_cpu) * 1000 / parallel_puts
         results["lean_client_ms"] = lean_cpu * 1000 / parallel_puts
         native_dir = work / "native"
         tn = native_small_files(native_dir, n, payloads)

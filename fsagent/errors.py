@@ -18,9 +18,13 @@ Exit codes (also listed by ``fsagent --help``):
 
 from __future__ import annotations
 
+import errno
 from typing import Any, ClassVar
 
 from common.errors import AppError, StaleLease, WorkFolderError
+
+FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""The errors of a disk (or a quota) with no room left."""
 
 EXIT_SAVE_FAILED = 4
 """Exit code of a failed save (the final one, or ``fsagent flush``): the state

@@ -26,15 +26,12 @@ fsagent (plain ``KEY=VALUE``), reads here as systemd reads it.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import stat
 from pathlib import Path
 
-from fsagent.errors import FsagentError
-
-_FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
+from fsagent.errors import FULL_DISK, FsagentError
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NEED_ESCAPE = '"\\`$'
@@ -189,7 +186,7 @@ def write_env_file(path: Path, env: dict[str, str]) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        if exc.errno not in _FULL_DISK or not _rewrite_in_place(path, data):
+        if exc.errno not in FULL_DISK or not _rewrite_in_place(path, data):
             raise
 
 

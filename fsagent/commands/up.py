@@ -205,10 +205,10 @@ def fetch_run(args: argparse.Namespace) -> RunInfo:
     return trio.run(get_run)
 
 
-def served(mode: str, where: Path, ready: ReadyPipe | None) -> bool:
-    """Whether a collection's daemon serves it: mounted (FUSE), or its ready
-    record sent (dir mode)."""
-    if mode == "fuse" or ready is None:
+def served(where: Path, ready: ReadyPipe | None) -> bool:
+    """Whether a collection's daemon serves it: mounted (FUSE, no ready pipe),
+    or its ready record sent (dir mode)."""
+    if ready is None:
         return os.path.ismount(where)
     return ready.poll() is not None
 
@@ -735,7 +735,7 @@ def mount_daemon(
         argv,
         stop_grace(args.retry_deadline, attempts),
         EXIT_SAVE_FAILED,
-        serves=lambda proc: served(decision.mode, mp, ready),
+        serves=lambda proc: served(mp, ready),
         directory=mp,
         ready_pipe=ready,
         start_seconds=args.timeout,

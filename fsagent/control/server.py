@@ -12,7 +12,6 @@ wait for it.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from fsagent.control.protocol import (
     limit_reply,
     parse_request,
 )
-from fsagent.errors import FsagentError, SaveFailed
+from fsagent.errors import FULL_DISK, FsagentError, SaveFailed
 
 log = logging.getLogger("fsagent.controlserver")
 
@@ -41,10 +40,6 @@ FlushHandler = Callable[[bool], Awaitable[dict[str, Any]]]
 
 StatsHandler = Callable[[], dict[str, Any]]
 """``handler()`` -> the reply of a stats request."""
-
-FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
-"""The errors of a state dir with no room (no free block or inode, or the
-quota used up): the daemon starts without its socket and makes it later."""
 
 ROOM_RETRY_SECONDS = 5.0
 """How often a daemon tries again to make what a full disk refused it."""

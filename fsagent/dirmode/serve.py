@@ -63,7 +63,6 @@ from fsagent.checkpoint.ship import (
     raise_first_failure,
 )
 from fsagent.control.server import (
-    FULL_DISK,
     ControlSocket,
     FlushHandler,
     StatsHandler,
@@ -84,6 +83,7 @@ from fsagent.dirmode.progress import describe, write_figures
 from fsagent.dirmode.scan import TICK_NS, DirScan, local_refusals, report, shown_name
 from fsagent.dirmode.store import DirStore
 from fsagent.errors import (
+    FULL_DISK,
     ControllerRefused,
     MountFailed,
     ObjectUnavailable,

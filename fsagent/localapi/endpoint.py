@@ -50,8 +50,8 @@ from fsagent.bridge import tls
 from fsagent.bridge.client import read_token
 from fsagent.bridge.requestlog import event_hooks, request_fields
 from fsagent.control.protocol import inherited_fd
-from fsagent.control.server import FULL_DISK, announce_ready
-from fsagent.errors import FsagentError
+from fsagent.control.server import ROOM_RETRY_SECONDS, announce_ready
+from fsagent.errors import FULL_DISK, FsagentError
 from fsagent.state.statedir import default_socket
 
 log = logging.getLogger("fsagent.localbridge")
@@ -324,10 +324,6 @@ def bind_unix(path: Path) -> socket.socket:
     sock.bind(str(path))
     sock.listen(128)
     return sock
-
-
-ROOM_RETRY_SECONDS = 5.0
-"""How often the unix socket is tried again while its disk is full."""
 
 
 def bind_unix_or_wait(path: Path) -> socket.socket | None:

@@ -622,7 +622,7 @@ async def test_a_repository_over_the_allowance_uploads_nothing_and_saves_once_it
         warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert len(warned) == 1 and OVER_ALLOWANCE in warned[0], warned
         caplog.clear()
-        assert run_upload_bytes(lt, run.run_id) == 0  # nothing holds the allowance
+        assert pending_bytes(lt.controller, run.run_id) == 0  # nothing holds the allowance
         # The run's folders keep the allowance (had two of the repository's
         # files been uploaded, this would be refused: 429).
         assert run.upload("task", os.urandom(ALLOWANCE // 2)).status_code == 200
@@ -638,15 +638,3 @@ async def test_a_repository_over_the_allowance_uploads_nothing_and_saves_once_it
         assert "small.txt" in paths and "big1.bin" in paths and "big2.bin" not in paths
     finally:
         await client.aclose()
-
-
-def run_upload_bytes(tenant: Tenant, run_id: str) -> int:
-    """Bytes the run has uploaded that no checkpoint committed yet."""
-    with tenant.controller.db() as db:
-        row = db.execute(
-            "SELECT coalesce(sum(byte_size), 0) FROM run_uploads"
-            " WHERE run_id = %s AND committed_at IS NULL",
-            (run_id,),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
