@@ -1,10 +1,12 @@
-"""Filesystem operations: fsagent against native and three FUSE peers, one run.
+"""Filesystem operations: fsagent against native and four FUSE peers, one run.
 
 The same workload runs, interleaved within each round, on a plain directory
 under ``--base`` (native), on an fsagent mount of a real controller and on the
-three FUSE peers (bench.fspeers has how each is set up; every backing directory
+four FUSE peers (bench.fspeers has how each is set up; every backing directory
 is under the same ``--base``, so all end on the same disk). The table shows
-the median of each phase over ``--repeat`` rounds.
+the median of each phase over ``--repeat`` rounds, and each phase's time on
+libfuse's C passthrough against native: what the FUSE protocol alone costs
+there on this kernel, the floor under fsagent's own ratio.
 
 Phases, in order: create 3,000 4 KiB files in 50 directories, stat all, walk,
 read all (first read, then again: cached; then once more timing only the
@@ -57,7 +59,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.fspeers import ALLOW_OTHER, PASSTHROUGH, FsagentPeer, Peer, all_peers, stop_all
+from bench.fspeers import (
+    ALLOW_OTHER,
+    C_PASSTHROUGH,
+    PASSTHROUGH,
+    FsagentPeer,
+    Peer,
+    all_peers,
+    stop_all,
+)
 from bench.machine import add_output_options, load_line, machine_line, record
 from tests.support.mount import FsagentMount
 from tests.support.source import make_source
@@ -88,6 +98,18 @@ SQLITE_COMMITS = 300
 
 def _paths(root: Path, files: int, dirs: int, suffix: str = "") -> list[str]:
     return [os.path.join(root, f"d{i % dirs:02d}", f"f{i:05d}{suffix}") for i in range(files)]
+
+
+def create_files(root: Path, dirs: int, paths: list[str], payloads: list[bytes]) -> None:
+    """The create phase: ``dirs`` directories, then each of ``paths`` made new
+    and written once (the payloads taken in turn)."""
+    for d in range(dirs):
+        os.mkdir(root / f"d{d:02d}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    for i, p in enumerate(paths):
+        fd = os.open(p, flags, 0o644)
+        os.write(fd, payloads[i % len(payloads)])
+        os.close(fd)
 
 
 def _read_whole(path: str, buf: bytearray) -> int:
@@ -192,13 +214,7 @@ def run_workload(
             requests[name] = count_delta(before, after)
 
     def create() -> None:
-        for d in range(dirs):
-            os.mkdir(root / f"d{d:02d}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        for i, p in enumerate(paths):
-            fd = os.open(p, flags, 0o644)
-            os.write(fd, payloads[i % len(payloads)])
-            os.close(fd)
+        create_files(root, dirs, paths, payloads)
 
     def stat_all() -> None:
         for p in paths:
@@ -604,8 +620,8 @@ def report(args: argparse.Namespace, res: Results, context: tuple[str, str, floa
         else ""
     )
     lines = [
-        f"\n## Filesystem operations: fsagent vs native, bindfs, the pyfuse3 passthrough and "
-        f"rclone mount ({stamp})\n",
+        f"\n## Filesystem operations: fsagent vs native, bindfs, the pyfuse3 passthrough, "
+        f"rclone mount and libfuse's C passthrough ({stamp})\n",
         f"Machine: {machine_line(args.base)}. Command: `python -m bench.fsops` (files={args.files}, "
         f"dirs={args.dirs}, large={args.large_mib} MiB, repeat={args.repeat}, "
         f"base={args.base}{', allow-other' if args.allow_other else ''}). Load average "
@@ -619,14 +635,25 @@ def report(args: argparse.Namespace, res: Results, context: tuple[str, str, floa
         "`fsyncdir` handlers it lacks (`bench/passthrough_fsync.py`; without them its "
         "fsync(2) syncs nothing); rclone "
         f"{_version(['rclone', 'version'])} `mount` of a local directory with "
-        "`--vfs-cache-mode writes`. All on the same disk; median of the rounds; the "
+        "`--vfs-cache-mode writes`; libfuse passthrough_ll: libfuse's low-level "
+        "passthrough example in C (`passthrough_ll.c` of libfuse3-dev "
+        f"{_pkg_version('fuse3')}) with `writeback,cache=always`, "
+        "the writeback cache and long cache timeouts as fsagent mounts (its ratio to "
+        "native is the floor the FUSE protocol sets). All on the same disk; median of the rounds; the "
         "filesystems take turns within each round (the order rotates). Package tree: "
         f"{tree[0]:,} files in {tree[1]:,} directories from site-packages"
         + (f". Not installed, so not measured: {', '.join(missing)}" if missing else "")
         + ".\n",
-        "| phase | " + " | ".join(names) + " | fsagent / native | fsagent / bindfs "
-        "| target | met |",
-        "| --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: | --- | :---: |",
+        "| phase | "
+        + " | ".join(names)
+        + " | fsagent / native | fsagent / bindfs "
+        + ("| C passthrough / native " if C_PASSTHROUGH in has else "")
+        + "| target | met |",
+        "| --- | "
+        + " | ".join("---:" for _ in names)
+        + " | ---: | ---: | "
+        + ("---: | " if C_PASSTHROUGH in has else "")
+        + "--- | :---: |",
     ]
     for name in PHASES:
         med = {n: statistics.median(r[name] for r in runs[n]) for n in names}
@@ -635,10 +662,11 @@ def report(args: argparse.Namespace, res: Results, context: tuple[str, str, floa
             rate = f" ({args.large_mib / med[n]:.0f} MiB/s)" if name.startswith("seq") else ""
             cells.append(f"{med[n] * 1000:.1f} ms{rate}")
         vs_bindfs = f"{med['fsagent'] / med['bindfs']:.2f}x" if "bindfs" in has else "-"
+        floor = f"{med[C_PASSTHROUGH] / med['native']:.2f}x | " if C_PASSTHROUGH in has else ""
         target, met = _targets(name, med, has)
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {med['fsagent'] / med['native']:.2f}x | "
-            f"{vs_bindfs} | {target} | {'yes' if met else '**no**'} |"
+            f"{vs_bindfs} | {floor}{target} | {'yes' if met else '**no**'} |"
         )
     lines += [
         "",
@@ -696,6 +724,16 @@ def _version(argv: list[str]) -> str:
         return "?"
     words = out.split()
     return words[1] if len(words) > 1 else "?"
+
+
+def _pkg_version(package: str) -> str:
+    try:
+        out = subprocess.run(
+            ["pkg-config", "--modversion", package], capture_output=True, text=True, check=False
+        ).stdout
+    except OSError:
+        return "?"
+    return out.strip() or "?"
 
 
 def main() -> int:

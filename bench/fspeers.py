@@ -1,4 +1,4 @@
-"""The filesystems bench.fsops compares: native, fsagent and three FUSE peers.
+"""The filesystems bench.fsops compares: native, fsagent and four FUSE peers.
 
 Each one is a directory to run the workload in (``root``) plus the directories
 whose files hold its bytes on the real disk (``backing``, so that the page
@@ -16,7 +16,13 @@ cache can be dropped on both layers):
   so that its ``fsync(2)`` reaches the disk as everyone else's does;
 - ``rclone``: ``rclone mount`` of a local directory with
   ``--vfs-cache-mode writes`` (without it rclone cannot do the random writes
-  SQLite needs).
+  SQLite needs);
+- ``libfuse passthrough_ll``: libfuse's low-level passthrough example in C
+  (``passthrough_ll.c`` from libfuse3-dev's examples, built once into
+  ``build/``), with the writeback cache and long cache timeouts as fsagent
+  mounts: a daemon that does nothing but forward each request to the disk,
+  in C, over the same FUSE protocol. It sets the floor that protocol puts
+  under a phase on this kernel, whatever the daemon is written in.
 
 With ``allow_other``, a second fsagent peer, ``fsagent --allow-other``,
 mounts another task of the same controller with ``--allow-other``, as a
@@ -169,6 +175,54 @@ def passthrough(work: Path) -> Peer | None:
     return FusePeer(PASSTHROUGH, mnt, [src], argv=argv, log=work / "passthrough.log")
 
 
+C_PASSTHROUGH = "libfuse passthrough_ll"
+"""libfuse's low-level passthrough example in C (:func:`c_passthrough`)."""
+
+C_PASSTHROUGH_SOURCE = Path("/usr/share/doc/libfuse3-dev/examples/passthrough_ll.c")
+
+
+def c_passthrough_binary() -> Path | None:
+    """``passthrough_ll`` built from the libfuse3-dev this machine has, once,
+    into ``build/libfuse-examples`` (rebuilt when the source is newer); None
+    without the source or a compiler."""
+    if not C_PASSTHROUGH_SOURCE.exists() or shutil.which("gcc") is None:
+        return None
+    dest = Path(__file__).resolve().parent.parent / "build" / "libfuse-examples"
+    binary = dest / "passthrough_ll"
+    if binary.exists() and binary.stat().st_mtime >= C_PASSTHROUGH_SOURCE.stat().st_mtime:
+        return binary
+    dest.mkdir(parents=True, exist_ok=True)
+    flags = subprocess.run(
+        ["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True, check=False
+    )
+    if flags.returncode != 0:
+        return None
+    built = subprocess.run(
+        ["gcc", "-O2", "-Wall", "-I", str(C_PASSTHROUGH_SOURCE.parent),
+         str(C_PASSTHROUGH_SOURCE), *flags.stdout.split(), "-o", str(binary)],
+        capture_output=True, check=False,
+    )  # fmt: skip
+    return binary if built.returncode == 0 and binary.exists() else None
+
+
+def c_passthrough(work: Path, *, writeback: bool = True) -> Peer | None:
+    """libfuse's ``passthrough_ll`` in C with the kernel caching entries and
+    attributes as long as it likes (``cache=always``) and, unless told
+    otherwise, the writeback cache: as fsagent mounts. Without it the kernel
+    sends each write() as it comes and keeps no times of its own (no SETATTR
+    of a ctime after an unlink or a rename)."""
+    binary = c_passthrough_binary()
+    if binary is None:
+        return None
+    name, slug = C_PASSTHROUGH, "passthrough-ll"
+    if not writeback:
+        name, slug = f"{C_PASSTHROUGH}, no writeback cache", "passthrough-ll-nowb"
+    src, mnt = work / f"{slug}-src", work / f"{slug}-mnt"
+    cache = "writeback" if writeback else "no_writeback"
+    argv = [str(binary), "-f", "-o", f"source={src},{cache},cache=always", str(mnt)]
+    return FusePeer(name, mnt, [src], argv=argv, log=work / f"{slug}.log")
+
+
 def rclone(work: Path) -> Peer | None:
     if shutil.which("rclone") is None:
         return None
@@ -242,7 +296,8 @@ ALLOW_OTHER = "fsagent --allow-other"
 
 def all_peers(work: Path, *, allow_other: bool = False) -> tuple[list[Peer], list[str]]:
     """Native, fsagent (and with ``allow_other`` fsagent --allow-other), bindfs,
-    the pyfuse3 passthrough and rclone, in the order each round runs them; and
+    the pyfuse3 passthrough, rclone and libfuse's passthrough_ll, in the order
+    each round runs them; and
     the names of the peers that are not installed."""
     fsagent = FsagentPeer(work)
     peers: list[Peer] = [Peer("native", work / "native"), fsagent]
@@ -251,7 +306,13 @@ def all_peers(work: Path, *, allow_other: bool = False) -> tuple[list[Peer], lis
             FsagentPeer(work, ALLOW_OTHER, extra=["--allow-other"], controller=fsagent.controller)
         )
     missing = []
-    for name, make in (("bindfs", bindfs), (PASSTHROUGH, passthrough), ("rclone", rclone)):
+    makers = (
+        ("bindfs", bindfs),
+        (PASSTHROUGH, passthrough),
+        ("rclone", rclone),
+        (C_PASSTHROUGH, c_passthrough),
+    )
+    for name, make in makers:
         peer = make(work)
         if peer is None:
             missing.append(name)
