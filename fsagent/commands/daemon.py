@@ -18,13 +18,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import trio
 
 from common.limits import SCOPES
 from fsagent.bridge.client import client_from_args
 from fsagent.dirmode.progress import ProgressView
-from fsagent.errors import EXIT_SAVE_FAILED, FsagentError, MountFailed
+from fsagent.errors import EXIT_SAVE_FAILED, FULL_DISK, FsagentError, MountFailed
 from fsagent.fuse.probe import Decision, decide, dir_mode_line
 from fsagent.state.store import default_state_root
 
@@ -138,45 +139,135 @@ def _daemonize(
     log_dir = state_dir.parent
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{args.scope}.log"
-    ready = Path(args.ready_file) if args.ready_file else log_dir / "run" / f"{args.scope}.ready"
-    ready.unlink(missing_ok=True)
     extra = ["--mode", decision.mode, "--mode-reason", decision.reason]
-    if not args.ready_file:
-        extra += ["--ready-file", str(ready)]
+    # The daemon says it serves on a pipe (a ready file of its own needs room
+    # a full disk may not have), unless told to write a ready file.
+    pipe = ReadyPipe()
+    ready = Path(args.ready_file) if args.ready_file else None
+    if ready is not None:
+        ready.unlink(missing_ok=True)
+        write_end = None
+    else:
+        write_end = pipe.open()
+        extra += ["--ready-fd", str(write_end)]
     progress = ProgressView("fsagent: ", {})
     if decision.mode == "dir" and sys.stderr.isatty():
         # The daemon's stderr is the log: its hydration progress is shown here.
-        where = ready.with_name(f"{args.scope}.progress")
-        where.parent.mkdir(parents=True, exist_ok=True)
-        where.unlink(missing_ok=True)
-        extra += ["--progress-file", str(where)]
-        progress = ProgressView("fsagent: ", {args.scope: where})
-    with open(log_path, "ab") as log_fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fsagent.cli", *argv, *extra, "--foreground"],
-            stdin=subprocess.DEVNULL,
-            stdout=log_fh,
-            stderr=log_fh,
-            start_new_session=True,
-        )
+        where = log_dir / "run" / f"{args.scope}.progress"
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            where.unlink(missing_ok=True)
+        except OSError as exc:
+            if exc.errno not in FULL_DISK:
+                raise
+        else:  # the figures are best effort (fsagent.dirmode.progress)
+            extra += ["--progress-file", str(where)]
+            progress = ProgressView("fsagent: ", {args.scope: where})
+    try:
+        with _open_log(log_path) as log_fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fsagent.cli", *argv, *extra, "--foreground"],
+                stdin=subprocess.DEVNULL,
+                stdout=log_fh,
+                stderr=log_fh,
+                start_new_session=True,
+                pass_fds=() if write_end is None else (write_end,),
+            )
+    finally:
+        if write_end is not None:
+            os.close(write_end)
     deadline = time.monotonic() + 300
     served_at = "mounted at" if decision.mode == "fuse" else "ready at"
+
+    def serves() -> bool:
+        if os.path.ismount(mountpoint):
+            return True
+        if ready is not None:
+            return is_ready(ready, proc.pid)
+        record = pipe.poll()
+        return record is not None and record.get("pid") == proc.pid
+
     while time.monotonic() < deadline:
         progress.refresh()
-        if os.path.ismount(mountpoint) or is_ready(ready, proc.pid):
+        if serves():
             progress.finish()
             print(f"fsagent: {args.scope} {served_at} {mountpoint} ({decision.mode} mode, "
                   f"pid {proc.pid}, log {log_path})")  # fmt: skip
             return 0
         if proc.poll() is not None:
             progress.finish()
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            pipe.close()
+            try:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            except OSError:
+                tail = []
             print("\n".join(tail), file=sys.stderr)
             return proc.returncode or 1
         time.sleep(0.05)
     progress.finish()
+    pipe.close()
     proc.terminate()
     raise MountFailed(f"{mountpoint} was not served within 300s (log {log_path})")
+
+
+def _open_log(path: Path) -> BinaryIO:
+    """The detached daemon's log, appended to; where a full disk has no room
+    for a new one, its output is discarded (with a warning here) rather than
+    the collection left unserved, since the agent that could free the room
+    runs only once it is served."""
+    try:
+        return open(path, "ab")
+    except OSError as exc:
+        if exc.errno not in FULL_DISK:
+            raise
+        print(f"fsagent: no room for the log {path} ({exc.strerror}); the daemon's output is "
+              "discarded", file=sys.stderr)  # fmt: skip
+        return open(os.devnull, "wb")
+
+
+class ReadyPipe:
+    """How a daemon tells the process that started it (``fsagent up``, a
+    detaching ``fsagent mount``) that it serves, without a byte of the disk:
+    it inherits the write end of a pipe (``--ready-fd N``) and writes its
+    ready record there as one JSON line (fsagent.control.server.announce_ready).
+
+    Ready files did this before, and each needed a block: a sandbox whose
+    agent had filled the disk could not start again, so the agent that could
+    free it never ran. Each start gets a pipe of its own, so a line of an
+    earlier start is never taken for the new process's."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._buffer = b""
+        self.record: dict[str, Any] | None = None
+
+    def open(self) -> int:
+        """A new pipe for the next start; the write end to hand over (the
+        caller closes its copy once the child has it)."""
+        self.close()
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        self._fd = read
+        return write
+
+    def poll(self) -> dict[str, Any] | None:
+        """The record once a whole line of it came; None until then (or when
+        the child closed the pipe without one)."""
+        if self.record is None and self._fd is not None:
+            try:
+                while chunk := os.read(self._fd, 4096):
+                    self._buffer += chunk
+            except BlockingIOError:
+                pass
+            line, newline, _ = self._buffer.partition(b"\n")
+            if newline:
+                self.record = json.loads(line)
+        return self.record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self._buffer, self.record = None, b"", None
 
 
 def is_ready(ready_file: Path, pid: int) -> bool:

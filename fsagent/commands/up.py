@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -72,7 +71,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
 from urllib.parse import urlsplit
 
 import trio
@@ -83,7 +81,7 @@ from fsagent.bridge.base import RepoList, RunInfo
 from fsagent.bridge.client import client_from_args
 from fsagent.bridge.tls import forwarded_argv, options_from
 from fsagent.checkpoint.lifecycle import AGENT_FINAL_ATTEMPTS
-from fsagent.commands.daemon import detach_dead_mount
+from fsagent.commands.daemon import ReadyPipe, detach_dead_mount
 from fsagent.commands.envfile import format_env, write_env_file
 from fsagent.dirmode.progress import ProgressView
 from fsagent.errors import EXIT_SAVE_FAILED, MountFailed
@@ -211,50 +209,6 @@ def served(where: Path, ready: ReadyPipe | None) -> bool:
     if ready is None:
         return os.path.ismount(where)
     return ready.poll() is not None
-
-
-class ReadyPipe:
-    """How a child tells ``up`` it serves without a byte of the disk: it
-    inherits the write end of a pipe (``--ready-fd N``) and writes its ready
-    record there as one JSON line (fsagent.control.server.announce_ready).
-
-    Ready files did this before, and each needed a block: a sandbox whose
-    agent had filled the disk could not start again, so the agent that could
-    free it never ran. Each start gets a pipe of its own, so a line of an
-    earlier start is never taken for the new process's."""
-
-    def __init__(self) -> None:
-        self._fd: int | None = None
-        self._buffer = b""
-        self.record: dict[str, Any] | None = None
-
-    def open(self) -> int:
-        """A new pipe for the next start; the write end to hand over (the
-        caller closes its copy once the child has it)."""
-        self.close()
-        read, write = os.pipe()
-        os.set_blocking(read, False)
-        self._fd = read
-        return write
-
-    def poll(self) -> dict[str, Any] | None:
-        """The record once a whole line of it came; None until then (or when
-        the child closed the pipe without one)."""
-        if self.record is None and self._fd is not None:
-            try:
-                while chunk := os.read(self._fd, 4096):
-                    self._buffer += chunk
-            except BlockingIOError:
-                pass
-            line, newline, _ = self._buffer.partition(b"\n")
-            if newline:
-                self.record = json.loads(line)
-        return self.record
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd, self._buffer, self.record = None, b"", None
 
 
 def say_dir_mode(modes: dict[str, Decision]) -> None:

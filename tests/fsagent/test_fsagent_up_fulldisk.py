@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fsagent.commands.daemon import ReadyPipe
 from fsagent.commands.envfile import read_env_file, write_env_file
-from fsagent.commands.up import ReadyPipe
 from fsagent.control.server import announce_ready
 from fsagent.state.records import Binding
 from fsagent.state.statedir import HEADROOM, MARKER, discard_state_dir
@@ -36,6 +36,7 @@ from tests.support.bridge import start_run
 from tests.support.checkpoints import assert_local_copy_discarded
 from tests.support.constants import REPO
 from tests.support.controller import Tenant
+from tests.support.mount import MountFactory
 from tests.support.smallfs import assert_full, fill, free_fill, small_tmpfs
 
 pytestmark = pytest.mark.fuse
@@ -292,3 +293,55 @@ def test_announce_ready_writes_one_line_and_closes_the_pipe() -> None:
     read, write = os.pipe()
     os.close(read)  # whoever waited is gone: not an error
     announce_ready({"pid": 8}, None, write)
+
+
+def test_a_detached_dir_mode_mount_starts_again_on_a_full_disk(mounts: MountFactory) -> None:
+    """``fsagent mount`` without ``--foreground`` on a disk with no block and
+    no inode left: the daemon it starts says it serves on a pipe, not in a
+    ready file, so the command returns and the folder is served; its log,
+    already there, takes what it can. Before, the daemon could not write its
+    ready file and exited, and the command failed."""
+    src = mounts.source({"task": {"a.txt": b"from the source"}})
+    with small_tmpfs(prefix="fsa-mountfull-") as disk:
+        directory, state = disk / "task", disk / "state" / "task"
+        directory.mkdir()
+        argv = [sys.executable, "-m", "fsagent.cli", "mount", "task", str(directory),
+                "--controller", f"dir:{src}", "--state-dir", str(state), "--mode", "dir"]  # fmt: skip
+
+        def start() -> int:
+            done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=DEADLINE)
+            assert done.returncode == 0, done.stdout + done.stderr
+            said = done.stdout.strip()
+            assert said.startswith(f"fsagent: task ready at {directory} (dir mode, pid "), said
+            return int(said.split(", pid ", 1)[1].split(",", 1)[0])
+
+        stop_daemon(start())
+        (directory / "mine.txt").write_bytes(b"the agent's")
+        fill(disk)
+        assert_full(disk)
+        pid = start()
+        try:
+            assert not (disk / "state" / "run").exists()  # no ready file, none needed
+            assert (directory / "a.txt").read_bytes() == b"from the source"
+            assert (directory / "mine.txt").read_bytes() == b"the agent's"
+            with pytest.raises(OSError) as full:
+                (directory / "more.txt").write_bytes(os.urandom(1 << 20))
+            assert full.value.errno == errno.ENOSPC
+        finally:
+            stop_daemon(pid)
+
+
+def stop_daemon(pid: int) -> None:
+    """SIGTERM a detached daemon (not this process's child) and wait until it
+    is gone or a zombie nobody here can reap."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
+            return
+        assert time.monotonic() < deadline, f"daemon {pid} did not stop"
+        time.sleep(0.05)
