@@ -279,7 +279,8 @@ class FsagentPeer(Peer):
                 self.controller.stop(timeout=60)
 
     def requests(self) -> dict[str, int]:
-        """Per operation (``fsyncDataOnly`` too: FSYNCs answered by fdatasync alone)."""
+        """Per operation (``fsyncDataOnly`` too: FSYNCs answered by fdatasync
+        alone; ``writesBehind``: WRITEs answered without an LMDB commit)."""
         assert self.mount is not None
         reply = control.request(self.mount.state_dir / "control.sock", {"cmd": "stats"}, 30.0)
         if not reply.get("ok"):
@@ -287,6 +288,7 @@ class FsagentPeer(Peer):
         fuse = reply["fuse"]
         counts: dict[str, int] = dict(fuse["byOperation"])
         counts["fsyncDataOnly"] = fuse["fsyncDataOnly"]
+        counts["writesBehind"] = fuse["writesBehind"]
         return counts
 
 

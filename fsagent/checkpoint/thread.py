@@ -113,6 +113,9 @@ class ThreadState(ShipState):
         return self.store.journal.pending_checkpoint()
 
     async def changes(self) -> list[Change]:
+        # What the mount keeps in memory for a while first (a durable file's
+        # size and generation after a WRITE): the listing reads committed records.
+        await call_on(self.mount, self.store.commit_behind)
         return self.store.changes_since_baseline(committed=True)
 
     async def set_pending(self, record: dict[str, Any] | None) -> None:

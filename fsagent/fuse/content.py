@@ -5,8 +5,15 @@ Durability point: each WRITE reaches the upper file (or the inline record)
 and its size, generation and journal entry are committed before it is
 answered, so a written file survives ``kill -9``; after a crash the size of
 an upper file is recovered from the file itself, which is always exactly as
-long as the logical file (fsagent.state.tree, ``recover``).  Where contents
-live on the disk is :mod:`fsagent.state.content`'s.
+long as the logical file (fsagent.state.tree, ``recover``).  One exception
+commits less: a WRITE to an upper file whose records are durable (an fsync
+synced them, and its journal entry with them: ``StateDir.is_durable``) has
+nothing to add that a crash could lose. Its journal entry is there, and its
+size is the file's length; its new size and generation are kept in memory
+and committed with the next batch (``on_behind``), or before a listing from
+committed records (``Store.commit_behind``). A SQLite commit is then one
+``pwrite`` and one ``fdatasync``, with no LMDB commit between them.  Where
+contents live on the disk is :mod:`fsagent.state.content`'s.
 
 Threading: reads and writes of one FUSE request (at most 128 KiB) on a local
 file go straight to the page cache and are done inline on the trio thread,
@@ -87,6 +94,10 @@ class Content:
         last fsync or writeback start; taken by the mount's background task,
         which :attr:`writeback_wake` wakes."""
         self.writeback_wake = trio.Event()
+        self.on_behind: Callable[[InodeNo], None] | None = None
+        """Set by the mount: takes a durable upper file whose new size and
+        generation a WRITE kept in memory, to commit them with its next batch
+        (see the durability point above). None: every WRITE commits."""
 
     def release_fd(self, of: OpenFile, fd: int) -> None:
         if fd < 0:
@@ -225,7 +236,8 @@ class Content:
 
     async def write(self, node: Inode, of: OpenFile, off: int, buf: bytes) -> int:
         """Write ``buf`` at ``off``; bytes, size, generation and journal entry
-        are committed before this returns.
+        are committed before this returns (for a durable upper file the size
+        and generation follow in the next batch: see the durability point).
 
         The mtime is left alone: with the writeback cache (fsagent.fuse.fs) the
         kernel owns it. It stamps the time of the agent's write() or of the
@@ -270,7 +282,10 @@ class Content:
             if written:
                 node.size = max(node.size, off + written)
                 node.generation += 1
-                self.store.tree.persist(node, touch="write")
+                if self.on_behind is not None and self.store.dir.is_durable(node.ino):
+                    self.on_behind(node.ino)
+                else:
+                    self.store.tree.persist(node, touch="write")
         return written
 
     async def fsync(self, of: OpenFile) -> None:

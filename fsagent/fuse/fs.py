@@ -144,7 +144,11 @@ class WorkFolderFS(pyfuse3.Operations):
         self.dirs: dict[int, list[tuple[bytes, InodeNo]]] = {}
         self._unreferenced: set[InodeNo] = set()
         self._times: set[InodeNo] = set()
+        """Inodes whose cached record changed and waits for the next batch:
+        their times, or a durable upper file's size and generation."""
         self._behind = trio.Event()
+        self.content.on_behind = self._record_behind
+        store.commit_behind = self.commit_behind_now
         self._refused: set[InodeNo] = set()
         """Files the kernel may show with bytes we refused (``_refuse``), until
         it forgets them."""
@@ -154,6 +158,13 @@ class WorkFolderFS(pyfuse3.Operations):
     def init(self) -> None:
         """FUSE INIT is being answered (called on the trio thread)."""
         self.initialized.set()
+
+    def _record_behind(self, ino: InodeNo) -> None:
+        """A WRITE kept a durable file's new size and generation in memory
+        (fsagent.fuse.content): commit them with the next batch."""
+        self._times.add(ino)
+        self._behind.set()
+        stats.FUSE.writes_behind += 1
 
     # --- helpers ------------------------------------------------------------
 
@@ -696,11 +707,21 @@ class WorkFolderFS(pyfuse3.Operations):
             stats.FUSE.fsync_data_only += 1
             return
         epoch = self.store.dir.durable_epoch()
+        # Durable means the journal entry too: a clean file (none since the
+        # last save) is not marked, so the WRITE that makes its entry commits
+        # and the fsync after it syncs the store. Read before the sync, which
+        # covers only what was committed when it began.
+        journaled = out_of_line and self._journaled(ino)
         self.flush_behind()
         await self.content.fsync(of)
         await trio.to_thread.run_sync(self.store.sync)
-        if out_of_line:
+        if journaled:
             self.store.dir.mark_durable(ino, epoch)
+
+    def _journaled(self, ino: InodeNo) -> bool:
+        """Whether the journal has an entry at ``ino``'s path."""
+        path = self.store.tree.path_of(ino)
+        return path is not None and path != "" and self.store.journal.has_entry(path)
 
     def _spill_for_fsync(self, ino: InodeNo) -> None:
         """Move inline file ``ino`` out of line before its fsync (``SPILL_AT_FSYNC``):
@@ -776,19 +797,31 @@ class WorkFolderFS(pyfuse3.Operations):
             self.flush_behind()
 
     def flush_behind(self) -> None:
-        """Commit the times set since the last flush and free the orphans
-        nobody references, together.  A failed commit (the disk full) is
-        logged and keeps them for the next flush: it must not end the daemon."""
+        """Commit the records changed since the last flush (times, durable
+        files' sizes and generations) and free the orphans nobody references,
+        together.  A failed commit (the disk full) is logged and keeps them
+        for the next flush: it must not end the daemon."""
+        try:
+            self.commit_behind_now()
+        except Exception:
+            log.exception("committing records and freeing orphans failed; kept for later")
+
+    def commit_behind_now(self) -> None:
+        """:meth:`flush_behind`, raising its failure (what waited is kept).
+        Also the store's ``commit_behind``: a listing from committed records
+        (the ship thread's) must see every answered write's generation, or
+        it would take the file's new bytes for a change made while they were
+        uploaded and leave it for a later save."""
         times, self._times = self._times, set()
         orphans, self._unreferenced = self._unreferenced, set()
         if not (times or orphans):
             return
         try:
             self.store.tree.write_behind(sorted(times), sorted(orphans))
-        except Exception:
-            log.exception("committing times and freeing orphans failed; kept for later")
+        except BaseException:
             self._times |= times
             self._unreferenced |= orphans
+            raise
 
     # --- directories ---------------------------------------------------------------
 

@@ -10,7 +10,9 @@ FSYNCs answered by the upper file's own ``fdatasync`` alone (fsagent.fuse.fs,
 the times the state's dirty LMDB pages were sent to disk in the background
 (fsagent.fuse.mount, ``_write_back_store``); ``upperWritebacks`` the times
 a large file's dirty pages were started on their way to disk while it was
-being written (fsagent.fuse.fs, ``_write_back_uppers``).
+being written (fsagent.fuse.fs, ``_write_back_uppers``). ``writesBehind``
+counts the WRITEs to a durable file answered without an LMDB commit, their
+size and generation left for the next batch (fsagent.fuse.content).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class FuseStats:
         self.fsync_data_only = 0
         self.state_writebacks = 0
         self.upper_writebacks = 0
+        self.writes_behind = 0
         self._ring = [0] * LATENCY_RING
         self._next = 0
         self._filled = False
@@ -58,6 +61,7 @@ class FuseStats:
             "fsyncDataOnly": self.fsync_data_only,
             "stateWritebacks": self.state_writebacks,
             "upperWritebacks": self.upper_writebacks,
+            "writesBehind": self.writes_behind,
             "latencyMs": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99),
                           "samples": len(samples)},
         }  # fmt: skip

@@ -117,6 +117,11 @@ class Journal:
         with self._env.begin(write=True) as txn:
             self.touch_in(txn, paths, op)
 
+    def has_entry(self, path: str) -> bool:
+        """Whether ``path`` was touched since the baseline (its entry committed)."""
+        with self._env.begin() as txn:
+            return txn.get(path_key(path), db=self._journal) is not None
+
     def entries(self) -> list[tuple[str, JournalSeq, str]]:
         """Raw journal: every path touched since the baseline, with its last operation."""
         with self._env.begin() as txn:

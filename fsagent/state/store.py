@@ -30,7 +30,7 @@ Transactions are kept to one FUSE operation each.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Self
 
@@ -74,6 +74,10 @@ __all__ = [
 ]
 
 
+def _nothing() -> None:
+    """A store no mount serves keeps nothing in memory to commit."""
+
+
 class Store:
     """An open state dir: ``Store.open(root)``; its parts are ``dir``,
     ``journal`` and ``tree``."""
@@ -86,6 +90,11 @@ class Store:
         self.objects = state.objects
         self.readonly = state.readonly
         self.upper = self.tree.upper
+        self.commit_behind: Callable[[], None] = _nothing
+        """Commit what the mount that serves this store keeps in memory for
+        a while (times, a durable file's new size and generation: see
+        fsagent.fuse.content); on the mount's loop, before a listing from
+        committed records. Raises if the commit fails."""
 
     @classmethod
     def open(cls, root: Path, *, readonly: bool = False) -> Self:

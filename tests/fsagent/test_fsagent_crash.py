@@ -239,6 +239,87 @@ def test_kill9_after_an_fsync_by_fdatasync_alone_keeps_the_bytes(
     assert "wal" not in again.changes()
 
 
+def _writes_behind(m: FsagentMount) -> int:
+    return int(_live_fuse(m)["writesBehind"])
+
+
+def test_writes_to_a_durable_file_commit_nothing_and_survive_kill9(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    """Once an fsync made an upper file's records durable, a WRITE to it is
+    answered without an LMDB commit (its journal entry is there, its size is
+    the file's length; its new size and generation go with the next batch):
+    a SQLite commit is one pwrite and one fdatasync. Each fsync'd write is
+    whole after a kill -9 right behind it, and the restart saves the file."""
+    m, src, token, task = _task_mount(mounts, tenant)
+    path = m.mountpoint / "db-wal"
+    head = os.urandom(100_000)  # over INLINE_MAX: an upper copy
+    frames = [os.urandom(4120) for _ in range(20)]
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, head)
+        os.fsync(fd)  # the whole sync: the journal entry with the records
+        assert _writes_behind(m) == 0
+        for frame in frames:
+            os.write(fd, frame)
+            os.fsync(fd)  # the kernel's WRITE of the frame, then its fdatasync
+        assert _writes_behind(m) >= len(frames)
+        assert _data_only_fsyncs(m) == len(frames)
+    finally:
+        os.close(fd)
+    m.kill9()
+    again = mounts.mount(src, "task", state_dir=m.state_dir, mountpoint=m.mountpoint,
+                         token_file=token)  # fmt: skip
+    whole = head + b"".join(frames)
+    assert (again.mountpoint / "db-wal").read_bytes() == whole
+    with tenant.client() as c:
+        saved = c.get(tenant.folder("task", task) + "/content", params={"path": "db-wal"})
+    assert saved.status_code == 200 and saved.content == whole
+    assert "db-wal" not in again.changes()
+
+
+def test_a_saved_file_synced_again_is_durable_only_with_its_next_journal_entry(
+    mounts: MountFactory, tenant: Tenant
+) -> None:
+    """An fsync of an upper file with nothing new since the last save (no
+    journal entry) does not mark its records durable: the WRITE after it
+    makes the entry and commits it, and the fsync after that syncs the store
+    again (not the file's fdatasync alone), so the entry survives power loss.
+    Marked durable, that fsync would have synced the file's bytes and left
+    the entry only in the page cache: after a power loss the file held the
+    new bytes and no save would ever send them."""
+    m, src, token, task = _task_mount(mounts, tenant)
+    path = m.mountpoint / "data.bin"
+    first, second, third = os.urandom(100_000), os.urandom(5_000), os.urandom(5_000)
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, first)
+        os.fsync(fd)
+        m.fsagent("flush")  # saved: the journal entry is cleared
+        assert "data.bin" not in m.changes()
+        os.fsync(fd)  # nothing new: the store's sync, no mark
+        synced_alone, behind = _data_only_fsyncs(m), _writes_behind(m)
+        os.pwrite(fd, second, len(first))
+        os.fsync(fd)
+        assert _writes_behind(m) == behind  # the WRITE committed the new entry
+        assert _data_only_fsyncs(m) == synced_alone  # and this fsync synced it
+        os.pwrite(fd, third, len(first) + len(second))
+        os.fsync(fd)  # now durable with its entry: the file's fdatasync alone
+        assert _data_only_fsyncs(m) == synced_alone + 1
+        assert _writes_behind(m) > behind
+    finally:
+        os.close(fd)
+    assert "data.bin" in m.changes()
+    m.kill9()
+    again = mounts.mount(src, "task", state_dir=m.state_dir, mountpoint=m.mountpoint,
+                         token_file=token)  # fmt: skip
+    whole = first + second + third
+    assert (again.mountpoint / "data.bin").read_bytes() == whole
+    with tenant.client() as c:
+        saved = c.get(tenant.folder("task", task) + "/content", params={"path": "data.bin"})
+    assert saved.status_code == 200 and saved.content == whole
+
+
 def test_a_small_file_synced_again_moves_out_of_line_and_survives_kill9(
     mounts: MountFactory, tenant: Tenant
 ) -> None:

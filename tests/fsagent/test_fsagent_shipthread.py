@@ -14,6 +14,8 @@ import trio
 
 from fsagent.checkpoint.thread import ACK_PART, ShipThread, call_on
 from fsagent.errors import SaveFailed
+from fsagent.state.records import InodeNo
+from fsagent.state.statedir import ROOT_INODE
 from fsagent.state.store import Store
 from tests.fsagent.test_fsagent_ship_inproc import SCOPE, hydrated, write_small
 from tests.support.memclient import MemoryBridgeClient
@@ -142,5 +144,75 @@ async def test_the_cadence_runs_on_the_thread_once_started(tmp_path: Path) -> No
             assert await trio.to_thread.run_sync(mem.committed.wait, 30)
         assert mem.files(SCOPE) == {"a.txt": b"on the cadence"}
         assert threading.get_ident() not in mem.threads
+    finally:
+        store.close()
+
+
+def write_upper(store: Store, name: str, data: bytes, *, commit: bool) -> InodeNo:
+    """What the filesystem does for a file out of line: the bytes in its upper
+    file, a new size and generation; committed with its journal entry, or
+    (``commit`` false) kept in memory, as a WRITE to a durable file does
+    (fsagent.fuse.content), for the mount's next batch."""
+    existing = store.tree.lookup(ROOT_INODE, name)
+    f = store.get(existing) if existing else store.tree.create(ROOT_INODE, name, "file", 0o644)
+    store.upper.path(f.ino).write_bytes(data)
+    f.upper, f.digest, f.size = True, None, len(data)
+    f.generation += 1
+    if commit:
+        store.tree.drop_inline(f)  # out of line: its bytes are the upper file's
+        store.tree.persist(f, touch="write")
+    return f.ino
+
+
+@pytest.mark.trio
+async def test_a_listing_commits_first_what_the_mount_keeps_in_memory(tmp_path: Path) -> None:
+    """The ship thread lists from committed records. A WRITE to a durable file
+    keeps its new size and generation in memory until the mount's next batch;
+    the listing has the mount commit them first (``Store.commit_behind``), or it
+    would see the old generation, take the new bytes for a write made during
+    their upload and leave the file for a later save (at a stop: unsaved)."""
+    mem = ThreadNoting()
+    store = await hydrated(tmp_path, mem)
+    try:
+        first, latest = os.urandom(100_000), os.urandom(120_000)
+        ino = write_upper(store, "wal", first, commit=True)
+        write_upper(store, "wal", latest, commit=False)
+        calls: list[int] = []
+
+        def commit_behind() -> None:
+            calls.append(threading.get_ident())
+            store.tree.write_behind([ino], [])
+
+        store.commit_behind = commit_behind
+        async with ShipThread(store, mem, SCOPE, 1) as shipper:
+            result = await shipper.ship_checkpoint(final=True)
+        assert calls == [threading.get_ident()]  # on the mount's loop, before the listing
+        assert result.entries == 1 and result.skipped_torn == 0
+        assert mem.files(SCOPE)["wal"] == latest
+        assert store.changes_since_baseline() == []
+    finally:
+        store.close()
+
+
+@pytest.mark.trio
+async def test_a_listing_fails_when_the_mount_cannot_commit_what_it_keeps(
+    tmp_path: Path,
+) -> None:
+    """A save that cannot see every answered write fails instead of saving
+    without it; the change stays for the next one."""
+    mem = ThreadNoting()
+    store = await hydrated(tmp_path, mem)
+    try:
+        write_upper(store, "wal", b"x" * 70_000, commit=True)
+
+        def full() -> None:
+            raise OSError(28, "No space left on device")
+
+        store.commit_behind = full
+        async with ShipThread(store, mem, SCOPE, 1) as shipper:
+            with pytest.raises(SaveFailed):
+                await shipper.ship_checkpoint(final=True)
+        assert "wal" not in mem.files(SCOPE)
+        assert [c.path for c in store.changes_since_baseline()] == ["wal"]
     finally:
         store.close()
