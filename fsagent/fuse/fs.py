@@ -756,6 +756,11 @@ class WorkFolderFS(pyfuse3.Operations):
         else:
             if ino in self._times:  # the cache is about to forget them
                 self.flush_behind()
+                if ino in self._times:
+                    # Not committed (the disk full): the cached record is the
+                    # only one with a durable file's new size and generation,
+                    # so it stays cached until a later batch commits it.
+                    return
             self.store.tree.evict(ino)
 
     async def write_behind(self) -> None:

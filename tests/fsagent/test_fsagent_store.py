@@ -179,6 +179,36 @@ def test_times_written_behind_survive_a_failed_commit_and_a_reopen(
     reopened.close()
 
 
+@pytest.mark.allow_warning_logs
+def test_a_record_kept_behind_stays_cached_while_it_cannot_be_committed(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A WRITE to a durable file keeps its new size and generation in the
+    cached record for the next batch. If the kernel forgets the inode while
+    that batch cannot commit (the disk full), the record is not evicted:
+    evicted, the next lookup would read the old size from LMDB and a save
+    would ship the file cut short and take it as saved."""
+    fs = WorkFolderFS(store, ContentFetcher(store, MemoryBridgeClient(), "agent"))
+    a = ino(store, "docs/a")
+    node = store.get(a)
+    node.size, node.generation = node.size + 4096, node.generation + 1
+    fs._record_behind(a)  # what Content.write does for a durable file
+
+    def disk_full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "state database: no space")
+
+    monkeypatch.setattr(store.tree, "write_behind", disk_full)
+    fs._maybe_free(a)  # the kernel forgot it; the batch fails
+    assert store.get(a) is node  # still the cached record, not LMDB's
+    monkeypatch.undo()
+    fs.flush_behind()
+    fs._maybe_free(a)
+    store.close()
+    reopened = Store.open(store.root)
+    assert (reopened.get(a).size, reopened.get(a).generation) == (node.size, node.generation)
+    reopened.close()
+
+
 def test_acknowledge_clears_only_what_did_not_change_meanwhile(store: Store) -> None:
     docs = ino(store, "docs")
     f = store.tree.create(docs, "new", "file", 0o644)
