@@ -641,7 +641,7 @@ def report(args: argparse.Namespace, res: Results, context: tuple[str, str, floa
         f"{_version(['rclone', 'version'])} `mount` of a local directory with "
         "`--vfs-cache-mode writes`; libfuse passthrough_ll: libfuse's low-level "
         "passthrough example in C (`passthrough_ll.c` of libfuse3-dev "
-        f"{_pkg_version('fuse3')}) with `writeback,cache=always`, "
+        f"{_version(['pkg-config', '--modversion', 'fuse3'], 0)}) with `writeback,cache=always`, "
         "the writeback cache and long cache timeouts as fsagent mounts (its ratio to "
         "native is the floor the FUSE protocol sets). All on the same disk; median of the rounds; the "
         "filesystems take turns within each round (the order rotates). Package tree: "
@@ -721,23 +721,14 @@ def _fuse_mode() -> str:
     return f"pyfuse3 {importlib.metadata.version('pyfuse3')} ({mode})"
 
 
-def _version(argv: list[str]) -> str:
+def _version(argv: list[str], word: int = 1) -> str:
+    """Word ``word`` of what ``argv`` prints (the version in ``NAME VERSION``); "?" without it."""
     try:
         out = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
     except OSError:
         return "?"
     words = out.split()
-    return words[1] if len(words) > 1 else "?"
-
-
-def _pkg_version(package: str) -> str:
-    try:
-        out = subprocess.run(
-            ["pkg-config", "--modversion", package], capture_output=True, text=True, check=False
-        ).stdout
-    except OSError:
-        return "?"
-    return out.strip() or "?"
+    return words[word] if len(words) > word else "?"
 
 
 def main() -> int:
